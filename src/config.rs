@@ -1,0 +1,720 @@
+//! The YAML configuration: parsed from a string, validated into types, checked offline.
+//!
+//! Owns the schema (the user interface: field names are a contract) and its errors, which
+//! always name the file, the line and the field path (`rules[1].limit.rate: ...`). Values are
+//! validated while they are deserialized, so the YAML parser's own position and path tracking
+//! locates every error. Must never: touch the network, start anything, or panic on input.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
+
+use crate::key::KeyPart;
+use crate::limit::Quota;
+
+/// A whole proxy configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Identity of the service this sidecar fronts.
+    pub service: Name,
+    /// Where clients connect.
+    pub listen: SocketAddr,
+    /// The app beside us, `http://host:port`.
+    pub upstream: Upstream,
+    /// Admin listener: `/metrics`, `/healthz`, `/readyz`, `/config`.
+    #[serde(default = "default_admin")]
+    pub admin: SocketAddr,
+    #[serde(default)]
+    pub client_ip: ClientIp,
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    #[serde(default)]
+    pub headers: HeaderMode,
+    #[serde(default)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub rules: Vec<Rule>,
+}
+
+fn default_admin() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9901))
+}
+
+/// How the client address is found.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClientIp {
+    /// `X-Forwarded-For` entries to trust, counted from the right; 0 = the socket peer.
+    #[serde(default)]
+    pub trusted_hops: u8,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// A client must send a whole request head within this (also bounds keep-alive waits).
+    pub header_read: Dur,
+    pub upstream_connect: Dur,
+    /// From the request sent upstream to the response head received.
+    pub upstream_response: Dur,
+    /// Idle upstream connections are closed after this.
+    pub idle: Dur,
+    /// On shutdown, in-flight requests get this long to finish.
+    pub drain: Dur,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            header_read: Dur(Duration::from_secs(10)),
+            upstream_connect: Dur(Duration::from_secs(1)),
+            upstream_response: Dur(Duration::from_secs(30)),
+            idle: Dur(Duration::from_secs(60)),
+            drain: Dur(Duration::from_secs(25)),
+        }
+    }
+}
+
+/// Protective limits on what clients may send.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Larger request heads get 431.
+    pub max_header_bytes: HeaderBytes,
+    /// Connections accepted at once; further ones wait in the kernel backlog.
+    pub max_connections: NonZeroU32,
+    /// Concurrent streams per HTTP/2 connection.
+    pub max_h2_streams: NonZeroU32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_header_bytes: HeaderBytes(16 * 1024),
+            max_connections: NonZeroU32::new(10_000).expect("non-zero"),
+            max_h2_streams: NonZeroU32::new(256).expect("non-zero"),
+        }
+    }
+}
+
+/// Which responses carry the `RateLimit` / `RateLimit-Policy` headers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HeaderMode {
+    Always,
+    #[default]
+    OnReject,
+    Never,
+}
+
+/// One rate-limiting rule.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rule {
+    pub name: Name,
+    #[serde(default, rename = "match")]
+    pub matcher: Match,
+    pub key: KeySpec,
+    pub limit: Limit,
+    #[serde(default)]
+    pub scope: Scope,
+    #[serde(default)]
+    pub mode: Mode,
+    /// Keys tracked at most; past it new keys share one overflow bucket.
+    #[serde(default = "default_max_keys")]
+    pub max_keys: NonZeroU32,
+}
+
+fn default_max_keys() -> NonZeroU32 {
+    NonZeroU32::new(100_000).expect("non-zero")
+}
+
+/// Which requests a rule applies to; every given condition must hold.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Match {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_prefix: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_regex: Option<PathRegex>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostPattern>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub methods: Vec<MethodName>,
+    #[serde(default, skip_serializing_if = "HeaderEquals::is_empty")]
+    pub headers: HeaderEquals,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers_present: Vec<HeaderNameStr>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers_absent: Vec<HeaderNameStr>,
+}
+
+/// `rate` and `burst`, validated into a [`Quota`].
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(try_from = "RawLimit", into = "RawLimit")]
+pub struct Limit {
+    pub rate: Rate,
+    pub burst: NonZeroU32,
+    pub quota: Quota,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLimit {
+    rate: Rate,
+    #[serde(default)]
+    burst: Option<NonZeroU32>,
+}
+
+impl TryFrom<RawLimit> for Limit {
+    type Error = String;
+    fn try_from(raw: RawLimit) -> Result<Self, String> {
+        let burst = raw.burst.unwrap_or(raw.rate.count);
+        let quota = Quota::new(raw.rate.count, raw.rate.period, burst)
+            .map_err(|e| format!("rate {}: {e}", raw.rate))?;
+        Ok(Limit {
+            rate: raw.rate,
+            burst,
+            quota,
+        })
+    }
+}
+
+impl From<Limit> for RawLimit {
+    fn from(l: Limit) -> Self {
+        RawLimit {
+            rate: l.rate,
+            burst: Some(l.burst),
+        }
+    }
+}
+
+/// Where a rule's state lives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    #[default]
+    Local,
+    Global,
+    Redis,
+}
+
+impl<'de> Deserialize<'de> for Scope {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "local" => Ok(Scope::Local),
+            "global" | "redis" => Err(de::Error::custom(format!(
+                "scope `{s}` is not available in this version yet; use `local`"
+            ))),
+            _ => Err(de::Error::unknown_variant(
+                &s,
+                &["local", "global", "redis"],
+            )),
+        }
+    }
+}
+
+/// Whether a rule rejects or only counts what it would have rejected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    #[default]
+    Enforce,
+    Shadow,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Value types, validated while deserialized.
+
+/// A name used in metrics labels and headers: `[A-Za-z0-9_.-]{1,64}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+#[serde(transparent)]
+pub struct Name(pub String);
+
+impl<'de> Deserialize<'de> for Name {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let ok = !s.is_empty()
+            && s.len() <= 64
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+        if ok {
+            Ok(Name(s))
+        } else {
+            Err(de::Error::custom(format!(
+                "{s:?}: names are 1 to 64 of A-Z a-z 0-9 _ - ."
+            )))
+        }
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// A duration such as `250ms`, `1s`, `5m`, `2h`, `1d`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Dur(pub Duration);
+
+impl FromStr for Dur {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_duration(s).map(Dur)
+    }
+}
+
+/// Parses `250ms`, `1s`, `5m`, `2h`, `1d` (an integer and a unit).
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s
+        .find(|c: char| !c.is_ascii_digit())
+        .ok_or_else(|| format!("{s:?}: missing unit (ms, s, m, h or d)"))?;
+    let (num, unit) = s.split_at(split);
+    if num.is_empty() {
+        return Err(format!(
+            "{s:?}: expected a number then a unit, such as 250ms or 5s"
+        ));
+    }
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: number too large"))?;
+    let per = match unit {
+        "ms" => Duration::from_millis(1),
+        "s" => Duration::from_secs(1),
+        "m" => Duration::from_secs(60),
+        "h" => Duration::from_secs(3600),
+        "d" => Duration::from_secs(86_400),
+        _ => {
+            return Err(format!(
+                "{s:?}: unknown unit {unit:?} (expected ms, s, m, h or d)"
+            ))
+        }
+    };
+    per.checked_mul(u32::try_from(n).map_err(|_| format!("{s:?}: number too large"))?)
+        .ok_or_else(|| format!("{s:?}: too long"))
+}
+
+fn format_duration(d: Duration) -> String {
+    let ms = d.as_millis();
+    for (unit, size) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1000),
+    ] {
+        if ms != 0 && ms % size == 0 {
+            return format!("{}{unit}", ms / size);
+        }
+    }
+    format!("{ms}ms")
+}
+
+impl<'de> Deserialize<'de> for Dur {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(de::Error::custom)
+    }
+}
+
+impl Serialize for Dur {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format_duration(self.0))
+    }
+}
+
+/// A rate: `N/s`, `N/m`, `N/h`, `N/d`, or `N/<duration>` such as `100/10s`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rate {
+    pub count: NonZeroU32,
+    pub period: Duration,
+}
+
+impl FromStr for Rate {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (n, per) = s
+            .split_once('/')
+            .ok_or_else(|| format!("{s:?}: expected N/unit, such as 10/s or 100/10s"))?;
+        let count: u32 = n
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?}: {n:?} is not a whole number"))?;
+        let count =
+            NonZeroU32::new(count).ok_or_else(|| format!("{s:?}: the count must be > 0"))?;
+        let per = per.trim();
+        let period = match per {
+            "s" => Duration::from_secs(1),
+            "m" => Duration::from_secs(60),
+            "h" => Duration::from_secs(3600),
+            "d" => Duration::from_secs(86_400),
+            _ if per.starts_with(|c: char| c.is_ascii_digit()) => parse_duration(per)?,
+            _ => {
+                return Err(format!(
+                    "{s:?}: unknown unit {per:?} (expected s, m, h, d or a duration such as 10s)"
+                ))
+            }
+        };
+        if period.is_zero() {
+            return Err(format!("{s:?}: the period must be > 0"));
+        }
+        Ok(Rate { count, period })
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let unit = match self.period.as_secs() {
+            1 if self.period.subsec_nanos() == 0 => "s".to_string(),
+            60 if self.period.subsec_nanos() == 0 => "m".to_string(),
+            3600 if self.period.subsec_nanos() == 0 => "h".to_string(),
+            86_400 if self.period.subsec_nanos() == 0 => "d".to_string(),
+            _ => format_duration(self.period),
+        };
+        write!(f, "{}/{unit}", self.count)
+    }
+}
+
+impl<'de> Deserialize<'de> for Rate {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(de::Error::custom)
+    }
+}
+
+impl Serialize for Rate {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+/// An upstream base URL: `http://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Upstream {
+    pub authority: http::uri::Authority,
+}
+
+impl<'de> Deserialize<'de> for Upstream {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let uri: http::Uri = s
+            .parse()
+            .map_err(|e| de::Error::custom(format!("{s:?}: not a URL: {e}")))?;
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => {
+                return Err(de::Error::custom(format!(
+                    "{s:?}: https upstreams are not supported; the upstream is the app beside us, e.g. http://127.0.0.1:9000"
+                )))
+            }
+            _ => {
+                return Err(de::Error::custom(format!(
+                    "{s:?}: expected http://host:port"
+                )))
+            }
+        }
+        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+            return Err(de::Error::custom(format!(
+                "{s:?}: the upstream takes no path; requests keep theirs"
+            )));
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| de::Error::custom(format!("{s:?}: missing host")))?;
+        Ok(Upstream { authority })
+    }
+}
+
+impl Serialize for Upstream {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&format_args!("http://{}", self.authority))
+    }
+}
+
+/// A header-size limit in bytes, at least 1 KiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct HeaderBytes(pub usize);
+
+impl<'de> Deserialize<'de> for HeaderBytes {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = usize::deserialize(d)?;
+        if (1024..=1024 * 1024).contains(&n) {
+            Ok(HeaderBytes(n))
+        } else {
+            Err(de::Error::custom(format!(
+                "{n}: must be between 1024 and 1048576"
+            )))
+        }
+    }
+}
+
+/// A compiled `path_regex`.
+#[derive(Debug, Clone)]
+pub struct PathRegex(pub regex::Regex);
+
+impl<'de> Deserialize<'de> for PathRegex {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        regex::RegexBuilder::new(&s)
+            .size_limit(1 << 20)
+            .build()
+            .map(PathRegex)
+            .map_err(|e| de::Error::custom(format!("{s:?}: bad regex: {e}")))
+    }
+}
+
+impl Serialize for PathRegex {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.0.as_str())
+    }
+}
+
+/// `host`: an exact host name, or `*.example.com` for any subdomain. Case-insensitive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct HostPattern(pub String);
+
+impl<'de> Deserialize<'de> for HostPattern {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?.to_ascii_lowercase();
+        let bare = s.strip_prefix("*.").unwrap_or(&s);
+        if bare.is_empty()
+            || !bare
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+        {
+            return Err(de::Error::custom(format!(
+                "{s:?}: expected a host name such as api.example.com or *.example.com"
+            )));
+        }
+        Ok(HostPattern(s))
+    }
+}
+
+/// An HTTP method name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MethodName(pub http::Method);
+
+impl<'de> Deserialize<'de> for MethodName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.is_empty() || !s.bytes().all(|b| b.is_ascii_uppercase()) {
+            return Err(de::Error::custom(format!(
+                "{s:?}: methods are upper case, such as GET or POST"
+            )));
+        }
+        http::Method::from_bytes(s.as_bytes())
+            .map(MethodName)
+            .map_err(|_| de::Error::custom(format!("{s:?}: not a method")))
+    }
+}
+
+impl Serialize for MethodName {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.0.as_str())
+    }
+}
+
+/// A header name, stored lower case.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HeaderNameStr(pub http::HeaderName);
+
+impl<'de> Deserialize<'de> for HeaderNameStr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        http::HeaderName::from_bytes(s.to_ascii_lowercase().as_bytes())
+            .map(HeaderNameStr)
+            .map_err(|_| de::Error::custom(format!("{s:?}: not a header name")))
+    }
+}
+
+impl Serialize for HeaderNameStr {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.0.as_str())
+    }
+}
+
+/// `headers: {x-plan: premium}`: each named header must be present with exactly that value.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HeaderEquals(pub Vec<(http::HeaderName, http::HeaderValue)>);
+
+impl<'de> Deserialize<'de> for HeaderEquals {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let map = BTreeMap::<String, String>::deserialize(d)?;
+        let mut out = Vec::with_capacity(map.len());
+        for (k, v) in map {
+            let name = http::HeaderName::from_bytes(k.to_ascii_lowercase().as_bytes())
+                .map_err(|_| de::Error::custom(format!("{k:?}: not a header name")))?;
+            let value = http::HeaderValue::from_str(&v)
+                .map_err(|_| de::Error::custom(format!("{k}: {v:?}: not a header value")))?;
+            out.push((name, value));
+        }
+        Ok(HeaderEquals(out))
+    }
+}
+
+impl HeaderEquals {
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl Serialize for HeaderEquals {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_map(
+            self.0
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.to_str().unwrap_or(""))),
+        )
+    }
+}
+
+/// What a rule counts by: one part, or a tuple of parts. `[]` is one bucket for everyone.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeySpec(pub Vec<KeyPart>);
+
+impl<'de> Deserialize<'de> for KeySpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = KeySpec;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a key part (client_ip, header:NAME, query:NAME, path, method, host) or a list of them")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<KeySpec, E> {
+                Ok(KeySpec(vec![s.parse().map_err(E::custom)?]))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<KeySpec, A::Error> {
+                let mut parts = Vec::new();
+                while let Some(s) = seq.next_element::<String>()? {
+                    let part: KeyPart = s.parse().map_err(de::Error::custom)?;
+                    if parts.contains(&part) {
+                        return Err(de::Error::custom(format!("{s:?} appears twice")));
+                    }
+                    parts.push(part);
+                }
+                if parts.len() > 8 {
+                    return Err(de::Error::custom("at most 8 parts in a key"));
+                }
+                Ok(KeySpec(parts))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl Serialize for KeySpec {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(self.0.iter().map(|p| p.to_string()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading and errors.
+
+/// A configuration that could not be read or is not valid.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        file: String,
+        source: std::io::Error,
+    },
+    /// `file:line:column: field.path: what is wrong`.
+    #[error("{file}{}: {message}", location(*line, *column))]
+    Invalid {
+        file: String,
+        line: Option<usize>,
+        column: Option<usize>,
+        message: String,
+    },
+}
+
+fn location(line: Option<usize>, column: Option<usize>) -> String {
+    match (line, column) {
+        (Some(l), Some(c)) => format!(":{l}:{c}"),
+        (Some(l), None) => format!(":{l}"),
+        _ => String::new(),
+    }
+}
+
+impl Config {
+    /// Reads and validates the file at `path`.
+    pub fn load(path: impl AsRef<Path>) -> Result<Config, ConfigError> {
+        let path = path.as_ref();
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        Config::from_yaml(&text, &file)
+    }
+
+    /// Parses and validates YAML text; `file` names it in errors.
+    pub fn from_yaml(text: &str, file: &str) -> Result<Config, ConfigError> {
+        let config: Config = serde_norway::from_str(text).map_err(|e| {
+            let loc = e.location();
+            let mut message = e.to_string();
+            if let Some(l) = &loc {
+                let suffix = format!(" at line {} column {}", l.line(), l.column());
+                if let Some(stripped) = message.strip_suffix(&suffix) {
+                    message = stripped.to_string();
+                }
+            }
+            ConfigError::Invalid {
+                file: file.to_string(),
+                line: loc.as_ref().map(|l| l.line()),
+                column: loc.as_ref().map(|l| l.column()),
+                message,
+            }
+        })?;
+        config.check_names(text, file)?;
+        Ok(config)
+    }
+
+    /// Rule names are metric labels and header values: they must be unique.
+    fn check_names(&self, text: &str, file: &str) -> Result<(), ConfigError> {
+        for (i, rule) in self.rules.iter().enumerate() {
+            if self.rules[..i].iter().any(|r| r.name == rule.name) {
+                return Err(ConfigError::Invalid {
+                    file: file.to_string(),
+                    line: line_of_nth_name(text, &rule.name.0, 2),
+                    column: None,
+                    message: format!("rules[{i}].name: duplicate rule name {:?}", rule.name.0),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Best effort: the line of the `n`th `name: <value>` in the text.
+fn line_of_nth_name(text: &str, value: &str, n: usize) -> Option<usize> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| {
+            let t = l.trim_start().trim_start_matches("- ").trim_start();
+            t.strip_prefix("name:")
+                .map(|v| v.trim().trim_matches(|c| c == '"' || c == '\'') == value)
+                .unwrap_or(false)
+        })
+        .nth(n - 1)
+        .map(|(i, _)| i + 1)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,241 @@
+//! `spillway demo`: the whole sidecar on loopback, with no files and no flags.
+//!
+//! Starts an in-process upstream, the proxy in front of it with one per-client rule, and a
+//! load generator that offers three clients about 3x their limit, then prints once a second
+//! what was offered, allowed and rejected, and finally one 429 as a client sees it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::{BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use tokio::net::TcpListener;
+
+use crate::{Config, Sidecar};
+
+const CLIENTS: [&str; 3] = ["alice", "bob", "carol"];
+const LIMIT_PER_CLIENT: u64 = 20;
+const OFFERED_PER_CLIENT: u64 = 60;
+
+fn demo_config(upstream: std::net::SocketAddr) -> String {
+    format!(
+        r#"
+service: demo
+listen: 127.0.0.1:0
+upstream: http://{upstream}
+admin: 127.0.0.1:0
+headers: on_reject
+rules:
+  - name: per-client
+    match: {{ path_prefix: /api/ }}
+    key: [header:x-client]
+    limit: {{ rate: {LIMIT_PER_CLIENT}/s, burst: {LIMIT_PER_CLIENT} }}
+"#
+    )
+}
+
+#[derive(Default)]
+struct Tally {
+    offered: AtomicU64,
+    allowed: AtomicU64,
+    rejected: AtomicU64,
+    other: AtomicU64,
+}
+
+/// Runs the demo for `duration` of load, printing a table once a second.
+pub async fn run(duration: Duration) -> anyhow::Result<()> {
+    let upstream = start_upstream().await?;
+    let yaml = demo_config(upstream);
+    let config = Config::from_yaml(&yaml, "<demo>").context("the demo's own config")?;
+    let sidecar = Sidecar::start(config).await?;
+    let proxy = sidecar.addr();
+    println!("Spillway demo: an app on {upstream}, the sidecar in front of it on {proxy}");
+    println!(
+        "(metrics on http://{}/metrics while it runs)",
+        sidecar.admin_addr()
+    );
+    println!(
+        "Rule per-client: {LIMIT_PER_CLIENT} req/s per x-client header, burst {LIMIT_PER_CLIENT}; \
+         {} clients each offer {OFFERED_PER_CLIENT} req/s for {} s.\n",
+        CLIENTS.len(),
+        duration.as_secs()
+    );
+    println!(" second | offered/s | allowed/s | rejected/s | limit/s");
+    println!("--------+-----------+-----------+------------+--------");
+
+    let client: Client<HttpConnector, Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build_http();
+    let tally = Arc::new(Tally::default());
+    let deadline = tokio::time::Instant::now() + duration;
+    let mut generators = Vec::new();
+    for name in CLIENTS {
+        generators.push(tokio::spawn(generate(
+            client.clone(),
+            proxy,
+            name,
+            tally.clone(),
+            deadline,
+        )));
+    }
+
+    let mut second = 0;
+    let mut totals = [0u64; 3];
+    let mut tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + Duration::from_secs(1),
+        Duration::from_secs(1),
+    );
+    for _ in 0..duration.as_secs() {
+        tick.tick().await;
+        second += 1;
+        let offered = tally.offered.swap(0, Ordering::Relaxed);
+        let allowed = tally.allowed.swap(0, Ordering::Relaxed);
+        let rejected = tally.rejected.swap(0, Ordering::Relaxed);
+        totals[0] += offered;
+        totals[1] += allowed;
+        totals[2] += rejected;
+        println!(
+            " {second:>6} | {offered:>9} | {allowed:>9} | {rejected:>10} | {:>6}",
+            LIMIT_PER_CLIENT * CLIENTS.len() as u64
+        );
+    }
+    // The last requests may still be in flight: count them in the totals.
+    for g in generators {
+        let _ = g.await;
+    }
+    totals[0] += tally.offered.swap(0, Ordering::Relaxed);
+    totals[1] += tally.allowed.swap(0, Ordering::Relaxed);
+    totals[2] += tally.rejected.swap(0, Ordering::Relaxed);
+    let other = tally.other.load(Ordering::Relaxed);
+    println!(
+        "\nTotal: {} offered, {} allowed, {} rejected{}.",
+        totals[0],
+        totals[1],
+        totals[2],
+        if other > 0 {
+            format!(", {other} other outcomes")
+        } else {
+            String::new()
+        }
+    );
+    println!(
+        "Expected allowed at most: burst {} + {} req/s x {} s = {}.",
+        LIMIT_PER_CLIENT * CLIENTS.len() as u64,
+        LIMIT_PER_CLIENT * CLIENTS.len() as u64,
+        duration.as_secs(),
+        LIMIT_PER_CLIENT * CLIENTS.len() as u64 * (1 + duration.as_secs())
+    );
+
+    show_one_rejection(&client, proxy).await?;
+    sidecar.shutdown();
+    sidecar.wait().await;
+    Ok(())
+}
+
+async fn generate(
+    client: Client<HttpConnector, Empty<Bytes>>,
+    proxy: std::net::SocketAddr,
+    name: &'static str,
+    tally: Arc<Tally>,
+    deadline: tokio::time::Instant,
+) {
+    let mut tick = tokio::time::interval(Duration::from_nanos(1_000_000_000 / OFFERED_PER_CLIENT));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let uri: http::Uri = format!("http://{proxy}/api/orders")
+        .parse()
+        .expect("a valid URI");
+    let mut inflight = tokio::task::JoinSet::new();
+    loop {
+        tick.tick().await;
+        if tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        let req = Request::get(uri.clone())
+            .header("x-client", name)
+            .body(Empty::new())
+            .expect("a valid request");
+        let (client, tally) = (client.clone(), tally.clone());
+        tally.offered.fetch_add(1, Ordering::Relaxed);
+        inflight.spawn(async move {
+            let counter = match client.request(req).await {
+                Ok(resp) => {
+                    let status = resp.status();
+                    let _ = resp.into_body().collect().await;
+                    match status.as_u16() {
+                        200 => &tally.allowed,
+                        429 => &tally.rejected,
+                        _ => &tally.other,
+                    }
+                }
+                Err(_) => &tally.other,
+            };
+            counter.fetch_add(1, Ordering::Relaxed);
+        });
+        while inflight.try_join_next().is_some() {}
+    }
+    while inflight.join_next().await.is_some() {}
+}
+
+async fn show_one_rejection(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    proxy: std::net::SocketAddr,
+) -> anyhow::Result<()> {
+    // Spend one client's bucket, then show the refusal it gets.
+    for _ in 0..=LIMIT_PER_CLIENT {
+        let req = Request::get(format!("http://{proxy}/api/orders"))
+            .header("x-client", "dave")
+            .body(Empty::new())?;
+        let resp = client.request(req).await?;
+        if resp.status() == 429 {
+            println!(
+                "\nWhat a rejected client sees:\n  HTTP/1.1 {}",
+                resp.status()
+            );
+            for name in [
+                "retry-after",
+                "ratelimit-policy",
+                "ratelimit",
+                "content-type",
+            ] {
+                if let Some(v) = resp.headers().get(name) {
+                    println!("  {name}: {}", v.to_str().unwrap_or("?"));
+                }
+            }
+            let body = resp.into_body().collect().await?.to_bytes();
+            println!("\n  {}", String::from_utf8_lossy(&body).trim());
+            return Ok(());
+        }
+        let _ = resp.into_body().collect().await;
+    }
+    anyhow::bail!("the demo rule never rejected: something is wrong")
+}
+
+/// A tiny app: answers every request with 200 and a short body.
+async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
+    let listener = TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                continue;
+            };
+            tokio::spawn(async move {
+                let service = service_fn(|_req: Request<Incoming>| async {
+                    Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(
+                        b"hello from the app\n",
+                    ))))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    Ok(addr)
+}

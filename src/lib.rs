@@ -1,0 +1,24 @@
+//! Spillway: a reverse-proxy sidecar with built-in rate limiting.
+//!
+//! # Layout
+//!
+//! - [`limit`]: the limiter cores, pure, clock injected (token bucket).
+//! - [`config`]: the YAML schema, parsed and validated with file/line/field errors.
+//! - [`key`]: which bucket a request belongs to; the client address.
+//! - [`rules`]: compiled rules and the synchronous in-path decision.
+//! - [`proxy`]: the data plane (accept, decide, forward, drain) and its one place for 429s.
+//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/config` on their own listener.
+//! - [`metrics`]: every Prometheus family, handles resolved once.
+//! - [`demo`]: a self-contained run that shows the limiter at work.
+
+pub mod admin;
+pub mod config;
+pub mod demo;
+pub mod key;
+pub mod limit;
+pub mod metrics;
+pub mod proxy;
+pub mod rules;
+
+pub use config::{Config, ConfigError};
+pub use proxy::Sidecar;

@@ -1,0 +1,133 @@
+//! The `spillway` command line. Everything but argument parsing lives in the library.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "spillway",
+    version,
+    about = "A reverse-proxy sidecar with built-in rate limiting"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the sidecar: proxy to the upstream, limiting by the rules in the config.
+    Proxy {
+        /// The YAML configuration.
+        #[arg(long, short, env = "SPILLWAY_CONFIG")]
+        config: PathBuf,
+    },
+    /// Validate a configuration file; exit 0 when valid, else print what is wrong.
+    CheckConfig {
+        /// The YAML configuration.
+        file: PathBuf,
+    },
+    /// Run an upstream, the proxy and a load generator on loopback, and show the limiter work.
+    Demo {
+        /// How long to offer load, in seconds.
+        #[arg(long, default_value_t = 15)]
+        seconds: u64,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The demo's table is its output; the proxy's own info logs would only clutter it.
+    let default_filter = match cli.command {
+        Command::Demo { .. } => "warn",
+        _ => "info",
+    };
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match cli.command {
+        Command::CheckConfig { file } => match spillway::Config::load(&file) {
+            Ok(config) => {
+                println!(
+                    "{}: ok (service {}, {} rule{})",
+                    file.display(),
+                    config.service,
+                    config.rules.len(),
+                    if config.rules.len() == 1 { "" } else { "s" }
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Proxy { config } => {
+            let config = match spillway::Config::load(&config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            run(async move {
+                let sidecar = spillway::Sidecar::start(config).await?;
+                // Tests and scripts wait for this line: it is printed once both are bound.
+                println!(
+                    "spillway proxy listening on {} (admin {})",
+                    sidecar.addr(),
+                    sidecar.admin_addr()
+                );
+                sidecar.run_until(shutdown_signal()).await;
+                tracing::info!("stopped");
+                Ok(())
+            })
+        }
+        Command::Demo { seconds } => {
+            run(spillway::demo::run(std::time::Duration::from_secs(seconds)))
+        }
+    }
+}
+
+fn run(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(fut) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// SIGTERM (Kubernetes) or SIGINT (Ctrl-C).
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = match signal(SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot watch SIGTERM; stopping on Ctrl-C only");
+            let _ = tokio::signal::ctrl_c().await;
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+    }
+}

@@ -1,0 +1,190 @@
+//! Prometheus metrics: one registry per process role, handles resolved once.
+//!
+//! Owns every metric family and the label sets they may carry. Labels never carry raw keys
+//! (unbounded and possibly personal): only rule names from the config and fixed enums. The
+//! request path only touches pre-resolved handles (`IntCounter`, `Histogram`): an atomic add.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Why the proxy could not get a response from the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UpstreamError {
+    /// Connection refused or reset before a response (502).
+    Connect,
+    /// No connection within `timeouts.upstream_connect` (504).
+    ConnectTimeout,
+    /// No response head within `timeouts.upstream_response` (504).
+    ResponseTimeout,
+    /// The upstream broke the protocol or closed mid-request (502).
+    Protocol,
+}
+
+impl UpstreamError {
+    pub const ALL: [UpstreamError; 4] = [
+        UpstreamError::Connect,
+        UpstreamError::ConnectTimeout,
+        UpstreamError::ResponseTimeout,
+        UpstreamError::Protocol,
+    ];
+    pub fn label(self) -> &'static str {
+        match self {
+            UpstreamError::Connect => "connect",
+            UpstreamError::ConnectTimeout => "connect_timeout",
+            UpstreamError::ResponseTimeout => "response_timeout",
+            UpstreamError::Protocol => "protocol",
+        }
+    }
+}
+
+/// How a request ended, for the duration histogram.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The upstream answered (whatever its status).
+    Upstream,
+    /// A rule rejected it with 429.
+    Rejected,
+    /// We answered with an error (4xx for bad input, 502/504 for the upstream).
+    Error,
+}
+
+/// All metric families of the proxy.
+pub struct Metrics {
+    registry: Registry,
+    pub requests: IntCounterVec,
+    pub keys: IntGaugeVec,
+    pub evicted: IntCounterVec,
+    pub overflow: IntCounterVec,
+    durations: [Histogram; 3],
+    upstream_errors: [IntCounter; 4],
+    pub bad_requests: IntCounterVec,
+    /// `bad_requests{reason="header_too_large"}`, resolved once.
+    pub header_too_large: IntCounter,
+    pub connections: IntGauge,
+    pub draining: IntGauge,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let requests = IntCounterVec::new(
+            Opts::new(
+                "spillway_requests_total",
+                "Rule decisions; decision is allowed, rejected or shadow_rejected.",
+            ),
+            &["rule", "decision"],
+        )
+        .expect("valid metric");
+        let keys = IntGaugeVec::new(
+            Opts::new("spillway_keys", "Keys tracked per rule."),
+            &["rule"],
+        )
+        .expect("valid metric");
+        let evicted = IntCounterVec::new(
+            Opts::new(
+                "spillway_keys_evicted_total",
+                "Keys forgotten per rule; reason idle means the bucket had refilled.",
+            ),
+            &["rule", "reason"],
+        )
+        .expect("valid metric");
+        let overflow = IntCounterVec::new(
+            Opts::new(
+                "spillway_overflow_total",
+                "Decisions made on a rule's shared overflow bucket because max_keys was reached.",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
+        let duration = HistogramVec::new(
+            HistogramOpts::new(
+                "spillway_request_duration_seconds",
+                "Time from request head to response head, by outcome.",
+            )
+            .buckets(prometheus::exponential_buckets(0.0001, 2.5, 14).expect("valid buckets")),
+            &["outcome"],
+        )
+        .expect("valid metric");
+        let upstream = IntCounterVec::new(
+            Opts::new(
+                "spillway_upstream_errors_total",
+                "Requests the upstream did not answer, by kind.",
+            ),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let bad_requests = IntCounterVec::new(
+            Opts::new(
+                "spillway_bad_requests_total",
+                "Requests refused before any rule for being malformed, by reason.",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let connections = IntGauge::new("spillway_connections", "Client connections open now.")
+            .expect("valid metric");
+        let draining = IntGauge::new(
+            "spillway_draining",
+            "1 while the proxy is shutting down and draining.",
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(keys.clone()),
+            Box::new(evicted.clone()),
+            Box::new(overflow.clone()),
+            Box::new(duration.clone()),
+            Box::new(upstream.clone()),
+            Box::new(bad_requests.clone()),
+            Box::new(connections.clone()),
+            Box::new(draining.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        let durations = [
+            duration.with_label_values(&["upstream"]),
+            duration.with_label_values(&["rejected"]),
+            duration.with_label_values(&["error"]),
+        ];
+        let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
+        Self {
+            registry,
+            requests,
+            keys,
+            evicted,
+            overflow,
+            durations,
+            upstream_errors,
+            header_too_large: bad_requests.with_label_values(&["header_too_large"]),
+            bad_requests,
+            connections,
+            draining,
+        }
+    }
+
+    #[inline]
+    pub fn duration(&self, outcome: Outcome) -> &Histogram {
+        &self.durations[outcome as usize]
+    }
+
+    #[inline]
+    pub fn upstream_error(&self, kind: UpstreamError) -> &IntCounter {
+        &self.upstream_errors[kind as usize]
+    }
+
+    /// The registry in Prometheus text format.
+    pub fn render(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(8 * 1024);
+        // Encoding into a Vec cannot fail.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

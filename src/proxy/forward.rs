@@ -1,0 +1,277 @@
+//! Forwarding to the upstream: header rewriting, the pooled client, upgrades, error mapping.
+//!
+//! Owns what a reverse proxy must do to a request and a response in transit (RFC 9110 §7.6:
+//! hop-by-hop headers, `X-Forwarded-*`), the mapping of upstream failures to 502/504, and the
+//! splice of upgraded connections (WebSocket). Bodies are never buffered: hyper's `Incoming`
+//! is handed to the client as is, and the upstream's body is returned as is.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode, Uri, Version};
+use http_body_util::Either;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use smallvec::SmallVec;
+
+use super::respond::{self, Body};
+use crate::metrics::{Metrics, UpstreamError};
+
+pub type UpstreamClient = Client<HttpConnector, Incoming>;
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
+static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
+
+/// Builds the pooled upstream client.
+pub fn client(connect_timeout: Duration, idle: Duration) -> UpstreamClient {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    connector.enforce_http(true);
+    Client::builder(TokioExecutor::new())
+        .pool_timer(TokioTimer::new())
+        .pool_idle_timeout(idle)
+        .build(connector)
+}
+
+/// What the request path knows when it forwards.
+pub struct Forward<'a> {
+    pub client: &'a UpstreamClient,
+    pub upstream: &'a http::uri::Authority,
+    pub peer: IpAddr,
+    /// Whether `X-Forwarded-Proto`/`-Host` from a trusted hop are kept rather than replaced.
+    pub trust_forwarded: bool,
+    pub response_timeout: Duration,
+    pub metrics: &'a Metrics,
+}
+
+impl Forward<'_> {
+    /// Sends `req` upstream and returns the response to stream back, or the error response.
+    pub async fn send(&self, mut req: Request<Incoming>) -> Response<Body> {
+        let upgrade = is_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
+        if let Err(resp) = self.rewrite(&mut req, upgrade.is_some()) {
+            return resp;
+        }
+        let result = tokio::time::timeout(self.response_timeout, self.client.request(req)).await;
+        let mut resp = match result {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) => return self.failed(classify(&e)),
+            Err(_) => return self.failed(UpstreamError::ResponseTimeout),
+        };
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            if let Some(client_side) = upgrade {
+                let upstream_side = hyper::upgrade::on(&mut resp);
+                tokio::spawn(splice(client_side, upstream_side));
+                return resp.map(Either::Left);
+            }
+        }
+        strip_hop_by_hop(resp.headers_mut(), false);
+        resp.map(Either::Left)
+    }
+
+    fn failed(&self, kind: UpstreamError) -> Response<Body> {
+        self.metrics.upstream_error(kind).inc();
+        let (status, detail) = match kind {
+            UpstreamError::Connect => (StatusCode::BAD_GATEWAY, "upstream refused the connection"),
+            UpstreamError::ConnectTimeout => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream did not accept the connection in time",
+            ),
+            UpstreamError::ResponseTimeout => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream did not respond in time",
+            ),
+            UpstreamError::Protocol => (
+                StatusCode::BAD_GATEWAY,
+                "upstream closed the connection or sent an invalid response",
+            ),
+        };
+        respond::error(status, detail)
+    }
+
+    /// Points the request at the upstream and rewrites its headers for the hop.
+    #[allow(clippy::result_large_err)]
+    fn rewrite(&self, req: &mut Request<Incoming>, upgrade: bool) -> Result<(), Response<Body>> {
+        let original_authority = req.uri().authority().cloned();
+        let path_and_query = req
+            .uri()
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(http::uri::Scheme::HTTP);
+        parts.authority = Some(self.upstream.clone());
+        parts.path_and_query = Some(path_and_query);
+        *req.uri_mut() = Uri::from_parts(parts).map_err(|_| {
+            respond::error(
+                StatusCode::BAD_REQUEST,
+                "request target cannot be forwarded",
+            )
+        })?;
+        *req.version_mut() = Version::HTTP_11;
+
+        let headers = req.headers_mut();
+        strip_hop_by_hop(headers, upgrade);
+        // HTTP/2 requests carry the host in :authority; the upstream speaks HTTP/1.1.
+        if !headers.contains_key(header::HOST) {
+            if let Some(a) = &original_authority {
+                if let Ok(v) = HeaderValue::from_str(a.as_str()) {
+                    headers.insert(header::HOST, v);
+                }
+            }
+        }
+        append_forwarded_for(headers, self.peer);
+        if !self.trust_forwarded || !headers.contains_key(&X_FORWARDED_PROTO) {
+            headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+        }
+        if !self.trust_forwarded || !headers.contains_key(&X_FORWARDED_HOST) {
+            if let Some(host) = headers.get(header::HOST).cloned() {
+                headers.insert(X_FORWARDED_HOST.clone(), host);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// True for an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade: ...`).
+fn is_upgrade(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::UPGRADE)
+        && headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| has_token(v.as_bytes(), b"upgrade"))
+}
+
+fn has_token(list: &[u8], token: &[u8]) -> bool {
+    list.split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// Removes the headers that belong to one connection (RFC 9110 §7.6.1), including those the
+/// `Connection` header names. With `keep_upgrade`, `Upgrade` and `Connection: upgrade` stay.
+pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+    let named: SmallVec<[HeaderName; 4]> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim_ascii()).ok())
+        .collect();
+    for name in named {
+        if !(keep_upgrade && name == header::UPGRADE) {
+            headers.remove(name);
+        }
+    }
+    for name in [
+        &header::CONNECTION,
+        &KEEP_ALIVE,
+        &PROXY_CONNECTION,
+        &header::TE,
+        &header::TRAILER,
+        &header::TRANSFER_ENCODING,
+        &header::PROXY_AUTHENTICATE,
+        &header::PROXY_AUTHORIZATION,
+    ] {
+        headers.remove(name);
+    }
+    if keep_upgrade {
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    } else {
+        headers.remove(header::UPGRADE);
+    }
+}
+
+/// Appends the peer to `X-Forwarded-For`, folding several header lines into one list.
+fn append_forwarded_for(headers: &mut HeaderMap, peer: IpAddr) {
+    let mut value = String::with_capacity(64);
+    for v in headers.get_all(&X_FORWARDED_FOR) {
+        if let Ok(s) = v.to_str() {
+            value.push_str(s);
+            value.push_str(", ");
+        }
+    }
+    use std::fmt::Write;
+    let _ = write!(value, "{}", peer.to_canonical());
+    if let Ok(v) = HeaderValue::from_str(&value) {
+        headers.insert(X_FORWARDED_FOR.clone(), v);
+    }
+}
+
+fn classify(e: &hyper_util::client::legacy::Error) -> UpstreamError {
+    if !e.is_connect() {
+        return UpstreamError::Protocol;
+    }
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::TimedOut {
+                return UpstreamError::ConnectTimeout;
+            }
+        }
+        source = s.source();
+    }
+    UpstreamError::Connect
+}
+
+/// Copies bytes both ways between an upgraded client connection and the upstream's.
+async fn splice(client: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpgrade) {
+    let (client, upstream) = match tokio::try_join!(client, upstream) {
+        Ok(pair) => pair,
+        Err(e) => {
+            tracing::debug!(error = %e, "upgrade failed");
+            return;
+        }
+    };
+    let (mut c, mut u) = (TokioIo::new(client), TokioIo::new(upstream));
+    if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut u).await {
+        tracing::debug!(error = %e, "upgraded connection ended with an error");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_are_removed() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, "keep-alive, x-secret".parse().unwrap());
+        h.insert("x-secret", "1".parse().unwrap());
+        h.insert("keep-alive", "timeout=5".parse().unwrap());
+        h.insert(header::TE, "trailers".parse().unwrap());
+        h.insert(header::UPGRADE, "websocket".parse().unwrap());
+        h.insert("x-kept", "1".parse().unwrap());
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn an_upgrade_keeps_its_upgrade_headers() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, "Upgrade".parse().unwrap());
+        h.insert(header::UPGRADE, "websocket".parse().unwrap());
+        assert!(is_upgrade(&h));
+        strip_hop_by_hop(&mut h, true);
+        assert_eq!(h.get(header::UPGRADE).unwrap(), "websocket");
+        assert_eq!(h.get(header::CONNECTION).unwrap(), "upgrade");
+    }
+
+    #[test]
+    fn forwarded_for_lines_fold_and_the_peer_is_appended() {
+        let mut h = HeaderMap::new();
+        h.append(&X_FORWARDED_FOR, "1.1.1.1".parse().unwrap());
+        h.append(&X_FORWARDED_FOR, "2.2.2.2".parse().unwrap());
+        append_forwarded_for(&mut h, "::ffff:10.0.0.1".parse().unwrap());
+        assert_eq!(h.get_all(&X_FORWARDED_FOR).iter().count(), 1);
+        assert_eq!(
+            h.get(&X_FORWARDED_FOR).unwrap(),
+            "1.1.1.1, 2.2.2.2, 10.0.0.1"
+        );
+    }
+}

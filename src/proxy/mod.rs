@@ -1,0 +1,320 @@
+//! The sidecar's data plane: accept, decide, forward, stream back; drain on shutdown.
+//!
+//! Owns the client listener, the per-connection hyper server (HTTP/1.1 and HTTP/2 prior
+//! knowledge on one port), the request path, and the shutdown sequence. Must never: hold a
+//! snapshot guard or any lock across an `.await`, buffer a body, log per request above debug.
+//!
+//! Cost of the request path beyond hyper's own work: one header-size sum, the client-IP walk,
+//! one `ArcSwap` load, [`RuleSet::check`] (see its cost), the header rewrite for the hop (one
+//! allocation for `X-Forwarded-For`), two clock reads and one histogram observation.
+
+pub mod forward;
+pub mod respond;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::{watch, Semaphore};
+use tokio::task::JoinHandle;
+
+use crate::admin;
+use crate::config::{Config, HeaderMode};
+use crate::key::{self, RequestView};
+use crate::limit::{AnyClock, Clock};
+use crate::metrics::{Metrics, Outcome};
+use crate::rules::{RuleSet, Verdict};
+use respond::Body;
+
+/// How often idle keys are swept from the per-rule stores.
+const SWEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// State shared by every connection of one proxy.
+pub struct Shared {
+    /// Rules, matchers and their metric handles, swapped whole on reload.
+    pub rules: ArcSwap<RuleSet>,
+    pub config: ArcSwap<Config>,
+    client: forward::UpstreamClient,
+    upstream: http::uri::Authority,
+    pub clock: AnyClock,
+    pub metrics: Arc<Metrics>,
+    trusted_hops: u8,
+    max_header_bytes: usize,
+    response_timeout: Duration,
+    // Relaxed: a flag read by /readyz; nothing else is published through it.
+    pub draining: AtomicBool,
+}
+
+/// A running proxy: its bound addresses and the handle to stop it.
+pub struct Sidecar {
+    addr: SocketAddr,
+    admin_addr: SocketAddr,
+    shared: Arc<Shared>,
+    stop: watch::Sender<bool>,
+    task: JoinHandle<()>,
+}
+
+impl Sidecar {
+    /// Binds the listeners of `config` (port 0 picks a free port) and starts serving.
+    pub async fn start(config: Config) -> std::io::Result<Sidecar> {
+        Self::start_with_clock(config, AnyClock::default()).await
+    }
+
+    /// As [`start`](Self::start), with the limiters reading `clock`.
+    pub async fn start_with_clock(config: Config, clock: AnyClock) -> std::io::Result<Sidecar> {
+        let listener = TcpListener::bind(config.listen).await.map_err(|e| {
+            std::io::Error::new(e.kind(), format!("cannot listen on {}: {e}", config.listen))
+        })?;
+        let admin_listener = TcpListener::bind(config.admin).await.map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("cannot listen on admin {}: {e}", config.admin),
+            )
+        })?;
+        let addr = listener.local_addr()?;
+        let admin_addr = admin_listener.local_addr()?;
+        let metrics = Arc::new(Metrics::new());
+        let rules = RuleSet::build(&config, &metrics);
+        let t = &config.timeouts;
+        let shared = Arc::new(Shared {
+            rules: ArcSwap::from_pointee(rules),
+            client: forward::client(t.upstream_connect.0, t.idle.0),
+            upstream: config.upstream.authority.clone(),
+            clock,
+            metrics,
+            trusted_hops: config.client_ip.trusted_hops,
+            max_header_bytes: config.limits.max_header_bytes.0,
+            response_timeout: t.upstream_response.0,
+            draining: AtomicBool::new(false),
+            config: ArcSwap::from_pointee(config),
+        });
+        let (stop, stopped) = watch::channel(false);
+        let task = tokio::spawn(serve(listener, admin_listener, shared.clone(), stopped));
+        Ok(Sidecar {
+            addr,
+            admin_addr,
+            shared,
+            stop,
+            task,
+        })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    pub fn shared(&self) -> &Arc<Shared> {
+        &self.shared
+    }
+
+    /// Starts the shutdown: not ready, stop accepting, drain in-flight requests.
+    pub fn shutdown(&self) {
+        let _ = self.stop.send(true);
+    }
+
+    /// Waits until the proxy has drained and stopped.
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+
+    /// Serves until `signal` completes, then drains and returns.
+    pub async fn run_until(self, signal: impl Future<Output = ()>) {
+        signal.await;
+        self.shutdown();
+        self.wait().await;
+    }
+}
+
+async fn serve(
+    listener: TcpListener,
+    admin_listener: TcpListener,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let (admin_stop_tx, admin_stop) = watch::channel(false);
+    let admin_task = tokio::spawn(admin::serve(admin_listener, shared.clone(), admin_stop));
+    let sweeper = tokio::spawn(sweep_loop(shared.clone()));
+
+    let config = shared.config.load_full();
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(config.timeouts.header_read.0)
+        // hyper answers 431 itself past this; below it, the request path answers 431 with a
+        // body at `max_header_bytes`.
+        .max_buf_size((config.limits.max_header_bytes.0 * 2).max(8192 + 1024));
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(config.limits.max_h2_streams.get())
+        .max_header_list_size(config.limits.max_header_bytes.0 as u32)
+        .max_pending_accept_reset_streams(64)
+        .keep_alive_interval(Some(config.timeouts.idle.0))
+        .keep_alive_timeout(config.timeouts.header_read.0);
+    let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(config.limits.max_connections.get() as usize));
+
+    loop {
+        // Take a connection slot before accepting, so at the cap new clients wait in the
+        // kernel's backlog instead of being accepted and starved.
+        let permit = tokio::select! {
+            _ = stop.changed() => break,
+            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        };
+        let (stream, peer) = tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok(pair) => pair,
+                Err(e) => {
+                    // EMFILE and friends: back off briefly instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let conn_shared = shared.clone();
+        let service = service_fn(move |req| {
+            let shared = conn_shared.clone();
+            async move { Ok::<_, Infallible>(handle(&shared, peer, req).await) }
+        });
+        let conn = builder
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
+            .into_owned();
+        let conn = graceful.watch(conn);
+        let metrics = shared.metrics.clone();
+        metrics.connections.inc();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            }
+            metrics.connections.dec();
+            drop(permit);
+        });
+    }
+
+    // Shutdown: not ready, stop accepting, let in-flight requests finish within `drain`.
+    shared.draining.store(true, Ordering::Relaxed);
+    shared.metrics.draining.set(1);
+    drop(listener);
+    let drain = config.timeouts.drain.0;
+    tracing::info!(?drain, "draining");
+    tokio::select! {
+        _ = graceful.shutdown() => tracing::info!("drained"),
+        _ = tokio::time::sleep(drain) => tracing::warn!("drain timed out; closing the remaining connections"),
+    }
+    sweeper.abort();
+    let _ = admin_stop_tx.send(true);
+    let _ = admin_task.await;
+}
+
+/// The request path.
+async fn handle(shared: &Shared, peer: SocketAddr, req: Request<Incoming>) -> Response<Body> {
+    let start = shared.clock.now();
+    let metrics = &shared.metrics;
+    if header_bytes(&req) > shared.max_header_bytes {
+        metrics.header_too_large.inc();
+        metrics
+            .duration(Outcome::Error)
+            .observe(elapsed(shared, start));
+        return respond::error(
+            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            "request headers are larger than this proxy accepts",
+        );
+    }
+    let client_ip = key::client_ip(req.headers(), peer.ip(), shared.trusted_hops);
+
+    // The decision is synchronous: the snapshot guard is dropped before any await.
+    let (verdict, header_mode) = {
+        let rules = shared.rules.load();
+        let view = RequestView {
+            method: req.method(),
+            uri: req.uri(),
+            headers: req.headers(),
+            host: key::request_host(req.uri(), req.headers()),
+            client_ip,
+        };
+        (rules.check(&view, start), rules.header_mode())
+    };
+    let states = match verdict {
+        Verdict::Deny(denial) => {
+            metrics
+                .duration(Outcome::Rejected)
+                .observe(elapsed(shared, start));
+            return respond::too_many_requests(&denial);
+        }
+        Verdict::Allow(states) => states,
+    };
+
+    let fwd = forward::Forward {
+        client: &shared.client,
+        upstream: &shared.upstream,
+        peer: peer.ip(),
+        trust_forwarded: shared.trusted_hops > 0,
+        response_timeout: shared.response_timeout,
+        metrics,
+    };
+    let mut resp = fwd.send(req).await;
+    let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
+        Outcome::Upstream
+    } else {
+        Outcome::Error
+    };
+    if header_mode == HeaderMode::Always {
+        respond::add_rate_headers(resp.headers_mut(), &states);
+    }
+    metrics.duration(outcome).observe(elapsed(shared, start));
+    resp
+}
+
+fn elapsed(shared: &Shared, start: u64) -> f64 {
+    shared.clock.now().saturating_sub(start) as f64 / 1e9
+}
+
+/// Bytes of the request head as sent (name, ": ", value, CRLF per header).
+fn header_bytes(req: &Request<Incoming>) -> usize {
+    req.headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum::<usize>()
+        + req.uri().path_and_query().map_or(0, |p| p.as_str().len())
+}
+
+/// Forgets idle keys in the background. The sweep locks one shard at a time.
+async fn sweep_loop(shared: Arc<Shared>) {
+    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let rules = shared.rules.load_full();
+        let removed = rules.sweep(shared.clock.now());
+        if removed > 0 {
+            tracing::debug!(removed, "swept idle keys");
+        }
+    }
+}
+
+/// The effective configuration as JSON, for `/config`.
+pub fn config_json(config: &Config) -> Bytes {
+    serde_json::to_vec_pretty(config)
+        .map(Bytes::from)
+        .unwrap_or_else(|e| Bytes::from(format!("{{\"error\":\"{e}\"}}")))
+}
