@@ -211,17 +211,15 @@ pub enum Scope {
 
 impl<'de> Deserialize<'de> for Scope {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        match s.as_str() {
+        parse_str(d, |s: &str| match s {
             "local" => Ok(Scope::Local),
-            "global" | "redis" => Err(de::Error::custom(format!(
+            "global" | "redis" => Err(err(format!(
                 "scope `{s}` is not available in this version yet; use `local`"
             ))),
-            _ => Err(de::Error::unknown_variant(
-                &s,
-                &["local", "global", "redis"],
+            _ => Err(format!(
+                "unknown variant `{s}`, expected one of `local`, `global`, `redis`"
             )),
-        }
+        })
     }
 }
 
@@ -237,6 +235,30 @@ pub enum Mode {
 // ---------------------------------------------------------------------------------------------
 // Value types, validated while deserialized.
 
+/// Deserializes a string and parses it inside the visitor, so that the YAML parser attaches
+/// the value's own line and field path to a parse error.
+fn parse_str<'de, D, T, F>(d: D, parse: F) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    F: FnOnce(&str) -> Result<T, String>,
+{
+    struct ParseVisitor<F>(F);
+    impl<'de, T, F: FnOnce(&str) -> Result<T, String>> Visitor<'de> for ParseVisitor<F> {
+        type Value = T;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str("a string")
+        }
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<T, E> {
+            (self.0)(s).map_err(E::custom)
+        }
+    }
+    d.deserialize_str(ParseVisitor(parse))
+}
+
+fn err(message: impl fmt::Display) -> String {
+    message.to_string()
+}
+
 /// A name used in metrics labels and headers: `[A-Za-z0-9_.-]{1,64}`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
 #[serde(transparent)]
@@ -244,18 +266,19 @@ pub struct Name(pub String);
 
 impl<'de> Deserialize<'de> for Name {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        let ok = !s.is_empty()
-            && s.len() <= 64
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
-        if ok {
-            Ok(Name(s))
-        } else {
-            Err(de::Error::custom(format!(
-                "{s:?}: names are 1 to 64 of A-Z a-z 0-9 _ - ."
-            )))
-        }
+        parse_str(d, |s: &str| {
+            let ok = !s.is_empty()
+                && s.len() <= 64
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+            if ok {
+                Ok(Name(s.to_string()))
+            } else {
+                Err(err(format!(
+                    "{s:?}: names are 1 to 64 of A-Z a-z 0-9 _ - ."
+                )))
+            }
+        })
     }
 }
 
@@ -324,8 +347,7 @@ fn format_duration(d: Duration) -> String {
 
 impl<'de> Deserialize<'de> for Dur {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(de::Error::custom)
+        parse_str(d, |s: &str| s.parse())
     }
 }
 
@@ -389,8 +411,7 @@ impl fmt::Display for Rate {
 
 impl<'de> Deserialize<'de> for Rate {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        s.parse().map_err(de::Error::custom)
+        parse_str(d, |s: &str| s.parse())
     }
 }
 
@@ -408,33 +429,34 @@ pub struct Upstream {
 
 impl<'de> Deserialize<'de> for Upstream {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        let uri: http::Uri = s
-            .parse()
-            .map_err(|e| de::Error::custom(format!("{s:?}: not a URL: {e}")))?;
-        match uri.scheme_str() {
-            Some("http") => {}
-            Some("https") => {
-                return Err(de::Error::custom(format!(
-                    "{s:?}: https upstreams are not supported; the upstream is the app beside us, e.g. http://127.0.0.1:9000"
-                )))
+        parse_str(d, |s: &str| {
+            let uri: http::Uri = s
+                .parse()
+                .map_err(|e| err(format!("{s:?}: not a URL: {e}")))?;
+            match uri.scheme_str() {
+                Some("http") => {}
+                Some("https") => {
+                    return Err(err(format!(
+                        "{s:?}: https upstreams are not supported; the upstream is the app beside us, e.g. http://127.0.0.1:9000"
+                    )))
+                }
+                _ => {
+                    return Err(err(format!(
+                        "{s:?}: expected http://host:port"
+                    )))
+                }
             }
-            _ => {
-                return Err(de::Error::custom(format!(
-                    "{s:?}: expected http://host:port"
-                )))
+            if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+                return Err(err(format!(
+                    "{s:?}: the upstream takes no path; requests keep theirs"
+                )));
             }
-        }
-        if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
-            return Err(de::Error::custom(format!(
-                "{s:?}: the upstream takes no path; requests keep theirs"
-            )));
-        }
-        let authority = uri
-            .authority()
-            .cloned()
-            .ok_or_else(|| de::Error::custom(format!("{s:?}: missing host")))?;
-        Ok(Upstream { authority })
+            let authority = uri
+                .authority()
+                .cloned()
+                .ok_or_else(|| err(format!("{s:?}: missing host")))?;
+            Ok(Upstream { authority })
+        })
     }
 }
 
@@ -468,12 +490,13 @@ pub struct PathRegex(pub regex::Regex);
 
 impl<'de> Deserialize<'de> for PathRegex {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        regex::RegexBuilder::new(&s)
-            .size_limit(1 << 20)
-            .build()
-            .map(PathRegex)
-            .map_err(|e| de::Error::custom(format!("{s:?}: bad regex: {e}")))
+        parse_str(d, |s: &str| {
+            regex::RegexBuilder::new(&s)
+                .size_limit(1 << 20)
+                .build()
+                .map(PathRegex)
+                .map_err(|e| err(format!("{s:?}: bad regex: {e}")))
+        })
     }
 }
 
@@ -490,18 +513,20 @@ pub struct HostPattern(pub String);
 
 impl<'de> Deserialize<'de> for HostPattern {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?.to_ascii_lowercase();
-        let bare = s.strip_prefix("*.").unwrap_or(&s);
-        if bare.is_empty()
-            || !bare
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
-        {
-            return Err(de::Error::custom(format!(
-                "{s:?}: expected a host name such as api.example.com or *.example.com"
-            )));
-        }
-        Ok(HostPattern(s))
+        parse_str(d, |s: &str| {
+            let s = s.to_ascii_lowercase();
+            let bare = s.strip_prefix("*.").unwrap_or(&s);
+            if bare.is_empty()
+                || !bare
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+            {
+                return Err(err(format!(
+                    "{s:?}: expected a host name such as api.example.com or *.example.com"
+                )));
+            }
+            Ok(HostPattern(s))
+        })
     }
 }
 
@@ -511,15 +536,16 @@ pub struct MethodName(pub http::Method);
 
 impl<'de> Deserialize<'de> for MethodName {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        if s.is_empty() || !s.bytes().all(|b| b.is_ascii_uppercase()) {
-            return Err(de::Error::custom(format!(
-                "{s:?}: methods are upper case, such as GET or POST"
-            )));
-        }
-        http::Method::from_bytes(s.as_bytes())
-            .map(MethodName)
-            .map_err(|_| de::Error::custom(format!("{s:?}: not a method")))
+        parse_str(d, |s: &str| {
+            if s.is_empty() || !s.bytes().all(|b| b.is_ascii_uppercase()) {
+                return Err(err(format!(
+                    "{s:?}: methods are upper case, such as GET or POST"
+                )));
+            }
+            http::Method::from_bytes(s.as_bytes())
+                .map(MethodName)
+                .map_err(|_| err(format!("{s:?}: not a method")))
+        })
     }
 }
 
@@ -535,10 +561,11 @@ pub struct HeaderNameStr(pub http::HeaderName);
 
 impl<'de> Deserialize<'de> for HeaderNameStr {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        http::HeaderName::from_bytes(s.to_ascii_lowercase().as_bytes())
-            .map(HeaderNameStr)
-            .map_err(|_| de::Error::custom(format!("{s:?}: not a header name")))
+        parse_str(d, |s: &str| {
+            http::HeaderName::from_bytes(s.to_ascii_lowercase().as_bytes())
+                .map(HeaderNameStr)
+                .map_err(|_| err(format!("{s:?}: not a header name")))
+        })
     }
 }
 

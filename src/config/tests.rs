@@ -1,1 +1,249 @@
+use super::*;
 
+const GOOD: &str = r#"
+service: checkout
+listen: 127.0.0.1:8080
+upstream: http://127.0.0.1:9000
+admin: 127.0.0.1:9901
+client_ip:
+  trusted_hops: 0
+timeouts: { header_read: 10s, upstream_connect: 1s, upstream_response: 30s, idle: 60s, drain: 25s }
+headers: on_reject
+rules:
+  - name: per-client
+    match: { path_prefix: /api/, methods: [GET, POST] }
+    key: [client_ip]
+    limit: { rate: 10/s, burst: 20 }
+    scope: local
+    mode: enforce
+"#;
+
+fn err(yaml: &str) -> String {
+    Config::from_yaml(yaml, "test.yaml")
+        .unwrap_err()
+        .to_string()
+}
+
+fn with_rule(rule: &str) -> String {
+    format!("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n{rule}")
+}
+
+#[test]
+fn the_documented_example_parses_with_its_values() {
+    let c = Config::from_yaml(GOOD, "test.yaml").unwrap();
+    assert_eq!(c.service.0, "checkout");
+    assert_eq!(c.upstream.authority.as_str(), "127.0.0.1:9000");
+    assert_eq!(c.timeouts.upstream_response.0, Duration::from_secs(30));
+    let r = &c.rules[0];
+    assert_eq!(r.limit.burst.get(), 20);
+    assert_eq!(r.limit.quota.emission(), 100_000_000);
+    assert_eq!(r.matcher.methods.len(), 2);
+    assert_eq!(r.scope, Scope::Local);
+}
+
+#[test]
+fn burst_defaults_to_the_rate_count_and_scope_mode_to_local_enforce() {
+    let c = Config::from_yaml(
+        &with_rule("  - name: a\n    key: client_ip\n    limit: { rate: 100/10s }\n"),
+        "t",
+    )
+    .unwrap();
+    let r = &c.rules[0];
+    assert_eq!(r.limit.burst.get(), 100);
+    assert_eq!(r.limit.quota.emission(), 100_000_000);
+    assert_eq!((r.scope, r.mode), (Scope::Local, Mode::Enforce));
+    assert_eq!(r.max_keys.get(), 100_000);
+}
+
+#[test]
+fn empty_rules_are_a_plain_proxy() {
+    let c = Config::from_yaml(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules: []\n",
+        "t",
+    )
+    .unwrap();
+    assert!(c.rules.is_empty());
+    assert_eq!(c.headers, HeaderMode::OnReject);
+}
+
+#[test]
+fn a_bad_rate_unit_names_file_line_and_field() {
+    let yaml = with_rule(
+        "  - name: a\n    key: client_ip\n    limit: { rate: 10/s }\n  - name: b\n    key: client_ip\n    limit: { rate: 10/x }\n",
+    );
+    let e = err(&yaml);
+    assert!(e.starts_with("test.yaml:10:"), "{e}");
+    assert!(
+        e.contains("rules[1].limit.rate: \"10/x\": unknown unit \"x\""),
+        "{e}"
+    );
+}
+
+#[test]
+fn unknown_fields_are_errors_with_their_place() {
+    let e = err(&with_rule(
+        "  - name: a\n    key: client_ip\n    limit: { rate: 10/s, brust: 3 }\n",
+    ));
+    assert!(e.contains("rules[0].limit: unknown field `brust`"), "{e}");
+    assert!(e.starts_with("test.yaml:7:"), "{e}");
+    let e = err("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nlisen: x\n");
+    assert!(e.contains("unknown field `lisen`"), "{e}");
+}
+
+#[test]
+fn scopes_not_built_yet_are_refused_clearly() {
+    let e = err(&with_rule(
+        "  - name: a\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: global\n",
+    ));
+    assert!(
+        e.contains("rules[0].scope: scope `global` is not available"),
+        "{e}"
+    );
+    let e = err(&with_rule(
+        "  - name: a\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: galactic\n",
+    ));
+    assert!(e.contains("unknown variant `galactic`"), "{e}");
+}
+
+#[test]
+fn zero_and_malformed_values_are_refused() {
+    for (limit, want) in [
+        ("{ rate: 0/s }", "the count must be > 0"),
+        ("{ rate: 10/s, burst: 0 }", "rules[0].limit.burst"),
+        ("{ rate: 10 }", "expected N/unit"),
+        ("{ rate: ten/s }", "is not a whole number"),
+        ("{ rate: 10/0s }", "the period must be > 0"),
+        ("{ rate: 10/ms }", "unknown unit \"ms\""),
+        (
+            "{ rate: 4000000000/1ms }",
+            "faster than one request per nanosecond",
+        ),
+    ] {
+        let e = err(&with_rule(&format!(
+            "  - name: a\n    key: client_ip\n    limit: {limit}\n"
+        )));
+        assert!(e.contains(want), "{limit}: {e}");
+    }
+}
+
+#[test]
+fn key_parts_and_matchers_are_validated() {
+    for (rule, want) in [
+        ("key: [cookie]", "unknown key part"),
+        ("key: [path, path]", "appears twice"),
+        ("key: path\n    match: { path_regex: '(' }", "bad regex"),
+        (
+            "key: path\n    match: { methods: [get] }",
+            "methods are upper case",
+        ),
+        (
+            "key: path\n    match: { host: 'a b' }",
+            "expected a host name",
+        ),
+        (
+            "key: path\n    match: { headers: { 'x y': z } }",
+            "not a header name",
+        ),
+        ("key: path\n    match: { paht: /x }", "unknown field `paht`"),
+    ] {
+        let e = err(&with_rule(&format!(
+            "  - name: a\n    limit: {{ rate: 1/s }}\n    {rule}\n"
+        )));
+        assert!(e.contains(want), "{rule}: {e}");
+    }
+}
+
+#[test]
+fn duplicate_rule_names_point_at_the_second() {
+    let yaml = with_rule(
+        "  - name: a\n    key: path\n    limit: { rate: 1/s }\n  - name: a\n    key: path\n    limit: { rate: 1/s }\n",
+    );
+    let e = err(&yaml);
+    assert_eq!(e, "test.yaml:8: rules[1].name: duplicate rule name \"a\"");
+}
+
+#[test]
+fn rule_names_must_be_label_and_header_safe() {
+    let e = err(&with_rule(
+        "  - name: 'a\"b'\n    key: path\n    limit: { rate: 1/s }\n",
+    ));
+    assert!(e.contains("rules[0].name"), "{e}");
+}
+
+#[test]
+fn upstream_must_be_a_plain_http_base() {
+    for (up, want) in [
+        (
+            "https://127.0.0.1:9000",
+            "https upstreams are not supported",
+        ),
+        ("http://127.0.0.1:9000/app", "takes no path"),
+        ("127.0.0.1:9000", "expected http://host:port"),
+    ] {
+        let e = err(&format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: {up}\n"
+        ));
+        assert!(e.contains(want), "{up}: {e}");
+        assert!(e.contains("upstream:"), "{e}");
+    }
+}
+
+#[test]
+fn durations_parse_and_print_back() {
+    for (s, d) in [
+        ("250ms", Duration::from_millis(250)),
+        ("1s", Duration::from_secs(1)),
+        ("5m", Duration::from_secs(300)),
+        ("2h", Duration::from_secs(7200)),
+        ("1d", Duration::from_secs(86_400)),
+    ] {
+        assert_eq!(parse_duration(s).unwrap(), d);
+        assert_eq!(format_duration(d), s);
+    }
+    for bad in ["", "5", "s", "1.5s", "5 parsecs", "-1s", "99999999999s"] {
+        assert!(parse_duration(bad).is_err(), "{bad:?}");
+    }
+}
+
+#[test]
+fn rates_print_back_as_written() {
+    for s in ["10/s", "5/m", "7/h", "1/d", "100/10s", "3/250ms"] {
+        assert_eq!(s.parse::<Rate>().unwrap().to_string(), s);
+    }
+}
+
+#[test]
+fn a_missing_file_says_which() {
+    let e = Config::load("/nonexistent/spillway.yaml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("/nonexistent/spillway.yaml: cannot read"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_effective_config_serializes_to_json() {
+    let c = Config::from_yaml(GOOD, "t").unwrap();
+    let json = serde_json::to_value(&c).unwrap();
+    assert_eq!(json["rules"][0]["limit"]["rate"], "10/s");
+    assert_eq!(json["rules"][0]["limit"]["burst"], 20);
+    assert_eq!(json["rules"][0]["key"][0], "client_ip");
+    assert_eq!(json["timeouts"]["drain"], "25s");
+    assert_eq!(json["upstream"], "http://127.0.0.1:9000");
+}
+
+#[test]
+fn example_configs_in_the_repository_are_valid() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/config");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            Config::load(&path).unwrap_or_else(|e| panic!("{e}"));
+            seen += 1;
+        }
+    }
+    assert!(seen >= 2, "expected example configs in {dir}");
+}

@@ -1,1 +1,295 @@
+use std::net::IpAddr;
 
+use http::{HeaderMap, Method, Uri};
+
+use super::*;
+use crate::config::Config;
+use crate::key::request_host;
+use crate::limit::NANOS_PER_SEC;
+
+fn ruleset(rules: &str, headers: &str) -> (RuleSet, Metrics) {
+    let yaml = format!(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nheaders: {headers}\nrules:\n{rules}"
+    );
+    let config = Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+    let metrics = Metrics::new();
+    (RuleSet::build(&config, &metrics), metrics)
+}
+
+struct Req {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    ip: IpAddr,
+}
+
+fn req(method: &str, uri: &str, headers: &[(&str, &str)]) -> Req {
+    let mut h = HeaderMap::new();
+    for (k, v) in headers {
+        h.append(
+            http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+            v.parse().unwrap(),
+        );
+    }
+    Req {
+        method: method.parse().unwrap(),
+        uri: uri.parse().unwrap(),
+        headers: h,
+        ip: "192.0.2.1".parse().unwrap(),
+    }
+}
+
+impl Req {
+    fn from(mut self, ip: &str) -> Self {
+        self.ip = ip.parse().unwrap();
+        self
+    }
+    fn check(&self, rules: &RuleSet, now: Nanos) -> Verdict {
+        let view = RequestView {
+            method: &self.method,
+            uri: &self.uri,
+            headers: &self.headers,
+            host: request_host(&self.uri, &self.headers),
+            client_ip: self.ip,
+        };
+        rules.check(&view, now)
+    }
+    fn allowed(&self, rules: &RuleSet, now: Nanos) -> bool {
+        matches!(self.check(rules, now), Verdict::Allow(_))
+    }
+}
+
+fn count(m: &Metrics, rule: &str, decision: &str) -> u64 {
+    m.requests.with_label_values(&[rule, decision]).get()
+}
+
+const T0: Nanos = 10 * NANOS_PER_SEC;
+
+#[test]
+fn keys_are_isolated_from_each_other() {
+    let (rules, _) = ruleset(
+        "  - name: r\n    key: client_ip\n    limit: { rate: 1/s, burst: 2 }\n",
+        "on_reject",
+    );
+    let a = req("GET", "/", &[]).from("10.0.0.1");
+    let b = req("GET", "/", &[]).from("10.0.0.2");
+    assert!(a.allowed(&rules, T0));
+    assert!(a.allowed(&rules, T0));
+    assert!(!a.allowed(&rules, T0));
+    assert!(b.allowed(&rules, T0), "b has its own bucket");
+    assert_eq!(rules.tracked_keys("r"), Some(2));
+}
+
+#[test]
+fn a_denial_says_when_to_retry_and_names_the_rule() {
+    let (rules, m) = ruleset(
+        "  - name: slow\n    key: client_ip\n    limit: { rate: 1/m, burst: 1 }\n",
+        "on_reject",
+    );
+    let r = req("GET", "/", &[]);
+    assert!(r.allowed(&rules, T0));
+    let Verdict::Deny(d) = r.check(&rules, T0 + NANOS_PER_SEC) else {
+        panic!("expected a denial")
+    };
+    assert_eq!(&*d.state.rule, "slow");
+    assert_eq!(d.retry_after, Some(59 * NANOS_PER_SEC));
+    assert_eq!(d.retry_after_secs(), Some(59));
+    assert_eq!(d.state.policy, "\"slow\";q=1;w=60");
+    assert_eq!(count(&m, "slow", "allowed"), 1);
+    assert_eq!(count(&m, "slow", "rejected"), 1);
+}
+
+#[test]
+fn retry_after_rounds_up_and_is_never_zero() {
+    let (rules, _) = ruleset(
+        "  - name: r\n    key: client_ip\n    limit: { rate: 10/s, burst: 1 }\n",
+        "on_reject",
+    );
+    let r = req("GET", "/", &[]);
+    assert!(r.allowed(&rules, T0));
+    let Verdict::Deny(d) = r.check(&rules, T0 + 1) else {
+        panic!()
+    };
+    assert_eq!(d.retry_after, Some(100_000_000 - 1));
+    assert_eq!(d.retry_after_secs(), Some(1));
+}
+
+#[test]
+fn a_rule_whose_key_part_is_missing_does_not_apply() {
+    let (rules, m) = ruleset(
+        "  - name: by-key\n    key: [header:x-api-key]\n    limit: { rate: 1/h, burst: 1 }\n",
+        "on_reject",
+    );
+    let anon = req("GET", "/", &[]);
+    for _ in 0..5 {
+        assert!(anon.allowed(&rules, T0));
+    }
+    assert_eq!(count(&m, "by-key", "allowed"), 0);
+    let keyed = req("GET", "/", &[("x-api-key", "k1")]);
+    assert!(keyed.allowed(&rules, T0));
+    assert!(!keyed.allowed(&rules, T0));
+}
+
+#[test]
+fn tuple_keys_count_each_combination_apart() {
+    let (rules, _) = ruleset(
+        "  - name: r\n    key: [client_ip, method]\n    limit: { rate: 1/h, burst: 1 }\n",
+        "on_reject",
+    );
+    assert!(req("GET", "/", &[]).allowed(&rules, T0));
+    assert!(req("POST", "/", &[]).allowed(&rules, T0));
+    assert!(!req("GET", "/", &[]).allowed(&rules, T0));
+    assert!(req("GET", "/", &[]).from("10.9.9.9").allowed(&rules, T0));
+}
+
+#[test]
+fn shadow_rules_count_what_they_would_reject_and_reject_nothing() {
+    let (rules, m) = ruleset(
+        "  - name: trial\n    key: client_ip\n    limit: { rate: 1/h, burst: 2 }\n    mode: shadow\n",
+        "on_reject",
+    );
+    let r = req("GET", "/", &[]);
+    for _ in 0..5 {
+        assert!(r.allowed(&rules, T0));
+    }
+    assert_eq!(count(&m, "trial", "allowed"), 2);
+    assert_eq!(count(&m, "trial", "shadow_rejected"), 3);
+    assert_eq!(count(&m, "trial", "rejected"), 0);
+}
+
+#[test]
+fn a_rejection_by_one_rule_takes_no_tokens_from_the_others() {
+    let (rules, m) = ruleset(
+        "  - name: wide\n    key: client_ip\n    limit: { rate: 1/h, burst: 3 }\n  - name: narrow\n    match: { path_prefix: /tight }\n    key: client_ip\n    limit: { rate: 1/h, burst: 1 }\n",
+        "on_reject",
+    );
+    let tight = req("GET", "/tight", &[]);
+    assert!(tight.allowed(&rules, T0));
+    // "narrow" refuses these; "wide" must give back what it granted each time.
+    for _ in 0..10 {
+        assert!(!tight.allowed(&rules, T0));
+    }
+    let other = req("GET", "/other", &[]);
+    assert!(other.allowed(&rules, T0));
+    assert!(other.allowed(&rules, T0));
+    assert!(!other.allowed(&rules, T0), "wide had exactly 3");
+    assert_eq!(count(&m, "narrow", "rejected"), 10);
+    assert_eq!(count(&m, "wide", "allowed"), 3);
+}
+
+#[test]
+fn tiers_select_rules_by_headers() {
+    let (rules, m) = ruleset(
+        r#"  - name: anonymous
+    match: { headers_absent: [x-api-key] }
+    key: client_ip
+    limit: { rate: 1/h, burst: 1 }
+  - name: standard
+    match: { headers_present: [x-api-key], headers_absent: [x-plan] }
+    key: [header:x-api-key]
+    limit: { rate: 1/h, burst: 2 }
+  - name: premium
+    match: { headers: { x-plan: premium } }
+    key: [header:x-api-key]
+    limit: { rate: 1/h, burst: 4 }
+"#,
+        "on_reject",
+    );
+    let admitted = |r: &Req| (0..10).filter(|_| r.allowed(&rules, T0)).count();
+    assert_eq!(admitted(&req("GET", "/", &[])), 1);
+    assert_eq!(admitted(&req("GET", "/", &[("x-api-key", "a")])), 2);
+    assert_eq!(
+        admitted(&req(
+            "GET",
+            "/",
+            &[("x-api-key", "b"), ("x-plan", "premium")]
+        )),
+        4
+    );
+    assert_eq!(count(&m, "premium", "allowed"), 4);
+    assert_eq!(count(&m, "anonymous", "allowed"), 1);
+}
+
+#[test]
+fn matchers_check_path_method_host_and_regex() {
+    let (rules, _) = ruleset(
+        r#"  - name: r
+    match: { path_prefix: /api/, methods: [POST], host: "*.example.com", path_regex: "/v[0-9]+/" }
+    key: client_ip
+    limit: { rate: 1/h, burst: 1 }
+  - name: exact
+    match: { path: /login }
+    key: client_ip
+    limit: { rate: 1/h, burst: 1 }
+"#,
+        "on_reject",
+    );
+    let hit = |m: &str, u: &str, host: &str| {
+        let r = req(m, u, &[("host", host)]);
+        r.allowed(&rules, T0);
+        !r.allowed(&rules, T0)
+    };
+    assert!(hit("POST", "/api/v1/x", "a.example.com"));
+    assert!(!hit("GET", "/api/v2/x", "a.example.com"), "method");
+    assert!(
+        !hit("POST", "/api/v3/x", "example.com"),
+        "bare domain is not a subdomain"
+    );
+    assert!(!hit("POST", "/api/x", "b.example.com"), "regex");
+    assert!(!hit("POST", "/other/v4/x", "c.example.com"), "prefix");
+    assert!(hit("GET", "/login", "x"));
+    assert!(!hit("GET", "/login/more", "y"), "exact path only");
+}
+
+#[test]
+fn with_headers_always_allowed_requests_carry_each_rules_state() {
+    let (rules, _) = ruleset(
+        "  - name: r\n    key: client_ip\n    limit: { rate: 10/s, burst: 20 }\n",
+        "always",
+    );
+    let Verdict::Allow(states) = req("GET", "/", &[]).check(&rules, T0) else {
+        panic!()
+    };
+    assert_eq!(states.len(), 1);
+    assert_eq!(states[0].remaining, 19);
+    assert_eq!(
+        states[0].reset_secs, 1,
+        "100 ms to be whole again, rounded up"
+    );
+    assert_eq!(states[0].policy, "\"r\";q=20;w=2");
+}
+
+#[test]
+fn past_max_keys_new_keys_share_one_overflow_bucket() {
+    let (rules, m) = ruleset(
+        "  - name: r\n    key: client_ip\n    limit: { rate: 1/h, burst: 1 }\n    max_keys: 2\n",
+        "on_reject",
+    );
+    assert!(req("GET", "/", &[]).from("10.0.0.1").allowed(&rules, T0));
+    assert!(req("GET", "/", &[]).from("10.0.0.2").allowed(&rules, T0));
+    // The store is full: the next new keys all drain the one overflow bucket.
+    assert!(req("GET", "/", &[]).from("10.0.0.3").allowed(&rules, T0));
+    assert!(!req("GET", "/", &[]).from("10.0.0.4").allowed(&rules, T0));
+    assert_eq!(rules.tracked_keys("r"), Some(2));
+    assert_eq!(m.overflow.with_label_values(&["r"]).get(), 2);
+}
+
+#[test]
+fn sweeping_forgets_only_buckets_that_have_refilled() {
+    let (rules, m) = ruleset(
+        "  - name: r\n    key: client_ip\n    limit: { rate: 1/s, burst: 1 }\n",
+        "on_reject",
+    );
+    assert!(req("GET", "/", &[]).from("10.0.0.1").allowed(&rules, T0));
+    assert!(req("GET", "/", &[])
+        .from("10.0.0.2")
+        .allowed(&rules, T0 + NANOS_PER_SEC / 2));
+    assert_eq!(rules.sweep(T0 + NANOS_PER_SEC), 1);
+    assert_eq!(rules.tracked_keys("r"), Some(1));
+    assert_eq!(m.keys.with_label_values(&["r"]).get(), 1);
+    assert_eq!(m.evicted.with_label_values(&["r", "idle"]).get(), 1);
+    // The key that was still refilling keeps its state: no fresh bucket.
+    assert!(!req("GET", "/", &[])
+        .from("10.0.0.2")
+        .allowed(&rules, T0 + NANOS_PER_SEC));
+}
