@@ -491,7 +491,7 @@ pub struct PathRegex(pub regex::Regex);
 impl<'de> Deserialize<'de> for PathRegex {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         parse_str(d, |s: &str| {
-            regex::RegexBuilder::new(&s)
+            regex::RegexBuilder::new(s)
                 .size_limit(1 << 20)
                 .build()
                 .map(PathRegex)

@@ -77,6 +77,7 @@ fn main() -> ExitCode {
                 }
             };
             run(async move {
+                let signal = shutdown_signal()?;
                 let sidecar = spillway::Sidecar::start(config).await?;
                 // Tests and scripts wait for this line: it is printed once both are bound.
                 println!(
@@ -84,7 +85,7 @@ fn main() -> ExitCode {
                     sidecar.addr(),
                     sidecar.admin_addr()
                 );
-                sidecar.run_until(shutdown_signal()).await;
+                sidecar.run_until(signal).await;
                 tracing::info!("stopped");
                 Ok(())
             })
@@ -115,19 +116,16 @@ fn run(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
     }
 }
 
-/// SIGTERM (Kubernetes) or SIGINT (Ctrl-C).
-async fn shutdown_signal() {
+/// SIGTERM (Kubernetes) or SIGINT (Ctrl-C). The handlers are installed when this returns,
+/// so a signal that arrives after it can no longer kill the process undrained.
+fn shutdown_signal() -> std::io::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{signal, SignalKind};
-    let mut term = match signal(SignalKind::terminate()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::error!(error = %e, "cannot watch SIGTERM; stopping on Ctrl-C only");
-            let _ = tokio::signal::ctrl_c().await;
-            return;
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
         }
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
-    }
+    })
 }

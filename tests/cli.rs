@@ -1,0 +1,106 @@
+//! The `spillway` binary as a user runs it: check-config, and the proxy's signal handling.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_spillway");
+
+fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("spillway-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::File::create(&path)
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    path
+}
+
+#[test]
+fn check_config_accepts_the_example_configs() {
+    for file in ["config/spillway.yaml", "config/tiers.yaml"] {
+        let out = Command::new(BIN)
+            .args(["check-config", file])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{file}: {out:?}");
+        assert!(String::from_utf8_lossy(&out.stdout).contains(": ok"));
+    }
+}
+
+#[test]
+fn check_config_explains_a_bad_file_with_line_and_field_and_exits_non_zero() {
+    let path = temp_file(
+        "bad.yaml",
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: a\n    key: client_ip\n    limit: { rate: 10/x }\n",
+    );
+    let out = Command::new(BIN)
+        .args(["check-config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!("{}:7:", path.display())),
+        "names file and line: {err}"
+    );
+    assert!(
+        err.contains("rules[0].limit.rate: \"10/x\": unknown unit"),
+        "{err}"
+    );
+}
+
+#[test]
+fn the_proxy_refuses_to_start_on_a_bad_config() {
+    let path = temp_file("bad-proxy.yaml", "service: s\nlisten: nowhere\n");
+    let out = Command::new(BIN)
+        .args(["proxy", "--config"])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("listen"));
+}
+
+#[test]
+fn sigterm_drains_and_exits_zero() {
+    let path = temp_file(
+        "sigterm.yaml",
+        "service: s\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ntimeouts: { drain: 5s }\nrules: []\n",
+    );
+    let mut child = Command::new(BIN)
+        .args(["proxy", "--config"])
+        .arg(&path)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The readiness line: printed once both listeners are bound.
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(
+        line.starts_with("spillway proxy listening on 127.0.0.1:"),
+        "{line}"
+    );
+    let admin = line
+        .split("(admin ")
+        .nth(1)
+        .unwrap()
+        .trim_end_matches([')', '\n']);
+    let mut s = std::net::TcpStream::connect(admin).unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut resp = String::new();
+    std::io::Read::read_to_string(&mut s, &mut resp).unwrap();
+    assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+
+    // SAFETY: kill(2) on the pid of the child this test spawned and has not reaped yet.
+    let killed = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    assert_eq!(killed, 0);
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+}

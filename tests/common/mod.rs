@@ -1,0 +1,253 @@
+//! Test harness: an in-test upstream app, the sidecar in front of it, and clients.
+#![allow(dead_code)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{combinators::BoxBody, BodyExt, Empty, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use spillway::limit::{AnyClock, ManualClock};
+use spillway::{Config, Sidecar};
+use tokio::net::TcpListener;
+use tokio::sync::{mpsc, Notify};
+
+pub type TestBody = BoxBody<Bytes, std::io::Error>;
+
+/// What the upstream tells the test from inside its handlers.
+#[derive(Default)]
+pub struct Signals {
+    /// `/hold` waits for this before answering.
+    pub release: Notify,
+    /// `/hold` reports here when a request has arrived.
+    pub held: Notify,
+    /// `/upload` reports here the first time it sees body bytes.
+    pub first_bytes: Notify,
+}
+
+/// An app on loopback:
+/// - `/echo`: 200, body = JSON of method, uri and request headers;
+/// - `/slow`: answers after 10 s;
+/// - `/hold`: answers when the test releases it;
+/// - `/upload`: streams the body and answers with the byte count;
+/// - `/ws`: accepts an upgrade and echoes bytes;
+/// - anything else: 200 "ok".
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub signals: Arc<Signals>,
+}
+
+pub async fn upstream() -> Upstream {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let signals = Arc::new(Signals::default());
+    let s = signals.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            let s = s.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |req| app(req, s.clone()));
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .with_upgrades()
+                    .await;
+            });
+        }
+    });
+    Upstream { addr, signals }
+}
+
+async fn app(
+    mut req: Request<Incoming>,
+    signals: Arc<Signals>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    let body = match req.uri().path() {
+        "/echo" => {
+            let headers: serde_json::Map<String, serde_json::Value> = req
+                .headers()
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("?").into()))
+                .collect();
+            serde_json::json!({
+                "method": req.method().as_str(),
+                "uri": req.uri().to_string(),
+                "version": format!("{:?}", req.version()),
+                "headers": headers,
+            })
+            .to_string()
+        }
+        "/slow" => {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            "slow".into()
+        }
+        "/hold" => {
+            signals.held.notify_one();
+            signals.release.notified().await;
+            "released".into()
+        }
+        "/upload" => {
+            let mut n = 0u64;
+            let mut body = req.into_body();
+            while let Some(frame) = body.frame().await {
+                let Ok(frame) = frame else { break };
+                if let Some(data) = frame.data_ref() {
+                    if n == 0 && !data.is_empty() {
+                        signals.first_bytes.notify_one();
+                    }
+                    n += data.len() as u64;
+                }
+            }
+            n.to_string()
+        }
+        "/ws" => {
+            let on_upgrade = hyper::upgrade::on(&mut req);
+            tokio::spawn(async move {
+                if let Ok(upgraded) = on_upgrade.await {
+                    let mut io = TokioIo::new(upgraded);
+                    let (mut r, mut w) = tokio::io::split(&mut io);
+                    let _ = tokio::io::copy(&mut r, &mut w).await;
+                }
+            });
+            let mut resp = Response::new(Full::new(Bytes::new()));
+            *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+            resp.headers_mut()
+                .insert("upgrade", "websocket".parse().unwrap());
+            resp.headers_mut()
+                .insert("connection", "upgrade".parse().unwrap());
+            return Ok(resp);
+        }
+        _ => "ok".into(),
+    };
+    Ok(Response::new(Full::new(Bytes::from(body))))
+}
+
+/// Config YAML with `{upstream}` replaced and loopback listeners on free ports.
+pub fn config(upstream: SocketAddr, rest: &str) -> Config {
+    let yaml = format!(
+        "service: test\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{upstream}\n{rest}"
+    );
+    Config::from_yaml(&yaml, "test.yaml").unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// The sidecar in front of a fresh upstream, on the real clock.
+pub async fn sidecar(rest: &str) -> (Sidecar, Upstream) {
+    let up = upstream().await;
+    let sc = Sidecar::start(config(up.addr, rest)).await.unwrap();
+    (sc, up)
+}
+
+/// The sidecar in front of a fresh upstream, its limiters on a manual clock.
+pub async fn sidecar_with_clock(rest: &str) -> (Sidecar, Upstream, ManualClock) {
+    let up = upstream().await;
+    let clock = ManualClock::new(1_000_000_000);
+    let sc = Sidecar::start_with_clock(config(up.addr, rest), AnyClock::Manual(clock.clone()))
+        .await
+        .unwrap();
+    (sc, up, clock)
+}
+
+pub fn client() -> Client<HttpConnector, TestBody> {
+    Client::builder(TokioExecutor::new()).build_http()
+}
+
+pub fn h2_client() -> Client<HttpConnector, TestBody> {
+    Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http()
+}
+
+pub fn empty() -> TestBody {
+    Empty::new().map_err(|never| match never {}).boxed()
+}
+
+/// A GET through the proxy with `headers`; returns status, headers and body text.
+pub async fn get(
+    addr: SocketAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> (StatusCode, http::HeaderMap, String) {
+    send(&client(), addr, "GET", path, headers).await
+}
+
+pub async fn send(
+    client: &Client<HttpConnector, TestBody>,
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> (StatusCode, http::HeaderMap, String) {
+    let mut req = Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = client.request(req.body(empty()).unwrap()).await.unwrap();
+    let (parts, body) = resp.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        parts.status,
+        parts.headers,
+        String::from_utf8_lossy(&body).into_owned(),
+    )
+}
+
+/// The admin endpoint's body at `path`.
+pub async fn admin(sc: &Sidecar, path: &str) -> (StatusCode, String) {
+    let (s, _, b) = get(sc.admin_addr(), path, &[]).await;
+    (s, b)
+}
+
+/// The value of one sample in the Prometheus text, e.g.
+/// `spillway_requests_total{decision="allowed",rule="r"}`.
+pub fn metric(text: &str, sample: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
+}
+
+/// A channel-fed request body.
+pub fn channel_body() -> (mpsc::Sender<Bytes>, TestBody) {
+    let (tx, rx) = mpsc::channel::<Bytes>(4);
+    let stream = futures_stream(rx);
+    (tx, stream)
+}
+
+fn futures_stream(mut rx: mpsc::Receiver<Bytes>) -> TestBody {
+    let body = http_body_util::StreamBody::new(async_stream(move |cx| {
+        rx.poll_recv(cx)
+            .map(|o| o.map(|b| Ok::<_, std::io::Error>(hyper::body::Frame::data(b))))
+    }));
+    body.boxed()
+}
+
+/// A `Stream` from a poll function, to avoid a dependency on futures for one adapter.
+fn async_stream<T, F>(f: F) -> PollStream<F>
+where
+    F: FnMut(&mut std::task::Context<'_>) -> std::task::Poll<Option<T>>,
+{
+    PollStream(f)
+}
+
+pub struct PollStream<F>(F);
+
+impl<T, F> futures_core::Stream for PollStream<F>
+where
+    F: FnMut(&mut std::task::Context<'_>) -> std::task::Poll<Option<T>> + Unpin,
+{
+    type Item = T;
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<T>> {
+        (self.0)(cx)
+    }
+}
