@@ -108,6 +108,21 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|iters| contended(&many, 2, iters, KEYS))
     });
     g.finish();
+
+    // The parts, to read the figures above against.
+    let mut parts = c.benchmark_group("parts");
+    parts.bench_function("clock_now", |b| b.iter(|| black_box(clock.now())));
+    let quota = spillway::limit::Quota::new(
+        std::num::NonZeroU32::new(1_000_000_000).unwrap(),
+        Duration::from_secs(1),
+        std::num::NonZeroU32::new(1_000_000_000).unwrap(),
+    )
+    .unwrap();
+    let bucket = spillway::limit::TokenBucket::new();
+    parts.bench_function("token_bucket_check", |b| {
+        b.iter(|| black_box(bucket.check(&quota, clock.now(), 1)))
+    });
+    parts.finish();
 }
 
 criterion_group! {

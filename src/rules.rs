@@ -48,7 +48,9 @@ struct CompiledRule {
 struct KeyedStore {
     // DashMap shards its table behind per-shard RwLocks: a lookup of a known key takes one
     // shard's read lock for the length of a CAS, never a global lock.
-    map: DashMap<Box<[u8]>, TokenBucket>,
+    // foldhash's quality variant, seeded per store: about 3x cheaper than SipHash on short
+    // keys, and the random seed keeps clients from choosing colliding keys blind.
+    map: DashMap<Box<[u8]>, TokenBucket, foldhash::quality::RandomState>,
     // Counted separately because DashMap::len visits every shard. Relaxed: only a bound.
     len: AtomicUsize,
     max_keys: usize,
@@ -166,7 +168,7 @@ impl RuleSet {
                     quota,
                     mode: r.mode,
                     store: KeyedStore {
-                        map: DashMap::new(),
+                        map: DashMap::with_hasher(foldhash::quality::RandomState::default()),
                         len: AtomicUsize::new(0),
                         max_keys: r.max_keys.get() as usize,
                         overflow: TokenBucket::new(),

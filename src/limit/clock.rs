@@ -19,18 +19,21 @@ pub trait Clock: Send + Sync + 'static {
 }
 
 /// The process's monotonic clock, with its epoch at construction.
-#[derive(Debug, Clone, Copy)]
-#[allow(clippy::disallowed_types)] // the one real limiter clock lives here
+///
+/// Reads the CPU's invariant TSC through `quanta` where the CPU has one (about a third of the
+/// cost of `clock_gettime` on this machine's VM, which is ~23 ns and would otherwise be the
+/// largest single part of a decision), and the OS monotonic clock where it does not.
+#[derive(Debug, Clone)]
 pub struct MonotonicClock {
-    epoch: std::time::Instant,
+    clock: quanta::Clock,
+    epoch: quanta::Instant,
 }
 
 impl MonotonicClock {
-    #[allow(clippy::disallowed_methods, clippy::disallowed_types)]
     pub fn new() -> Self {
-        Self {
-            epoch: std::time::Instant::now(),
-        }
+        let clock = quanta::Clock::new();
+        let epoch = clock.now();
+        Self { clock, epoch }
     }
 }
 
@@ -44,7 +47,10 @@ impl Clock for MonotonicClock {
     #[inline]
     fn now(&self) -> Nanos {
         // u64 nanoseconds last 584 years of uptime.
-        self.epoch.elapsed().as_nanos() as Nanos
+        self.clock
+            .now()
+            .saturating_duration_since(self.epoch)
+            .as_nanos() as Nanos
     }
 }
 
