@@ -468,3 +468,18 @@ async fn admin_serves_health_config_and_metrics() {
     );
     assert_eq!(admin(&sc, "/nope").await.0, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn a_client_that_never_finishes_its_headers_is_disconnected() {
+    let (sc, _up) = sidecar("timeouts: { header_read: 200ms }\nrules: []\n").await;
+    let mut s = tokio::net::TcpStream::connect(sc.addr()).await.unwrap();
+    s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        .await
+        .unwrap();
+    // The proxy closes the connection; the guard only keeps a regression from hanging CI.
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the slow client was never disconnected");
+    assert!(!String::from_utf8_lossy(&rest).contains("200 OK"));
+    assert_eq!(get(sc.addr(), "/", &[]).await.0, StatusCode::OK);
+}
