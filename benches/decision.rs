@@ -12,7 +12,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion};
 use http::{HeaderMap, Method, Uri};
 use spillway::key::RequestView;
-use spillway::limit::{Clock, MonotonicClock};
+use spillway::limit::{Clock, Limiter, MonotonicClock};
 use spillway::metrics::Metrics;
 use spillway::rules::RuleSet;
 use spillway::Config;

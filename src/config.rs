@@ -17,7 +17,7 @@ use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
 use crate::key::KeyPart;
-use crate::limit::Quota;
+use crate::limit::{Algorithm, Quota};
 
 /// A whole proxy configuration.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -117,24 +117,242 @@ pub enum HeaderMode {
 
 /// One rate-limiting rule.
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(try_from = "RawRule", into = "RawRule")]
 pub struct Rule {
     pub name: Name,
-    #[serde(default, rename = "match")]
     pub matcher: Match,
     pub key: KeySpec,
     pub limit: Limit,
-    #[serde(default)]
+    /// Units each request takes (rate limits only).
+    pub cost: Cost,
+    pub on_limit: OnLimit,
+    /// With `on_limit: delay`: the longest a request may wait for the limiter.
+    pub max_delay: Dur,
+    /// With `on_limit: delay`: requests of this rule that may wait at once.
+    pub max_queue: NonZeroU32,
     pub scope: Scope,
-    #[serde(default)]
     pub mode: Mode,
     /// Keys tracked at most; past it new keys share one overflow bucket.
-    #[serde(default = "default_max_keys")]
     pub max_keys: NonZeroU32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: Name,
+    #[serde(default, rename = "match")]
+    matcher: Match,
+    key: KeySpec,
+    limit: Limit,
+    #[serde(default)]
+    cost: Option<Cost>,
+    #[serde(default)]
+    on_limit: OnLimit,
+    #[serde(default = "default_max_delay")]
+    max_delay: Dur,
+    #[serde(default = "default_max_queue")]
+    max_queue: NonZeroU32,
+    #[serde(default)]
+    scope: Scope,
+    #[serde(default)]
+    mode: Mode,
+    #[serde(default = "default_max_keys")]
+    max_keys: NonZeroU32,
 }
 
 fn default_max_keys() -> NonZeroU32 {
     NonZeroU32::new(100_000).expect("non-zero")
+}
+
+fn default_max_queue() -> NonZeroU32 {
+    NonZeroU32::new(100).expect("non-zero")
+}
+
+fn default_max_delay() -> Dur {
+    Dur(Duration::from_secs(1))
+}
+
+/// Memory a sliding-window-log rule may hold at most, over all its keys.
+const SLIDING_LOG_BUDGET: u64 = 1 << 30;
+
+impl TryFrom<RawRule> for Rule {
+    type Error = String;
+    fn try_from(r: RawRule) -> Result<Self, String> {
+        // The parser locates this error at the rule, not at one field: name the rule.
+        check_rule(&r).map_err(|e| format!("rule {}: {e}", r.name))?;
+        Ok(Rule {
+            name: r.name,
+            matcher: r.matcher,
+            key: r.key,
+            limit: r.limit,
+            cost: r.cost.unwrap_or(Cost::Fixed(1)),
+            on_limit: r.on_limit,
+            max_delay: r.max_delay,
+            max_queue: r.max_queue,
+            scope: r.scope,
+            mode: r.mode,
+            max_keys: r.max_keys,
+        })
+    }
+}
+
+/// What one field of a rule cannot tell alone: how its limit, cost and delay fit together.
+fn check_rule(r: &RawRule) -> Result<(), String> {
+    {
+        match (&r.limit, &r.cost) {
+            (Limit::Concurrency(_), Some(_)) => {
+                return Err("cost: applies to rate limits, not to concurrency".into())
+            }
+            (Limit::Concurrency(_), None) if r.on_limit == OnLimit::Delay => {
+                return Err("on_limit: delay applies to rate limits, not to concurrency".into())
+            }
+            (Limit::Rate { burst, .. }, Some(Cost::Fixed(n))) if *n > burst.get() => {
+                return Err(format!(
+                    "cost: {n} exceeds limit.burst {burst}: such requests could never be admitted"
+                ))
+            }
+            (
+                Limit::Rate {
+                    burst,
+                    algorithm: Algorithm::SlidingWindowLog,
+                    ..
+                },
+                _,
+            ) => {
+                let worst = u64::from(burst.get())
+                    * u64::from(r.max_keys.get())
+                    * crate::limit::sliding_window_log::BYTES_PER_ENTRY;
+                if worst > SLIDING_LOG_BUDGET {
+                    return Err(format!(
+                        "limit: sliding_window_log keeps 16 bytes per request in the window: burst {burst} x max_keys {} could take {} MiB; lower them (at most 1024 MiB)",
+                        r.max_keys,
+                        worst >> 20
+                    ));
+                }
+            }
+            _ => {}
+        }
+        let leaky = matches!(
+            r.limit,
+            Limit::Rate {
+                algorithm: Algorithm::LeakyBucket,
+                ..
+            }
+        );
+        if r.on_limit == OnLimit::Delay && leaky {
+            return Err("on_limit: delay is redundant with leaky_bucket, which always queues (its burst is the queue)".into());
+        }
+        Ok(())
+    }
+}
+
+impl From<Rule> for RawRule {
+    fn from(r: Rule) -> Self {
+        RawRule {
+            name: r.name,
+            matcher: r.matcher,
+            key: r.key,
+            limit: r.limit,
+            cost: Some(r.cost),
+            on_limit: r.on_limit,
+            max_delay: r.max_delay,
+            max_queue: r.max_queue,
+            scope: r.scope,
+            mode: r.mode,
+            max_keys: r.max_keys,
+        }
+    }
+}
+
+/// What a rule does with a request over its limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnLimit {
+    /// Answer 429 at once.
+    #[default]
+    Reject,
+    /// Wait (up to `max_delay`, at most `max_queue` at once) until the limiter admits it.
+    Delay,
+}
+
+/// Units a request takes: a constant, or read from a request header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    Fixed(u32),
+    Header {
+        header: http::HeaderName,
+        /// When the header is absent.
+        default: u32,
+        /// Larger values count as this.
+        max: u32,
+    },
+}
+
+#[derive(Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct RawCostHeader {
+    header: HeaderNameStr,
+    #[serde(default = "one")]
+    default: u32,
+    max: NonZeroU32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl<'de> Deserialize<'de> for Cost {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Cost;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a whole number >= 1, or { header: NAME, default: N, max: N }")
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<Cost, E> {
+                match u32::try_from(n) {
+                    Ok(n) if n >= 1 => Ok(Cost::Fixed(n)),
+                    _ => Err(E::custom(format!("{n}: must be between 1 and 4294967295"))),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<Cost, E> {
+                Err(E::custom(format!("{n}: must be >= 1")))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Cost, A::Error> {
+                let raw = RawCostHeader::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                if raw.default > raw.max.get() {
+                    return Err(de::Error::custom(format!(
+                        "default {} exceeds max {}",
+                        raw.default, raw.max
+                    )));
+                }
+                Ok(Cost::Header {
+                    header: raw.header.0,
+                    default: raw.default,
+                    max: raw.max.get(),
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl Serialize for Cost {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Cost::Fixed(n) => s.serialize_u32(*n),
+            Cost::Header {
+                header,
+                default,
+                max,
+            } => RawCostHeader {
+                header: HeaderNameStr(header.clone()),
+                default: *default,
+                max: NonZeroU32::new(*max).unwrap_or(NonZeroU32::MIN),
+            }
+            .serialize(s),
+        }
+    }
 }
 
 /// Which requests a rule applies to; every given condition must hold.
@@ -159,42 +377,89 @@ pub struct Match {
     pub headers_absent: Vec<HeaderNameStr>,
 }
 
-/// `rate` and `burst`, validated into a [`Quota`].
+/// A rule's limit: a rate (with `burst` and an algorithm), or a concurrency cap.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(try_from = "RawLimit", into = "RawLimit")]
-pub struct Limit {
-    pub rate: Rate,
-    pub burst: NonZeroU32,
-    pub quota: Quota,
+pub enum Limit {
+    Rate {
+        rate: Rate,
+        burst: NonZeroU32,
+        algorithm: Algorithm,
+        quota: Quota,
+    },
+    /// Requests of a key in flight at once.
+    Concurrency(NonZeroU32),
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawLimit {
-    rate: Rate,
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    rate: Option<Rate>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     burst: Option<NonZeroU32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    algorithm: Option<Algorithm>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    concurrency: Option<NonZeroU32>,
 }
 
 impl TryFrom<RawLimit> for Limit {
     type Error = String;
     fn try_from(raw: RawLimit) -> Result<Self, String> {
-        let burst = raw.burst.unwrap_or(raw.rate.count);
-        let quota = Quota::new(raw.rate.count, raw.rate.period, burst)
-            .map_err(|e| format!("rate {}: {e}", raw.rate))?;
-        Ok(Limit {
-            rate: raw.rate,
-            burst,
-            quota,
-        })
+        match (raw.rate, raw.concurrency) {
+            (Some(rate), None) => {
+                let burst = raw.burst.unwrap_or(rate.count);
+                let algorithm = raw.algorithm.unwrap_or_default();
+                if algorithm == Algorithm::SlidingWindowCounter
+                    && burst.get() > crate::limit::sliding_window_counter::MAX_LIMIT
+                {
+                    return Err(format!(
+                        "sliding_window_counter counts up to {} per window; burst is {burst}",
+                        crate::limit::sliding_window_counter::MAX_LIMIT
+                    ));
+                }
+                let quota = Quota::new(rate.count, rate.period, burst)
+                    .map_err(|e| format!("rate {rate}: {e}"))?;
+                Ok(Limit::Rate {
+                    rate,
+                    burst,
+                    algorithm,
+                    quota,
+                })
+            }
+            (None, Some(n)) => {
+                if raw.burst.is_some() || raw.algorithm.is_some() {
+                    return Err("concurrency takes no burst or algorithm".into());
+                }
+                Ok(Limit::Concurrency(n))
+            }
+            (Some(_), Some(_)) => Err("give either rate or concurrency, not both".into()),
+            (None, None) => Err("missing rate (such as 10/s) or concurrency (such as 4)".into()),
+        }
     }
 }
 
 impl From<Limit> for RawLimit {
     fn from(l: Limit) -> Self {
-        RawLimit {
-            rate: l.rate,
-            burst: Some(l.burst),
+        match l {
+            Limit::Rate {
+                rate,
+                burst,
+                algorithm,
+                ..
+            } => RawLimit {
+                rate: Some(rate),
+                burst: Some(burst),
+                algorithm: Some(algorithm),
+                concurrency: None,
+            },
+            Limit::Concurrency(n) => RawLimit {
+                rate: None,
+                burst: None,
+                algorithm: None,
+                concurrency: Some(n),
+            },
         }
     }
 }
@@ -693,40 +958,62 @@ impl Config {
 
     /// Parses and validates YAML text; `file` names it in errors.
     pub fn from_yaml(text: &str, file: &str) -> Result<Config, ConfigError> {
-        let config: Config = serde_norway::from_str(text).map_err(|e| {
-            let loc = e.location();
-            let mut message = e.to_string();
-            if let Some(l) = &loc {
-                let suffix = format!(" at line {} column {}", l.line(), l.column());
-                if let Some(stripped) = message.strip_suffix(&suffix) {
-                    message = stripped.to_string();
-                }
-            }
-            ConfigError::Invalid {
-                file: file.to_string(),
-                line: loc.as_ref().map(|l| l.line()),
-                column: loc.as_ref().map(|l| l.column()),
-                message,
-            }
-        })?;
-        config.check_names(text, file)?;
+        let config: Config = parse_yaml(text, file)?;
+        check_rule_names(&config.rules, text, file)?;
         Ok(config)
     }
+}
 
-    /// Rule names are metric labels and header values: they must be unique.
-    fn check_names(&self, text: &str, file: &str) -> Result<(), ConfigError> {
-        for (i, rule) in self.rules.iter().enumerate() {
-            if self.rules[..i].iter().any(|r| r.name == rule.name) {
-                return Err(ConfigError::Invalid {
-                    file: file.to_string(),
-                    line: line_of_nth_name(text, &rule.name.0, 2),
-                    column: None,
-                    message: format!("rules[{i}].name: duplicate rule name {:?}", rule.name.0),
-                });
+/// Deserializes YAML into `T`, turning the parser's error into file:line:column: path: what.
+pub(crate) fn parse_yaml<T: serde::de::DeserializeOwned>(
+    text: &str,
+    file: &str,
+) -> Result<T, ConfigError> {
+    serde_norway::from_str(text).map_err(|e| {
+        let loc = e.location();
+        let mut message = e.to_string();
+        if let Some(l) = &loc {
+            let suffix = format!(" at line {} column {}", l.line(), l.column());
+            if let Some(stripped) = message.strip_suffix(&suffix) {
+                message = stripped.to_string();
             }
         }
-        Ok(())
+        let (mut line, mut column) = (
+            loc.as_ref().map(|l| l.line()),
+            loc.as_ref().map(|l| l.column()),
+        );
+        // A rule-level check is located by the parser at the list, not the rule: point at the
+        // rule's name instead.
+        if let Some(rest) = message.strip_prefix("rules: rule ") {
+            if let Some((name, _)) = rest.split_once(": ") {
+                if let Some(l) = line_of_nth_name(text, name, 1) {
+                    (line, column) = (Some(l), None);
+                    message = format!("rule {rest}");
+                }
+            }
+        }
+        ConfigError::Invalid {
+            file: file.to_string(),
+            line,
+            column,
+            message,
+        }
+    })
+}
+
+/// Rule names are metric labels and header values: they must be unique.
+pub(crate) fn check_rule_names(rules: &[Rule], text: &str, file: &str) -> Result<(), ConfigError> {
+    for (i, rule) in rules.iter().enumerate() {
+        if rules[..i].iter().any(|r| r.name == rule.name) {
+            return Err(ConfigError::Invalid {
+                file: file.to_string(),
+                line: line_of_nth_name(text, &rule.name.0, 2),
+                column: None,
+                message: format!("rules[{i}].name: duplicate rule name {:?}", rule.name.0),
+            });
+        }
     }
+    Ok(())
 }
 
 /// Best effort: the line of the `n`th `name: <value>` in the text.

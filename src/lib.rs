@@ -2,10 +2,11 @@
 //!
 //! # Layout
 //!
-//! - [`limit`]: the limiter cores, pure, clock injected (token bucket).
+//! - [`limit`]: the limiter cores, pure, clock injected: one module per algorithm.
 //! - [`config`]: the YAML schema, parsed and validated with file/line/field errors.
 //! - [`key`]: which bucket a request belongs to; the client address.
 //! - [`rules`]: compiled rules and the synchronous in-path decision.
+//! - [`gate`]: waiting (delay, shaping), concurrency slots, and the embeddable tower layer.
 //! - [`proxy`]: the data plane (accept, decide, forward, drain) and its one place for 429s.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/config` on their own listener.
 //! - [`metrics`]: every Prometheus family, handles resolved once.
@@ -14,6 +15,7 @@
 pub mod admin;
 pub mod config;
 pub mod demo;
+pub mod gate;
 pub mod key;
 pub mod limit;
 pub mod metrics;
@@ -21,4 +23,5 @@ pub mod proxy;
 pub mod rules;
 
 pub use config::{Config, ConfigError};
+pub use gate::{PeerAddr, RateLimitLayer};
 pub use proxy::Sidecar;

@@ -57,6 +57,8 @@ pub struct Metrics {
     pub keys: IntGaugeVec,
     pub evicted: IntCounterVec,
     pub overflow: IntCounterVec,
+    pub delay_queue: IntGaugeVec,
+    pub delayed: IntCounterVec,
     durations: [Histogram; 3],
     upstream_errors: [IntCounter; 4],
     pub bad_requests: IntCounterVec,
@@ -98,6 +100,22 @@ impl Metrics {
             &["rule"],
         )
         .expect("valid metric");
+        let delay_queue = IntGaugeVec::new(
+            Opts::new(
+                "spillway_delay_queue",
+                "Requests waiting for admission now, per on_limit: delay rule.",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
+        let delayed = IntCounterVec::new(
+            Opts::new(
+                "spillway_delayed_total",
+                "Requests that waited and were then admitted, per on_limit: delay rule.",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
         let duration = HistogramVec::new(
             HistogramOpts::new(
                 "spillway_request_duration_seconds",
@@ -135,6 +153,8 @@ impl Metrics {
             Box::new(keys.clone()),
             Box::new(evicted.clone()),
             Box::new(overflow.clone()),
+            Box::new(delay_queue.clone()),
+            Box::new(delayed.clone()),
             Box::new(duration.clone()),
             Box::new(upstream.clone()),
             Box::new(bad_requests.clone()),
@@ -155,6 +175,8 @@ impl Metrics {
             keys,
             evicted,
             overflow,
+            delay_queue,
+            delayed,
             durations,
             upstream_errors,
             header_too_large: bad_requests.with_label_values(&["header_too_large"]),

@@ -6,22 +6,25 @@
 //! key it already tracks, or hold a store guard beyond the call.
 //!
 //! Cost of `check` per matching rule: a few string compares for the match, the key written
-//! into a stack buffer, one hash of it, one sharded read lock + lookup by borrowed bytes, one
-//! CAS on the bucket, one relaxed counter add. A new key costs one boxed copy of the key and a
-//! shard write lock; past `max_keys` new keys share one overflow bucket per rule.
+//! into a stack buffer, one hash of it, one sharded read lock + lookup by borrowed bytes, the
+//! algorithm's CAS (a per-key lock for the sliding log), one relaxed counter add. A new key
+//! costs one boxed copy of the key and a shard write lock; past `max_keys`, new keys share one
+//! overflow state per rule. Measured in `benches/decision.rs`.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use dashmap::mapref::one::Ref;
 use dashmap::DashMap;
 use http::HeaderValue;
 use prometheus::{IntCounter, IntGauge};
 use smallvec::SmallVec;
 
-use crate::config::{Config, HeaderMode, HostPattern, Match, Mode};
+use crate::config::{Config, Cost, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rule};
 use crate::key::{extract, KeyBuf, KeyPart, RequestView};
-use crate::limit::{ceil_secs, Decision, Nanos, Quota, TokenBucket};
+use crate::limit::{
+    ceil_secs, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, Nanos,
+    Permit, Quota, SlidingWindowCounter, SlidingWindowLog, TokenBucket, NANOS_PER_SEC,
+};
 use crate::metrics::Metrics;
 
 /// Every rule of one configuration, ready to decide.
@@ -34,81 +37,209 @@ struct CompiledRule {
     name: Arc<str>,
     matcher: Matcher,
     key: Vec<KeyPart>,
-    quota: Quota,
     mode: Mode,
-    store: KeyedStore,
-    /// `"name";q=<burst>;w=<refill seconds>`, built once.
+    cost: Cost,
+    kind: Kind,
+    delay: Option<Delay>,
+    /// `"name";q=<burst>;w=<window seconds>`, built once.
     policy: HeaderValue,
     allowed: IntCounter,
     rejected: IntCounter,
     shadow_rejected: IntCounter,
 }
 
-/// One bucket per key, bounded by `max_keys`.
-struct KeyedStore {
-    // DashMap shards its table behind per-shard RwLocks: a lookup of a known key takes one
-    // shard's read lock for the length of a CAS, never a global lock.
-    // foldhash's quality variant, seeded per store: about 3x cheaper than SipHash on short
-    // keys, and the random seed keeps clients from choosing colliding keys blind.
-    map: DashMap<Box<[u8]>, TokenBucket, foldhash::quality::RandomState>,
-    // Counted separately because DashMap::len visits every shard. Relaxed: only a bound.
-    len: AtomicUsize,
+enum Kind {
+    Rate {
+        quota: Quota,
+        store: RateStore,
+    },
+    Concurrency {
+        max: u32,
+        store: Store<Arc<Concurrency>>,
+    },
+}
+
+/// One store per algorithm, so that each key costs only its own algorithm's state.
+enum RateStore {
+    TokenBucket(Store<TokenBucket>),
+    Gcra(Store<Gcra>),
+    LeakyBucket(Store<LeakyBucket>),
+    FixedWindow(Store<FixedWindow>),
+    SlidingWindowLog(Store<SlidingWindowLog>),
+    SlidingWindowCounter(Store<SlidingWindowCounter>),
+}
+
+macro_rules! each_store {
+    ($rs:expr, $s:ident => $body:expr) => {
+        match $rs {
+            RateStore::TokenBucket($s) => $body,
+            RateStore::Gcra($s) => $body,
+            RateStore::LeakyBucket($s) => $body,
+            RateStore::FixedWindow($s) => $body,
+            RateStore::SlidingWindowLog($s) => $body,
+            RateStore::SlidingWindowCounter($s) => $body,
+        }
+    };
+}
+
+impl RateStore {
+    fn new(algorithm: Algorithm, parts: StoreParts) -> Self {
+        match algorithm {
+            Algorithm::TokenBucket => RateStore::TokenBucket(Store::new(parts)),
+            Algorithm::Gcra => RateStore::Gcra(Store::new(parts)),
+            Algorithm::LeakyBucket => RateStore::LeakyBucket(Store::new(parts)),
+            Algorithm::FixedWindow => RateStore::FixedWindow(Store::new(parts)),
+            Algorithm::SlidingWindowLog => RateStore::SlidingWindowLog(Store::new(parts)),
+            Algorithm::SlidingWindowCounter => RateStore::SlidingWindowCounter(Store::new(parts)),
+        }
+    }
+
+    #[inline]
+    fn check(&self, key: &[u8], quota: &Quota, now: Nanos, cost: u32) -> (Decision, Slot) {
+        each_store!(self, s => s.with(key, |st| st.check(quota, now, cost)))
+    }
+
+    fn refund(&self, key: &[u8], slot: Slot, quota: &Quota, now: Nanos, cost: u32) {
+        each_store!(self, s => s.with_slot(key, slot, |st| st.refund(quota, now, cost)))
+    }
+
+    fn sweep(&self, quota: &Quota, now: Nanos) -> usize {
+        each_store!(self, s => s.sweep(|st| st.is_idle(quota, now)))
+    }
+
+    fn len(&self) -> usize {
+        each_store!(self, s => s.len.load(Ordering::Relaxed))
+    }
+}
+
+/// Which state a decision used, so that a refund reaches the same one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Slot {
+    Keyed,
+    Overflow,
+}
+
+struct StoreParts {
     max_keys: usize,
-    /// Shared by every key that arrives while the store is full: conservative, since all of
-    /// them drain one bucket, so an abuser cannot earn a fresh bucket by flooding keys.
-    overflow: TokenBucket,
     keys: IntGauge,
     evicted_idle: IntCounter,
     overflowed: IntCounter,
 }
 
-enum BucketRef<'a> {
-    Keyed(Ref<'a, Box<[u8]>, TokenBucket>),
-    Overflow(&'a TokenBucket),
+/// One state per key, bounded by `max_keys`.
+struct Store<S> {
+    // DashMap shards its table behind per-shard RwLocks: a lookup of a known key takes one
+    // shard's read lock for the length of a CAS, never a global lock. foldhash's quality
+    // variant, seeded per store, is ~3x cheaper than SipHash on short keys, and the random
+    // seed keeps clients from choosing colliding keys blind.
+    map: DashMap<Box<[u8]>, S, foldhash::quality::RandomState>,
+    // Counted apart because DashMap::len visits every shard. Relaxed: only a bound.
+    len: AtomicUsize,
+    max_keys: usize,
+    /// Shared by every key that arrives while the store is full: conservative, since all of
+    /// them drain one state, so an abuser cannot earn fresh buckets by flooding keys.
+    overflow: S,
+    parts: StoreParts,
 }
 
-impl std::ops::Deref for BucketRef<'_> {
-    type Target = TokenBucket;
-    fn deref(&self) -> &TokenBucket {
-        match self {
-            BucketRef::Keyed(r) => r.value(),
-            BucketRef::Overflow(b) => b,
+impl<S: Default + Send + Sync + 'static> Store<S> {
+    fn new(parts: StoreParts) -> Self {
+        Store {
+            map: DashMap::with_hasher(foldhash::quality::RandomState::default()),
+            len: AtomicUsize::new(0),
+            max_keys: parts.max_keys,
+            overflow: S::default(),
+            parts,
         }
     }
-}
 
-impl KeyedStore {
-    fn bucket(&self, key: &[u8]) -> BucketRef<'_> {
+    /// Runs `f` on the state of `key`, creating it when there is room.
+    #[inline]
+    fn with<R>(&self, key: &[u8], f: impl FnOnce(&S) -> R) -> (R, Slot) {
         if let Some(r) = self.map.get(key) {
-            return BucketRef::Keyed(r);
+            return (f(r.value()), Slot::Keyed);
         }
         if self.len.load(Ordering::Relaxed) >= self.max_keys {
-            self.overflowed.inc();
-            return BucketRef::Overflow(&self.overflow);
+            self.parts.overflowed.inc();
+            return (f(&self.overflow), Slot::Overflow);
         }
         let entry = self.map.entry(Box::from(key));
         let inserted = matches!(entry, dashmap::Entry::Vacant(_));
         let r = entry.or_default().downgrade();
         if inserted {
             self.len.fetch_add(1, Ordering::Relaxed);
-            self.keys.inc();
+            self.parts.keys.inc();
         }
-        BucketRef::Keyed(r)
+        (f(r.value()), Slot::Keyed)
     }
 
-    /// Forgets buckets that have refilled: they are identical to fresh ones, so nothing is
-    /// lost. Locks one shard at a time, so requests on other shards never wait.
-    fn sweep(&self, now: Nanos) -> usize {
+    /// Runs `f` on the state a decision used, if it still exists.
+    fn with_slot(&self, key: &[u8], slot: Slot, f: impl FnOnce(&S)) {
+        match slot {
+            Slot::Overflow => f(&self.overflow),
+            Slot::Keyed => {
+                if let Some(r) = self.map.get(key) {
+                    f(r.value())
+                }
+            }
+        }
+    }
+
+    /// Forgets the states `idle` says are fresh: nothing is lost. Locks one shard at a time,
+    /// so requests on other shards never wait.
+    fn sweep(&self, idle: impl Fn(&S) -> bool) -> usize {
         let mut removed = 0usize;
-        self.map.retain(|_, bucket| {
-            let idle = bucket.is_idle(now);
-            removed += usize::from(idle);
-            !idle
+        self.map.retain(|_, state| {
+            let forget = idle(state);
+            removed += usize::from(forget);
+            !forget
         });
         self.len.fetch_sub(removed, Ordering::Relaxed);
-        self.keys.sub(removed as i64);
-        self.evicted_idle.inc_by(removed as u64);
+        self.parts.keys.sub(removed as i64);
+        self.parts.evicted_idle.inc_by(removed as u64);
         removed
+    }
+}
+
+/// The waiting room of an `on_limit: delay` rule.
+#[derive(Debug, Clone)]
+pub struct Delay {
+    pub max_delay: Nanos,
+    pub queue: Arc<DelayQueue>,
+}
+
+/// Counts the requests of one rule waiting for admission.
+#[derive(Debug)]
+pub struct DelayQueue {
+    // Relaxed: a bound, exact because every change is one read-modify-write.
+    waiting: AtomicU32,
+    max: u32,
+    gauge: IntGauge,
+    /// Requests that waited and were then admitted.
+    pub delayed: IntCounter,
+}
+
+impl DelayQueue {
+    /// A place in the queue, if there is one.
+    pub fn enter(self: &Arc<Self>) -> Option<QueuePlace> {
+        self.waiting
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .ok()?;
+        self.gauge.inc();
+        Some(QueuePlace(self.clone()))
+    }
+}
+
+/// A place in a [`DelayQueue`]; dropping it (admitted, refused, or the client gone) frees it.
+#[derive(Debug)]
+pub struct QueuePlace(Arc<DelayQueue>);
+
+impl Drop for QueuePlace {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.0.gauge.dec();
     }
 }
 
@@ -116,10 +247,22 @@ impl KeyedStore {
 /// `check`.
 #[derive(Debug)]
 pub enum Verdict {
-    /// Forward it. With `headers: always`, the rate-limit state of each rule that applied.
-    Allow(SmallVec<[RateState; 2]>),
-    /// Answer 429.
+    Allow(Admit),
+    /// Answer 429 (or wait, when the denial carries a [`Delay`]).
     Deny(Denial),
+    /// The request's cost header is not a number: answer 400.
+    BadCost(http::HeaderName),
+}
+
+/// An admitted request.
+#[derive(Debug, Default)]
+pub struct Admit {
+    /// With `headers: always`, the rate-limit state of each rule that applied.
+    pub states: SmallVec<[RateState; 2]>,
+    /// Concurrency slots, to be held until the response body ends.
+    pub permits: SmallVec<[Permit; 1]>,
+    /// How long a shaping rule (leaky bucket) wants the request to wait before it goes on.
+    pub wait: Nanos,
 }
 
 /// A rule's state after a decision, for the `RateLimit` headers.
@@ -139,6 +282,8 @@ pub struct Denial {
     /// Nanoseconds until a retry would be admitted; `None` = never (cost above burst).
     pub retry_after: Option<Nanos>,
     pub header_mode: HeaderMode,
+    /// Set when the refusing rule has `on_limit: delay`.
+    pub delay: Option<Delay>,
 }
 
 impl Denial {
@@ -148,47 +293,20 @@ impl Denial {
     }
 }
 
+/// A concurrency limit cannot know when a slot frees; this is the hint it gives.
+const CONCURRENCY_RETRY: Nanos = NANOS_PER_SEC;
+
 impl RuleSet {
     /// Compiles `config`'s rules, resolving their metric handles in `metrics`.
     pub fn build(config: &Config, metrics: &Metrics) -> RuleSet {
-        let rules = config
-            .rules
-            .iter()
-            .map(|r| {
-                let name: Arc<str> = Arc::from(r.name.0.as_str());
-                let quota = r.limit.quota;
-                let window = ceil_secs(quota.refill_time()).max(1);
-                let policy =
-                    HeaderValue::from_str(&format!("\"{name}\";q={};w={window}", quota.burst()))
-                        .expect("rule names are header-safe by validation");
-                let label = &*name;
-                CompiledRule {
-                    matcher: Matcher::from(&r.matcher),
-                    key: r.key.0.clone(),
-                    quota,
-                    mode: r.mode,
-                    store: KeyedStore {
-                        map: DashMap::with_hasher(foldhash::quality::RandomState::default()),
-                        len: AtomicUsize::new(0),
-                        max_keys: r.max_keys.get() as usize,
-                        overflow: TokenBucket::new(),
-                        keys: metrics.keys.with_label_values(&[label]),
-                        evicted_idle: metrics.evicted.with_label_values(&[label, "idle"]),
-                        overflowed: metrics.overflow.with_label_values(&[label]),
-                    },
-                    policy,
-                    allowed: metrics.requests.with_label_values(&[label, "allowed"]),
-                    rejected: metrics.requests.with_label_values(&[label, "rejected"]),
-                    shadow_rejected: metrics
-                        .requests
-                        .with_label_values(&[label, "shadow_rejected"]),
-                    name,
-                }
-            })
-            .collect();
+        Self::from_rules(&config.rules, config.headers, metrics)
+    }
+
+    /// Compiles `rules`, resolving their metric handles in `metrics`.
+    pub fn from_rules(rules: &[Rule], header_mode: HeaderMode, metrics: &Metrics) -> RuleSet {
         RuleSet {
-            rules,
-            header_mode: config.headers,
+            rules: rules.iter().map(|r| compile(r, metrics)).collect(),
+            header_mode,
         }
     }
 
@@ -205,54 +323,116 @@ impl RuleSet {
     }
 
     /// Decides one request at `now`. Every matching rule applies; the request is refused if
-    /// any enforcing rule refuses, and then the tokens other rules had granted are given back.
+    /// any enforcing rule refuses, and then the units other rules had granted are given back.
     /// Shadow rules decide and count what they would have refused, and never refuse.
     pub fn check(&self, req: &RequestView<'_>, now: Nanos) -> Verdict {
         let want_states = self.header_mode == HeaderMode::Always;
-        let mut states: SmallVec<[RateState; 2]> = SmallVec::new();
-        let mut taken: SmallVec<[(&CompiledRule, BucketRef<'_>); 4]> = SmallVec::new();
+        let mut admit = Admit::default();
+        // Rules that granted units, for the refund if a later one refuses.
+        let mut taken: SmallVec<[(&CompiledRule, Option<Slot>, u32); 4]> = SmallVec::new();
         let mut key = KeyBuf::new();
         for rule in &self.rules {
             if !rule.matcher.matches(req) || !extract(&rule.key, req, &mut key) {
                 continue;
             }
-            let bucket = rule.store.bucket(&key);
-            match bucket.check(&rule.quota, now, 1) {
+            let Some(cost) = rule.cost_of(req) else {
+                self.refund(req, &taken, now);
+                let Cost::Header { header, .. } = &rule.cost else {
+                    unreachable!("only a header cost can be malformed")
+                };
+                return Verdict::BadCost(header.clone());
+            };
+            let decision = match &rule.kind {
+                Kind::Rate { quota, store } => {
+                    let (decision, slot) = store.check(&key, quota, now, cost);
+                    if decision.is_allowed() {
+                        taken.push((rule, Some(slot), cost));
+                    }
+                    decision
+                }
+                Kind::Concurrency { max, store } => {
+                    let (permit, _) = store.with(&key, |c| c.try_acquire(*max));
+                    match permit {
+                        Some(p) => {
+                            let remaining = max.saturating_sub(p.in_flight());
+                            admit.permits.push(p);
+                            taken.push((rule, None, 0));
+                            Decision::Allow {
+                                remaining,
+                                reset_after: 0,
+                                wait: 0,
+                            }
+                        }
+                        None => Decision::Deny {
+                            retry_after: Some(CONCURRENCY_RETRY),
+                        },
+                    }
+                }
+            };
+            match decision {
                 Decision::Allow {
                     remaining,
                     reset_after,
+                    wait,
                 } => {
+                    admit.wait = admit.wait.max(wait);
                     if want_states {
-                        states.push(rule.state(remaining, ceil_secs(reset_after)));
+                        admit
+                            .states
+                            .push(rule.state(remaining, ceil_secs(reset_after)));
                     }
-                    taken.push((rule, bucket));
                 }
                 Decision::Deny { retry_after } => match rule.mode {
                     Mode::Shadow => rule.shadow_rejected.inc(),
                     Mode::Enforce => {
-                        for (r, b) in &taken {
-                            b.refund(&r.quota, 1);
-                        }
+                        self.refund(req, &taken, now);
                         rule.rejected.inc();
-                        let denial = Denial {
-                            state: rule.state(0, retry_after.map_or(0, |n| ceil_secs(n).max(1))),
+                        let reset = retry_after.map_or(0, |n| ceil_secs(n).max(1));
+                        return Verdict::Deny(Denial {
+                            state: rule.state(0, reset),
                             retry_after,
                             header_mode: self.header_mode,
-                        };
-                        return Verdict::Deny(denial);
+                            delay: rule.delay.clone(),
+                        });
                     }
                 },
             }
         }
-        for (rule, _) in &taken {
+        for (rule, _, _) in &taken {
             rule.allowed.inc();
         }
-        Verdict::Allow(states)
+        Verdict::Allow(admit)
+    }
+
+    /// Gives back what `taken` granted. The keys are extracted again from the request rather
+    /// than copied on every decision: refunds are the rare path.
+    fn refund(
+        &self,
+        req: &RequestView<'_>,
+        taken: &[(&CompiledRule, Option<Slot>, u32)],
+        now: Nanos,
+    ) {
+        let mut key = KeyBuf::new();
+        for &(rule, slot, cost) in taken {
+            if let (Kind::Rate { quota, store }, Some(slot)) = (&rule.kind, slot) {
+                if extract(&rule.key, req, &mut key) {
+                    store.refund(&key, slot, quota, now, cost);
+                }
+            }
+        }
     }
 
     /// Forgets idle keys in every rule; returns how many.
     pub fn sweep(&self, now: Nanos) -> usize {
-        self.rules.iter().map(|r| r.store.sweep(now)).sum()
+        self.rules
+            .iter()
+            .map(|r| match &r.kind {
+                Kind::Rate { quota, store } => store.sweep(quota, now),
+                Kind::Concurrency { store, .. } => {
+                    store.sweep(|c| c.in_flight() == 0 && Arc::strong_count(c) == 1)
+                }
+            })
+            .sum()
     }
 
     /// Keys tracked by the rule called `name`.
@@ -260,7 +440,77 @@ impl RuleSet {
         self.rules
             .iter()
             .find(|r| &*r.name == name)
-            .map(|r| r.store.len.load(Ordering::Relaxed))
+            .map(|r| match &r.kind {
+                Kind::Rate { store, .. } => store.len(),
+                Kind::Concurrency { store, .. } => store.len.load(Ordering::Relaxed),
+            })
+    }
+}
+
+fn compile(r: &Rule, metrics: &Metrics) -> CompiledRule {
+    let name: Arc<str> = Arc::from(r.name.0.as_str());
+    let label = &*name;
+    let parts = StoreParts {
+        max_keys: r.max_keys.get() as usize,
+        keys: metrics.keys.with_label_values(&[label]),
+        evicted_idle: metrics.evicted.with_label_values(&[label, "idle"]),
+        overflowed: metrics.overflow.with_label_values(&[label]),
+    };
+    let (kind, policy) = match &r.limit {
+        Limit::Rate {
+            algorithm, quota, ..
+        } => {
+            let window = match algorithm {
+                Algorithm::TokenBucket | Algorithm::Gcra | Algorithm::LeakyBucket => {
+                    quota.refill_time()
+                }
+                _ => quota.window(),
+            };
+            let policy = format!(
+                "\"{name}\";q={};w={}",
+                quota.burst(),
+                ceil_secs(window).max(1)
+            );
+            let store = RateStore::new(*algorithm, parts);
+            (
+                Kind::Rate {
+                    quota: *quota,
+                    store,
+                },
+                policy,
+            )
+        }
+        Limit::Concurrency(n) => (
+            Kind::Concurrency {
+                max: n.get(),
+                store: Store::new(parts),
+            },
+            format!("\"{name}\";q={n}"),
+        ),
+    };
+    let delay = (r.on_limit == OnLimit::Delay).then(|| Delay {
+        max_delay: r.max_delay.0.as_nanos() as Nanos,
+        queue: Arc::new(DelayQueue {
+            waiting: AtomicU32::new(0),
+            max: r.max_queue.get(),
+            gauge: metrics.delay_queue.with_label_values(&[label]),
+            delayed: metrics.delayed.with_label_values(&[label]),
+        }),
+    });
+    CompiledRule {
+        matcher: Matcher::from(&r.matcher),
+        key: r.key.0.clone(),
+        mode: r.mode,
+        cost: r.cost.clone(),
+        kind,
+        delay,
+        policy: HeaderValue::from_str(&policy).expect("rule names are header-safe by validation"),
+        allowed: metrics.requests.with_label_values(&[label, "allowed"]),
+        rejected: metrics.requests.with_label_values(&[label, "rejected"]),
+        shadow_rejected: metrics
+            .requests
+            .with_label_values(&[label, "shadow_rejected"]),
+        name,
     }
 }
 
@@ -273,6 +523,33 @@ impl CompiledRule {
             reset_secs,
         }
     }
+
+    /// The request's cost under this rule; `None` when its cost header is not a number.
+    #[inline]
+    fn cost_of(&self, req: &RequestView<'_>) -> Option<u32> {
+        match &self.cost {
+            Cost::Fixed(n) => Some(*n),
+            Cost::Header {
+                header,
+                default,
+                max,
+            } => match req.headers.get(header) {
+                None => Some(*default),
+                Some(v) => parse_cost(v.as_bytes()).map(|n| n.min(*max)),
+            },
+        }
+    }
+}
+
+/// A whole number; values past `u32::MAX` saturate (they are capped at `max` anyway).
+fn parse_cost(bytes: &[u8]) -> Option<u32> {
+    let bytes = bytes.trim_ascii();
+    if bytes.is_empty() || !bytes.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(bytes.iter().fold(0u32, |n, d| {
+        n.saturating_mul(10).saturating_add(u32::from(d - b'0'))
+    }))
 }
 
 /// A compiled `match:` block; an absent condition always holds.

@@ -35,8 +35,20 @@ fn the_documented_example_parses_with_its_values() {
     assert_eq!(c.upstream.authority.as_str(), "127.0.0.1:9000");
     assert_eq!(c.timeouts.upstream_response.0, Duration::from_secs(30));
     let r = &c.rules[0];
-    assert_eq!(r.limit.burst.get(), 20);
-    assert_eq!(r.limit.quota.emission(), 100_000_000);
+    let Limit::Rate {
+        burst,
+        quota,
+        algorithm,
+        ..
+    } = &r.limit
+    else {
+        panic!("a rate limit")
+    };
+    assert_eq!(burst.get(), 20);
+    assert_eq!(quota.emission(), 100_000_000);
+    assert_eq!(*algorithm, Algorithm::TokenBucket);
+    assert_eq!(r.cost, Cost::Fixed(1));
+    assert_eq!(r.on_limit, OnLimit::Reject);
     assert_eq!(r.matcher.methods.len(), 2);
     assert_eq!(r.scope, Scope::Local);
 }
@@ -49,8 +61,12 @@ fn burst_defaults_to_the_rate_count_and_scope_mode_to_local_enforce() {
     )
     .unwrap();
     let r = &c.rules[0];
-    assert_eq!(r.limit.burst.get(), 100);
-    assert_eq!(r.limit.quota.emission(), 100_000_000);
+    let Limit::Rate { burst, quota, .. } = &r.limit else {
+        panic!("a rate limit")
+    };
+    assert_eq!(burst.get(), 100);
+    assert_eq!(quota.emission(), 100_000_000);
+    assert_eq!(quota.window(), 10_000_000_000);
     assert_eq!((r.scope, r.mode), (Scope::Local, Mode::Enforce));
     assert_eq!(r.max_keys.get(), 100_000);
 }
@@ -246,4 +262,128 @@ fn example_configs_in_the_repository_are_valid() {
         }
     }
     assert!(seen >= 2, "expected example configs in {dir}");
+}
+
+#[test]
+fn every_algorithm_and_concurrency_parse() {
+    for a in Algorithm::ALL {
+        let c = Config::from_yaml(
+            &with_rule(&format!(
+                "  - name: a\n    key: path\n    limit: {{ rate: 20/s, burst: 40, algorithm: {} }}\n",
+                a.name()
+            )),
+            "t",
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        assert!(matches!(c.rules[0].limit, Limit::Rate { algorithm, .. } if algorithm == a));
+    }
+    let c = Config::from_yaml(
+        &with_rule("  - name: up\n    key: client_ip\n    limit: { concurrency: 4 }\n"),
+        "t",
+    )
+    .unwrap();
+    assert!(matches!(c.rules[0].limit, Limit::Concurrency(n) if n.get() == 4));
+}
+
+#[test]
+fn cost_delay_and_limits_are_checked_against_each_other() {
+    for (rule, want) in [
+        ("limit: { rate: 1/s, concurrency: 2 }", "not both"),
+        ("limit: { burst: 2 }", "missing rate"),
+        (
+            "limit: { concurrency: 2, burst: 3 }",
+            "concurrency takes no burst",
+        ),
+        (
+            "limit: { rate: 1/s, algorithm: magic }",
+            "unknown variant `magic`",
+        ),
+        (
+            "limit: { concurrency: 2 }\n    cost: 2",
+            "cost: applies to rate limits",
+        ),
+        (
+            "limit: { concurrency: 2 }\n    on_limit: delay",
+            "on_limit: delay applies to rate limits",
+        ),
+        (
+            "limit: { rate: 10/s, burst: 5 }\n    cost: 6",
+            "cost: 6 exceeds limit.burst 5",
+        ),
+        ("limit: { rate: 10/s }\n    cost: 0", "must be between 1"),
+        (
+            "limit: { rate: 10/s }\n    cost: { header: x-cost, default: 5, max: 2 }",
+            "default 5 exceeds max 2",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: { header: x-cost }",
+            "missing field `max`",
+        ),
+        (
+            "limit: { rate: 2000000/s, algorithm: sliding_window_counter }",
+            "counts up to 1048575",
+        ),
+        (
+            "limit: { rate: 10000/s, algorithm: sliding_window_log }",
+            "sliding_window_log keeps 16 bytes",
+        ),
+        (
+            "limit: { rate: 10/s, algorithm: leaky_bucket }\n    on_limit: delay",
+            "redundant with leaky_bucket",
+        ),
+        (
+            "limit: { rate: 10/s }\n    on_limit: later",
+            "unknown variant `later`",
+        ),
+    ] {
+        let e = err(&with_rule(&format!(
+            "  - name: a\n    key: path\n    {rule}\n"
+        )));
+        assert!(e.contains(want), "{rule}: {e}");
+        assert!(
+            e.contains("rules[0]") || e.contains("rule a:"),
+            "names the rule: {rule}: {e}"
+        );
+    }
+}
+
+#[test]
+fn a_header_cost_parses_with_its_default() {
+    let c = Config::from_yaml(
+        &with_rule("  - name: a\n    key: path\n    limit: { rate: 10/s }\n    cost: { header: X-Request-Cost, max: 100 }\n    on_limit: delay\n    max_delay: 2s\n    max_queue: 7\n"),
+        "t",
+    )
+    .unwrap();
+    let r = &c.rules[0];
+    assert_eq!(
+        r.cost,
+        Cost::Header {
+            header: http::HeaderName::from_static("x-request-cost"),
+            default: 1,
+            max: 100
+        }
+    );
+    assert_eq!(
+        (r.on_limit, r.max_delay.0, r.max_queue.get()),
+        (OnLimit::Delay, Duration::from_secs(2), 7)
+    );
+    let json = serde_json::to_value(&c).unwrap();
+    assert_eq!(json["rules"][0]["cost"]["header"], "x-request-cost");
+    assert_eq!(json["rules"][0]["on_limit"], "delay");
+}
+
+#[test]
+fn a_rule_level_error_names_the_rule_and_its_line() {
+    let yaml = with_rule(
+        "  - name: fine\n    key: path\n    limit: { rate: 1/s }\n  - name: broken\n    key: path\n    limit: { concurrency: 2 }\n    cost: 2\n",
+    );
+    let e = err(&yaml);
+    assert!(
+        e.contains("rule broken: cost: applies to rate limits"),
+        "{e}"
+    );
+    assert!(
+        e.starts_with("test.yaml:8:") || e.starts_with("test.yaml:11:"),
+        "{e}"
+    );
 }

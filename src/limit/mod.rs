@@ -8,10 +8,72 @@
 //! case (a retry per lost race), plus a few integer operations; see `benches/decision.rs`.
 
 mod clock;
-mod token_bucket;
+pub mod concurrency;
+pub mod fixed_window;
+pub mod gcra;
+pub mod leaky_bucket;
+pub mod sliding_window_counter;
+pub mod sliding_window_log;
+pub mod token_bucket;
 
 pub use clock::{AnyClock, Clock, ManualClock, MonotonicClock, Nanos, NANOS_PER_SEC};
+pub use concurrency::{Concurrency, Permit};
+pub use fixed_window::FixedWindow;
+pub use gcra::Gcra;
+pub use leaky_bucket::LeakyBucket;
+pub use sliding_window_counter::SlidingWindowCounter;
+pub use sliding_window_log::SlidingWindowLog;
 pub use token_bucket::TokenBucket;
+
+/// A rate algorithm's per-key state. Implementations are lock-free or hold a per-key lock for
+/// a few instructions; none allocates in `check` once the key exists.
+pub trait Limiter: Send + Sync + 'static {
+    /// Decides a request of `cost` units at `now`; an admitted request's units are taken.
+    fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision;
+    /// Gives back `cost` units that a `check` at `now` admitted, when another rule refused the
+    /// same request.
+    fn refund(&self, quota: &Quota, now: Nanos, cost: u32);
+    /// True when the state at `now` is indistinguishable from a fresh one, so that forgetting
+    /// the key loses nothing (no client gets a bucket it did not earn).
+    fn is_idle(&self, quota: &Quota, now: Nanos) -> bool;
+}
+
+/// Which rate algorithm a rule uses (`limit.algorithm`).
+#[derive(
+    Debug, Clone, Copy, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    #[default]
+    TokenBucket,
+    Gcra,
+    LeakyBucket,
+    FixedWindow,
+    SlidingWindowLog,
+    SlidingWindowCounter,
+}
+
+impl Algorithm {
+    pub const ALL: [Algorithm; 6] = [
+        Algorithm::TokenBucket,
+        Algorithm::Gcra,
+        Algorithm::LeakyBucket,
+        Algorithm::FixedWindow,
+        Algorithm::SlidingWindowLog,
+        Algorithm::SlidingWindowCounter,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::Gcra => "gcra",
+            Algorithm::LeakyBucket => "leaky_bucket",
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::SlidingWindowLog => "sliding_window_log",
+            Algorithm::SlidingWindowCounter => "sliding_window_counter",
+        }
+    }
+}
 
 use std::num::NonZeroU32;
 use std::time::Duration;
@@ -26,6 +88,9 @@ pub struct Quota {
     emission: Nanos,
     /// `burst * emission`: how far ahead of now the bucket may be spent.
     tolerance: Nanos,
+    /// `period * burst / count`: the window of the window algorithms, which admit `burst`
+    /// units per window (the rate's own period when `burst` is the rate's count).
+    window: Nanos,
 }
 
 /// Why a [`Quota`] cannot be built.
@@ -55,12 +120,17 @@ impl Quota {
         let tolerance = emission
             .checked_mul(u64::from(burst.get()))
             .ok_or(QuotaError::BadPeriod)?;
+        let window =
+            u64::try_from(u128::from(period_ns) * u128::from(burst.get()) / u128::from(count))
+                .map_err(|_| QuotaError::BadPeriod)?
+                .max(1);
         Ok(Self {
             count,
             period: period_ns,
             burst: burst.get(),
             emission,
             tolerance,
+            window,
         })
     }
 
@@ -81,13 +151,22 @@ impl Quota {
     pub fn refill_time(&self) -> Nanos {
         self.tolerance
     }
+    /// The window length of the window algorithms (`burst` units per window).
+    pub fn window(&self) -> Nanos {
+        self.window
+    }
 }
 
 /// The answer of a limiter for one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
     /// Admitted. `remaining` units are left now; the quota is whole again in `reset_after`.
-    Allow { remaining: u32, reset_after: Nanos },
+    /// A shaping algorithm (leaky bucket) asks the request to `wait` before it goes on.
+    Allow {
+        remaining: u32,
+        reset_after: Nanos,
+        wait: Nanos,
+    },
     /// Refused. A request of the same cost is admitted in `retry_after` if nothing else
     /// consumes meanwhile; `None` when the cost exceeds the burst and can never be admitted.
     Deny { retry_after: Option<Nanos> },
@@ -103,3 +182,22 @@ impl Decision {
 pub fn ceil_secs(n: Nanos) -> u64 {
     n.div_ceil(NANOS_PER_SEC)
 }
+
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+
+    pub const MS: Nanos = 1_000_000;
+
+    pub fn quota(count: u32, period: Duration, burst: u32) -> Quota {
+        Quota::new(
+            NonZeroU32::new(count).unwrap(),
+            period,
+            NonZeroU32::new(burst).unwrap(),
+        )
+        .unwrap()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,106 +1,47 @@
 //! Token bucket: `burst` tokens of capacity, refilled continuously at the quota's rate.
 //!
-//! The state is one `AtomicU64`, the "theoretical arrival time" (TAT) of GCRA: the instant at
-//! which the bucket will be full again. Tokens available at `now` are
-//! `burst - (max(tat, now) - now) / emission`, fractions included, so refill never rounds
-//! (a bucket half a token short at t is whole at t + emission/2). A decision is one load and
-//! one CAS; a bucket whose TAT is in the past is exactly a fresh one, which is what makes idle
-//! keys free to forget.
+//! Admits at once whatever the bucket holds, so it lets bursts of up to `burst` through and
+//! then `rate` on average. Computed in its GCRA form (see [`super::gcra`]): one `AtomicU64`
+//! per key, one CAS per decision, fractions of a token kept.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
-use super::{Decision, Nanos, Quota};
+use super::{Decision, Gcra, Limiter, Nanos, Quota};
 
 /// Per-key token bucket state: 8 bytes.
 #[derive(Debug, Default)]
-pub struct TokenBucket {
-    // Relaxed everywhere: the atomic is the whole state and publishes no other memory, and
-    // every read-modify-write sees the latest value in its modification order.
-    tat: AtomicU64,
-}
+pub struct TokenBucket(Gcra);
 
 impl TokenBucket {
     /// A full bucket.
     pub const fn new() -> Self {
-        Self {
-            tat: AtomicU64::new(0),
-        }
-    }
-
-    /// Takes `cost` tokens at `now`, or says when they will be there.
-    #[inline]
-    pub fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
-        if cost > quota.burst {
-            return Decision::Deny { retry_after: None };
-        }
-        let need = quota.emission * u64::from(cost);
-        let mut tat = self.tat.load(Ordering::Relaxed);
-        loop {
-            let base = tat.max(now);
-            let new_tat = base + need;
-            let ahead = new_tat - now;
-            if ahead > quota.tolerance {
-                return Decision::Deny {
-                    retry_after: Some(ahead - quota.tolerance),
-                };
-            }
-            match self
-                .tat
-                .compare_exchange_weak(tat, new_tat, Ordering::Relaxed, Ordering::Relaxed)
-            {
-                Ok(_) => {
-                    return Decision::Allow {
-                        remaining: ((quota.tolerance - ahead) / quota.emission) as u32,
-                        reset_after: ahead,
-                    }
-                }
-                Err(actual) => tat = actual,
-            }
-        }
-    }
-
-    /// Gives back `cost` tokens taken by an earlier [`check`](Self::check) that was admitted,
-    /// when another rule refused the same request.
-    pub fn refund(&self, quota: &Quota, cost: u32) {
-        let give = quota.emission * u64::from(cost);
-        // A bucket that refilled meanwhile saturates at "full"; fetch_update never fails here.
-        let _ = self
-            .tat
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
-                Some(tat.saturating_sub(give))
-            });
-    }
-
-    /// True when the bucket is full at `now`, i.e. indistinguishable from a fresh one.
-    #[inline]
-    pub fn is_idle(&self, now: Nanos) -> bool {
-        self.tat.load(Ordering::Relaxed) <= now
+        Self(Gcra::new())
     }
 
     /// Units available at `now` (fractions dropped), without taking any.
     pub fn available(&self, quota: &Quota, now: Nanos) -> u32 {
-        let ahead = self.tat.load(Ordering::Relaxed).saturating_sub(now);
-        (quota.tolerance.saturating_sub(ahead) / quota.emission) as u32
+        self.0.available(quota, now)
+    }
+}
+
+impl Limiter for TokenBucket {
+    #[inline]
+    fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        self.0.take(quota, now, cost).0
+    }
+    fn refund(&self, quota: &Quota, now: Nanos, cost: u32) {
+        self.0.refund(quota, now, cost)
+    }
+    #[inline]
+    fn is_idle(&self, quota: &Quota, now: Nanos) -> bool {
+        self.0.is_idle(quota, now)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limit::testing::{quota, MS};
     use crate::limit::NANOS_PER_SEC;
-    use std::num::NonZeroU32;
     use std::time::Duration;
-
-    const MS: Nanos = 1_000_000;
-
-    fn quota(count: u32, period: Duration, burst: u32) -> Quota {
-        Quota::new(
-            NonZeroU32::new(count).unwrap(),
-            period,
-            NonZeroU32::new(burst).unwrap(),
-        )
-        .unwrap()
-    }
 
     fn allowed(d: Decision) -> bool {
         d.is_allowed()
@@ -116,7 +57,8 @@ mod tests {
                 b.check(&q, t0, 1),
                 Decision::Allow {
                     remaining: 19 - i,
-                    reset_after: (i as u64 + 1) * 100 * MS
+                    reset_after: (i as u64 + 1) * 100 * MS,
+                    wait: 0,
                 }
             );
         }
@@ -203,9 +145,9 @@ mod tests {
         let b = TokenBucket::new();
         assert!(allowed(b.check(&q, 0, 1)));
         assert_eq!(b.available(&q, 0), 1);
-        b.refund(&q, 1);
+        b.refund(&q, 0, 1);
         assert_eq!(b.available(&q, 0), 2);
-        assert!(b.is_idle(0));
+        assert!(b.is_idle(&q, 0));
     }
 
     #[test]
@@ -213,8 +155,8 @@ mod tests {
         let q = quota(10, Duration::from_secs(1), 2);
         let b = TokenBucket::new();
         assert!(allowed(b.check(&q, NANOS_PER_SEC, 1)));
-        assert!(!b.is_idle(NANOS_PER_SEC + 99 * MS));
-        assert!(b.is_idle(NANOS_PER_SEC + 100 * MS));
+        assert!(!b.is_idle(&q, NANOS_PER_SEC + 99 * MS));
+        assert!(b.is_idle(&q, NANOS_PER_SEC + 100 * MS));
     }
 
     #[test]

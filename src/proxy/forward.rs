@@ -18,6 +18,8 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use smallvec::SmallVec;
 
 use super::respond::{self, Body};
+use crate::gate::PermitBody;
+use crate::limit::Permit;
 use crate::metrics::{Metrics, UpstreamError};
 
 pub type UpstreamClient = Client<HttpConnector, Incoming>;
@@ -53,7 +55,12 @@ pub struct Forward<'a> {
 
 impl Forward<'_> {
     /// Sends `req` upstream and returns the response to stream back, or the error response.
-    pub async fn send(&self, mut req: Request<Incoming>) -> Response<Body> {
+    /// `permits` are concurrency slots, held until the response body ends.
+    pub async fn send(
+        &self,
+        mut req: Request<Incoming>,
+        permits: SmallVec<[Permit; 1]>,
+    ) -> Response<Body> {
         let upgrade = is_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
         if let Err(resp) = self.rewrite(&mut req, upgrade.is_some()) {
             return resp;
@@ -68,11 +75,11 @@ impl Forward<'_> {
             if let Some(client_side) = upgrade {
                 let upstream_side = hyper::upgrade::on(&mut resp);
                 tokio::spawn(splice(client_side, upstream_side));
-                return resp.map(Either::Left);
+                return resp.map(|b| Either::Left(PermitBody::new(b, permits)));
             }
         }
         strip_hop_by_hop(resp.headers_mut(), false);
-        resp.map(Either::Left)
+        resp.map(|b| Either::Left(PermitBody::new(b, permits)))
     }
 
     fn failed(&self, kind: UpstreamError) -> Response<Body> {

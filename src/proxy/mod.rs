@@ -32,10 +32,11 @@ use tokio::task::JoinHandle;
 
 use crate::admin;
 use crate::config::{Config, HeaderMode};
+use crate::gate;
 use crate::key::{self, RequestView};
 use crate::limit::{AnyClock, Clock};
 use crate::metrics::{Metrics, Outcome};
-use crate::rules::{RuleSet, Verdict};
+use crate::rules::RuleSet;
 use respond::Body;
 
 /// How often idle keys are swept from the per-rule stores.
@@ -241,10 +242,11 @@ async fn handle(shared: &Shared, peer: SocketAddr, req: Request<Incoming>) -> Re
         );
     }
     let client_ip = key::client_ip(req.headers(), peer.ip(), shared.trusted_hops);
+    let grpc = respond::is_grpc(req.headers());
 
-    // The decision is synchronous: the snapshot guard is dropped before any await.
-    let (verdict, header_mode) = {
-        let rules = shared.rules.load();
+    // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
+    // and never holds the rule snapshot across that wait.
+    let admitted = {
         let view = RequestView {
             method: req.method(),
             uri: req.uri(),
@@ -252,16 +254,18 @@ async fn handle(shared: &Shared, peer: SocketAddr, req: Request<Incoming>) -> Re
             host: key::request_host(req.uri(), req.headers()),
             client_ip,
         };
-        (rules.check(&view, start), rules.header_mode())
+        gate::admit(&shared.rules, &shared.clock, &view).await
     };
-    let states = match verdict {
-        Verdict::Deny(denial) => {
-            metrics
-                .duration(Outcome::Rejected)
-                .observe(elapsed(shared, start));
-            return respond::too_many_requests(&denial);
+    let admit = match admitted {
+        Ok(admit) => admit,
+        Err(refusal) => {
+            let outcome = match refusal {
+                gate::Refusal::Limited(_) => Outcome::Rejected,
+                gate::Refusal::BadCost(_) => Outcome::Error,
+            };
+            metrics.duration(outcome).observe(elapsed(shared, start));
+            return respond::refusal(&refusal, grpc);
         }
-        Verdict::Allow(states) => states,
     };
 
     let fwd = forward::Forward {
@@ -272,14 +276,14 @@ async fn handle(shared: &Shared, peer: SocketAddr, req: Request<Incoming>) -> Re
         response_timeout: shared.response_timeout,
         metrics,
     };
-    let mut resp = fwd.send(req).await;
+    let mut resp = fwd.send(req, admit.permits).await;
     let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
         Outcome::Upstream
     } else {
         Outcome::Error
     };
-    if header_mode == HeaderMode::Always {
-        respond::add_rate_headers(resp.headers_mut(), &states);
+    if shared.rules.load().header_mode() == HeaderMode::Always {
+        respond::add_rate_headers(resp.headers_mut(), &admit.states);
     }
     metrics.duration(outcome).observe(elapsed(shared, start));
     resp

@@ -1,9 +1,12 @@
-//! The one place where the proxy answers by itself: 429 and the 4xx/5xx it sends when it
-//! cannot or will not forward. Keeping them together keeps headers and bodies consistent.
+//! The one place where Spillway answers by itself: 429 (or its gRPC form) and the 4xx/5xx it
+//! sends when it cannot or will not forward. Keeping them together keeps headers and bodies
+//! consistent between the sidecar and the embedded layer.
 //!
 //! Bodies are short `application/problem+json` documents (RFC 9457) that say what happened;
 //! rule names are validated to `[A-Za-z0-9_.-]`, so they need no escaping in JSON or in the
 //! structured-field strings of the `RateLimit` headers (draft-ietf-httpapi-ratelimit-headers-11).
+//! A limited gRPC call gets what gRPC clients understand: HTTP 200 with `grpc-status: 8`
+//! (RESOURCE_EXHAUSTED), a `grpc-message`, and the retry hint as `grpc-retry-pushback-ms`.
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
@@ -12,32 +15,74 @@ use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 
 use crate::config::HeaderMode;
+use crate::gate::{PermitBody, Refusal};
 use crate::rules::{Denial, RateState};
 
-/// Response bodies: the upstream's, streamed, or a short one of ours.
-pub type Body = Either<Incoming, Full<Bytes>>;
+/// Response bodies of the sidecar: the upstream's, streamed, or a short one of ours.
+pub type Body = Either<PermitBody<Incoming>, Full<Bytes>>;
+
+/// A response of ours, for whatever the other body type is.
+type Ours<L> = Response<Either<L, Full<Bytes>>>;
 
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 static PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
+static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
 
-/// 429 for a request a rule refused.
-pub fn too_many_requests(denial: &Denial) -> Response<Body> {
+/// True for gRPC requests (`content-type: application/grpc*`).
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// The answer to a refused request.
+pub fn refusal<L>(refusal: &Refusal, grpc: bool) -> Ours<L> {
+    match refusal {
+        Refusal::Limited(denial) => too_many_requests(denial, grpc),
+        Refusal::BadCost(header) => error(
+            StatusCode::BAD_REQUEST,
+            &format!("the {header} header must be a whole number"),
+        ),
+    }
+}
+
+/// 429 (or gRPC RESOURCE_EXHAUSTED) for a request a rule refused.
+pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
     let rule = &denial.state.rule;
     let retry = denial.retry_after_secs();
-    let body = match retry {
-        Some(secs) => format!(
-            "{{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\
-             \"detail\":\"rate limit of rule {rule} exceeded; retry in {secs} s\",\
-             \"rule\":\"{rule}\",\"retry_after\":{secs}}}\n"
-        ),
+    let detail = match retry {
+        Some(secs) => format!("rate limit of rule {rule} exceeded; retry in {secs} s"),
         None => format!(
-            "{{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\
-             \"detail\":\"the cost of this request exceeds the burst of rule {rule}; it can never be admitted\",\
-             \"rule\":\"{rule}\"}}\n"
+            "the cost of this request exceeds the burst of rule {rule}; it can never be admitted"
         ),
     };
-    let mut resp = problem(StatusCode::TOO_MANY_REQUESTS, body);
+    let mut resp = if grpc {
+        let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
+        let h = resp.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("8"));
+        // grpc-message is percent-encoded; the detail is plain ASCII without '%'.
+        if let Ok(v) = HeaderValue::from_str(&detail.replace(' ', "%20")) {
+            h.insert(GRPC_MESSAGE.clone(), v);
+        }
+        if let Some(ms) = denial.retry_after.map(|n| n.div_ceil(1_000_000)) {
+            h.insert(GRPC_PUSHBACK.clone(), HeaderValue::from(ms));
+        }
+        resp
+    } else {
+        let mut body = format!(
+            "{{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\
+             \"detail\":\"{detail}\",\"rule\":\"{rule}\""
+        );
+        if let Some(secs) = retry {
+            body.push_str(&format!(",\"retry_after\":{secs}"));
+        }
+        body.push_str("}\n");
+        problem(StatusCode::TOO_MANY_REQUESTS, body)
+    };
     let headers = resp.headers_mut();
     if let Some(secs) = retry {
         headers.insert(RETRY_AFTER, HeaderValue::from(secs));
@@ -75,8 +120,8 @@ pub fn add_rate_headers(headers: &mut HeaderMap, states: &[RateState]) {
     }
 }
 
-/// A short problem document for errors the proxy itself answers (400, 431, 502, 503, 504).
-pub fn error(status: StatusCode, detail: &str) -> Response<Body> {
+/// A short problem document for errors Spillway answers itself (400, 431, 502, 503, 504).
+pub fn error<L>(status: StatusCode, detail: &str) -> Ours<L> {
     let title = status.canonical_reason().unwrap_or("Error");
     let body = format!(
         "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":{}}}\n",
@@ -86,7 +131,7 @@ pub fn error(status: StatusCode, detail: &str) -> Response<Body> {
     problem(status, body)
 }
 
-fn problem(status: StatusCode, body: String) -> Response<Body> {
+fn problem<L>(status: StatusCode, body: String) -> Ours<L> {
     let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
     *resp.status_mut() = status;
     resp.headers_mut()

@@ -247,7 +247,7 @@ fn with_headers_always_allowed_requests_carry_each_rules_state() {
         "  - name: r\n    key: client_ip\n    limit: { rate: 10/s, burst: 20 }\n",
         "always",
     );
-    let Verdict::Allow(states) = req("GET", "/", &[]).check(&rules, T0) else {
+    let Verdict::Allow(Admit { states, .. }) = req("GET", "/", &[]).check(&rules, T0) else {
         panic!()
     };
     assert_eq!(states.len(), 1);

@@ -1,0 +1,281 @@
+//! Admission around the synchronous decision: waiting when a rule delays, holding
+//! concurrency slots until the response body ends, and the same as a tower [`Layer`] for
+//! services that embed Spillway without the sidecar.
+//!
+//! Owns the only awaits of the limiting path: the leaky bucket's shaping wait and the
+//! `on_limit: delay` retries, each a tokio timer (no thread held). The rule snapshot is loaded
+//! afresh for each try and never held across an await. Must never: answer a request itself
+//! (that is `proxy::respond`), or wait longer than the rule's `max_delay`.
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{Either, Full};
+use serde::Deserialize;
+use smallvec::SmallVec;
+use tower::{Layer, Service};
+
+use crate::config::{ClientIp, ConfigError, HeaderMode, Rule};
+use crate::key::{self, RequestView};
+use crate::limit::{AnyClock, Clock, Permit};
+use crate::metrics::Metrics;
+use crate::proxy::respond;
+use crate::rules::{Admit, Denial, RuleSet, Verdict};
+
+/// Why a request is not admitted.
+#[derive(Debug)]
+pub enum Refusal {
+    /// A rule refused it: 429.
+    Limited(Denial),
+    /// Its cost header is not a number: 400.
+    BadCost(http::HeaderName),
+}
+
+/// Decides `req`, waiting when a rule says so: the leaky bucket's shaping wait, or, for a
+/// rule with `on_limit: delay`, until the limiter admits it (at most `max_delay`, with a place
+/// in the rule's queue). A caller that drops this future (the client went away) frees its
+/// queue place and any concurrency slot it held.
+pub async fn admit(
+    rules: &ArcSwap<RuleSet>,
+    clock: &AnyClock,
+    req: &RequestView<'_>,
+) -> Result<Admit, Refusal> {
+    let mut place = None;
+    // Bounded by tokio's clock, so that a waiting request ends even if the limiter's clock
+    // were to stand still.
+    let mut deadline = None;
+    loop {
+        let verdict = rules.load().check(req, clock.now());
+        match verdict {
+            Verdict::Allow(admit) => {
+                if admit.wait > 0 {
+                    tokio::time::sleep(Duration::from_nanos(admit.wait)).await;
+                }
+                drop(place);
+                return Ok(admit);
+            }
+            Verdict::BadCost(h) => return Err(Refusal::BadCost(h)),
+            Verdict::Deny(denial) => {
+                let (Some(delay), Some(retry)) = (&denial.delay, denial.retry_after) else {
+                    return Err(Refusal::Limited(denial));
+                };
+                let now = tokio::time::Instant::now();
+                let deadline = *deadline.get_or_insert(now + Duration::from_nanos(delay.max_delay));
+                let wake = now + Duration::from_nanos(retry);
+                if wake > deadline {
+                    return Err(Refusal::Limited(denial));
+                }
+                if place.is_none() {
+                    match delay.queue.enter() {
+                        Some(p) => place = Some(p),
+                        None => return Err(Refusal::Limited(denial)),
+                    }
+                }
+                let queue = delay.queue.clone();
+                drop(denial);
+                tokio::time::sleep_until(wake).await;
+                queue.delayed.inc();
+            }
+        }
+    }
+}
+
+/// A response body that holds concurrency slots until it ends or is dropped.
+#[derive(Debug)]
+pub struct PermitBody<B> {
+    inner: B,
+    permits: SmallVec<[Permit; 1]>,
+}
+
+impl<B> PermitBody<B> {
+    pub fn new(inner: B, permits: SmallVec<[Permit; 1]>) -> Self {
+        Self { inner, permits }
+    }
+}
+
+impl<B: Body + Unpin> Body for PermitBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        if matches!(polled, Poll::Ready(None)) {
+            // The body is over: free the slots now rather than when hyper drops it.
+            self.permits.clear();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tower layer.
+
+/// The client address of a request for [`RateLimitLayer`]: insert it as a request extension
+/// (a bare `SocketAddr` extension works too). Without either, `client_ip` keys are 0.0.0.0.
+#[derive(Debug, Clone, Copy)]
+pub struct PeerAddr(pub SocketAddr);
+
+/// The rules part of the YAML, for embedding: `rules:` and optionally `headers:` and
+/// `client_ip:`, with the same schema and errors as the sidecar's file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Policy {
+    #[serde(default)]
+    client_ip: ClientIp,
+    #[serde(default)]
+    headers: HeaderMode,
+    #[serde(default)]
+    rules: Vec<Rule>,
+}
+
+/// Spillway's limiting as a tower [`Layer`], built from the same YAML rules as the sidecar.
+///
+/// ```
+/// use spillway::RateLimitLayer;
+/// use tower::{Layer, ServiceExt};
+///
+/// # tokio_test_block_on(async {
+/// let layer = RateLimitLayer::from_yaml(r#"
+/// rules:
+///   - name: per-key
+///     key: [header:x-api-key]
+///     limit: { rate: 1/m, burst: 1 }
+/// "#, "inline").unwrap();
+/// let app = tower::service_fn(|_req: http::Request<String>| async {
+///     Ok::<_, std::convert::Infallible>(http::Response::new(String::from("hello")))
+/// });
+/// let svc = layer.layer(app);
+/// let req = || http::Request::get("/").header("x-api-key", "k").body(String::new()).unwrap();
+/// assert_eq!(svc.clone().oneshot(req()).await.unwrap().status(), 200);
+/// assert_eq!(svc.clone().oneshot(req()).await.unwrap().status(), 429);
+/// # });
+/// # fn tokio_test_block_on<F: std::future::Future>(f: F) -> F::Output {
+/// #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
+/// # }
+/// ```
+#[derive(Clone)]
+pub struct RateLimitLayer {
+    shared: Arc<LayerShared>,
+}
+
+struct LayerShared {
+    rules: ArcSwap<RuleSet>,
+    clock: AnyClock,
+    metrics: Arc<Metrics>,
+    trusted_hops: u8,
+}
+
+impl RateLimitLayer {
+    /// Builds the layer from YAML with a `rules:` list; `source` names it in errors.
+    pub fn from_yaml(yaml: &str, source: &str) -> Result<Self, ConfigError> {
+        let policy: Policy = crate::config::parse_yaml(yaml, source)?;
+        crate::config::check_rule_names(&policy.rules, yaml, source)?;
+        let metrics = Arc::new(Metrics::new());
+        let rules = RuleSet::from_rules(&policy.rules, policy.headers, &metrics);
+        Ok(Self {
+            shared: Arc::new(LayerShared {
+                rules: ArcSwap::from_pointee(rules),
+                clock: AnyClock::default(),
+                metrics,
+                trusted_hops: policy.client_ip.trusted_hops,
+            }),
+        })
+    }
+
+    /// The layer's metrics, in Prometheus text format.
+    pub fn render_metrics(&self) -> Vec<u8> {
+        self.shared.metrics.render()
+    }
+}
+
+impl<S> Layer<S> for RateLimitLayer {
+    type Service = RateLimit<S>;
+    fn layer(&self, inner: S) -> RateLimit<S> {
+        RateLimit {
+            inner,
+            shared: self.shared.clone(),
+        }
+    }
+}
+
+/// The service [`RateLimitLayer`] wraps around another.
+#[derive(Clone)]
+pub struct RateLimit<S> {
+    inner: S,
+    shared: Arc<LayerShared>,
+}
+
+/// What [`RateLimit`] answers: the inner service's body, or a short one of ours.
+pub type LimitedBody<B> = Either<PermitBody<B>, Full<Bytes>>;
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send,
+    ReqB: Send + 'static,
+    ResB: Body<Data = Bytes> + Unpin,
+{
+    type Response = Response<LimitedBody<ResB>>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        // The clone that was driven to readiness serves this request (tower's usual dance).
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let peer = req
+                .extensions()
+                .get::<PeerAddr>()
+                .map(|p| p.0)
+                .or_else(|| req.extensions().get::<SocketAddr>().copied())
+                .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip());
+            let client_ip = key::client_ip(req.headers(), peer, shared.trusted_hops);
+            let grpc = respond::is_grpc(req.headers());
+            let admitted = {
+                let view = RequestView {
+                    method: req.method(),
+                    uri: req.uri(),
+                    headers: req.headers(),
+                    host: key::request_host(req.uri(), req.headers()),
+                    client_ip,
+                };
+                admit(&shared.rules, &shared.clock, &view).await
+            };
+            let admit = match admitted {
+                Ok(a) => a,
+                Err(refusal) => return Ok(respond::refusal(&refusal, grpc)),
+            };
+            let resp = inner.call(req).await?;
+            let mut resp = resp.map(|b| Either::Left(PermitBody::new(b, admit.permits)));
+            if shared.rules.load().header_mode() == HeaderMode::Always {
+                respond::add_rate_headers(resp.headers_mut(), &admit.states);
+            }
+            Ok(resp)
+        })
+    }
+}
