@@ -110,8 +110,10 @@ impl<B: Body + Unpin> Body for PermitBody<B> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        if matches!(polled, Poll::Ready(None)) {
-            // The body is over: free the slots now rather than when hyper drops it.
+        // Free the slots as soon as the body is over, before its last bytes reach the client:
+        // hyper may never poll a body of known length again, and a client that saw the end
+        // must be able to use the slot it just gave back.
+        if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
             self.permits.clear();
         }
         polled

@@ -293,3 +293,40 @@ fn sweeping_forgets_only_buckets_that_have_refilled() {
         .from("10.0.0.2")
         .allowed(&rules, T0 + NANOS_PER_SEC));
 }
+
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+
+        /// Decisions for one key are the same whether or not other keys are busy.
+        #[test]
+        fn decisions_for_different_keys_never_interfere(
+            algorithm in proptest::sample::select(crate::limit::Algorithm::ALL.to_vec()),
+            steps in proptest::collection::vec((0u64..200, proptest::bool::ANY), 1..150),
+        ) {
+            let rule = format!(
+                "  - name: r\n    key: [header:x-k]\n    limit: {{ rate: 5/s, burst: 3, algorithm: {} }}\n",
+                algorithm.name()
+            );
+            let (alone, _) = ruleset(&rule, "on_reject");
+            let (shared, _) = ruleset(&rule, "on_reject");
+            let a = req("GET", "/", &[("x-k", "a")]);
+            let b = req("GET", "/", &[("x-k", "b")]);
+            let mut now = T0;
+            for (gap_ms, also_b) in steps {
+                now += gap_ms * 1_000_000;
+                if also_b {
+                    shared_check(&b, &shared, now);
+                }
+                prop_assert_eq!(a.allowed(&alone, now), a.allowed(&shared, now), "at {}", now);
+            }
+        }
+    }
+
+    fn shared_check(r: &Req, rules: &RuleSet, now: Nanos) {
+        let _ = r.check(rules, now);
+    }
+}
