@@ -1,28 +1,43 @@
-//! The in-path decision: one hot key and 100k keys, on one and two threads.
+//! The in-path decision for every algorithm: one hot key and 1M keys, on one and two threads,
+//! with governor's keyed limiter in the same run as a reference.
 //!
-//! `cargo bench --bench decision`. Each figure is the cost of `RuleSet::check` for one
-//! request under one matching rule (match, key extraction, lookup, CAS, counter), as the
-//! proxy calls it, with `now` read from the real clock once per decision.
+//! `cargo bench --bench decision`. Each `decision/*` figure is the cost of `RuleSet::check`
+//! for one request under one matching rule (match, key extraction, lookup, the algorithm,
+//! counter), exactly as the proxy calls it, with `now` read from the real clock once per
+//! decision. `governor/*` is `check_key` on a `DefaultKeyedRateLimiter<IpAddr>`: a bare keyed
+//! check with no matching, key extraction or metrics, so it is the floor we compare against.
+//! Limits are set so that every decision admits (the common path). Two-thread figures are wall
+//! time per decision on each thread while both run at once.
 
 use std::hint::black_box;
 use std::net::{IpAddr, Ipv4Addr};
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
-use criterion::{criterion_group, criterion_main, Criterion};
+use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion};
 use http::{HeaderMap, Method, Uri};
 use spillway::key::RequestView;
-use spillway::limit::{Clock, Limiter, MonotonicClock};
+use spillway::limit::{Algorithm, Clock, Limiter, MonotonicClock};
 use spillway::metrics::Metrics;
 use spillway::rules::RuleSet;
 use spillway::Config;
 
-const KEYS: u32 = 100_000;
+const MANY: u32 = 1_000_000;
 
-fn ruleset() -> RuleSet {
-    // A limit no benchmark reaches, so every decision takes the admit path (the common one).
-    let yaml = "service: bench\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: per-client\n    match: { path_prefix: /api/ }\n    key: client_ip\n    limit: { rate: 1000000000/s }\n    max_keys: 200000\n";
-    let config = Config::from_yaml(yaml, "bench").unwrap();
+fn ruleset(algorithm: Algorithm) -> RuleSet {
+    // A limit no benchmark reaches. The sliding log keeps an entry per admitted request, so
+    // its window is kept short enough for the log to stay small.
+    let limit = match algorithm {
+        Algorithm::SlidingWindowLog => {
+            "{ rate: 100/1ms, algorithm: sliding_window_log }".to_string()
+        }
+        a => format!("{{ rate: 1000000000/s, algorithm: {} }}", a.name()),
+    };
+    let yaml = format!(
+        "service: bench\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: per-client\n    match: {{ path_prefix: /api/ }}\n    key: client_ip\n    limit: {limit}\n    max_keys: 2000000\n"
+    );
+    let config = Config::from_yaml(&yaml, "bench").unwrap();
     RuleSet::build(&config, &Metrics::new())
 }
 
@@ -30,34 +45,47 @@ fn ip(i: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))
 }
 
-fn decide(rules: &RuleSet, clock: &MonotonicClock, uri: &Uri, headers: &HeaderMap, ip: IpAddr) {
-    let view = RequestView {
-        method: &Method::GET,
-        uri,
-        headers,
-        host: None,
-        client_ip: ip,
-    };
-    black_box(rules.check(&view, clock.now()));
+struct Req {
+    clock: MonotonicClock,
+    uri: Uri,
+    headers: HeaderMap,
 }
 
-/// Runs `iters` decisions on each of `threads` threads at once; returns wall time per
-/// decision per thread.
-fn contended(rules: &Arc<RuleSet>, threads: u32, iters: u64, keys: u32) -> Duration {
+impl Req {
+    fn new() -> Self {
+        Req {
+            clock: MonotonicClock::new(),
+            uri: Uri::from_static("/api/orders"),
+            headers: HeaderMap::new(),
+        }
+    }
+    #[inline]
+    fn decide(&self, rules: &RuleSet, ip: IpAddr) {
+        let view = RequestView {
+            method: &Method::GET,
+            uri: &self.uri,
+            headers: &self.headers,
+            host: None,
+            client_ip: ip,
+        };
+        black_box(rules.check(&view, self.clock.now()));
+    }
+}
+
+/// Runs `iters` calls of `f(thread, i)` on each of `threads` threads at once; returns wall
+/// time for them all (criterion divides by `iters`: time per call per thread).
+fn contended<F>(threads: u32, iters: u64, f: Arc<F>) -> Duration
+where
+    F: Fn(u32, u64) + Send + Sync + 'static,
+{
     let barrier = Arc::new(std::sync::Barrier::new(threads as usize + 1));
     let handles: Vec<_> = (0..threads)
         .map(|t| {
-            let rules = rules.clone();
-            let barrier = barrier.clone();
+            let (f, barrier) = (f.clone(), barrier.clone());
             std::thread::spawn(move || {
-                let clock = MonotonicClock::new();
-                let uri = Uri::from_static("/api/orders");
-                let headers = HeaderMap::new();
                 barrier.wait();
-                let mut k = t * 7919;
-                for _ in 0..iters {
-                    k = if k + 1 >= keys { 0 } else { k + 1 };
-                    decide(&rules, &clock, &uri, &headers, ip(k));
+                for i in 0..iters {
+                    f(t, i);
                 }
             })
         })
@@ -71,51 +99,102 @@ fn contended(rules: &Arc<RuleSet>, threads: u32, iters: u64, keys: u32) -> Durat
     Duration::from_nanos(clock.now() - start)
 }
 
-fn bench(c: &mut Criterion) {
-    let mut g = c.benchmark_group("decision");
-    let clock = MonotonicClock::new();
-    let uri = Uri::from_static("/api/orders");
-    let headers = HeaderMap::new();
-
-    let hot = ruleset();
-    g.bench_function("one_key/1_thread", |b| {
-        b.iter(|| decide(&hot, &clock, &uri, &headers, ip(1)))
-    });
-
-    let many = ruleset();
-    for i in 0..KEYS {
-        decide(&many, &clock, &uri, &headers, ip(i));
-    }
-    let mut k = 0;
-    g.bench_function("100k_keys/1_thread", |b| {
+/// The four figures for one limiter: `check(thread, i)` decides the `i`th request.
+fn four<F, G>(
+    g: &mut BenchmarkGroup<'_, criterion::measurement::WallTime>,
+    name: &str,
+    hot: Arc<F>,
+    many: Arc<G>,
+) where
+    F: Fn(u32, u64) + Send + Sync + 'static,
+    G: Fn(u32, u64) + Send + Sync + 'static,
+{
+    let mut i = 0u64;
+    g.bench_function(format!("{name}/one_key/1_thread"), |b| {
         b.iter(|| {
-            k = if k + 1 >= KEYS { 0 } else { k + 1 };
-            decide(&many, &clock, &uri, &headers, ip(k))
+            i += 1;
+            hot(0, i)
         })
     });
+    g.bench_function(format!("{name}/1m_keys/1_thread"), |b| {
+        b.iter(|| {
+            i += 1;
+            many(0, i)
+        })
+    });
+    g.bench_function(format!("{name}/one_key/2_threads"), |b| {
+        b.iter_custom(|iters| contended(2, iters, hot.clone()))
+    });
+    g.bench_function(format!("{name}/1m_keys/2_threads"), |b| {
+        b.iter_custom(|iters| contended(2, iters, many.clone()))
+    });
+}
+
+/// Key `i` of thread `t` among `MANY`, spread so that threads touch different keys.
+fn many_key(t: u32, i: u64) -> u32 {
+    ((i.wrapping_mul(2_654_435_761) as u32).wrapping_add(t * 7919)) % MANY
+}
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decision");
+    for algorithm in Algorithm::ALL {
+        let hot = Arc::new(ruleset(algorithm));
+        let many = Arc::new(ruleset(algorithm));
+        let r = Req::new();
+        for k in 0..MANY {
+            r.decide(&many, ip(k));
+        }
+        let req = Arc::new(Req::new());
+        let (rq, h) = (req.clone(), hot.clone());
+        let hot_fn = Arc::new(move |_t: u32, _i: u64| rq.decide(&h, ip(1)));
+        let (rq, m) = (req.clone(), many.clone());
+        let many_fn = Arc::new(move |t: u32, i: u64| rq.decide(&m, ip(many_key(t, i))));
+        four(&mut g, algorithm.name(), hot_fn, many_fn);
+    }
 
     let unmatched = Uri::from_static("/static/logo.png");
+    let rules = ruleset(Algorithm::TokenBucket);
+    let clock = MonotonicClock::new();
+    let headers = HeaderMap::new();
     g.bench_function("no_matching_rule/1_thread", |b| {
-        b.iter(|| decide(&hot, &clock, &unmatched, &headers, ip(1)))
+        b.iter(|| {
+            let view = RequestView {
+                method: &Method::GET,
+                uri: &unmatched,
+                headers: &headers,
+                host: None,
+                client_ip: ip(1),
+            };
+            black_box(rules.check(&view, clock.now()))
+        })
     });
+    g.finish();
 
-    let hot = Arc::new(hot);
-    g.bench_function("one_key/2_threads", |b| {
-        b.iter_custom(|iters| contended(&hot, 2, iters, 1))
+    let mut g = c.benchmark_group("governor");
+    let quota = governor::Quota::per_second(NonZeroU32::new(1_000_000_000).unwrap());
+    let hot = Arc::new(governor::DefaultKeyedRateLimiter::<IpAddr>::keyed(quota));
+    let many = Arc::new(governor::DefaultKeyedRateLimiter::<IpAddr>::keyed(quota));
+    for k in 0..MANY {
+        let _ = many.check_key(&ip(k));
+    }
+    let h = hot.clone();
+    let hot_fn = Arc::new(move |_t: u32, _i: u64| {
+        let _ = black_box(h.check_key(&ip(1)));
     });
-    let many = Arc::new(many);
-    g.bench_function("100k_keys/2_threads", |b| {
-        b.iter_custom(|iters| contended(&many, 2, iters, KEYS))
+    let m = many.clone();
+    let many_fn = Arc::new(move |t: u32, i: u64| {
+        let _ = black_box(m.check_key(&ip(many_key(t, i))));
     });
+    four(&mut g, "keyed", hot_fn, many_fn);
     g.finish();
 
     // The parts, to read the figures above against.
     let mut parts = c.benchmark_group("parts");
     parts.bench_function("clock_now", |b| b.iter(|| black_box(clock.now())));
     let quota = spillway::limit::Quota::new(
-        std::num::NonZeroU32::new(1_000_000_000).unwrap(),
+        NonZeroU32::new(1_000_000_000).unwrap(),
         Duration::from_secs(1),
-        std::num::NonZeroU32::new(1_000_000_000).unwrap(),
+        NonZeroU32::new(1_000_000_000).unwrap(),
     )
     .unwrap();
     let bucket = spillway::limit::TokenBucket::new();
@@ -128,8 +207,8 @@ fn bench(c: &mut Criterion) {
 criterion_group! {
     name = benches;
     config = Criterion::default()
-        .warm_up_time(Duration::from_secs(1))
-        .measurement_time(Duration::from_secs(3));
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
     targets = bench
 }
 criterion_main!(benches);

@@ -8,7 +8,7 @@
 //! Cost of `check` per matching rule: a few string compares for the match, the key written
 //! into a stack buffer, one hash of it, one sharded read lock + lookup by borrowed bytes, the
 //! algorithm's CAS (a per-key lock for the sliding log), one relaxed counter add. A new key
-//! costs one boxed copy of the key and a shard write lock; past `max_keys`, new keys share one
+//! costs a shard write lock (and a heap copy of the key past 24 bytes); past `max_keys`, new keys share one
 //! overflow state per rule. Measured in `benches/decision.rs`.
 
 use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
@@ -126,13 +126,17 @@ struct StoreParts {
     overflowed: IntCounter,
 }
 
+/// A key as stored: inline up to 24 bytes (an IPv6 address with its framing fits), so that a
+/// lookup does not chase a pointer to a separate allocation; longer keys spill to the heap.
+type StoredKey = SmallVec<[u8; 24]>;
+
 /// One state per key, bounded by `max_keys`.
 struct Store<S> {
     // DashMap shards its table behind per-shard RwLocks: a lookup of a known key takes one
     // shard's read lock for the length of a CAS, never a global lock. foldhash's quality
     // variant, seeded per store, is ~3x cheaper than SipHash on short keys, and the random
     // seed keeps clients from choosing colliding keys blind.
-    map: DashMap<Box<[u8]>, S, foldhash::quality::RandomState>,
+    map: DashMap<StoredKey, S, foldhash::quality::RandomState>,
     // Counted apart because DashMap::len visits every shard. Relaxed: only a bound.
     len: AtomicUsize,
     max_keys: usize,
@@ -163,7 +167,7 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
             self.parts.overflowed.inc();
             return (f(&self.overflow), Slot::Overflow);
         }
-        let entry = self.map.entry(Box::from(key));
+        let entry = self.map.entry(StoredKey::from_slice(key));
         let inserted = matches!(entry, dashmap::Entry::Vacant(_));
         let r = entry.or_default().downgrade();
         if inserted {

@@ -20,22 +20,30 @@ pub const BYTES_PER_ENTRY: u64 = 16;
 
 #[derive(Debug, Default)]
 struct Log {
-    /// Admission time and cost, oldest first.
-    entries: VecDeque<(Nanos, u32)>,
-    /// Sum of the costs in `entries`.
-    sum: u64,
+    /// Admission time and the running total of admitted cost including this entry, oldest
+    /// first. The running totals rise, so the entry to wait for is found by binary search.
+    entries: VecDeque<(Nanos, u64)>,
+    /// Running total of every cost admitted (the odometer).
+    total: u64,
+    /// The odometer reading when the last entry that left the window was admitted.
+    expired: u64,
 }
 
 impl Log {
     /// Drops entries that have left the window `(now - window, now]`.
     fn expire(&mut self, now: Nanos, window: Nanos) {
-        while let Some(&(t, c)) = self.entries.front() {
+        while let Some(&(t, cum)) = self.entries.front() {
             if t + window > now {
                 break;
             }
             self.entries.pop_front();
-            self.sum -= u64::from(c);
+            self.expired = cum;
         }
+    }
+
+    /// Cost admitted inside the window.
+    fn sum(&self) -> u64 {
+        self.total - self.expired
     }
 }
 
@@ -55,40 +63,52 @@ impl SlidingWindowLog {
 impl Limiter for SlidingWindowLog {
     fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
         let limit = u64::from(quota.burst());
-        if u64::from(cost) > limit {
+        let cost = u64::from(cost);
+        if cost > limit {
             return Decision::Deny { retry_after: None };
         }
         let window = quota.window();
         let mut log = self.log();
         log.expire(now, window);
-        if log.sum + u64::from(cost) <= limit {
-            log.entries.push_back((now, cost));
-            log.sum += u64::from(cost);
+        if log.sum() + cost <= limit {
+            log.total += cost;
+            let total = log.total;
+            log.entries.push_back((now, total));
             return Decision::Allow {
-                remaining: (limit - log.sum) as u32,
+                remaining: (limit - log.sum()) as u32,
                 reset_after: window,
                 wait: 0,
             };
         }
-        // The earliest instant at which enough old entries have left for `cost` to fit.
-        let mut left = log.sum;
-        for &(t, c) in &log.entries {
-            left -= u64::from(c);
-            if left + u64::from(cost) <= limit {
-                return Decision::Deny {
-                    retry_after: Some(t + window - now),
-                };
-            }
+        // `cost` fits once the entries up to the first whose running total reaches
+        // `total + cost - limit` have left: O(log n), however long the log.
+        let need = log.total + cost - limit;
+        let i = log.entries.partition_point(|&(_, cum)| cum < need);
+        let (t, _) = log.entries[i];
+        Decision::Deny {
+            retry_after: Some(t + window - now),
         }
-        unreachable!("cost <= limit, so the loop returns once the log is empty")
     }
 
     fn refund(&self, _quota: &Quota, now: Nanos, cost: u32) {
+        let cost = u64::from(cost);
         let mut log = self.log();
-        if let Some(i) = log.entries.iter().rposition(|&e| e == (now, cost)) {
-            log.entries.remove(i);
-            log.sum -= u64::from(cost);
+        // Our entry is normally the newest; another request of the key may have come after.
+        let own = |log: &Log, i: usize| {
+            let before = if i == 0 { log.expired } else { log.entries[i - 1].1 };
+            log.entries[i].1 - before
+        };
+        let Some(i) = (0..log.entries.len())
+            .rev()
+            .find(|&i| log.entries[i].0 == now && own(&log, i) == cost)
+        else {
+            return;
+        };
+        log.entries.remove(i);
+        for e in log.entries.range_mut(i..) {
+            e.1 -= cost;
         }
+        log.total -= cost;
     }
 
     fn is_idle(&self, quota: &Quota, now: Nanos) -> bool {
