@@ -48,7 +48,7 @@ pub async fn admit(
     clock: &AnyClock,
     req: &RequestView<'_>,
 ) -> Result<Admit, Refusal> {
-    let mut place = None;
+    let mut place: Option<crate::rules::QueuePlace> = None;
     // Bounded by tokio's clock, so that a waiting request ends even if the limiter's clock
     // were to stand still.
     let mut deadline = None;
@@ -59,7 +59,9 @@ pub async fn admit(
                 if admit.wait > 0 {
                     tokio::time::sleep(Duration::from_nanos(admit.wait)).await;
                 }
-                drop(place);
+                if let Some(place) = place {
+                    place.admitted();
+                }
                 return Ok(admit);
             }
             Verdict::BadCost(h) => return Err(Refusal::BadCost(h)),
@@ -79,10 +81,8 @@ pub async fn admit(
                         None => return Err(Refusal::Limited(denial)),
                     }
                 }
-                let queue = delay.queue.clone();
                 drop(denial);
                 tokio::time::sleep_until(wake).await;
-                queue.delayed.inc();
             }
         }
     }
@@ -256,18 +256,14 @@ where
                 .map(|p| p.0)
                 .or_else(|| req.extensions().get::<SocketAddr>().copied())
                 .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip());
-            let client_ip = key::client_ip(req.headers(), peer, shared.trusted_hops);
             let grpc = respond::is_grpc(req.headers());
-            let admitted = {
-                let view = RequestView {
-                    method: req.method(),
-                    uri: req.uri(),
-                    headers: req.headers(),
-                    host: key::request_host(req.uri(), req.headers()),
-                    client_ip,
-                };
-                admit(&shared.rules, &shared.clock, &view).await
-            };
+            let client_ip = key::client_ip(req.headers(), peer, shared.trusted_hops);
+            let admitted = admit(
+                &shared.rules,
+                &shared.clock,
+                &RequestView::of(&req, client_ip),
+            )
+            .await;
             let admit = match admitted {
                 Ok(a) => a,
                 Err(refusal) => return Ok(respond::refusal(&refusal, grpc)),

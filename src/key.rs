@@ -85,6 +85,20 @@ pub struct RequestView<'a> {
     pub client_ip: IpAddr,
 }
 
+impl<'a> RequestView<'a> {
+    /// The view of `req` from `client_ip`. It borrows the head only, never the body, so a
+    /// future holding it stays `Send` whatever the body type.
+    pub fn of<B>(req: &'a http::Request<B>, client_ip: IpAddr) -> Self {
+        RequestView {
+            method: req.method(),
+            uri: req.uri(),
+            headers: req.headers(),
+            host: request_host(req.uri(), req.headers()),
+            client_ip,
+        }
+    }
+}
+
 /// The request's host: the `Host` header, else the URI authority (HTTP/2), without port.
 pub fn request_host<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> Option<&'a str> {
     let raw = match headers.get(http::header::HOST) {

@@ -220,7 +220,7 @@ pub struct DelayQueue {
     max: u32,
     gauge: IntGauge,
     /// Requests that waited and were then admitted.
-    pub delayed: IntCounter,
+    delayed: IntCounter,
 }
 
 impl DelayQueue {
@@ -239,6 +239,13 @@ impl DelayQueue {
 /// A place in a [`DelayQueue`]; dropping it (admitted, refused, or the client gone) frees it.
 #[derive(Debug)]
 pub struct QueuePlace(Arc<DelayQueue>);
+
+impl QueuePlace {
+    /// The request that held this place was admitted: count it and free the place.
+    pub fn admitted(self) {
+        self.0.delayed.inc();
+    }
+}
 
 impl Drop for QueuePlace {
     fn drop(&mut self) {

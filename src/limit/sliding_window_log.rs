@@ -95,7 +95,11 @@ impl Limiter for SlidingWindowLog {
         let mut log = self.log();
         // Our entry is normally the newest; another request of the key may have come after.
         let own = |log: &Log, i: usize| {
-            let before = if i == 0 { log.expired } else { log.entries[i - 1].1 };
+            let before = if i == 0 {
+                log.expired
+            } else {
+                log.entries[i - 1].1
+            };
             log.entries[i].1 - before
         };
         let Some(i) = (0..log.entries.len())

@@ -241,21 +241,12 @@ async fn handle(shared: &Shared, peer: SocketAddr, req: Request<Incoming>) -> Re
             "request headers are larger than this proxy accepts",
         );
     }
-    let client_ip = key::client_ip(req.headers(), peer.ip(), shared.trusted_hops);
     let grpc = respond::is_grpc(req.headers());
-
     // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
     // and never holds the rule snapshot across that wait.
-    let admitted = {
-        let view = RequestView {
-            method: req.method(),
-            uri: req.uri(),
-            headers: req.headers(),
-            host: key::request_host(req.uri(), req.headers()),
-            client_ip,
-        };
-        gate::admit(&shared.rules, &shared.clock, &view).await
-    };
+    let client_ip = key::client_ip(req.headers(), peer.ip(), shared.trusted_hops);
+    let view = RequestView::of(&req, client_ip);
+    let admitted = gate::admit(&shared.rules, &shared.clock, &view).await;
     let admit = match admitted {
         Ok(admit) => admit,
         Err(refusal) => {
