@@ -40,8 +40,52 @@ pub struct Config {
     pub headers: HeaderMode,
     #[serde(default)]
     pub limits: Limits,
+    /// Where `scope: global` rules report and get their drop ratios.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane: Option<ControlPlane>,
     #[serde(default)]
     pub rules: Vec<Rule>,
+}
+
+/// The proxy's side of the control plane.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ControlPlane {
+    /// The zone's aggregator (or a controller, for small fleets): `http://host:port`.
+    pub url: Upstream,
+    /// How often counts are reported (at least 100ms).
+    #[serde(default = "default_report_interval")]
+    pub report_interval: Dur,
+    /// No good reply for this long: the control plane is stale.
+    #[serde(default = "default_stale_after")]
+    pub stale_after: Dur,
+    /// Once stale, held ratios fall linearly to zero over this long.
+    #[serde(default = "default_decay")]
+    pub decay: Dur,
+    /// A file holding the shared bearer token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<std::path::PathBuf>,
+    /// Keys reported one by one per rule; the rest are folded into one "other" entry.
+    #[serde(default = "default_top_k")]
+    pub top_k: NonZeroU32,
+    /// This proxy's zone and host name in reports (default: `$SPILLWAY_ZONE`, `$HOSTNAME`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+}
+
+fn default_report_interval() -> Dur {
+    Dur(Duration::from_secs(1))
+}
+fn default_stale_after() -> Dur {
+    Dur(Duration::from_secs(5))
+}
+fn default_decay() -> Dur {
+    Dur(Duration::from_secs(10))
+}
+fn default_top_k() -> NonZeroU32 {
+    NonZeroU32::new(100).expect("non-zero")
 }
 
 fn default_admin() -> SocketAddr {
@@ -131,6 +175,8 @@ pub struct Rule {
     /// With `on_limit: delay`: requests of this rule that may wait at once.
     pub max_queue: NonZeroU32,
     pub scope: Scope,
+    /// For `scope: global`: a local limit that applies while the control plane is stale.
+    pub fallback: Option<Limit>,
     pub mode: Mode,
     /// Keys tracked at most; past it new keys share one overflow bucket.
     pub max_keys: NonZeroU32,
@@ -154,6 +200,8 @@ struct RawRule {
     max_queue: NonZeroU32,
     #[serde(default)]
     scope: Scope,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    fallback: Option<Limit>,
     #[serde(default)]
     mode: Mode,
     #[serde(default = "default_max_keys")]
@@ -190,6 +238,7 @@ impl TryFrom<RawRule> for Rule {
             max_delay: r.max_delay,
             max_queue: r.max_queue,
             scope: r.scope,
+            fallback: r.fallback,
             mode: r.mode,
             max_keys: r.max_keys,
         })
@@ -198,6 +247,31 @@ impl TryFrom<RawRule> for Rule {
 
 /// What one field of a rule cannot tell alone: how its limit, cost and delay fit together.
 fn check_rule(r: &RawRule) -> Result<(), String> {
+    if r.scope == Scope::Global {
+        match &r.limit {
+            Limit::Concurrency(_) => {
+                return Err("scope: global takes a rate limit, not concurrency".into())
+            }
+            Limit::Rate { algorithm, .. } if *algorithm != Algorithm::TokenBucket => {
+                return Err(
+                    "limit.algorithm: a global rule is enforced by drop ratios; give no algorithm (its fallback may)"
+                        .into(),
+                )
+            }
+            _ => {}
+        }
+        if r.on_limit == OnLimit::Delay {
+            return Err("on_limit: delay applies to local rules, not global ones".into());
+        }
+        if !matches!(r.cost, None | Some(Cost::Fixed(1))) {
+            return Err("cost: global rules count requests; give no cost".into());
+        }
+        if let Some(Limit::Concurrency(_)) = r.fallback {
+            return Err("fallback: takes a rate limit".into());
+        }
+    } else if r.fallback.is_some() {
+        return Err("fallback: applies to scope: global rules only".into());
+    }
     {
         match (&r.limit, &r.cost) {
             (Limit::Concurrency(_), Some(_)) => {
@@ -258,6 +332,7 @@ impl From<Rule> for RawRule {
             max_delay: r.max_delay,
             max_queue: r.max_queue,
             scope: r.scope,
+            fallback: r.fallback,
             mode: r.mode,
             max_keys: r.max_keys,
         }
@@ -478,8 +553,9 @@ impl<'de> Deserialize<'de> for Scope {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         parse_str(d, |s: &str| match s {
             "local" => Ok(Scope::Local),
-            "global" | "redis" => Err(err(format!(
-                "scope `{s}` is not available in this version yet; use `local`"
+            "global" => Ok(Scope::Global),
+            "redis" => Err(err(format!(
+                "scope `{s}` is not available in this version yet; use `local` or `global`"
             ))),
             _ => Err(format!(
                 "unknown variant `{s}`, expected one of `local`, `global`, `redis`"
@@ -960,7 +1036,45 @@ impl Config {
     pub fn from_yaml(text: &str, file: &str) -> Result<Config, ConfigError> {
         let config: Config = parse_yaml(text, file)?;
         check_rule_names(&config.rules, text, file)?;
+        config.check_control_plane(text, file)?;
         Ok(config)
+    }
+
+    /// Global rules need somewhere to report; intervals must make sense together.
+    fn check_control_plane(&self, text: &str, file: &str) -> Result<(), ConfigError> {
+        let invalid = |line, message: String| ConfigError::Invalid {
+            file: file.to_string(),
+            line,
+            column: None,
+            message,
+        };
+        if let Some(cp) = &self.control_plane {
+            let line = text
+                .lines()
+                .position(|l| l.starts_with("control_plane:"))
+                .map(|i| i + 1);
+            if cp.report_interval.0 < Duration::from_millis(100) {
+                return Err(invalid(
+                    line,
+                    "control_plane.report_interval: must be at least 100ms".into(),
+                ));
+            }
+            if cp.stale_after.0 < cp.report_interval.0 * 2 {
+                return Err(invalid(
+                    line,
+                    "control_plane.stale_after: must be at least two report intervals".into(),
+                ));
+            }
+        } else if let Some(rule) = self.rules.iter().find(|r| r.scope == Scope::Global) {
+            return Err(invalid(
+                line_of_nth_name(text, &rule.name.0, 1),
+                format!(
+                    "rule {}: scope: global needs a control_plane section with the aggregator's url",
+                    rule.name
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

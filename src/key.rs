@@ -151,6 +151,40 @@ pub fn extract(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> bo
     true
 }
 
+/// Writes the text form of the key of `parts` for `req` into `out`: what global rules report
+/// and look their ratios up by. Parts are separated by U+001F, which no header value, query or
+/// path can hold, so tuples stay unambiguous. Returns false when a part is missing.
+pub fn extract_text(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> bool {
+    use std::io::Write;
+    out.clear();
+    for (i, part) in parts.iter().enumerate() {
+        if i > 0 {
+            out.push(0x1f);
+        }
+        match part {
+            // Formatting into the stack buffer: no allocation.
+            KeyPart::ClientIp => {
+                let _ = write!(out, "{}", req.client_ip.to_canonical());
+            }
+            KeyPart::Header(name) => match req.headers.get(name) {
+                Some(v) => out.extend_from_slice(v.as_bytes()),
+                None => return false,
+            },
+            KeyPart::Query(name) => match query_param(req.uri.query(), name) {
+                Some(v) => out.extend_from_slice(v.as_bytes()),
+                None => return false,
+            },
+            KeyPart::Path => out.extend_from_slice(req.uri.path().as_bytes()),
+            KeyPart::Method => out.extend_from_slice(req.method.as_str().as_bytes()),
+            KeyPart::Host => match req.host {
+                Some(h) => out.extend(h.bytes().map(|b| b.to_ascii_lowercase())),
+                None => return false,
+            },
+        }
+    }
+    true
+}
+
 #[inline]
 fn push(out: &mut KeyBuf, bytes: &[u8]) {
     out.extend_from_slice(&(bytes.len() as u32).to_le_bytes());
@@ -305,6 +339,17 @@ mod tests {
         assert!(extract(&parts, &view(&m, &u, &h), &mut k));
         let u = Uri::from_static("/x?a=1");
         assert!(!extract(&parts, &view(&m, &u, &h), &mut k));
+    }
+
+    #[test]
+    fn text_keys_are_readable_and_tuples_separated() {
+        let parts = vec![KeyPart::ClientIp, KeyPart::Header(HeaderName::from_static("k"))];
+        let (m, u) = (Method::GET, Uri::from_static("/"));
+        let h = headers(&[("k", "abc")]);
+        let mut k = KeyBuf::new();
+        assert!(extract_text(&parts, &view(&m, &u, &h), &mut k));
+        assert_eq!(&k[..], b"10.0.0.9\x1fabc");
+        assert!(!extract_text(&parts, &view(&m, &u, &HeaderMap::new()), &mut k));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! - [`key`]: which bucket a request belongs to; the client address.
 //! - [`rules`]: compiled rules and the synchronous in-path decision.
 //! - [`gate`]: waiting (delay, shaping), concurrency slots, and the embeddable tower layer.
+//! - [`control`]: reporter, aggregator, controller and the drop-ratio math (fleet limits).
 //! - [`proxy`]: the data plane (accept, decide, forward, drain) and its one place for 429s.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/config` on their own listener.
 //! - [`metrics`]: every Prometheus family, handles resolved once.
@@ -14,6 +15,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod control;
 pub mod demo;
 pub mod gate;
 pub mod key;

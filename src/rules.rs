@@ -11,16 +11,20 @@
 //! costs a shard write lock (and a heap copy of the key past 24 bytes); past `max_keys`, new keys share one
 //! overflow state per rule. Measured in `benches/decision.rs`.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use dashmap::DashMap;
 use http::HeaderValue;
 use prometheus::{IntCounter, IntGauge};
 use smallvec::SmallVec;
 
-use crate::config::{Config, Cost, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rule};
-use crate::key::{extract, KeyBuf, KeyPart, RequestView};
+use crate::config::{
+    Config, Cost, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rule, Scope,
+};
+use crate::control::{DropRatios, Staleness};
+use crate::key::{extract, extract_text, KeyBuf, KeyPart, RequestView};
 use crate::limit::{
     ceil_secs, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, Nanos,
     Permit, Quota, SlidingWindowCounter, SlidingWindowLog, TokenBucket, NANOS_PER_SEC,
@@ -31,6 +35,11 @@ use crate::metrics::Metrics;
 pub struct RuleSet {
     rules: Vec<CompiledRule>,
     header_mode: HeaderMode,
+    /// The control plane's drop ratios for global rules, published by the reporter.
+    ratios: Arc<ArcSwap<DropRatios>>,
+    staleness: Staleness,
+    /// How often ratios are refreshed, for the retry hint of a global drop.
+    report_interval: Nanos,
 }
 
 struct CompiledRule {
@@ -57,6 +66,39 @@ enum Kind {
         max: u32,
         store: Store<Arc<Concurrency>>,
     },
+    /// Enforced by the control plane's drop ratio; counted here for the reports.
+    Global {
+        limit: crate::control::Limit,
+        store: Store<Arc<GlobalCounters>>,
+        /// A local limit for while the control plane is stale.
+        fallback: Option<(Quota, Store<TokenBucket>)>,
+    },
+}
+
+/// Offered and admitted requests of one (global rule, key) since the last report.
+#[derive(Debug, Default)]
+pub struct GlobalCounters {
+    // Relaxed: counters; the reporter's swap reads each exactly once.
+    offered: AtomicU64,
+    admitted: AtomicU64,
+}
+
+/// What a granted rule needs at the end of the decision (count it) or on a refusal (refund).
+enum Taken {
+    Rate(Slot, u32),
+    Concurrency,
+    Global(Arc<GlobalCounters>, Option<Slot>),
+}
+
+/// The counts of one global rule since the last report, heaviest keys first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GlobalCounts {
+    pub rule: String,
+    pub limit: crate::control::Limit,
+    /// (key, offered, admitted) for the `top_k` keys that offered most.
+    pub keys: Vec<(String, u64, u64)>,
+    /// Offered and admitted of every other key, and how many keys that is.
+    pub other: (u64, u64, u64),
 }
 
 /// One store per algorithm, so that each key costs only its own algorithm's state.
@@ -310,7 +352,26 @@ const CONCURRENCY_RETRY: Nanos = NANOS_PER_SEC;
 impl RuleSet {
     /// Compiles `config`'s rules, resolving their metric handles in `metrics`.
     pub fn build(config: &Config, metrics: &Metrics) -> RuleSet {
-        Self::from_rules(&config.rules, config.headers, metrics)
+        let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(0)));
+        Self::build_with_ratios(config, metrics, ratios)
+    }
+
+    /// As [`build`](Self::build), with global rules reading the drop ratios in `ratios`.
+    pub fn build_with_ratios(
+        config: &Config,
+        metrics: &Metrics,
+        ratios: Arc<ArcSwap<DropRatios>>,
+    ) -> RuleSet {
+        let mut set = Self::from_rules(&config.rules, config.headers, metrics);
+        set.ratios = ratios;
+        if let Some(cp) = &config.control_plane {
+            set.staleness = Staleness {
+                stale_after: cp.stale_after.0.as_nanos() as Nanos,
+                decay: cp.decay.0.as_nanos() as Nanos,
+            };
+            set.report_interval = cp.report_interval.0.as_nanos() as Nanos;
+        }
+        set
     }
 
     /// Compiles `rules`, resolving their metric handles in `metrics`.
@@ -318,7 +379,20 @@ impl RuleSet {
         RuleSet {
             rules: rules.iter().map(|r| compile(r, metrics)).collect(),
             header_mode,
+            ratios: Arc::new(ArcSwap::from_pointee(DropRatios::empty(0))),
+            staleness: Staleness {
+                stale_after: 5 * NANOS_PER_SEC,
+                decay: 10 * NANOS_PER_SEC,
+            },
+            report_interval: NANOS_PER_SEC,
         }
+    }
+
+    /// True when some rule is enforced through the control plane.
+    pub fn has_global(&self) -> bool {
+        self.rules
+            .iter()
+            .any(|r| matches!(r.kind, Kind::Global { .. }))
     }
 
     pub fn header_mode(&self) -> HeaderMode {
@@ -340,10 +414,19 @@ impl RuleSet {
         let want_states = self.header_mode == HeaderMode::Always;
         let mut admit = Admit::default();
         // Rules that granted units, for the refund if a later one refuses.
-        let mut taken: SmallVec<[(&CompiledRule, Option<Slot>, u32); 4]> = SmallVec::new();
+        let mut taken: SmallVec<[(&CompiledRule, Taken); 4]> = SmallVec::new();
         let mut key = KeyBuf::new();
+        let mut ratios = None;
         for rule in &self.rules {
-            if !rule.matcher.matches(req) || !extract(&rule.key, req, &mut key) {
+            if !rule.matcher.matches(req) {
+                continue;
+            }
+            let found = if matches!(rule.kind, Kind::Global { .. }) {
+                extract_text(&rule.key, req, &mut key)
+            } else {
+                extract(&rule.key, req, &mut key)
+            };
+            if !found {
                 continue;
             }
             let Some(cost) = rule.cost_of(req) else {
@@ -357,7 +440,7 @@ impl RuleSet {
                 Kind::Rate { quota, store } => {
                     let (decision, slot) = store.check(&key, quota, now, cost);
                     if decision.is_allowed() {
-                        taken.push((rule, Some(slot), cost));
+                        taken.push((rule, Taken::Rate(slot, cost)));
                     }
                     decision
                 }
@@ -367,7 +450,7 @@ impl RuleSet {
                         Some(p) => {
                             let remaining = max.saturating_sub(p.in_flight());
                             admit.permits.push(p);
-                            taken.push((rule, None, 0));
+                            taken.push((rule, Taken::Concurrency));
                             Decision::Allow {
                                 remaining,
                                 reset_after: 0,
@@ -378,6 +461,45 @@ impl RuleSet {
                             retry_after: Some(CONCURRENCY_RETRY),
                         },
                     }
+                }
+                Kind::Global {
+                    limit,
+                    store,
+                    fallback,
+                } => {
+                    let (counters, _) = store.with(&key, Arc::clone);
+                    counters.offered.fetch_add(1, Ordering::Relaxed);
+                    // One snapshot load per request, however many global rules match.
+                    let ratios = ratios.get_or_insert_with(|| self.ratios.load());
+                    let age = now.saturating_sub(ratios.at);
+                    let (factor, stale) = self.staleness.factor(age);
+                    let (decision, slot) = match fallback {
+                        Some((quota, bucket)) if stale => {
+                            let (d, slot) = bucket.with(&key, |b| b.check(quota, now, 1));
+                            (d, Some(slot))
+                        }
+                        _ => {
+                            let p = ratios.ratio(&rule.name, &key) * factor;
+                            let d = if p > 0.0 && fastrand::f64() < p {
+                                // The ratio may change with the next reply.
+                                let interval = self.report_interval.max(1);
+                                Decision::Deny {
+                                    retry_after: Some(interval - age % interval),
+                                }
+                            } else {
+                                Decision::Allow {
+                                    remaining: if p > 0.0 { 0 } else { limit.count as u32 },
+                                    reset_after: 0,
+                                    wait: 0,
+                                }
+                            };
+                            (d, None)
+                        }
+                    };
+                    if decision.is_allowed() {
+                        taken.push((rule, Taken::Global(counters, slot)));
+                    }
+                    decision
                 }
             };
             match decision {
@@ -409,28 +531,78 @@ impl RuleSet {
                 },
             }
         }
-        for (rule, _, _) in &taken {
+        for (rule, t) in &taken {
             rule.allowed.inc();
+            if let Taken::Global(counters, _) = t {
+                counters.admitted.fetch_add(1, Ordering::Relaxed);
+            }
         }
         Verdict::Allow(admit)
     }
 
     /// Gives back what `taken` granted. The keys are extracted again from the request rather
     /// than copied on every decision: refunds are the rare path.
-    fn refund(
-        &self,
-        req: &RequestView<'_>,
-        taken: &[(&CompiledRule, Option<Slot>, u32)],
-        now: Nanos,
-    ) {
+    fn refund(&self, req: &RequestView<'_>, taken: &[(&CompiledRule, Taken)], now: Nanos) {
         let mut key = KeyBuf::new();
-        for &(rule, slot, cost) in taken {
-            if let (Kind::Rate { quota, store }, Some(slot)) = (&rule.kind, slot) {
-                if extract(&rule.key, req, &mut key) {
-                    store.refund(&key, slot, quota, now, cost);
+        for (rule, t) in taken {
+            match (&rule.kind, t) {
+                (Kind::Rate { quota, store }, Taken::Rate(slot, cost)) => {
+                    if extract(&rule.key, req, &mut key) {
+                        store.refund(&key, *slot, quota, now, *cost);
+                    }
                 }
+                (
+                    Kind::Global {
+                        fallback: Some((quota, bucket)),
+                        ..
+                    },
+                    Taken::Global(_, Some(slot)),
+                ) => {
+                    if extract_text(&rule.key, req, &mut key) {
+                        bucket.with_slot(&key, *slot, |b| b.refund(quota, now, 1));
+                    }
+                }
+                _ => {}
             }
         }
+    }
+
+    /// Takes the counts of every global rule since the last call (each counter is read and
+    /// zeroed once), reporting the `top_k` heaviest keys per rule one by one.
+    pub fn drain_global(&self, top_k: usize) -> Vec<GlobalCounts> {
+        let mut out = Vec::new();
+        for rule in &self.rules {
+            let Kind::Global { limit, store, .. } = &rule.kind else {
+                continue;
+            };
+            let take = |c: &GlobalCounters| {
+                (
+                    c.offered.swap(0, Ordering::Relaxed),
+                    c.admitted.swap(0, Ordering::Relaxed),
+                )
+            };
+            let mut keys: Vec<(String, u64, u64)> = store
+                .map
+                .iter()
+                .filter_map(|e| {
+                    let (o, a) = take(e.value());
+                    (o > 0).then(|| (String::from_utf8_lossy(e.key()).into_owned(), o, a))
+                })
+                .collect();
+            keys.sort_unstable_by(|a, b| b.1.cmp(&a.1));
+            let (o, a) = take(&store.overflow);
+            let mut other = (o, a, u64::from(o > 0));
+            for (_, o, a) in keys.drain(top_k.min(keys.len())..) {
+                other = (other.0 + o, other.1 + a, other.2 + 1);
+            }
+            out.push(GlobalCounts {
+                rule: rule.name.to_string(),
+                limit: *limit,
+                keys,
+                other,
+            });
+        }
+        out
     }
 
     /// Forgets idle keys in every rule; returns how many.
@@ -441,6 +613,17 @@ impl RuleSet {
                 Kind::Rate { quota, store } => store.sweep(quota, now),
                 Kind::Concurrency { store, .. } => {
                     store.sweep(|c| c.in_flight() == 0 && Arc::strong_count(c) == 1)
+                }
+                Kind::Global {
+                    store, fallback, ..
+                } => {
+                    let counters = store.sweep(|c| {
+                        c.offered.load(Ordering::Relaxed) == 0 && Arc::strong_count(c) == 1
+                    });
+                    counters
+                        + fallback
+                            .as_ref()
+                            .map_or(0, |(q, b)| b.sweep(|st| st.is_idle(q, now)))
                 }
             })
             .sum()
@@ -454,6 +637,7 @@ impl RuleSet {
             .map(|r| match &r.kind {
                 Kind::Rate { store, .. } => store.len(),
                 Kind::Concurrency { store, .. } => store.len.load(Ordering::Relaxed),
+                Kind::Global { store, .. } => store.len.load(Ordering::Relaxed),
             })
     }
 }
@@ -468,6 +652,40 @@ fn compile(r: &Rule, metrics: &Metrics) -> CompiledRule {
         overflowed: metrics.overflow.with_label_values(&[label]),
     };
     let (kind, policy) = match &r.limit {
+        Limit::Rate { rate, quota, .. } if r.scope == Scope::Global => {
+            let fallback = match &r.fallback {
+                Some(Limit::Rate { quota, .. }) => {
+                    let parts = StoreParts {
+                        max_keys: r.max_keys.get() as usize,
+                        keys: metrics.keys.with_label_values(&[&format!("{label}.fallback")]),
+                        evicted_idle: metrics
+                            .evicted
+                            .with_label_values(&[&format!("{label}.fallback"), "idle"]),
+                        overflowed: metrics
+                            .overflow
+                            .with_label_values(&[&format!("{label}.fallback")]),
+                    };
+                    Some((*quota, Store::new(parts)))
+                }
+                _ => None,
+            };
+            let policy = format!(
+                "\"{name}\";q={};w={}",
+                rate.count,
+                ceil_secs(quota.period()).max(1)
+            );
+            (
+                Kind::Global {
+                    limit: crate::control::Limit {
+                        count: u64::from(rate.count.get()),
+                        period_ms: (rate.period.as_millis() as u64).max(1),
+                    },
+                    store: Store::new(parts),
+                    fallback,
+                },
+                policy,
+            )
+        }
         Limit::Rate {
             algorithm, quota, ..
         } => {

@@ -1,0 +1,366 @@
+//! The control plane: reports up, drop ratios down (Uber's Global Rate Limiter design).
+//!
+//! Owns the wire types (versioned JSON over plain HTTP, `/v1/...`), the ratio math (a pure
+//! function), the per-source rate accumulator that both tiers use, and the three roles:
+//! [`reporter`] (in each proxy), [`aggregator`] (one per zone), [`controller`] (one per
+//! region). Nothing here is on the request path: the proxy only reads the published
+//! [`DropRatios`] snapshot. Must never: block a request, keep state that the next reports
+//! cannot rebuild, or let one source's absurd numbers move another service's ratios.
+
+pub mod aggregator;
+pub mod controller;
+pub mod ratios;
+pub mod reporter;
+pub mod server;
+
+pub use ratios::{DropRatios, Staleness};
+
+use std::collections::HashMap;
+
+use serde::{Deserialize, Serialize};
+
+/// The wire format version; a report of another version is refused with 400.
+pub const VERSION: u32 = 1;
+
+/// Largest request body the control plane reads (413 past it).
+pub const MAX_BODY: usize = 8 << 20;
+
+/// Counts above this per entry and interval are absurd (10^12 requests) and refused.
+pub const MAX_COUNT: u64 = 1_000_000_000_000;
+
+/// What a proxy (or an aggregator, for its zone) sends every interval: `POST /v1/report`.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Report {
+    pub version: u32,
+    /// Who sends it: a host name, or `zone:<name>` for an aggregator.
+    pub source: String,
+    #[serde(default)]
+    pub zone: String,
+    /// The interval the counts cover, in milliseconds.
+    pub interval_ms: u64,
+    pub entries: Vec<Entry>,
+}
+
+/// Counts of one (service, rule, key) over one interval.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Entry {
+    pub service: String,
+    pub rule: String,
+    /// The rule's fleet-wide limit, as the sender's config has it.
+    pub limit: Limit,
+    /// The key, or `None` for the folded tail ("other") of keys not reported one by one.
+    pub key: Option<String>,
+    /// For the "other" entry: how many distinct keys were folded into it.
+    #[serde(default)]
+    pub keys_folded: u64,
+    pub offered: u64,
+    pub admitted: u64,
+}
+
+/// A limit as `count` per `period_ms`.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Limit {
+    pub count: u64,
+    pub period_ms: u64,
+}
+
+impl Limit {
+    pub fn per_second(&self) -> f64 {
+        self.count as f64 * 1000.0 / self.period_ms as f64
+    }
+}
+
+/// The reply to a report: the drop ratios of the services it named.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Reply {
+    pub version: u32,
+    /// How old the ratios are: 0 from a controller; an aggregator relaying the controller's
+    /// last answer says how long ago it got it, so that staleness reaches the proxies.
+    #[serde(default)]
+    pub age_ms: u64,
+    pub ratios: Vec<Ratio>,
+}
+
+/// One drop ratio. Keys absent from a reply have ratio 0.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Ratio {
+    pub service: String,
+    pub rule: String,
+    /// `None`: the ratio for keys folded into "other".
+    pub key: Option<String>,
+    pub ratio: f64,
+}
+
+/// Why a report is refused.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum ReportError {
+    #[error("unsupported version {0}; this build speaks {VERSION}")]
+    Version(u32),
+    #[error("interval_ms must be between 10 and 600000")]
+    Interval,
+    #[error("entry {0}: {1}")]
+    Entry(usize, &'static str),
+}
+
+impl Report {
+    /// Checks what JSON decoding cannot: versions, ranges, and absurd counts.
+    pub fn validate(&self) -> Result<(), ReportError> {
+        if self.version != VERSION {
+            return Err(ReportError::Version(self.version));
+        }
+        if !(10..=600_000).contains(&self.interval_ms) {
+            return Err(ReportError::Interval);
+        }
+        for (i, e) in self.entries.iter().enumerate() {
+            let bad = |what| Err(ReportError::Entry(i, what));
+            if e.service.is_empty() || e.rule.is_empty() || e.service.len() > 64 || e.rule.len() > 64 {
+                return bad("service and rule are 1 to 64 characters");
+            }
+            if e.key.as_ref().is_some_and(|k| k.len() > 1024) {
+                return bad("key longer than 1024 bytes");
+            }
+            if e.offered > MAX_COUNT || e.admitted > e.offered {
+                return bad("counts must satisfy 0 <= admitted <= offered <= 10^12");
+            }
+            if e.limit.count == 0 || e.limit.period_ms == 0 || e.limit.period_ms > 86_400_000 * 365
+            {
+                return bad("limit needs count > 0 and a period between 1 ms and 365 d");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The drop ratio for a fleet offered `offered_rps` against `limit_rps`:
+/// `max(0, (offered - limit) / offered)`, on offered load so that dropping does not hide the
+/// demand that caused it.
+pub fn drop_ratio(offered_rps: f64, limit_rps: f64) -> f64 {
+    if !(offered_rps > 0.0) || !limit_rps.is_finite() {
+        return 0.0;
+    }
+    ((offered_rps - limit_rps) / offered_rps).clamp(0.0, 1.0)
+}
+
+/// Per (service, rule, key) rates, summed over sources from each source's latest report.
+///
+/// Each source's counts are turned into a rate over its own interval and smoothed (EWMA),
+/// so sources need not report in phase; a source silent for three of its intervals is
+/// forgotten. Both the
+/// aggregator (its hosts) and the controller (zones or direct hosts) use it.
+#[derive(Debug, Default)]
+pub struct Accumulator {
+    rules: HashMap<(String, String), RuleAcc>,
+    /// Limit conflicts seen (reporters disagreeing on a rule's limit).
+    pub conflicts: u64,
+}
+
+#[derive(Debug)]
+struct RuleAcc {
+    limit: Limit,
+    /// Which source said what limit, to take the smallest of those still reporting.
+    limits: HashMap<String, Limit>,
+    keys: HashMap<Option<String>, KeyAcc>,
+}
+
+#[derive(Debug, Default)]
+struct KeyAcc {
+    sources: HashMap<String, SourceRate>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SourceRate {
+    offered: f64,
+    admitted: f64,
+    keys_folded: u64,
+    /// Seconds on the accumulator's clock when last updated.
+    at: f64,
+    /// Forgotten when silent this long: three of the source's own intervals.
+    ttl: f64,
+}
+
+/// Weight of the newest interval in the smoothed rate: half, so a step is mostly followed
+/// after two intervals and a one-interval blip moves the ratio by half.
+const EWMA: f64 = 0.5;
+
+/// A (service, rule, key) as seen over all live sources.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct KeyView {
+    pub service: String,
+    pub rule: String,
+    pub key: Option<String>,
+    pub limit_rps: f64,
+    pub offered_rps: f64,
+    pub admitted_rps: f64,
+    pub ratio: f64,
+    pub sources: usize,
+}
+
+impl Accumulator {
+    /// Folds a validated report in at time `now` (seconds on the caller's clock).
+    pub fn add(&mut self, report: &Report, now: f64) {
+        let secs = report.interval_ms as f64 / 1000.0;
+        for e in &report.entries {
+            let rule = self
+                .rules
+                .entry((e.service.clone(), e.rule.clone()))
+                .or_insert_with(|| RuleAcc {
+                    limit: e.limit,
+                    limits: HashMap::new(),
+                    keys: HashMap::new(),
+                });
+            if rule.limits.insert(report.source.clone(), e.limit) != Some(e.limit) {
+                // The smallest limit wins; a source that disagrees with another is a conflict.
+                rule.limit = smallest(rule.limits.values());
+                if rule.limits.values().any(|l| l != &e.limit) {
+                    self.conflicts += 1;
+                }
+            }
+            let key = rule.keys.entry(e.key.clone()).or_default();
+            let fresh = SourceRate {
+                offered: e.offered as f64 / secs,
+                admitted: e.admitted as f64 / secs,
+                keys_folded: e.keys_folded,
+                at: now,
+                ttl: 3.0 * secs,
+            };
+            key.sources
+                .entry(report.source.clone())
+                .and_modify(|r| {
+                    r.offered = EWMA * fresh.offered + (1.0 - EWMA) * r.offered;
+                    r.admitted = EWMA * fresh.admitted + (1.0 - EWMA) * r.admitted;
+                    r.keys_folded = fresh.keys_folded;
+                    r.at = now;
+                    r.ttl = fresh.ttl;
+                })
+                .or_insert(fresh);
+        }
+    }
+
+    /// Forgets sources silent for three of their intervals, and keys and rules left empty.
+    pub fn expire(&mut self, now: f64) {
+        self.rules.retain(|_, rule| {
+            rule.keys.retain(|_, k| {
+                k.sources.retain(|_, s| now - s.at <= s.ttl);
+                !k.sources.is_empty()
+            });
+            let live: std::collections::HashSet<&String> =
+                rule.keys.values().flat_map(|k| k.sources.keys()).collect();
+            rule.limits.retain(|src, _| live.contains(src));
+            if !rule.limits.is_empty() {
+                rule.limit = smallest(rule.limits.values());
+            }
+            !rule.keys.is_empty()
+        });
+    }
+
+    /// Every (service, rule, key) with its summed rates and drop ratio, optionally only for
+    /// `services`.
+    pub fn view(&self, services: Option<&[&str]>) -> Vec<KeyView> {
+        let mut out = Vec::new();
+        for ((service, rule_name), rule) in &self.rules {
+            if services.is_some_and(|s| !s.contains(&service.as_str())) {
+                continue;
+            }
+            let limit = rule.limit.per_second();
+            for (key, k) in &rule.keys {
+                let offered: f64 = k.sources.values().map(|s| s.offered).sum();
+                let admitted: f64 = k.sources.values().map(|s| s.admitted).sum();
+                // The folded tail holds at least as many keys as the most any source folded,
+                // each with its own limit.
+                let keys = k.sources.values().map(|s| s.keys_folded).max().unwrap_or(0);
+                let limit_here = if key.is_none() {
+                    limit * keys.max(1) as f64
+                } else {
+                    limit
+                };
+                out.push(KeyView {
+                    service: service.clone(),
+                    rule: rule_name.clone(),
+                    key: key.clone(),
+                    limit_rps: limit_here,
+                    offered_rps: offered,
+                    admitted_rps: admitted,
+                    ratio: drop_ratio(offered, limit_here),
+                    sources: k.sources.len(),
+                });
+            }
+        }
+        out
+    }
+
+    /// The non-zero ratios of `services`, for a reply.
+    pub fn reply(&self, services: &[&str]) -> Reply {
+        Reply {
+            version: VERSION,
+            age_ms: 0,
+            ratios: self
+                .view(Some(services))
+                .into_iter()
+                .filter(|v| v.ratio > 0.0)
+                .map(|v| Ratio {
+                    service: v.service,
+                    rule: v.rule,
+                    key: v.key,
+                    ratio: v.ratio,
+                })
+                .collect(),
+        }
+    }
+
+    /// Entries summing every live source, as counts over `interval_ms` (what an aggregator
+    /// forwards for its zone).
+    pub fn as_entries(&self, interval_ms: u64) -> Vec<Entry> {
+        let secs = interval_ms as f64 / 1000.0;
+        let mut out = Vec::new();
+        for ((service, rule_name), rule) in &self.rules {
+            for (key, k) in &rule.keys {
+                let offered: f64 = k.sources.values().map(|s| s.offered).sum();
+                let admitted: f64 = k.sources.values().map(|s| s.admitted).sum();
+                let offered = (offered * secs).round() as u64;
+                out.push(Entry {
+                    service: service.clone(),
+                    rule: rule_name.clone(),
+                    limit: rule.limit,
+                    key: key.clone(),
+                    keys_folded: k.sources.values().map(|s| s.keys_folded).max().unwrap_or(0),
+                    offered,
+                    admitted: ((admitted * secs).round() as u64).min(offered),
+                });
+            }
+        }
+        out
+    }
+
+    /// Distinct sources still reporting.
+    pub fn sources(&self) -> usize {
+        let mut all = std::collections::HashSet::new();
+        for rule in self.rules.values() {
+            for k in rule.keys.values() {
+                all.extend(k.sources.keys());
+            }
+        }
+        all.len()
+    }
+
+    /// (service, rule) pairs tracked, with their limit in requests per second.
+    pub fn rules(&self) -> impl Iterator<Item = (&str, &str, f64)> {
+        self.rules
+            .iter()
+            .map(|((s, r), acc)| (s.as_str(), r.as_str(), acc.limit.per_second()))
+    }
+}
+
+fn smallest<'a>(limits: impl Iterator<Item = &'a Limit>) -> Limit {
+    limits
+        .copied()
+        .min_by(|a, b| a.per_second().total_cmp(&b.per_second()))
+        .expect("at least one limit")
+}
+
+#[cfg(test)]
+mod tests;

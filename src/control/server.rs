@@ -1,0 +1,133 @@
+//! HTTP plumbing shared by the aggregator and the controller: a small HTTP/1.1 server, JSON
+//! in and out with a size limit, and the bearer-token check.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{AUTHORIZATION, CONTENT_TYPE};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use subtle::ConstantTimeEq;
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+
+use super::MAX_BODY;
+
+pub type Body = Full<Bytes>;
+
+/// Serves `handler` on `listener` until `stop` turns true. Each connection gets a header-read
+/// timeout, so a slow client cannot hold a task forever.
+pub async fn serve<H, F>(listener: TcpListener, mut stop: watch::Receiver<bool>, handler: H)
+where
+    H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
+    F: Future<Output = Response<Body>> + Send + 'static,
+{
+    loop {
+        let stream = tokio::select! {
+            _ = stop.changed() => return,
+            accepted = listener.accept() => match accepted {
+                Ok((s, _)) => s,
+                Err(e) => {
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let handler = handler.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req| {
+                let handler = handler.clone();
+                async move { Ok::<_, Infallible>(handler(req).await) }
+            });
+            let _ = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10))
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+/// Binds `addr` with a message that names it when that fails.
+pub async fn bind(addr: SocketAddr, what: &str) -> std::io::Result<TcpListener> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {what} {addr}: {e}")))
+}
+
+/// A JSON response.
+pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<Body> {
+    let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
+    let mut resp = Response::new(Full::new(Bytes::from(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// A JSON error: `{"error": "..."}`.
+pub fn error(status: StatusCode, message: &str) -> Response<Body> {
+    json(status, &serde_json::json!({ "error": message }))
+}
+
+/// Reads a JSON body of at most [`MAX_BODY`] bytes: 413 past it, 400 when it is not `T`.
+pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, Response<Body>> {
+    let bytes = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+        Ok(c) => c.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Err(error(StatusCode::PAYLOAD_TOO_LARGE, "body larger than 8 MiB"))
+        }
+        Err(_) => return Err(error(StatusCode::BAD_REQUEST, "body could not be read")),
+    };
+    serde_json::from_slice(&bytes)
+        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("malformed body: {e}")))
+}
+
+/// With a token configured, the request must carry `Authorization: Bearer <token>` (compared in
+/// constant time); otherwise 401.
+pub fn check_token<B>(req: &Request<B>, token: Option<&[u8]>) -> Result<(), Response<Body>> {
+    let Some(want) = token else { return Ok(()) };
+    let given = req
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .unwrap_or_default();
+    if given.ct_eq(want).into() {
+        Ok(())
+    } else {
+        Err(error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token"))
+    }
+}
+
+/// Reads a token file: its content without surrounding white space.
+pub fn read_token(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    let text = std::fs::read(path)?;
+    let trimmed = text.trim_ascii();
+    if trimmed.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{}: the token file is empty", path.display()),
+        ));
+    }
+    Ok(trimmed.to_vec())
+}
+
+/// A plain-text response.
+pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
+    let mut resp = Response::new(Full::new(body.into()));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    resp
+}

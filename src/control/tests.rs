@@ -1,0 +1,140 @@
+use super::*;
+
+fn entry(key: Option<&str>, offered: u64, admitted: u64) -> Entry {
+    Entry {
+        service: "svc".into(),
+        rule: "r".into(),
+        limit: Limit {
+            count: 100,
+            period_ms: 1000,
+        },
+        key: key.map(String::from),
+        keys_folded: 0,
+        offered,
+        admitted,
+    }
+}
+
+fn report(source: &str, entries: Vec<Entry>) -> Report {
+    Report {
+        version: VERSION,
+        source: source.into(),
+        zone: "z".into(),
+        interval_ms: 1000,
+        entries,
+    }
+}
+
+#[test]
+fn a_fleet_at_one_and_a_half_times_its_limit_drops_one_third() {
+    assert!((drop_ratio(150.0, 100.0) - 1.0 / 3.0).abs() < 1e-12);
+    assert_eq!(drop_ratio(100.0, 100.0), 0.0);
+    assert_eq!(drop_ratio(50.0, 100.0), 0.0);
+    assert_eq!(drop_ratio(0.0, 100.0), 0.0);
+    assert_eq!(drop_ratio(f64::NAN, 100.0), 0.0);
+    assert!((drop_ratio(1000.0, 100.0) - 0.9).abs() < 1e-12);
+}
+
+#[test]
+fn rates_from_several_sources_sum_per_key() {
+    let mut acc = Accumulator::default();
+    acc.add(&report("a", vec![entry(Some("k"), 90, 90)]), 0.0);
+    acc.add(&report("b", vec![entry(Some("k"), 30, 30)]), 0.0);
+    acc.add(&report("c", vec![entry(Some("k"), 30, 30), entry(Some("j"), 10, 10)]), 0.0);
+    let view = acc.view(None);
+    let k = view.iter().find(|v| v.key.as_deref() == Some("k")).unwrap();
+    assert_eq!(k.offered_rps, 150.0);
+    assert_eq!(k.sources, 3);
+    assert!((k.ratio - 1.0 / 3.0).abs() < 1e-12);
+    let j = view.iter().find(|v| v.key.as_deref() == Some("j")).unwrap();
+    assert_eq!(j.ratio, 0.0, "keys are limited independently");
+    let reply = acc.reply(&["svc"]);
+    assert_eq!(reply.ratios.len(), 1, "only non-zero ratios travel");
+    assert!(acc.reply(&["other-service"]).ratios.is_empty());
+}
+
+#[test]
+fn the_smoothed_rate_follows_a_step_within_a_few_intervals() {
+    let mut acc = Accumulator::default();
+    acc.add(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0);
+    for t in 1..=4 {
+        acc.add(&report("a", vec![entry(Some("k"), 300, 100)]), f64::from(t));
+    }
+    let v = &acc.view(None)[0];
+    // 100 -> 300: after four intervals the estimate is within 5 % of 300.
+    assert!((v.offered_rps - 300.0).abs() < 15.0, "{}", v.offered_rps);
+}
+
+#[test]
+fn silent_sources_are_forgotten() {
+    let mut acc = Accumulator::default();
+    acc.add(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0);
+    acc.add(&report("b", vec![entry(Some("k"), 100, 100)]), 2.5);
+    // Three intervals of 1 s: a (last heard at 0) is gone at 3.5, b is not.
+    acc.expire(3.5);
+    let v = acc.view(None);
+    assert_eq!(v[0].sources, 1);
+    assert_eq!(acc.sources(), 1);
+    acc.expire(10.0);
+    assert!(acc.view(None).is_empty());
+}
+
+#[test]
+fn disagreeing_limits_take_the_smallest_and_count_a_conflict() {
+    let mut acc = Accumulator::default();
+    acc.add(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0);
+    let mut e = entry(Some("k"), 100, 100);
+    e.limit.count = 50;
+    acc.add(&report("b", vec![e]), 0.0);
+    assert_eq!(acc.conflicts, 1);
+    assert_eq!(acc.view(None)[0].limit_rps, 50.0);
+    // When b goes silent, a's limit applies again.
+    acc.add(&report("a", vec![entry(Some("k"), 100, 100)]), 5.0);
+    acc.expire(5.0);
+    assert_eq!(acc.view(None)[0].limit_rps, 100.0);
+}
+
+#[test]
+fn the_folded_tail_is_limited_as_many_keys() {
+    let mut acc = Accumulator::default();
+    let mut other = entry(None, 250, 250);
+    other.keys_folded = 2;
+    acc.add(&report("a", vec![other]), 0.0);
+    let v = &acc.view(None)[0];
+    assert_eq!(v.limit_rps, 200.0);
+    assert!((v.ratio - 0.2).abs() < 1e-12);
+}
+
+#[test]
+fn absurd_or_inconsistent_reports_are_refused() {
+    let ok = report("a", vec![entry(Some("k"), 10, 5)]);
+    assert_eq!(ok.validate(), Ok(()));
+    let mut r = ok.clone();
+    r.version = 2;
+    assert_eq!(r.validate(), Err(ReportError::Version(2)));
+    let mut r = ok.clone();
+    r.interval_ms = 0;
+    assert_eq!(r.validate(), Err(ReportError::Interval));
+    let mut r = ok.clone();
+    r.entries[0].admitted = 11;
+    assert!(r.validate().is_err());
+    let mut r = ok.clone();
+    r.entries[0].offered = MAX_COUNT + 1;
+    assert!(r.validate().is_err());
+    let mut r = ok;
+    r.entries[0].limit.count = 0;
+    assert!(r.validate().is_err());
+}
+
+#[test]
+fn an_aggregator_forwards_its_zone_as_one_source() {
+    let mut zone = Accumulator::default();
+    zone.add(&report("a", vec![entry(Some("k"), 60, 60)]), 0.0);
+    zone.add(&report("b", vec![entry(Some("k"), 60, 60)]), 0.0);
+    let forwarded = report("zone:z", zone.as_entries(1000));
+    let mut region = Accumulator::default();
+    region.add(&forwarded, 0.0);
+    let v = &region.view(None)[0];
+    assert_eq!((v.offered_rps, v.sources), (120.0, 1));
+    assert!((v.ratio - 20.0 / 120.0).abs() < 1e-12);
+}
