@@ -41,12 +41,24 @@ rules:
     )
 }
 
+/// Answers counted by a load generator.
 #[derive(Default)]
-struct Tally {
-    offered: AtomicU64,
-    allowed: AtomicU64,
-    rejected: AtomicU64,
-    other: AtomicU64,
+pub(crate) struct Tally {
+    pub offered: AtomicU64,
+    pub allowed: AtomicU64,
+    pub rejected: AtomicU64,
+    pub other: AtomicU64,
+}
+
+impl Tally {
+    /// (offered, allowed, rejected) since the last call.
+    pub fn take(&self) -> (u64, u64, u64) {
+        (
+            self.offered.swap(0, Ordering::Relaxed),
+            self.allowed.swap(0, Ordering::Relaxed),
+            self.rejected.swap(0, Ordering::Relaxed),
+        )
+    }
 }
 
 /// Runs the demo for `duration` of load, printing a table once a second.
@@ -75,11 +87,13 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     let tally = Arc::new(Tally::default());
     let deadline = tokio::time::Instant::now() + duration;
     let mut generators = Vec::new();
+    let uri: http::Uri = format!("http://{proxy}/api/orders").parse()?;
     for name in CLIENTS {
-        generators.push(tokio::spawn(generate(
+        generators.push(tokio::spawn(offer(
             client.clone(),
-            proxy,
-            name,
+            uri.clone(),
+            vec![("x-client", name.to_string())],
+            |_| OFFERED_PER_CLIENT,
             tally.clone(),
             deadline,
         )));
@@ -94,9 +108,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     for _ in 0..duration.as_secs() {
         tick.tick().await;
         second += 1;
-        let offered = tally.offered.swap(0, Ordering::Relaxed);
-        let allowed = tally.allowed.swap(0, Ordering::Relaxed);
-        let rejected = tally.rejected.swap(0, Ordering::Relaxed);
+        let (offered, allowed, rejected) = tally.take();
         totals[0] += offered;
         totals[1] += allowed;
         totals[2] += rejected;
@@ -109,9 +121,10 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     for g in generators {
         let _ = g.await;
     }
-    totals[0] += tally.offered.swap(0, Ordering::Relaxed);
-    totals[1] += tally.allowed.swap(0, Ordering::Relaxed);
-    totals[2] += tally.rejected.swap(0, Ordering::Relaxed);
+    let (offered, allowed, rejected) = tally.take();
+    totals[0] += offered;
+    totals[1] += allowed;
+    totals[2] += rejected;
     let other = tally.other.load(Ordering::Relaxed);
     println!(
         "\nTotal: {} offered, {} allowed, {} rejected{}.",
@@ -138,28 +151,28 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn generate(
+/// Offers `rate(elapsed)` requests per second of GET `uri` with `headers` until `deadline`,
+/// each in its own task so that slow answers never slow the offer, and tallies the answers.
+pub(crate) async fn offer(
     client: Client<HttpConnector, Empty<Bytes>>,
-    proxy: std::net::SocketAddr,
-    name: &'static str,
+    uri: http::Uri,
+    headers: Vec<(&'static str, String)>,
+    rate: impl Fn(Duration) -> u64,
     tally: Arc<Tally>,
     deadline: tokio::time::Instant,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_nanos(1_000_000_000 / OFFERED_PER_CLIENT));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
-    let uri: http::Uri = format!("http://{proxy}/api/orders")
-        .parse()
-        .expect("a valid URI");
+    let start = tokio::time::Instant::now();
+    let mut next = start;
     let mut inflight = tokio::task::JoinSet::new();
-    loop {
-        tick.tick().await;
-        if tokio::time::Instant::now() >= deadline {
-            break;
+    while next < deadline {
+        tokio::time::sleep_until(next).await;
+        let per_sec = rate(next - start).max(1);
+        next += Duration::from_nanos(1_000_000_000 / per_sec);
+        let mut req = Request::get(uri.clone());
+        for (k, v) in &headers {
+            req = req.header(*k, v.as_str());
         }
-        let req = Request::get(uri.clone())
-            .header("x-client", name)
-            .body(Empty::new())
-            .expect("a valid request");
+        let req = req.body(Empty::new()).expect("a valid request");
         let (client, tally) = (client.clone(), tally.clone());
         tally.offered.fetch_add(1, Ordering::Relaxed);
         inflight.spawn(async move {
@@ -217,7 +230,7 @@ async fn show_one_rejection(
 }
 
 /// A tiny app: answers every request with 200 and a short body.
-async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
+pub(crate) async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
@@ -238,4 +251,12 @@ async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
         }
     });
     Ok(addr)
+}
+
+mod fleet;
+
+/// `spillway demo --fleet`: a controller, two zone aggregators, three proxies and an uneven
+/// load (6:2:1 across the proxies, 1x the limit then 3x), with a table once a second.
+pub async fn fleet() -> anyhow::Result<()> {
+    fleet::run().await
 }

@@ -343,13 +343,20 @@ mod tests {
 
     #[test]
     fn text_keys_are_readable_and_tuples_separated() {
-        let parts = vec![KeyPart::ClientIp, KeyPart::Header(HeaderName::from_static("k"))];
+        let parts = vec![
+            KeyPart::ClientIp,
+            KeyPart::Header(HeaderName::from_static("k")),
+        ];
         let (m, u) = (Method::GET, Uri::from_static("/"));
         let h = headers(&[("k", "abc")]);
         let mut k = KeyBuf::new();
         assert!(extract_text(&parts, &view(&m, &u, &h), &mut k));
         assert_eq!(&k[..], b"10.0.0.9\x1fabc");
-        assert!(!extract_text(&parts, &view(&m, &u, &HeaderMap::new()), &mut k));
+        assert!(!extract_text(
+            &parts,
+            &view(&m, &u, &HeaderMap::new()),
+            &mut k
+        ));
     }
 
     #[test]

@@ -29,12 +29,60 @@ enum Command {
         /// The YAML configuration.
         file: PathBuf,
     },
+    /// Run the controller: sums zones' reports and answers with drop ratios.
+    Controller {
+        /// Where aggregators (or proxies, for small fleets) report.
+        #[arg(long, env = "SPILLWAY_LISTEN", default_value = "0.0.0.0:7000")]
+        listen: std::net::SocketAddr,
+        /// /metrics /healthz /readyz.
+        #[arg(long, env = "SPILLWAY_ADMIN", default_value = "0.0.0.0:9902")]
+        admin: std::net::SocketAddr,
+        /// A file holding the bearer token reports must carry.
+        #[arg(long, env = "SPILLWAY_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
+    },
+    /// Run a zone aggregator: sums its proxies' reports and relays the controller's ratios.
+    Aggregator {
+        /// Where the zone's proxies report.
+        #[arg(long, env = "SPILLWAY_LISTEN", default_value = "0.0.0.0:7001")]
+        listen: std::net::SocketAddr,
+        /// The controller, http://host:port.
+        #[arg(long, env = "SPILLWAY_CONTROLLER")]
+        controller: http::Uri,
+        /// This aggregator's zone.
+        #[arg(long, env = "SPILLWAY_ZONE")]
+        zone: String,
+        /// /metrics /healthz /readyz.
+        #[arg(long, env = "SPILLWAY_ADMIN", default_value = "0.0.0.0:9903")]
+        admin: std::net::SocketAddr,
+        /// How often the zone's sums go to the controller, e.g. 1s or 250ms.
+        #[arg(long, env = "SPILLWAY_INTERVAL", default_value = "1s", value_parser = parse_duration)]
+        interval: std::time::Duration,
+        /// A file holding the shared bearer token (checked on reports, sent to the controller).
+        #[arg(long, env = "SPILLWAY_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
+    },
     /// Run an upstream, the proxy and a load generator on loopback, and show the limiter work.
     Demo {
         /// How long to offer load, in seconds.
         #[arg(long, default_value_t = 15)]
         seconds: u64,
+        /// A whole fleet instead: a controller, two zone aggregators, three proxies.
+        #[arg(long)]
+        fleet: bool,
     },
+}
+
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    spillway::config::parse_duration(s)
+}
+
+fn token(path: Option<PathBuf>) -> anyhow::Result<Option<Vec<u8>>> {
+    path.map(|p| {
+        spillway::control::server::read_token(&p)
+            .map_err(|e| anyhow::anyhow!("--token-file {}: {e}", p.display()))
+    })
+    .transpose()
 }
 
 fn main() -> ExitCode {
@@ -90,8 +138,62 @@ fn main() -> ExitCode {
                 Ok(())
             })
         }
-        Command::Demo { seconds } => {
-            run(spillway::demo::run(std::time::Duration::from_secs(seconds)))
+        Command::Controller {
+            listen,
+            admin,
+            token_file,
+        } => run(async move {
+            let token = token(token_file)?;
+            let signal = shutdown_signal()?;
+            let running = spillway::control::controller::start(
+                spillway::control::controller::ControllerOptions {
+                    listen,
+                    admin,
+                    token,
+                },
+            )
+            .await?;
+            println!(
+                "spillway controller listening on {} (admin {})",
+                running.addr, running.admin_addr
+            );
+            running.run_until(signal).await;
+            Ok(())
+        }),
+        Command::Aggregator {
+            listen,
+            controller,
+            zone,
+            admin,
+            interval,
+            token_file,
+        } => run(async move {
+            let token = token(token_file)?;
+            let signal = shutdown_signal()?;
+            let running = spillway::control::aggregator::start(
+                spillway::control::aggregator::AggregatorOptions {
+                    listen,
+                    admin,
+                    controller,
+                    zone,
+                    interval,
+                    token,
+                },
+            )
+            .await?;
+            println!(
+                "spillway aggregator listening on {} (admin {})",
+                running.addr, running.admin_addr
+            );
+            running.run_until(signal).await;
+            Ok(())
+        }),
+        Command::Demo { seconds, fleet } => {
+            if fleet {
+                run(spillway::demo::fleet())
+            } else {
+                run(spillway::demo::run(std::time::Duration::from_secs(seconds)))
+            }
         }
     }
 }

@@ -66,6 +66,11 @@ pub struct Metrics {
     pub header_too_large: IntCounter,
     pub connections: IntGauge,
     pub draining: IntGauge,
+    pub reports_ok: IntCounter,
+    pub reports_failed: IntCounter,
+    pub report_bytes: IntGauge,
+    pub control_plane_age: prometheus::Gauge,
+    pub control_plane_stale: IntGauge,
 }
 
 impl Metrics {
@@ -148,8 +153,32 @@ impl Metrics {
             "1 while the proxy is shutting down and draining.",
         )
         .expect("valid metric");
+        let reports = IntCounterVec::new(
+            Opts::new(
+                "spillway_reports_total",
+                "Reports sent to the control plane, by result (ok, error).",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
+        let report_bytes = IntGauge::new("spillway_report_bytes", "Size of the last report sent.")
+            .expect("valid metric");
+        let control_plane_age = prometheus::Gauge::new(
+            "spillway_control_plane_age_seconds",
+            "Age of the drop ratios held (since the control plane computed them).",
+        )
+        .expect("valid metric");
+        let control_plane_stale = IntGauge::new(
+            "spillway_control_plane_stale",
+            "1 while the drop ratios are older than stale_after (failing open).",
+        )
+        .expect("valid metric");
         for c in [
-            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(reports.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(report_bytes.clone()),
+            Box::new(control_plane_age.clone()),
+            Box::new(control_plane_stale.clone()),
+            Box::new(requests.clone()),
             Box::new(keys.clone()),
             Box::new(evicted.clone()),
             Box::new(overflow.clone()),
@@ -183,6 +212,11 @@ impl Metrics {
             bad_requests,
             connections,
             draining,
+            reports_ok: reports.with_label_values(&["ok"]),
+            reports_failed: reports.with_label_values(&["error"]),
+            report_bytes,
+            control_plane_age,
+            control_plane_stale,
         }
     }
 

@@ -546,10 +546,10 @@ impl RuleSet {
         let mut key = KeyBuf::new();
         for (rule, t) in taken {
             match (&rule.kind, t) {
-                (Kind::Rate { quota, store }, Taken::Rate(slot, cost)) => {
-                    if extract(&rule.key, req, &mut key) {
-                        store.refund(&key, *slot, quota, now, *cost);
-                    }
+                (Kind::Rate { quota, store }, Taken::Rate(slot, cost))
+                    if extract(&rule.key, req, &mut key) =>
+                {
+                    store.refund(&key, *slot, quota, now, *cost);
                 }
                 (
                     Kind::Global {
@@ -557,10 +557,8 @@ impl RuleSet {
                         ..
                     },
                     Taken::Global(_, Some(slot)),
-                ) => {
-                    if extract_text(&rule.key, req, &mut key) {
-                        bucket.with_slot(&key, *slot, |b| b.refund(quota, now, 1));
-                    }
+                ) if extract_text(&rule.key, req, &mut key) => {
+                    bucket.with_slot(&key, *slot, |b| b.refund(quota, now, 1));
                 }
                 _ => {}
             }
@@ -589,7 +587,7 @@ impl RuleSet {
                     (o > 0).then(|| (String::from_utf8_lossy(e.key()).into_owned(), o, a))
                 })
                 .collect();
-            keys.sort_unstable_by(|a, b| b.1.cmp(&a.1));
+            keys.sort_unstable_by_key(|k| std::cmp::Reverse(k.1));
             let (o, a) = take(&store.overflow);
             let mut other = (o, a, u64::from(o > 0));
             for (_, o, a) in keys.drain(top_k.min(keys.len())..) {
@@ -657,7 +655,9 @@ fn compile(r: &Rule, metrics: &Metrics) -> CompiledRule {
                 Some(Limit::Rate { quota, .. }) => {
                     let parts = StoreParts {
                         max_keys: r.max_keys.get() as usize,
-                        keys: metrics.keys.with_label_values(&[&format!("{label}.fallback")]),
+                        keys: metrics
+                            .keys
+                            .with_label_values(&[&format!("{label}.fallback")]),
                         evicted_idle: metrics
                             .evicted
                             .with_label_values(&[&format!("{label}.fallback"), "idle"]),

@@ -109,10 +109,10 @@ fn unknown_fields_are_errors_with_their_place() {
 #[test]
 fn scopes_not_built_yet_are_refused_clearly() {
     let e = err(&with_rule(
-        "  - name: a\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: global\n",
+        "  - name: a\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: redis\n",
     ));
     assert!(
-        e.contains("rules[0].scope: scope `global` is not available"),
+        e.contains("rules[0].scope: scope `redis` is not available"),
         "{e}"
     );
     let e = err(&with_rule(
@@ -386,4 +386,65 @@ fn a_rule_level_error_names_the_rule_and_its_line() {
         e.starts_with("test.yaml:8:") || e.starts_with("test.yaml:11:"),
         "{e}"
     );
+}
+
+#[test]
+fn a_global_rule_needs_a_control_plane_and_a_plain_rate() {
+    let e = err(&with_rule(
+        "  - name: a\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: global\n",
+    ));
+    assert_eq!(
+        e,
+        "test.yaml:5: rule a: scope: global needs a control_plane section with the aggregator's url"
+    );
+    let cp = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:7001' }\nrules:\n";
+    for (rule, want) in [
+        (
+            "limit: { rate: 10/s, algorithm: gcra }",
+            "a global rule is enforced by drop ratios",
+        ),
+        (
+            "limit: { concurrency: 3 }",
+            "takes a rate limit, not concurrency",
+        ),
+        (
+            "limit: { rate: 10/s }\n    on_limit: delay",
+            "applies to local rules",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: 3",
+            "global rules count requests",
+        ),
+    ] {
+        let e = err(&format!(
+            "{cp}  - name: a\n    key: path\n    scope: global\n    {rule}\n"
+        ));
+        assert!(e.contains(want), "{rule}: {e}");
+    }
+    let e = err(&with_rule(
+        "  - name: a\n    key: path\n    limit: { rate: 10/s }\n    fallback: { rate: 1/s }\n",
+    ));
+    assert!(
+        e.contains("fallback: applies to scope: global rules only"),
+        "{e}"
+    );
+    let c = Config::from_yaml(
+        &format!("{cp}  - name: a\n    key: path\n    scope: global\n    limit: {{ rate: 100/s }}\n    fallback: {{ rate: 10/s, burst: 20 }}\n"),
+        "t",
+    )
+    .unwrap();
+    let p = c.control_plane.unwrap();
+    assert_eq!(p.report_interval.0, Duration::from_secs(1));
+    assert_eq!(p.stale_after.0, Duration::from_secs(5));
+    assert_eq!(p.top_k.get(), 100);
+    assert!(c.rules[0].fallback.is_some());
+    let e = err(&format!(
+        "{}  report_interval: 50ms\n",
+        cp.replace(
+            "control_plane: { url: 'http://127.0.0.1:7001' }\n",
+            "control_plane:\n  url: http://127.0.0.1:7001\n"
+        )
+        .replace("rules:\n", "")
+    ));
+    assert!(e.contains("report_interval: must be at least 100ms"), "{e}");
 }

@@ -1,1 +1,229 @@
+//! The controller (one per region): sums what zones (or hosts, for small fleets) report per
+//! (service, rule, key), and answers each report with the drop ratios of its services.
+//!
+//! Soft state only: a restarted controller knows nothing, and the next round of reports
+//! rebuilds everything, with no operator. The accumulator sits behind one mutex: it is taken
+//! once per report (a few per second per zone), never on a request path, never across an await.
 
+// One std mutex guards the accumulator: taken per report, never across an await, never on
+// a request path (the lint bans it there).
+#![allow(clippy::disallowed_types)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::Mutex;
+
+use http::{Method, Request, StatusCode};
+use hyper::body::Incoming;
+use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
+use tokio::sync::watch;
+
+use super::server::{self, Body, Running};
+use super::{Accumulator, Report};
+
+/// How to run a controller.
+#[derive(Debug, Clone)]
+pub struct ControllerOptions {
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    /// Reports must carry this bearer token when set.
+    pub token: Option<Vec<u8>>,
+}
+
+struct State {
+    acc: Mutex<Accumulator>,
+    start: tokio::time::Instant,
+    token: Option<Vec<u8>>,
+    registry: Registry,
+    reports: IntCounterVec,
+    sources: IntGauge,
+    conflicts: IntCounter,
+    offered: GaugeVec,
+    admitted: GaugeVec,
+    limit: GaugeVec,
+    ratio: GaugeVec,
+}
+
+impl State {
+    fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    fn acc(&self) -> std::sync::MutexGuard<'_, Accumulator> {
+        // A panic mid-update leaves soft state the next reports overwrite.
+        self.acc.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
+        if let Err(resp) = server::check_token(&req, self.token.as_deref()) {
+            self.reports.with_label_values(&["unauthorized"]).inc();
+            return resp;
+        }
+        let report: Report = match server::read_json(req).await {
+            Ok(r) => r,
+            Err(resp) => {
+                self.reports.with_label_values(&["malformed"]).inc();
+                return resp;
+            }
+        };
+        if let Err(e) = report.validate() {
+            self.reports.with_label_values(&["invalid"]).inc();
+            return server::error(StatusCode::BAD_REQUEST, &e.to_string());
+        }
+        let mut services: Vec<&str> = report.entries.iter().map(|e| e.service.as_str()).collect();
+        services.sort_unstable();
+        services.dedup();
+        let now = self.now();
+        let reply = {
+            let mut acc = self.acc();
+            acc.expire(now);
+            acc.add(&report, now);
+            acc.reply(&services)
+        };
+        self.reports.with_label_values(&["ok"]).inc();
+        server::json(StatusCode::OK, &reply)
+    }
+
+    fn state(&self) -> http::Response<Body> {
+        let mut view = {
+            let mut acc = self.acc();
+            acc.expire(self.now());
+            acc.view(None)
+        };
+        view.sort_by(|a, b| (&a.service, &a.rule, &a.key).cmp(&(&b.service, &b.rule, &b.key)));
+        server::json(StatusCode::OK, &serde_json::json!({ "keys": view }))
+    }
+
+    /// Per-rule gauges (never per key), refreshed at scrape time.
+    fn metrics(&self) -> Vec<u8> {
+        let (view, sources, conflicts) = {
+            let mut acc = self.acc();
+            acc.expire(self.now());
+            (acc.view(None), acc.sources(), acc.conflicts)
+        };
+        self.sources.set(sources as i64);
+        self.conflicts
+            .inc_by(conflicts.saturating_sub(self.conflicts.get()));
+        for g in [&self.offered, &self.admitted, &self.limit, &self.ratio] {
+            g.reset();
+        }
+        let mut per_rule: std::collections::BTreeMap<(&str, &str), (f64, f64, f64, f64)> =
+            Default::default();
+        for v in &view {
+            let e = per_rule
+                .entry((&v.service, &v.rule))
+                .or_insert((0.0, 0.0, 0.0, 0.0));
+            e.0 += v.offered_rps;
+            e.1 += v.admitted_rps;
+            if v.key.is_some() {
+                e.2 = v.limit_rps;
+            }
+            // Expected dropped rate, to turn into the rule's overall drop ratio.
+            e.3 += v.offered_rps * v.ratio;
+        }
+        for ((service, rule), (offered, admitted, limit, dropped)) in per_rule {
+            let l = [service, rule];
+            self.offered.with_label_values(&l).set(offered);
+            self.admitted.with_label_values(&l).set(admitted);
+            self.limit.with_label_values(&l).set(limit);
+            let ratio = if offered > 0.0 {
+                dropped / offered
+            } else {
+                0.0
+            };
+            self.ratio.with_label_values(&l).set(ratio);
+        }
+        server::render(&self.registry)
+    }
+}
+
+fn gauge(registry: &Registry, name: &str, help: &str) -> GaugeVec {
+    let g = GaugeVec::new(Opts::new(name, help), &["service", "rule"]).expect("valid metric");
+    registry.register(Box::new(g.clone())).expect("unique");
+    g
+}
+
+/// Binds the listeners and starts serving.
+pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
+    let listener = server::bind(opts.listen, "controller").await?;
+    let admin = server::bind(opts.admin, "admin").await?;
+    let (addr, admin_addr) = (listener.local_addr()?, admin.local_addr()?);
+    let registry = Registry::new();
+    let reports = IntCounterVec::new(
+        Opts::new(
+            "spillway_controller_reports_total",
+            "Reports received, by result (ok, unauthorized, malformed, invalid).",
+        ),
+        &["result"],
+    )
+    .expect("valid metric");
+    let sources = IntGauge::new(
+        "spillway_controller_sources",
+        "Zones or hosts reporting now.",
+    )
+    .expect("valid metric");
+    let conflicts = IntCounter::new(
+        "spillway_controller_limit_conflicts_total",
+        "Times reporters disagreed on a rule's limit (the smallest applies).",
+    )
+    .expect("valid metric");
+    registry
+        .register(Box::new(reports.clone()))
+        .expect("unique");
+    registry
+        .register(Box::new(sources.clone()))
+        .expect("unique");
+    registry
+        .register(Box::new(conflicts.clone()))
+        .expect("unique");
+    let state = Arc::new(State {
+        acc: Mutex::new(Accumulator::default()),
+        start: tokio::time::Instant::now(),
+        token: opts.token,
+        offered: gauge(
+            &registry,
+            "spillway_controller_offered_rps",
+            "Offered requests/s per rule, fleet-wide.",
+        ),
+        admitted: gauge(
+            &registry,
+            "spillway_controller_admitted_rps",
+            "Admitted requests/s per rule, fleet-wide.",
+        ),
+        limit: gauge(
+            &registry,
+            "spillway_controller_limit_rps",
+            "The rule's limit per key, requests/s.",
+        ),
+        ratio: gauge(
+            &registry,
+            "spillway_controller_drop_ratio",
+            "Share of the rule's offered load being dropped.",
+        ),
+        registry,
+        reports,
+        sources,
+        conflicts,
+    });
+    let (stop, stopped) = watch::channel(false);
+    let s = state.clone();
+    let api = tokio::spawn(server::serve(listener, stopped.clone(), move |req| {
+        let s = s.clone();
+        async move {
+            match (req.method(), req.uri().path()) {
+                (&Method::POST, "/v1/report") => s.report(req).await,
+                (&Method::GET, "/v1/state") => s.state(),
+                _ => server::error(
+                    StatusCode::NOT_FOUND,
+                    "not found; try POST /v1/report or GET /v1/state",
+                ),
+            }
+        }
+    }));
+    let s = state.clone();
+    let admin_task = tokio::spawn(server::serve(admin, stopped, move |req| {
+        let s = s.clone();
+        async move { server::admin_route(req.uri().path(), || s.metrics()) }
+    }));
+    Ok(Running::new(addr, admin_addr, stop, vec![api, admin_task]))
+}

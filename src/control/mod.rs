@@ -118,7 +118,11 @@ impl Report {
         }
         for (i, e) in self.entries.iter().enumerate() {
             let bad = |what| Err(ReportError::Entry(i, what));
-            if e.service.is_empty() || e.rule.is_empty() || e.service.len() > 64 || e.rule.len() > 64 {
+            if e.service.is_empty()
+                || e.rule.is_empty()
+                || e.service.len() > 64
+                || e.rule.len() > 64
+            {
                 return bad("service and rule are 1 to 64 characters");
             }
             if e.key.as_ref().is_some_and(|k| k.len() > 1024) {
@@ -140,7 +144,7 @@ impl Report {
 /// `max(0, (offered - limit) / offered)`, on offered load so that dropping does not hide the
 /// demand that caused it.
 pub fn drop_ratio(offered_rps: f64, limit_rps: f64) -> f64 {
-    if !(offered_rps > 0.0) || !limit_rps.is_finite() {
+    if offered_rps.is_nan() || offered_rps <= 0.0 || !limit_rps.is_finite() {
         return 0.0;
     }
     ((offered_rps - limit_rps) / offered_rps).clamp(0.0, 1.0)

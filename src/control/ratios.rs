@@ -133,7 +133,11 @@ mod tests {
         };
         let d = DropRatios::from_reply(&reply, "s", 7);
         assert_eq!(d.ratio("r", b"k"), 0.5);
-        assert_eq!(d.ratio("r", b"j"), 0.1, "another service's ratio does not apply");
+        assert_eq!(
+            d.ratio("r", b"j"),
+            0.1,
+            "another service's ratio does not apply"
+        );
         assert_eq!(d.ratio("q", b"k"), 0.0);
         assert_eq!(d.at, 7);
     }

@@ -1,6 +1,9 @@
 //! HTTP plumbing shared by the aggregator and the controller: a small HTTP/1.1 server, JSON
 //! in and out with a size limit, and the bearer-token check.
 
+// The errors here are the HTTP responses themselves, built once per refused request.
+#![allow(clippy::result_large_err)]
+
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
@@ -69,8 +72,10 @@ pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<Body> {
     let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
     let mut resp = Response::new(Full::new(Bytes::from(body)));
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, http::HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
     resp
 }
 
@@ -84,7 +89,10 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
     let bytes = match Limited::new(req.into_body(), MAX_BODY).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return Err(error(StatusCode::PAYLOAD_TOO_LARGE, "body larger than 8 MiB"))
+            return Err(error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body larger than 8 MiB",
+            ))
         }
         Err(_) => return Err(error(StatusCode::BAD_REQUEST, "body could not be read")),
     };
@@ -104,7 +112,10 @@ pub fn check_token<B>(req: &Request<B>, token: Option<&[u8]>) -> Result<(), Resp
     if given.ct_eq(want).into() {
         Ok(())
     } else {
-        Err(error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token"))
+        Err(error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token",
+        ))
     }
 }
 
@@ -130,4 +141,68 @@ pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
         http::HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
     );
     resp
+}
+
+/// A running control-plane process: its addresses and the handle to stop it.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub admin_addr: SocketAddr,
+    stop: watch::Sender<bool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    pub fn new(
+        addr: SocketAddr,
+        admin_addr: SocketAddr,
+        stop: watch::Sender<bool>,
+        tasks: Vec<tokio::task::JoinHandle<()>>,
+    ) -> Self {
+        Running {
+            addr,
+            admin_addr,
+            stop,
+            tasks,
+        }
+    }
+
+    /// Stops accepting and ends the background loops.
+    pub fn shutdown(&self) {
+        let _ = self.stop.send(true);
+    }
+
+    /// Waits until every task has ended.
+    pub async fn wait(self) {
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+
+    /// Serves until `signal` completes, then stops.
+    pub async fn run_until(self, signal: impl Future<Output = ()>) {
+        signal.await;
+        self.shutdown();
+        self.wait().await;
+    }
+}
+
+/// The admin endpoints of a control-plane process: `/metrics`, `/healthz`, `/readyz`.
+pub fn admin_route(path: &str, metrics: impl FnOnce() -> Vec<u8>) -> Response<Body> {
+    match path {
+        "/metrics" => text(StatusCode::OK, metrics()),
+        "/healthz" => text(StatusCode::OK, "ok\n"),
+        "/readyz" => text(StatusCode::OK, "ready\n"),
+        _ => text(
+            StatusCode::NOT_FOUND,
+            "not found; try /metrics /healthz /readyz\n",
+        ),
+    }
+}
+
+/// Renders a registry in Prometheus text format.
+pub fn render(registry: &prometheus::Registry) -> Vec<u8> {
+    use prometheus::Encoder;
+    let mut out = Vec::new();
+    let _ = prometheus::TextEncoder::new().encode(&registry.gather(), &mut out);
+    out
 }

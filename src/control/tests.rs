@@ -40,7 +40,13 @@ fn rates_from_several_sources_sum_per_key() {
     let mut acc = Accumulator::default();
     acc.add(&report("a", vec![entry(Some("k"), 90, 90)]), 0.0);
     acc.add(&report("b", vec![entry(Some("k"), 30, 30)]), 0.0);
-    acc.add(&report("c", vec![entry(Some("k"), 30, 30), entry(Some("j"), 10, 10)]), 0.0);
+    acc.add(
+        &report(
+            "c",
+            vec![entry(Some("k"), 30, 30), entry(Some("j"), 10, 10)],
+        ),
+        0.0,
+    );
     let view = acc.view(None);
     let k = view.iter().find(|v| v.key.as_deref() == Some("k")).unwrap();
     assert_eq!(k.offered_rps, 150.0);

@@ -31,7 +31,9 @@ use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::admin;
-use crate::config::{Config, HeaderMode};
+use crate::config::{Config, ControlPlane, HeaderMode};
+use crate::control::reporter::Reporter;
+use crate::control::{DropRatios, Staleness};
 use crate::gate;
 use crate::key::{self, RequestView};
 use crate::limit::{AnyClock, Clock};
@@ -45,7 +47,9 @@ const SWEEP_EVERY: Duration = Duration::from_secs(5);
 /// State shared by every connection of one proxy.
 pub struct Shared {
     /// Rules, matchers and their metric handles, swapped whole on reload.
-    pub rules: ArcSwap<RuleSet>,
+    pub rules: Arc<ArcSwap<RuleSet>>,
+    /// The control plane's drop ratios, published by the reporter, read by global rules.
+    pub ratios: Arc<ArcSwap<DropRatios>>,
     pub config: ArcSwap<Config>,
     client: forward::UpstreamClient,
     upstream: http::uri::Authority,
@@ -87,10 +91,18 @@ impl Sidecar {
         let addr = listener.local_addr()?;
         let admin_addr = admin_listener.local_addr()?;
         let metrics = Arc::new(Metrics::new());
-        let rules = RuleSet::build(&config, &metrics);
+        // Ratios count as fresh from start-up, so a control plane that never answers makes
+        // the proxy stale (fail open, or the fallback limits) after `stale_after`.
+        let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(clock.now())));
+        let rules = RuleSet::build_with_ratios(&config, &metrics, ratios.clone());
+        let reporter = match &config.control_plane {
+            Some(cp) => Some(reporter(&config, cp, &ratios, &clock, &metrics)?),
+            None => None,
+        };
         let t = &config.timeouts;
         let shared = Arc::new(Shared {
-            rules: ArcSwap::from_pointee(rules),
+            rules: Arc::new(ArcSwap::from_pointee(rules)),
+            ratios,
             client: forward::client(t.upstream_connect.0, t.idle.0),
             upstream: config.upstream.authority.clone(),
             clock,
@@ -102,7 +114,13 @@ impl Sidecar {
             config: ArcSwap::from_pointee(config),
         });
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(serve(listener, admin_listener, shared.clone(), stopped));
+        let task = tokio::spawn(serve(
+            listener,
+            admin_listener,
+            shared.clone(),
+            stopped,
+            reporter,
+        ));
         Ok(Sidecar {
             addr,
             admin_addr,
@@ -142,15 +160,66 @@ impl Sidecar {
     }
 }
 
+/// The reporter for `cp`, with its token read now so that a bad token file stops start-up.
+fn reporter(
+    config: &Config,
+    cp: &ControlPlane,
+    ratios: &Arc<ArcSwap<DropRatios>>,
+    clock: &AnyClock,
+    metrics: &Arc<Metrics>,
+) -> std::io::Result<Reporter> {
+    let token = match &cp.token_file {
+        Some(path) => Some(crate::control::server::read_token(path).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("control_plane.token_file {}: {e}", path.display()),
+            )
+        })?),
+        None => None,
+    };
+    let url = format!("http://{}/v1/report", cp.url.authority)
+        .parse()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{e}")))?;
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+    Ok(Reporter {
+        client: crate::control::reporter::json_client(),
+        url,
+        token,
+        service: config.service.0.clone(),
+        source: cp
+            .host
+            .clone()
+            .or_else(|| env("HOSTNAME"))
+            .unwrap_or_else(|| format!("spillway-{}", std::process::id())),
+        zone: cp
+            .zone
+            .clone()
+            .or_else(|| env("SPILLWAY_ZONE"))
+            .unwrap_or_default(),
+        interval: cp.report_interval.0,
+        top_k: cp.top_k.get() as usize,
+        staleness: Staleness {
+            stale_after: cp.stale_after.0.as_nanos() as u64,
+            decay: cp.decay.0.as_nanos() as u64,
+        },
+        ratios: ratios.clone(),
+        clock: clock.clone(),
+        metrics: metrics.clone(),
+    })
+}
+
 async fn serve(
     listener: TcpListener,
     admin_listener: TcpListener,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
+    reporter: Option<Reporter>,
 ) {
     let (admin_stop_tx, admin_stop) = watch::channel(false);
     let admin_task = tokio::spawn(admin::serve(admin_listener, shared.clone(), admin_stop));
     let sweeper = tokio::spawn(sweep_loop(shared.clone()));
+    let (report_stop_tx, report_stop) = watch::channel(false);
+    let reporter = reporter.map(|r| tokio::spawn(r.run(shared.rules.clone(), report_stop)));
 
     let config = shared.config.load_full();
     let mut builder = auto::Builder::new(TokioExecutor::new());
@@ -223,6 +292,11 @@ async fn serve(
         _ = tokio::time::sleep(drain) => tracing::warn!("drain timed out; closing the remaining connections"),
     }
     sweeper.abort();
+    // The reporter sends the counts of the drain, then stops.
+    let _ = report_stop_tx.send(true);
+    if let Some(r) = reporter {
+        let _ = r.await;
+    }
     let _ = admin_stop_tx.send(true);
     let _ = admin_task.await;
 }
