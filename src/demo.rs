@@ -43,7 +43,7 @@ rules:
 
 /// Answers counted by a load generator.
 #[derive(Default)]
-pub(crate) struct Tally {
+pub struct Tally {
     pub offered: AtomicU64,
     pub allowed: AtomicU64,
     pub rejected: AtomicU64,
@@ -253,7 +253,7 @@ pub(crate) async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
     Ok(addr)
 }
 
-mod fleet;
+pub mod fleet;
 
 /// `spillway demo --fleet`: a controller, two zone aggregators, three proxies and an uneven
 /// load (6:2:1 across the proxies, 1x the limit then 3x), with a table once a second.

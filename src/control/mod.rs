@@ -187,9 +187,11 @@ struct SourceRate {
     ttl: f64,
 }
 
-/// Weight of the newest interval in the smoothed rate: half, so a step is mostly followed
-/// after two intervals and a one-interval blip moves the ratio by half.
-const EWMA: f64 = 0.5;
+/// Weight of the newest interval in the smoothed rate. Measured with
+/// `benches/fleet_convergence.rs`: 0.5 took 7 s to follow a 1x -> 3x step with 1 s reports,
+/// 0.8 takes 3.9 s (1.9 s with 250 ms reports), and both hold the steady state within 2 %;
+/// the per-request coin toss already averages out what noise 0.8 lets through.
+const EWMA: f64 = 0.8;
 
 /// A (service, rule, key) as seen over all live sources.
 #[derive(Debug, Clone, Serialize, PartialEq)]

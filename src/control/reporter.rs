@@ -91,35 +91,56 @@ pub struct Reporter {
     pub metrics: Arc<Metrics>,
 }
 
+/// The report of `rules`' global counts since the last one: the `top_k` heaviest keys of each
+/// rule one by one, the rest folded into one "other" entry, so that its size does not grow
+/// with the number of distinct keys.
+pub fn build_report(
+    rules: &RuleSet,
+    service: &str,
+    source: &str,
+    zone: &str,
+    interval: Duration,
+    top_k: usize,
+) -> Report {
+    let mut entries = Vec::new();
+    for counts in rules.drain_global(top_k) {
+        let entry = |key, keys_folded, offered, admitted| Entry {
+            service: service.to_string(),
+            rule: counts.rule.clone(),
+            limit: counts.limit,
+            key,
+            keys_folded,
+            offered,
+            admitted,
+        };
+        for (k, o, a) in &counts.keys {
+            entries.push(entry(Some(k.clone()), 0, *o, *a));
+        }
+        let (o, a, n) = counts.other;
+        if o > 0 {
+            entries.push(entry(None, n, o, a));
+        }
+    }
+    Report {
+        version: VERSION,
+        source: source.to_string(),
+        zone: zone.to_string(),
+        interval_ms: interval.as_millis() as u64,
+        entries,
+    }
+}
+
 impl Reporter {
     /// The report of the counts since the last one.
     pub fn report(&self, rules: &RuleSet) -> Report {
-        let mut entries = Vec::new();
-        for counts in rules.drain_global(self.top_k) {
-            let entry = |key, keys_folded, offered, admitted| Entry {
-                service: self.service.clone(),
-                rule: counts.rule.clone(),
-                limit: counts.limit,
-                key,
-                keys_folded,
-                offered,
-                admitted,
-            };
-            for (k, o, a) in &counts.keys {
-                entries.push(entry(Some(k.clone()), 0, *o, *a));
-            }
-            let (o, a, n) = counts.other;
-            if o > 0 {
-                entries.push(entry(None, n, o, a));
-            }
-        }
-        Report {
-            version: VERSION,
-            source: self.source.clone(),
-            zone: self.zone.clone(),
-            interval_ms: self.interval.as_millis() as u64,
-            entries,
-        }
+        build_report(
+            rules,
+            &self.service,
+            &self.source,
+            &self.zone,
+            self.interval,
+            self.top_k,
+        )
     }
 
     /// Reports every interval until `stop`, then sends one last report (within one interval).

@@ -14,7 +14,9 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
-use super::{offer, start_upstream, Tally};
+use super::{offer, start_upstream};
+pub use super::Tally;
+use crate::control::server::Running;
 use crate::control::{aggregator, controller};
 use crate::{Config, Sidecar};
 
@@ -27,6 +29,8 @@ fn proxy_config(
     upstream: std::net::SocketAddr,
     aggregator: std::net::SocketAddr,
     n: usize,
+    limit: u64,
+    interval: Duration,
 ) -> String {
     format!(
         r#"
@@ -36,59 +40,131 @@ upstream: http://{upstream}
 admin: 127.0.0.1:0
 control_plane:
   url: http://{aggregator}
-  report_interval: 250ms
-  stale_after: 2s
+  report_interval: {}ms
+  stale_after: {}ms
   decay: 5s
   host: proxy-{n}
 rules:
   - name: per-api-key
     key: [header:x-api-key]
-    limit: {{ rate: {LIMIT}/s }}
+    limit: {{ rate: {limit}/s }}
     scope: global
-"#
+"#,
+        interval.as_millis(),
+        (interval * 8).as_millis()
     )
+}
+
+/// A tally per proxy, and the load generators to await.
+pub type Load = (Vec<Arc<Tally>>, Vec<tokio::task::JoinHandle<()>>);
+
+/// A whole fleet on loopback: a controller, aggregators for zones eu-1 and eu-2, three proxies
+/// (two in eu-1, one in eu-2) and one app. Reused by the convergence benchmark.
+pub struct Fleet {
+    pub upstream: std::net::SocketAddr,
+    pub controller: Running,
+    pub aggregators: Vec<Running>,
+    pub proxies: Vec<Sidecar>,
+}
+
+impl Fleet {
+    /// Starts it, with one global rule of `limit`/s per API key, reporting every `interval`.
+    pub async fn start(limit: u64, interval: Duration) -> anyhow::Result<Fleet> {
+        let upstream = start_upstream().await?;
+        let any = "127.0.0.1:0".parse()?;
+        let controller = controller::start(controller::ControllerOptions {
+            listen: any,
+            admin: any,
+            token: None,
+        })
+        .await?;
+        let mut aggregators = Vec::new();
+        for zone in ["eu-1", "eu-2"] {
+            aggregators.push(
+                aggregator::start(aggregator::AggregatorOptions {
+                    listen: any,
+                    admin: any,
+                    controller: format!("http://{}", controller.addr).parse()?,
+                    zone: zone.into(),
+                    interval,
+                    token: None,
+                })
+                .await?,
+            );
+        }
+        let mut proxies = Vec::new();
+        for n in 0..3 {
+            let agg = &aggregators[usize::from(n == 2)];
+            let yaml = proxy_config(upstream, agg.addr, n + 1, limit, interval);
+            let config = Config::from_yaml(&yaml, "<fleet>").context("the fleet's own config")?;
+            proxies.push(Sidecar::start(config).await?);
+        }
+        Ok(Fleet {
+            upstream,
+            controller,
+            aggregators,
+            proxies,
+        })
+    }
+
+    /// Offers one API key across the proxies 6:2:1, `fleet_rate(elapsed)` requests/s in
+    /// all, until `deadline`; returns a tally per proxy and the generators to await.
+    pub fn load(
+        &self,
+        fleet_rate: impl Fn(Duration) -> u64 + Clone + Send + 'static,
+        deadline: tokio::time::Instant,
+    ) -> anyhow::Result<Load> {
+        let client: Client<HttpConnector, Empty<Bytes>> =
+            Client::builder(TokioExecutor::new()).build_http();
+        let total: u64 = SHARES.iter().sum();
+        let mut tallies = Vec::new();
+        let mut generators = Vec::new();
+        for (i, p) in self.proxies.iter().enumerate() {
+            let share = SHARES[i];
+            let tally = Arc::new(Tally::default());
+            let rate = fleet_rate.clone();
+            generators.push(tokio::spawn(offer(
+                client.clone(),
+                format!("http://{}/api/orders", p.addr()).parse()?,
+                vec![("x-api-key", "team-a".to_string())],
+                move |elapsed| rate(elapsed) * share / total,
+                tally.clone(),
+                deadline,
+            )));
+            tallies.push(tally);
+        }
+        Ok((tallies, generators))
+    }
+
+    /// Stops everything, proxies first.
+    pub async fn stop(self) {
+        for p in self.proxies {
+            p.shutdown();
+            p.wait().await;
+        }
+        for a in self.aggregators {
+            a.shutdown();
+            a.wait().await;
+        }
+        self.controller.shutdown();
+        self.controller.wait().await;
+    }
 }
 
 /// Runs the fleet demo for 30 s.
 pub async fn run() -> anyhow::Result<()> {
-    let upstream = start_upstream().await?;
-    let any = "127.0.0.1:0".parse()?;
-    let ctl = controller::start(controller::ControllerOptions {
-        listen: any,
-        admin: any,
-        token: None,
-    })
-    .await?;
-    let mut aggregators = Vec::new();
-    for zone in ["eu-1", "eu-2"] {
-        aggregators.push(
-            aggregator::start(aggregator::AggregatorOptions {
-                listen: any,
-                admin: any,
-                controller: format!("http://{}", ctl.addr).parse()?,
-                zone: zone.into(),
-                interval: Duration::from_millis(250),
-                token: None,
-            })
-            .await?,
-        );
-    }
-    let mut proxies = Vec::new();
-    for n in 0..3 {
-        let agg = &aggregators[usize::from(n == 2)];
-        let yaml = proxy_config(upstream, agg.addr, n + 1);
-        let config = Config::from_yaml(&yaml, "<demo>").context("the demo's own config")?;
-        proxies.push(Sidecar::start(config).await?);
-    }
+    let fleet = Fleet::start(LIMIT, Duration::from_millis(250)).await?;
+    let (ctl, aggs, p) = (&fleet.controller, &fleet.aggregators, &fleet.proxies);
     println!(
         "Spillway fleet demo: controller {}, aggregators eu-1 {} and eu-2 {},",
-        ctl.addr, aggregators[0].addr, aggregators[1].addr
+        ctl.addr, aggs[0].addr, aggs[1].addr
     );
     println!(
-        "proxies {} and {} (eu-1) and {} (eu-2), one app on {upstream}.",
-        proxies[0].addr(),
-        proxies[1].addr(),
-        proxies[2].addr()
+        "proxies {} and {} (eu-1) and {} (eu-2), one app on {}.",
+        p[0].addr(),
+        p[1].addr(),
+        p[2].addr(),
+        fleet.upstream
     );
     println!(
         "Rule per-api-key: {LIMIT} req/s per key across the whole fleet (scope: global). One key is offered 6:2:1\n\
@@ -98,27 +174,13 @@ pub async fn run() -> anyhow::Result<()> {
     );
     println!(" second | proxy-1 adm/off | proxy-2 adm/off | proxy-3 adm/off | fleet adm/off | limit | ratio");
     println!("--------+-----------------+-----------------+-----------------+---------------+-------+------");
-
+    let deadline = tokio::time::Instant::now() + RUN_FOR;
+    let (tallies, generators) = fleet.load(
+        |elapsed| if elapsed < STEP_AT { LIMIT } else { 3 * LIMIT },
+        deadline,
+    )?;
     let client: Client<HttpConnector, Empty<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
-    let deadline = tokio::time::Instant::now() + RUN_FOR;
-    let total: u64 = SHARES.iter().sum();
-    let tallies: Vec<Arc<Tally>> = (0..3).map(|_| Arc::new(Tally::default())).collect();
-    let mut generators = Vec::new();
-    for (i, p) in proxies.iter().enumerate() {
-        let share = SHARES[i];
-        generators.push(tokio::spawn(offer(
-            client.clone(),
-            format!("http://{}/api/orders", p.addr()).parse()?,
-            vec![("x-api-key", "team-a".to_string())],
-            move |elapsed| {
-                let fleet = if elapsed < STEP_AT { LIMIT } else { 3 * LIMIT };
-                fleet * share / total
-            },
-            tallies[i].clone(),
-            deadline,
-        )));
-    }
     let state_url: http::Uri = format!("http://{}/v1/state", ctl.addr).parse()?;
     let mut tick = tokio::time::interval_at(
         tokio::time::Instant::now() + Duration::from_secs(1),
@@ -132,7 +194,7 @@ pub async fn run() -> anyhow::Result<()> {
             let (o, a, _) = t.take();
             fo += o;
             fa += a;
-            row.push_str(&format!(" {:>7}/{:<7} |", a, o));
+            row.push_str(&format!(" {a:>7}/{o:<7} |"));
         }
         let ratio = controller_ratio(&client, &state_url).await.unwrap_or(0.0);
         row.push_str(&format!(" {fa:>6}/{fo:<6} | {LIMIT:>5} | {ratio:.2}"));
@@ -145,16 +207,7 @@ pub async fn run() -> anyhow::Result<()> {
         "\nThe fleet admits about {LIMIT}/s whatever the split: each proxy drops the same share of its own\n\
          traffic (the controller's ratio), decided locally with no network hop per request."
     );
-    for p in proxies {
-        p.shutdown();
-        p.wait().await;
-    }
-    for a in aggregators {
-        a.shutdown();
-        a.wait().await;
-    }
-    ctl.shutdown();
-    ctl.wait().await;
+    fleet.stop().await;
     Ok(())
 }
 
