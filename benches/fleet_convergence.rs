@@ -49,7 +49,8 @@ async fn main() -> anyhow::Result<()> {
         let error = (steady - LIMIT as f64) / LIMIT as f64;
         // 1 s sliding windows ending at each sample after the step.
         let step = (STEP_AT.as_millis() / SAMPLE.as_millis()) as usize;
-        let window_rate = |end: usize| samples[end + 1 - per_window..=end].iter().sum::<u64>() as f64;
+        let window_rate =
+            |end: usize| samples[end + 1 - per_window..=end].iter().sum::<u64>() as f64;
         let ok = |end: usize| (window_rate(end) - LIMIT as f64).abs() <= 0.1 * LIMIT as f64;
         let ends: Vec<usize> = (step + per_window..samples.len()).collect();
         let first = ends.iter().position(|&e| ok(e));

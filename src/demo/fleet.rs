@@ -14,8 +14,8 @@ use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
-use super::{offer, start_upstream};
 pub use super::Tally;
+use super::{offer, start_upstream};
 use crate::control::server::Running;
 use crate::control::{aggregator, controller};
 use crate::{Config, Sidecar};

@@ -1,0 +1,134 @@
+//! The decision for a known key allocates nothing, for every algorithm and for the drop-ratio
+//! path: a counting allocator, no timing. A regression guard for the hot-path discipline.
+
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::net::{IpAddr, Ipv4Addr};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use http::{HeaderMap, Method, Uri};
+use spillway::control::{DropRatios, Ratio, Reply, VERSION};
+use spillway::key::RequestView;
+use spillway::limit::Algorithm;
+use spillway::metrics::Metrics;
+use spillway::rules::{RuleSet, Verdict};
+use spillway::Config;
+
+thread_local! {
+    // Per thread, so that other tests running at the same time do not count.
+    static ALLOCATIONS: Cell<u64> = const { Cell::new(0) };
+}
+
+struct Counting;
+
+// SAFETY: forwards every call to the system allocator unchanged; only counts.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        ALLOCATIONS.with(|a| a.set(a.get() + 1));
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        ALLOCATIONS.with(|a| a.set(a.get() + 1));
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+fn allocations_during(f: impl FnOnce()) -> u64 {
+    let before = ALLOCATIONS.with(Cell::get);
+    f();
+    ALLOCATIONS.with(Cell::get) - before
+}
+
+fn decide(rules: &RuleSet, now: u64) -> bool {
+    decide_for(rules, now, Ipv4Addr::new(10, 1, 2, 3))
+}
+
+fn decide_for(rules: &RuleSet, now: u64, ip: Ipv4Addr) -> bool {
+    let (uri, headers) = (Uri::from_static("/api/x"), HeaderMap::new());
+    let view = RequestView {
+        method: &Method::GET,
+        uri: &uri,
+        headers: &headers,
+        host: None,
+        client_ip: IpAddr::V4(ip),
+    };
+    matches!(rules.check(&view, now), Verdict::Allow(_))
+}
+
+#[test]
+fn a_known_key_is_decided_without_allocating_for_every_algorithm() {
+    for algorithm in Algorithm::ALL {
+        let yaml = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: r\n    key: client_ip\n    limit: {{ rate: 5/s, algorithm: {} }}\n",
+            algorithm.name()
+        );
+        let config = Config::from_yaml(&yaml, "t").unwrap();
+        let rules = RuleSet::build(&config, &Metrics::new());
+        // The first decision inserts the key, and that one allocates: the counter works.
+        let first = allocations_during(|| {
+            decide(&rules, 1_000_000_000);
+        });
+        assert!(
+            first > 0,
+            "{}: a new key allocates its entry",
+            algorithm.name()
+        );
+        // Refusals are warmed too.
+        for i in 0..10 {
+            decide(&rules, 1_000_000_000 + i);
+        }
+        let n = allocations_during(|| {
+            for i in 0..1000 {
+                decide(&rules, 2_000_000_000 + i * 1_000_000);
+            }
+        });
+        assert_eq!(
+            n,
+            0,
+            "{}: {n} allocations in 1000 decisions",
+            algorithm.name()
+        );
+    }
+}
+
+#[test]
+fn the_drop_ratio_path_does_not_allocate() {
+    let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1' }\nrules:\n  - name: g\n    key: client_ip\n    limit: { rate: 5/s }\n    scope: global\n";
+    let config = Config::from_yaml(yaml, "t").unwrap();
+    let reply = Reply {
+        version: VERSION,
+        age_ms: 0,
+        ratios: vec![Ratio {
+            service: "s".into(),
+            rule: "g".into(),
+            key: Some("10.1.2.3".into()),
+            ratio: 0.5,
+        }],
+    };
+    let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::from_reply(
+        &reply, "s", 0,
+    )));
+    let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios);
+    for i in 0..10 {
+        decide(&rules, i);
+    }
+    let mut admitted = 0;
+    let n = allocations_during(|| {
+        for i in 0..1000 {
+            admitted += u32::from(decide(&rules, 100 + i));
+        }
+    });
+    assert_eq!(n, 0, "{n} allocations in 1000 global decisions");
+    // The ratio is applied: about half pass (the bound is loose, the draw is random).
+    assert!(
+        (300..=700).contains(&admitted),
+        "{admitted} of 1000 admitted at ratio 0.5"
+    );
+}
