@@ -1,0 +1,323 @@
+#!/usr/bin/env python3
+"""Spillway against nginx and against no proxy, on loopback, with the same upstream.
+
+Each scenario runs wrk (HTTP/1.1, keep-alive) for a few seconds per connection count; rounds
+alternate the scenarios (A B C ... A B C ...) and the table reports medians, since the machine is
+shared and noisy. CPU seconds and peak RSS are read from /proc for the proxy's processes only.
+Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
+"""
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPILLWAY = os.path.join(ROOT, "target", "release", "spillway")
+NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+KEYS = 100  # distinct x-client values the load spreads over
+
+WRK_SCRIPT = r"""
+local keys = %d
+request = function()
+  return wrk.format(nil, nil, {["x-client"] = "c" .. math.random(keys)})
+end
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT %%d %%d %%d %%d %%d %%d %%d\n",
+    summary.requests, summary.duration, e.status, e.connect + e.read + e.write + e.timeout,
+    latency:percentile(50), latency:percentile(99), latency:percentile(99.9)))
+end
+""" % KEYS
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port, timeout=10.0):
+    end = time.time() + timeout
+    while time.time() < end:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+def children(pid):
+    """pid and its descendants (nginx workers)."""
+    out = [pid]
+    try:
+        kids = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout.split()
+    except FileNotFoundError:
+        kids = []
+    for k in kids:
+        out += children(int(k))
+    return out
+
+
+def cpu_seconds(pids):
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])
+        except OSError:
+            pass
+    return total / tick
+
+
+def peak_rss_mib(pids):
+    total = 0
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/status") as f:
+                m = re.search(r"VmHWM:\s+(\d+) kB", f.read())
+            total += int(m.group(1)) if m else 0
+        except OSError:
+            pass
+    return total / 1024
+
+
+class Proc:
+    """A process started here, stopped by its PID."""
+
+    def __init__(self, args, ready_line=False, **kw):
+        self.p = subprocess.Popen(args, stdout=subprocess.PIPE if ready_line else subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, text=True, **kw)
+        self.line = self.p.stdout.readline() if ready_line else ""
+
+    def pids(self):
+        return children(self.p.pid)
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(10)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+
+def nginx_conf(dir, body, workers):
+    conf = f"""
+worker_processes {workers};
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log error;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/cbt; proxy_temp_path {dir}/pt; fastcgi_temp_path {dir}/ft;
+  uwsgi_temp_path {dir}/ut; scgi_temp_path {dir}/st;
+  keepalive_requests 1000000;
+  {body}
+}}
+"""
+    path = os.path.join(dir, "nginx.conf")
+    with open(path, "w") as f:
+        f.write(conf)
+    return path
+
+
+def start_nginx(body, workers, port):
+    d = tempfile.mkdtemp(prefix="spillway-bench-nginx-")
+    proc = Proc([NGINX, "-p", d, "-c", nginx_conf(d, body, workers), "-e", f"{d}/error.log"])
+    wait_port(port)
+    return proc
+
+
+def start_spillway(yaml, port, extra_wait=0.0):
+    d = tempfile.mkdtemp(prefix="spillway-bench-")
+    path = os.path.join(d, "spillway.yaml")
+    with open(path, "w") as f:
+        f.write(yaml)
+    proc = Proc([SPILLWAY, "proxy", "--config", path], ready_line=True)
+    if "listening on" not in proc.line:
+        raise RuntimeError(f"spillway did not start: {proc.line!r}")
+    wait_port(port)
+    time.sleep(extra_wait)
+    return proc
+
+
+def wrk(port, conns, seconds, script):
+    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s", "-s", script,
+                          f"http://127.0.0.1:{port}/api/x"], capture_output=True, text=True).stdout
+    m = re.search(r"RESULT (\d+) (\d+) (\d+) (\d+) (\d+) (\d+) (\d+)", out)
+    if not m:
+        raise RuntimeError(f"wrk said: {out}")
+    n, dur_us, non2xx, errors, p50, p99, p999 = map(int, m.groups())
+    return {"rps": n / (dur_us / 1e6), "ok_rps": (n - non2xx) / (dur_us / 1e6), "requests": n,
+            "errors": errors, "p50": p50 / 1000, "p99": p99 / 1000, "p999": p999 / 1000}
+
+
+def h2load(port, conns, seconds):
+    out = subprocess.run(["h2load", "-c", str(conns), "-m", "10", "-D", str(seconds), "-t", "1",
+                          "-H", "x-client: c1", f"http://127.0.0.1:{port}/api/x"],
+                         capture_output=True, text=True).stdout
+    m = re.search(r"finished in [\d.]+\w+, ([\d.]+) req/s", out)
+    return float(m.group(1)) if m else float("nan")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--conns", default="16,128")
+    args = ap.parse_args()
+    conns = [int(c) for c in args.conns.split(",")]
+    script = os.path.join(tempfile.mkdtemp(prefix="spillway-bench-"), "keys.lua")
+    with open(script, "w") as f:
+        f.write(WRK_SCRIPT)
+
+    up_port = free_port()
+    upstream = start_nginx(f'server {{ listen 127.0.0.1:{up_port}; location / {{ return 200 "ok\\n"; }} }}', 1, up_port)
+    procs = [upstream]
+    try:
+        # The half-rejecting limits are set from what the bare proxy does, per key.
+        port = free_port()
+        probe = start_spillway(spillway_yaml(port, up_port, ""), port)
+        baseline = wrk(port, conns[0], 2, script)["rps"]
+        probe.stop()
+        half_per_key = max(1, int(baseline / 2 / KEYS))
+
+        scenarios = [
+            ("direct (no proxy)", None),
+            ("spillway, no rules", lambda p: start_spillway(spillway_yaml(p, up_port, ""), p)),
+            ("spillway, local rule admitting all", lambda p: start_spillway(spillway_yaml(p, up_port, rule("1000000000/s")), p)),
+            ("spillway, local rule rejecting ~half", lambda p: start_spillway(spillway_yaml(p, up_port, rule(f"{half_per_key}/s")), p)),
+            ("spillway, global rule (drop ratio)", "global"),
+            ("nginx proxy_pass, keep-alive", lambda p: start_nginx(nginx_proxy(p, up_port, None), 2, p)),
+            ("nginx limit_req rejecting ~half", lambda p: start_nginx(nginx_proxy(p, up_port, half_per_key), 2, p)),
+        ]
+        results = {(name, c): [] for name, _ in scenarios for c in conns}
+        for rnd in range(args.rounds):
+            for name, start in scenarios:
+                for c in conns:
+                    port, extra = free_port(), []
+                    if start is None:
+                        proxy, port = None, up_port
+                    elif start == "global":
+                        proxy, extra = start_global(port, up_port, half_per_key, script)
+                    else:
+                        proxy = start(port)
+                    try:
+                        pids = proxy.pids() if proxy else []
+                        cpu0 = cpu_seconds(pids)
+                        r = wrk(port, c, args.seconds, script)
+                        r["cpu_per_100k"] = (cpu_seconds(pids) - cpu0) / max(r["requests"], 1) * 1e5 if proxy else float("nan")
+                        r["rss"] = peak_rss_mib(pids) if proxy else float("nan")
+                        results[(name, c)].append(r)
+                        print(f"round {rnd + 1}: {name}, {c} conns: {r['rps']:.0f} req/s", file=sys.stderr)
+                    finally:
+                        for p in [proxy] + extra:
+                            if p:
+                                p.stop()
+        h2 = {}
+        for c in conns:
+            port = free_port()
+            p = start_spillway(spillway_yaml(port, up_port, rule("1000000000/s")), port)
+            try:
+                h2[("spillway", c)] = h2load(port, c, args.seconds)
+            finally:
+                p.stop()
+            port = free_port()
+            p = start_nginx(nginx_proxy(port, up_port, None, h2=True), 2, port)
+            try:
+                h2[("nginx", c)] = h2load(port, c, args.seconds)
+            finally:
+                p.stop()
+        report(results, scenarios, conns, h2, half_per_key, args)
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def rule(rate, scope="local", extra=""):
+    return f"""rules:
+  - name: per-client
+    key: [header:x-client]
+    limit: {{ rate: {rate} }}
+    scope: {scope}
+    max_keys: 1000
+{extra}"""
+
+
+def spillway_yaml(port, up_port, rules, control=""):
+    return f"""service: bench
+listen: 127.0.0.1:{port}
+upstream: http://127.0.0.1:{up_port}
+admin: 127.0.0.1:0
+{control}
+{rules or "rules: []"}
+"""
+
+
+def start_global(port, up_port, per_key, script):
+    ctl_port = free_port()
+    ctl = Proc([SPILLWAY, "controller", "--listen", f"127.0.0.1:{ctl_port}", "--admin", "127.0.0.1:0"], ready_line=True)
+    control = f"control_plane: {{ url: 'http://127.0.0.1:{ctl_port}', report_interval: 250ms, stale_after: 5s }}"
+    proxy = start_spillway(spillway_yaml(port, up_port, rule(f"{per_key}/s", "global"), control), port)
+    # Let the drop ratios settle under load before measuring.
+    wrk(port, 16, 2, script)
+    return proxy, [ctl]
+
+
+def nginx_proxy(port, up_port, per_key, h2=False):
+    limit_zone = f"limit_req_zone $http_x_client zone=per:10m rate={per_key}r/s;" if per_key else ""
+    limit = f"limit_req zone=per burst={per_key} nodelay; limit_req_status 429;" if per_key else ""
+    listen = f"listen 127.0.0.1:{port} http2;" if h2 else f"listen 127.0.0.1:{port};"
+    return f"""
+  upstream app {{ server 127.0.0.1:{up_port}; keepalive 64; }}
+  {limit_zone}
+  server {{
+    {listen}
+    location / {{
+      {limit}
+      proxy_pass http://app;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }}
+  }}"""
+
+
+def med(rs, k):
+    return statistics.median(r[k] for r in rs)
+
+
+def report(results, scenarios, conns, h2, per_key, args):
+    print(f"\n{args.rounds} rounds x {args.seconds} s per run, medians; wrk -t1, keep-alive, "
+          f"{KEYS} x-client keys; 'rejecting ~half' limits each key to {per_key}/s.\n")
+    print("| scenario | conns | req/s | 2xx/s | p50 ms | p99 ms | p99.9 ms | CPU s / 100k req | peak RSS MiB | vs nginx | vs direct |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in conns:
+        nginx = med(results[("nginx proxy_pass, keep-alive", c)], "rps")
+        direct = med(results[("direct (no proxy)", c)], "rps")
+        for name, _ in scenarios:
+            rs = results[(name, c)]
+            rps = med(rs, "rps")
+            print(f"| {name} | {c} | {rps:.0f} | {med(rs, 'ok_rps'):.0f} | {med(rs, 'p50'):.2f} | {med(rs, 'p99'):.2f} | "
+                  f"{med(rs, 'p999'):.2f} | {med(rs, 'cpu_per_100k'):.2f} | {med(rs, 'rss'):.1f} | "
+                  f"{rps / nginx:.2f}x | {rps / direct:.2f}x |")
+    print("\nHTTP/2 (h2load -m 10, prior knowledge, one key, no limiting):\n")
+    print("| proxy | conns | req/s |")
+    print("|---|---|---|")
+    for (who, c), rps in sorted(h2.items()):
+        print(f"| {who} | {c} | {rps:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
