@@ -40,6 +40,10 @@ pub struct Config {
     pub headers: HeaderMode,
     #[serde(default)]
     pub limits: Limits,
+    /// Data-plane threads, each with its own listener (`SO_REUSEPORT`) and runtime; default:
+    /// one per CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers: Option<NonZeroU32>,
     /// Where `scope: global` rules report and get their drop ratios.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_plane: Option<ControlPlane>,

@@ -1,7 +1,9 @@
 //! The sidecar's data plane: accept, decide, forward, stream back; drain on shutdown.
 //!
-//! Owns the client listener, the per-connection hyper server (HTTP/1.1 and HTTP/2 prior
-//! knowledge on one port), the request path, and the shutdown sequence. Must never: hold a
+//! Owns the client listeners (one per worker thread, `SO_REUSEPORT`, each thread with its own
+//! current-thread runtime and upstream pool, so a request never hops threads), the
+//! per-connection hyper server (HTTP/1.1 and HTTP/2 prior knowledge on one port), the request
+//! path, and the shutdown sequence. Must never: hold a
 //! snapshot guard or any lock across an `.await`, buffer a body, log per request above debug.
 //!
 //! Cost of the request path beyond hyper's own work: one header-size sum, the client-IP walk,
@@ -51,8 +53,9 @@ pub struct Shared {
     /// The control plane's drop ratios, published by the reporter, read by global rules.
     pub ratios: Arc<ArcSwap<DropRatios>>,
     pub config: ArcSwap<Config>,
-    client: forward::UpstreamClient,
     upstream: http::uri::Authority,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
     pub clock: AnyClock,
     pub metrics: Arc<Metrics>,
     trusted_hops: u8,
@@ -79,7 +82,12 @@ impl Sidecar {
 
     /// As [`start`](Self::start), with the limiters reading `clock`.
     pub async fn start_with_clock(config: Config, clock: AnyClock) -> std::io::Result<Sidecar> {
-        let listener = TcpListener::bind(config.listen).await.map_err(|e| {
+        let workers = config
+            .workers
+            .map(|n| n.get() as usize)
+            .or_else(|| std::thread::available_parallelism().ok().map(|n| n.get()))
+            .unwrap_or(1);
+        let listeners = bind_reuseport(config.listen, workers).map_err(|e| {
             std::io::Error::new(e.kind(), format!("cannot listen on {}: {e}", config.listen))
         })?;
         let admin_listener = TcpListener::bind(config.admin).await.map_err(|e| {
@@ -88,7 +96,7 @@ impl Sidecar {
                 format!("cannot listen on admin {}: {e}", config.admin),
             )
         })?;
-        let addr = listener.local_addr()?;
+        let addr = listeners[0].local_addr()?;
         let admin_addr = admin_listener.local_addr()?;
         let metrics = Arc::new(Metrics::new());
         // Ratios count as fresh from start-up, so a control plane that never answers makes
@@ -103,19 +111,20 @@ impl Sidecar {
         let shared = Arc::new(Shared {
             rules: Arc::new(ArcSwap::from_pointee(rules)),
             ratios,
-            client: forward::client(t.upstream_connect.0, t.idle.0),
             upstream: config.upstream.authority.clone(),
             clock,
             metrics,
             trusted_hops: config.client_ip.trusted_hops,
             max_header_bytes: config.limits.max_header_bytes.0,
             response_timeout: t.upstream_response.0,
+            connect_timeout: t.upstream_connect.0,
+            idle_timeout: t.idle.0,
             draining: AtomicBool::new(false),
             config: ArcSwap::from_pointee(config),
         });
         let (stop, stopped) = watch::channel(false);
         let task = tokio::spawn(serve(
-            listener,
+            listeners,
             admin_listener,
             shared.clone(),
             stopped,
@@ -208,8 +217,28 @@ fn reporter(
     })
 }
 
+/// Binds `n` listeners on `addr` with `SO_REUSEPORT`, so that the kernel spreads new
+/// connections over one worker thread each (port 0: the first picks, the others follow).
+fn bind_reuseport(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
+    let mut out: Vec<std::net::TcpListener> = Vec::with_capacity(n);
+    for _ in 0..n.max(1) {
+        let at = out.first().map_or(Ok(addr), |l| l.local_addr())?;
+        let socket = if at.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        socket.set_reuseport(true)?;
+        socket.set_nodelay(true)?;
+        socket.bind(at)?;
+        out.push(socket.listen(4096)?.into_std()?);
+    }
+    Ok(out)
+}
+
 async fn serve(
-    listener: TcpListener,
+    listeners: Vec<std::net::TcpListener>,
     admin_listener: TcpListener,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
@@ -221,6 +250,77 @@ async fn serve(
     let (report_stop_tx, report_stop) = watch::channel(false);
     let reporter = reporter.map(|r| tokio::spawn(r.run(shared.rules.clone(), report_stop)));
 
+    // The data plane: one thread per worker, each with its own current-thread runtime, its own
+    // listener and its own upstream pool, so a request never hops between threads (nginx's
+    // shape). Only the connection cap is shared; tokio's semaphore works across runtimes.
+    let max_connections = shared.config.load().limits.max_connections.get() as usize;
+    let slots = Arc::new(Semaphore::new(max_connections));
+    let mut workers = Vec::new();
+    // Each worker says when its listener is closed, so that /readyz turns 503 only once no
+    // new connection can be accepted.
+    let (closed_tx, mut closed) = tokio::sync::mpsc::channel::<()>(listeners.len().max(1));
+    for (i, listener) in listeners.into_iter().enumerate() {
+        let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
+        let (shared, stop, slots) = (shared.clone(), stop.clone(), slots.clone());
+        let closed_tx = closed_tx.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("spillway-worker-{i}"))
+            .spawn(move || {
+                match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt.block_on(worker(listener, shared, stop, slots, closed_tx)),
+                    Err(e) => tracing::error!(error = %e, "cannot start a worker runtime"),
+                }
+                let _ = done_tx.send(());
+            });
+        match spawned {
+            Ok(_) => workers.push(done),
+            Err(e) => tracing::error!(error = %e, "cannot start a worker thread"),
+        }
+    }
+
+    drop(closed_tx);
+    // Shutdown: stop accepting, not ready, let in-flight requests finish within `drain`.
+    let _ = stop.wait_for(|stopped| *stopped).await;
+    while closed.recv().await.is_some() {}
+    shared.draining.store(true, Ordering::Relaxed);
+    shared.metrics.draining.set(1);
+    let drain = shared.config.load().timeouts.drain.0;
+    tracing::info!(?drain, "draining");
+    for done in workers {
+        let _ = done.await;
+    }
+    sweeper.abort();
+    // The reporter sends the counts of the drain, then stops.
+    let _ = report_stop_tx.send(true);
+    if let Some(r) = reporter {
+        let _ = r.await;
+    }
+    let _ = admin_stop_tx.send(true);
+    let _ = admin_task.await;
+}
+
+/// One data-plane worker: accepts on its own listener until `stop`, then drains.
+async fn worker(
+    listener: std::net::TcpListener,
+    shared: Arc<Shared>,
+    mut stop: watch::Receiver<bool>,
+    slots: Arc<Semaphore>,
+    closed: tokio::sync::mpsc::Sender<()>,
+) {
+    let listener = match listener
+        .set_nonblocking(true)
+        .and_then(|()| TcpListener::from_std(listener))
+    {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot use the listener");
+            return;
+        }
+    };
+    let client = Arc::new(forward::client(shared.connect_timeout, shared.idle_timeout));
     let config = shared.config.load_full();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -239,17 +339,16 @@ async fn serve(
         .keep_alive_interval(Some(config.timeouts.idle.0))
         .keep_alive_timeout(config.timeouts.header_read.0);
     let graceful = GracefulShutdown::new();
-    let slots = Arc::new(Semaphore::new(config.limits.max_connections.get() as usize));
 
     loop {
         // Take a connection slot before accepting, so at the cap new clients wait in the
         // kernel's backlog instead of being accepted and starved.
         let permit = tokio::select! {
-            _ = stop.changed() => break,
+            _ = stop.wait_for(|stopped| *stopped) => break,
             p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
         let (stream, peer) = tokio::select! {
-            _ = stop.changed() => break,
+            _ = stop.wait_for(|stopped| *stopped) => break,
             accepted = listener.accept() => match accepted {
                 Ok(pair) => pair,
                 Err(e) => {
@@ -262,9 +361,10 @@ async fn serve(
         };
         let _ = stream.set_nodelay(true);
         let conn_shared = shared.clone();
+        let conn_client = client.clone();
         let service = service_fn(move |req| {
-            let shared = conn_shared.clone();
-            async move { Ok::<_, Infallible>(handle(&shared, peer, req).await) }
+            let (shared, client) = (conn_shared.clone(), conn_client.clone());
+            async move { Ok::<_, Infallible>(handle(&shared, &client, peer, req).await) }
         });
         let conn = builder
             .serve_connection_with_upgrades(TokioIo::new(stream), service)
@@ -280,29 +380,21 @@ async fn serve(
             drop(permit);
         });
     }
-
-    // Shutdown: not ready, stop accepting, let in-flight requests finish within `drain`.
-    shared.draining.store(true, Ordering::Relaxed);
-    shared.metrics.draining.set(1);
     drop(listener);
-    let drain = config.timeouts.drain.0;
-    tracing::info!(?drain, "draining");
+    drop(closed);
     tokio::select! {
-        _ = graceful.shutdown() => tracing::info!("drained"),
-        _ = tokio::time::sleep(drain) => tracing::warn!("drain timed out; closing the remaining connections"),
+        _ = graceful.shutdown() => tracing::debug!("worker drained"),
+        _ = tokio::time::sleep(config.timeouts.drain.0) => tracing::warn!("drain timed out; closing the remaining connections"),
     }
-    sweeper.abort();
-    // The reporter sends the counts of the drain, then stops.
-    let _ = report_stop_tx.send(true);
-    if let Some(r) = reporter {
-        let _ = r.await;
-    }
-    let _ = admin_stop_tx.send(true);
-    let _ = admin_task.await;
 }
 
 /// The request path.
-async fn handle(shared: &Shared, peer: SocketAddr, req: Request<Incoming>) -> Response<Body> {
+async fn handle(
+    shared: &Shared,
+    client: &forward::UpstreamClient,
+    peer: SocketAddr,
+    req: Request<Incoming>,
+) -> Response<Body> {
     let start = shared.clock.now();
     let metrics = &shared.metrics;
     if header_bytes(&req) > shared.max_header_bytes {
@@ -334,7 +426,7 @@ async fn handle(shared: &Shared, peer: SocketAddr, req: Request<Incoming>) -> Re
     };
 
     let fwd = forward::Forward {
-        client: &shared.client,
+        client,
         upstream: &shared.upstream,
         peer: peer.ip(),
         trust_forwarded: shared.trusted_hops > 0,
