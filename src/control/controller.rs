@@ -38,6 +38,7 @@ struct State {
     reports: IntCounterVec,
     sources: IntGauge,
     conflicts: IntCounter,
+    refused: IntCounter,
     offered: GaugeVec,
     admitted: GaugeVec,
     limit: GaugeVec,
@@ -96,14 +97,16 @@ impl State {
 
     /// Per-rule gauges (never per key), refreshed at scrape time.
     fn metrics(&self) -> Vec<u8> {
-        let (view, sources, conflicts) = {
+        let (view, sources, conflicts, refused) = {
             let mut acc = self.acc();
             acc.expire(self.now());
-            (acc.view(None), acc.sources(), acc.conflicts)
+            (acc.view(None), acc.sources(), acc.conflicts, acc.refused)
         };
         self.sources.set(sources as i64);
         self.conflicts
             .inc_by(conflicts.saturating_sub(self.conflicts.get()));
+        self.refused
+            .inc_by(refused.saturating_sub(self.refused.get()));
         for g in [&self.offered, &self.admitted, &self.limit, &self.ratio] {
             g.reset();
         }
@@ -173,8 +176,16 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     registry
         .register(Box::new(sources.clone()))
         .expect("unique");
+    let refused = IntCounter::new(
+        "spillway_controller_entries_refused_total",
+        "Report entries dropped because the controller holds its maximum of rates (a flood).",
+    )
+    .expect("valid metric");
     registry
         .register(Box::new(conflicts.clone()))
+        .expect("unique");
+    registry
+        .register(Box::new(refused.clone()))
         .expect("unique");
     let state = Arc::new(State {
         acc: Mutex::new(Accumulator::default()),
@@ -204,6 +215,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
         reports,
         sources,
         conflicts,
+        refused,
     });
     let (stop, stopped) = watch::channel(false);
     let s = state.clone();

@@ -156,12 +156,28 @@ pub fn drop_ratio(offered_rps: f64, limit_rps: f64) -> f64 {
 /// so sources need not report in phase; a source silent for three of its intervals is
 /// forgotten. Both the
 /// aggregator (its hosts) and the controller (zones or direct hosts) use it.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Accumulator {
     rules: HashMap<(String, String), RuleAcc>,
     /// Limit conflicts seen (reporters disagreeing on a rule's limit).
     pub conflicts: u64,
+    /// (source, key) rates held, bounded by [`MAX_TRACKED`].
+    tracked: usize,
+    /// Entries refused because the bound was reached.
+    pub refused: u64,
+    max_tracked: usize,
 }
+
+impl Default for Accumulator {
+    fn default() -> Self {
+        Self::bounded(MAX_TRACKED)
+    }
+}
+
+/// The most (source, service, rule, key) rates one accumulator holds: about 100 bytes each
+/// plus the strings, so a flood of fake hosts or keys costs at most a few hundred MiB. Past
+/// it, entries for new keys or sources are dropped (and counted) until old ones expire.
+pub const MAX_TRACKED: usize = 1_000_000;
 
 #[derive(Debug)]
 struct RuleAcc {
@@ -207,6 +223,17 @@ pub struct KeyView {
 }
 
 impl Accumulator {
+    /// An accumulator holding at most `max_tracked` (source, key) rates.
+    pub fn bounded(max_tracked: usize) -> Self {
+        Accumulator {
+            rules: HashMap::new(),
+            conflicts: 0,
+            tracked: 0,
+            refused: 0,
+            max_tracked,
+        }
+    }
+
     /// Folds a validated report in at time `now` (seconds on the caller's clock).
     pub fn add(&mut self, report: &Report, now: f64) {
         let secs = report.interval_ms as f64 / 1000.0;
@@ -226,6 +253,14 @@ impl Accumulator {
                     self.conflicts += 1;
                 }
             }
+            let known = rule
+                .keys
+                .get(&e.key)
+                .is_some_and(|k| k.sources.contains_key(&report.source));
+            if !known && self.tracked >= self.max_tracked {
+                self.refused += 1;
+                continue;
+            }
             let key = rule.keys.entry(e.key.clone()).or_default();
             let fresh = SourceRate {
                 offered: e.offered as f64 / secs,
@@ -243,15 +278,20 @@ impl Accumulator {
                     r.at = now;
                     r.ttl = fresh.ttl;
                 })
-                .or_insert(fresh);
+                .or_insert_with(|| {
+                    self.tracked += 1;
+                    fresh
+                });
         }
     }
 
     /// Forgets sources silent for three of their intervals, and keys and rules left empty.
     pub fn expire(&mut self, now: f64) {
+        let mut tracked = 0;
         self.rules.retain(|_, rule| {
             rule.keys.retain(|_, k| {
                 k.sources.retain(|_, s| now - s.at <= s.ttl);
+                tracked += k.sources.len();
                 !k.sources.is_empty()
             });
             let live: std::collections::HashSet<&String> =
@@ -262,6 +302,7 @@ impl Accumulator {
             }
             !rule.keys.is_empty()
         });
+        self.tracked = tracked;
     }
 
     /// Every (service, rule, key) with its summed rates and drop ratio, optionally only for

@@ -144,3 +144,26 @@ fn an_aggregator_forwards_its_zone_as_one_source() {
     assert_eq!((v.offered_rps, v.sources), (120.0, 1));
     assert!((v.ratio - 20.0 / 120.0).abs() < 1e-12);
 }
+
+#[test]
+fn a_flood_of_sources_and_keys_is_bounded_and_counted() {
+    let mut acc = Accumulator::bounded(3);
+    for i in 0..10 {
+        acc.add(
+            &report(
+                &format!("fake-{i}"),
+                vec![entry(Some(&format!("k{i}")), 1, 1)],
+            ),
+            0.0,
+        );
+    }
+    assert_eq!(acc.view(None).len(), 3);
+    assert_eq!(acc.refused, 7);
+    // Known (source, key) pairs keep updating at the bound.
+    acc.add(&report("fake-0", vec![entry(Some("k0"), 50, 50)]), 1.0);
+    assert_eq!(acc.refused, 7);
+    // Once the flood goes silent, room frees up.
+    acc.expire(10.0);
+    acc.add(&report("real", vec![entry(Some("k"), 1, 1)]), 10.0);
+    assert_eq!(acc.view(None).len(), 1);
+}
