@@ -1,20 +1,13 @@
 //! The `spillway` binary as a user runs it: check-config, and the proxy's signal handling.
 
+mod common;
+
 use std::io::{BufRead, BufReader, Write};
+
+use common::temp_file;
 use std::process::{Command, Stdio};
 
 const BIN: &str = env!("CARGO_BIN_EXE_spillway");
-
-fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("spillway-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let path = dir.join(name);
-    std::fs::File::create(&path)
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    path
-}
 
 #[test]
 fn check_config_accepts_the_example_configs() {

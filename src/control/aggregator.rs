@@ -6,13 +6,8 @@
 //! makes the proxies stale (and fail open) even while the aggregator itself answers. The
 //! accumulator's mutex is taken once per report and once per forward, never across an await.
 
-// One std mutex guards the accumulator: taken per report, never across an await, never on
-// a request path (the lint bans it there).
-#![allow(clippy::disallowed_types)]
-
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -23,7 +18,7 @@ use tokio::sync::watch;
 
 use super::reporter::{json_client, post_report, JsonClient};
 use super::server::{self, Body, Running};
-use super::{Accumulator, Reply, Report, VERSION};
+use super::{Accumulator, Reply, Report, SharedAccumulator, VERSION};
 
 /// How to run an aggregator.
 #[derive(Debug, Clone)]
@@ -46,9 +41,8 @@ struct Relayed {
 }
 
 struct State {
-    acc: Mutex<Accumulator>,
+    acc: SharedAccumulator,
     relayed: ArcSwap<Relayed>,
-    start: tokio::time::Instant,
     opts: AggregatorOptions,
     url: Uri,
     client: JsonClient,
@@ -61,34 +55,23 @@ struct State {
 
 impl State {
     fn now(&self) -> f64 {
-        self.start.elapsed().as_secs_f64()
+        self.acc.now()
     }
 
     fn acc(&self) -> std::sync::MutexGuard<'_, Accumulator> {
-        self.acc.lock().unwrap_or_else(|p| p.into_inner())
+        self.acc.lock()
     }
 
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
-        if let Err(resp) = server::check_token(&req, self.opts.token.as_deref()) {
-            self.reports.with_label_values(&["unauthorized"]).inc();
-            return resp;
-        }
-        let report: Report = match server::read_json(req).await {
-            Ok(r) => r,
-            Err(resp) => {
-                self.reports.with_label_values(&["malformed"]).inc();
-                return resp;
-            }
-        };
-        if let Err(e) = report.validate() {
-            self.reports.with_label_values(&["invalid"]).inc();
-            return server::error(StatusCode::BAD_REQUEST, &e.to_string());
-        }
+        let report =
+            match server::receive_report(req, self.opts.token.as_deref(), &self.reports).await {
+                Ok(r) => r,
+                Err(resp) => return resp,
+            };
         {
             let mut acc = self.acc();
             acc.add(&report, self.now());
         }
-        self.reports.with_label_values(&["ok"]).inc();
         let relayed = self.relayed.load();
         let ratios = relayed
             .reply
@@ -204,18 +187,16 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     registry
         .register(Box::new(forward_seconds.clone()))
         .expect("unique");
-    let start = tokio::time::Instant::now();
     let state = Arc::new(State {
-        acc: Mutex::new(Accumulator::default()),
+        acc: SharedAccumulator::default(),
         relayed: ArcSwap::from_pointee(Relayed {
             reply: Reply {
                 version: VERSION,
                 age_ms: 0,
                 ratios: Vec::new(),
             },
-            at: start,
+            at: tokio::time::Instant::now(),
         }),
-        start,
         opts,
         url,
         client: json_client(),

@@ -5,13 +5,8 @@
 //! rebuilds everything, with no operator. The accumulator sits behind one mutex: it is taken
 //! once per report (a few per second per zone), never on a request path, never across an await.
 
-// One std mutex guards the accumulator: taken per report, never across an await, never on
-// a request path (the lint bans it there).
-#![allow(clippy::disallowed_types)]
-
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::sync::Mutex;
 
 use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
@@ -19,7 +14,7 @@ use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::sync::watch;
 
 use super::server::{self, Body, Running};
-use super::{Accumulator, Report};
+use super::{Accumulator, SharedAccumulator};
 
 /// How to run a controller.
 #[derive(Debug, Clone)]
@@ -31,8 +26,7 @@ pub struct ControllerOptions {
 }
 
 struct State {
-    acc: Mutex<Accumulator>,
-    start: tokio::time::Instant,
+    acc: SharedAccumulator,
     token: Option<Vec<u8>>,
     registry: Registry,
     reports: IntCounterVec,
@@ -47,30 +41,18 @@ struct State {
 
 impl State {
     fn now(&self) -> f64 {
-        self.start.elapsed().as_secs_f64()
+        self.acc.now()
     }
 
     fn acc(&self) -> std::sync::MutexGuard<'_, Accumulator> {
-        // A panic mid-update leaves soft state the next reports overwrite.
-        self.acc.lock().unwrap_or_else(|p| p.into_inner())
+        self.acc.lock()
     }
 
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
-        if let Err(resp) = server::check_token(&req, self.token.as_deref()) {
-            self.reports.with_label_values(&["unauthorized"]).inc();
-            return resp;
-        }
-        let report: Report = match server::read_json(req).await {
+        let report = match server::receive_report(req, self.token.as_deref(), &self.reports).await {
             Ok(r) => r,
-            Err(resp) => {
-                self.reports.with_label_values(&["malformed"]).inc();
-                return resp;
-            }
+            Err(resp) => return resp,
         };
-        if let Err(e) = report.validate() {
-            self.reports.with_label_values(&["invalid"]).inc();
-            return server::error(StatusCode::BAD_REQUEST, &e.to_string());
-        }
         let mut services: Vec<&str> = report.entries.iter().map(|e| e.service.as_str()).collect();
         services.sort_unstable();
         services.dedup();
@@ -81,7 +63,6 @@ impl State {
             acc.add(&report, now);
             acc.reply(&services)
         };
-        self.reports.with_label_values(&["ok"]).inc();
         server::json(StatusCode::OK, &reply)
     }
 
@@ -188,8 +169,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
         .register(Box::new(refused.clone()))
         .expect("unique");
     let state = Arc::new(State {
-        acc: Mutex::new(Accumulator::default()),
-        start: tokio::time::Instant::now(),
+        acc: SharedAccumulator::default(),
         token: opts.token,
         offered: gauge(
             &registry,

@@ -402,6 +402,38 @@ impl Accumulator {
     }
 }
 
+/// An [`Accumulator`] shared by a server's handlers, with the clock it is fed by.
+///
+/// One std mutex guards it: taken once per report or forward (a few per second per zone), never
+/// across an await and never on a request path (where the lint bans it); a panic mid-update
+/// leaves soft state that the next reports overwrite.
+#[allow(clippy::disallowed_types)]
+pub struct SharedAccumulator {
+    acc: std::sync::Mutex<Accumulator>,
+    start: tokio::time::Instant,
+}
+
+impl Default for SharedAccumulator {
+    #[allow(clippy::disallowed_types)]
+    fn default() -> Self {
+        SharedAccumulator {
+            acc: std::sync::Mutex::new(Accumulator::default()),
+            start: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl SharedAccumulator {
+    /// Seconds since the accumulator was made: the clock its rates are kept on.
+    pub fn now(&self) -> f64 {
+        self.start.elapsed().as_secs_f64()
+    }
+
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Accumulator> {
+        self.acc.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
 fn smallest<'a>(limits: impl Iterator<Item = &'a Limit>) -> Limit {
     limits
         .copied()

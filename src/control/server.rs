@@ -206,3 +206,29 @@ pub fn render(registry: &prometheus::Registry) -> Vec<u8> {
     let _ = prometheus::TextEncoder::new().encode(&registry.gather(), &mut out);
     out
 }
+
+/// Takes a report off `req`: the token, a JSON body within the size limit, and the checks JSON
+/// cannot make. Counts the result in `reports` (ok, unauthorized, malformed, invalid); the error
+/// is the response to send.
+pub async fn receive_report(
+    req: Request<Incoming>,
+    token: Option<&[u8]>,
+    reports: &prometheus::IntCounterVec,
+) -> Result<super::Report, Response<Body>> {
+    let refuse = |result: &str, resp| {
+        reports.with_label_values(&[result]).inc();
+        Err(resp)
+    };
+    if let Err(resp) = check_token(&req, token) {
+        return refuse("unauthorized", resp);
+    }
+    let report: super::Report = match read_json(req).await {
+        Ok(r) => r,
+        Err(resp) => return refuse("malformed", resp),
+    };
+    if let Err(e) = report.validate() {
+        return refuse("invalid", error(StatusCode::BAD_REQUEST, &e.to_string()));
+    }
+    reports.with_label_values(&["ok"]).inc();
+    Ok(report)
+}

@@ -251,3 +251,16 @@ where
         (self.0)(cx)
     }
 }
+
+/// Writes `text` to `name` in a directory of this test process's own, and returns its path.
+pub fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
+    use std::io::Write;
+    let dir = std::env::temp_dir().join(format!("spillway-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join(name);
+    std::fs::File::create(&path)
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    path
+}
