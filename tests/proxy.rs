@@ -424,7 +424,9 @@ async fn shutdown_drains_the_request_in_flight_and_turns_not_ready() {
     sc.shutdown();
     // Not ready while draining (the admin listener stays up until the drain ends).
     let mut ready = StatusCode::OK;
-    for _ in 0..100 {
+    // Each try is a real request to the admin listener; the workers close their listeners
+    // within a few scheduler turns.
+    for _ in 0..2000 {
         ready = admin(&sc, "/readyz").await.0;
         if ready == StatusCode::SERVICE_UNAVAILABLE {
             break;
