@@ -372,3 +372,48 @@ rules:
     };
     assert_eq!(statuses, [200, 200, 429], "the fallback's burst of 2");
 }
+
+#[tokio::test]
+async fn a_request_dropped_by_a_global_rule_gets_429_with_retry_after_and_ratelimit_headers() {
+    let any = "127.0.0.1:0".parse().unwrap();
+    let ctl =
+        spillway::control::controller::start(spillway::control::controller::ControllerOptions {
+            listen: any,
+            admin: any,
+            token: None,
+        })
+        .await
+        .unwrap();
+    let (sc, _up) = sidecar(&format!(
+        r#"control_plane: {{ url: "http://{}", report_interval: 100ms, stale_after: 5s }}
+rules:
+  - name: fleet-wide
+    key: [header:x-api-key]
+    limit: {{ rate: 5/s }}
+    scope: global
+"#,
+        ctl.addr
+    ))
+    .await;
+    let k = [("x-api-key", "k")];
+    // Offer far over 5/s until the controller's ratio arrives and a request is dropped
+    // (bounded: 3000 requests).
+    let mut dropped = None;
+    for _ in 0..3000 {
+        let (status, headers, body) = get(sc.addr(), "/", &k).await;
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            dropped = Some((headers, body));
+            break;
+        }
+    }
+    let (headers, body) = dropped.expect("the global rule never dropped a request");
+    let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(retry >= 1, "{retry}");
+    assert_eq!(headers["ratelimit-policy"], "\"fleet-wide\";q=5;w=1");
+    assert_eq!(
+        headers["ratelimit"],
+        format!("\"fleet-wide\";r=0;t={retry}").as_str()
+    );
+    assert!(body.contains("\"rule\":\"fleet-wide\""), "{body}");
+    ctl.shutdown();
+}
