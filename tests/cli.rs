@@ -2,12 +2,10 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::Write;
 
-use common::temp_file;
-use std::process::{Command, Stdio};
-
-const BIN: &str = env!("CARGO_BIN_EXE_spillway");
+use common::{temp_file, Proc, BIN};
+use std::process::Command;
 
 #[test]
 fn check_config_accepts_the_example_configs() {
@@ -63,28 +61,10 @@ fn sigterm_drains_and_exits_zero() {
         "sigterm.yaml",
         "service: s\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ntimeouts: { drain: 5s }\nrules: []\n",
     );
-    let mut child = Command::new(BIN)
-        .args(["proxy", "--config"])
-        .arg(&path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    // The readiness line: printed once both listeners are bound.
-    let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    assert!(
-        line.starts_with("spillway proxy listening on 127.0.0.1:"),
-        "{line}"
-    );
-    let admin = line
-        .split("(admin ")
-        .nth(1)
-        .unwrap()
-        .trim_end_matches([')', '\n']);
-    let mut s = std::net::TcpStream::connect(admin).unwrap();
+    // Proc waits for the readiness line, printed once both listeners are bound.
+    let mut proxy = Proc::spawn(&["proxy", "--config", path.to_str().unwrap()]);
+    assert!(proxy.addr.ip().is_loopback());
+    let mut s = std::net::TcpStream::connect(proxy.admin).unwrap();
     s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
         .unwrap();
     let mut resp = String::new();
@@ -92,8 +72,8 @@ fn sigterm_drains_and_exits_zero() {
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
 
     // SAFETY: kill(2) on the pid of the child this test spawned and has not reaped yet.
-    let killed = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let killed = unsafe { libc::kill(proxy.child.id() as libc::pid_t, libc::SIGTERM) };
     assert_eq!(killed, 0);
-    let status = child.wait().unwrap();
+    let status = proxy.child.wait().unwrap();
     assert_eq!(status.code(), Some(0));
 }

@@ -3,9 +3,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,63 +11,10 @@ use std::time::Duration;
 use common::*;
 use http::StatusCode;
 
-const BIN: &str = env!("CARGO_BIN_EXE_spillway");
-
 /// The fleet tests run one at a time: each starts several processes and offers a few hundred
 /// requests per second, and on a 2-core machine in parallel they would starve one another's
 /// control loops and measure the machine, not Spillway.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-/// A process of ours; killed (by its own PID) when dropped.
-struct Proc {
-    child: Child,
-    addr: SocketAddr,
-    admin: SocketAddr,
-}
-
-impl Proc {
-    fn spawn(args: &[&str]) -> Proc {
-        let mut child = Command::new(BIN)
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        // "spillway <role> listening on ADDR (admin ADDR)"
-        let addr = line
-            .split("listening on ")
-            .nth(1)
-            .and_then(|r| r.split(' ').next());
-        let admin = line
-            .split("(admin ")
-            .nth(1)
-            .map(|r| r.trim_end_matches([')', '\n']));
-        let (Some(addr), Some(admin)) = (addr, admin) else {
-            let _ = child.kill();
-            panic!("no readiness line from {args:?}: {line:?}");
-        };
-        Proc {
-            addr: addr.parse().unwrap(),
-            admin: admin.parse().unwrap(),
-            child,
-        }
-    }
-
-    fn kill(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
 
 fn controller(listen: &str, extra: &[&str]) -> Proc {
     let mut args = vec!["controller", "--listen", listen, "--admin", "127.0.0.1:0"];

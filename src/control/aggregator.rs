@@ -18,7 +18,7 @@ use tokio::sync::watch;
 
 use super::reporter::{json_client, post_report, JsonClient};
 use super::server::{self, Body, Running};
-use super::{Accumulator, Reply, Report, SharedAccumulator, VERSION};
+use super::{Reply, Report, SharedAccumulator, VERSION};
 
 /// How to run an aggregator.
 #[derive(Debug, Clone)]
@@ -54,14 +54,6 @@ struct State {
 }
 
 impl State {
-    fn now(&self) -> f64 {
-        self.acc.now()
-    }
-
-    fn acc(&self) -> std::sync::MutexGuard<'_, Accumulator> {
-        self.acc.lock()
-    }
-
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
         let report =
             match server::receive_report(req, self.opts.token.as_deref(), &self.reports).await {
@@ -69,8 +61,8 @@ impl State {
                 Err(resp) => return resp,
             };
         {
-            let mut acc = self.acc();
-            acc.add(&report, self.now());
+            let mut acc = self.acc.lock();
+            acc.add(&report, self.acc.now());
         }
         let relayed = self.relayed.load();
         let ratios = relayed
@@ -99,8 +91,8 @@ impl State {
             }
             let interval_ms = self.opts.interval.as_millis() as u64;
             let (entries, hosts) = {
-                let mut acc = self.acc();
-                acc.expire(self.now());
+                let mut acc = self.acc.lock();
+                acc.expire(self.acc.now());
                 (acc.as_entries(interval_ms), acc.sources())
             };
             self.hosts.set(hosts as i64);

@@ -14,7 +14,7 @@ use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::sync::watch;
 
 use super::server::{self, Body, Running};
-use super::{Accumulator, SharedAccumulator};
+use super::SharedAccumulator;
 
 /// How to run a controller.
 #[derive(Debug, Clone)]
@@ -40,14 +40,6 @@ struct State {
 }
 
 impl State {
-    fn now(&self) -> f64 {
-        self.acc.now()
-    }
-
-    fn acc(&self) -> std::sync::MutexGuard<'_, Accumulator> {
-        self.acc.lock()
-    }
-
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
         let report = match server::receive_report(req, self.token.as_deref(), &self.reports).await {
             Ok(r) => r,
@@ -56,9 +48,9 @@ impl State {
         let mut services: Vec<&str> = report.entries.iter().map(|e| e.service.as_str()).collect();
         services.sort_unstable();
         services.dedup();
-        let now = self.now();
+        let now = self.acc.now();
         let reply = {
-            let mut acc = self.acc();
+            let mut acc = self.acc.lock();
             acc.expire(now);
             acc.add(&report, now);
             acc.reply(&services)
@@ -68,8 +60,8 @@ impl State {
 
     fn state(&self) -> http::Response<Body> {
         let mut view = {
-            let mut acc = self.acc();
-            acc.expire(self.now());
+            let mut acc = self.acc.lock();
+            acc.expire(self.acc.now());
             acc.view(None)
         };
         view.sort_by(|a, b| (&a.service, &a.rule, &a.key).cmp(&(&b.service, &b.rule, &b.key)));
@@ -79,8 +71,8 @@ impl State {
     /// Per-rule gauges (never per key), refreshed at scrape time.
     fn metrics(&self) -> Vec<u8> {
         let (view, sources, conflicts, refused) = {
-            let mut acc = self.acc();
-            acc.expire(self.now());
+            let mut acc = self.acc.lock();
+            acc.expire(self.acc.now());
             (acc.view(None), acc.sources(), acc.conflicts, acc.refused)
         };
         self.sources.set(sources as i64);

@@ -264,3 +264,60 @@ pub fn temp_file(name: &str, text: &str) -> std::path::PathBuf {
         .unwrap();
     path
 }
+
+/// The built `spillway` binary.
+pub const BIN: &str = env!("CARGO_BIN_EXE_spillway");
+
+/// A process of ours; killed (by its own PID) when dropped.
+pub struct Proc {
+    pub child: std::process::Child,
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+}
+
+impl Proc {
+    /// Starts `spillway args...` and waits for its readiness line.
+    pub fn spawn(args: &[&str]) -> Proc {
+        let mut child = std::process::Command::new(BIN)
+            .args(args)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+            &mut line,
+        )
+        .unwrap();
+        // "spillway <role> listening on ADDR (admin ADDR)"
+        let addr = line
+            .split("listening on ")
+            .nth(1)
+            .and_then(|r| r.split(' ').next());
+        let admin = line
+            .split("(admin ")
+            .nth(1)
+            .map(|r| r.trim_end_matches([')', '\n']));
+        let (Some(addr), Some(admin)) = (addr, admin) else {
+            let _ = child.kill();
+            panic!("no readiness line from {args:?}: {line:?}");
+        };
+        Proc {
+            addr: addr.parse().unwrap(),
+            admin: admin.parse().unwrap(),
+            child,
+        }
+    }
+
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
