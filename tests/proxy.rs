@@ -485,3 +485,20 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
     assert!(!String::from_utf8_lossy(&rest).contains("200 OK"));
     assert_eq!(get(sc.addr(), "/", &[]).await.0, StatusCode::OK);
 }
+
+#[tokio::test]
+async fn a_second_proxy_on_a_port_in_use_fails_instead_of_sharing_it() {
+    let (first, up) = sidecar("rules: []\n").await;
+    let yaml = format!(
+        "service: s\nlisten: {}\nadmin: 127.0.0.1:0\nupstream: http://{}\nrules: []\n",
+        first.addr(),
+        up.addr
+    );
+    let config = spillway::Config::from_yaml(&yaml, "t").unwrap();
+    let err = spillway::Sidecar::start(config)
+        .await
+        .err()
+        .expect("the port is taken");
+    assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
+    assert!(err.to_string().contains(&first.addr().to_string()), "{err}");
+}

@@ -220,6 +220,9 @@ fn reporter(
 /// Binds `n` listeners on `addr` with `SO_REUSEPORT`, so that the kernel spreads new
 /// connections over one worker thread each (port 0: the first picks, the others follow).
 fn bind_reuseport(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
+    // A plain bind first: with SO_REUSEPORT alone, a second proxy started by mistake on the
+    // same port would silently share its traffic instead of failing with "address in use".
+    let addr = std::net::TcpListener::bind(addr)?.local_addr()?;
     let mut out: Vec<std::net::TcpListener> = Vec::with_capacity(n);
     for _ in 0..n.max(1) {
         let at = out.first().map_or(Ok(addr), |l| l.local_addr())?;
