@@ -241,3 +241,53 @@ async fn a_limited_grpc_call_gets_resource_exhausted() {
     assert!(pushback > 3_000_000, "{pushback}");
     assert!(body.is_empty());
 }
+
+/// Opens a WebSocket-style upgrade through the proxy; returns the stream and the status line.
+async fn upgrade(addr: std::net::SocketAddr) -> (tokio::net::TcpStream, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    s.write_all(b"GET /ws HTTP/1.1\r\nHost: x\r\nx-client: a\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n")
+        .await
+        .unwrap();
+    let mut head = Vec::new();
+    let mut byte = [0u8; 1];
+    while !head.ends_with(b"\r\n\r\n") {
+        if s.read_exact(&mut byte).await.is_err() {
+            break;
+        }
+        head.push(byte[0]);
+    }
+    let status = String::from_utf8_lossy(&head)
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_string();
+    (s, status)
+}
+
+#[tokio::test]
+async fn an_upgraded_connection_holds_its_concurrency_slot_until_it_closes() {
+    let (sc, _up) = sidecar(
+        "rules:\n  - name: tunnels\n    key: [header:x-client]\n    limit: { concurrency: 1 }\n",
+    )
+    .await;
+    let (first, status) = upgrade(sc.addr()).await;
+    assert!(status.starts_with("HTTP/1.1 101"), "{status}");
+    let (_, status) = upgrade(sc.addr()).await;
+    assert!(
+        status.starts_with("HTTP/1.1 429"),
+        "the open tunnel holds the slot: {status}"
+    );
+    drop(first);
+    // The tunnel ends once the proxy sees the close; poll until a new tunnel is admitted.
+    let mut last = String::new();
+    for _ in 0..200 {
+        let (_, status) = upgrade(sc.addr()).await;
+        if status.starts_with("HTTP/1.1 101") {
+            return;
+        }
+        last = status;
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the slot was never freed: {last}");
+}

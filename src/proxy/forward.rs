@@ -74,8 +74,9 @@ impl Forward<'_> {
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_side) = upgrade {
                 let upstream_side = hyper::upgrade::on(&mut resp);
-                tokio::spawn(splice(client_side, upstream_side));
-                return resp.map(|b| Either::Left(PermitBody::new(b, permits)));
+                // The tunnel, not the empty 101 body, holds the concurrency slots.
+                tokio::spawn(splice(client_side, upstream_side, permits));
+                return resp.map(|b| Either::Left(PermitBody::new(b, SmallVec::new())));
             }
         }
         strip_hop_by_hop(resp.headers_mut(), false);
@@ -225,8 +226,13 @@ fn classify(e: &hyper_util::client::legacy::Error) -> UpstreamError {
     UpstreamError::Connect
 }
 
-/// Copies bytes both ways between an upgraded client connection and the upstream's.
-async fn splice(client: hyper::upgrade::OnUpgrade, upstream: hyper::upgrade::OnUpgrade) {
+/// Copies bytes both ways between an upgraded client connection and the upstream's, holding
+/// the request's concurrency slots until both sides are done.
+async fn splice(
+    client: hyper::upgrade::OnUpgrade,
+    upstream: hyper::upgrade::OnUpgrade,
+    _permits: SmallVec<[Permit; 1]>,
+) {
     let (client, upstream) = match tokio::try_join!(client, upstream) {
         Ok(pair) => pair,
         Err(e) => {
