@@ -770,6 +770,8 @@ impl Serialize for Rate {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Upstream {
     pub authority: http::uri::Authority,
+    /// `h2c://`: the upstream speaks HTTP/2 with prior knowledge (gRPC apps); else HTTP/1.1.
+    pub h2: bool,
 }
 
 impl<'de> Deserialize<'de> for Upstream {
@@ -778,8 +780,9 @@ impl<'de> Deserialize<'de> for Upstream {
             let uri: http::Uri = s
                 .parse()
                 .map_err(|e| err(format!("{s:?}: not a URL: {e}")))?;
-            match uri.scheme_str() {
-                Some("http") => {}
+            let h2 = match uri.scheme_str() {
+                Some("http") => false,
+                Some("h2c") => true,
                 Some("https") => {
                     return Err(err(format!(
                         "{s:?}: https upstreams are not supported; the upstream is the app beside us, e.g. http://127.0.0.1:9000"
@@ -787,10 +790,10 @@ impl<'de> Deserialize<'de> for Upstream {
                 }
                 _ => {
                     return Err(err(format!(
-                        "{s:?}: expected http://host:port"
+                        "{s:?}: expected http://host:port (or h2c://host:port for HTTP/2)"
                     )))
                 }
-            }
+            };
             if !matches!(uri.path(), "" | "/") || uri.query().is_some() {
                 return Err(err(format!(
                     "{s:?}: the upstream takes no path; requests keep theirs"
@@ -800,14 +803,15 @@ impl<'de> Deserialize<'de> for Upstream {
                 .authority()
                 .cloned()
                 .ok_or_else(|| err(format!("{s:?}: missing host")))?;
-            Ok(Upstream { authority })
+            Ok(Upstream { authority, h2 })
         })
     }
 }
 
 impl Serialize for Upstream {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(&format_args!("http://{}", self.authority))
+        let scheme = if self.h2 { "h2c" } else { "http" };
+        s.collect_str(&format_args!("{scheme}://{}", self.authority))
     }
 }
 
@@ -1057,6 +1061,12 @@ impl Config {
                 .lines()
                 .position(|l| l.starts_with("control_plane:"))
                 .map(|i| i + 1);
+            if cp.url.h2 {
+                return Err(invalid(
+                    line,
+                    "control_plane.url: the control plane speaks http://, not h2c://".into(),
+                ));
+            }
             if cp.report_interval.0 < Duration::from_millis(100) {
                 return Err(invalid(
                     line,

@@ -502,3 +502,74 @@ async fn a_second_proxy_on_a_port_in_use_fails_instead_of_sharing_it() {
     assert_eq!(err.kind(), std::io::ErrorKind::AddrInUse, "{err}");
     assert!(err.to_string().contains(&first.addr().to_string()), "{err}");
 }
+
+#[tokio::test]
+async fn an_h2c_upstream_gets_grpc_calls_with_te_trailers_and_its_trailers_come_back() {
+    use http_body_util::{BodyExt, StreamBody};
+    use hyper::body::Frame;
+    // A gRPC-shaped app: HTTP/2 only, answers with a body and a grpc-status trailer, and
+    // tells what it received.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    |req: http::Request<hyper::body::Incoming>| async move {
+                        let seen = format!(
+                            "{:?} te={}",
+                            req.version(),
+                            req.headers()
+                                .get("te")
+                                .map_or("-", |v| v.to_str().unwrap_or("?"))
+                        );
+                        let mut trailers = http::HeaderMap::new();
+                        trailers.insert("grpc-status", "0".parse().unwrap());
+                        let frames = vec![
+                            Ok::<_, std::convert::Infallible>(Frame::data(Bytes::from(seen))),
+                            Ok(Frame::trailers(trailers)),
+                        ];
+                        let body = StreamBody::new(tokio_stream_iter(frames));
+                        Ok::<_, std::convert::Infallible>(http::Response::new(body))
+                    },
+                );
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                        .await;
+            });
+        }
+    });
+    let yaml = format!(
+        "service: s\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: h2c://{app}\nrules: []\n"
+    );
+    let sc = spillway::Sidecar::start(spillway::Config::from_yaml(&yaml, "t").unwrap())
+        .await
+        .unwrap();
+    let req = http::Request::post(format!("http://{}/pkg.Svc/Call", sc.addr()))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .body(empty())
+        .unwrap();
+    let resp = h2_client().request(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::OK);
+    let collected = resp.into_body().collect().await.unwrap();
+    let trailers = collected.trailers().cloned().expect("trailers came back");
+    assert_eq!(trailers["grpc-status"], "0");
+    assert_eq!(collected.to_bytes(), "HTTP/2.0 te=trailers");
+}
+
+/// A `Stream` over a vector, without a dependency for it.
+fn tokio_stream_iter<T: Unpin>(items: Vec<T>) -> impl futures_core::Stream<Item = T> + Unpin {
+    struct Iter<T>(std::vec::IntoIter<T>);
+    impl<T: Unpin> futures_core::Stream for Iter<T> {
+        type Item = T;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<T>> {
+            std::task::Poll::Ready(self.0.next())
+        }
+    }
+    Iter(items.into_iter())
+}

@@ -195,6 +195,7 @@ fn upstream_must_be_a_plain_http_base() {
         ),
         ("http://127.0.0.1:9000/app", "takes no path"),
         ("127.0.0.1:9000", "expected http://host:port"),
+        ("ftp://127.0.0.1:9000", "or h2c://host:port for HTTP/2"),
     ] {
         let e = err(&format!(
             "service: s\nlisten: 127.0.0.1:0\nupstream: {up}\n"
@@ -447,4 +448,20 @@ fn a_global_rule_needs_a_control_plane_and_a_plain_rate() {
         .replace("rules:\n", "")
     ));
     assert!(e.contains("report_interval: must be at least 100ms"), "{e}");
+}
+
+#[test]
+fn an_h2c_upstream_is_http2_and_prints_back() {
+    let c = Config::from_yaml(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: h2c://127.0.0.1:50051\n",
+        "t",
+    )
+    .unwrap();
+    assert!(c.upstream.h2);
+    assert_eq!(
+        serde_json::to_value(&c).unwrap()["upstream"],
+        "h2c://127.0.0.1:50051"
+    );
+    let e = err("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'h2c://127.0.0.1:7001' }\n");
+    assert!(e.contains("control plane speaks http://"), "{e}");
 }

@@ -31,7 +31,8 @@ static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
 /// Builds the pooled upstream client.
-pub fn client(connect_timeout: Duration, idle: Duration) -> UpstreamClient {
+/// Builds the pooled upstream client: HTTP/1.1, or HTTP/2 with prior knowledge when `h2`.
+pub fn client(connect_timeout: Duration, idle: Duration, h2: bool) -> UpstreamClient {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(connect_timeout));
     connector.set_nodelay(true);
@@ -39,6 +40,7 @@ pub fn client(connect_timeout: Duration, idle: Duration) -> UpstreamClient {
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(idle)
+        .http2_only(h2)
         .build(connector)
 }
 
@@ -51,6 +53,8 @@ pub struct Forward<'a> {
     pub trust_forwarded: bool,
     pub response_timeout: Duration,
     pub metrics: &'a Metrics,
+    /// The upstream speaks HTTP/2 (`h2c://`).
+    pub h2: bool,
 }
 
 impl Forward<'_> {
@@ -61,7 +65,8 @@ impl Forward<'_> {
         mut req: Request<Incoming>,
         permits: SmallVec<[Permit; 1]>,
     ) -> Response<Body> {
-        let upgrade = is_upgrade(req.headers()).then(|| hyper::upgrade::on(&mut req));
+        // HTTP/1.1 upgrades only: an HTTP/2 upstream has no Upgrade.
+        let upgrade = (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut req));
         if let Err(resp) = self.rewrite(&mut req, upgrade.is_some()) {
             return resp;
         }
@@ -122,10 +127,22 @@ impl Forward<'_> {
                 "request target cannot be forwarded",
             )
         })?;
-        *req.version_mut() = Version::HTTP_11;
+        *req.version_mut() = if self.h2 {
+            Version::HTTP_2
+        } else {
+            Version::HTTP_11
+        };
 
         let headers = req.headers_mut();
+        // gRPC needs `TE: trailers` end to end; over HTTP/2 it is the one TE value allowed.
+        let te_trailers = headers
+            .get_all(header::TE)
+            .iter()
+            .any(|v| has_token(v.as_bytes(), b"trailers"));
         strip_hop_by_hop(headers, upgrade);
+        if self.h2 && te_trailers {
+            headers.insert(header::TE, HeaderValue::from_static("trailers"));
+        }
         // HTTP/2 requests carry the host in :authority; the upstream speaks HTTP/1.1.
         if !headers.contains_key(header::HOST) {
             if let Some(a) = &original_authority {

@@ -54,6 +54,7 @@ pub struct Shared {
     pub ratios: Arc<ArcSwap<DropRatios>>,
     pub config: ArcSwap<Config>,
     upstream: http::uri::Authority,
+    upstream_h2: bool,
     connect_timeout: Duration,
     idle_timeout: Duration,
     pub clock: AnyClock,
@@ -112,6 +113,7 @@ impl Sidecar {
             rules: Arc::new(ArcSwap::from_pointee(rules)),
             ratios,
             upstream: config.upstream.authority.clone(),
+            upstream_h2: config.upstream.h2,
             clock,
             metrics,
             trusted_hops: config.client_ip.trusted_hops,
@@ -323,7 +325,11 @@ async fn worker(
             return;
         }
     };
-    let client = Arc::new(forward::client(shared.connect_timeout, shared.idle_timeout));
+    let client = Arc::new(forward::client(
+        shared.connect_timeout,
+        shared.idle_timeout,
+        shared.upstream_h2,
+    ));
     let config = shared.config.load_full();
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
@@ -435,6 +441,7 @@ async fn handle(
         trust_forwarded: shared.trusted_hops > 0,
         response_timeout: shared.response_timeout,
         metrics,
+        h2: shared.upstream_h2,
     };
     let mut resp = fwd.send(req, admit.permits).await;
     let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
