@@ -40,7 +40,7 @@ pub struct Config {
     pub headers: HeaderMode,
     #[serde(default)]
     pub limits: Limits,
-    /// Data-plane threads, each with its own listener (`SO_REUSEPORT`) and runtime; default:
+    /// Data-plane threads, each with its own runtime and upstream pool, sharing the listener; default:
     /// one per CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workers: Option<NonZeroU32>,

@@ -487,7 +487,7 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
 }
 
 #[tokio::test]
-async fn a_second_proxy_on_a_port_in_use_fails_instead_of_sharing_it() {
+async fn a_second_proxy_on_a_port_in_use_fails_to_start() {
     let (first, up) = sidecar("rules: []\n").await;
     let yaml = format!(
         "service: s\nlisten: {}\nadmin: 127.0.0.1:0\nupstream: http://{}\nrules: []\n",
