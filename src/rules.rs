@@ -388,23 +388,8 @@ impl RuleSet {
         }
     }
 
-    /// True when some rule is enforced through the control plane.
-    pub fn has_global(&self) -> bool {
-        self.rules
-            .iter()
-            .any(|r| matches!(r.kind, Kind::Global { .. }))
-    }
-
     pub fn header_mode(&self) -> HeaderMode {
         self.header_mode
-    }
-
-    pub fn len(&self) -> usize {
-        self.rules.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.rules.is_empty()
     }
 
     /// Decides one request at `now`. Every matching rule applies; the request is refused if

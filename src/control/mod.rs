@@ -393,13 +393,6 @@ impl Accumulator {
         }
         all.len()
     }
-
-    /// (service, rule) pairs tracked, with their limit in requests per second.
-    pub fn rules(&self) -> impl Iterator<Item = (&str, &str, f64)> {
-        self.rules
-            .iter()
-            .map(|((s, r), acc)| (s.as_str(), r.as_str(), acc.limit.per_second()))
-    }
 }
 
 /// An [`Accumulator`] shared by a server's handlers, with the clock it is fed by.

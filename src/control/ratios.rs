@@ -66,15 +66,6 @@ impl DropRatios {
             .copied()
             .unwrap_or(r.other)
     }
-
-    /// How many (rule, key) ratios are held.
-    pub fn len(&self) -> usize {
-        self.rules.values().map(|r| r.keys.len() + 1).sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.rules.is_empty()
-    }
 }
 
 /// How a proxy treats the age of its ratios.

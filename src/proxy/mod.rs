@@ -70,7 +70,6 @@ pub struct Shared {
 pub struct Sidecar {
     addr: SocketAddr,
     admin_addr: SocketAddr,
-    shared: Arc<Shared>,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
 }
@@ -125,17 +124,10 @@ impl Sidecar {
             config: ArcSwap::from_pointee(config),
         });
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(serve(
-            listeners,
-            admin_listener,
-            shared.clone(),
-            stopped,
-            reporter,
-        ));
+        let task = tokio::spawn(serve(listeners, admin_listener, shared, stopped, reporter));
         Ok(Sidecar {
             addr,
             admin_addr,
-            shared,
             stop,
             task,
         })
@@ -147,10 +139,6 @@ impl Sidecar {
 
     pub fn admin_addr(&self) -> SocketAddr {
         self.admin_addr
-    }
-
-    pub fn shared(&self) -> &Arc<Shared> {
-        &self.shared
     }
 
     /// Starts the shutdown: not ready, stop accepting, drain in-flight requests.
