@@ -143,22 +143,12 @@ fn main() -> ExitCode {
             admin,
             token_file,
         } => run(async move {
-            let token = token(token_file)?;
-            let signal = shutdown_signal()?;
-            let running = spillway::control::controller::start(
-                spillway::control::controller::ControllerOptions {
-                    listen,
-                    admin,
-                    token,
-                },
-            )
-            .await?;
-            println!(
-                "spillway controller listening on {} (admin {})",
-                running.addr, running.admin_addr
-            );
-            running.run_until(signal).await;
-            Ok(())
+            let options = spillway::control::controller::ControllerOptions {
+                listen,
+                admin,
+                token: token(token_file)?,
+            };
+            serve_role("controller", spillway::control::controller::start(options)).await
         }),
         Command::Aggregator {
             listen,
@@ -168,25 +158,15 @@ fn main() -> ExitCode {
             interval,
             token_file,
         } => run(async move {
-            let token = token(token_file)?;
-            let signal = shutdown_signal()?;
-            let running = spillway::control::aggregator::start(
-                spillway::control::aggregator::AggregatorOptions {
-                    listen,
-                    admin,
-                    controller,
-                    zone,
-                    interval,
-                    token,
-                },
-            )
-            .await?;
-            println!(
-                "spillway aggregator listening on {} (admin {})",
-                running.addr, running.admin_addr
-            );
-            running.run_until(signal).await;
-            Ok(())
+            let options = spillway::control::aggregator::AggregatorOptions {
+                listen,
+                admin,
+                controller,
+                zone,
+                interval,
+                token: token(token_file)?,
+            };
+            serve_role("aggregator", spillway::control::aggregator::start(options)).await
         }),
         Command::Demo { seconds, fleet } => {
             if fleet {
@@ -196,6 +176,22 @@ fn main() -> ExitCode {
             }
         }
     }
+}
+
+/// Runs a control-plane role until SIGTERM/SIGINT: the signal handlers first, then `start`,
+/// then the readiness line that scripts and tests wait for.
+async fn serve_role(
+    role: &str,
+    start: impl std::future::Future<Output = std::io::Result<spillway::control::server::Running>>,
+) -> anyhow::Result<()> {
+    let signal = shutdown_signal()?;
+    let running = start.await?;
+    println!(
+        "spillway {role} listening on {} (admin {})",
+        running.addr, running.admin_addr
+    );
+    running.run_until(signal).await;
+    Ok(())
 }
 
 fn run(fut: impl std::future::Future<Output = anyhow::Result<()>>) -> ExitCode {
