@@ -270,9 +270,8 @@ where
             };
             let resp = inner.call(req).await?;
             let mut resp = resp.map(|b| Either::Left(PermitBody::new(b, admit.permits)));
-            if shared.rules.load().header_mode() == HeaderMode::Always {
-                respond::add_rate_headers(resp.headers_mut(), &admit.states);
-            }
+            // `states` is filled only under `headers: always`, so this is a no-op otherwise.
+            respond::add_rate_headers(resp.headers_mut(), &admit.states);
             Ok(resp)
         })
     }

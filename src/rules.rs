@@ -388,10 +388,6 @@ impl RuleSet {
         }
     }
 
-    pub fn header_mode(&self) -> HeaderMode {
-        self.header_mode
-    }
-
     /// Decides one request at `now`. Every matching rule applies; the request is refused if
     /// any enforcing rule refuses, and then the units other rules had granted are given back.
     /// Shadow rules decide and count what they would have refused, and never refuse.
