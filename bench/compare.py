@@ -140,12 +140,12 @@ def start_nginx(body, workers, port):
     return proc
 
 
-def start_spillway(yaml, port, extra_wait=0.0):
+def start_spillway(yaml, port, extra_wait=0.0, binary=None):
     d = tempfile.mkdtemp(prefix="spillway-bench-")
     path = os.path.join(d, "spillway.yaml")
     with open(path, "w") as f:
         f.write(yaml)
-    proc = Proc([SPILLWAY, "proxy", "--config", path], ready_line=True)
+    proc = Proc([binary or SPILLWAY, "proxy", "--config", path], ready_line=True)
     if "listening on" not in proc.line:
         raise RuntimeError(f"spillway did not start: {proc.line!r}")
     wait_port(port)
@@ -177,6 +177,9 @@ def main():
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--conns", default="16,128")
+    ap.add_argument("--only", default="", help="comma-separated substrings; run only scenarios naming one")
+    ap.add_argument("--baseline", default="", help="another spillway binary, run beside this one (A/B)")
+    ap.add_argument("--no-h2", action="store_true", help="skip the HTTP/2 runs")
     args = ap.parse_args()
     conns = [int(c) for c in args.conns.split(",")]
     script = os.path.join(tempfile.mkdtemp(prefix="spillway-bench-"), "keys.lua")
@@ -203,6 +206,15 @@ def main():
             ("nginx proxy_pass, keep-alive", lambda p: start_nginx(nginx_proxy(p, up_port, None), 2, p)),
             ("nginx limit_req rejecting ~half", lambda p: start_nginx(nginx_proxy(p, up_port, half_per_key), 2, p)),
         ]
+        if args.baseline:
+            base = os.path.abspath(args.baseline)
+            scenarios += [
+                ("baseline, local rule admitting all", lambda p: start_spillway(spillway_yaml(p, up_port, rule("1000000000/s")), p, binary=base)),
+                ("baseline, local rule rejecting ~half", lambda p: start_spillway(spillway_yaml(p, up_port, rule(f"{half_per_key}/s")), p, binary=base)),
+            ]
+        if args.only:
+            wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+            scenarios = [s for s in scenarios if any(w in s[0] for w in wanted)]
         results = {(name, c): [] for name, _ in scenarios for c in conns}
         for rnd in range(args.rounds):
             for name, start in scenarios:
@@ -227,7 +239,7 @@ def main():
                             if p:
                                 p.stop()
         h2 = {}
-        for c in conns:
+        for c in ([] if args.no_h2 else conns):
             port = free_port()
             p = start_spillway(spillway_yaml(port, up_port, rule("1000000000/s")), port)
             try:
@@ -304,14 +316,16 @@ def report(results, scenarios, conns, h2, per_key, args):
     print("| scenario | conns | req/s | 2xx/s | p50 ms | p99 ms | p99.9 ms | CPU s / 100k req | peak RSS MiB | vs nginx | vs direct |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for c in conns:
-        nginx = med(results[("nginx proxy_pass, keep-alive", c)], "rps")
-        direct = med(results[("direct (no proxy)", c)], "rps")
+        nginx = med(results.get(("nginx proxy_pass, keep-alive", c)) or [{"rps": float("nan")}], "rps")
+        direct = med(results.get(("direct (no proxy)", c)) or [{"rps": float("nan")}], "rps")
         for name, _ in scenarios:
             rs = results[(name, c)]
             rps = med(rs, "rps")
             print(f"| {name} | {c} | {rps:.0f} | {med(rs, 'ok_rps'):.0f} | {med(rs, 'p50'):.2f} | {med(rs, 'p99'):.2f} | "
                   f"{med(rs, 'p999'):.2f} | {med(rs, 'cpu_per_100k'):.2f} | {med(rs, 'rss'):.1f} | "
                   f"{rps / nginx:.2f}x | {rps / direct:.2f}x |")
+    if not h2:
+        return
     print("\nHTTP/2 (h2load -m 10, prior knowledge, one key, no limiting):\n")
     print("| proxy | conns | req/s |")
     print("|---|---|---|")

@@ -8,7 +8,9 @@
 //! A limited gRPC call gets what gRPC clients understand: HTTP 200 with `grpc-status: 8`
 //! (RESOURCE_EXHAUSTED), a `grpc-message`, and the retry hint as `grpc-retry-pushback-ms`.
 
-use bytes::Bytes;
+use std::fmt::Write as _;
+
+use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::{Either, Full};
@@ -50,22 +52,21 @@ pub fn refusal<L>(refusal: &Refusal, grpc: bool) -> Ours<L> {
 }
 
 /// 429 (or gRPC RESOURCE_EXHAUSTED) for a request a rule refused.
+///
+/// Built with one buffer for the body and one per formatted header value (nginx answers
+/// `limit_req` with a static page; this is the closest we get while saying which rule and when).
 pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
     let rule = &denial.state.rule;
     let retry = denial.retry_after_secs();
-    let detail = match retry {
-        Some(secs) => format!("rate limit of rule {rule} exceeded; retry in {secs} s"),
-        None => format!(
-            "the cost of this request exceeds the burst of rule {rule}; it can never be admitted"
-        ),
-    };
     let mut resp = if grpc {
         let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
         let h = resp.headers_mut();
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("8"));
         // grpc-message is percent-encoded; the detail is plain ASCII without '%'.
-        if let Ok(v) = HeaderValue::from_str(&detail.replace(' ', "%20")) {
+        let mut msg = String::with_capacity(96);
+        write_detail(&mut msg, rule, retry);
+        if let Ok(v) = HeaderValue::from_str(&msg.replace(' ', "%20")) {
             h.insert(GRPC_MESSAGE.clone(), v);
         }
         if let Some(ms) = denial.retry_after.map(|n| n.div_ceil(1_000_000)) {
@@ -73,15 +74,17 @@ pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
         }
         resp
     } else {
-        let mut body = format!(
-            "{{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\
-             \"detail\":\"{detail}\",\"rule\":\"{rule}\""
+        let mut body = BytesMut::with_capacity(192);
+        body.put_slice(
+            b"{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\"detail\":\"",
         );
+        write_detail(&mut body, rule, retry);
+        let _ = write!(body, "\",\"rule\":\"{rule}\"");
         if let Some(secs) = retry {
-            body.push_str(&format!(",\"retry_after\":{secs}"));
+            let _ = write!(body, ",\"retry_after\":{secs}");
         }
-        body.push_str("}\n");
-        problem(StatusCode::TOO_MANY_REQUESTS, body)
+        body.put_slice(b"}\n");
+        problem(StatusCode::TOO_MANY_REQUESTS, body.freeze())
     };
     let headers = resp.headers_mut();
     if let Some(secs) = retry {
@@ -93,6 +96,17 @@ pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
     resp
 }
 
+/// The human-readable reason of a 429, plain ASCII without quotes or '%'.
+fn write_detail(out: &mut impl std::fmt::Write, rule: &str, retry: Option<u64>) {
+    let _ = match retry {
+        Some(secs) => write!(out, "rate limit of rule {rule} exceeded; retry in {secs} s"),
+        None => write!(
+            out,
+            "the cost of this request exceeds the burst of rule {rule}; it can never be admitted"
+        ),
+    };
+}
+
 /// Adds `RateLimit-Policy` and `RateLimit` for `states`, one list member per rule.
 pub fn add_rate_headers(headers: &mut HeaderMap, states: &[RateState]) {
     if states.is_empty() {
@@ -101,21 +115,25 @@ pub fn add_rate_headers(headers: &mut HeaderMap, states: &[RateState]) {
     if let [one] = states {
         headers.insert(RATELIMIT_POLICY.clone(), one.policy.clone());
     } else {
-        let joined = states
-            .iter()
-            .map(|s| s.policy.to_str().unwrap_or_default())
-            .collect::<Vec<_>>()
-            .join(", ");
-        if let Ok(v) = HeaderValue::from_str(&joined) {
+        let mut joined = BytesMut::with_capacity(64 * states.len());
+        for (i, s) in states.iter().enumerate() {
+            if i > 0 {
+                joined.put_slice(b", ");
+            }
+            joined.put_slice(s.policy.as_bytes());
+        }
+        if let Ok(v) = HeaderValue::from_maybe_shared(joined.freeze()) {
             headers.insert(RATELIMIT_POLICY.clone(), v);
         }
     }
-    let value = states
-        .iter()
-        .map(|s| format!("\"{}\";r={};t={}", s.rule, s.remaining, s.reset_secs))
-        .collect::<Vec<_>>()
-        .join(", ");
-    if let Ok(v) = HeaderValue::from_str(&value) {
+    let mut value = BytesMut::with_capacity(48 * states.len());
+    for (i, s) in states.iter().enumerate() {
+        if i > 0 {
+            value.put_slice(b", ");
+        }
+        let _ = write!(value, "\"{}\";r={};t={}", s.rule, s.remaining, s.reset_secs);
+    }
+    if let Ok(v) = HeaderValue::from_maybe_shared(value.freeze()) {
         headers.insert(RATELIMIT.clone(), v);
     }
 }
@@ -128,11 +146,11 @@ pub fn error<L>(status: StatusCode, detail: &str) -> Ours<L> {
         status.as_u16(),
         serde_json::Value::from(detail)
     );
-    problem(status, body)
+    problem(status, Bytes::from(body))
 }
 
-fn problem<L>(status: StatusCode, body: String) -> Ours<L> {
-    let mut resp = Response::new(Either::Right(Full::new(Bytes::from(body))));
+fn problem<L>(status: StatusCode, body: Bytes) -> Ours<L> {
+    let mut resp = Response::new(Either::Right(Full::new(body)));
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, PROBLEM_JSON.clone());
