@@ -47,8 +47,136 @@ pub struct Config {
     /// Where `scope: global` rules report and get their drop ratios.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub control_plane: Option<ControlPlane>,
+    /// Where `scope: redis` rules keep their exact, shared counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis: Option<RedisConfig>,
     #[serde(default)]
     pub rules: Vec<Rule>,
+}
+
+/// The Redis of `scope: redis` rules, and what to do when it does not answer.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RedisConfig {
+    /// `redis://[user:password@]host:port[/db]` (`rediss://` for TLS), or a list of such URLs:
+    /// the nodes of a Redis Cluster.
+    pub url: RedisUrls,
+    /// The longest a decision waits for Redis; then `on_error` applies.
+    #[serde(default = "default_redis_timeout")]
+    pub timeout: Dur,
+    #[serde(default)]
+    pub on_error: OnError,
+    #[serde(default)]
+    pub breaker: BreakerConfig,
+}
+
+fn default_redis_timeout() -> Dur {
+    Dur(Duration::from_millis(5))
+}
+
+/// What a decision does when Redis fails, times out, or the breaker is open.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    /// Admit (fail open): an outage of Redis is not an outage of the service.
+    #[default]
+    Allow,
+    /// Refuse with 429 (fail closed).
+    Deny,
+    /// Apply the rule's `fallback:` limit, counted in this proxy alone.
+    Fallback,
+}
+
+/// After `failures` consecutive failures, Redis is not called for `cooldown`; then one probe.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    pub failures: NonZeroU32,
+    pub cooldown: Dur,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            failures: NonZeroU32::new(5).expect("non-zero"),
+            cooldown: Dur(Duration::from_secs(1)),
+        }
+    }
+}
+
+/// One Redis URL, or the nodes of a cluster; checked when parsed, shown without passwords.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisUrls(pub Vec<String>);
+
+impl RedisUrls {
+    /// More than one node: Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.0.len() > 1
+    }
+}
+
+fn check_redis_url(s: &str) -> Result<String, String> {
+    if !(s.starts_with("redis://") || s.starts_with("rediss://")) {
+        return Err(err(format!(
+            "{:?}: expected a redis:// or rediss:// URL",
+            redact_url(s)
+        )));
+    }
+    redis::Client::open(s)
+        .map(|_| s.to_string())
+        .map_err(|e| err(format!("{:?}: not a Redis URL: {e}", redact_url(s))))
+}
+
+/// `s` with any password replaced, for errors and `/config`.
+pub fn redact_url(s: &str) -> String {
+    match (s.find("://"), s.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &s[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &s[..scheme + 3], &s[at..]),
+                None => s.to_string(),
+            }
+        }
+        _ => s.to_string(),
+    }
+}
+
+impl<'de> Deserialize<'de> for RedisUrls {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RedisUrls;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a redis:// URL or a list of them")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<RedisUrls, E> {
+                check_redis_url(s)
+                    .map(|u| RedisUrls(vec![u]))
+                    .map_err(E::custom)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RedisUrls, A::Error> {
+                let mut out = Vec::new();
+                while let Some(s) = seq.next_element::<String>()? {
+                    out.push(check_redis_url(&s).map_err(de::Error::custom)?);
+                }
+                if out.is_empty() {
+                    return Err(de::Error::custom("give at least one URL"));
+                }
+                Ok(RedisUrls(out))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl Serialize for RedisUrls {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let shown: Vec<String> = self.0.iter().map(|u| redact_url(u)).collect();
+        match shown.as_slice() {
+            [one] => s.serialize_str(one),
+            _ => shown.serialize(s),
+        }
+    }
 }
 
 /// The proxy's side of the control plane.
@@ -273,8 +401,27 @@ fn check_rule(r: &RawRule) -> Result<(), String> {
         if let Some(Limit::Concurrency(_)) = r.fallback {
             return Err("fallback: takes a rate limit".into());
         }
+    } else if r.scope == Scope::Redis {
+        match &r.limit {
+            Limit::Concurrency(_) => {
+                return Err("scope: redis takes a rate limit, not concurrency".into())
+            }
+            Limit::Rate {
+                algorithm: Algorithm::LeakyBucket,
+                ..
+            } => {
+                return Err("limit.algorithm: leaky_bucket shapes by waiting in one proxy; with scope: redis use token_bucket, gcra, fixed_window, sliding_window_log or sliding_window_counter".into())
+            }
+            _ => {}
+        }
+        if r.on_limit == OnLimit::Delay {
+            return Err("on_limit: delay applies to local rules, not redis ones".into());
+        }
+        if let Some(Limit::Concurrency(_)) = r.fallback {
+            return Err("fallback: takes a rate limit".into());
+        }
     } else if r.fallback.is_some() {
-        return Err("fallback: applies to scope: global rules only".into());
+        return Err("fallback: applies to scope: global and scope: redis rules only".into());
     }
     {
         match (&r.limit, &r.cost) {
@@ -296,7 +443,7 @@ fn check_rule(r: &RawRule) -> Result<(), String> {
                     ..
                 },
                 _,
-            ) => {
+            ) if r.scope != Scope::Redis => {
                 let worst = u64::from(burst.get())
                     * u64::from(r.max_keys.get())
                     * crate::limit::sliding_window_log::BYTES_PER_ENTRY;
@@ -558,9 +705,7 @@ impl<'de> Deserialize<'de> for Scope {
         parse_str(d, |s: &str| match s {
             "local" => Ok(Scope::Local),
             "global" => Ok(Scope::Global),
-            "redis" => Err(err(format!(
-                "scope `{s}` is not available in this version yet; use `local` or `global`"
-            ))),
+            "redis" => Ok(Scope::Redis),
             _ => Err(format!(
                 "unknown variant `{s}`, expected one of `local`, `global`, `redis`"
             )),
@@ -1045,7 +1190,38 @@ impl Config {
         let config: Config = parse_yaml(text, file)?;
         check_rule_names(&config.rules, text, file)?;
         config.check_control_plane(text, file)?;
+        config.check_redis(text, file)?;
         Ok(config)
+    }
+
+    /// Redis rules need a `redis:` section, and `on_error: fallback` a fallback on each of them.
+    fn check_redis(&self, text: &str, file: &str) -> Result<(), ConfigError> {
+        let invalid = |rule: &Rule, message: String| ConfigError::Invalid {
+            file: file.to_string(),
+            line: line_of_nth_name(text, &rule.name.0, 1),
+            column: None,
+            message: format!("rule {}: {message}", rule.name),
+        };
+        let mut redis_rules = self.rules.iter().filter(|r| r.scope == Scope::Redis);
+        match &self.redis {
+            None => match redis_rules.next() {
+                Some(rule) => Err(invalid(
+                    rule,
+                    "scope: redis needs a redis section with the server's url".into(),
+                )),
+                None => Ok(()),
+            },
+            Some(redis) if redis.on_error == OnError::Fallback => {
+                match redis_rules.find(|r| r.fallback.is_none()) {
+                    Some(rule) => Err(invalid(
+                        rule,
+                        "redis.on_error is fallback, so this rule needs a fallback: limit".into(),
+                    )),
+                    None => Ok(()),
+                }
+            }
+            Some(_) => Ok(()),
+        }
     }
 
     /// Global rules need somewhere to report; intervals must make sense together.

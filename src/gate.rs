@@ -23,7 +23,7 @@ use serde::Deserialize;
 use smallvec::SmallVec;
 use tower::{Layer, Service};
 
-use crate::config::{ClientIp, ConfigError, HeaderMode, Rule};
+use crate::config::{ClientIp, ConfigError, HeaderMode, Rule, Scope};
 use crate::key::{self, RequestView};
 use crate::limit::{AnyClock, Clock, Permit};
 use crate::metrics::Metrics;
@@ -53,7 +53,20 @@ pub async fn admit(
     // were to stand still.
     let mut deadline = None;
     loop {
-        let verdict = rules.load().check(req, clock.now());
+        let now = clock.now();
+        // The snapshot guard is released before any await: a decision that must ask Redis
+        // keeps the rule set alive by its `Arc` instead.
+        let verdict = {
+            let guard = rules.load();
+            match guard.check(req, now) {
+                Verdict::Remote(remote) => Err((arc_swap::Guard::into_inner(guard), remote)),
+                v => Ok(v),
+            }
+        };
+        let verdict = match verdict {
+            Ok(v) => v,
+            Err((set, remote)) => set.resolve(remote, req, now).await,
+        };
         match verdict {
             Verdict::Allow(admit) => {
                 if admit.wait > 0 {
@@ -65,6 +78,7 @@ pub async fn admit(
                 return Ok(admit);
             }
             Verdict::BadCost(h) => return Err(Refusal::BadCost(h)),
+            Verdict::Remote(_) => unreachable!("resolve answers Allow or Deny"),
             Verdict::Deny(denial) => {
                 let (Some(delay), Some(retry)) = (&denial.delay, denial.retry_after) else {
                     return Err(Refusal::Limited(denial));
@@ -191,6 +205,17 @@ impl RateLimitLayer {
     pub fn from_yaml(yaml: &str, source: &str) -> Result<Self, ConfigError> {
         let policy: Policy = crate::config::parse_yaml(yaml, source)?;
         crate::config::check_rule_names(&policy.rules, yaml, source)?;
+        if let Some(rule) = policy.rules.iter().find(|r| r.scope == Scope::Redis) {
+            return Err(ConfigError::Invalid {
+                file: source.to_string(),
+                line: None,
+                column: None,
+                message: format!(
+                    "rule {}: scope: redis needs the sidecar's redis section; the layer decides local rules",
+                    rule.name
+                ),
+            });
+        }
         let metrics = Arc::new(Metrics::new());
         let rules = RuleSet::from_rules(&policy.rules, policy.headers, &metrics);
         Ok(Self {

@@ -8,6 +8,7 @@
 //! - [`rules`]: compiled rules and the synchronous in-path decision.
 //! - [`gate`]: waiting (delay, shaping), concurrency slots, and the embeddable tower layer.
 //! - [`control`]: reporter, aggregator, controller and the drop-ratio math (fleet limits).
+//! - [`exact`]: `scope: redis`: the Lua scripts, the Redis connection and its circuit breaker.
 //! - [`proxy`]: the data plane (accept, decide, forward, drain) and its one place for 429s.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/config` on their own listener.
 //! - [`metrics`]: every Prometheus family, handles resolved once.
@@ -17,6 +18,7 @@ pub mod admin;
 pub mod config;
 pub mod control;
 pub mod demo;
+pub mod exact;
 pub mod gate;
 pub mod key;
 pub mod limit;

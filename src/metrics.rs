@@ -39,6 +39,128 @@ impl UpstreamError {
     }
 }
 
+/// Why a Redis decision failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RedisError {
+    /// No answer within `redis.timeout`.
+    Timeout,
+    /// No connection, or it broke during the call.
+    Connection,
+    /// Redis answered with an error.
+    Server,
+}
+
+impl RedisError {
+    pub const ALL: [RedisError; 3] = [
+        RedisError::Timeout,
+        RedisError::Connection,
+        RedisError::Server,
+    ];
+    pub fn label(self) -> &'static str {
+        match self {
+            RedisError::Timeout => "timeout",
+            RedisError::Connection => "connection",
+            RedisError::Server => "server",
+        }
+    }
+}
+
+/// The Redis mode's families, handles resolved once.
+#[derive(Clone)]
+pub struct RedisMetrics {
+    pub duration: Histogram,
+    errors: [IntCounter; 3],
+    /// 0 closed, 1 open, 2 half-open (one probe in flight).
+    pub breaker_state: IntGauge,
+    pub breaker_opened: IntCounter,
+    pub connected: IntGauge,
+    /// Decisions made by `on_error` (`spillway_redis_on_error_total{action}`).
+    pub on_error_allow: IntCounter,
+    pub on_error_deny: IntCounter,
+    pub on_error_fallback: IntCounter,
+    /// Refusals answered from the local cache of keys known to be refused, per rule.
+    pub cache_answers: IntCounterVec,
+}
+
+impl RedisMetrics {
+    #[inline]
+    pub fn error(&self, kind: RedisError) -> &IntCounter {
+        &self.errors[kind as usize]
+    }
+
+    fn new(registry: &Registry) -> Self {
+        let duration = Histogram::with_opts(
+            HistogramOpts::new(
+                "spillway_redis_duration_seconds",
+                "Round trip of one Redis decision (EVALSHA), answered or not.",
+            )
+            .buckets(prometheus::exponential_buckets(0.00005, 2.0, 14).expect("valid buckets")),
+        )
+        .expect("valid metric");
+        let errors = IntCounterVec::new(
+            Opts::new(
+                "spillway_redis_errors_total",
+                "Redis decisions that failed, by kind (timeout, connection, server).",
+            ),
+            &["kind"],
+        )
+        .expect("valid metric");
+        let breaker_state = IntGauge::new(
+            "spillway_redis_breaker_state",
+            "Redis circuit breaker: 0 closed, 1 open (Redis not asked), 2 half-open (probing).",
+        )
+        .expect("valid metric");
+        let breaker_opened = IntCounter::new(
+            "spillway_redis_breaker_opened_total",
+            "Times the Redis circuit breaker opened.",
+        )
+        .expect("valid metric");
+        let connected = IntGauge::new(
+            "spillway_redis_connected",
+            "1 while a connection to Redis is up.",
+        )
+        .expect("valid metric");
+        let on_error = IntCounterVec::new(
+            Opts::new(
+                "spillway_redis_on_error_total",
+                "Decisions made without Redis's answer (failure or open breaker), by the on_error action taken.",
+            ),
+            &["action"],
+        )
+        .expect("valid metric");
+        let cache_answers = IntCounterVec::new(
+            Opts::new(
+                "spillway_redis_cache_answers_total",
+                "Refusals answered locally because Redis had refused the key until a known time.",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(duration.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(errors.clone()),
+            Box::new(breaker_state.clone()),
+            Box::new(breaker_opened.clone()),
+            Box::new(connected.clone()),
+            Box::new(on_error.clone()),
+            Box::new(cache_answers.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
+        RedisMetrics {
+            duration,
+            errors: RedisError::ALL.map(|k| errors.with_label_values(&[k.label()])),
+            breaker_state,
+            breaker_opened,
+            connected,
+            on_error_allow: on_error.with_label_values(&["allow"]),
+            on_error_deny: on_error.with_label_values(&["deny"]),
+            on_error_fallback: on_error.with_label_values(&["fallback"]),
+            cache_answers,
+        }
+    }
+}
+
 /// How a request ended, for the duration histogram.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -71,6 +193,7 @@ pub struct Metrics {
     pub report_bytes: IntGauge,
     pub control_plane_age: prometheus::Gauge,
     pub control_plane_stale: IntGauge,
+    pub redis: RedisMetrics,
 }
 
 impl Metrics {
@@ -197,6 +320,7 @@ impl Metrics {
             duration.with_label_values(&["rejected"]),
             duration.with_label_values(&["error"]),
         ];
+        let redis = RedisMetrics::new(&registry);
         let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
         Self {
             registry,
@@ -217,6 +341,7 @@ impl Metrics {
             report_bytes,
             control_plane_age,
             control_plane_stale,
+            redis,
         }
     }
 

@@ -20,10 +20,12 @@ use http::HeaderValue;
 use prometheus::{IntCounter, IntGauge};
 use smallvec::SmallVec;
 
+use crate::config::OnError;
 use crate::config::{
     Config, Cost, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rule, Scope,
 };
 use crate::control::{DropRatios, Staleness};
+use crate::exact::{self, Exact};
 use crate::key::{extract, extract_text, KeyBuf, KeyPart, RequestView};
 use crate::limit::{
     ceil_secs, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, Nanos,
@@ -40,6 +42,8 @@ pub struct RuleSet {
     staleness: Staleness,
     /// How often ratios are refreshed, for the retry hint of a global drop.
     report_interval: Nanos,
+    /// Redis, for `scope: redis` rules; kept across reloads by whoever builds the set.
+    exact: Option<Arc<Exact>>,
 }
 
 struct CompiledRule {
@@ -66,6 +70,16 @@ enum Kind {
         max: u32,
         store: Store<Arc<Concurrency>>,
     },
+    /// Decided by a script in Redis, after the local rules; see [`RuleSet::resolve`].
+    Redis {
+        algorithm: Algorithm,
+        quota: Quota,
+        /// Keys Redis refused, until when: answered here without a round trip.
+        refused: Store<Refused>,
+        cache_answers: IntCounter,
+        /// The local limit of `on_error: fallback`.
+        fallback: Option<(Quota, Store<TokenBucket>)>,
+    },
     /// Enforced by the control plane's drop ratio; counted here for the reports.
     Global {
         limit: crate::control::Limit,
@@ -83,11 +97,50 @@ pub struct GlobalCounters {
     admitted: AtomicU64,
 }
 
+/// A key Redis refused: requests of at least `cost` are refused until `until` (local clock).
+#[derive(Debug, Default)]
+pub struct Refused {
+    // Relaxed: a hint; a torn pair at worst asks Redis once more.
+    until: AtomicU64,
+    cost: AtomicU32,
+}
+
+impl Refused {
+    fn remember(&self, until: Nanos, cost: u32) {
+        self.until.store(until, Ordering::Relaxed);
+        self.cost.store(cost, Ordering::Relaxed);
+    }
+
+    fn refused(&self, now: Nanos, cost: u32) -> Option<Nanos> {
+        let until = self.until.load(Ordering::Relaxed);
+        (until > now && cost >= self.cost.load(Ordering::Relaxed)).then(|| until - now)
+    }
+}
+
 /// What a granted rule needs at the end of the decision (count it) or on a refusal (refund).
-enum Taken {
+#[derive(Debug)]
+pub enum Taken {
     Rate(Slot, u32),
     Concurrency,
     Global(Arc<GlobalCounters>, Option<Slot>),
+    /// Admitted by Redis (nothing to give back there), or by the local fallback bucket.
+    Redis(Option<Slot>),
+}
+
+/// The local part of a decision that waits for Redis: what the local rules granted, and the
+/// questions for Redis. Owned, so no snapshot guard is held while Redis answers.
+#[derive(Debug)]
+pub struct Remote {
+    admit: Admit,
+    taken: SmallVec<[(usize, Taken); 4]>,
+    calls: SmallVec<[RedisCall; 1]>,
+}
+
+#[derive(Debug)]
+struct RedisCall {
+    rule: usize,
+    key: Vec<u8>,
+    cost: u32,
 }
 
 /// The counts of one global rule since the last report, heaviest keys first.
@@ -156,7 +209,7 @@ impl RateStore {
 
 /// Which state a decision used, so that a refund reaches the same one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Slot {
+pub enum Slot {
     Keyed,
     Overflow,
 }
@@ -305,6 +358,8 @@ pub enum Verdict {
     Deny(Denial),
     /// The request's cost header is not a number: answer 400.
     BadCost(http::HeaderName),
+    /// Local rules admit it; `scope: redis` rules still must: call [`RuleSet::resolve`].
+    Remote(Remote),
 }
 
 /// An admitted request.
@@ -385,7 +440,14 @@ impl RuleSet {
                 decay: 10 * NANOS_PER_SEC,
             },
             report_interval: NANOS_PER_SEC,
+            exact: None,
         }
+    }
+
+    /// Gives `scope: redis` rules their Redis.
+    pub fn with_exact(mut self, exact: Option<Arc<Exact>>) -> Self {
+        self.exact = exact;
+        self
     }
 
     /// Decides one request at `now`. Every matching rule applies; the request is refused if
@@ -395,14 +457,15 @@ impl RuleSet {
         let want_states = self.header_mode == HeaderMode::Always;
         let mut admit = Admit::default();
         // Rules that granted units, for the refund if a later one refuses.
-        let mut taken: SmallVec<[(&CompiledRule, Taken); 4]> = SmallVec::new();
+        let mut taken: SmallVec<[(usize, Taken); 4]> = SmallVec::new();
+        let mut calls: SmallVec<[RedisCall; 1]> = SmallVec::new();
         let mut key = KeyBuf::new();
         let mut ratios = None;
-        for rule in &self.rules {
+        for (i, rule) in self.rules.iter().enumerate() {
             if !rule.matcher.matches(req) {
                 continue;
             }
-            let found = if matches!(rule.kind, Kind::Global { .. }) {
+            let found = if matches!(rule.kind, Kind::Global { .. } | Kind::Redis { .. }) {
                 extract_text(&rule.key, req, &mut key)
             } else {
                 extract(&rule.key, req, &mut key)
@@ -421,17 +484,38 @@ impl RuleSet {
                 Kind::Rate { quota, store } => {
                     let (decision, slot) = store.check(&key, quota, now, cost);
                     if decision.is_allowed() {
-                        taken.push((rule, Taken::Rate(slot, cost)));
+                        taken.push((i, Taken::Rate(slot, cost)));
                     }
                     decision
                 }
+                Kind::Redis {
+                    refused,
+                    cache_answers,
+                    ..
+                } => match refused.map.get(&key[..]).and_then(|r| r.refused(now, cost)) {
+                    Some(retry) => {
+                        cache_answers.inc();
+                        Decision::Deny {
+                            retry_after: Some(retry),
+                        }
+                    }
+                    None => {
+                        // Decided by Redis once the local rules have all admitted.
+                        calls.push(RedisCall {
+                            rule: i,
+                            key: key.to_vec(),
+                            cost,
+                        });
+                        continue;
+                    }
+                },
                 Kind::Concurrency { max, store } => {
                     let (permit, _) = store.with(&key, |c| c.try_acquire(*max));
                     match permit {
                         Some(p) => {
                             let remaining = max.saturating_sub(p.in_flight());
                             admit.permits.push(p);
-                            taken.push((rule, Taken::Concurrency));
+                            taken.push((i, Taken::Concurrency));
                             Decision::Allow {
                                 remaining,
                                 reset_after: 0,
@@ -478,7 +562,7 @@ impl RuleSet {
                         }
                     };
                     if decision.is_allowed() {
-                        taken.push((rule, Taken::Global(counters, slot)));
+                        taken.push((i, Taken::Global(counters, slot)));
                     }
                     decision
                 }
@@ -512,20 +596,166 @@ impl RuleSet {
                 },
             }
         }
-        for (rule, t) in &taken {
-            rule.allowed.inc();
+        if !calls.is_empty() {
+            return Verdict::Remote(Remote {
+                admit,
+                taken,
+                calls,
+            });
+        }
+        self.commit(&taken);
+        Verdict::Allow(admit)
+    }
+
+    /// Counts an admitted request on every rule that granted it.
+    fn commit(&self, taken: &[(usize, Taken)]) {
+        for (i, t) in taken {
+            self.rules[*i].allowed.inc();
             if let Taken::Global(counters, _) = t {
                 counters.admitted.fetch_add(1, Ordering::Relaxed);
             }
         }
+    }
+
+    /// Finishes a decision that [`check`](Self::check) left to Redis: asks it for each
+    /// `scope: redis` rule in turn (at most `redis.timeout` each, or not at all while the
+    /// breaker is open, `on_error` deciding then). A refusal gives back what the local rules
+    /// granted, and is remembered until its retry time so that the key's next requests are
+    /// answered here. Units Redis granted to earlier rules of a refused request are not given
+    /// back (Redis has no refund; the scripts would need one per algorithm).
+    pub async fn resolve(&self, remote: Remote, req: &RequestView<'_>, now: Nanos) -> Verdict {
+        let Remote {
+            mut admit,
+            mut taken,
+            calls,
+        } = remote;
+        let want_states = self.header_mode == HeaderMode::Always;
+        for call in calls {
+            let rule = &self.rules[call.rule];
+            let Kind::Redis {
+                algorithm,
+                quota,
+                refused,
+                fallback,
+                ..
+            } = &rule.kind
+            else {
+                continue;
+            };
+            let answer = match &self.exact {
+                Some(exact) => {
+                    exact
+                        .decide(&rule.name, &call.key, *algorithm, quota, call.cost)
+                        .await
+                }
+                None => Err(exact::Failure::NotConnected),
+            };
+            let (decision, slot) = match answer {
+                Ok(a) if a.admitted => (
+                    Decision::Allow {
+                        remaining: a.remaining,
+                        reset_after: a.reset_after,
+                        wait: 0,
+                    },
+                    None,
+                ),
+                Ok(a) => {
+                    if let Some(retry) = a.retry_after {
+                        refused.with(&call.key, |r| {
+                            r.remember(now.saturating_add(retry), call.cost)
+                        });
+                    }
+                    (
+                        Decision::Deny {
+                            retry_after: a.retry_after,
+                        },
+                        None,
+                    )
+                }
+                Err(_) => self.on_redis_error(fallback, &call, now),
+            };
+            match decision {
+                Decision::Allow {
+                    remaining,
+                    reset_after,
+                    ..
+                } => {
+                    taken.push((call.rule, Taken::Redis(slot)));
+                    if want_states {
+                        admit
+                            .states
+                            .push(rule.state(remaining, ceil_secs(reset_after)));
+                    }
+                }
+                Decision::Deny { retry_after } => match rule.mode {
+                    Mode::Shadow => {
+                        rule.shadow_rejected.inc();
+                        taken.push((call.rule, Taken::Redis(slot)));
+                    }
+                    Mode::Enforce => {
+                        self.refund(req, &taken, now);
+                        rule.rejected.inc();
+                        let reset = retry_after.map_or(0, |n| ceil_secs(n).max(1));
+                        return Verdict::Deny(Denial {
+                            state: rule.state(0, reset),
+                            retry_after,
+                            header_mode: self.header_mode,
+                            delay: None,
+                        });
+                    }
+                },
+            }
+        }
+        self.commit(&taken);
         Verdict::Allow(admit)
+    }
+
+    /// The decision `on_error` makes when Redis gave no answer.
+    fn on_redis_error(
+        &self,
+        fallback: &Option<(Quota, Store<TokenBucket>)>,
+        call: &RedisCall,
+        now: Nanos,
+    ) -> (Decision, Option<Slot>) {
+        let Some(exact) = &self.exact else {
+            return (Decision::Deny { retry_after: None }, None);
+        };
+        let metrics = exact.metrics();
+        match (exact.on_error(), fallback) {
+            (OnError::Fallback, Some((quota, bucket))) => {
+                metrics.on_error_fallback.inc();
+                let (d, slot) = bucket.with(&call.key, |b| b.check(quota, now, call.cost));
+                (d, Some(slot))
+            }
+            (OnError::Deny, _) => {
+                metrics.on_error_deny.inc();
+                (
+                    Decision::Deny {
+                        retry_after: Some(exact.retry_hint()),
+                    },
+                    None,
+                )
+            }
+            _ => {
+                metrics.on_error_allow.inc();
+                (
+                    Decision::Allow {
+                        remaining: 0,
+                        reset_after: 0,
+                        wait: 0,
+                    },
+                    None,
+                )
+            }
+        }
     }
 
     /// Gives back what `taken` granted. The keys are extracted again from the request rather
     /// than copied on every decision: refunds are the rare path.
-    fn refund(&self, req: &RequestView<'_>, taken: &[(&CompiledRule, Taken)], now: Nanos) {
+    fn refund(&self, req: &RequestView<'_>, taken: &[(usize, Taken)], now: Nanos) {
         let mut key = KeyBuf::new();
-        for (rule, t) in taken {
+        for (i, t) in taken {
+            let rule = &self.rules[*i];
             match (&rule.kind, t) {
                 (Kind::Rate { quota, store }, Taken::Rate(slot, cost))
                     if extract(&rule.key, req, &mut key) =>
@@ -538,6 +768,15 @@ impl RuleSet {
                         ..
                     },
                     Taken::Global(_, Some(slot)),
+                ) if extract_text(&rule.key, req, &mut key) => {
+                    bucket.with_slot(&key, *slot, |b| b.refund(quota, now, 1));
+                }
+                (
+                    Kind::Redis {
+                        fallback: Some((quota, bucket)),
+                        ..
+                    },
+                    Taken::Redis(Some(slot)),
                 ) if extract_text(&rule.key, req, &mut key) => {
                     bucket.with_slot(&key, *slot, |b| b.refund(quota, now, 1));
                 }
@@ -593,6 +832,14 @@ impl RuleSet {
                 Kind::Concurrency { store, .. } => {
                     store.sweep(|c| c.in_flight() == 0 && Arc::strong_count(c) == 1)
                 }
+                Kind::Redis {
+                    refused, fallback, ..
+                } => {
+                    refused.sweep(|r| r.until.load(Ordering::Relaxed) <= now)
+                        + fallback
+                            .as_ref()
+                            .map_or(0, |(q, b)| b.sweep(|st| st.is_idle(q, now)))
+                }
                 Kind::Global {
                     store, fallback, ..
                 } => {
@@ -617,39 +864,53 @@ impl RuleSet {
                 Kind::Rate { store, .. } => store.len(),
                 Kind::Concurrency { store, .. } => store.len.load(Ordering::Relaxed),
                 Kind::Global { store, .. } => store.len.load(Ordering::Relaxed),
+                Kind::Redis { refused, .. } => refused.len.load(Ordering::Relaxed),
             })
     }
+}
+
+/// A store's bound and metric handles, labelled `label` (the rule, or a part of it).
+fn store_parts(r: &Rule, metrics: &Metrics, label: &str) -> StoreParts {
+    StoreParts {
+        max_keys: r.max_keys.get() as usize,
+        keys: metrics.keys.with_label_values(&[label]),
+        evicted_idle: metrics.evicted.with_label_values(&[label, "idle"]),
+        overflowed: metrics.overflow.with_label_values(&[label]),
+    }
+}
+
+/// The local bucket of a rule's `fallback:` limit, if it has one.
+fn fallback_store(r: &Rule, metrics: &Metrics, label: &str) -> Option<(Quota, Store<TokenBucket>)> {
+    match &r.fallback {
+        Some(Limit::Rate { quota, .. }) => Some((
+            *quota,
+            Store::new(store_parts(r, metrics, &format!("{label}.fallback"))),
+        )),
+        _ => None,
+    }
+}
+
+/// `"name";q=<burst>;w=<seconds>` for a rate limit: the window of the window algorithms, the
+/// refill time of the buckets.
+fn rate_policy(name: &str, algorithm: Algorithm, quota: &Quota) -> String {
+    let window = match algorithm {
+        Algorithm::TokenBucket | Algorithm::Gcra | Algorithm::LeakyBucket => quota.refill_time(),
+        _ => quota.window(),
+    };
+    format!(
+        "\"{name}\";q={};w={}",
+        quota.burst(),
+        ceil_secs(window).max(1)
+    )
 }
 
 fn compile(r: &Rule, metrics: &Metrics) -> CompiledRule {
     let name: Arc<str> = Arc::from(r.name.0.as_str());
     let label = &*name;
-    let parts = StoreParts {
-        max_keys: r.max_keys.get() as usize,
-        keys: metrics.keys.with_label_values(&[label]),
-        evicted_idle: metrics.evicted.with_label_values(&[label, "idle"]),
-        overflowed: metrics.overflow.with_label_values(&[label]),
-    };
+    let parts = store_parts(r, metrics, label);
     let (kind, policy) = match &r.limit {
         Limit::Rate { rate, quota, .. } if r.scope == Scope::Global => {
-            let fallback = match &r.fallback {
-                Some(Limit::Rate { quota, .. }) => {
-                    let parts = StoreParts {
-                        max_keys: r.max_keys.get() as usize,
-                        keys: metrics
-                            .keys
-                            .with_label_values(&[&format!("{label}.fallback")]),
-                        evicted_idle: metrics
-                            .evicted
-                            .with_label_values(&[&format!("{label}.fallback"), "idle"]),
-                        overflowed: metrics
-                            .overflow
-                            .with_label_values(&[&format!("{label}.fallback")]),
-                    };
-                    Some((*quota, Store::new(parts)))
-                }
-                _ => None,
-            };
+            let fallback = fallback_store(r, metrics, label);
             let policy = format!(
                 "\"{name}\";q={};w={}",
                 rate.count,
@@ -669,18 +930,20 @@ fn compile(r: &Rule, metrics: &Metrics) -> CompiledRule {
         }
         Limit::Rate {
             algorithm, quota, ..
+        } if r.scope == Scope::Redis => (
+            Kind::Redis {
+                algorithm: *algorithm,
+                quota: *quota,
+                refused: Store::new(store_parts(r, metrics, &format!("{label}.refused"))),
+                cache_answers: metrics.redis.cache_answers.with_label_values(&[label]),
+                fallback: fallback_store(r, metrics, label),
+            },
+            rate_policy(&name, *algorithm, quota),
+        ),
+        Limit::Rate {
+            algorithm, quota, ..
         } => {
-            let window = match algorithm {
-                Algorithm::TokenBucket | Algorithm::Gcra | Algorithm::LeakyBucket => {
-                    quota.refill_time()
-                }
-                _ => quota.window(),
-            };
-            let policy = format!(
-                "\"{name}\";q={};w={}",
-                quota.burst(),
-                ceil_secs(window).max(1)
-            );
+            let policy = rate_policy(&name, *algorithm, quota);
             let store = RateStore::new(*algorithm, parts);
             (
                 Kind::Rate {

@@ -107,14 +107,7 @@ fn unknown_fields_are_errors_with_their_place() {
 }
 
 #[test]
-fn scopes_not_built_yet_are_refused_clearly() {
-    let e = err(&with_rule(
-        "  - name: a\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: redis\n",
-    ));
-    assert!(
-        e.contains("rules[0].scope: scope `redis` is not available"),
-        "{e}"
-    );
+fn unknown_scopes_are_refused_clearly() {
     let e = err(&with_rule(
         "  - name: a\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: galactic\n",
     ));
@@ -426,7 +419,7 @@ fn a_global_rule_needs_a_control_plane_and_a_plain_rate() {
         "  - name: a\n    key: path\n    limit: { rate: 10/s }\n    fallback: { rate: 1/s }\n",
     ));
     assert!(
-        e.contains("fallback: applies to scope: global rules only"),
+        e.contains("fallback: applies to scope: global and scope: redis rules only"),
         "{e}"
     );
     let c = Config::from_yaml(
@@ -464,4 +457,82 @@ fn an_h2c_upstream_is_http2_and_prints_back() {
     );
     let e = err("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'h2c://127.0.0.1:7001' }\n");
     assert!(e.contains("control plane speaks http://"), "{e}");
+}
+
+const BASE: &str = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n";
+
+const REDIS_RULE: &str =
+    "  - name: login\n    key: client_ip\n    limit: { rate: 5/m, algorithm: sliding_window_log }\n    scope: redis\n";
+
+#[test]
+fn a_redis_section_and_redis_rules_parse_with_defaults() {
+    let c = Config::from_yaml(
+        &format!("{BASE}redis:\n  url: redis://127.0.0.1:6379\nrules:\n{REDIS_RULE}"),
+        "t.yaml",
+    )
+    .unwrap();
+    let r = c.redis.as_ref().unwrap();
+    assert_eq!(r.url.0, ["redis://127.0.0.1:6379"]);
+    assert!(!r.url.is_cluster());
+    assert_eq!(r.timeout.0, Duration::from_millis(5));
+    assert_eq!(r.on_error, OnError::Allow);
+    assert_eq!(r.breaker.failures.get(), 5);
+    assert_eq!(c.rules[0].scope, Scope::Redis);
+    let cluster = Config::from_yaml(
+        &format!("{BASE}redis:\n  url: [redis://10.0.0.1:7000, redis://10.0.0.2:7000]\n  on_error: deny\nrules:\n{REDIS_RULE}"),
+        "t.yaml",
+    )
+    .unwrap();
+    assert!(cluster.redis.unwrap().url.is_cluster());
+}
+
+#[test]
+fn redis_mistakes_are_named_with_their_line() {
+    let e = |yaml: String| Config::from_yaml(&yaml, "t.yaml").unwrap_err().to_string();
+    assert_eq!(
+        e(format!("{BASE}rules:\n{REDIS_RULE}")),
+        "t.yaml:5: rule login: scope: redis needs a redis section with the server's url"
+    );
+    assert!(
+        e(format!("{BASE}redis:\n  url: http://x:6379\n")).starts_with(
+            "t.yaml:5:8: redis.url: \"http://x:6379\": expected a redis:// or rediss:// URL"
+        )
+    );
+    assert!(e(format!(
+        "{BASE}redis:\n  url: redis://x:6379\n  on_error: fallback\nrules:\n{REDIS_RULE}"
+    ))
+    .ends_with("rule login: redis.on_error is fallback, so this rule needs a fallback: limit"));
+    assert!(e(format!(
+        "{BASE}redis:\n  url: redis://x:6379\n  on_error: maybe\n"
+    ))
+    .contains("redis.on_error: unknown variant `maybe`"));
+    let leaky = "  - name: l\n    key: client_ip\n    limit: { rate: 5/m, algorithm: leaky_bucket }\n    scope: redis\n";
+    assert!(e(format!(
+        "{BASE}redis:\n  url: redis://x:6379\nrules:\n{leaky}"
+    ))
+    .contains("rule l: limit.algorithm: leaky_bucket shapes by waiting in one proxy"));
+    let conc = "  - name: c\n    key: client_ip\n    limit: { concurrency: 5 }\n    scope: redis\n";
+    assert!(e(format!(
+        "{BASE}redis:\n  url: redis://x:6379\nrules:\n{conc}"
+    ))
+    .contains("rule c: scope: redis takes a rate limit, not concurrency"));
+}
+
+#[test]
+fn redis_passwords_never_show_in_config_dumps_or_errors() {
+    let c = Config::from_yaml(
+        &format!("{BASE}redis:\n  url: redis://app:s3cret@10.0.0.1:6379/2\nrules:\n{REDIS_RULE}"),
+        "t.yaml",
+    )
+    .unwrap();
+    let json = serde_json::to_string(&c).unwrap();
+    assert!(!json.contains("s3cret"), "{json}");
+    assert!(json.contains("redis://app:***@10.0.0.1:6379/2"), "{json}");
+    let e = Config::from_yaml(
+        &format!("{BASE}redis:\n  url: http://app:s3cret@10.0.0.1:6379\n"),
+        "t.yaml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(!e.contains("s3cret"), "{e}");
 }

@@ -102,7 +102,21 @@ impl Sidecar {
         // Ratios count as fresh from start-up, so a control plane that never answers makes
         // the proxy stale (fail open, or the fallback limits) after `stale_after`.
         let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(clock.now())));
-        let rules = RuleSet::build_with_ratios(&config, &metrics, ratios.clone());
+        let exact = match &config.redis {
+            Some(redis) => {
+                let exact = crate::exact::Exact::new(
+                    redis,
+                    &config.service.0,
+                    metrics.redis.clone(),
+                    clock.clone(),
+                )
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+                exact.start().await;
+                Some(exact)
+            }
+            None => None,
+        };
+        let rules = RuleSet::build_with_ratios(&config, &metrics, ratios.clone()).with_exact(exact);
         let reporter = match &config.control_plane {
             Some(cp) => Some(reporter(&config, cp, &ratios, &clock, &metrics)?),
             None => None,

@@ -321,3 +321,113 @@ impl Drop for Proc {
         self.kill();
     }
 }
+
+/// A real `redis-server` of this test's own on a free loopback port, killed (by its PID) when
+/// dropped. `scripts/test` installs redis-server when it is missing.
+pub struct RedisServer {
+    child: Option<std::process::Child>,
+    pub port: u16,
+    dir: std::path::PathBuf,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir =
+            std::env::temp_dir().join(format!("spillway-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut server = RedisServer {
+            child: None,
+            port,
+            dir,
+        };
+        server.restart();
+        server
+    }
+
+    /// Starts (again) on the same port, empty: no keys, no scripts. Waits for its readiness line.
+    pub fn restart(&mut self) {
+        self.stop();
+        let mut child = std::process::Command::new("redis-server")
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                self.dir.to_str().unwrap(),
+            ])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| {
+                panic!("cannot start redis-server ({e}); scripts/test installs it (apt-get install redis-server)")
+            });
+        let out = std::io::BufReader::new(child.stdout.take().unwrap());
+        for line in std::io::BufRead::lines(out) {
+            let line = line.unwrap();
+            if line.contains("Ready to accept connections") {
+                self.child = Some(child);
+                return;
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!(
+            "redis-server on port {} exited before it was ready",
+            self.port
+        );
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id())
+    }
+
+    /// Freezes (SIGSTOP) or thaws (SIGCONT) the server: connections stay open, nothing answers.
+    pub fn signal(&self, sig: &str) {
+        if let Some(pid) = self.pid() {
+            let ok = std::process::Command::new("kill")
+                .args([sig, &pid.to_string()])
+                .status()
+                .unwrap()
+                .success();
+            assert!(ok, "kill {sig} {pid}");
+        }
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// A plain connection for the test's own look at the keys.
+    pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(self.url())
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.signal("-CONT");
+        self.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

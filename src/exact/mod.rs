@@ -1,0 +1,488 @@
+//! Exact fleet-wide limits through Redis (`scope: redis`): one atomic Lua script per decision.
+//!
+//! Owns the connection to Redis (one multiplexed connection, or a cluster connection that keeps
+//! one per node), the scripts, the per-decision timeout and the circuit breaker. The rule
+//! set decides what to ask and what to do with a failure (`on_error`); this module only asks.
+//!
+//! What the scripts guarantee (see `lua/`): time comes from Redis (`TIME`), never from a proxy,
+//! so proxies with skewed clocks agree; the read, the increment and the expiry happen in one
+//! script, so there is no read-then-increment race and no counter without a TTL; the members of
+//! a sliding log are unique per unit; every key of a decision shares one hash tag
+//! (`{service:rule:key}`), so Redis Cluster routes the script to one node.
+//!
+//! Cost per decision: the key written into a fresh buffer, an `ArcSwap` load of the connection,
+//! one `EVALSHA` round trip (the script is loaded once per connection; a `NOSCRIPT` after a
+//! Redis restart loads it again and retries), bounded by `timeout`. While the breaker is open
+//! nothing is sent and the caller applies `on_error` at once.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use arc_swap::ArcSwapOption;
+use redis::aio::MultiplexedConnection;
+use redis::cluster_async::ClusterConnection;
+use redis::Script;
+
+use crate::config::{OnError, RedisConfig};
+use crate::limit::{Algorithm, AnyClock, Clock, Nanos, Quota};
+use crate::metrics::{RedisError, RedisMetrics};
+
+#[cfg(test)]
+mod tests;
+
+/// How long one connection attempt may take before the connector backs off and tries again.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Back-off between connection attempts, doubling up to the second value.
+const RECONNECT_BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(1));
+
+/// The answer of a script.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Answer {
+    pub admitted: bool,
+    pub remaining: u32,
+    /// Nanoseconds until a retry can be admitted; `None`: never (the cost exceeds the limit).
+    pub retry_after: Option<Nanos>,
+    /// Nanoseconds until the quota is whole again (window end, or the bucket full).
+    pub reset_after: Nanos,
+}
+
+/// Why Redis gave no answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Failure {
+    /// The breaker is open: Redis was not asked.
+    BreakerOpen,
+    /// No connection (never made, or lost and not yet made again).
+    NotConnected,
+    /// The decision's budget ran out.
+    Timeout,
+    /// The connection broke during the call.
+    Connection,
+    /// Redis answered with an error (out of memory, a wrong type, a script error...).
+    Server,
+}
+
+#[derive(Clone)]
+enum Conn {
+    Single(MultiplexedConnection),
+    Cluster(ClusterConnection),
+}
+
+// One per proxy: the size difference costs nothing.
+#[allow(clippy::large_enum_variant)]
+enum Client {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
+/// The scripts, one per algorithm family (token bucket and GCRA share one).
+struct Scripts {
+    fixed_window: Script,
+    sliding_window_log: Script,
+    sliding_window_counter: Script,
+    gcra: Script,
+}
+
+fn script(body: &str) -> Script {
+    Script::new(&format!("{}\n{body}", include_str!("lua/prelude.lua")))
+}
+
+impl Scripts {
+    fn new() -> Self {
+        Scripts {
+            fixed_window: script(include_str!("lua/fixed_window.lua")),
+            sliding_window_log: script(include_str!("lua/sliding_window_log.lua")),
+            sliding_window_counter: script(include_str!("lua/sliding_window_counter.lua")),
+            gcra: script(include_str!("lua/gcra.lua")),
+        }
+    }
+
+    fn all(&self) -> [&Script; 4] {
+        [
+            &self.fixed_window,
+            &self.sliding_window_log,
+            &self.sliding_window_counter,
+            &self.gcra,
+        ]
+    }
+}
+
+/// The Redis side of a proxy: shared by every worker and kept across reloads.
+pub struct Exact {
+    service: String,
+    client: Client,
+    conn: ArcSwapOption<Conn>,
+    /// True while a connector task runs, so that failures start at most one.
+    connecting: AtomicBool,
+    scripts: Scripts,
+    timeout: Duration,
+    on_error: OnError,
+    breaker: Breaker,
+    metrics: RedisMetrics,
+    clock: AnyClock,
+}
+
+impl Exact {
+    /// Checks `config` and prepares the client; nothing is connected until [`start`](Self::start).
+    pub fn new(
+        config: &RedisConfig,
+        service: &str,
+        metrics: RedisMetrics,
+        clock: AnyClock,
+    ) -> Result<Arc<Exact>, String> {
+        let client = if config.url.is_cluster() {
+            redis::cluster::ClusterClient::builder(config.url.0.clone())
+                .connection_timeout(CONNECT_TIMEOUT)
+                .response_timeout(config.timeout.0.max(Duration::from_millis(1)) * 4)
+                .build()
+                .map(Client::Cluster)
+        } else {
+            redis::Client::open(config.url.0[0].as_str()).map(Client::Single)
+        }
+        .map_err(|e| format!("redis.url: {e}"))?;
+        metrics.breaker_state.set(0);
+        Ok(Arc::new(Exact {
+            service: service.to_string(),
+            client,
+            conn: ArcSwapOption::empty(),
+            connecting: AtomicBool::new(false),
+            scripts: Scripts::new(),
+            timeout: config.timeout.0,
+            on_error: config.on_error,
+            breaker: Breaker {
+                failures: AtomicU32::new(0),
+                open_until: AtomicU64::new(0),
+                probing: AtomicBool::new(false),
+                threshold: config.breaker.failures.get(),
+                cooldown: config.breaker.cooldown.0.as_nanos() as Nanos,
+            },
+            metrics,
+            clock,
+        }))
+    }
+
+    /// Connects (waiting at most a second, so the first requests find Redis ready); if that
+    /// fails, keeps trying in the background on the current runtime, and decisions meanwhile
+    /// are failures answered by `on_error`.
+    pub async fn start(self: &Arc<Self>) {
+        match tokio::time::timeout(CONNECT_TIMEOUT, self.connect()).await {
+            Ok(Ok(conn)) => self.connected(conn),
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "cannot connect to redis; on_error applies until it answers");
+                self.reconnect();
+            }
+            Err(_) => {
+                tracing::warn!("redis did not answer within 1s; on_error applies until it does");
+                self.reconnect();
+            }
+        }
+    }
+
+    fn connected(&self, conn: Conn) {
+        self.conn.store(Some(Arc::new(conn)));
+        self.metrics.connected.set(1);
+        tracing::info!("connected to redis; scripts loaded");
+    }
+
+    pub fn metrics(&self) -> &RedisMetrics {
+        &self.metrics
+    }
+
+    pub fn on_error(&self) -> OnError {
+        self.on_error
+    }
+
+    /// The retry hint of a refusal made without Redis (`on_error: deny`): the breaker's
+    /// cool-down, the soonest Redis will be asked again.
+    pub fn retry_hint(&self) -> Nanos {
+        self.breaker.cooldown.max(1)
+    }
+
+    /// True once a connection is up (for tests and readiness).
+    pub fn is_connected(&self) -> bool {
+        self.conn.load().is_some()
+    }
+
+    /// Asks Redis to decide `cost` units for `key` of `rule` under `algorithm` and `quota`.
+    pub async fn decide(
+        self: &Arc<Self>,
+        rule: &str,
+        key: &[u8],
+        algorithm: Algorithm,
+        quota: &Quota,
+        cost: u32,
+    ) -> Result<Answer, Failure> {
+        let now = self.clock.now();
+        let probe = match self.breaker.admit(now) {
+            Admit::Call => false,
+            Admit::Probe => {
+                self.metrics.breaker_state.set(2);
+                true
+            }
+            Admit::Skip => return Err(Failure::BreakerOpen),
+        };
+        let Some(conn) = self.conn.load_full() else {
+            self.reconnect();
+            self.failed(Failure::NotConnected, probe);
+            return Err(Failure::NotConnected);
+        };
+        let redis_key = redis_key(&self.service, rule, key);
+        let (script, args) = self.invocation(algorithm, quota, cost);
+        let mut call = script.key(redis_key);
+        for a in &args {
+            call.arg(a.as_str());
+        }
+        let start = tokio::time::Instant::now();
+        let mut conn_now = (*conn).clone();
+        let result = tokio::time::timeout(self.timeout, async {
+            match &mut conn_now {
+                Conn::Single(c) => call.invoke_async::<Vec<i64>>(c).await,
+                Conn::Cluster(c) => call.invoke_async::<Vec<i64>>(c).await,
+            }
+        })
+        .await;
+        self.metrics.duration.observe(start.elapsed().as_secs_f64());
+        match result {
+            Ok(Ok(v)) => match parse_answer(&v) {
+                Some(answer) => {
+                    self.succeeded();
+                    Ok(answer)
+                }
+                None => {
+                    self.failed(Failure::Server, probe);
+                    Err(Failure::Server)
+                }
+            },
+            Ok(Err(e)) => {
+                let kind = if e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                    || e.is_unrecoverable_error()
+                {
+                    // The connection is gone: forget it and make another in the background.
+                    let current = self.conn.load();
+                    if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn)) {
+                        self.conn.store(None);
+                        self.metrics.connected.set(0);
+                    }
+                    self.reconnect();
+                    Failure::Connection
+                } else if e.is_timeout() {
+                    Failure::Timeout
+                } else {
+                    tracing::debug!(error = %e, "redis answered with an error");
+                    Failure::Server
+                };
+                self.failed(kind, probe);
+                Err(kind)
+            }
+            Err(_) => {
+                self.failed(Failure::Timeout, probe);
+                Err(Failure::Timeout)
+            }
+        }
+    }
+
+    /// The script and its arguments (after the cost) for `algorithm`.
+    fn invocation(&self, algorithm: Algorithm, quota: &Quota, cost: u32) -> (&Script, Vec<String>) {
+        let window_us = quota.window().div_ceil(1000).max(1);
+        let limit = quota.burst();
+        match algorithm {
+            Algorithm::FixedWindow => (
+                &self.scripts.fixed_window,
+                vec![cost.to_string(), limit.to_string(), window_us.to_string()],
+            ),
+            Algorithm::SlidingWindowLog => (
+                &self.scripts.sliding_window_log,
+                vec![cost.to_string(), limit.to_string(), window_us.to_string()],
+            ),
+            Algorithm::SlidingWindowCounter => (
+                &self.scripts.sliding_window_counter,
+                vec![cost.to_string(), limit.to_string(), window_us.to_string()],
+            ),
+            // Refused by the config for redis rules; the same bucket without the shaping wait.
+            Algorithm::TokenBucket | Algorithm::Gcra | Algorithm::LeakyBucket => (
+                &self.scripts.gcra,
+                vec![
+                    cost.to_string(),
+                    format!("{:.3}", quota.emission() as f64 / 1000.0),
+                    format!("{:.3}", quota.refill_time() as f64 / 1000.0),
+                    limit.to_string(),
+                ],
+            ),
+        }
+    }
+
+    fn succeeded(&self) {
+        if self.breaker.success() {
+            tracing::info!("redis answers again; circuit breaker closed");
+        }
+        self.metrics.breaker_state.set(0);
+    }
+
+    fn failed(&self, kind: Failure, probe: bool) {
+        let label = match kind {
+            Failure::BreakerOpen => return,
+            Failure::NotConnected | Failure::Connection => RedisError::Connection,
+            Failure::Timeout => RedisError::Timeout,
+            Failure::Server => RedisError::Server,
+        };
+        self.metrics.error(label).inc();
+        if self.breaker.failure(self.clock.now(), probe) {
+            self.metrics.breaker_opened.inc();
+            self.metrics.breaker_state.set(1);
+            tracing::warn!(
+                failures = self.breaker.threshold,
+                cooldown_ms = self.breaker.cooldown / 1_000_000,
+                "redis keeps failing; circuit breaker open, on_error applies without asking it"
+            );
+        } else if probe {
+            self.metrics.breaker_state.set(1);
+        }
+    }
+
+    /// Starts the connector unless one runs. It tries until a connection is up, backing off,
+    /// and stops by itself when the proxy has dropped this `Exact`.
+    fn reconnect(self: &Arc<Self>) {
+        if self.connecting.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            self.connecting.store(false, Ordering::Release);
+            return;
+        };
+        rt.spawn(connector(Arc::downgrade(self)));
+    }
+
+    async fn connect(&self) -> redis::RedisResult<Conn> {
+        let mut conn = match &self.client {
+            Client::Single(c) => Conn::Single(
+                c.get_multiplexed_async_connection_with_config(
+                    &redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(Some(CONNECT_TIMEOUT)),
+                )
+                .await?,
+            ),
+            Client::Cluster(c) => Conn::Cluster(c.get_async_connection().await?),
+        };
+        // Load every script now, so the first decisions are one EVALSHA each.
+        for s in self.scripts.all() {
+            let load = s.prepare_invoke();
+            let _: String = match &mut conn {
+                Conn::Single(c) => load.load_async(c).await?,
+                Conn::Cluster(c) => load.load_async(c).await?,
+            };
+        }
+        Ok(conn)
+    }
+}
+
+async fn connector(exact: Weak<Exact>) {
+    let mut backoff = RECONNECT_BACKOFF.0;
+    loop {
+        let Some(e) = exact.upgrade() else { return };
+        match tokio::time::timeout(CONNECT_TIMEOUT, e.connect()).await {
+            Ok(Ok(conn)) => {
+                e.connected(conn);
+                e.connecting.store(false, Ordering::Release);
+                return;
+            }
+            Ok(Err(err)) => tracing::debug!(error = %err, "cannot connect to redis yet"),
+            Err(_) => tracing::debug!("connecting to redis timed out"),
+        }
+        drop(e);
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(RECONNECT_BACKOFF.1);
+    }
+}
+
+/// `{service:rule:key}`: the braces make the whole name the hash tag, so every key a script
+/// derives from it (`:log`, `:fw:<window>`...) lives on the same cluster node.
+pub fn redis_key(service: &str, rule: &str, key: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(service.len() + rule.len() + key.len() + 4);
+    out.push(b'{');
+    out.extend_from_slice(service.as_bytes());
+    out.push(b':');
+    out.extend_from_slice(rule.as_bytes());
+    out.push(b':');
+    out.extend_from_slice(key);
+    out.push(b'}');
+    out
+}
+
+fn parse_answer(v: &[i64]) -> Option<Answer> {
+    let [admitted, remaining, retry_us, reset_us] = *v else {
+        return None;
+    };
+    let ns = |us: i64| (us.max(0) as u64).saturating_mul(1000);
+    Some(Answer {
+        admitted: admitted == 1,
+        remaining: remaining.clamp(0, i64::from(u32::MAX)) as u32,
+        retry_after: (retry_us >= 0).then(|| ns(retry_us)),
+        reset_after: ns(reset_us),
+    })
+}
+
+/// What the breaker lets a decision do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Admit {
+    Call,
+    /// The cool-down is over and this decision is the one probe.
+    Probe,
+    Skip,
+}
+
+/// Closed → (threshold consecutive failures) → open for `cooldown` → one probe: success closes,
+/// failure opens again. Lock-free: three atomics, read on every decision.
+struct Breaker {
+    // Relaxed throughout: the breaker is advisory, a race costs one extra call or skip.
+    failures: AtomicU32,
+    /// 0 while closed; else the clock time the cool-down ends.
+    open_until: AtomicU64,
+    probing: AtomicBool,
+    threshold: u32,
+    cooldown: Nanos,
+}
+
+impl Breaker {
+    fn admit(&self, now: Nanos) -> Admit {
+        let until = self.open_until.load(Ordering::Relaxed);
+        if until == 0 {
+            Admit::Call
+        } else if now < until {
+            Admit::Skip
+        } else if self
+            .probing
+            .compare_exchange(false, true, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            Admit::Probe
+        } else {
+            Admit::Skip
+        }
+    }
+
+    /// Returns true when this success closed an open breaker.
+    fn success(&self) -> bool {
+        self.failures.store(0, Ordering::Relaxed);
+        self.probing.store(false, Ordering::Relaxed);
+        self.open_until.swap(0, Ordering::Relaxed) != 0
+    }
+
+    /// Returns true when this failure opened the breaker.
+    fn failure(&self, now: Nanos, probe: bool) -> bool {
+        if probe {
+            self.open_until
+                .store((now + self.cooldown).max(1), Ordering::Relaxed);
+            self.probing.store(false, Ordering::Relaxed);
+            return false;
+        }
+        let n = self.failures.fetch_add(1, Ordering::Relaxed) + 1;
+        if n >= self.threshold && self.open_until.load(Ordering::Relaxed) == 0 {
+            self.open_until
+                .store((now + self.cooldown).max(1), Ordering::Relaxed);
+            return true;
+        }
+        false
+    }
+}

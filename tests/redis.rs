@@ -1,0 +1,607 @@
+//! `scope: redis` against a real redis-server on loopback: exactness across proxies, every
+//! algorithm's edges, expiry, failures (killed, frozen, restarted, scripts flushed), the
+//! breaker, the refused-key cache, and proxies whose clocks disagree.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use common::*;
+use http::StatusCode;
+use spillway::limit::{AnyClock, ManualClock};
+use spillway::Sidecar;
+
+const ALGORITHMS: [&str; 5] = [
+    "fixed_window",
+    "sliding_window_log",
+    "sliding_window_counter",
+    "token_bucket",
+    "gcra",
+];
+
+/// The `redis:` section and one rule `r` keyed by `x-client`, with `extra` rule lines.
+fn yaml(redis: &RedisServer, section: &str, limit: &str, extra: &str) -> String {
+    format!(
+        "headers: always\nredis:\n  url: {}\n  timeout: 250ms\n{section}rules:\n  - name: r\n    key: [header:x-client]\n    limit: {limit}\n    scope: redis\n{extra}",
+        redis.url()
+    )
+}
+
+async fn start(up: SocketAddr, yaml: &str) -> Sidecar {
+    Sidecar::start(config(up, yaml)).await.unwrap()
+}
+
+async fn metrics(sc: &Sidecar) -> String {
+    admin(sc, "/metrics").await.1
+}
+
+fn count(text: &str, sample: &str) -> f64 {
+    metric(text, sample).unwrap_or(0.0)
+}
+
+/// Waits, if needed, until Redis's clock is at least `margin` away from the end of the
+/// current `window`, so that a burst of requests stays in one window of the window algorithms.
+async fn clear_of_window_edge(redis: &RedisServer, window: Duration, margin: Duration) {
+    let mut conn = redis.conn().await;
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+    let now = Duration::from_secs(secs) + Duration::from_micros(micros);
+    let into = Duration::from_nanos((now.as_nanos() % window.as_nanos()) as u64);
+    if window - into < margin {
+        tokio::time::sleep(window - into + Duration::from_millis(10)).await;
+    }
+}
+
+/// Sends `n` requests for key `key` at once, spread over `proxies`; returns the statuses.
+async fn burst(proxies: &[SocketAddr], n: usize, key: &str) -> Vec<u16> {
+    let client = client();
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (client, addr, key) = (client.clone(), proxies[i % proxies.len()], key.to_string());
+        tasks.push(tokio::spawn(async move {
+            send(&client, addr, "GET", "/", &[("x-client", &key)])
+                .await
+                .0
+                .as_u16()
+        }));
+    }
+    let mut out = Vec::new();
+    for t in tasks {
+        out.push(t.await.unwrap());
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_proxies_sharing_one_limit_admit_exactly_the_limit_with_every_algorithm() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    for algorithm in ALGORITHMS {
+        // An hour's window: no refill and (checked) no window edge during the burst.
+        let y = yaml(
+            &redis,
+            "",
+            &format!("{{ rate: 25/h, algorithm: {algorithm} }}"),
+            "",
+        );
+        let (a, b) = (start(up.addr, &y).await, start(up.addr, &y).await);
+        clear_of_window_edge(&redis, Duration::from_secs(3600), Duration::from_secs(30)).await;
+        let statuses = burst(&[a.addr(), b.addr()], 120, algorithm).await;
+        let admitted = statuses.iter().filter(|s| **s == 200).count();
+        let refused = statuses.iter().filter(|s| **s == 429).count();
+        assert_eq!(
+            (admitted, refused),
+            (25, 95),
+            "{algorithm}: two proxies, one limit of 25"
+        );
+        // Both proxies asked Redis (neither decided alone).
+        for sc in [&a, &b] {
+            let m = metrics(sc).await;
+            assert!(
+                count(&m, "spillway_redis_duration_seconds_count") > 0.0,
+                "{algorithm}"
+            );
+            assert_eq!(
+                count(&m, "spillway_redis_on_error_total{action=\"allow\"}"),
+                0.0
+            );
+        }
+        a.shutdown();
+        b.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn every_algorithm_counts_remaining_refuses_past_the_limit_and_says_when_to_retry() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    for algorithm in ALGORITHMS {
+        let sc = start(
+            up.addr,
+            &yaml(
+                &redis,
+                "",
+                &format!("{{ rate: 3/m, algorithm: {algorithm} }}"),
+                "",
+            ),
+        )
+        .await;
+        clear_of_window_edge(&redis, Duration::from_secs(60), Duration::from_secs(5)).await;
+        let key = [("x-client", algorithm)];
+        let mut remaining = Vec::new();
+        for _ in 0..3 {
+            let (status, headers, _) = get(sc.addr(), "/", &key).await;
+            assert_eq!(status, StatusCode::OK, "{algorithm}");
+            let rl = headers["ratelimit"].to_str().unwrap().to_string();
+            remaining.push(
+                rl.split(";r=")
+                    .nth(1)
+                    .unwrap()
+                    .split(';')
+                    .next()
+                    .unwrap()
+                    .to_string(),
+            );
+        }
+        assert_eq!(remaining, ["2", "1", "0"], "{algorithm}");
+        let (status, headers, body) = get(sc.addr(), "/", &key).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{algorithm}");
+        let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+        // Fixed and sliding windows: up to a minute (the window); the counter may need the
+        // next window and part of it; the buckets: one unit back, 20 s.
+        let most = match algorithm {
+            "token_bucket" | "gcra" => 20,
+            "sliding_window_counter" => 120,
+            _ => 60,
+        };
+        assert!(
+            (1..=most).contains(&retry),
+            "{algorithm}: retry-after {retry}, body {body}"
+        );
+        assert!(body.contains("\"rule\":\"r\""), "{body}");
+        sc.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn a_cost_above_the_limit_is_refused_without_a_retry_time() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    for algorithm in ALGORITHMS {
+        let sc = start(
+            up.addr,
+            &yaml(
+                &redis,
+                "",
+                &format!("{{ rate: 3/m, algorithm: {algorithm} }}"),
+                "    cost: { header: x-cost, default: 1, max: 100 }\n",
+            ),
+        )
+        .await;
+        let (status, headers, body) =
+            get(sc.addr(), "/", &[("x-client", algorithm), ("x-cost", "4")]).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{algorithm}");
+        assert!(headers.get("retry-after").is_none(), "{algorithm}");
+        assert!(
+            body.contains("can never be admitted"),
+            "{algorithm}: {body}"
+        );
+        // A cost within the limit still fits: nothing was counted for the refused one.
+        let (status, ..) = get(sc.addr(), "/", &[("x-client", algorithm), ("x-cost", "3")]).await;
+        assert_eq!(status, StatusCode::OK, "{algorithm}");
+        sc.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn sliding_log_members_are_unique_so_simultaneous_requests_all_count() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    let y = yaml(
+        &redis,
+        "",
+        "{ rate: 1000/h, algorithm: sliding_window_log }",
+        "",
+    );
+    let (a, b) = (start(up.addr, &y).await, start(up.addr, &y).await);
+    let statuses = burst(&[a.addr(), b.addr()], 300, "same").await;
+    assert!(statuses.iter().all(|s| *s == 200));
+    let mut conn = redis.conn().await;
+    let members: u64 = redis::cmd("ZCARD")
+        .arg("{test:r:same}:log")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(members, 300, "one member per admitted request");
+}
+
+#[tokio::test]
+async fn every_key_carries_a_ttl_no_longer_than_its_window_needs() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    for algorithm in ALGORITHMS {
+        let sc = start(
+            up.addr,
+            &yaml(
+                &redis,
+                "",
+                &format!("{{ rate: 5/10s, algorithm: {algorithm} }}"),
+                "",
+            ),
+        )
+        .await;
+        get(sc.addr(), "/", &[("x-client", algorithm)]).await;
+        let mut conn = redis.conn().await;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{{test:r:{algorithm}}}*"))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(!keys.is_empty(), "{algorithm}: no key written");
+        for key in keys {
+            let ttl: i64 = redis::cmd("PTTL")
+                .arg(&key)
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            // The sliding counter keeps the current window's count through the next window.
+            let most = if algorithm == "sliding_window_counter" {
+                20_001
+            } else {
+                10_001
+            };
+            assert!(ttl > 0 && ttl <= most, "{key}: pttl {ttl}");
+        }
+        sc.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn keys_are_gone_once_their_window_has_passed() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &yaml(
+            &redis,
+            "",
+            "{ rate: 2/200ms, algorithm: sliding_window_log }",
+            "",
+        ),
+    )
+    .await;
+    get(sc.addr(), "/", &[("x-client", "gone")]).await;
+    let mut conn = redis.conn().await;
+    let pattern = "{test:r:gone}*";
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(pattern)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 2, "log and sequence: {keys:?}");
+    // Redis expires keys on its own clock; poll it (bounded) rather than guess a sleep.
+    let mut left = keys.len();
+    for _ in 0..100 {
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg(pattern)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        left = keys.len();
+        if left == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(left, 0, "keys outlived their window by more than 2 s");
+}
+
+#[tokio::test]
+async fn a_refused_key_is_answered_locally_until_its_retry_time() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &yaml(&redis, "", "{ rate: 1/h, algorithm: fixed_window }", ""),
+    )
+    .await;
+    clear_of_window_edge(&redis, Duration::from_secs(3600), Duration::from_secs(30)).await;
+    let key = [("x-client", "abuser")];
+    assert_eq!(get(sc.addr(), "/", &key).await.0, StatusCode::OK);
+    assert_eq!(
+        get(sc.addr(), "/", &key).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let asked = count(&metrics(&sc).await, "spillway_redis_duration_seconds_count");
+    for _ in 0..20 {
+        let (status, headers, _) = get(sc.addr(), "/", &key).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(headers.contains_key("retry-after"));
+    }
+    let m = metrics(&sc).await;
+    assert_eq!(
+        count(&m, "spillway_redis_duration_seconds_count"),
+        asked,
+        "no round trip"
+    );
+    assert_eq!(
+        count(&m, "spillway_redis_cache_answers_total{rule=\"r\"}"),
+        20.0
+    );
+    assert_eq!(
+        count(
+            &m,
+            "spillway_requests_total{decision=\"rejected\",rule=\"r\"}"
+        ),
+        21.0
+    );
+    // Another key still goes to Redis.
+    assert_eq!(
+        get(sc.addr(), "/", &[("x-client", "other")]).await.0,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test]
+async fn proxies_with_skewed_clocks_agree_because_time_comes_from_redis() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    for algorithm in ALGORITHMS {
+        let y = yaml(
+            &redis,
+            "",
+            &format!("{{ rate: 4/h, algorithm: {algorithm} }}"),
+            "",
+        );
+        // Ten hours apart: any use of a proxy's own clock in a decision would show.
+        let early = ManualClock::new(1_000_000_000);
+        let late = ManualClock::new(1_000_000_000 + 36_000 * 1_000_000_000);
+        let a = Sidecar::start_with_clock(config(up.addr, &y), AnyClock::Manual(early))
+            .await
+            .unwrap();
+        let b = Sidecar::start_with_clock(config(up.addr, &y), AnyClock::Manual(late))
+            .await
+            .unwrap();
+        clear_of_window_edge(&redis, Duration::from_secs(3600), Duration::from_secs(30)).await;
+        let key = format!("skew-{algorithm}");
+        let mut statuses = Vec::new();
+        for i in 0..8 {
+            let addr = if i % 2 == 0 { a.addr() } else { b.addr() };
+            statuses.push(get(addr, "/", &[("x-client", &key)]).await.0.as_u16());
+        }
+        assert_eq!(
+            statuses,
+            [200, 200, 200, 200, 429, 429, 429, 429],
+            "{algorithm}"
+        );
+        // Both tell the refused client the same retry time (Redis's), to the second.
+        let retry = |sc: &Sidecar| {
+            let addr = sc.addr();
+            let key = format!("skew2-{algorithm}");
+            async move {
+                let h = get(addr, "/", &[("x-client", &key)]).await.1;
+                h.get("retry-after")
+                    .map(|v| v.to_str().unwrap().parse::<i64>().unwrap())
+            }
+        };
+        for _ in 0..4 {
+            get(
+                a.addr(),
+                "/",
+                &[("x-client", &format!("skew2-{algorithm}"))],
+            )
+            .await;
+        }
+        let (ra, rb) = (retry(&a).await.unwrap(), retry(&b).await.unwrap());
+        assert!((ra - rb).abs() <= 1, "{algorithm}: {ra} vs {rb}");
+        a.shutdown();
+        b.shutdown();
+    }
+}
+
+/// Each request must be answered; a hang would be a bug, not a slow machine.
+async fn answered(addr: SocketAddr, key: &str) -> u16 {
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        get(addr, "/", &[("x-client", key)]),
+    )
+    .await
+    .expect("a request hung while redis was down")
+    .0
+    .as_u16()
+}
+
+#[tokio::test]
+async fn redis_killed_on_error_decides_and_the_breaker_stops_asking() {
+    for (on_error, want) in [("allow", 200), ("deny", 429), ("fallback", 0)] {
+        let mut redis = RedisServer::start();
+        let up = upstream().await;
+        let sc = start(
+            up.addr,
+            &yaml(
+                &redis,
+                &format!("  on_error: {on_error}\n  breaker: {{ failures: 3, cooldown: 1h }}\n"),
+                "{ rate: 100/s }",
+                "    fallback: { rate: 2/h }\n",
+            ),
+        )
+        .await;
+        assert_eq!(answered(sc.addr(), "k").await, 200);
+        redis.stop();
+        let statuses: Vec<u16> = {
+            let mut v = Vec::new();
+            for _ in 0..10 {
+                v.push(answered(sc.addr(), "k").await);
+            }
+            v
+        };
+        if on_error == "fallback" {
+            // The rule's local fallback limit (2/h) decides.
+            assert_eq!(statuses[..3], [200, 200, 429], "{on_error}");
+            assert!(
+                statuses[3..].iter().all(|s| *s == 429),
+                "{on_error}: {statuses:?}"
+            );
+        } else {
+            assert!(
+                statuses.iter().all(|s| *s == want),
+                "{on_error}: {statuses:?}"
+            );
+        }
+        let m = metrics(&sc).await;
+        assert_eq!(
+            count(&m, "spillway_redis_breaker_opened_total"),
+            1.0,
+            "{on_error}"
+        );
+        assert_eq!(count(&m, "spillway_redis_breaker_state"), 1.0);
+        // Three failures opened the breaker; after that Redis was not asked.
+        assert_eq!(
+            count(&m, "spillway_redis_errors_total{kind=\"connection\"}"),
+            3.0
+        );
+        assert_eq!(
+            count(
+                &m,
+                &format!("spillway_redis_on_error_total{{action=\"{on_error}\"}}")
+            ),
+            10.0
+        );
+        sc.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn a_frozen_redis_costs_each_request_at_most_the_timeout() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &yaml(
+            &redis,
+            "  breaker: { failures: 2, cooldown: 1h }\n",
+            "{ rate: 100/s }",
+            "",
+        ),
+    )
+    .await;
+    assert_eq!(answered(sc.addr(), "k").await, 200);
+    redis.signal("-STOP");
+    for _ in 0..5 {
+        assert_eq!(answered(sc.addr(), "k").await, 200, "on_error: allow");
+    }
+    redis.signal("-CONT");
+    let m = metrics(&sc).await;
+    assert_eq!(
+        count(&m, "spillway_redis_errors_total{kind=\"timeout\"}"),
+        2.0
+    );
+    assert_eq!(count(&m, "spillway_redis_breaker_state"), 1.0);
+    assert_eq!(
+        count(&m, "spillway_redis_on_error_total{action=\"allow\"}"),
+        5.0
+    );
+}
+
+#[tokio::test]
+async fn redis_restarted_decisions_resume_and_the_scripts_are_loaded_again() {
+    let mut redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &yaml(
+            &redis,
+            "  on_error: allow\n  breaker: { failures: 1, cooldown: 100ms }\n",
+            "{ rate: 1/h, algorithm: sliding_window_log }",
+            "",
+        ),
+    )
+    .await;
+    assert_eq!(answered(sc.addr(), "a").await, 200);
+    assert_eq!(answered(sc.addr(), "a").await, 429);
+    redis.restart(); // empty: no keys, no scripts
+                     // Until the proxy has reconnected, on_error admits; once Redis decides again, the fresh
+                     // server admits key b once and refuses it after. Bounded: 200 tries, 25 ms apart.
+    let mut resumed = false;
+    for _ in 0..200 {
+        let first = answered(sc.addr(), "b").await;
+        let second = answered(sc.addr(), "b").await;
+        if (first, second) == (200, 429) {
+            resumed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        // Start b afresh for the next try.
+        let mut conn = redis.conn().await;
+        let _: () = redis::cmd("DEL")
+            .arg("{test:r:b}:log")
+            .arg("{test:r:b}:seq")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    assert!(resumed, "decisions did not resume after the restart");
+    let m = metrics(&sc).await;
+    assert_eq!(count(&m, "spillway_redis_connected"), 1.0);
+    assert_eq!(count(&m, "spillway_redis_breaker_state"), 0.0);
+}
+
+#[tokio::test]
+async fn a_flushed_script_cache_is_reloaded_on_noscript() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &yaml(&redis, "", "{ rate: 1/h, algorithm: gcra }", ""),
+    )
+    .await;
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(answered(sc.addr(), "n").await, 200);
+    assert_eq!(
+        answered(sc.addr(), "n").await,
+        429,
+        "decided by Redis, not on_error"
+    );
+    let m = metrics(&sc).await;
+    assert_eq!(
+        count(&m, "spillway_redis_errors_total{kind=\"server\"}"),
+        0.0
+    );
+    assert_eq!(
+        count(&m, "spillway_redis_on_error_total{action=\"allow\"}"),
+        0.0
+    );
+}
+
+#[tokio::test]
+async fn a_proxy_started_while_redis_is_down_serves_and_connects_later() {
+    let mut redis = RedisServer::start();
+    redis.stop();
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &yaml(
+            &redis,
+            "  breaker: { failures: 1, cooldown: 50ms }\n",
+            "{ rate: 1/h, algorithm: fixed_window }",
+            "",
+        ),
+    )
+    .await;
+    assert_eq!(answered(sc.addr(), "x").await, 200, "on_error: allow");
+    redis.restart();
+    let mut refused = false;
+    for _ in 0..200 {
+        if answered(sc.addr(), "x").await == 429 {
+            refused = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(refused, "the proxy never reached redis once it was up");
+}
