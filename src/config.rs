@@ -68,6 +68,14 @@ pub struct RedisConfig {
     pub on_error: OnError,
     #[serde(default)]
     pub breaker: BreakerConfig,
+    /// Remember keys Redis refused until their retry time and answer them locally (an abusive
+    /// client then costs no round trips).
+    #[serde(default = "default_true")]
+    pub cache_refusals: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 fn default_redis_timeout() -> Dur {

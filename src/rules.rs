@@ -660,7 +660,8 @@ impl RuleSet {
                     None,
                 ),
                 Ok(a) => {
-                    if let Some(retry) = a.retry_after {
+                    let cache = self.exact.as_ref().is_some_and(|e| e.cache_refusals());
+                    if let (Some(retry), true) = (a.retry_after, cache) {
                         refused.with(&call.key, |r| {
                             r.remember(now.saturating_add(retry), call.cost)
                         });

@@ -605,3 +605,40 @@ async fn a_proxy_started_while_redis_is_down_serves_and_connects_later() {
     }
     assert!(refused, "the proxy never reached redis once it was up");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_routes_each_key_to_its_node_and_stays_exact() {
+    let cluster = RedisCluster::start();
+    let up = upstream().await;
+    let y = format!(
+        "redis:\n  url: {}\n  timeout: 1s\nrules:\n  - name: r\n    key: [header:x-client]\n    limit: {{ rate: 5/h, algorithm: sliding_window_log }}\n    scope: redis\n",
+        cluster.urls()
+    );
+    let (a, b) = (start(up.addr, &y).await, start(up.addr, &y).await);
+    for k in 0..12 {
+        let statuses = burst(&[a.addr(), b.addr()], 12, &format!("k{k}")).await;
+        let admitted = statuses.iter().filter(|s| **s == 200).count();
+        assert_eq!(admitted, 5, "key k{k}: {statuses:?}");
+    }
+    // The keys spread over the nodes, each decision's keys together on one.
+    let mut nodes_with_keys = 0;
+    for node in &cluster.nodes {
+        let mut conn = node.conn().await;
+        let keys: Vec<String> = redis::cmd("KEYS")
+            .arg("*")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        for log in keys.iter().filter(|k| k.ends_with(":log")) {
+            let seq = log.replace(":log", ":seq");
+            assert!(keys.contains(&seq), "{log} without {seq} on the same node");
+        }
+        nodes_with_keys += usize::from(!keys.is_empty());
+    }
+    assert!(nodes_with_keys >= 2, "12 keys all hashed to one node");
+    let m = metrics(&a).await;
+    assert_eq!(
+        count(&m, "spillway_redis_errors_total{kind=\"server\"}"),
+        0.0
+    );
+}

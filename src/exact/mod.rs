@@ -117,6 +117,7 @@ pub struct Exact {
     scripts: Scripts,
     timeout: Duration,
     on_error: OnError,
+    cache_refusals: bool,
     breaker: Breaker,
     metrics: RedisMetrics,
     clock: AnyClock,
@@ -140,6 +141,9 @@ impl Exact {
             redis::Client::open(config.url.0[0].as_str()).map(Client::Single)
         }
         .map_err(|e| format!("redis.url: {e}"))?;
+        // rediss:// needs a crypto provider; ring is the one built in. Installing twice (a second
+        // proxy in one process) is refused harmlessly.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         metrics.breaker_state.set(0);
         Ok(Arc::new(Exact {
             service: service.to_string(),
@@ -149,6 +153,7 @@ impl Exact {
             scripts: Scripts::new(),
             timeout: config.timeout.0,
             on_error: config.on_error,
+            cache_refusals: config.cache_refusals,
             breaker: Breaker {
                 failures: AtomicU32::new(0),
                 open_until: AtomicU64::new(0),
@@ -186,6 +191,11 @@ impl Exact {
 
     pub fn metrics(&self) -> &RedisMetrics {
         &self.metrics
+    }
+
+    /// Whether refusals are remembered until their retry time (`redis.cache_refusals`).
+    pub fn cache_refusals(&self) -> bool {
+        self.cache_refusals
     }
 
     pub fn on_error(&self) -> OnError {

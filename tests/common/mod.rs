@@ -328,10 +328,16 @@ pub struct RedisServer {
     child: Option<std::process::Child>,
     pub port: u16,
     dir: std::path::PathBuf,
+    extra: Vec<String>,
 }
 
 impl RedisServer {
     pub fn start() -> RedisServer {
+        Self::start_with(&[])
+    }
+
+    /// As [`start`](Self::start), with extra `redis-server` arguments (kept across restarts).
+    pub fn start_with(extra: &[&str]) -> RedisServer {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -344,6 +350,7 @@ impl RedisServer {
             child: None,
             port,
             dir,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         server.restart();
         server
@@ -365,6 +372,7 @@ impl RedisServer {
                 "--dir",
                 self.dir.to_str().unwrap(),
             ])
+            .args(&self.extra)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -429,5 +437,65 @@ impl Drop for RedisServer {
         self.signal("-CONT");
         self.stop();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A real three-node Redis Cluster on loopback (no replicas), made with `redis-cli --cluster
+/// create`; every node is killed when dropped.
+pub struct RedisCluster {
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let nodes: Vec<RedisServer> = (0..3)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    "nodes.conf",
+                ])
+            })
+            .collect();
+        let mut args = vec!["--cluster".to_string(), "create".to_string()];
+        args.extend(nodes.iter().map(|n| format!("127.0.0.1:{}", n.port)));
+        args.extend(["--cluster-replicas", "0", "--cluster-yes"].map(String::from));
+        let out = std::process::Command::new("redis-cli")
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        // Ready when every node says the cluster is ok (bounded: 10 s).
+        for n in &nodes {
+            let mut ok = false;
+            for _ in 0..200 {
+                let info = std::process::Command::new("redis-cli")
+                    .args(["-p", &n.port.to_string(), "cluster", "info"])
+                    .output()
+                    .unwrap();
+                if String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok") {
+                    ok = true;
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            assert!(
+                ok,
+                "cluster node {} never reported cluster_state:ok",
+                n.port
+            );
+        }
+        RedisCluster { nodes }
+    }
+
+    /// `url:` as a YAML flow list of the nodes.
+    pub fn urls(&self) -> String {
+        let urls: Vec<String> = self.nodes.iter().map(|n| n.url()).collect();
+        format!("[{}]", urls.join(", "))
     }
 }
