@@ -72,6 +72,10 @@ pub struct RedisConfig {
     /// client then costs no round trips).
     #[serde(default = "default_true")]
     pub cache_refusals: bool,
+    /// With `rediss://`: a PEM file of the CA that signed Redis's certificate, instead of the
+    /// system's trust store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<std::path::PathBuf>,
 }
 
 fn default_true() -> bool {

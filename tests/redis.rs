@@ -642,3 +642,40 @@ async fn a_redis_cluster_routes_each_key_to_its_node_and_stays_exact() {
         0.0
     );
 }
+
+#[tokio::test]
+async fn rediss_with_a_private_ca_decides_over_tls() {
+    let (redis, ca) = RedisServer::start_tls();
+    let up = upstream().await;
+    let y = format!(
+        "redis:\n  url: rediss://127.0.0.1:{}\n  timeout: 1s\n  ca_file: {}\nrules:\n  - name: r\n    key: [header:x-client]\n    limit: {{ rate: 2/h, algorithm: fixed_window }}\n    scope: redis\n",
+        redis.port,
+        ca.display()
+    );
+    let sc = start(up.addr, &y).await;
+    clear_of_hour_edge_by_local_clock().await;
+    let statuses = [
+        answered(sc.addr(), "t").await,
+        answered(sc.addr(), "t").await,
+        answered(sc.addr(), "t").await,
+    ];
+    assert_eq!(statuses, [200, 200, 429], "decided by Redis over TLS");
+    let m = metrics(&sc).await;
+    assert_eq!(count(&m, "spillway_redis_connected"), 1.0);
+    assert_eq!(
+        count(&m, "spillway_redis_on_error_total{action=\"allow\"}"),
+        0.0
+    );
+}
+
+/// The fixed window of an hour must not end during the test; a TLS-only Redis has no plain
+/// port to ask for its time, so the local clock (the same machine's) stands in.
+async fn clear_of_hour_edge_by_local_clock() {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    let into = now.as_secs() % 3600;
+    if 3600 - into < 30 {
+        tokio::time::sleep(Duration::from_secs(3600 - into + 1)).await;
+    }
+}

@@ -131,19 +131,36 @@ impl Exact {
         metrics: RedisMetrics,
         clock: AnyClock,
     ) -> Result<Arc<Exact>, String> {
-        let client = if config.url.is_cluster() {
-            redis::cluster::ClusterClient::builder(config.url.0.clone())
-                .connection_timeout(CONNECT_TIMEOUT)
-                .response_timeout(config.timeout.0.max(Duration::from_millis(1)) * 4)
-                .build()
-                .map(Client::Cluster)
-        } else {
-            redis::Client::open(config.url.0[0].as_str()).map(Client::Single)
-        }
-        .map_err(|e| format!("redis.url: {e}"))?;
         // rediss:// needs a crypto provider; ring is the one built in. Installing twice (a second
         // proxy in one process) is refused harmlessly.
         let _ = rustls::crypto::ring::default_provider().install_default();
+        let certs = match &config.ca_file {
+            Some(path) => Some(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(
+                    std::fs::read(path)
+                        .map_err(|e| format!("redis.ca_file {}: {e}", path.display()))?,
+                ),
+            }),
+            None => None,
+        };
+        let client = if config.url.is_cluster() {
+            let mut builder = redis::cluster::ClusterClient::builder(config.url.0.clone())
+                .connection_timeout(CONNECT_TIMEOUT)
+                .response_timeout(config.timeout.0.max(Duration::from_millis(1)) * 4);
+            if let Some(certs) = certs {
+                builder = builder.certs(certs);
+            }
+            builder.build().map(Client::Cluster)
+        } else {
+            let url = config.url.0[0].as_str();
+            match certs {
+                Some(certs) => redis::Client::build_with_tls(url, certs),
+                None => redis::Client::open(url),
+            }
+            .map(Client::Single)
+        }
+        .map_err(|e| format!("redis.url: {e}"))?;
         metrics.breaker_state.set(0);
         Ok(Arc::new(Exact {
             service: service.to_string(),

@@ -356,13 +356,103 @@ impl RedisServer {
         server
     }
 
+    /// A Redis that speaks only TLS, with a certificate for 127.0.0.1 signed by a CA of its own
+    /// (made with the `openssl` command); returns the server and the CA's PEM file.
+    pub fn start_tls() -> (RedisServer, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("spillway-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let openssl = |args: &[&str]| {
+            let out = std::process::Command::new("openssl")
+                .current_dir(&dir)
+                .args(args)
+                .output()
+                .expect("openssl (scripts/test installs it)");
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        openssl(&[
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=spillway test CA",
+            "-keyout",
+            "ca.key",
+            "-out",
+            "ca.crt",
+        ]);
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ]);
+        std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "san.ext",
+            "-out",
+            "server.crt",
+        ]);
+        let file = |name: &str| dir.join(name).to_str().unwrap().to_string();
+        let server = RedisServer::start_with(&[
+            "--tls-port",
+            "{port}",
+            "--tls-cert-file",
+            &file("server.crt"),
+            "--tls-key-file",
+            &file("server.key"),
+            "--tls-ca-cert-file",
+            &file("ca.crt"),
+            "--tls-auth-clients",
+            "no",
+        ]);
+        (server, dir.join("ca.crt"))
+    }
+
     /// Starts (again) on the same port, empty: no keys, no scripts. Waits for its readiness line.
     pub fn restart(&mut self) {
         self.stop();
+        // A TLS server takes its port from `--tls-port {port}` and turns plain TCP off.
+        let tls = self.extra.iter().any(|a| a == "--tls-port");
+        let extra: Vec<String> = self
+            .extra
+            .iter()
+            .map(|a| a.replace("{port}", &self.port.to_string()))
+            .collect();
+        let plain_port = if tls {
+            "0".to_string()
+        } else {
+            self.port.to_string()
+        };
         let mut child = std::process::Command::new("redis-server")
             .args([
                 "--port",
-                &self.port.to_string(),
+                &plain_port,
                 "--bind",
                 "127.0.0.1",
                 "--save",
@@ -372,7 +462,7 @@ impl RedisServer {
                 "--dir",
                 self.dir.to_str().unwrap(),
             ])
-            .args(&self.extra)
+            .args(&extra)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()
