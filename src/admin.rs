@@ -71,7 +71,10 @@ fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
             }
         }
         "/config" => {
-            let mut resp = Response::new(Full::new(config_json(&shared.config.load())));
+            let mut resp = Response::new(Full::new(config_json(
+                &shared.config.load(),
+                &shared.loaded.load(),
+            )));
             resp.headers_mut().insert(
                 CONTENT_TYPE,
                 http::HeaderValue::from_static("application/json"),

@@ -12,6 +12,7 @@
 //! - [`proxy`]: the data plane (accept, decide, forward, drain) and its one place for 429s.
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/config` on their own listener.
 //! - [`metrics`]: every Prometheus family, handles resolved once.
+//! - [`watch`]: noticing config changes (directory events, SIGHUP) for hot reload.
 //! - [`demo`]: a self-contained run that shows the limiter at work.
 
 pub mod admin;
@@ -25,6 +26,7 @@ pub mod limit;
 pub mod metrics;
 pub mod proxy;
 pub mod rules;
+pub mod watch;
 
 pub use config::{Config, ConfigError};
 pub use gate::{PeerAddr, RateLimitLayer};

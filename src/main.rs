@@ -116,9 +116,16 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         },
-        Command::Proxy { config } => {
-            let config = match spillway::Config::load(&config) {
-                Ok(c) => c,
+        Command::Proxy { config: path } => {
+            let file = path.display().to_string();
+            let loaded = std::fs::read_to_string(&path)
+                .map_err(|source| spillway::ConfigError::Read {
+                    file: file.clone(),
+                    source,
+                })
+                .and_then(|text| spillway::Config::from_yaml(&text, &file).map(|c| (c, text)));
+            let (config, text) = match loaded {
+                Ok(pair) => pair,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
@@ -127,6 +134,8 @@ fn main() -> ExitCode {
             run(async move {
                 let signal = shutdown_signal()?;
                 let sidecar = spillway::Sidecar::start(config).await?;
+                // Hot reload: changes to the file (or its directory's ConfigMap symlink) and SIGHUP.
+                sidecar.watch_file(path, &text)?;
                 // Tests and scripts wait for this line: it is printed once both are bound.
                 println!(
                     "spillway proxy listening on {} (admin {})",

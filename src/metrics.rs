@@ -194,6 +194,10 @@ pub struct Metrics {
     pub control_plane_age: prometheus::Gauge,
     pub control_plane_stale: IntGauge,
     pub redis: RedisMetrics,
+    /// `spillway_config_reloads_total{result}`.
+    pub config_reloads_ok: IntCounter,
+    pub config_reloads_error: IntCounter,
+    pub config_loaded_at: prometheus::Gauge,
 }
 
 impl Metrics {
@@ -321,6 +325,25 @@ impl Metrics {
             duration.with_label_values(&["error"]),
         ];
         let redis = RedisMetrics::new(&registry);
+        let reloads = IntCounterVec::new(
+            Opts::new(
+                "spillway_config_reloads_total",
+                "Configuration reloads, by result (ok; error: the previous configuration stays).",
+            ),
+            &["result"],
+        )
+        .expect("valid metric");
+        let config_loaded_at = prometheus::Gauge::new(
+            "spillway_config_loaded_timestamp_seconds",
+            "Unix time the active configuration was loaded.",
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(reloads.clone()))
+            .expect("metric names are unique");
+        registry
+            .register(Box::new(config_loaded_at.clone()))
+            .expect("metric names are unique");
         let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
         Self {
             registry,
@@ -342,6 +365,9 @@ impl Metrics {
             control_plane_age,
             control_plane_stale,
             redis,
+            config_reloads_ok: reloads.with_label_values(&["ok"]),
+            config_reloads_error: reloads.with_label_values(&["error"]),
+            config_loaded_at,
         }
     }
 

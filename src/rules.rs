@@ -52,7 +52,11 @@ struct CompiledRule {
     key: Vec<KeyPart>,
     mode: Mode,
     cost: Cost,
-    kind: Kind,
+    /// The per-key state, shared with the next rule set when a reload leaves the rule's
+    /// identity unchanged.
+    kind: Arc<Kind>,
+    /// Name, key, limit, scope, fallback and max_keys: what the state depends on.
+    identity: String,
     delay: Option<Delay>,
     /// `"name";q=<burst>;w=<window seconds>`, built once.
     policy: HeaderValue,
@@ -300,6 +304,13 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
     }
 }
 
+impl<S> Drop for Store<S> {
+    /// A store dropped by a reload (its rule changed or went away) no longer tracks its keys.
+    fn drop(&mut self) {
+        self.parts.keys.sub(self.len.load(Ordering::Relaxed) as i64);
+    }
+}
+
 /// The waiting room of an `on_limit: delay` rule.
 #[derive(Debug, Clone)]
 pub struct Delay {
@@ -417,7 +428,18 @@ impl RuleSet {
         metrics: &Metrics,
         ratios: Arc<ArcSwap<DropRatios>>,
     ) -> RuleSet {
-        let mut set = Self::from_rules(&config.rules, config.headers, metrics);
+        Self::rebuild(config, metrics, ratios, None)
+    }
+
+    /// Builds the rule set of a reloaded `config`, keeping the state of every rule of
+    /// `previous` whose identity did not change (see [`from_rules`](Self::from_rules)).
+    pub fn rebuild(
+        config: &Config,
+        metrics: &Metrics,
+        ratios: Arc<ArcSwap<DropRatios>>,
+        previous: Option<&RuleSet>,
+    ) -> RuleSet {
+        let mut set = Self::from_rules_keeping(&config.rules, config.headers, metrics, previous);
         set.ratios = ratios;
         if let Some(cp) = &config.control_plane {
             set.staleness = Staleness {
@@ -431,8 +453,32 @@ impl RuleSet {
 
     /// Compiles `rules`, resolving their metric handles in `metrics`.
     pub fn from_rules(rules: &[Rule], header_mode: HeaderMode, metrics: &Metrics) -> RuleSet {
+        Self::from_rules_keeping(rules, header_mode, metrics, None)
+    }
+
+    /// As [`from_rules`](Self::from_rules); a rule whose identity (name, key, limit, scope,
+    /// fallback, max_keys) is the same as one of `previous`'s shares that rule's per-key state,
+    /// so a reload hands no client a fresh bucket. Other rules start empty.
+    fn from_rules_keeping(
+        rules: &[Rule],
+        header_mode: HeaderMode,
+        metrics: &Metrics,
+        previous: Option<&RuleSet>,
+    ) -> RuleSet {
         RuleSet {
-            rules: rules.iter().map(|r| compile(r, metrics)).collect(),
+            rules: rules
+                .iter()
+                .map(|r| {
+                    let identity = identity(r);
+                    let kept = previous.and_then(|p| {
+                        p.rules
+                            .iter()
+                            .find(|old| old.identity == identity)
+                            .map(|old| old.kind.clone())
+                    });
+                    compile(r, metrics, identity, kept)
+                })
+                .collect(),
             header_mode,
             ratios: Arc::new(ArcSwap::from_pointee(DropRatios::empty(0))),
             staleness: Staleness {
@@ -442,6 +488,15 @@ impl RuleSet {
             report_interval: NANOS_PER_SEC,
             exact: None,
         }
+    }
+
+    /// Names of the rules that share their state with `other` (kept across a reload).
+    pub fn kept_from(&self, other: &RuleSet) -> Vec<String> {
+        self.rules
+            .iter()
+            .filter(|r| other.rules.iter().any(|o| Arc::ptr_eq(&o.kind, &r.kind)))
+            .map(|r| r.name.to_string())
+            .collect()
     }
 
     /// Gives `scope: redis` rules their Redis.
@@ -465,7 +520,7 @@ impl RuleSet {
             if !rule.matcher.matches(req) {
                 continue;
             }
-            let found = if matches!(rule.kind, Kind::Global { .. } | Kind::Redis { .. }) {
+            let found = if matches!(*rule.kind, Kind::Global { .. } | Kind::Redis { .. }) {
                 extract_text(&rule.key, req, &mut key)
             } else {
                 extract(&rule.key, req, &mut key)
@@ -480,7 +535,7 @@ impl RuleSet {
                 };
                 return Verdict::BadCost(header.clone());
             };
-            let decision = match &rule.kind {
+            let decision = match &*rule.kind {
                 Kind::Rate { quota, store } => {
                     let (decision, slot) = store.check(&key, quota, now, cost);
                     if decision.is_allowed() {
@@ -638,7 +693,7 @@ impl RuleSet {
                 refused,
                 fallback,
                 ..
-            } = &rule.kind
+            } = &*rule.kind
             else {
                 continue;
             };
@@ -757,7 +812,7 @@ impl RuleSet {
         let mut key = KeyBuf::new();
         for (i, t) in taken {
             let rule = &self.rules[*i];
-            match (&rule.kind, t) {
+            match (&*rule.kind, t) {
                 (Kind::Rate { quota, store }, Taken::Rate(slot, cost))
                     if extract(&rule.key, req, &mut key) =>
                 {
@@ -791,7 +846,7 @@ impl RuleSet {
     pub fn drain_global(&self, top_k: usize) -> Vec<GlobalCounts> {
         let mut out = Vec::new();
         for rule in &self.rules {
-            let Kind::Global { limit, store, .. } = &rule.kind else {
+            let Kind::Global { limit, store, .. } = &*rule.kind else {
                 continue;
             };
             let take = |c: &GlobalCounters| {
@@ -828,7 +883,7 @@ impl RuleSet {
     pub fn sweep(&self, now: Nanos) -> usize {
         self.rules
             .iter()
-            .map(|r| match &r.kind {
+            .map(|r| match &*r.kind {
                 Kind::Rate { quota, store } => store.sweep(quota, now),
                 Kind::Concurrency { store, .. } => {
                     store.sweep(|c| c.in_flight() == 0 && Arc::strong_count(c) == 1)
@@ -861,7 +916,7 @@ impl RuleSet {
         self.rules
             .iter()
             .find(|r| &*r.name == name)
-            .map(|r| match &r.kind {
+            .map(|r| match &*r.kind {
                 Kind::Rate { store, .. } => store.len(),
                 Kind::Concurrency { store, .. } => store.len.load(Ordering::Relaxed),
                 Kind::Global { store, .. } => store.len.load(Ordering::Relaxed),
@@ -905,63 +960,69 @@ fn rate_policy(name: &str, algorithm: Algorithm, quota: &Quota) -> String {
     )
 }
 
-fn compile(r: &Rule, metrics: &Metrics) -> CompiledRule {
+/// `RateLimit-Policy` of a rule: `"name";q=<quota>;w=<window seconds>`.
+fn policy_of(r: &Rule, name: &str) -> String {
+    match &r.limit {
+        Limit::Rate { rate, quota, .. } if r.scope == Scope::Global => format!(
+            "\"{name}\";q={};w={}",
+            rate.count,
+            ceil_secs(quota.period()).max(1)
+        ),
+        Limit::Rate {
+            algorithm, quota, ..
+        } => rate_policy(name, *algorithm, quota),
+        Limit::Concurrency(n) => format!("\"{name}\";q={n}"),
+    }
+}
+
+/// A rule's empty per-key state and its limiter.
+fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
+    let parts = store_parts(r, metrics, label);
+    match &r.limit {
+        Limit::Rate { rate, .. } if r.scope == Scope::Global => Kind::Global {
+            limit: crate::control::Limit {
+                count: u64::from(rate.count.get()),
+                period_ms: (rate.period.as_millis() as u64).max(1),
+            },
+            store: Store::new(parts),
+            fallback: fallback_store(r, metrics, label),
+        },
+        Limit::Rate {
+            algorithm, quota, ..
+        } if r.scope == Scope::Redis => Kind::Redis {
+            algorithm: *algorithm,
+            quota: *quota,
+            refused: Store::new(store_parts(r, metrics, &format!("{label}.refused"))),
+            cache_answers: metrics.redis.cache_answers.with_label_values(&[label]),
+            fallback: fallback_store(r, metrics, label),
+        },
+        Limit::Rate {
+            algorithm, quota, ..
+        } => Kind::Rate {
+            quota: *quota,
+            store: RateStore::new(*algorithm, parts),
+        },
+        Limit::Concurrency(n) => Kind::Concurrency {
+            max: n.get(),
+            store: Store::new(parts),
+        },
+    }
+}
+
+/// What a rule's per-key state depends on: while these are equal, the state stays valid.
+fn identity(r: &Rule) -> String {
+    format!(
+        "{:?}|{:?}|{:?}|{:?}|{:?}|{}",
+        r.name, r.key, r.limit, r.scope, r.fallback, r.max_keys
+    )
+}
+
+fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>>) -> CompiledRule {
     let name: Arc<str> = Arc::from(r.name.0.as_str());
     let label = &*name;
-    let parts = store_parts(r, metrics, label);
-    let (kind, policy) = match &r.limit {
-        Limit::Rate { rate, quota, .. } if r.scope == Scope::Global => {
-            let fallback = fallback_store(r, metrics, label);
-            let policy = format!(
-                "\"{name}\";q={};w={}",
-                rate.count,
-                ceil_secs(quota.period()).max(1)
-            );
-            (
-                Kind::Global {
-                    limit: crate::control::Limit {
-                        count: u64::from(rate.count.get()),
-                        period_ms: (rate.period.as_millis() as u64).max(1),
-                    },
-                    store: Store::new(parts),
-                    fallback,
-                },
-                policy,
-            )
-        }
-        Limit::Rate {
-            algorithm, quota, ..
-        } if r.scope == Scope::Redis => (
-            Kind::Redis {
-                algorithm: *algorithm,
-                quota: *quota,
-                refused: Store::new(store_parts(r, metrics, &format!("{label}.refused"))),
-                cache_answers: metrics.redis.cache_answers.with_label_values(&[label]),
-                fallback: fallback_store(r, metrics, label),
-            },
-            rate_policy(&name, *algorithm, quota),
-        ),
-        Limit::Rate {
-            algorithm, quota, ..
-        } => {
-            let policy = rate_policy(&name, *algorithm, quota);
-            let store = RateStore::new(*algorithm, parts);
-            (
-                Kind::Rate {
-                    quota: *quota,
-                    store,
-                },
-                policy,
-            )
-        }
-        Limit::Concurrency(n) => (
-            Kind::Concurrency {
-                max: n.get(),
-                store: Store::new(parts),
-            },
-            format!("\"{name}\";q={n}"),
-        ),
-    };
+    let policy = policy_of(r, &name);
+    // A kept rule's state is the previous set's; its policy follows from the same limit.
+    let kind = kept.unwrap_or_else(|| Arc::new(compile_kind(r, metrics, label)));
     let delay = (r.on_limit == OnLimit::Delay).then(|| Delay {
         max_delay: r.max_delay.0.as_nanos() as Nanos,
         queue: Arc::new(DelayQueue {
@@ -977,6 +1038,7 @@ fn compile(r: &Rule, metrics: &Metrics) -> CompiledRule {
         mode: r.mode,
         cost: r.cost.clone(),
         kind,
+        identity,
         delay,
         policy: HeaderValue::from_str(&policy).expect("rule names are header-safe by validation"),
         allowed: metrics.requests.with_label_values(&[label, "allowed"]),

@@ -11,11 +11,13 @@
 //! allocation for `X-Forwarded-For`), two clock reads and one histogram observation.
 
 pub mod forward;
+pub mod reload;
 pub mod respond;
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,7 +35,7 @@ use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
 use crate::admin;
-use crate::config::{Config, ControlPlane};
+use crate::config::{Config, ConfigError, ControlPlane};
 use crate::control::reporter::Reporter;
 use crate::control::{DropRatios, Staleness};
 use crate::gate;
@@ -64,6 +66,11 @@ pub struct Shared {
     response_timeout: Duration,
     // Relaxed: a flag read by /readyz; nothing else is published through it.
     pub draining: AtomicBool,
+    /// Redis of `scope: redis` rules, kept across reloads while its section is unchanged.
+    exact: arc_swap::ArcSwapOption<crate::exact::Exact>,
+    /// The active configuration's version, for `/config`.
+    pub loaded: ArcSwap<reload::Loaded>,
+    reload_lock: tokio::sync::Mutex<()>,
 }
 
 /// A running proxy: its bound addresses and the handle to stop it.
@@ -72,6 +79,7 @@ pub struct Sidecar {
     admin_addr: SocketAddr,
     stop: watch::Sender<bool>,
     task: JoinHandle<()>,
+    shared: Arc<Shared>,
 }
 
 impl Sidecar {
@@ -116,7 +124,8 @@ impl Sidecar {
             }
             None => None,
         };
-        let rules = RuleSet::build_with_ratios(&config, &metrics, ratios.clone()).with_exact(exact);
+        let rules =
+            RuleSet::build_with_ratios(&config, &metrics, ratios.clone()).with_exact(exact.clone());
         let reporter = match &config.control_plane {
             Some(cp) => Some(reporter(&config, cp, &ratios, &clock, &metrics)?),
             None => None,
@@ -135,16 +144,64 @@ impl Sidecar {
             connect_timeout: t.upstream_connect.0,
             idle_timeout: t.idle.0,
             draining: AtomicBool::new(false),
+            exact: arc_swap::ArcSwapOption::new(exact),
+            loaded: ArcSwap::from_pointee(reload::Loaded::new(
+                crate::watch::version_of(&config_json_text(&config)),
+                None,
+            )),
+            reload_lock: tokio::sync::Mutex::new(()),
             config: ArcSwap::from_pointee(config),
         });
+        shared
+            .metrics
+            .config_loaded_at
+            .set(shared.loaded.load().loaded_at);
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(serve(listeners, admin_listener, shared, stopped, reporter));
+        let task = tokio::spawn(serve(
+            listeners,
+            admin_listener,
+            shared.clone(),
+            stopped,
+            reporter,
+        ));
         Ok(Sidecar {
             addr,
             admin_addr,
             stop,
             task,
+            shared,
         })
+    }
+
+    /// Records `text` (the file the configuration came from) as the active version, and
+    /// reloads whenever `path` changes (directory events, so a ConfigMap's symlink swap
+    /// counts) or the process gets SIGHUP, until shutdown.
+    pub fn watch_file(&self, path: PathBuf, text: &str) -> std::io::Result<()> {
+        self.shared.loaded.store(Arc::new(reload::Loaded::new(
+            crate::watch::version_of(text),
+            Some(path.clone()),
+        )));
+        let shared = self.shared.clone();
+        crate::watch::spawn(&path.clone(), self.stop.subscribe(), move |trigger| {
+            let (shared, path) = (shared.clone(), path.clone());
+            async move { reload::reload_and_log(&shared, &path, trigger).await }
+        })?;
+        Ok(())
+    }
+
+    /// Reloads from `path` now (what SIGHUP does), returning what changed or why nothing did.
+    pub async fn reload_file(&self, path: &Path) -> Result<reload::Reloaded, ConfigError> {
+        let result = reload::reload(&self.shared, path, crate::watch::Trigger::Signal).await;
+        match &result {
+            Ok(_) => self.shared.metrics.config_reloads_ok.inc(),
+            Err(_) => self.shared.metrics.config_reloads_error.inc(),
+        }
+        result.map(|r| r.expect("a signal-triggered reload always reloads"))
+    }
+
+    /// The active configuration's version and load time.
+    pub fn loaded(&self) -> Arc<reload::Loaded> {
+        self.shared.loaded.load_full()
     }
 
     pub fn addr(&self) -> SocketAddr {
@@ -487,9 +544,20 @@ async fn sweep_loop(shared: Arc<Shared>) {
     }
 }
 
-/// The effective configuration as JSON, for `/config`.
-pub fn config_json(config: &Config) -> Bytes {
-    serde_json::to_vec_pretty(config)
+/// The effective configuration as JSON, for `/config`, with its version and load time.
+pub fn config_json(config: &Config, loaded: &reload::Loaded) -> Bytes {
+    let mut doc = serde_json::to_value(config).unwrap_or_default();
+    if let (serde_json::Value::Object(map), Ok(serde_json::Value::Object(meta))) =
+        (&mut doc, serde_json::to_value(loaded))
+    {
+        map.extend(meta);
+    }
+    serde_json::to_vec_pretty(&doc)
         .map(Bytes::from)
         .unwrap_or_else(|e| Bytes::from(format!("{{\"error\":\"{e}\"}}")))
+}
+
+/// A stable text of `config`, for the version of a configuration that came from no file.
+fn config_json_text(config: &Config) -> String {
+    serde_json::to_string(config).unwrap_or_default()
 }

@@ -1,0 +1,199 @@
+//! Hot reload of the sidecar's configuration: parse and validate the whole file first, then
+//! one snapshot swap; rules whose identity is unchanged keep their per-key state.
+//!
+//! Owns what a reload may change while running (the rules, `headers`, the `redis` section)
+//! and what it reports as needing a restart (listeners, upstream, workers, timeouts, limits,
+//! client_ip, control_plane, service). Must never: change anything when the new file is bad,
+//! or run two reloads at once.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use super::Shared;
+use crate::config::{Config, ConfigError};
+use crate::exact::Exact;
+use crate::rules::RuleSet;
+use crate::watch::{version_of, Trigger};
+
+/// The configuration now active.
+#[derive(Debug, Clone, Serialize)]
+pub struct Loaded {
+    /// First 16 hex digits of the SHA-1 of the file's text.
+    pub version: String,
+    /// Unix time, seconds, of the load.
+    pub loaded_at: f64,
+    /// The file, when it came from one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<PathBuf>,
+    /// Fields the last reload changed that only a restart applies.
+    pub pending_restart: Vec<&'static str>,
+}
+
+impl Loaded {
+    pub fn new(version: String, source: Option<PathBuf>) -> Self {
+        Loaded {
+            version,
+            loaded_at: unix_now(),
+            source,
+            pending_restart: Vec::new(),
+        }
+    }
+}
+
+/// What a reload did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reloaded {
+    pub version: String,
+    /// Rules that kept their per-key state.
+    pub kept: Vec<String>,
+    /// Rules that start empty (new, or changed in name, key, limit, scope, fallback or max_keys).
+    pub fresh: Vec<String>,
+    pub pending_restart: Vec<&'static str>,
+}
+
+/// Reloads `path` into `shared`. `Ok(None)`: a file event, but the content is what runs.
+pub(super) async fn reload(
+    shared: &Arc<Shared>,
+    path: &Path,
+    trigger: Trigger,
+) -> Result<Option<Reloaded>, ConfigError> {
+    let _one_at_a_time = shared.reload_lock.lock().await;
+    let file = path.display().to_string();
+    let text = tokio::fs::read_to_string(path)
+        .await
+        .map_err(|source| ConfigError::Read {
+            file: file.clone(),
+            source,
+        })?;
+    let version = version_of(&text);
+    if trigger == Trigger::File && version == shared.loaded.load().version {
+        return Ok(None);
+    }
+    let new = Config::from_yaml(&text, &file)?;
+    let old = shared.config.load_full();
+    let pending_restart = restart_fields(&old, &new);
+
+    // Redis: the same section keeps its connection; a changed one gets a new client, connected
+    // before the swap (at most a second), so the new rules find it ready.
+    let exact = if same(&old.redis, &new.redis) {
+        shared.exact.load_full()
+    } else {
+        match &new.redis {
+            Some(redis) => {
+                let exact = Exact::new(
+                    redis,
+                    &old.service.0,
+                    shared.metrics.redis.clone(),
+                    shared.clock.clone(),
+                )
+                .map_err(|message| ConfigError::Invalid {
+                    file: file.clone(),
+                    line: None,
+                    column: None,
+                    message,
+                })?;
+                exact.start().await;
+                Some(exact)
+            }
+            None => None,
+        }
+    };
+
+    // What runs: the old settings, with the parts a reload may change taken from the new file.
+    let mut active = (*old).clone();
+    active.rules = new.rules;
+    active.headers = new.headers;
+    active.redis = new.redis;
+    let previous = shared.rules.load_full();
+    let rules = RuleSet::rebuild(
+        &active,
+        &shared.metrics,
+        shared.ratios.clone(),
+        Some(&previous),
+    )
+    .with_exact(exact.clone());
+    let kept = rules.kept_from(&previous);
+    let fresh = active
+        .rules
+        .iter()
+        .map(|r| r.name.0.clone())
+        .filter(|n| !kept.contains(n))
+        .collect();
+    shared.rules.store(Arc::new(rules));
+    shared.exact.store(exact);
+    shared.config.store(Arc::new(active));
+    shared.loaded.store(Arc::new(Loaded {
+        version: version.clone(),
+        loaded_at: unix_now(),
+        source: Some(path.to_path_buf()),
+        pending_restart: pending_restart.clone(),
+    }));
+    shared.metrics.config_loaded_at.set(unix_now());
+    Ok(Some(Reloaded {
+        version,
+        kept,
+        fresh,
+        pending_restart,
+    }))
+}
+
+/// Reloads and accounts for it: the metric, and a log line that names file, line and field
+/// on error. The old configuration keeps running on any error.
+pub(super) async fn reload_and_log(shared: &Arc<Shared>, path: &Path, trigger: Trigger) {
+    match reload(shared, path, trigger).await {
+        Ok(None) => {}
+        Ok(Some(r)) => {
+            shared.metrics.config_reloads_ok.inc();
+            tracing::info!(
+                version = %r.version,
+                kept = ?r.kept,
+                fresh = ?r.fresh,
+                "configuration reloaded"
+            );
+            if !r.pending_restart.is_empty() {
+                tracing::warn!(fields = ?r.pending_restart, "changed fields that only a restart applies; the running values stay");
+            }
+        }
+        Err(e) => {
+            shared.metrics.config_reloads_error.inc();
+            tracing::error!("configuration reload failed, the previous configuration stays: {e}");
+        }
+    }
+}
+
+/// Top-level fields that differ between `old` and `new` and that a reload cannot apply.
+fn restart_fields(old: &Config, new: &Config) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    let mut check = |name, differs: bool| {
+        if differs {
+            out.push(name);
+        }
+    };
+    check("service", !same(&old.service, &new.service));
+    check("listen", old.listen != new.listen);
+    check("upstream", !same(&old.upstream, &new.upstream));
+    check("admin", old.admin != new.admin);
+    check("client_ip", !same(&old.client_ip, &new.client_ip));
+    check("timeouts", !same(&old.timeouts, &new.timeouts));
+    check("limits", !same(&old.limits, &new.limits));
+    check("workers", old.workers != new.workers);
+    check(
+        "control_plane",
+        !same(&old.control_plane, &new.control_plane),
+    );
+    out
+}
+
+/// Equal as configured (`Debug` shows every field, passwords included, and is never logged).
+fn same<T: std::fmt::Debug>(a: &T, b: &T) -> bool {
+    format!("{a:?}") == format!("{b:?}")
+}
+
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or(0.0)
+}

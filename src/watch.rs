@@ -1,0 +1,77 @@
+//! Noticing that a configuration file changed: filesystem events on its directory, and SIGHUP.
+//!
+//! The directory is watched rather than the file because Kubernetes updates a mounted
+//! ConfigMap by swapping the `..data` symlink in that directory: the file's own inode never
+//! changes, so a watch on the file alone would miss the update. Events are debounced (an editor
+//! or the kubelet touches several entries at once) and the callback decides, by the content's
+//! hash, whether anything really changed. Must never: block the runtime, or stop watching
+//! because one reload failed.
+
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use notify::{RecursiveMode, Watcher};
+use tokio::sync::{mpsc, watch};
+
+/// Events closer together than this are one change.
+const DEBOUNCE: Duration = Duration::from_millis(100);
+
+/// What made the watcher call back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Trigger {
+    /// Something changed in the file's directory.
+    File,
+    /// SIGHUP: reload even if the content looks the same.
+    Signal,
+}
+
+/// Calls `on_change` after each (debounced) change in `path`'s directory and on each SIGHUP,
+/// until `stop` turns true. Fails only if the watch or the signal handler cannot be set up.
+pub fn spawn<F, Fut>(
+    path: &Path,
+    mut stop: watch::Receiver<bool>,
+    on_change: F,
+) -> std::io::Result<tokio::task::JoinHandle<()>>
+where
+    F: Fn(Trigger) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let dir: PathBuf = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let (tx, mut rx) = mpsc::channel::<()>(1);
+    let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
+        if event.is_ok() {
+            // Full means a change is already pending: nothing is lost by dropping this one.
+            let _ = tx.try_send(());
+        }
+    })
+    .map_err(std::io::Error::other)?;
+    watcher
+        .watch(&dir, RecursiveMode::NonRecursive)
+        .map_err(|e| std::io::Error::other(format!("cannot watch {}: {e}", dir.display())))?;
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    Ok(tokio::spawn(async move {
+        // Dropping the watcher ends the watch: it lives as long as this task.
+        let _watcher = watcher;
+        loop {
+            tokio::select! {
+                _ = stop.changed() => return,
+                Some(()) = rx.recv() => {
+                    tokio::time::sleep(DEBOUNCE).await;
+                    while rx.try_recv().is_ok() {}
+                    on_change(Trigger::File).await;
+                }
+                Some(()) = hup.recv() => on_change(Trigger::Signal).await,
+            }
+        }
+    }))
+}
+
+/// A short, stable version of a configuration text: the first 16 hex digits of its SHA-1.
+pub fn version_of(text: &str) -> String {
+    let digest = sha1_smol::Sha1::from(text).digest().to_string();
+    digest[..16].to_string()
+}
