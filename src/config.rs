@@ -391,6 +391,20 @@ impl TryFrom<RawRule> for Rule {
 
 /// What one field of a rule cannot tell alone: how its limit, cost and delay fit together.
 fn check_rule(r: &RawRule) -> Result<(), String> {
+    if let Limit::Adaptive(_) = r.limit {
+        if r.scope != Scope::Local {
+            return Err("an adaptive limit is local: it follows this proxy's upstream".into());
+        }
+        if !r.key.0.is_empty() {
+            return Err(
+                "an adaptive limit is one per rule (the upstream's capacity): give key: []".into(),
+            );
+        }
+        if r.cost.is_some() || r.on_limit == OnLimit::Delay || r.fallback.is_some() {
+            return Err("an adaptive limit takes no cost, on_limit: delay or fallback".into());
+        }
+        return Ok(());
+    }
     if r.scope == Scope::Global {
         match &r.limit {
             Limit::Concurrency(_) => {
@@ -627,6 +641,64 @@ pub enum Limit {
     },
     /// Requests of a key in flight at once.
     Concurrency(NonZeroU32),
+    /// Requests of the rule in flight at once, a limit that follows the upstream's latency.
+    Adaptive(AdaptiveSpec),
+}
+
+/// `limit: { adaptive: { min, max, initial, tolerance } }`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveSpec {
+    #[serde(default = "default_adaptive_min")]
+    pub min: NonZeroU32,
+    pub max: NonZeroU32,
+    /// Where the limit starts (default: `min`); it doubles each good window until latency
+    /// first rises.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial: Option<NonZeroU32>,
+    /// Latency up to this many times the learned no-load latency is fine (1.1 to 10).
+    #[serde(default = "default_tolerance")]
+    pub tolerance: f64,
+}
+
+fn default_adaptive_min() -> NonZeroU32 {
+    NonZeroU32::new(1).expect("non-zero")
+}
+
+fn default_tolerance() -> f64 {
+    2.0
+}
+
+impl AdaptiveSpec {
+    pub fn settings(&self) -> crate::limit::adaptive::Settings {
+        crate::limit::adaptive::Settings {
+            min: self.min.get(),
+            max: self.max.get(),
+            initial: self.initial.unwrap_or(self.min).get(),
+            tolerance: self.tolerance,
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.min > self.max {
+            return Err(format!(
+                "adaptive: min {} is above max {}",
+                self.min, self.max
+            ));
+        }
+        if let Some(i) = self.initial {
+            if i < self.min || i > self.max {
+                return Err(format!("adaptive: initial {i} is outside min..max"));
+            }
+        }
+        if !(1.1..=10.0).contains(&self.tolerance) {
+            return Err(format!(
+                "adaptive: tolerance {} must be between 1.1 and 10",
+                self.tolerance
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -640,11 +712,24 @@ struct RawLimit {
     algorithm: Option<Algorithm>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     concurrency: Option<NonZeroU32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    adaptive: Option<AdaptiveSpec>,
 }
 
 impl TryFrom<RawLimit> for Limit {
     type Error = String;
     fn try_from(raw: RawLimit) -> Result<Self, String> {
+        if let Some(spec) = raw.adaptive {
+            if raw.rate.is_some()
+                || raw.concurrency.is_some()
+                || raw.burst.is_some()
+                || raw.algorithm.is_some()
+            {
+                return Err("adaptive takes no rate, burst, algorithm or concurrency".into());
+            }
+            spec.check()?;
+            return Ok(Limit::Adaptive(spec));
+        }
         match (raw.rate, raw.concurrency) {
             (Some(rate), None) => {
                 let burst = raw.burst.unwrap_or(rate.count);
@@ -673,7 +758,10 @@ impl TryFrom<RawLimit> for Limit {
                 Ok(Limit::Concurrency(n))
             }
             (Some(_), Some(_)) => Err("give either rate or concurrency, not both".into()),
-            (None, None) => Err("missing rate (such as 10/s) or concurrency (such as 4)".into()),
+            (None, None) => Err(
+                "missing rate (such as 10/s), concurrency (such as 4) or adaptive (such as { max: 100 })"
+                    .into(),
+            ),
         }
     }
 }
@@ -691,12 +779,21 @@ impl From<Limit> for RawLimit {
                 burst: Some(burst),
                 algorithm: Some(algorithm),
                 concurrency: None,
+                adaptive: None,
             },
             Limit::Concurrency(n) => RawLimit {
                 rate: None,
                 burst: None,
                 algorithm: None,
                 concurrency: Some(n),
+                adaptive: None,
+            },
+            Limit::Adaptive(spec) => RawLimit {
+                rate: None,
+                burst: None,
+                algorithm: None,
+                concurrency: None,
+                adaptive: Some(spec),
             },
         }
     }

@@ -289,11 +289,12 @@ where
                 &RequestView::of(&req, client_ip),
             )
             .await;
-            let admit = match admitted {
+            let mut admit = match admitted {
                 Ok(a) => a,
                 Err(refusal) => return Ok(respond::refusal(&refusal, grpc)),
             };
             let resp = inner.call(req).await?;
+            admit.permits.iter_mut().for_each(Permit::responded);
             let mut resp = resp.map(|b| Either::Left(PermitBody::new(b, admit.permits)));
             // `states` is filled only under `headers: always`, so this is a no-op otherwise.
             respond::add_rate_headers(resp.headers_mut(), &admit.states);

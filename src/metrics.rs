@@ -198,6 +198,11 @@ pub struct Metrics {
     pub config_reloads_ok: IntCounter,
     pub config_reloads_error: IntCounter,
     pub config_loaded_at: prometheus::Gauge,
+    /// Adaptive concurrency, per rule: the limit now, the learned no-load latency, the last
+    /// window's latency.
+    pub adaptive_limit: IntGaugeVec,
+    pub adaptive_baseline: prometheus::GaugeVec,
+    pub adaptive_latency: prometheus::GaugeVec,
 }
 
 impl Metrics {
@@ -344,6 +349,37 @@ impl Metrics {
         registry
             .register(Box::new(config_loaded_at.clone()))
             .expect("metric names are unique");
+        let adaptive_limit = IntGaugeVec::new(
+            Opts::new(
+                "spillway_adaptive_limit",
+                "Adaptive concurrency: requests the rule lets in flight now.",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
+        let adaptive_baseline = prometheus::GaugeVec::new(
+            Opts::new(
+                "spillway_adaptive_baseline_seconds",
+                "Adaptive concurrency: the upstream's learned no-load latency.",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
+        let adaptive_latency = prometheus::GaugeVec::new(
+            Opts::new(
+                "spillway_adaptive_latency_seconds",
+                "Adaptive concurrency: the upstream's average latency in the last window.",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
+        for c in [
+            Box::new(adaptive_limit.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(adaptive_baseline.clone()),
+            Box::new(adaptive_latency.clone()),
+        ] {
+            registry.register(c).expect("metric names are unique");
+        }
         let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
         Self {
             registry,
@@ -368,6 +404,9 @@ impl Metrics {
             config_reloads_ok: reloads.with_label_values(&["ok"]),
             config_reloads_error: reloads.with_label_values(&["error"]),
             config_loaded_at,
+            adaptive_limit,
+            adaptive_baseline,
+            adaptive_latency,
         }
     }
 

@@ -28,8 +28,8 @@ use crate::control::{DropRatios, Staleness};
 use crate::exact::{self, Exact};
 use crate::key::{extract, extract_text, KeyBuf, KeyPart, RequestView};
 use crate::limit::{
-    ceil_secs, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, Nanos,
-    Permit, Quota, SlidingWindowCounter, SlidingWindowLog, TokenBucket, NANOS_PER_SEC,
+    ceil_secs, Adaptive, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter,
+    Nanos, Permit, Quota, SlidingWindowCounter, SlidingWindowLog, TokenBucket, NANOS_PER_SEC,
 };
 use crate::metrics::Metrics;
 
@@ -73,6 +73,10 @@ enum Kind {
     Concurrency {
         max: u32,
         store: Store<Arc<Concurrency>>,
+    },
+    /// In flight at once for the whole rule, a limit that follows the upstream's latency.
+    Adaptive {
+        limiter: Arc<Adaptive>,
     },
     /// Decided by a script in Redis, after the local rules; see [`RuleSet::resolve`].
     Redis {
@@ -403,6 +407,8 @@ pub struct Denial {
     pub header_mode: HeaderMode,
     /// Set when the refusing rule has `on_limit: delay`.
     pub delay: Option<Delay>,
+    /// Refused for capacity (an adaptive limit), not quota: 503, not 429.
+    pub capacity: bool,
 }
 
 impl Denial {
@@ -543,6 +549,21 @@ impl RuleSet {
                     }
                     decision
                 }
+                Kind::Adaptive { limiter } => match limiter.try_acquire() {
+                    Some(p) => {
+                        let remaining = limiter.limit().saturating_sub(limiter.in_flight());
+                        admit.permits.push(p.into());
+                        taken.push((i, Taken::Concurrency));
+                        Decision::Allow {
+                            remaining,
+                            reset_after: 0,
+                            wait: 0,
+                        }
+                    }
+                    None => Decision::Deny {
+                        retry_after: Some(CONCURRENCY_RETRY),
+                    },
+                },
                 Kind::Redis {
                     refused,
                     cache_answers,
@@ -646,6 +667,7 @@ impl RuleSet {
                             retry_after,
                             header_mode: self.header_mode,
                             delay: rule.delay.clone(),
+                            capacity: matches!(*rule.kind, Kind::Adaptive { .. }),
                         });
                     }
                 },
@@ -757,6 +779,7 @@ impl RuleSet {
                             retry_after,
                             header_mode: self.header_mode,
                             delay: None,
+                            capacity: false,
                         });
                     }
                 },
@@ -888,6 +911,7 @@ impl RuleSet {
                 Kind::Concurrency { store, .. } => {
                     store.sweep(|c| c.in_flight() == 0 && Arc::strong_count(c) == 1)
                 }
+                Kind::Adaptive { .. } => 0,
                 Kind::Redis {
                     refused, fallback, ..
                 } => {
@@ -921,6 +945,7 @@ impl RuleSet {
                 Kind::Concurrency { store, .. } => store.len.load(Ordering::Relaxed),
                 Kind::Global { store, .. } => store.len.load(Ordering::Relaxed),
                 Kind::Redis { refused, .. } => refused.len.load(Ordering::Relaxed),
+                Kind::Adaptive { .. } => 0,
             })
     }
 }
@@ -972,6 +997,7 @@ fn policy_of(r: &Rule, name: &str) -> String {
             algorithm, quota, ..
         } => rate_policy(name, *algorithm, quota),
         Limit::Concurrency(n) => format!("\"{name}\";q={n}"),
+        Limit::Adaptive(spec) => format!("\"{name}\";q={}", spec.max),
     }
 }
 
@@ -1006,6 +1032,22 @@ fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
             max: n.get(),
             store: Store::new(parts),
         },
+        Limit::Adaptive(spec) => {
+            let limit = metrics.adaptive_limit.with_label_values(&[label]);
+            let baseline = metrics.adaptive_baseline.with_label_values(&[label]);
+            let sample = metrics.adaptive_latency.with_label_values(&[label]);
+            let settings = spec.settings();
+            limit.set(i64::from(
+                settings.initial.clamp(settings.min, settings.max),
+            ));
+            Kind::Adaptive {
+                limiter: Arc::new(Adaptive::with_observer(settings, move |s| {
+                    limit.set(i64::from(s.limit));
+                    baseline.set(s.baseline as f64 / 1e9);
+                    sample.set(s.sample as f64 / 1e9);
+                })),
+            }
+        }
     }
 }
 

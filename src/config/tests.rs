@@ -536,3 +536,34 @@ fn redis_passwords_never_show_in_config_dumps_or_errors() {
     .to_string();
     assert!(!e.contains("s3cret"), "{e}");
 }
+
+#[test]
+fn adaptive_limits_parse_and_their_mistakes_are_named() {
+    let c = Config::from_yaml(
+        &format!("{BASE}rules:\n  - name: app\n    key: []\n    limit: {{ adaptive: {{ min: 4, max: 512 }} }}\n"),
+        "t.yaml",
+    )
+    .unwrap();
+    let Limit::Adaptive(spec) = c.rules[0].limit else {
+        panic!("not adaptive")
+    };
+    assert_eq!(spec.settings().initial, 4, "starts at min by default");
+    assert_eq!(spec.tolerance, 2.0);
+    let e = |rule: &str| err(&format!("{BASE}rules:\n{rule}"));
+    assert!(
+        e("  - name: a\n    key: []\n    limit: { adaptive: { min: 9, max: 4 } }\n")
+            .contains("adaptive: min 9 is above max 4")
+    );
+    assert!(
+        e("  - name: a\n    key: []\n    limit: { adaptive: { max: 4, tolerance: 1.0 } }\n")
+            .contains("tolerance 1 must be between 1.1 and 10")
+    );
+    assert!(
+        e("  - name: a\n    key: client_ip\n    limit: { adaptive: { max: 4 } }\n")
+            .contains("rule a: an adaptive limit is one per rule")
+    );
+    assert!(
+        e("  - name: a\n    key: []\n    limit: { adaptive: { max: 4 }, rate: 1/s }\n")
+            .contains("adaptive takes no rate")
+    );
+}

@@ -7,6 +7,8 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
+use super::adaptive::AdaptivePermit;
+
 /// Per-key in-flight count: 4 bytes behind an `Arc`, shared with the permits.
 #[derive(Debug, Default)]
 pub struct Concurrency {
@@ -23,7 +25,7 @@ impl Concurrency {
                 (n < max).then_some(n + 1)
             })
             .ok()
-            .map(|_| Permit(self.clone()))
+            .map(|_| Permit(Held::Fixed(self.clone())))
     }
 
     pub fn in_flight(&self) -> u32 {
@@ -31,20 +33,46 @@ impl Concurrency {
     }
 }
 
-/// One slot; dropping it frees the slot.
+/// A slot of a concurrency limit, fixed or adaptive; dropping it frees the slot.
 #[derive(Debug)]
-pub struct Permit(Arc<Concurrency>);
+pub struct Permit(Held);
+
+#[derive(Debug)]
+enum Held {
+    Fixed(Arc<Concurrency>),
+    Adaptive(AdaptivePermit),
+}
 
 impl Permit {
-    /// Slots of this key taken now, this one included.
+    /// Slots of this key (or adaptive rule) taken now, this one included.
     pub fn in_flight(&self) -> u32 {
-        self.0.in_flight()
+        match &self.0 {
+            Held::Fixed(c) => c.in_flight(),
+            Held::Adaptive(p) => p.limiter().in_flight(),
+        }
+    }
+
+    /// The upstream answered: an adaptive limit takes the request's latency now (else when
+    /// the permit is dropped). Nothing for a fixed limit.
+    pub fn responded(&mut self) {
+        if let Held::Adaptive(p) = &mut self.0 {
+            p.responded();
+        }
+    }
+}
+
+impl From<AdaptivePermit> for Permit {
+    fn from(p: AdaptivePermit) -> Self {
+        Permit(Held::Adaptive(p))
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.0.in_flight.fetch_sub(1, Ordering::Relaxed);
+        // An adaptive permit frees its slot in its own Drop.
+        if let Held::Fixed(c) = &self.0 {
+            c.in_flight.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 

@@ -7,6 +7,7 @@
 //! Cost of a decision for a known key: one atomic load and one successful CAS in the common
 //! case (a retry per lost race), plus a few integer operations; see `benches/decision.rs`.
 
+pub mod adaptive;
 mod clock;
 pub mod concurrency;
 pub mod fixed_window;
@@ -16,6 +17,7 @@ pub mod sliding_window_counter;
 pub mod sliding_window_log;
 pub mod token_bucket;
 
+pub use adaptive::Adaptive;
 pub use clock::{AnyClock, Clock, ManualClock, MonotonicClock, Nanos, NANOS_PER_SEC};
 pub use concurrency::{Concurrency, Permit};
 pub use fixed_window::FixedWindow;

@@ -63,7 +63,7 @@ impl Forward<'_> {
     pub async fn send(
         &self,
         mut req: Request<Incoming>,
-        permits: SmallVec<[Permit; 1]>,
+        mut permits: SmallVec<[Permit; 1]>,
     ) -> Response<Body> {
         // HTTP/1.1 upgrades only: an HTTP/2 upstream has no Upgrade.
         let upgrade = (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut req));
@@ -72,7 +72,11 @@ impl Forward<'_> {
         }
         let result = tokio::time::timeout(self.response_timeout, self.client.request(req)).await;
         let mut resp = match result {
-            Ok(Ok(resp)) => resp,
+            Ok(Ok(resp)) => {
+                // The upstream's latency, for adaptive limits: to the response head.
+                permits.iter_mut().for_each(Permit::responded);
+                resp
+            }
             Ok(Err(e)) => return self.failed(classify(&e)),
             Err(_) => return self.failed(UpstreamError::ResponseTimeout),
         };

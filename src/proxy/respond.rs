@@ -56,6 +56,9 @@ pub fn refusal<L>(refusal: &Refusal, grpc: bool) -> Ours<L> {
 /// Built with one buffer for the body and one per formatted header value (nginx answers
 /// `limit_req` with a static page; this is the closest we get while saying which rule and when).
 pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
+    if denial.capacity {
+        return reduced_capacity(denial, grpc);
+    }
     let rule = &denial.state.rule;
     let retry = denial.retry_after_secs();
     let mut resp = if grpc {
@@ -93,6 +96,37 @@ pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
     if denial.header_mode != HeaderMode::Never {
         add_rate_headers(headers, std::slice::from_ref(&denial.state));
     }
+    resp
+}
+
+/// The problem type of draft-ietf-httpapi-ratelimit-headers for capacity, not quota.
+const REDUCED_CAPACITY: &str =
+    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
+
+/// 503 with `Retry-After` for a request an adaptive limit refused: the upstream is at the
+/// concurrency its latency allows now. No `RateLimit` headers: this is not the client's quota.
+fn reduced_capacity<L>(denial: &Denial, grpc: bool) -> Ours<L> {
+    let rule = &denial.state.rule;
+    let secs = denial.retry_after_secs().unwrap_or(1);
+    let mut resp = if grpc {
+        // UNAVAILABLE: gRPC clients retry it with back-off.
+        let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
+        let h = resp.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("14"));
+        resp
+    } else {
+        let mut body = BytesMut::with_capacity(256);
+        let _ = writeln!(
+            body,
+            "{{\"type\":\"{REDUCED_CAPACITY}\",\"title\":\"Temporary Reduced Capacity\",\"status\":503,\
+             \"detail\":\"the upstream is at the concurrency rule {rule} allows for its latency now; retry in {secs} s\",\
+             \"rule\":\"{rule}\",\"retry_after\":{secs}}}"
+        );
+        problem(StatusCode::SERVICE_UNAVAILABLE, body.freeze())
+    };
+    resp.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from(secs));
     resp
 }
 
