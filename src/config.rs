@@ -929,7 +929,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
         .ok_or_else(|| format!("{s:?}: too long"))
 }
 
-fn format_duration(d: Duration) -> String {
+pub fn format_duration(d: Duration) -> String {
     let ms = d.as_millis();
     for (unit, size) in [
         ("d", 86_400_000),

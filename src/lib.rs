@@ -13,6 +13,7 @@
 //! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/config` on their own listener.
 //! - [`metrics`]: every Prometheus family, handles resolved once.
 //! - [`watch`]: noticing config changes (directory events, SIGHUP) for hot reload.
+//! - [`tune`]: limits from Prometheus history; shadow rules promoted when safe.
 //! - [`demo`]: a self-contained run that shows the limiter at work.
 
 pub mod admin;
@@ -26,6 +27,7 @@ pub mod limit;
 pub mod metrics;
 pub mod proxy;
 pub mod rules;
+pub mod tune;
 pub mod watch;
 
 pub use config::{Config, ConfigError};

@@ -62,6 +62,41 @@ enum Command {
         #[arg(long, env = "SPILLWAY_TOKEN_FILE")]
         token_file: Option<PathBuf>,
     },
+    /// Propose limits from Prometheus history (peak offered rate + margin), new ones in shadow
+    /// mode first; or, with --promote, switch shadow rules that would rarely have rejected to
+    /// enforce.
+    Tune {
+        /// The config whose rate limits are tuned.
+        #[arg(long, required_unless_present = "promote", conflicts_with = "promote")]
+        config: Option<PathBuf>,
+        /// Instead: promote this config's shadow rules whose would-be rejections stayed under
+        /// --threshold over --lookback.
+        #[arg(long)]
+        promote: Option<PathBuf>,
+        /// Prometheus's HTTP API, http://host:port.
+        #[arg(long, env = "SPILLWAY_PROMETHEUS")]
+        prometheus: String,
+        #[arg(long, default_value = "28d", value_parser = parse_duration)]
+        lookback: std::time::Duration,
+        /// Proposed limit = observed peak x (1 + margin).
+        #[arg(long, default_value = "25%", value_parser = spillway::tune::parse_fraction)]
+        margin: f64,
+        /// The peak: the highest rate seen, or its 99th percentile (ignores rare spikes).
+        #[arg(long, default_value = "max")]
+        quantile: spillway::tune::Quantile,
+        /// No proposal for a rule with less history than this.
+        #[arg(long, default_value = "7d", value_parser = parse_duration)]
+        min_history: std::time::Duration,
+        /// Rate window and subquery step.
+        #[arg(long, default_value = "5m", value_parser = parse_duration)]
+        step: std::time::Duration,
+        /// --promote: the largest would-be rejection ratio a shadow rule may have had.
+        #[arg(long, default_value = "1%", value_parser = spillway::tune::parse_fraction)]
+        threshold: f64,
+        /// Write the resulting config here (validated first); without it, a dry run.
+        #[arg(long)]
+        write: Option<PathBuf>,
+    },
     /// Run an upstream, the proxy and a load generator on loopback, and show the limiter work.
     Demo {
         /// How long to offer load, in seconds.
@@ -177,6 +212,62 @@ fn main() -> ExitCode {
             };
             serve_role("aggregator", spillway::control::aggregator::start(options)).await
         }),
+        Command::Tune {
+            config,
+            promote,
+            prometheus,
+            lookback,
+            margin,
+            quantile,
+            min_history,
+            step,
+            threshold,
+            write,
+        } => {
+            let opts = spillway::tune::Options {
+                prometheus,
+                lookback,
+                margin,
+                quantile,
+                min_history,
+                step,
+                threshold,
+            };
+            run(async move {
+                let (table, text) = match (config, promote) {
+                    (Some(path), _) => {
+                        let tuned = spillway::tune::tune(&path, &opts)
+                            .await
+                            .map_err(anyhow::Error::msg)?;
+                        (spillway::tune::render(&tuned.rows, &opts), tuned.text)
+                    }
+                    (None, Some(path)) => {
+                        let (rows, text) = spillway::tune::promote(&path, &opts)
+                            .await
+                            .map_err(anyhow::Error::msg)?;
+                        (spillway::tune::render_promote(&rows, &opts), text)
+                    }
+                    (None, None) => anyhow::bail!("give --config FILE or --promote FILE"),
+                };
+                print!("{table}");
+                match write {
+                    Some(out) => {
+                        std::fs::write(&out, text)
+                            .map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+                        println!(
+                            "
+wrote {}",
+                            out.display()
+                        );
+                    }
+                    None => println!(
+                        "
+(dry run: give --write FILE to write the result)"
+                    ),
+                }
+                Ok(())
+            })
+        }
         Command::Demo { seconds, fleet } => {
             if fleet {
                 run(spillway::demo::fleet())

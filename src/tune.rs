@@ -1,0 +1,620 @@
+//! `spillway tune`: limits derived from history, and shadow rules promoted when safe.
+//!
+//! Uber keeps its limits fresh by setting them from weeks of observed peaks plus a margin, and
+//! runs every new limit in shadow first. This reads that history from Prometheus (the
+//! `spillway_requests_total` the proxies export), proposes per rule `peak x (1 + margin)`, and
+//! writes a config whose changed rules are in `mode: shadow`; `--promote` later switches the
+//! shadow rules whose would-be rejections stayed under a threshold to `mode: enforce`.
+//!
+//! Demand is offered requests: allowed + rejected + shadow_rejected, so limiting does not hide
+//! it. History is per rule (metrics never carry keys), so proposals are made for rules with one
+//! bucket (`key: []`); keyed rules are listed as skipped, with their rule-wide peak. The config
+//! is edited as text (comments and layout survive) and the result is validated before it is
+//! written. Must never: raise a limit without saying so, or propose from too little history.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Uri;
+use http_body_util::{BodyExt, Empty, Limited};
+use hyper_util::client::legacy::{connect::HttpConnector, Client};
+use hyper_util::rt::TokioExecutor;
+
+use crate::config::{format_duration, Config, Limit, Mode};
+
+/// What `tune` and `--promote` read and how they judge it.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// Base URL of Prometheus's HTTP API, `http://host:port`.
+    pub prometheus: String,
+    pub lookback: Duration,
+    /// Proposed = peak x (1 + margin).
+    pub margin: f64,
+    pub quantile: Quantile,
+    /// Less history than this for a rule: no proposal for it.
+    pub min_history: Duration,
+    /// `rate()` window and subquery step.
+    pub step: Duration,
+    /// `--promote`: the largest would-be rejection ratio a shadow rule may have had.
+    pub threshold: f64,
+}
+
+/// The statistic of the offered rate over the lookback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Quantile {
+    Max,
+    P99,
+}
+
+impl std::str::FromStr for Quantile {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "max" => Ok(Quantile::Max),
+            "p99" => Ok(Quantile::P99),
+            _ => Err(format!("{s:?}: expected max or p99")),
+        }
+    }
+}
+
+/// `25%` or `0.25`.
+pub fn parse_fraction(s: &str) -> Result<f64, String> {
+    let v = match s.strip_suffix('%') {
+        Some(p) => p.trim().parse::<f64>().map(|v| v / 100.0),
+        None => s.trim().parse::<f64>(),
+    }
+    .map_err(|_| format!("{s:?}: expected a percentage such as 25% or a fraction such as 0.25"))?;
+    if !(0.0..=10.0).contains(&v) {
+        return Err(format!("{s:?}: out of range"));
+    }
+    Ok(v)
+}
+
+/// One row of the `tune` table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Row {
+    pub rule: String,
+    pub current: String,
+    /// Offered requests per second at the chosen quantile; `None` when there was no data.
+    pub peak: Option<f64>,
+    pub history: Duration,
+    pub proposal: Proposal,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Proposal {
+    /// A new rate (same period as the current one), and whether it raises the limit.
+    Set {
+        rate: String,
+        raises: bool,
+        change: f64,
+    },
+    Unchanged,
+    Skipped(String),
+}
+
+/// The result of `tune`.
+#[derive(Debug, Clone)]
+pub struct Tuned {
+    pub rows: Vec<Row>,
+    /// The config with the proposals applied and their rules in shadow mode.
+    pub text: String,
+}
+
+/// Reads the history of every rule of `path` and proposes limits.
+pub async fn tune(path: &Path, opts: &Options) -> Result<Tuned, String> {
+    let (mut text, config) = load(path)?;
+    let prom = Prometheus::new(&opts.prometheus)?;
+    let offered = offered_rate(opts);
+    let window = format!(
+        "{}:{}",
+        prom_duration(opts.lookback),
+        prom_duration(opts.step)
+    );
+    let stat = match opts.quantile {
+        Quantile::Max => format!("max_over_time(({offered})[{window}])"),
+        Quantile::P99 => format!("quantile_over_time(0.99, ({offered})[{window}])"),
+    };
+    let peaks = prom.by_rule(&stat).await?;
+    let history = history(&prom, opts).await?;
+    let mut rows = Vec::new();
+    for rule in &config.rules {
+        let name = rule.name.0.clone();
+        let had = history.get(&name).copied().unwrap_or_default();
+        let peak = peaks.get(&name).copied();
+        let Limit::Rate { rate, .. } = &rule.limit else {
+            rows.push(Row {
+                rule: name,
+                current: "concurrency".into(),
+                peak,
+                history: had,
+                proposal: Proposal::Skipped("not a rate limit".into()),
+            });
+            continue;
+        };
+        let current = rate.to_string();
+        let proposal = if !rule.key.0.is_empty() {
+            Proposal::Skipped("per-key limit; history is per rule".into())
+        } else if had < opts.min_history {
+            Proposal::Skipped(format!(
+                "only {} of history (need {})",
+                human(had),
+                human(opts.min_history)
+            ))
+        } else {
+            match peak {
+                None => Proposal::Skipped("no traffic in the lookback".into()),
+                Some(peak) => {
+                    let period = rate.period.as_secs_f64();
+                    let count = (peak * (1.0 + opts.margin) * period).ceil().max(1.0) as u64;
+                    let old = u64::from(rate.count.get());
+                    if count == old {
+                        Proposal::Unchanged
+                    } else {
+                        let unit = current.split_once('/').map_or("s", |(_, u)| u);
+                        let new_rate = format!("{count}/{unit}");
+                        text = edit_rule(&text, &name, Some(&new_rate), Some(Mode::Shadow))?;
+                        Proposal::Set {
+                            rate: new_rate,
+                            raises: count > old,
+                            change: count as f64 / old as f64 - 1.0,
+                        }
+                    }
+                }
+            }
+        };
+        rows.push(Row {
+            rule: name,
+            current,
+            peak,
+            history: had,
+            proposal,
+        });
+    }
+    validate(&text, path)?;
+    Ok(Tuned { rows, text })
+}
+
+/// One row of the `--promote` table.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PromoteRow {
+    pub rule: String,
+    /// Would-be rejections / offered over the lookback.
+    pub ratio: Option<f64>,
+    pub history: Duration,
+    pub promoted: bool,
+    pub why: String,
+}
+
+/// Switches shadow rules whose would-be rejection ratio stayed under the threshold to enforce.
+pub async fn promote(path: &Path, opts: &Options) -> Result<(Vec<PromoteRow>, String), String> {
+    let (mut text, config) = load(path)?;
+    let prom = Prometheus::new(&opts.prometheus)?;
+    let range = prom_duration(opts.lookback);
+    let shadow = prom
+        .by_rule(&format!(
+            "sum by (rule) (increase(spillway_requests_total{{decision=\"shadow_rejected\"}}[{range}]))"
+        ))
+        .await?;
+    let offered = prom
+        .by_rule(&format!(
+            "sum by (rule) (increase(spillway_requests_total{{decision=~\"allowed|shadow_rejected\"}}[{range}]))"
+        ))
+        .await?;
+    let history = history(&prom, opts).await?;
+    let mut rows = Vec::new();
+    for rule in config.rules.iter().filter(|r| r.mode == Mode::Shadow) {
+        let name = rule.name.0.clone();
+        let had = history.get(&name).copied().unwrap_or_default();
+        let ratio = match (shadow.get(&name), offered.get(&name)) {
+            (_, None) | (_, Some(0.0)) => None,
+            (s, Some(o)) => Some(s.copied().unwrap_or(0.0) / o),
+        };
+        let (promoted, why) = if had < opts.min_history {
+            (
+                false,
+                format!(
+                    "only {} of history (need {})",
+                    human(had),
+                    human(opts.min_history)
+                ),
+            )
+        } else {
+            match ratio {
+                None => (false, "no traffic in the lookback".to_string()),
+                Some(r) if r <= opts.threshold => (
+                    true,
+                    format!(
+                        "would have rejected {} <= {}",
+                        percent(r),
+                        percent(opts.threshold)
+                    ),
+                ),
+                Some(r) => (
+                    false,
+                    format!(
+                        "would have rejected {} > {}",
+                        percent(r),
+                        percent(opts.threshold)
+                    ),
+                ),
+            }
+        };
+        if promoted {
+            text = edit_rule(&text, &name, None, Some(Mode::Enforce))?;
+        }
+        rows.push(PromoteRow {
+            rule: name,
+            ratio,
+            history: had,
+            promoted,
+            why,
+        });
+    }
+    validate(&text, path)?;
+    Ok((rows, text))
+}
+
+/// The `tune` table, Markdown.
+pub fn render(rows: &[Row], opts: &Options) -> String {
+    let mut out = String::new();
+    let stat = match opts.quantile {
+        Quantile::Max => "max",
+        Quantile::P99 => "p99",
+    };
+    let _ = writeln!(
+        out,
+        "Offered requests/s ({stat} over {}, {} steps), margin {}:\n",
+        human(opts.lookback),
+        human(opts.step),
+        percent(opts.margin)
+    );
+    let _ = writeln!(
+        out,
+        "| rule | current limit | observed peak | history | proposed limit | change |"
+    );
+    let _ = writeln!(out, "|---|---|---|---|---|---|");
+    let mut raised = Vec::new();
+    for r in rows {
+        let peak = r.peak.map_or("-".to_string(), |p| format!("{p:.1}/s"));
+        let (proposed, change) = match &r.proposal {
+            Proposal::Set {
+                rate,
+                raises,
+                change,
+            } => {
+                if *raises {
+                    raised.push(r.rule.clone());
+                }
+                (
+                    rate.clone(),
+                    format!(
+                        "{} {:+.0} % (shadow first)",
+                        if *raises { "RAISE" } else { "lower" },
+                        change * 100.0
+                    ),
+                )
+            }
+            Proposal::Unchanged => (r.current.clone(), "unchanged".into()),
+            Proposal::Skipped(why) => ("-".into(), format!("skipped: {why}")),
+        };
+        let _ = writeln!(
+            out,
+            "| {} | {} | {peak} | {} | {proposed} | {change} |",
+            r.rule,
+            r.current,
+            human(r.history)
+        );
+    }
+    if !raised.is_empty() {
+        let _ = writeln!(
+            out,
+            "\nWARNING: this RAISES the limit of {}: more traffic will reach the service.",
+            raised.join(", ")
+        );
+    }
+    out
+}
+
+/// The `--promote` table, Markdown.
+pub fn render_promote(rows: &[PromoteRow], opts: &Options) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "Shadow rules over {} (promote when would-be rejections <= {}):\n",
+        human(opts.lookback),
+        percent(opts.threshold)
+    );
+    let _ = writeln!(out, "| rule | would-be rejected | history | result |");
+    let _ = writeln!(out, "|---|---|---|---|");
+    for r in rows {
+        let _ = writeln!(
+            out,
+            "| {} | {} | {} | {}: {} |",
+            r.rule,
+            r.ratio.map_or("-".to_string(), percent),
+            human(r.history),
+            if r.promoted {
+                "enforce"
+            } else {
+                "stays shadow"
+            },
+            r.why
+        );
+    }
+    if rows.is_empty() {
+        let _ = writeln!(out, "(no rule is in shadow mode)");
+    }
+    out
+}
+
+fn offered_rate(opts: &Options) -> String {
+    format!(
+        "sum by (rule) (rate(spillway_requests_total{{decision=~\"allowed|rejected|shadow_rejected\"}}[{}]))",
+        prom_duration(opts.step)
+    )
+}
+
+/// How much history each rule has in the lookback: steps with data x step.
+async fn history(prom: &Prometheus, opts: &Options) -> Result<BTreeMap<String, Duration>, String> {
+    let q = format!(
+        "count_over_time(({})[{}:{}])",
+        offered_rate(opts),
+        prom_duration(opts.lookback),
+        prom_duration(opts.step)
+    );
+    Ok(prom
+        .by_rule(&q)
+        .await?
+        .into_iter()
+        .map(|(rule, n)| (rule, opts.step.mul_f64(n.max(0.0))))
+        .collect())
+}
+
+fn load(path: &Path) -> Result<(String, Config), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let config =
+        Config::from_yaml(&text, &path.display().to_string()).map_err(|e| e.to_string())?;
+    Ok((text, config))
+}
+
+fn validate(text: &str, path: &Path) -> Result<(), String> {
+    Config::from_yaml(text, &format!("{} (as rewritten)", path.display()))
+        .map(|_| ())
+        .map_err(|e| format!("the rewritten config is not valid, nothing written: {e}"))
+}
+
+/// Sets, in the rule called `name`, the `rate:` of its `limit:` and/or its `mode:`, editing
+/// only those values so that comments and layout stay.
+pub fn edit_rule(
+    text: &str,
+    name: &str,
+    rate: Option<&str>,
+    mode: Option<Mode>,
+) -> Result<String, String> {
+    let lines: Vec<&str> = text.split_inclusive('\n').collect();
+    let is_name = |l: &str| {
+        let t = l.trim_start();
+        let t = t.strip_prefix("- ").unwrap_or(t).trim_start();
+        t.strip_prefix("name:")
+            .map(|v| v.trim().trim_matches(|c| c == '"' || c == '\'') == name)
+            .unwrap_or(false)
+    };
+    let start = lines
+        .iter()
+        .position(|l| is_name(l))
+        .ok_or_else(|| format!("rule {name} not found in the file"))?;
+    // The rule's keys are indented like its `name:`; the block ends at the next list item or
+    // at anything indented less.
+    let key_indent = {
+        let l = lines[start];
+        let dash = l.len() - l.trim_start().len();
+        if l.trim_start().starts_with("- ") {
+            dash + 2
+        } else {
+            dash
+        }
+    };
+    let mut end = start + 1;
+    while end < lines.len() {
+        let l = lines[end];
+        let indent = l.len() - l.trim_start().len();
+        if !l.trim().is_empty()
+            && (indent < key_indent || l.trim_start().starts_with("- ") && indent < key_indent + 1)
+        {
+            break;
+        }
+        end += 1;
+    }
+    let mut block: Vec<String> = lines[start..end].iter().map(|s| s.to_string()).collect();
+    if let Some(rate) = rate {
+        let i = block
+            .iter()
+            .position(|l| l.trim_start().starts_with("limit:"))
+            .ok_or_else(|| format!("rule {name}: no limit: line"))?;
+        // The rate is on the limit: line (flow style) or on a following one (block style).
+        let j = (i..block.len())
+            .find(|&j| block[j].contains("rate:"))
+            .ok_or_else(|| format!("rule {name}: no rate: in its limit"))?;
+        let l = &block[j];
+        let at = l.find("rate:").expect("found above") + "rate:".len();
+        let rest = &l[at..];
+        let value_start = at + (rest.len() - rest.trim_start().len());
+        let value_end = l[value_start..]
+            .find(|c: char| c.is_whitespace() || c == ',' || c == '}')
+            .map_or(l.len(), |e| value_start + e);
+        block[j] = format!("{}{rate}{}", &l[..value_start], &l[value_end..]);
+    }
+    if let Some(mode) = mode {
+        let value = match mode {
+            Mode::Shadow => "shadow",
+            Mode::Enforce => "enforce",
+        };
+        match block.iter().position(|l| {
+            l.trim_start().starts_with("mode:") && l.len() - l.trim_start().len() == key_indent
+        }) {
+            Some(i) => block[i] = format!("{}mode: {value}\n", " ".repeat(key_indent)),
+            None => {
+                let mut at = block.len();
+                while at > 1 && block[at - 1].trim().is_empty() {
+                    at -= 1;
+                }
+                if !block[at - 1].ends_with('\n') {
+                    block[at - 1].push('\n');
+                }
+                block.insert(at, format!("{}mode: {value}\n", " ".repeat(key_indent)));
+            }
+        }
+    }
+    let mut out: String = lines[..start].concat();
+    out.extend(block);
+    out.push_str(&lines[end..].concat());
+    Ok(out)
+}
+
+/// Prometheus's HTTP API, instant queries.
+struct Prometheus {
+    base: String,
+    client: Client<HttpConnector, Empty<Bytes>>,
+}
+
+impl Prometheus {
+    fn new(base: &str) -> Result<Self, String> {
+        let base = base.trim_end_matches('/').to_string();
+        let uri: Uri = base
+            .parse()
+            .map_err(|e| format!("--prometheus {base}: not a URL: {e}"))?;
+        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
+            return Err(format!("--prometheus {base}: expected http://host:port"));
+        }
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        Ok(Prometheus {
+            base,
+            client: Client::builder(TokioExecutor::new()).build(connector),
+        })
+    }
+
+    /// An instant query whose result is one value per `rule` label.
+    async fn by_rule(&self, query: &str) -> Result<BTreeMap<String, f64>, String> {
+        let encoded: String = url::form_urlencoded::byte_serialize(query.as_bytes()).collect();
+        let uri: Uri = format!("{}/api/v1/query?query={encoded}", self.base)
+            .parse()
+            .map_err(|e| format!("bad query URL: {e}"))?;
+        let exchange = async {
+            let resp = self
+                .client
+                .get(uri)
+                .await
+                .map_err(|e| format!("cannot reach Prometheus at {}: {e}", self.base))?;
+            let status = resp.status();
+            let body = Limited::new(resp.into_body(), 64 << 20)
+                .collect()
+                .await
+                .map_err(|e| format!("reading Prometheus's answer: {e}"))?
+                .to_bytes();
+            Ok::<_, String>((status, body))
+        };
+        let (status, body) = tokio::time::timeout(Duration::from_secs(60), exchange)
+            .await
+            .map_err(|_| format!("Prometheus at {} did not answer within 60 s", self.base))??;
+        let doc: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| format!("Prometheus answered {status} with no JSON: {e}"))?;
+        if doc["status"] != "success" {
+            return Err(format!(
+                "Prometheus refused the query ({status}): {}",
+                doc["error"].as_str().unwrap_or("no error given")
+            ));
+        }
+        let mut out = BTreeMap::new();
+        for r in doc["data"]["result"].as_array().into_iter().flatten() {
+            let (Some(rule), Some(v)) = (r["metric"]["rule"].as_str(), r["value"][1].as_str())
+            else {
+                continue;
+            };
+            if let Ok(v) = v.parse::<f64>() {
+                if v.is_finite() {
+                    out.insert(rule.to_string(), v);
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// A duration as PromQL writes it.
+fn prom_duration(d: Duration) -> String {
+    format_duration(d)
+}
+
+fn human(d: Duration) -> String {
+    let s = d.as_secs();
+    match (s / 86_400, (s % 86_400) / 3600, (s % 3600) / 60) {
+        (0, 0, m) => format!("{m}m"),
+        (0, h, m) => format!("{h}h{m:02}m"),
+        (d, h, _) => format!("{d}d{h}h"),
+    }
+}
+
+fn percent(f: f64) -> String {
+    format!("{:.2} %", f * 100.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FILE: &str = "service: s
+listen: 127.0.0.1:0
+upstream: http://127.0.0.1:1
+rules:
+  # the checkout API as a whole
+  - name: checkout
+    key: []
+    limit: { rate: 100/s, burst: 200 }   # set in 2024
+    cost: 1
+  - name: search
+    key: []
+    limit:
+      rate: 10/m
+    mode: shadow
+";
+
+    #[test]
+    fn edits_touch_only_the_rate_and_the_mode_and_keep_comments() {
+        let out = edit_rule(FILE, "checkout", Some("140/s"), Some(Mode::Shadow)).unwrap();
+        assert!(
+            out.contains("    limit: { rate: 140/s, burst: 200 }   # set in 2024\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("    cost: 1\n    mode: shadow\n  - name: search"),
+            "{out}"
+        );
+        assert!(out.contains("  # the checkout API as a whole\n"));
+        let out = edit_rule(&out, "search", Some("12/m"), Some(Mode::Enforce)).unwrap();
+        assert!(
+            out.contains("    limit:\n      rate: 12/m\n    mode: enforce\n"),
+            "{out}"
+        );
+        let c = Config::from_yaml(&out, "t").unwrap();
+        assert_eq!(c.rules[0].mode, Mode::Shadow);
+        assert_eq!(c.rules[1].mode, Mode::Enforce);
+        assert!(edit_rule(FILE, "nope", None, Some(Mode::Shadow)).is_err());
+    }
+
+    #[test]
+    fn fractions_and_durations_read_and_print_as_users_write_them() {
+        assert_eq!(parse_fraction("25%").unwrap(), 0.25);
+        assert_eq!(parse_fraction("0.1").unwrap(), 0.1);
+        assert!(parse_fraction("lots").is_err());
+        assert!(parse_fraction("-5%").is_err());
+        assert_eq!(human(Duration::from_secs(3 * 86_400 + 7200)), "3d2h");
+        assert_eq!(human(Duration::from_secs(5400)), "1h30m");
+        assert_eq!(prom_duration(Duration::from_secs(28 * 86_400)), "28d");
+        assert_eq!(prom_duration(Duration::from_secs(300)), "5m");
+    }
+}
