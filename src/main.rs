@@ -112,12 +112,21 @@ fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     spillway::config::parse_duration(s)
 }
 
-fn token(path: Option<PathBuf>) -> anyhow::Result<Option<Vec<u8>>> {
-    path.map(|p| {
-        spillway::control::server::read_token(&p)
-            .map_err(|e| anyhow::anyhow!("--token-file {}: {e}", p.display()))
-    })
-    .transpose()
+/// The bearer token of `--token-file`, re-read when the file changes or on SIGHUP (a rotated
+/// Secret needs no restart), for as long as the returned sender is kept.
+fn token(
+    path: Option<PathBuf>,
+) -> anyhow::Result<(
+    spillway::control::server::Token,
+    tokio::sync::watch::Sender<bool>,
+)> {
+    let (watching, stop) = tokio::sync::watch::channel(false);
+    let Some(p) = path else {
+        return Ok((Default::default(), watching));
+    };
+    let token = spillway::control::server::Token::from_file(p.clone(), stop)
+        .map_err(|e| anyhow::anyhow!("--token-file {}: {e}", p.display()))?;
+    Ok((token, watching))
 }
 
 fn main() -> ExitCode {
@@ -187,10 +196,11 @@ fn main() -> ExitCode {
             admin,
             token_file,
         } => run(async move {
+            let (token, _watching) = token(token_file)?;
             let options = spillway::control::controller::ControllerOptions {
                 listen,
                 admin,
-                token: token(token_file)?,
+                token,
             };
             serve_role("controller", spillway::control::controller::start(options)).await
         }),
@@ -202,13 +212,14 @@ fn main() -> ExitCode {
             interval,
             token_file,
         } => run(async move {
+            let (token, _watching) = token(token_file)?;
             let options = spillway::control::aggregator::AggregatorOptions {
                 listen,
                 admin,
                 controller,
                 zone,
                 interval,
-                token: token(token_file)?,
+                token,
             };
             serve_role("aggregator", spillway::control::aggregator::start(options)).await
         }),

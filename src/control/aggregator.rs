@@ -31,7 +31,7 @@ pub struct AggregatorOptions {
     /// How often the zone's sums are forwarded.
     pub interval: Duration,
     /// Hosts must present it, and it is presented to the controller, when set.
-    pub token: Option<Vec<u8>>,
+    pub token: server::Token,
 }
 
 /// The controller's last reply and when it came.
@@ -55,11 +55,16 @@ struct State {
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
-        let report =
-            match server::receive_report(req, self.opts.token.as_deref(), &self.reports).await {
-                Ok(r) => r,
-                Err(resp) => return resp,
-            };
+        let report = match server::receive_report(
+            req,
+            self.opts.token.get().as_deref().map(Vec::as_slice),
+            &self.reports,
+        )
+        .await
+        {
+            Ok(r) => r,
+            Err(resp) => return resp,
+        };
         {
             let mut acc = self.acc.lock();
             acc.add(&report, self.acc.now());
@@ -104,10 +109,11 @@ impl State {
                 entries,
             };
             let started = tokio::time::Instant::now();
+            let token = self.opts.token.get();
             match post_report(
                 &self.client,
                 &self.url,
-                self.opts.token.as_deref(),
+                token.as_deref().map(Vec::as_slice),
                 &report,
                 self.opts.interval,
             )

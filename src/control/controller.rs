@@ -22,12 +22,12 @@ pub struct ControllerOptions {
     pub listen: SocketAddr,
     pub admin: SocketAddr,
     /// Reports must carry this bearer token when set.
-    pub token: Option<Vec<u8>>,
+    pub token: server::Token,
 }
 
 struct State {
     acc: SharedAccumulator,
-    token: Option<Vec<u8>>,
+    token: server::Token,
     registry: Registry,
     reports: IntCounterVec,
     sources: IntGauge,
@@ -41,7 +41,13 @@ struct State {
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
-        let report = match server::receive_report(req, self.token.as_deref(), &self.reports).await {
+        let report = match server::receive_report(
+            req,
+            self.token.get().as_deref().map(Vec::as_slice),
+            &self.reports,
+        )
+        .await
+        {
             Ok(r) => r,
             Err(resp) => return resp,
         };

@@ -79,7 +79,7 @@ pub struct Reporter {
     pub client: JsonClient,
     /// `<control plane>/v1/report`.
     pub url: Uri,
-    pub token: Option<Vec<u8>>,
+    pub token: crate::control::server::Token,
     pub service: String,
     pub source: String,
     pub zone: String,
@@ -169,7 +169,7 @@ impl Reporter {
         match post_report(
             &self.client,
             &self.url,
-            self.token.as_deref(),
+            self.token.get().as_deref().map(Vec::as_slice),
             &report,
             self.interval,
         )

@@ -119,6 +119,51 @@ pub fn check_token<B>(req: &Request<B>, token: Option<&[u8]>) -> Result<(), Resp
     }
 }
 
+/// A bearer token that its file can replace while running (a rotated Kubernetes Secret):
+/// readers take the current one per request, a watcher swaps it.
+#[derive(Debug, Clone, Default)]
+pub struct Token(std::sync::Arc<arc_swap::ArcSwapOption<Vec<u8>>>);
+
+impl Token {
+    pub fn new(token: Option<Vec<u8>>) -> Self {
+        Token(std::sync::Arc::new(arc_swap::ArcSwapOption::new(
+            token.map(std::sync::Arc::new),
+        )))
+    }
+
+    /// The token now, if one is configured.
+    pub fn get(&self) -> Option<std::sync::Arc<Vec<u8>>> {
+        self.0.load_full()
+    }
+
+    /// Reads `path` now (an error stops start-up), then re-reads it whenever it changes or
+    /// the process gets SIGHUP, until `stop`; a bad or empty file keeps the old token.
+    pub fn from_file(
+        path: std::path::PathBuf,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> std::io::Result<Token> {
+        let token = Token::new(Some(read_token(&path)?));
+        let t = token.clone();
+        crate::watch::spawn(&path.clone(), stop, move |_| {
+            let (t, path) = (t.clone(), path.clone());
+            async move {
+                match read_token(&path) {
+                    Ok(new) if t.get().as_deref() != Some(&new) => {
+                        t.0.store(Some(std::sync::Arc::new(new)));
+                        tracing::info!(file = %path.display(), "bearer token reloaded");
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::error!(
+                        file = %path.display(),
+                        "cannot reload the bearer token, the previous one stays: {e}"
+                    ),
+                }
+            }
+        })?;
+        Ok(token)
+    }
+}
+
 /// Reads a token file: its content without surrounding white space.
 pub fn read_token(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
     let text = std::fs::read(path)?;

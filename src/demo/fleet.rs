@@ -75,7 +75,7 @@ impl Fleet {
         let controller = controller::start(controller::ControllerOptions {
             listen: any,
             admin: any,
-            token: None,
+            token: Default::default(),
         })
         .await?;
         let mut aggregators = Vec::new();
@@ -87,7 +87,7 @@ impl Fleet {
                     controller: format!("http://{}", controller.addr).parse()?,
                     zone: zone.into(),
                     interval,
-                    token: None,
+                    token: Default::default(),
                 })
                 .await?,
             );

@@ -126,8 +126,16 @@ impl Sidecar {
         };
         let rules =
             RuleSet::build_with_ratios(&config, &metrics, ratios.clone()).with_exact(exact.clone());
+        let (stop, stopped) = watch::channel(false);
         let reporter = match &config.control_plane {
-            Some(cp) => Some(reporter(&config, cp, &ratios, &clock, &metrics)?),
+            Some(cp) => Some(reporter(
+                &config,
+                cp,
+                &ratios,
+                &clock,
+                &metrics,
+                stop.subscribe(),
+            )?),
             None => None,
         };
         let t = &config.timeouts;
@@ -156,7 +164,6 @@ impl Sidecar {
             .metrics
             .config_loaded_at
             .set(shared.loaded.load().loaded_at);
-        let (stop, stopped) = watch::channel(false);
         let task = tokio::spawn(serve(
             listeners,
             admin_listener,
@@ -230,22 +237,26 @@ impl Sidecar {
     }
 }
 
-/// The reporter for `cp`, with its token read now so that a bad token file stops start-up.
+/// The reporter for `cp`, with its token read now so that a bad token file stops start-up
+/// (and re-read when the file changes, until `stop`).
 fn reporter(
     config: &Config,
     cp: &ControlPlane,
     ratios: &Arc<ArcSwap<DropRatios>>,
     clock: &AnyClock,
     metrics: &Arc<Metrics>,
+    stop: watch::Receiver<bool>,
 ) -> std::io::Result<Reporter> {
     let token = match &cp.token_file {
-        Some(path) => Some(crate::control::server::read_token(path).map_err(|e| {
-            std::io::Error::new(
-                e.kind(),
-                format!("control_plane.token_file {}: {e}", path.display()),
-            )
-        })?),
-        None => None,
+        Some(path) => {
+            crate::control::server::Token::from_file(path.clone(), stop).map_err(|e| {
+                std::io::Error::new(
+                    e.kind(),
+                    format!("control_plane.token_file {}: {e}", path.display()),
+                )
+            })?
+        }
+        None => Default::default(),
     };
     let url = format!("http://{}/v1/report", cp.url.authority)
         .parse()
