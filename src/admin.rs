@@ -70,6 +70,15 @@ fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
                 text(StatusCode::OK, "ready\n")
             }
         }
+        "/ui" => crate::ui::page(),
+        "/ui/state.json" => {
+            let mut resp = Response::new(Full::new(ui_state(shared)));
+            resp.headers_mut().insert(
+                CONTENT_TYPE,
+                http::HeaderValue::from_static("application/json"),
+            );
+            resp
+        }
         "/config" => {
             let mut resp = Response::new(Full::new(config_json(
                 &shared.config.load(),
@@ -83,9 +92,77 @@ fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
         }
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found; try /metrics /healthz /readyz /config\n",
+            "not found; try /metrics /healthz /readyz /config /ui\n",
         ),
     }
+}
+
+/// The proxy's state for its status page: per rule its counters (the page turns them into
+/// rates), limit, mode and keys tracked; the control plane's staleness; Redis.
+fn ui_state(shared: &Shared) -> Bytes {
+    let config = shared.config.load();
+    let rules = shared.rules.load();
+    let m = &shared.metrics;
+    let count = |rule: &str, decision: &str| m.requests.with_label_values(&[rule, decision]).get();
+    let list: Vec<serde_json::Value> = config
+        .rules
+        .iter()
+        .map(|r| {
+            let name = r.name.0.as_str();
+            let (kind, limit) = match &r.limit {
+                crate::config::Limit::Rate { rate, burst, .. } => (
+                    format!("{:?}", r.scope).to_lowercase(),
+                    format!("{rate} (burst {burst})"),
+                ),
+                crate::config::Limit::Concurrency(n) => {
+                    ("concurrency".into(), format!("{n} in flight"))
+                }
+                crate::config::Limit::Adaptive(spec) => (
+                    "adaptive".into(),
+                    format!(
+                        "{} in flight now ({}..{})",
+                        m.adaptive_limit.with_label_values(&[name]).get(),
+                        spec.min,
+                        spec.max
+                    ),
+                ),
+            };
+            let limit_rps = match &r.limit {
+                crate::config::Limit::Rate { rate, .. } if r.key.0.is_empty() => {
+                    Some(f64::from(rate.count.get()) / rate.period.as_secs_f64())
+                }
+                _ => None,
+            };
+            serde_json::json!({
+                "rule": name, "kind": kind, "limit": limit, "limit_rps": limit_rps,
+                "mode": format!("{:?}", r.mode).to_lowercase(),
+                "allowed": count(name, "allowed"), "rejected": count(name, "rejected"),
+                "shadow_rejected": count(name, "shadow_rejected"),
+                "keys": rules.tracked_keys(name),
+            })
+        })
+        .collect();
+    let control_plane = config.control_plane.as_ref().map(|_| {
+        serde_json::json!({
+            "age_s": m.control_plane_age.get(),
+            "stale": m.control_plane_stale.get() == 1,
+        })
+    });
+    let redis = config.redis.as_ref().map(|_| {
+        serde_json::json!({
+            "connected": m.redis.connected.get() == 1,
+            "breaker_open": m.redis.breaker_state.get() != 0,
+        })
+    });
+    let doc = serde_json::json!({
+        "role": "proxy",
+        "service": config.service.0,
+        "version": shared.loaded.load().version,
+        "rules": list,
+        "control_plane": control_plane,
+        "redis": redis,
+    });
+    Bytes::from(serde_json::to_vec(&doc).unwrap_or_default())
 }
 
 fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {

@@ -14,6 +14,7 @@
 //! - [`metrics`]: every Prometheus family, handles resolved once.
 //! - [`watch`]: noticing config changes (directory events, SIGHUP) for hot reload.
 //! - [`tune`]: limits from Prometheus history; shadow rules promoted when safe.
+//! - [`ui`]: the built-in status page on the admin ports.
 //! - [`demo`]: a self-contained run that shows the limiter at work.
 
 pub mod admin;
@@ -28,6 +29,7 @@ pub mod metrics;
 pub mod proxy;
 pub mod rules;
 pub mod tune;
+pub mod ui;
 pub mod watch;
 
 pub use config::{Config, ConfigError};

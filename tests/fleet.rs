@@ -251,7 +251,10 @@ async fn reports_need_the_token_and_must_be_well_formed() {
             // A server that refuses a body it will not read may close before the client has
             // sent it all: then the client sees the reset, not always the 413 before it.
             let Ok(resp) = resp else {
-                return (StatusCode::PAYLOAD_TOO_LARGE, "connection closed early".into());
+                return (
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "connection closed early".into(),
+                );
             };
             let status = resp.status();
             let body = resp.into_body().collect().await.unwrap().to_bytes();

@@ -74,6 +74,66 @@ impl State {
         server::json(StatusCode::OK, &serde_json::json!({ "keys": view }))
     }
 
+    /// What the status page shows: per (service, rule) totals with the heaviest keys, and
+    /// the sources reporting with the age of their last report.
+    fn ui_state(&self) -> http::Response<Body> {
+        let (view, sources) = {
+            let mut acc = self.acc.lock();
+            let now = self.acc.now();
+            acc.expire(now);
+            (acc.view(None), acc.source_ages(now))
+        };
+        let mut rules: std::collections::BTreeMap<(String, String), Vec<&crate::control::KeyView>> =
+            Default::default();
+        for v in &view {
+            rules
+                .entry((v.service.clone(), v.rule.clone()))
+                .or_default()
+                .push(v);
+        }
+        let rules: Vec<serde_json::Value> = rules
+            .into_iter()
+            .map(|((service, rule), mut keys)| {
+                let offered: f64 = keys.iter().map(|k| k.offered_rps).sum();
+                let admitted: f64 = keys.iter().map(|k| k.admitted_rps).sum();
+                let dropped: f64 = keys.iter().map(|k| k.offered_rps * k.ratio).sum();
+                // What the limit lets through at this demand: the target of `admitted`.
+                let allowed: f64 = keys.iter().map(|k| k.offered_rps.min(k.limit_rps)).sum();
+                let limit = keys
+                    .iter()
+                    .find(|k| k.key.is_some())
+                    .map_or(0.0, |k| k.limit_rps);
+                keys.sort_by(|a, b| b.offered_rps.total_cmp(&a.offered_rps));
+                let heaviest: Vec<serde_json::Value> = keys
+                    .iter()
+                    .filter(|k| k.key.is_some())
+                    .take(10)
+                    .map(|k| {
+                        serde_json::json!({
+                            "key": k.key, "offered_rps": k.offered_rps,
+                            "admitted_rps": k.admitted_rps, "ratio": k.ratio, "sources": k.sources,
+                        })
+                    })
+                    .collect();
+                serde_json::json!({
+                    "service": service, "rule": rule, "kind": "global",
+                    "limit": format!("{limit:.1}/s per key"),
+                    "offered_rps": offered, "admitted_rps": admitted, "limit_rps": allowed,
+                    "drop_ratio": if offered > 0.0 { dropped / offered } else { 0.0 },
+                    "keys": keys.len(), "heaviest": heaviest,
+                })
+            })
+            .collect();
+        let sources: Vec<serde_json::Value> = sources
+            .into_iter()
+            .map(|(name, age)| serde_json::json!({ "name": name, "age_s": age }))
+            .collect();
+        server::json(
+            StatusCode::OK,
+            &serde_json::json!({ "role": "controller", "rules": rules, "sources": sources }),
+        )
+    }
+
     /// Per-rule gauges (never per key), refreshed at scrape time.
     fn metrics(&self) -> Vec<u8> {
         let (view, sources, conflicts, refused) = {
@@ -213,7 +273,13 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     let s = state.clone();
     let admin_task = tokio::spawn(server::serve(admin, stopped, move |req| {
         let s = s.clone();
-        async move { server::admin_route(req.uri().path(), || s.metrics()) }
+        async move {
+            match req.uri().path() {
+                "/ui" => crate::ui::page(),
+                "/ui/state.json" => s.ui_state(),
+                path => server::admin_route(path, || s.metrics()),
+            }
+        }
     }));
     Ok(Running::new(addr, admin_addr, stop, vec![api, admin_task]))
 }

@@ -384,6 +384,26 @@ impl Accumulator {
     }
 
     /// Distinct sources still reporting.
+    /// Every live source (a zone's aggregator, or a proxy reporting directly) with the seconds
+    /// since its last report, at `now` on the accumulator's clock; most recent first.
+    pub fn source_ages(&self, now: f64) -> Vec<(String, f64)> {
+        let mut last: HashMap<&str, f64> = HashMap::new();
+        for rule in self.rules.values() {
+            for k in rule.keys.values() {
+                for (name, s) in &k.sources {
+                    let at = last.entry(name.as_str()).or_insert(s.at);
+                    *at = at.max(s.at);
+                }
+            }
+        }
+        let mut out: Vec<(String, f64)> = last
+            .into_iter()
+            .map(|(n, at)| (n.to_string(), (now - at).max(0.0)))
+            .collect();
+        out.sort_by(|a, b| a.1.total_cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
+        out
+    }
+
     pub fn sources(&self) -> usize {
         let mut all = std::collections::HashSet::new();
         for rule in self.rules.values() {
