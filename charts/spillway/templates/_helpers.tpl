@@ -1,0 +1,124 @@
+{{/* Names and labels. */}}
+{{- define "spillway.name" -}}
+{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "spillway.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "spillway.labels" -}}
+app.kubernetes.io/name: {{ include "spillway.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "spillway.selector" -}}
+app.kubernetes.io/name: {{ include "spillway.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* The image, from a values dict (this chart's, or the parent's `.Values.spillway`). */}}
+{{- define "spillway.image" -}}
+{{ .image.repository }}:{{ .image.tag }}
+{{- end -}}
+
+{{- define "spillway.tokenSecret" -}}
+{{- .Values.controlPlane.token.existingSecret | default (printf "%s-token" (include "spillway.fullname" .)) -}}
+{{- end -}}
+
+{{/* Hardened container security context: non-root, read-only root, no privileges. */}}
+{{- define "spillway.containerSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "spillway.scrapeAnnotations" -}}
+{{- if .root.Values.metrics.annotations }}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ .port | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+{{- end -}}
+
+{{/*
+The sidecar container, for your own chart (with this one as a dependency):
+
+  containers:
+    - name: app
+      ...                       # listening on 127.0.0.1 only (sidecar.appPort)
+    {{- include "spillway.sidecar" (dict "values" .Values.spillway "release" "spillway") | nindent 4 }}
+  volumes:
+    {{- include "spillway.sidecarVolumes" (dict "values" .Values.spillway "release" "spillway") | nindent 4 }}
+  terminationGracePeriodSeconds: {{ include "spillway.terminationGracePeriod" .Values.spillway }}
+
+`values` are this chart's values (`.Values.spillway` in the parent); `release` is the full name
+of the release that installed this chart (its ConfigMap `<release>-limits` and token). Label the
+pod `spillway.dev/sidecar: "true"` for the PodMonitor.
+*/}}
+{{- define "spillway.sidecar" -}}
+{{- $v := .values -}}
+- name: spillway
+  image: {{ include "spillway.image" $v }}
+  imagePullPolicy: {{ $v.image.pullPolicy }}
+  args: ["proxy", "--config", "/etc/spillway/spillway.yaml"]
+  env:
+    - name: RUST_LOG
+      value: info
+  ports:
+    - { name: http, containerPort: {{ $v.sidecar.port }}, protocol: TCP }
+    - { name: spillway-admin, containerPort: {{ $v.sidecar.adminPort }}, protocol: TCP }
+  readinessProbe:
+    httpGet: { path: /readyz, port: spillway-admin }
+    periodSeconds: 2
+    failureThreshold: 1
+  livenessProbe:
+    httpGet: { path: /healthz, port: spillway-admin }
+    periodSeconds: 10
+    failureThreshold: 3
+  lifecycle:
+    # Let the endpoints controller take the pod out of Services before the drain starts.
+    preStop:
+      sleep: { seconds: {{ $v.sidecar.preStopSeconds }} }
+  resources:
+    {{- toYaml $v.sidecar.resources | nindent 4 }}
+  securityContext:
+    {{- include "spillway.containerSecurityContext" . | nindent 4 }}
+  volumeMounts:
+    # A directory mount, not subPath: ConfigMap updates arrive (the ..data symlink swap)
+    # and the sidecar reloads them.
+    - { name: spillway-config, mountPath: /etc/spillway, readOnly: true }
+    {{- if $v.controlPlane.enabled }}
+    - { name: spillway-token, mountPath: /var/run/secrets/spillway, readOnly: true }
+    {{- end }}
+{{- end -}}
+
+{{- define "spillway.sidecarVolumes" -}}
+- name: spillway-config
+  configMap:
+    name: {{ .release }}-limits
+{{- if .values.controlPlane.enabled }}
+- name: spillway-token
+  secret:
+    secretName: {{ .values.controlPlane.token.existingSecret | default (printf "%s-token" .release) }}
+{{- end }}
+{{- end -}}
+
+{{/* Longer than the preStop pause and the drain together, so that SIGKILL never cuts a drain. */}}
+{{- define "spillway.terminationGracePeriod" -}}
+{{- add .sidecar.preStopSeconds .sidecar.drainSeconds 5 -}}
+{{- end -}}

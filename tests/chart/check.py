@@ -1,0 +1,253 @@
+#!/usr/bin/env python3
+"""Checks the Dockerfile and the Helm chart, offline, as scripts/test's last step.
+
+- hadolint on the Dockerfile;
+- `helm lint --strict` (Helm's own Go SDK, through helm-python-sdk) with several value sets;
+- every manifest rendered with those value sets validated against the Kubernetes schemas
+  (kubernetes-validate, strict); the Prometheus Operator kinds against their required fields;
+- bad values refused by values.schema.json with a message that names the field;
+- the limits ConfigMap's spillway.yaml passes `spillway check-config`;
+- the sidecar's hardening and shutdown timing as rendered;
+- the dashboard's JSON parses and every metric it queries is one a live proxy, aggregator or
+  controller exports (they are started here, on loopback, and stopped by their PIDs).
+
+usage: check.py ROOT SPILLWAY_BINARY
+"""
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import helm_python as helm
+import kubernetes_validate
+import yaml
+
+ROOT, BIN = sys.argv[1], sys.argv[2]
+CHART = os.path.join(ROOT, "charts", "spillway")
+K8S = "1.33.0"
+failures = []
+
+
+def check(ok, what):
+    print(("ok   " if ok else "FAIL ") + what)
+    if not ok:
+        failures.append(what)
+
+
+VALUE_SETS = {
+    "defaults": None,
+    "sidecar only (example app)": {"example": {"enabled": True}},
+    "full control plane": {
+        "controlPlane": {"enabled": True, "zones": [{"name": "zone-a"}, {"name": "zone-b", "replicas": 3}, {"name": "zone-c"}]},
+        "limits": {"rules": [
+            {"name": "per-key", "key": ["header:x-api-key"], "limit": {"rate": "100/s"}, "scope": "global"},
+            {"name": "app", "key": [], "limit": {"adaptive": {"min": 4, "max": 256}}},
+        ]},
+        "example": {"enabled": True},
+    },
+    "monitoring on": {
+        "controlPlane": {"enabled": True},
+        "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
+        "limits": {"rules": [{"name": "login", "key": ["client_ip"], "limit": {"rate": "5/m", "algorithm": "sliding_window_log"}, "scope": "redis"}],
+                   "redis": {"url": "redis://redis:6379", "timeout": "5ms", "on_error": "allow"}},
+    },
+}
+
+OPERATOR_REQUIRED = {
+    "ServiceMonitor": ["selector", "endpoints"],
+    "PodMonitor": ["selector", "podMetricsEndpoints"],
+    "PrometheusRule": ["groups"],
+}
+
+
+def hadolint():
+    exe = os.path.join(os.path.dirname(sys.executable), "hadolint")
+    r = subprocess.run([exe, os.path.join(ROOT, "Dockerfile")], capture_output=True, text=True)
+    check(r.returncode == 0, f"hadolint Dockerfile {r.stdout.strip()}")
+
+
+def lint_and_render():
+    chart = helm.Chart.load(CHART)
+    configmaps = []
+    for name, values in VALUE_SETS.items():
+        report = helm.lint(CHART, values, strict=True, kube_version="v" + K8S)
+        problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+        check(not problems, f"helm lint --strict ({name}) {problems or ''}")
+        rendered = chart.render(values, name="spillway", namespace="shop", is_install=True)
+        docs = []
+        for path, text in rendered.items():
+            if path.endswith("NOTES.txt"):
+                continue
+            for doc in yaml.safe_load_all(text):
+                if doc:
+                    docs.append((path, doc))
+        kinds = sorted({d["kind"] for _, d in docs})
+        check(bool(docs), f"render ({name}): {len(docs)} manifests: {', '.join(kinds)}")
+        for path, doc in docs:
+            what = f"{name}: {doc['kind']} {doc['metadata']['name']}"
+            if doc["kind"] in OPERATOR_REQUIRED:
+                ok = doc["apiVersion"] == "monitoring.coreos.com/v1" and all(k in doc["spec"] for k in OPERATOR_REQUIRED[doc["kind"]])
+                check(ok, f"{what}: Prometheus Operator fields")
+                continue
+            try:
+                kubernetes_validate.validate(doc, K8S, strict=True)
+                check(True, f"{what}: valid against Kubernetes {K8S}")
+            except kubernetes_validate.ValidationError as e:
+                check(False, f"{what}: {e.message} at {list(e.path)}")
+            if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-limits"):
+                configmaps.append((name, doc["data"]["spillway.yaml"]))
+            if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith("-example"):
+                sidecar_rules(name, doc)
+    return configmaps
+
+
+def sidecar_rules(name, deployment):
+    spec = deployment["spec"]["template"]["spec"]
+    sidecar = next(c for c in spec["containers"] if c["name"] == "spillway")
+    sc = sidecar["securityContext"]
+    check(sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["readOnlyRootFilesystem"]
+          and sc["capabilities"]["drop"] == ["ALL"], f"{name}: sidecar non-root, read-only, no privileges")
+    check(sidecar["readinessProbe"]["httpGet"]["path"] == "/readyz"
+          and sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz", f"{name}: probes on /readyz and /healthz")
+    pre = sidecar["lifecycle"]["preStop"]["sleep"]["seconds"]
+    check(spec["terminationGracePeriodSeconds"] > pre + 25, f"{name}: grace period {spec['terminationGracePeriodSeconds']} s > preStop {pre} s + drain 25 s")
+    mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "spillway-config")
+    check("subPath" not in mount, f"{name}: config mounted as a directory (ConfigMap updates reach it)")
+    app = next(c for c in spec["containers"] if c["name"] == "app")
+    check(any("127.0.0.1" in a for a in app.get("args", [])), f"{name}: the app listens on loopback only")
+
+
+def bad_values():
+    chart = helm.Chart.load(CHART)
+    for values, field in [
+        ({"sidecar": {"port": "eighty", "adminPort": 9901, "appPort": 8081}}, "port"),
+        ({"service": "not a name!"}, "service"),
+        ({"limits": {"rules": [{"name": "x", "key": []}]}}, "limit"),
+        ({"controlPlane": {"controller": {"replicas": 3}}}, "replicas"),
+        ({"sidecar": {"port": 8080, "adminPort": 9901, "appPort": 8081, "prot": 1}}, "prot"),
+    ]:
+        try:
+            chart.validate_schema(chart.merge_values(values))
+            check(False, f"values {values} refused")
+        except helm.HelmError as e:
+            check(field in str(e), f"values {json.dumps(values)} refused, naming {field!r}: {str(e).splitlines()[0][:160]}")
+
+
+def check_configs(configmaps):
+    with tempfile.TemporaryDirectory() as d:
+        for name, text in configmaps:
+            path = os.path.join(d, "spillway.yaml")
+            with open(path, "w") as f:
+                f.write(text)
+            r = subprocess.run([BIN, "check-config", path], capture_output=True, text=True)
+            check(r.returncode == 0, f"{name}: ConfigMap spillway.yaml passes check-config {r.stderr.strip()}")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(args):
+    p = subprocess.Popen([BIN] + args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    line = p.stdout.readline()
+    m = re.search(r"listening on (\S+) \(admin ([^)]+)\)", line)
+    if not m:
+        p.kill()
+        raise RuntimeError(f"{args}: no readiness line: {line!r}")
+    return p, m.group(1), m.group(2)
+
+
+def metrics(admin):
+    text = urllib.request.urlopen(f"http://{admin}/metrics", timeout=5).read().decode()
+    return set(re.findall(r"^# TYPE (\S+) ", text, re.M)), text
+
+
+def dashboard():
+    with open(os.path.join(CHART, "files", "dashboard.json")) as f:
+        dash = json.load(f)
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    wanted = set()
+    for e in exprs:
+        for name in re.findall(r"\b(spillway_[a-z_]+)", e):
+            wanted.add(re.sub(r"_(bucket|sum|count)$", "", name))
+    check(len(dash["panels"]) >= 8, f"dashboard parses: {len(dash['panels'])} panels, {len(wanted)} metrics")
+
+    procs = []
+    try:
+        ctl, ctl_addr, ctl_admin = start(["controller", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
+        procs.append(ctl)
+        agg, agg_addr, agg_admin = start(["aggregator", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
+                                          "--controller", f"http://{ctl_addr}", "--zone", "z", "--interval", "200ms"])
+        procs.append(agg)
+        app = socket.socket()
+        app.bind(("127.0.0.1", 0))
+        app.listen(16)
+        d = tempfile.mkdtemp(prefix="spillway-chart-")
+        config = os.path.join(d, "spillway.yaml")
+        with open(config, "w") as f:
+            f.write(f"""service: shop
+listen: 127.0.0.1:0
+admin: 127.0.0.1:0
+upstream: http://127.0.0.1:{app.getsockname()[1]}
+timeouts: {{ upstream_response: 1s }}
+control_plane: {{ url: 'http://{agg_addr}', report_interval: 200ms }}
+redis: {{ url: 'redis://127.0.0.1:1', timeout: 5ms }}
+rules:
+  - name: per-key
+    key: [header:x-api-key]
+    limit: {{ rate: 1/h }}
+    scope: global
+  - name: exact
+    match: {{ path: /exact }}
+    key: [client_ip]
+    limit: {{ rate: 5/m }}
+    scope: redis
+  - name: app
+    key: []
+    limit: {{ adaptive: {{ max: 64 }} }}
+  - name: shadowed
+    key: [client_ip]
+    limit: {{ rate: 1/h }}
+    mode: shadow
+""")
+        proxy, proxy_addr, proxy_admin = start(["proxy", "--config", config])
+        procs.append(proxy)
+        # Traffic, so that the control plane has per-rule figures; bounded: 10 s.
+        names = set()
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            for _ in range(3):
+                req = urllib.request.Request(f"http://{proxy_addr}/", headers={"x-api-key": "k"})
+                try:
+                    urllib.request.urlopen(req, timeout=2).read()
+                except Exception:
+                    pass
+            names = set()
+            for admin in (proxy_admin, agg_admin, ctl_admin):
+                names |= metrics(admin)[0]
+            if "spillway_controller_offered_rps" in names:
+                break
+            time.sleep(0.1)
+        missing = sorted(wanted - names)
+        check(not missing, f"every metric the dashboard queries is exported {missing or ''}")
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+hadolint()
+configmaps = lint_and_render()
+bad_values()
+check_configs(configmaps)
+dashboard()
+print(f"\n{len(failures)} failure(s)")
+sys.exit(1 if failures else 0)
