@@ -67,7 +67,12 @@ impl State {
         };
         {
             let mut acc = self.acc.lock();
-            acc.add(&report, self.acc.now());
+            let now = self.acc.now();
+            if let Err(refusal) = acc.admit_source(&report, now) {
+                drop(acc);
+                return server::source_refused(&refusal, &self.reports);
+            }
+            acc.add(&report, now);
         }
         let relayed = self.relayed.load();
         let ratios = relayed

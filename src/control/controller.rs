@@ -58,6 +58,10 @@ impl State {
         let reply = {
             let mut acc = self.acc.lock();
             acc.expire(now);
+            if let Err(refusal) = acc.admit_source(&report, now) {
+                drop(acc);
+                return server::source_refused(&refusal, &self.reports);
+            }
             acc.add(&report, now);
             acc.reply(&services)
         };

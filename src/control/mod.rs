@@ -27,6 +27,11 @@ pub const MAX_BODY: usize = 8 << 20;
 
 /// Counts above this per entry and interval are absurd (10^12 requests) and refused.
 pub const MAX_COUNT: u64 = 1_000_000_000_000;
+/// No proxy decides more than this many requests per second for one key.
+pub const MAX_RATE: f64 = 1e8;
+/// New sources (hosts, or zones' aggregators) the accumulator takes per second; a flood of
+/// fake hosts beyond it is refused (429) instead of growing memory and work.
+pub const NEW_SOURCES_PER_SEC: u32 = 1_000;
 
 /// What a proxy (or an aggregator, for its zone) sends every interval: `POST /v1/report`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -131,6 +136,10 @@ impl Report {
             if e.offered > MAX_COUNT || e.admitted > e.offered {
                 return bad("counts must satisfy 0 <= admitted <= offered <= 10^12");
             }
+            // Absurd rates are refused rather than clamped: a clamped lie still moves ratios.
+            if e.offered as f64 * 1000.0 / self.interval_ms as f64 > MAX_RATE {
+                return bad("offered more than 10^8 requests/s for one key from one source");
+            }
             if e.limit.count == 0 || e.limit.period_ms == 0 || e.limit.period_ms > 86_400_000 * 365
             {
                 return bad("limit needs count > 0 and a period between 1 ms and 365 d");
@@ -166,6 +175,31 @@ pub struct Accumulator {
     /// Entries refused because the bound was reached.
     pub refused: u64,
     max_tracked: usize,
+    /// Every live source: when it last reported, how long it lives, and (for a host reporting
+    /// directly) the services it reports for, pinned by its first report.
+    source_index: HashMap<String, SourceInfo>,
+    /// The second new sources are being counted in, and how many came in it.
+    new_sources: (u64, u32),
+    /// Reports refused by [`admit_source`](Self::admit_source): a flood of new hosts, or a
+    /// host reporting for another service than its own.
+    pub throttled: u64,
+    pub foreign: u64,
+}
+
+#[derive(Debug)]
+struct SourceInfo {
+    last: f64,
+    ttl: f64,
+    services: Vec<String>,
+}
+
+/// Why a report's source was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceRefusal {
+    #[error("too many new sources this second; retry")]
+    Flood,
+    #[error("source {0} reports for service {1}, but it is a source of {2}")]
+    Foreign(String, String, String),
 }
 
 impl Default for Accumulator {
@@ -231,10 +265,71 @@ impl Accumulator {
             tracked: 0,
             refused: 0,
             max_tracked,
+            source_index: HashMap::new(),
+            new_sources: (0, 0),
+            throttled: 0,
+            foreign: 0,
         }
     }
 
     /// Folds a validated report in at time `now` (seconds on the caller's clock).
+    /// Whether `report`'s source may report now. A source not seen in its last three intervals
+    /// counts against [`NEW_SOURCES_PER_SEC`]. A host reporting directly (any source but an
+    /// aggregator's `zone:...`) is pinned to the services of its first report, so that one
+    /// sidecar cannot move another service's drop ratios under its own name.
+    pub fn admit_source(&mut self, report: &Report, now: f64) -> Result<(), SourceRefusal> {
+        let ttl = 3.0 * report.interval_ms as f64 / 1000.0;
+        let pinned = !report.source.starts_with("zone:");
+        if let Some(info) = self.source_index.get_mut(&report.source) {
+            if now - info.last <= info.ttl {
+                if pinned && info.services.is_empty() {
+                    // Its first reports were empty: the first service it names pins it.
+                    info.services = report.entries.iter().map(|e| e.service.clone()).collect();
+                    info.services.sort_unstable();
+                    info.services.dedup();
+                }
+                if pinned {
+                    if let Some(e) = report
+                        .entries
+                        .iter()
+                        .find(|e| !info.services.iter().any(|s| s == &e.service))
+                    {
+                        self.foreign += 1;
+                        return Err(SourceRefusal::Foreign(
+                            report.source.clone(),
+                            e.service.clone(),
+                            info.services.join(", "),
+                        ));
+                    }
+                }
+                info.last = now;
+                info.ttl = ttl;
+                return Ok(());
+            }
+        }
+        let second = now as u64;
+        if self.new_sources.0 != second {
+            self.new_sources = (second, 0);
+        }
+        if self.new_sources.1 >= NEW_SOURCES_PER_SEC {
+            self.throttled += 1;
+            return Err(SourceRefusal::Flood);
+        }
+        self.new_sources.1 += 1;
+        let mut services: Vec<String> = report.entries.iter().map(|e| e.service.clone()).collect();
+        services.sort_unstable();
+        services.dedup();
+        self.source_index.insert(
+            report.source.clone(),
+            SourceInfo {
+                last: now,
+                ttl,
+                services: if pinned { services } else { Vec::new() },
+            },
+        );
+        Ok(())
+    }
+
     pub fn add(&mut self, report: &Report, now: f64) {
         let secs = report.interval_ms as f64 / 1000.0;
         for e in &report.entries {
@@ -303,6 +398,7 @@ impl Accumulator {
             !rule.keys.is_empty()
         });
         self.tracked = tracked;
+        self.source_index.retain(|_, s| now - s.last <= s.ttl);
     }
 
     /// Every (service, rule, key) with its summed rates and drop ratio, optionally only for

@@ -177,6 +177,29 @@ pub fn read_token(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
     Ok(trimmed.to_vec())
 }
 
+/// The answer to a report whose source was refused: 429 (a flood of new sources; retry) or
+/// 403 (a host reporting for a service that is not its own), counted by kind.
+pub fn source_refused(
+    refusal: &crate::control::SourceRefusal,
+    reports: &prometheus::IntCounterVec,
+) -> Response<Body> {
+    match refusal {
+        crate::control::SourceRefusal::Flood => {
+            reports.with_label_values(&["throttled"]).inc();
+            let mut resp = error(StatusCode::TOO_MANY_REQUESTS, &refusal.to_string());
+            resp.headers_mut().insert(
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from_static("1"),
+            );
+            resp
+        }
+        crate::control::SourceRefusal::Foreign(..) => {
+            reports.with_label_values(&["foreign"]).inc();
+            error(StatusCode::FORBIDDEN, &refusal.to_string())
+        }
+    }
+}
+
 /// A plain-text response.
 pub fn text(status: StatusCode, body: impl Into<Bytes>) -> Response<Body> {
     let mut resp = Response::new(Full::new(body.into()));

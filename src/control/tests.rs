@@ -167,3 +167,65 @@ fn a_flood_of_sources_and_keys_is_bounded_and_counted() {
     acc.add(&report("real", vec![entry(Some("k"), 1, 1)]), 10.0);
     assert_eq!(acc.view(None).len(), 1);
 }
+
+#[test]
+fn an_absurd_rate_is_refused_not_clamped() {
+    let mut r = report("h", vec![entry(Some("k"), 2_000_000, 0)]);
+    r.interval_ms = 10; // 2 * 10^6 in 10 ms: 2 * 10^8 requests/s
+    assert!(matches!(r.validate(), Err(ReportError::Entry(0, _))));
+    r.interval_ms = 1000;
+    assert!(r.validate().is_ok());
+}
+
+#[test]
+fn a_flood_of_new_hosts_is_throttled_per_second_and_known_hosts_still_report() {
+    let mut acc = Accumulator::default();
+    let known = report("known", vec![entry(Some("k"), 10, 10)]);
+    assert!(acc.admit_source(&known, 0.5).is_ok());
+    for i in 1..NEW_SOURCES_PER_SEC {
+        let r = report(&format!("fake-{i}"), vec![]);
+        assert!(acc.admit_source(&r, 0.6).is_ok(), "source {i}");
+    }
+    let one_more = report("fake-x", vec![]);
+    assert_eq!(acc.admit_source(&one_more, 0.7), Err(SourceRefusal::Flood));
+    assert_eq!(acc.throttled, 1);
+    assert!(
+        acc.admit_source(&known, 0.8).is_ok(),
+        "a known host is not new"
+    );
+    assert!(
+        acc.admit_source(&one_more, 1.1).is_ok(),
+        "the next second has room again"
+    );
+    // Silent sources are forgotten with their rates.
+    acc.expire(100.0);
+    assert_eq!(acc.source_ages(100.0).len(), 0);
+}
+
+#[test]
+fn a_host_cannot_report_for_another_service_but_an_aggregator_can() {
+    let mut acc = Accumulator::default();
+    let mut own = entry(Some("k"), 10, 10);
+    own.service = "shop".into();
+    let mut other = entry(Some("k"), 1_000_000, 0);
+    other.service = "payments".into();
+    assert!(acc
+        .admit_source(&report("pod-a", vec![own.clone()]), 1.0)
+        .is_ok());
+    let refused = acc.admit_source(&report("pod-a", vec![own.clone(), other.clone()]), 1.5);
+    assert_eq!(
+        refused,
+        Err(SourceRefusal::Foreign(
+            "pod-a".into(),
+            "payments".into(),
+            "shop".into()
+        ))
+    );
+    assert_eq!(acc.foreign, 1);
+    let zone = report("zone:eu-1", vec![own, other]);
+    assert!(acc.admit_source(&zone, 1.5).is_ok());
+    assert!(
+        acc.admit_source(&zone, 2.0).is_ok(),
+        "zones carry every service of their hosts"
+    );
+}
