@@ -186,6 +186,10 @@ pub struct Metrics {
     pub bad_requests: IntCounterVec,
     /// `bad_requests{reason="header_too_large"}`, resolved once.
     pub header_too_large: IntCounter,
+    /// `bad_requests{reason="rapid_reset"}`: connections closed for abandoning requests.
+    pub rapid_reset: IntCounter,
+    /// `bad_requests{reason="body"}`: a request body that was malformed or cut off.
+    pub bad_body: IntCounter,
     pub connections: IntGauge,
     pub draining: IntGauge,
     pub reports_ok: IntCounter,
@@ -392,6 +396,8 @@ impl Metrics {
             durations,
             upstream_errors,
             header_too_large: bad_requests.with_label_values(&["header_too_large"]),
+            rapid_reset: bad_requests.with_label_values(&["rapid_reset"]),
+            bad_body: bad_requests.with_label_values(&["body"]),
             bad_requests,
             connections,
             draining,

@@ -5,6 +5,7 @@
 //! splice of upgraded connections (WebSocket). Bodies are never buffered: hyper's `Incoming`
 //! is handed to the client as is, and the upstream's body is returned as is.
 
+use std::error::Error as _;
 use std::net::IpAddr;
 use std::time::Duration;
 
@@ -76,6 +77,15 @@ impl Forward<'_> {
                 // The upstream's latency, for adaptive limits: to the response head.
                 permits.iter_mut().for_each(Permit::responded);
                 resp
+            }
+            Ok(Err(e)) if client_body_failed(&e) => {
+                // The client's own body was malformed (a bad chunk) or cut off: its fault, not
+                // the upstream's.
+                self.metrics.bad_body.inc();
+                return respond::error(
+                    StatusCode::BAD_REQUEST,
+                    "the request body was malformed or ended early",
+                );
             }
             Ok(Err(e)) => return self.failed(classify(&e)),
             Err(_) => return self.failed(UpstreamError::ResponseTimeout),
@@ -229,6 +239,21 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: IpAddr) {
     if let Ok(v) = HeaderValue::from_str(&value) {
         headers.insert(X_FORWARDED_FOR.clone(), v);
     }
+}
+
+/// True when sending failed because reading the client's request body failed (hyper reports
+/// the body stream's error as a user error, caused by the incoming body's own error).
+fn client_body_failed(e: &hyper_util::client::legacy::Error) -> bool {
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            if h.is_user() && h.source().is_some_and(|inner| inner.is::<hyper::Error>()) {
+                return true;
+            }
+        }
+        source = s.source();
+    }
+    false
 }
 
 fn classify(e: &hyper_util::client::legacy::Error) -> UpstreamError {

@@ -444,9 +444,16 @@ async fn worker(
         let _ = stream.set_nodelay(true);
         let conn_shared = shared.clone();
         let conn_client = client.clone();
+        let abandoned = Arc::new(Abandoned::new(shared.clock.clone()));
+        let conn_abandoned = abandoned.clone();
         let service = service_fn(move |req| {
             let (shared, client) = (conn_shared.clone(), conn_client.clone());
-            async move { Ok::<_, Infallible>(handle(&shared, &client, peer, req).await) }
+            let guard = AbandonGuard(Some(conn_abandoned.clone()));
+            async move {
+                let resp = handle(&shared, &client, peer, req).await;
+                guard.disarm();
+                Ok::<_, Infallible>(resp)
+            }
         });
         let conn = builder
             .serve_connection_with_upgrades(TokioIo::new(stream), service)
@@ -455,8 +462,15 @@ async fn worker(
         let metrics = shared.metrics.clone();
         metrics.connections.inc();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(%peer, error = %e, "connection ended with an error");
+            tokio::select! {
+                ended = conn => if let Err(e) = ended {
+                    tracing::debug!(%peer, error = %e, "connection ended with an error");
+                },
+                _ = abandoned.tripped.notified() => {
+                    // Dropping the connection closes it, with every stream on it.
+                    metrics.rapid_reset.inc();
+                    tracing::warn!(%peer, "closed a connection that abandoned requests faster than {ABANDON_BUDGET}/s (rapid reset)");
+                }
             }
             metrics.connections.dec();
             drop(permit);
@@ -467,6 +481,54 @@ async fn worker(
     tokio::select! {
         _ = graceful.shutdown() => tracing::debug!("worker drained"),
         _ = tokio::time::sleep(config.timeouts.drain.0) => tracing::warn!("drain timed out; closing the remaining connections"),
+    }
+}
+
+/// Requests one connection may abandon per second (an HTTP/2 RST_STREAM before the response,
+/// or the client gone) before the proxy closes it: the rapid-reset attack (CVE-2023-44487)
+/// makes the server start work for streams it cancels at once, thousands per second. An
+/// HTTP/1 connection abandons at most one request, when it closes.
+const ABANDON_BUDGET: u32 = 200;
+
+/// Abandoned requests of one connection in the current second.
+struct Abandoned {
+    clock: AnyClock,
+    // Relaxed: a rate bound; a race miscounts by one.
+    second: std::sync::atomic::AtomicU64,
+    count: std::sync::atomic::AtomicU32,
+    tripped: tokio::sync::Notify,
+}
+
+impl Abandoned {
+    fn new(clock: AnyClock) -> Self {
+        Abandoned {
+            clock,
+            second: Default::default(),
+            count: Default::default(),
+            tripped: tokio::sync::Notify::new(),
+        }
+    }
+}
+
+/// Counts its request as abandoned when dropped before [`disarm`](Self::disarm).
+struct AbandonGuard(Option<Arc<Abandoned>>);
+
+impl AbandonGuard {
+    fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for AbandonGuard {
+    fn drop(&mut self) {
+        let Some(a) = self.0.take() else { return };
+        let this = a.clock.now() / 1_000_000_000;
+        if a.second.swap(this, Ordering::Relaxed) != this {
+            a.count.store(0, Ordering::Relaxed);
+        }
+        if a.count.fetch_add(1, Ordering::Relaxed) + 1 == ABANDON_BUDGET {
+            a.tripped.notify_one();
+        }
     }
 }
 
