@@ -272,3 +272,39 @@ async fn streams_reset_after_the_proxy_took_them_up_close_the_connection_too() {
         "others are still served"
     );
 }
+
+#[tokio::test]
+async fn a_refused_request_with_a_small_body_keeps_its_connection_and_a_large_one_closes_it() {
+    let (sc, _up) =
+        sidecar("rules:\n  - name: r\n    key: [header:x-client]\n    limit: { rate: 1/h }\n")
+            .await;
+    // Admitted, then refused with its 10-byte body read and dropped, then refused again: three
+    // answers on one connection.
+    let post =
+        "POST /upload HTTP/1.1\r\nHost: x\r\nX-Client: a\r\nContent-Length: 10\r\n\r\n0123456789";
+    let resp = raw(sc.addr(), format!("{post}{post}{post}").as_bytes()).await;
+    let statuses: Vec<&str> = resp
+        .match_indices("HTTP/1.1 ")
+        .map(|(i, _)| &resp[i + 9..i + 12])
+        .collect();
+    assert_eq!(statuses, ["200", "429", "429"], "{resp}");
+    // A refused 1 MiB upload is not read: the answer says the connection closes.
+    let mut s = tokio::net::TcpStream::connect(sc.addr()).await.unwrap();
+    s.write_all(
+        b"POST /upload HTTP/1.1\r\nHost: x\r\nX-Client: a\r\nContent-Length: 1048576\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let _ = s.write_all(&vec![b'x'; 300 * 1024]).await;
+    let mut resp = Vec::new();
+    let mut buf = [0u8; 4096];
+    while let Ok(Ok(n)) = tokio::time::timeout(Duration::from_secs(2), s.read(&mut buf)).await {
+        if n == 0 {
+            break;
+        }
+        resp.extend_from_slice(&buf[..n]);
+    }
+    let resp = String::from_utf8_lossy(&resp).to_ascii_lowercase();
+    assert!(resp.starts_with("http/1.1 429"), "{resp}");
+    assert!(resp.contains("connection: close"), "{resp}");
+}

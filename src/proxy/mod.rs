@@ -565,7 +565,17 @@ async fn handle(
                 gate::Refusal::BadCost(_) => Outcome::Error,
             };
             metrics.duration(outcome).observe(elapsed(shared, start));
-            return respond::refusal(&refusal, grpc);
+            let mut resp = respond::refusal(&refusal, grpc);
+            // Refused before its body was read: read (and drop) a small body so that the
+            // connection stays usable and the client reads our answer; a large or slow one
+            // closes the connection instead (nginx's lingering close, bounded).
+            if !drained(req.into_body()).await {
+                resp.headers_mut().insert(
+                    http::header::CONNECTION,
+                    http::HeaderValue::from_static("close"),
+                );
+            }
+            return resp;
         }
     };
 
@@ -588,6 +598,39 @@ async fn handle(
     respond::add_rate_headers(resp.headers_mut(), &admit.states);
     metrics.duration(outcome).observe(elapsed(shared, start));
     resp
+}
+
+/// A refused request's body is read and dropped up to this many bytes...
+const DRAIN_BYTES: usize = 256 * 1024;
+/// ...within this long.
+const DRAIN_TIME: Duration = Duration::from_millis(500);
+
+/// Reads and drops `body` if it ends within [`DRAIN_BYTES`] and [`DRAIN_TIME`]; false when it
+/// did not (the connection should then close). A body that is already over costs nothing.
+async fn drained(mut body: Incoming) -> bool {
+    use http_body::Body as _;
+    use http_body_util::BodyExt;
+    if body.is_end_stream() {
+        return true;
+    }
+    let mut read = 0usize;
+    let drain = async {
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => {
+                    read += f.data_ref().map_or(0, |d| d.len());
+                    if read > DRAIN_BYTES {
+                        return false;
+                    }
+                }
+                Err(_) => return false,
+            }
+        }
+        true
+    };
+    tokio::time::timeout(DRAIN_TIME, drain)
+        .await
+        .unwrap_or(false)
 }
 
 fn elapsed(shared: &Shared, start: u64) -> f64 {
