@@ -374,7 +374,9 @@ pub enum Verdict {
     /// The request's cost header is not a number: answer 400.
     BadCost(http::HeaderName),
     /// Local rules admit it; `scope: redis` rules still must: call [`RuleSet::resolve`].
-    Remote(Remote),
+    /// Boxed: it is the rare, network-bound case, and it would triple the size of every
+    /// verdict returned on the hot path.
+    Remote(Box<Remote>),
 }
 
 /// An admitted request.
@@ -674,11 +676,11 @@ impl RuleSet {
             }
         }
         if !calls.is_empty() {
-            return Verdict::Remote(Remote {
+            return Verdict::Remote(Box::new(Remote {
                 admit,
                 taken,
                 calls,
-            });
+            }));
         }
         self.commit(&taken);
         Verdict::Allow(admit)
@@ -700,12 +702,12 @@ impl RuleSet {
     /// granted, and is remembered until its retry time so that the key's next requests are
     /// answered here. Units Redis granted to earlier rules of a refused request are not given
     /// back (Redis has no refund; the scripts would need one per algorithm).
-    pub async fn resolve(&self, remote: Remote, req: &RequestView<'_>, now: Nanos) -> Verdict {
+    pub async fn resolve(&self, remote: Box<Remote>, req: &RequestView<'_>, now: Nanos) -> Verdict {
         let Remote {
             mut admit,
             mut taken,
             calls,
-        } = remote;
+        } = *remote;
         let want_states = self.header_mode == HeaderMode::Always;
         for call in calls {
             let rule = &self.rules[call.rule];
