@@ -179,7 +179,10 @@ fn main() -> ExitCode {
                 let signal = shutdown_signal()?;
                 let sidecar = spillway::Sidecar::start(config).await?;
                 // Hot reload: changes to the file (or its directory's ConfigMap symlink) and SIGHUP.
-                sidecar.watch_file(path, &text)?;
+                // Without it (no inotify watches left, say) the proxy still serves.
+                if let Err(e) = sidecar.watch_file(path, &text) {
+                    tracing::warn!("hot reload is off: cannot watch the config file: {e}");
+                }
                 // Tests and scripts wait for this line: it is printed once both are bound.
                 println!(
                     "spillway proxy listening on {} (admin {})",

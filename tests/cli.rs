@@ -9,7 +9,11 @@ use std::process::Command;
 
 #[test]
 fn check_config_accepts_the_example_configs() {
-    for file in ["config/spillway.yaml", "config/tiers.yaml", "config/exact.yaml"] {
+    for file in [
+        "config/spillway.yaml",
+        "config/tiers.yaml",
+        "config/exact.yaml",
+    ] {
         let out = Command::new(BIN)
             .args(["check-config", file])
             .current_dir(env!("CARGO_MANIFEST_DIR"))

@@ -138,13 +138,14 @@ impl Token {
 
     /// Reads `path` now (an error stops start-up), then re-reads it whenever it changes or
     /// the process gets SIGHUP, until `stop`; a bad or empty file keeps the old token.
+    /// Must be called within a tokio runtime.
     pub fn from_file(
         path: std::path::PathBuf,
         stop: tokio::sync::watch::Receiver<bool>,
     ) -> std::io::Result<Token> {
         let token = Token::new(Some(read_token(&path)?));
         let t = token.clone();
-        crate::watch::spawn(&path.clone(), stop, move |_| {
+        let watching = crate::watch::spawn(&path.clone(), stop, move |_| {
             let (t, path) = (t.clone(), path.clone());
             async move {
                 match read_token(&path) {
@@ -159,7 +160,12 @@ impl Token {
                     ),
                 }
             }
-        })?;
+        });
+        // Without a watch (no inotify watches left, say) the token still works; it just does
+        // not rotate until a restart.
+        if let Err(e) = watching {
+            tracing::warn!("the bearer token will not reload: cannot watch its file: {e}");
+        }
         Ok(token)
     }
 }
