@@ -551,21 +551,10 @@ impl RuleSet {
                     }
                     decision
                 }
-                Kind::Adaptive { limiter } => match limiter.try_acquire() {
-                    Some(p) => {
-                        let remaining = limiter.limit().saturating_sub(limiter.in_flight());
-                        admit.permits.push(p.into());
-                        taken.push((i, Taken::Concurrency));
-                        Decision::Allow {
-                            remaining,
-                            reset_after: 0,
-                            wait: 0,
-                        }
-                    }
-                    None => Decision::Deny {
-                        retry_after: Some(CONCURRENCY_RETRY),
-                    },
-                },
+                Kind::Adaptive { limiter } => {
+                    let permit = limiter.try_acquire().map(Permit::from);
+                    slot(permit, limiter.limit(), i, &mut admit, &mut taken)
+                }
                 Kind::Redis {
                     refused,
                     cache_answers,
@@ -589,21 +578,7 @@ impl RuleSet {
                 },
                 Kind::Concurrency { max, store } => {
                     let (permit, _) = store.with(&key, |c| c.try_acquire(*max));
-                    match permit {
-                        Some(p) => {
-                            let remaining = max.saturating_sub(p.in_flight());
-                            admit.permits.push(p);
-                            taken.push((i, Taken::Concurrency));
-                            Decision::Allow {
-                                remaining,
-                                reset_after: 0,
-                                wait: 0,
-                            }
-                        }
-                        None => Decision::Deny {
-                            retry_after: Some(CONCURRENCY_RETRY),
-                        },
-                    }
+                    slot(permit, *max, i, &mut admit, &mut taken)
                 }
                 Kind::Global {
                     limit,
@@ -1050,6 +1025,32 @@ fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
                 })),
             }
         }
+    }
+}
+
+/// The decision of a concurrency limit (fixed or adaptive) of `limit` slots for rule `i`:
+/// a granted slot goes into `admit`, held until the response body ends.
+fn slot(
+    permit: Option<Permit>,
+    limit: u32,
+    i: usize,
+    admit: &mut Admit,
+    taken: &mut SmallVec<[(usize, Taken); 4]>,
+) -> Decision {
+    match permit {
+        Some(p) => {
+            let remaining = limit.saturating_sub(p.in_flight());
+            admit.permits.push(p);
+            taken.push((i, Taken::Concurrency));
+            Decision::Allow {
+                remaining,
+                reset_after: 0,
+                wait: 0,
+            }
+        }
+        None => Decision::Deny {
+            retry_after: Some(CONCURRENCY_RETRY),
+        },
     }
 }
 
