@@ -55,24 +55,12 @@ struct State {
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
-        let report = match server::receive_report(
-            req,
-            self.opts.token.get().as_deref().map(Vec::as_slice),
-            &self.reports,
-        )
-        .await
-        {
+        let report = match server::receive_report(req, &self.opts.token, &self.reports).await {
             Ok(r) => r,
             Err(resp) => return resp,
         };
-        {
-            let mut acc = self.acc.lock();
-            let now = self.acc.now();
-            if let Err(refusal) = acc.admit_source(&report, now) {
-                drop(acc);
-                return server::source_refused(&refusal, &self.reports);
-            }
-            acc.add(&report, now);
+        if let Err(resp) = server::record(self.acc.lock(), &report, self.acc.now(), &self.reports) {
+            return resp;
         }
         let relayed = self.relayed.load();
         let ratios = relayed

@@ -41,13 +41,7 @@ struct State {
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
-        let report = match server::receive_report(
-            req,
-            self.token.get().as_deref().map(Vec::as_slice),
-            &self.reports,
-        )
-        .await
-        {
+        let report = match server::receive_report(req, &self.token, &self.reports).await {
             Ok(r) => r,
             Err(resp) => return resp,
         };
@@ -58,12 +52,10 @@ impl State {
         let reply = {
             let mut acc = self.acc.lock();
             acc.expire(now);
-            if let Err(refusal) = acc.admit_source(&report, now) {
-                drop(acc);
-                return server::source_refused(&refusal, &self.reports);
+            match server::record(acc, &report, now, &self.reports) {
+                Ok(acc) => acc.reply(&services),
+                Err(resp) => return resp,
             }
-            acc.add(&report, now);
-            acc.reply(&services)
         };
         server::json(StatusCode::OK, &reply)
     }

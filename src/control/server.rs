@@ -185,7 +185,7 @@ pub fn read_token(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
 
 /// The answer to a report whose source was refused: 429 (a flood of new sources; retry) or
 /// 403 (a host reporting for a service that is not its own), counted by kind.
-pub fn source_refused(
+fn source_refused(
     refusal: &crate::control::SourceRefusal,
     reports: &prometheus::IntCounterVec,
 ) -> Response<Body> {
@@ -282,18 +282,18 @@ pub fn render(registry: &prometheus::Registry) -> Vec<u8> {
 }
 
 /// Takes a report off `req`: the token, a JSON body within the size limit, and the checks JSON
-/// cannot make. Counts the result in `reports` (ok, unauthorized, malformed, invalid); the error
-/// is the response to send.
+/// cannot make. A refusal is counted in `reports` (unauthorized, malformed, invalid) and is the
+/// response to send; an accepted report is counted by [`record`].
 pub async fn receive_report(
     req: Request<Incoming>,
-    token: Option<&[u8]>,
+    token: &Token,
     reports: &prometheus::IntCounterVec,
 ) -> Result<super::Report, Response<Body>> {
     let refuse = |result: &str, resp| {
         reports.with_label_values(&[result]).inc();
         Err(resp)
     };
-    if let Err(resp) = check_token(&req, token) {
+    if let Err(resp) = check_token(&req, token.get().as_deref().map(Vec::as_slice)) {
         return refuse("unauthorized", resp);
     }
     let report: super::Report = match read_json(req).await {
@@ -303,6 +303,24 @@ pub async fn receive_report(
     if let Err(e) = report.validate() {
         return refuse("invalid", error(StatusCode::BAD_REQUEST, &e.to_string()));
     }
-    reports.with_label_values(&["ok"]).inc();
     Ok(report)
+}
+
+/// Adds `report` to `acc` if its source may report now (see
+/// [`Accumulator::admit_source`](super::Accumulator::admit_source)), counting it in `reports`
+/// as ok, throttled or foreign. Gives the accumulator back still locked, so that a reply is
+/// computed from the state the report went into; a refusal is the response to send.
+pub fn record<'a>(
+    mut acc: std::sync::MutexGuard<'a, super::Accumulator>,
+    report: &super::Report,
+    now: f64,
+    reports: &prometheus::IntCounterVec,
+) -> Result<std::sync::MutexGuard<'a, super::Accumulator>, Response<Body>> {
+    if let Err(refusal) = acc.admit_source(report, now) {
+        drop(acc);
+        return Err(source_refused(&refusal, reports));
+    }
+    acc.add(report, now);
+    reports.with_label_values(&["ok"]).inc();
+    Ok(acc)
 }
