@@ -24,18 +24,22 @@ SPILLWAY = os.path.join(ROOT, "target", "release", "spillway")
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 KEYS = 100  # distinct x-client values the load spreads over
 
+# The end of every wrk script here: one RESULT line that `wrk()` below parses.
+WRK_DONE = r"""
+done = function(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format("RESULT %d %d %d %d %d %d %d\n",
+    summary.requests, summary.duration, e.status, e.connect + e.read + e.write + e.timeout,
+    latency:percentile(50), latency:percentile(99), latency:percentile(99.9)))
+end
+"""
+
 WRK_SCRIPT = r"""
 local keys = %d
 request = function()
   return wrk.format(nil, nil, {["x-client"] = "c" .. math.random(keys)})
 end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("RESULT %%d %%d %%d %%d %%d %%d %%d\n",
-    summary.requests, summary.duration, e.status, e.connect + e.read + e.write + e.timeout,
-    latency:percentile(50), latency:percentile(99), latency:percentile(99.9)))
-end
-""" % KEYS
+""" % KEYS + WRK_DONE
 
 
 def free_port():

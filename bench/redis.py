@@ -20,13 +20,7 @@ ONE_KEY_SCRIPT = r"""
 request = function()
   return wrk.format(nil, nil, {["x-client"] = "abuser"})
 end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("RESULT %d %d %d %d %d %d %d\n",
-    summary.requests, summary.duration, e.status, e.connect + e.read + e.write + e.timeout,
-    latency:percentile(50), latency:percentile(99), latency:percentile(99.9)))
-end
-"""
+""" + c.WRK_DONE
 
 
 def start_redis(port, d):

@@ -5,20 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-missing=()
-command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
-command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || missing+=(nginx-light)
-command -v wrk >/dev/null 2>&1 || missing+=(wrk)
-command -v python3 >/dev/null 2>&1 || missing+=(python3)
-if ((${#missing[@]})); then
-    if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null 2>&1; then
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"
-    else
-        echo "error: missing ${missing[*]}; install them (apt-get install ${missing[*]})" >&2
-        exit 1
-    fi
-fi
+source bench/lib.sh
+install_missing redis-server=redis-server nginx=nginx-light wrk=wrk python3=python3
 
 cargo build --locked --release --quiet
 exec python3 bench/redis.py "$@"

@@ -31,13 +31,7 @@ request = function()
     return wrk.format("POST", "/upload", {["x-client"] = "u" .. math.random(20), ["content-type"] = "application/octet-stream"}, body)
   end
 end
-done = function(summary, latency, requests)
-  local e = summary.errors
-  io.write(string.format("RESULT %d %d %d %d %d %d %d\n",
-    summary.requests, summary.duration, e.status, e.connect + e.read + e.write + e.timeout,
-    latency:percentile(50), latency:percentile(99), latency:percentile(99.9)))
-end
-"""
+""" + c.WRK_DONE
 
 
 def rss_kib(pid):
@@ -106,7 +100,7 @@ rules:
         for p in (proxy, ctl, upstream):
             p.stop()
     # Flat: the last third against the first third (after the first sample's warm-up).
-    body = samples[1:]
+    body = samples[1:] or samples
     third = max(1, len(body) // 3)
     first, last = body[:third], body[-third:]
     med = lambda xs, k: statistics.median(x[k] for x in xs)  # noqa: E731
