@@ -73,26 +73,8 @@ enum Command {
         /// --threshold over --lookback.
         #[arg(long)]
         promote: Option<PathBuf>,
-        /// Prometheus's HTTP API, http://host:port.
-        #[arg(long, env = "SPILLWAY_PROMETHEUS")]
-        prometheus: String,
-        #[arg(long, default_value = "28d", value_parser = parse_duration)]
-        lookback: std::time::Duration,
-        /// Proposed limit = observed peak x (1 + margin).
-        #[arg(long, default_value = "25%", value_parser = spillway::tune::parse_fraction)]
-        margin: f64,
-        /// The peak: the highest rate seen, or its 99th percentile (ignores rare spikes).
-        #[arg(long, default_value = "max")]
-        quantile: spillway::tune::Quantile,
-        /// No proposal for a rule with less history than this.
-        #[arg(long, default_value = "7d", value_parser = parse_duration)]
-        min_history: std::time::Duration,
-        /// Rate window and subquery step.
-        #[arg(long, default_value = "5m", value_parser = parse_duration)]
-        step: std::time::Duration,
-        /// --promote: the largest would-be rejection ratio a shadow rule may have had.
-        #[arg(long, default_value = "1%", value_parser = spillway::tune::parse_fraction)]
-        threshold: f64,
+        #[command(flatten)]
+        opts: spillway::tune::Options,
         /// Write the resulting config here (validated first); without it, a dry run.
         #[arg(long)]
         write: Option<PathBuf>,
@@ -229,59 +211,42 @@ fn main() -> ExitCode {
         Command::Tune {
             config,
             promote,
-            prometheus,
-            lookback,
-            margin,
-            quantile,
-            min_history,
-            step,
-            threshold,
+            opts,
             write,
-        } => {
-            let opts = spillway::tune::Options {
-                prometheus,
-                lookback,
-                margin,
-                quantile,
-                min_history,
-                step,
-                threshold,
-            };
-            run(async move {
-                let (table, text) = match (config, promote) {
-                    (Some(path), _) => {
-                        let tuned = spillway::tune::tune(&path, &opts)
-                            .await
-                            .map_err(anyhow::Error::msg)?;
-                        (spillway::tune::render(&tuned.rows, &opts), tuned.text)
-                    }
-                    (None, Some(path)) => {
-                        let (rows, text) = spillway::tune::promote(&path, &opts)
-                            .await
-                            .map_err(anyhow::Error::msg)?;
-                        (spillway::tune::render_promote(&rows, &opts), text)
-                    }
-                    (None, None) => anyhow::bail!("give --config FILE or --promote FILE"),
-                };
-                print!("{table}");
-                match write {
-                    Some(out) => {
-                        std::fs::write(&out, text)
-                            .map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
-                        println!(
-                            "
-wrote {}",
-                            out.display()
-                        );
-                    }
-                    None => println!(
-                        "
-(dry run: give --write FILE to write the result)"
-                    ),
+        } => run(async move {
+            let (table, text) = match (config, promote) {
+                (Some(path), _) => {
+                    let tuned = spillway::tune::tune(&path, &opts)
+                        .await
+                        .map_err(anyhow::Error::msg)?;
+                    (spillway::tune::render(&tuned.rows, &opts), tuned.text)
                 }
-                Ok(())
-            })
-        }
+                (None, Some(path)) => {
+                    let (rows, text) = spillway::tune::promote(&path, &opts)
+                        .await
+                        .map_err(anyhow::Error::msg)?;
+                    (spillway::tune::render_promote(&rows, &opts), text)
+                }
+                (None, None) => anyhow::bail!("give --config FILE or --promote FILE"),
+            };
+            print!("{table}");
+            match write {
+                Some(out) => {
+                    std::fs::write(&out, text)
+                        .map_err(|e| anyhow::anyhow!("{}: {e}", out.display()))?;
+                    println!(
+                        "
+wrote {}",
+                        out.display()
+                    );
+                }
+                None => println!(
+                    "
+(dry run: give --write FILE to write the result)"
+                ),
+            }
+            Ok(())
+        }),
         Command::Demo { seconds, fleet } => {
             if fleet {
                 run(spillway::demo::fleet())

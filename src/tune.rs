@@ -25,20 +25,28 @@ use hyper_util::rt::TokioExecutor;
 
 use crate::config::{format_duration, Config, Limit, Mode};
 
-/// What `tune` and `--promote` read and how they judge it.
-#[derive(Debug, Clone)]
+/// What `tune` and `--promote` read and how they judge it (also the command line's flags).
+#[derive(Debug, Clone, clap::Args)]
 pub struct Options {
-    /// Base URL of Prometheus's HTTP API, `http://host:port`.
+    /// Prometheus's HTTP API, http://host:port.
+    #[arg(long, env = "SPILLWAY_PROMETHEUS")]
     pub prometheus: String,
+    #[arg(long, default_value = "28d", value_parser = crate::config::parse_duration)]
     pub lookback: Duration,
-    /// Proposed = peak x (1 + margin).
+    /// Proposed limit = observed peak x (1 + margin).
+    #[arg(long, default_value = "25%", value_parser = parse_fraction)]
     pub margin: f64,
+    /// The peak: the highest rate seen, or its 99th percentile (ignores rare spikes).
+    #[arg(long, default_value = "max")]
     pub quantile: Quantile,
-    /// Less history than this for a rule: no proposal for it.
+    /// No proposal for a rule with less history than this.
+    #[arg(long, default_value = "7d", value_parser = crate::config::parse_duration)]
     pub min_history: Duration,
-    /// `rate()` window and subquery step.
+    /// Rate window and subquery step.
+    #[arg(long, default_value = "5m", value_parser = crate::config::parse_duration)]
     pub step: Duration,
-    /// `--promote`: the largest would-be rejection ratio a shadow rule may have had.
+    /// --promote: the largest would-be rejection ratio a shadow rule may have had.
+    #[arg(long, default_value = "1%", value_parser = parse_fraction)]
     pub threshold: f64,
 }
 
