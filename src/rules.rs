@@ -635,18 +635,7 @@ impl RuleSet {
                 }
                 Decision::Deny { retry_after } => match rule.mode {
                     Mode::Shadow => rule.shadow_rejected.inc(),
-                    Mode::Enforce => {
-                        self.refund(req, &taken, now);
-                        rule.rejected.inc();
-                        let reset = retry_after.map_or(0, |n| ceil_secs(n).max(1));
-                        return Verdict::Deny(Denial {
-                            state: rule.state(0, reset),
-                            retry_after,
-                            header_mode: self.header_mode,
-                            delay: rule.delay.clone(),
-                            capacity: matches!(*rule.kind, Kind::Adaptive { .. }),
-                        });
-                    }
+                    Mode::Enforce => return self.refuse(rule, req, &taken, now, retry_after),
                 },
             }
         }
@@ -659,6 +648,29 @@ impl RuleSet {
         }
         self.commit(&taken);
         Verdict::Allow(admit)
+    }
+
+    /// Refuses a request for `rule`: gives back what `taken` granted, counts the rejection,
+    /// and says when to retry (a redis rule has no delay and no adaptive limit: the fields
+    /// follow from the rule).
+    fn refuse(
+        &self,
+        rule: &CompiledRule,
+        req: &RequestView<'_>,
+        taken: &[(usize, Taken)],
+        now: Nanos,
+        retry_after: Option<Nanos>,
+    ) -> Verdict {
+        self.refund(req, taken, now);
+        rule.rejected.inc();
+        let reset = retry_after.map_or(0, |n| ceil_secs(n).max(1));
+        Verdict::Deny(Denial {
+            state: rule.state(0, reset),
+            retry_after,
+            header_mode: self.header_mode,
+            delay: rule.delay.clone(),
+            capacity: matches!(*rule.kind, Kind::Adaptive { .. }),
+        })
     }
 
     /// Counts an admitted request on every rule that granted it.
@@ -747,18 +759,7 @@ impl RuleSet {
                         rule.shadow_rejected.inc();
                         taken.push((call.rule, Taken::Redis(slot)));
                     }
-                    Mode::Enforce => {
-                        self.refund(req, &taken, now);
-                        rule.rejected.inc();
-                        let reset = retry_after.map_or(0, |n| ceil_secs(n).max(1));
-                        return Verdict::Deny(Denial {
-                            state: rule.state(0, reset),
-                            retry_after,
-                            header_mode: self.header_mode,
-                            delay: None,
-                            capacity: false,
-                        });
-                    }
+                    Mode::Enforce => return self.refuse(rule, req, &taken, now, retry_after),
                 },
             }
         }
