@@ -40,7 +40,7 @@ pub struct Config {
     pub headers: HeaderMode,
     #[serde(default)]
     pub limits: Limits,
-    /// Data-plane threads, each with its own runtime and upstream pool, sharing the listener; default:
+    /// Data-plane threads, each with its own runtime and upstream connections, sharing the listener; default:
     /// one per CPU.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workers: Option<NonZeroU32>,
@@ -253,7 +253,7 @@ pub struct Timeouts {
     pub upstream_connect: Dur,
     /// From the request sent upstream to the response head received.
     pub upstream_response: Dur,
-    /// Idle upstream connections are closed after this.
+    /// An upstream connection idle this long is not used again.
     pub idle: Dur,
     /// On shutdown, in-flight requests get this long to finish.
     pub drain: Dur,

@@ -65,12 +65,13 @@ pub async fn admit(
         };
         let verdict = match verdict {
             Ok(v) => v,
-            Err((set, remote)) => set.resolve(remote, req, now).await,
+            // Boxed: the rare path (a network round trip) keeps the common future small.
+            Err((set, remote)) => Box::pin(set.resolve(remote, req, now)).await,
         };
         match verdict {
             Verdict::Allow(admit) => {
                 if admit.wait > 0 {
-                    tokio::time::sleep(Duration::from_nanos(admit.wait)).await;
+                    Box::pin(tokio::time::sleep(Duration::from_nanos(admit.wait))).await;
                 }
                 if let Some(place) = place {
                     place.admitted();
@@ -96,7 +97,7 @@ pub async fn admit(
                     }
                 }
                 drop(denial);
-                tokio::time::sleep_until(wake).await;
+                Box::pin(tokio::time::sleep_until(wake)).await;
             }
         }
     }

@@ -10,7 +10,7 @@ use std::net::IpAddr;
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Request, Response, StatusCode, Uri, Version};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::Either;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -18,6 +18,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use smallvec::SmallVec;
 
+use super::affine::{Affine, Upstream};
 use super::respond::{self, Body};
 use crate::gate::PermitBody;
 use crate::limit::Permit;
@@ -31,7 +32,6 @@ static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host"
 static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
-/// Builds the pooled upstream client.
 /// Builds the pooled upstream client: HTTP/1.1, or HTTP/2 with prior knowledge when `h2`.
 pub fn client(connect_timeout: Duration, idle: Duration, h2: bool) -> UpstreamClient {
     let mut connector = HttpConnector::new();
@@ -45,6 +45,17 @@ pub fn client(connect_timeout: Duration, idle: Duration, h2: bool) -> UpstreamCl
         .build(connector)
 }
 
+/// Why a request got no response from the upstream.
+#[derive(Debug)]
+pub enum Failure {
+    Connect(std::io::Error),
+    ConnectTimeout,
+    /// The exchange on an upstream connection of our own failed (hyper's error says why).
+    Exchange(hyper::Error),
+    /// The pooled client failed.
+    Pooled(hyper_util::client::legacy::Error),
+}
+
 /// What the request path knows when it forwards.
 pub struct Forward<'a> {
     pub client: &'a UpstreamClient,
@@ -56,6 +67,11 @@ pub struct Forward<'a> {
     pub metrics: &'a Metrics,
     /// The upstream speaks HTTP/2 (`h2c://`).
     pub h2: bool,
+    /// The client connection's own upstream connection, for HTTP/1 client connections to an
+    /// HTTP/1 upstream; `None` sends through the pooled client.
+    pub affine: Option<(&'a Affine, &'a Upstream)>,
+    /// The request's start (the clock's nanoseconds).
+    pub now: u64,
 }
 
 impl Forward<'_> {
@@ -68,17 +84,30 @@ impl Forward<'_> {
     ) -> Response<Body> {
         // HTTP/1.1 upgrades only: an HTTP/2 upstream has no Upgrade.
         let upgrade = (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut req));
-        if let Err(resp) = self.rewrite(&mut req, upgrade.is_some()) {
+        // The client connection's own upstream connection takes what one connection in
+        // sequence can: HTTP/1 requests without an upgrade (CONNECT has none to give).
+        let affine = self.affine.filter(|_| {
+            upgrade.is_none()
+                && req.version() <= Version::HTTP_11
+                && req.method() != Method::CONNECT
+        });
+        if let Err(resp) = self.rewrite(&mut req, upgrade.is_some(), affine.is_some()) {
             return resp;
         }
-        let result = tokio::time::timeout(self.response_timeout, self.client.request(req)).await;
+        let result = tokio::time::timeout(self.response_timeout, async {
+            match affine {
+                Some((conn, upstream)) => conn.send(upstream, req, self.now).await,
+                None => self.client.request(req).await.map_err(Failure::Pooled),
+            }
+        })
+        .await;
         let mut resp = match result {
             Ok(Ok(resp)) => {
                 // The upstream's latency, for adaptive limits: to the response head.
                 permits.iter_mut().for_each(Permit::responded);
                 resp
             }
-            Ok(Err(e)) if client_body_failed(&e) => {
+            Ok(Err(e)) if e.client_body_failed() => {
                 // The client's own body was malformed (a bad chunk) or cut off: its fault, not
                 // the upstream's.
                 self.metrics.bad_body.inc();
@@ -87,7 +116,7 @@ impl Forward<'_> {
                     "the request body was malformed or ended early",
                 );
             }
-            Ok(Err(e)) => return self.failed(classify(&e)),
+            Ok(Err(e)) => return self.failed(e.classify()),
             Err(_) => return self.failed(UpstreamError::ResponseTimeout),
         };
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -122,9 +151,16 @@ impl Forward<'_> {
         respond::error(status, detail)
     }
 
-    /// Points the request at the upstream and rewrites its headers for the hop.
+    /// Points the request at the upstream and rewrites its headers for the hop. `origin_form`:
+    /// the URI keeps only path and query, and `Host` names the upstream when the client gave
+    /// none (what the pooled client does itself).
     #[allow(clippy::result_large_err)]
-    fn rewrite(&self, req: &mut Request<Incoming>, upgrade: bool) -> Result<(), Response<Body>> {
+    fn rewrite(
+        &self,
+        req: &mut Request<Incoming>,
+        upgrade: bool,
+        origin_form: bool,
+    ) -> Result<(), Response<Body>> {
         let original_authority = req.uri().authority().cloned();
         let path_and_query = req
             .uri()
@@ -132,8 +168,10 @@ impl Forward<'_> {
             .cloned()
             .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
         let mut parts = http::uri::Parts::default();
-        parts.scheme = Some(http::uri::Scheme::HTTP);
-        parts.authority = Some(self.upstream.clone());
+        if !origin_form {
+            parts.scheme = Some(http::uri::Scheme::HTTP);
+            parts.authority = Some(self.upstream.clone());
+        }
         parts.path_and_query = Some(path_and_query);
         *req.uri_mut() = Uri::from_parts(parts).map_err(|_| {
             respond::error(
@@ -159,7 +197,10 @@ impl Forward<'_> {
         }
         // HTTP/2 requests carry the host in :authority; the upstream speaks HTTP/1.1.
         if !headers.contains_key(header::HOST) {
-            if let Some(a) = &original_authority {
+            let host = original_authority
+                .as_ref()
+                .or(origin_form.then_some(self.upstream));
+            if let Some(a) = host {
                 if let Ok(v) = HeaderValue::from_str(a.as_str()) {
                     headers.insert(header::HOST, v);
                 }
@@ -241,35 +282,47 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: IpAddr) {
     }
 }
 
-/// True when sending failed because reading the client's request body failed (hyper reports
-/// the body stream's error as a user error, caused by the incoming body's own error).
-fn client_body_failed(e: &hyper_util::client::legacy::Error) -> bool {
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        if let Some(h) = s.downcast_ref::<hyper::Error>() {
-            if h.is_user() && h.source().is_some_and(|inner| inner.is::<hyper::Error>()) {
-                return true;
+impl Failure {
+    /// True when sending failed because reading the client's request body failed (hyper
+    /// reports the body stream's error as a user error, caused by the incoming body's own
+    /// error).
+    fn client_body_failed(&self) -> bool {
+        let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
+            Failure::Pooled(e) => Some(e),
+            Failure::Exchange(e) => Some(e),
+            Failure::Connect(_) | Failure::ConnectTimeout => None,
+        };
+        while let Some(s) = source {
+            if let Some(h) = s.downcast_ref::<hyper::Error>() {
+                if h.is_user() && h.source().is_some_and(|inner| inner.is::<hyper::Error>()) {
+                    return true;
+                }
             }
+            source = s.source();
         }
-        source = s.source();
+        false
     }
-    false
-}
 
-fn classify(e: &hyper_util::client::legacy::Error) -> UpstreamError {
-    if !e.is_connect() {
-        return UpstreamError::Protocol;
-    }
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        if let Some(io) = s.downcast_ref::<std::io::Error>() {
-            if io.kind() == std::io::ErrorKind::TimedOut {
-                return UpstreamError::ConnectTimeout;
+    fn classify(&self) -> UpstreamError {
+        match self {
+            Failure::Connect(_) => UpstreamError::Connect,
+            Failure::ConnectTimeout => UpstreamError::ConnectTimeout,
+            Failure::Exchange(_) => UpstreamError::Protocol,
+            Failure::Pooled(e) if !e.is_connect() => UpstreamError::Protocol,
+            Failure::Pooled(e) => {
+                let mut source = std::error::Error::source(e);
+                while let Some(s) = source {
+                    if let Some(io) = s.downcast_ref::<std::io::Error>() {
+                        if io.kind() == std::io::ErrorKind::TimedOut {
+                            return UpstreamError::ConnectTimeout;
+                        }
+                    }
+                    source = s.source();
+                }
+                UpstreamError::Connect
             }
         }
-        source = s.source();
     }
-    UpstreamError::Connect
 }
 
 /// Copies bytes both ways between an upgraded client connection and the upstream's, holding

@@ -1,15 +1,18 @@
 //! The sidecar's data plane: accept, decide, forward, stream back; drain on shutdown.
 //!
 //! Owns the client listener (shared by the worker threads, each with its own current-thread
-//! runtime and upstream pool, so a request never hops threads once accepted), the
+//! runtime and upstream connections, so a request never hops threads once accepted), the
 //! per-connection hyper server (HTTP/1.1 and HTTP/2 prior knowledge on one port), the request
 //! path, and the shutdown sequence. Must never: hold a
 //! snapshot guard or any lock across an `.await`, buffer a body, log per request above debug.
 //!
 //! Cost of the request path beyond hyper's own work: one header-size sum, the client-IP walk,
 //! one `ArcSwap` load, [`RuleSet::check`] (see its cost), the header rewrite for the hop (one
-//! allocation for `X-Forwarded-For`), two clock reads and one histogram observation.
+//! allocation for `X-Forwarded-For`), two clock reads and one histogram observation; for an
+//! HTTP/1 client, the hand-over to its own upstream connection in the same task ([`affine`]:
+//! two uncontended locks, no trip through the runtime's queue).
 
+mod affine;
 pub mod forward;
 pub mod reload;
 pub mod respond;
@@ -56,6 +59,8 @@ pub struct Shared {
     pub ratios: Arc<ArcSwap<DropRatios>>,
     pub config: ArcSwap<Config>,
     upstream: http::uri::Authority,
+    /// The same, for the HTTP/1 connections made per client connection.
+    affine_upstream: affine::Upstream,
     upstream_h2: bool,
     connect_timeout: Duration,
     idle_timeout: Duration,
@@ -143,6 +148,15 @@ impl Sidecar {
             rules: Arc::new(ArcSwap::from_pointee(rules)),
             ratios,
             upstream: config.upstream.authority.clone(),
+            affine_upstream: affine::Upstream {
+                address: format!(
+                    "{}:{}",
+                    config.upstream.authority.host(),
+                    config.upstream.authority.port_u16().unwrap_or(80)
+                ),
+                connect_timeout: t.upstream_connect.0,
+                idle: t.idle.0.as_nanos() as u64,
+            },
             upstream_h2: config.upstream.h2,
             clock,
             metrics,
@@ -328,7 +342,7 @@ async fn serve(
     let reporter = reporter.map(|r| tokio::spawn(r.run(shared.rules.clone(), report_stop)));
 
     // The data plane: one thread per worker, each with its own current-thread runtime, its own
-    // handle on the listener and its own upstream pool, so a request never hops between
+    // handle on the listener and its own upstream connections, so a request never hops between
     // threads (nginx's shape). Only the connection cap is shared; tokio's semaphore works
     // across runtimes.
     let max_connections = shared.config.load().limits.max_connections.get() as usize;
@@ -442,31 +456,37 @@ async fn worker(
             },
         };
         let _ = stream.set_nodelay(true);
-        let conn_shared = shared.clone();
-        let conn_client = client.clone();
-        let abandoned = Arc::new(Abandoned::new(shared.clock.clone()));
-        let conn_abandoned = abandoned.clone();
+        let conn = Arc::new(Conn {
+            abandoned: Abandoned::default(),
+            shared: shared.clone(),
+            client: client.clone(),
+            affine: affine::Affine::default(),
+            peer,
+        });
+        let service_conn = conn.clone();
         let service = service_fn(move |req| {
-            let (shared, client) = (conn_shared.clone(), conn_client.clone());
-            let guard = AbandonGuard(Some(conn_abandoned.clone()));
+            // Made with the request's future, so that one dropped before its first poll (an
+            // HTTP/2 stream reset at once) counts as abandoned too.
+            let guard = AbandonGuard(Some(service_conn.clone()));
             async move {
-                let resp = handle(&shared, &client, peer, req).await;
+                let resp = handle(guard.conn(), req).await;
                 guard.disarm();
                 Ok::<_, Infallible>(resp)
             }
         });
-        let conn = builder
+        let served = builder
             .serve_connection_with_upgrades(TokioIo::new(stream), service)
             .into_owned();
-        let conn = graceful.watch(conn);
+        let served = graceful.watch(served);
         let metrics = shared.metrics.clone();
         metrics.connections.inc();
         tokio::spawn(async move {
-            tokio::select! {
-                ended = conn => if let Err(e) = ended {
+            match affine::drive(served, &conn.affine).await {
+                Some(Ok(())) => {}
+                Some(Err(e)) => {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
-                },
-                _ = abandoned.tripped.notified() => {
+                }
+                None => {
                     // Dropping the connection closes it, with every stream on it.
                     metrics.rapid_reset.inc();
                     tracing::warn!(%peer, "closed a connection that abandoned requests faster than {ABANDON_BUDGET}/s (rapid reset)");
@@ -491,29 +511,31 @@ async fn worker(
 const ABANDON_BUDGET: u32 = 200;
 
 /// Abandoned requests of one connection in the current second.
+#[derive(Default)]
 struct Abandoned {
-    clock: AnyClock,
     // Relaxed: a rate bound; a race miscounts by one.
     second: std::sync::atomic::AtomicU64,
     count: std::sync::atomic::AtomicU32,
-    tripped: tokio::sync::Notify,
 }
 
-impl Abandoned {
-    fn new(clock: AnyClock) -> Self {
-        Abandoned {
-            clock,
-            second: Default::default(),
-            count: Default::default(),
-            tripped: tokio::sync::Notify::new(),
-        }
-    }
+/// What the requests of one client connection share.
+struct Conn {
+    shared: Arc<Shared>,
+    client: Arc<forward::UpstreamClient>,
+    /// This connection's own upstream connection (HTTP/1 only).
+    affine: affine::Affine,
+    abandoned: Abandoned,
+    peer: SocketAddr,
 }
 
 /// Counts its request as abandoned when dropped before [`disarm`](Self::disarm).
-struct AbandonGuard(Option<Arc<Abandoned>>);
+struct AbandonGuard(Option<Arc<Conn>>);
 
 impl AbandonGuard {
+    fn conn(&self) -> &Conn {
+        self.0.as_ref().expect("armed until disarmed")
+    }
+
     fn disarm(mut self) {
         self.0 = None;
     }
@@ -521,24 +543,21 @@ impl AbandonGuard {
 
 impl Drop for AbandonGuard {
     fn drop(&mut self) {
-        let Some(a) = self.0.take() else { return };
-        let this = a.clock.now() / 1_000_000_000;
+        let Some(conn) = self.0.take() else { return };
+        let a = &conn.abandoned;
+        let this = conn.shared.clock.now() / 1_000_000_000;
         if a.second.swap(this, Ordering::Relaxed) != this {
             a.count.store(0, Ordering::Relaxed);
         }
         if a.count.fetch_add(1, Ordering::Relaxed) + 1 == ABANDON_BUDGET {
-            a.tripped.notify_one();
+            conn.affine.wakes.trip();
         }
     }
 }
 
 /// The request path.
-async fn handle(
-    shared: &Shared,
-    client: &forward::UpstreamClient,
-    peer: SocketAddr,
-    req: Request<Incoming>,
-) -> Response<Body> {
+async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Body> {
+    let (shared, peer) = (&*conn.shared, conn.peer);
     let start = shared.clock.now();
     let metrics = &shared.metrics;
     if header_bytes(&req) > shared.max_header_bytes {
@@ -569,7 +588,9 @@ async fn handle(
             // Refused before its body was read: read (and drop) a small body so that the
             // connection stays usable and the client reads our answer; a large or slow one
             // closes the connection instead (nginx's lingering close, bounded).
-            if !drained(req.into_body()).await {
+            let body = req.into_body();
+            // Boxed: the rare path (a body to read) keeps the common future small.
+            if !http_body::Body::is_end_stream(&body) && !Box::pin(drained(body)).await {
                 resp.headers_mut().insert(
                     http::header::CONNECTION,
                     http::HeaderValue::from_static("close"),
@@ -580,13 +601,15 @@ async fn handle(
     };
 
     let fwd = forward::Forward {
-        client,
+        client: &conn.client,
         upstream: &shared.upstream,
         peer: peer.ip(),
         trust_forwarded: shared.trusted_hops > 0,
         response_timeout: shared.response_timeout,
         metrics,
         h2: shared.upstream_h2,
+        affine: (!shared.upstream_h2).then_some((&conn.affine, &shared.affine_upstream)),
+        now: start,
     };
     let mut resp = fwd.send(req, admit.permits).await;
     let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
@@ -608,11 +631,7 @@ const DRAIN_TIME: Duration = Duration::from_millis(500);
 /// Reads and drops `body` if it ends within [`DRAIN_BYTES`] and [`DRAIN_TIME`]; false when it
 /// did not (the connection should then close). A body that is already over costs nothing.
 async fn drained(mut body: Incoming) -> bool {
-    use http_body::Body as _;
     use http_body_util::BodyExt;
-    if body.is_end_stream() {
-        return true;
-    }
     let mut read = 0usize;
     let drain = async {
         while let Some(frame) = body.frame().await {

@@ -1,0 +1,299 @@
+//! One upstream connection per HTTP/1 client connection, driven by that connection's own task.
+//!
+//! hyper-util's pooled client runs every upstream connection as a task of its own, so a request
+//! crosses from the client connection's task to the upstream connection's task through a
+//! channel, and its response crosses back through another: two trips through the runtime's
+//! queue per request (each behind every other ready connection), plus the pool's lock and
+//! checkout. An HTTP/1 client connection sends its requests one at a time, so it can keep one
+//! upstream connection of its own and poll it from its own task ([`drive`]): the request is
+//! written upstream in the poll that read it, and the response is written back in the poll that
+//! read it, as nginx's event loop does. Measured in BENCHMARKS.md.
+//!
+//! Cost per request: one uncontended lock to take the sender and one to put it back, hyper's
+//! dispatch (a oneshot for the response). A connect only when there is no usable connection:
+//! the first request, after the upstream closed it, or after [`Upstream::idle`] unused.
+//!
+//! Used for HTTP/1 requests to an HTTP/1 upstream without an upgrade; HTTP/2 client
+//! connections (concurrent streams, each a task of hyper's), upgrades and `h2c://` upstreams
+//! keep the pooled client. Upstream connections therefore number at most the HTTP/1 client
+//! connections; each closes with its client connection, when the upstream closes it, or when a
+//! request finds it idle for longer than `timeouts.idle`.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use atomic_waker::AtomicWaker;
+
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::http1;
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use super::forward::Failure;
+
+type Driver = Pin<Box<http1::Connection<TokioIo<TcpStream>, Incoming>>>;
+
+/// Where and how to connect.
+pub struct Upstream {
+    /// `host:port` (port 80 when the configuration gave none).
+    pub address: String,
+    pub connect_timeout: Duration,
+    /// An upstream connection unused for this long is not reused (the upstream may be closing
+    /// it at this very moment); nanoseconds.
+    pub idle: u64,
+}
+
+/// The upstream connection of one client connection.
+#[derive(Default)]
+pub struct Affine {
+    // Locked only by the one task serving the client connection, never across an await: never
+    // contended.
+    #[allow(clippy::disallowed_types)]
+    state: std::sync::Mutex<State>,
+    /// The connection task's wakes (see [`drive`]).
+    pub wakes: Arc<Wakes>,
+}
+
+#[derive(Default)]
+struct State {
+    /// The connection's sender between requests.
+    sender: Option<http1::SendRequest<Incoming>>,
+    /// When `sender` was last used (the clock's nanoseconds).
+    last_used: u64,
+    /// A connection made by a request, not yet picked up by [`drive`].
+    new_driver: Option<Driver>,
+}
+
+impl Affine {
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sends `req` (origin-form URI, `Host` set) on this client connection's upstream
+    /// connection, connecting first when there is none usable; `now` is the clock's time. A
+    /// request that a reused connection could not take (closed by the upstream meanwhile) is
+    /// sent again on a new connection; one that was sent is never sent twice.
+    ///
+    /// The common case (a connection ready for the next request) hands `req` to hyper at once
+    /// and awaits only its response; everything else is a boxed future of its own, so that the
+    /// request path's future, moved once per request, stays small.
+    pub async fn send(
+        &self,
+        upstream: &Upstream,
+        req: Request<Incoming>,
+        now: u64,
+    ) -> Result<Response<Incoming>, Failure> {
+        let cached = {
+            let mut state = self.state();
+            let fresh = now.saturating_sub(state.last_used) < upstream.idle;
+            state.sender.take().filter(|s| fresh && !s.is_closed())
+        };
+        let (sender, sent) = match cached {
+            Some(mut sender) if sender.is_ready() => {
+                let sent = sender.try_send_request(req).await;
+                (sender, sent)
+            }
+            _ => return Box::pin(self.send_slow(upstream, cached, req, now)).await,
+        };
+        match sent {
+            Ok(resp) => {
+                self.put(sender, now);
+                Ok(resp)
+            }
+            Err(mut e) => match e.take_message() {
+                Some(unsent) => Box::pin(self.send_slow(upstream, None, unsent, now)).await,
+                None => Err(Failure::Exchange(e.into_error())),
+            },
+        }
+    }
+
+    /// [`send`](Self::send) when `cached` is not ready at once or there is none.
+    async fn send_slow(
+        &self,
+        upstream: &Upstream,
+        cached: Option<http1::SendRequest<Incoming>>,
+        mut req: Request<Incoming>,
+        now: u64,
+    ) -> Result<Response<Incoming>, Failure> {
+        let (mut sender, mut reused) = match cached {
+            Some(s) => (s, true),
+            None => (self.connect(upstream).await?, false),
+        };
+        loop {
+            if reused && sender.ready().await.is_err() {
+                sender = self.connect(upstream).await?;
+                reused = false;
+            }
+            match sender.try_send_request(req).await {
+                Ok(resp) => {
+                    self.put(sender, now);
+                    return Ok(resp);
+                }
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) if reused => {
+                        req = unsent;
+                        sender = self.connect(upstream).await?;
+                        reused = false;
+                    }
+                    _ => return Err(Failure::Exchange(e.into_error())),
+                },
+            }
+        }
+    }
+
+    fn put(&self, sender: http1::SendRequest<Incoming>, now: u64) {
+        let mut state = self.state();
+        state.sender = Some(sender);
+        state.last_used = now;
+    }
+
+    /// A new connection to the upstream; its driver is left for [`drive`] to poll.
+    async fn connect(&self, upstream: &Upstream) -> Result<http1::SendRequest<Incoming>, Failure> {
+        let stream = tokio::time::timeout(upstream.connect_timeout, connect_any(&upstream.address))
+            .await
+            .map_err(|_| Failure::ConnectTimeout)?
+            .map_err(Failure::Connect)?;
+        let _ = stream.set_nodelay(true);
+        let (sender, conn) = http1::Builder::new()
+            .handshake(TokioIo::new(stream))
+            .await
+            .map_err(Failure::Exchange)?;
+        self.state().new_driver = Some(Box::pin(conn));
+        // Never polled yet: nothing else would wake it.
+        self.wakes.set(UPSTREAM);
+        Ok(sender)
+    }
+}
+
+/// The first address of `address` that accepts a connection.
+async fn connect_any(address: &str) -> std::io::Result<TcpStream> {
+    let mut last = None;
+    for addr in tokio::net::lookup_host(address).await? {
+        match TcpStream::connect(addr).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("{address} resolves to no address"),
+        )
+    }))
+}
+
+/// Which side of a connection task needs a poll, and the task's waker for wakes that arrive
+/// while it is not polling. Each side is polled with a waker of its own, so a wake names the
+/// side to poll; wakes that arrive during [`drive`]'s poll (the upstream side completing the
+/// client side's response, the client side handing a request to the upstream side) are
+/// handled in that same poll instead of a trip through the runtime's queue.
+#[derive(Default)]
+pub struct Wakes {
+    bits: AtomicU8,
+    polling: AtomicBool,
+    task: AtomicWaker,
+}
+
+const CLIENT: u8 = 1;
+const UPSTREAM: u8 = 2;
+const TRIPPED: u8 = 4;
+/// Rounds of one poll of [`drive`] before it yields to the runtime (fairness, and tokio's
+/// cooperative budget: a resource out of budget wakes at once, which would loop here).
+const ROUNDS: usize = 8;
+
+impl Wakes {
+    fn set(&self, bits: u8) {
+        // SeqCst pairs with `drive`'s store of `polling` then load of `bits`: either this wake
+        // sees `polling` false and wakes the task, or `drive` sees the bit.
+        self.bits.fetch_or(bits, Ordering::SeqCst);
+        if !self.polling.load(Ordering::SeqCst) {
+            self.task.wake();
+        }
+    }
+
+    /// Makes [`drive`] end now: the connection is dropped, with every stream on it.
+    pub fn trip(&self) {
+        self.set(TRIPPED);
+    }
+}
+
+struct SideWaker {
+    wakes: Arc<Wakes>,
+    bit: u8,
+}
+
+impl Wake for SideWaker {
+    fn wake(self: Arc<Self>) {
+        self.wakes.set(self.bit);
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.wakes.set(self.bit);
+    }
+}
+
+/// Polls `server` (a client connection) and the upstream connection of `affine` from one task,
+/// each when its own waker was woken, until `server` ends (`Some`, and the upstream
+/// connection closes) or the connection is tripped (`None`).
+pub async fn drive<F: Future>(server: F, affine: &Affine) -> Option<F::Output> {
+    let wakes = &affine.wakes;
+    let client = Waker::from(Arc::new(SideWaker {
+        wakes: wakes.clone(),
+        bit: CLIENT,
+    }));
+    let upstream = Waker::from(Arc::new(SideWaker {
+        wakes: wakes.clone(),
+        bit: UPSTREAM,
+    }));
+    let mut server = std::pin::pin!(server);
+    let mut driver: Option<Driver> = None;
+    wakes.bits.fetch_or(CLIENT, Ordering::SeqCst);
+    std::future::poll_fn(|cx| {
+        wakes.task.register(cx.waker());
+        wakes.polling.store(true, Ordering::SeqCst);
+        for _ in 0..ROUNDS {
+            let bits = wakes.bits.swap(0, Ordering::SeqCst);
+            if bits & TRIPPED != 0 {
+                return Poll::Ready(None);
+            }
+            if bits == 0 {
+                break;
+            }
+            if bits & UPSTREAM != 0 {
+                poll_driver(affine, &mut driver, &mut Context::from_waker(&upstream));
+            }
+            if bits & CLIENT != 0 {
+                if let Poll::Ready(out) = server.as_mut().poll(&mut Context::from_waker(&client)) {
+                    return Poll::Ready(Some(out));
+                }
+            }
+        }
+        wakes.polling.store(false, Ordering::SeqCst);
+        if wakes.bits.load(Ordering::SeqCst) != 0 {
+            // Woken meanwhile, or still work after all rounds: poll again after other tasks.
+            cx.waker().wake_by_ref();
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+fn poll_driver(affine: &Affine, driver: &mut Option<Driver>, cx: &mut Context<'_>) {
+    if let Some(new) = affine.state().new_driver.take() {
+        // The old connection, if any, has no sender left: it is done.
+        *driver = Some(new);
+    }
+    if let Some(d) = driver {
+        if let Poll::Ready(ended) = d.as_mut().poll(cx) {
+            if let Err(e) = ended {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+            }
+            *driver = None;
+        }
+    }
+}

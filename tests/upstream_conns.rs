@@ -1,0 +1,190 @@
+//! Each HTTP/1 client connection has an upstream connection of its own (src/proxy/affine.rs):
+//! reused while it lasts, replaced without an error when the upstream closed it, never asked
+//! twice for a request it was sent.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::*;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+
+/// A raw HTTP/1.1 upstream: answers each request with 200 and the number of the connection it
+/// came on, counts connections and requests, and closes a connection after `per_conn`
+/// responses (telling `closed`).
+struct Counting {
+    addr: SocketAddr,
+    conns: Arc<AtomicUsize>,
+    requests: Arc<AtomicUsize>,
+    closed: Arc<Notify>,
+}
+
+async fn counting(per_conn: usize) -> Counting {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let conns = Arc::new(AtomicUsize::new(0));
+    let requests = Arc::new(AtomicUsize::new(0));
+    let closed = Arc::new(Notify::new());
+    let (c, r, done) = (conns.clone(), requests.clone(), closed.clone());
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let n = c.fetch_add(1, Ordering::SeqCst) + 1;
+            let (r, done) = (r.clone(), done.clone());
+            tokio::spawn(async move {
+                let mut stream = BufReader::new(stream);
+                for _ in 0..per_conn {
+                    // Read one request head (GETs only: no body).
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        match stream.read_line(&mut line).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(_) if line == "\r\n" => break,
+                            Ok(_) => {}
+                        }
+                    }
+                    r.fetch_add(1, Ordering::SeqCst);
+                    let body = n.to_string();
+                    let resp = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if stream.get_mut().write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+                let _ = stream.get_mut().shutdown().await;
+                drop(stream);
+                done.notify_one();
+            });
+        }
+    });
+    Counting {
+        addr,
+        conns,
+        requests,
+        closed,
+    }
+}
+
+/// Sends one GET on `stream` and returns (status line, body).
+async fn get_on(stream: &mut BufReader<TcpStream>, head: &str) -> (String, String) {
+    stream.get_mut().write_all(head.as_bytes()).await.unwrap();
+    let mut status = String::new();
+    stream.read_line(&mut status).await.unwrap();
+    let mut len = 0usize;
+    loop {
+        let mut line = String::new();
+        stream.read_line(&mut line).await.unwrap();
+        if line == "\r\n" {
+            break;
+        }
+        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+    }
+    let mut body = vec![0; len];
+    stream.read_exact(&mut body).await.unwrap();
+    (
+        status.trim_end().to_string(),
+        String::from_utf8(body).unwrap(),
+    )
+}
+
+const GET: &str = "GET /x HTTP/1.1\r\nhost: app\r\n\r\n";
+
+async fn client(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
+    BufReader::new(TcpStream::connect(sc.addr()).await.unwrap())
+}
+
+#[tokio::test]
+async fn requests_of_one_client_connection_share_one_upstream_connection() {
+    let up = counting(usize::MAX).await;
+    let sc = spillway::proxy::Sidecar::start(config(up.addr, "rules: []"))
+        .await
+        .unwrap();
+    let (mut a, mut b) = (client(&sc).await, client(&sc).await);
+    for _ in 0..5 {
+        assert_eq!(get_on(&mut a, GET).await.0, "HTTP/1.1 200 OK");
+        assert_eq!(get_on(&mut b, GET).await.0, "HTTP/1.1 200 OK");
+    }
+    assert_eq!(up.requests.load(Ordering::SeqCst), 10);
+    assert_eq!(
+        up.conns.load(Ordering::SeqCst),
+        2,
+        "one upstream connection per client connection"
+    );
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn an_upstream_connection_closed_between_requests_is_replaced_without_an_error() {
+    // The upstream closes every connection after one response, as an app with a short
+    // keep-alive timeout does to an idle one.
+    let up = counting(1).await;
+    let sc = spillway::proxy::Sidecar::start(config(up.addr, "rules: []"))
+        .await
+        .unwrap();
+    let mut c = client(&sc).await;
+    for i in 1..=3 {
+        let closed = up.closed.notified();
+        let (status, body) = get_on(&mut c, GET).await;
+        assert_eq!(status, "HTTP/1.1 200 OK", "request {i}");
+        assert_eq!(
+            body,
+            i.to_string(),
+            "request {i} on upstream connection {i}"
+        );
+        // The next request finds the old connection closed.
+        closed.await;
+    }
+    assert_eq!(
+        up.requests.load(Ordering::SeqCst),
+        3,
+        "no request sent twice"
+    );
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn an_upstream_connection_idle_past_timeouts_idle_is_not_reused() {
+    let up = counting(usize::MAX).await;
+    let clock = spillway::limit::ManualClock::new(1_000_000_000);
+    let sc = spillway::proxy::Sidecar::start_with_clock(
+        config(up.addr, "timeouts: { idle: 10s }\nrules: []"),
+        spillway::limit::AnyClock::Manual(clock.clone()),
+    )
+    .await
+    .unwrap();
+    let mut c = client(&sc).await;
+    assert_eq!(get_on(&mut c, GET).await.1, "1");
+    clock.advance(std::time::Duration::from_secs(5));
+    assert_eq!(get_on(&mut c, GET).await.1, "1", "5 s idle: reused");
+    clock.advance(std::time::Duration::from_secs(11));
+    assert_eq!(
+        get_on(&mut c, GET).await.1,
+        "2",
+        "11 s idle: a new connection"
+    );
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn a_request_without_host_gets_the_upstreams_authority() {
+    let (sc, up) = sidecar("rules: []").await;
+    let mut c = client(&sc).await;
+    let (status, body) = get_on(&mut c, "GET /echo HTTP/1.0\r\n\r\n").await;
+    assert_eq!(status, "HTTP/1.0 200 OK");
+    let echo: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(echo["headers"]["host"], up.addr.to_string(), "{echo}");
+    assert_eq!(echo["uri"], "/echo", "origin-form on the wire: {echo}");
+    sc.shutdown();
+    sc.wait().await;
+}
