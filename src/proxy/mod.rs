@@ -435,6 +435,8 @@ async fn worker(
         .keep_alive_interval(Some(config.timeouts.idle.0))
         .keep_alive_timeout(config.timeouts.header_read.0);
     let graceful = GracefulShutdown::new();
+    // Ends with this worker's runtime.
+    tokio::spawn(anchor_timer(anchor_period(&config.timeouts)));
 
     loop {
         // Take a connection slot before accepting, so at the cap new clients wait in the
@@ -502,6 +504,26 @@ async fn worker(
         _ = graceful.shutdown() => tracing::debug!("worker drained"),
         _ = tokio::time::sleep(config.timeouts.drain.0) => tracing::warn!("drain timed out; closing the remaining connections"),
     }
+}
+
+/// Keeps a timer pending that is due before any timer a request arms.
+///
+/// tokio's timer wakes its own I/O driver (an eventfd write, and a spurious return from the
+/// next `epoll_wait`) whenever a timer is registered while no earlier one is pending, even
+/// from the runtime's own thread while it is busy (tokio-rs/tokio#5207). Every request arms
+/// two, hyper's header-read timer and the upstream response timeout, so without an anchor a
+/// worker paid that syscall on up to half its requests (strace, 16 connections: 11 325
+/// `write`s for 19 759 requests; with the anchor, 9 to 15 per run).
+async fn anchor_timer(period: Duration) {
+    loop {
+        tokio::time::sleep(period).await;
+    }
+}
+
+/// Half the shortest per-request timer, at most a second.
+fn anchor_period(t: &crate::config::Timeouts) -> Duration {
+    (t.header_read.0.min(t.upstream_response.0) / 2)
+        .clamp(Duration::from_millis(1), Duration::from_secs(1))
 }
 
 /// Requests one connection may abandon per second (an HTTP/2 RST_STREAM before the response,
