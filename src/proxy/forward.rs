@@ -236,14 +236,27 @@ fn has_token(list: &[u8], token: &[u8]) -> bool {
 /// Removes the headers that belong to one connection (RFC 9110 §7.6.1), including those the
 /// `Connection` header names. With `keep_upgrade`, `Upgrade` and `Connection: upgrade` stay.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
-    let named: SmallVec<[HeaderName; 4]> = headers
+    // Most messages carry none: one pass over the names (standard ones compare as enums)
+    // instead of a hashed removal per hop-by-hop name.
+    if !keep_upgrade && !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
+    // The values are shared with the parsed message (cloning one counts a reference), and
+    // each named header is removed by its text: no header name is allocated.
+    let connection: SmallVec<[HeaderValue; 2]> = headers
         .get_all(header::CONNECTION)
         .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim_ascii()).ok())
+        .cloned()
         .collect();
-    for name in named {
-        if !(keep_upgrade && name == header::UPGRADE) {
+    for token in connection
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+    {
+        if keep_upgrade && token.eq_ignore_ascii_case(b"upgrade") {
+            continue;
+        }
+        if let Ok(name) = std::str::from_utf8(token) {
             headers.remove(name);
         }
     }
@@ -266,18 +279,34 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     }
 }
 
-/// Appends the peer to `X-Forwarded-For`, folding several header lines into one list.
+/// True for the headers [`strip_hop_by_hop`] removes by name (those `Connection` names come
+/// with a `Connection` header, which is one of these).
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    name == header::CONNECTION
+        || name == KEEP_ALIVE
+        || name == PROXY_CONNECTION
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::TRANSFER_ENCODING
+        || name == header::PROXY_AUTHENTICATE
+        || name == header::PROXY_AUTHORIZATION
+        || name == header::UPGRADE
+}
+
+/// Appends the peer to `X-Forwarded-For`, folding several header lines into one list: one
+/// buffer, handed to the header value without a copy.
 fn append_forwarded_for(headers: &mut HeaderMap, peer: IpAddr) {
-    let mut value = String::with_capacity(64);
+    use bytes::BufMut;
+    use std::fmt::Write;
+    let mut value = bytes::BytesMut::with_capacity(64);
     for v in headers.get_all(&X_FORWARDED_FOR) {
-        if let Ok(s) = v.to_str() {
-            value.push_str(s);
-            value.push_str(", ");
+        if v.to_str().is_ok() {
+            value.put_slice(v.as_bytes());
+            value.put_slice(b", ");
         }
     }
-    use std::fmt::Write;
     let _ = write!(value, "{}", peer.to_canonical());
-    if let Ok(v) = HeaderValue::from_str(&value) {
+    if let Ok(v) = HeaderValue::from_maybe_shared(value.freeze()) {
         headers.insert(X_FORWARDED_FOR.clone(), v);
     }
 }
@@ -361,6 +390,27 @@ mod tests {
         strip_hop_by_hop(&mut h, false);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn names_in_connection_match_whatever_their_case_and_odd_tokens_are_ignored() {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONNECTION, "X-Secret , ,bad name".parse().unwrap());
+        h.insert("x-secret", "1".parse().unwrap());
+        h.insert("x-kept", "1".parse().unwrap());
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn a_message_without_hop_by_hop_headers_is_left_as_it_is() {
+        let mut h = HeaderMap::new();
+        h.insert(header::HOST, "app".parse().unwrap());
+        h.insert("x-client", "c1".parse().unwrap());
+        let before = h.clone();
+        strip_hop_by_hop(&mut h, false);
+        assert_eq!(h, before);
     }
 
     #[test]
