@@ -205,7 +205,7 @@ async fn sliding_log_members_are_unique_so_simultaneous_requests_all_count() {
     );
     let (a, b) = (start(up.addr, &y).await, start(up.addr, &y).await);
     let statuses = burst(&[a.addr(), b.addr()], 300, "same").await;
-    assert!(statuses.iter().all(|s| *s == 200));
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
     let mut conn = redis.conn().await;
     let members: u64 = redis::cmd("ZCARD")
         .arg("{test:r:same}:log")

@@ -188,3 +188,31 @@ async fn a_request_without_host_gets_the_upstreams_authority() {
     sc.shutdown();
     sc.wait().await;
 }
+
+#[tokio::test]
+async fn a_closed_client_connection_leaves_its_upstream_connection_to_the_next_one() {
+    let up = counting(usize::MAX).await;
+    // One worker: the idle upstream connections are per worker.
+    let sc = spillway::proxy::Sidecar::start(config(up.addr, "workers: 1\nrules: []"))
+        .await
+        .unwrap();
+    for i in 1..=4 {
+        let mut c = client(&sc).await;
+        let (status, body) = get_on(&mut c, GET).await;
+        assert_eq!(status, "HTTP/1.1 200 OK", "client connection {i}");
+        assert_eq!(body, "1", "client connection {i} used the first upstream connection");
+        drop(c);
+        // The proxy has seen the close (and parked the upstream connection) once its
+        // connection gauge is back to zero.
+        loop {
+            let text = admin(&sc, "/metrics").await.1;
+            if metric(&text, "spillway_connections") == Some(0.0) {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+    assert_eq!(up.conns.load(Ordering::SeqCst), 1);
+    sc.shutdown();
+    sc.wait().await;
+}

@@ -15,9 +15,13 @@
 //!
 //! Used for HTTP/1 requests to an HTTP/1 upstream without an upgrade; HTTP/2 client
 //! connections (concurrent streams, each a task of hyper's), upgrades and `h2c://` upstreams
-//! keep the pooled client. Upstream connections therefore number at most the HTTP/1 client
-//! connections; each closes with its client connection, when the upstream closes it, or when a
-//! request finds it idle for longer than `timeouts.idle`.
+//! keep the pooled client. When a client connection ends between requests, its upstream
+//! connection waits in the worker's [`Idle`] list for the next client connection (clients
+//! that close after each request do not cost a connect each), and is closed once unused for
+//! `timeouts.idle`. A worker makes at most [`MAX_CONNECTING`] connects at once: past that, a
+//! request without a connection goes through the pooled client, so that a burst of new
+//! clients does not overflow the app's accept backlog (SYNs dropped there are retried only
+//! after a second, the default connect timeout).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -49,7 +53,6 @@ pub struct Upstream {
 }
 
 /// The upstream connection of one client connection.
-#[derive(Default)]
 pub struct Affine {
     // Locked only by the one task serving the client connection, never across an await: never
     // contended.
@@ -57,6 +60,8 @@ pub struct Affine {
     state: std::sync::Mutex<State>,
     /// The connection task's wakes (see [`drive`]).
     pub wakes: Arc<Wakes>,
+    /// The worker's upstream connections that no client connection holds.
+    idle: Arc<Idle>,
 }
 
 #[derive(Default)]
@@ -70,6 +75,14 @@ struct State {
 }
 
 impl Affine {
+    pub fn new(idle: Arc<Idle>) -> Self {
+        Affine {
+            state: Default::default(),
+            wakes: Default::default(),
+            idle,
+        }
+    }
+
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -122,7 +135,21 @@ impl Affine {
     ) -> Result<Response<Incoming>, Failure> {
         let (mut sender, mut reused) = match cached {
             Some(s) => (s, true),
-            None => (self.connect(upstream).await?, false),
+            None => match self.idle.take(now, upstream.idle) {
+                Some(parked) => {
+                    self.state().new_driver = Some(parked.driver);
+                    self.wakes.set(UPSTREAM);
+                    (parked.sender, true)
+                }
+                // A burst of new client connections must not become a burst of connects
+                // larger than the app's accept backlog (128 for a tokio listener): past
+                // MAX_CONNECTING, the request takes the worker's pool, which shares its
+                // connections among waiting requests.
+                None if self.idle.connecting.load(Ordering::Relaxed) >= MAX_CONNECTING => {
+                    return Err(Failure::Busy(Box::new(req)))
+                }
+                None => (self.connect(upstream).await?, false),
+            },
         };
         loop {
             if reused && sender.ready().await.is_err() {
@@ -154,6 +181,7 @@ impl Affine {
 
     /// A new connection to the upstream; its driver is left for [`drive`] to poll.
     async fn connect(&self, upstream: &Upstream) -> Result<http1::SendRequest<Incoming>, Failure> {
+        let _connecting = Connecting::new(&self.idle.connecting);
         let stream = tokio::time::timeout(upstream.connect_timeout, connect_any(&upstream.address))
             .await
             .map_err(|_| Failure::ConnectTimeout)?
@@ -269,6 +297,7 @@ pub async fn drive<F: Future>(server: F, affine: &Affine) -> Option<F::Output> {
             }
             if bits & CLIENT != 0 {
                 if let Poll::Ready(out) = server.as_mut().poll(&mut Context::from_waker(&client)) {
+                    park(affine, driver.take());
                     return Poll::Ready(Some(out));
                 }
             }
@@ -281,6 +310,94 @@ pub async fn drive<F: Future>(server: F, affine: &Affine) -> Option<F::Output> {
         Poll::Pending
     })
     .await
+}
+
+/// Leaves the upstream connection of a client connection that ended to the worker's next
+/// client connection, if it is between requests.
+fn park(affine: &Affine, driver: Option<Driver>) {
+    let mut state = affine.state();
+    let driver = state.new_driver.take().or(driver);
+    if let (Some(sender), Some(driver)) = (state.sender.take(), driver) {
+        if sender.is_ready() {
+            affine.idle.put(Parked {
+                sender,
+                driver,
+                since: state.last_used,
+            });
+        }
+    }
+}
+
+/// Upstream connections of one worker that no client connection holds, most recently used
+/// last. Nobody polls them while they wait: one the upstream closed meanwhile is found out
+/// when it is taken (its request comes back unsent and goes on a new connection).
+#[derive(Default)]
+pub struct Idle {
+    // Only the worker's own thread locks it, never across an await: never contended.
+    #[allow(clippy::disallowed_types)]
+    conns: std::sync::Mutex<std::collections::VecDeque<Parked>>,
+    /// Connects in flight (Relaxed: a bound kept by one worker's thread).
+    connecting: std::sync::atomic::AtomicUsize,
+}
+
+struct Parked {
+    sender: http1::SendRequest<Incoming>,
+    driver: Driver,
+    /// When it was last used (the clock's nanoseconds).
+    since: u64,
+}
+
+/// Connects one worker has in flight at most before requests fall back to its pool.
+const MAX_CONNECTING: usize = 4;
+
+/// Counts a connect in flight while it lives (a cancelled connect counts off too).
+struct Connecting<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl<'a> Connecting<'a> {
+    fn new(n: &'a std::sync::atomic::AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        Connecting(n)
+    }
+}
+
+impl Drop for Connecting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Idle upstream connections kept per worker; the oldest goes first past this.
+const MAX_IDLE: usize = 256;
+
+impl Idle {
+    fn conns(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Parked>> {
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn put(&self, parked: Parked) {
+        let mut conns = self.conns();
+        if conns.len() >= MAX_IDLE {
+            conns.pop_front();
+        }
+        conns.push_back(parked);
+    }
+
+    /// The most recently used connection unused for less than `idle` nanoseconds.
+    fn take(&self, now: u64, idle: u64) -> Option<Parked> {
+        let mut conns = self.conns();
+        while let Some(p) = conns.pop_back() {
+            if now.saturating_sub(p.since) < idle && !p.sender.is_closed() {
+                return Some(p);
+            }
+        }
+        None
+    }
+
+    /// Closes the connections unused for `idle` nanoseconds or more.
+    pub fn prune(&self, now: u64, idle: u64) {
+        self.conns()
+            .retain(|p| now.saturating_sub(p.since) < idle && !p.sender.is_closed());
+    }
 }
 
 fn poll_driver(affine: &Affine, driver: &mut Option<Driver>, cx: &mut Context<'_>) {

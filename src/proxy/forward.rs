@@ -54,6 +54,9 @@ pub enum Failure {
     Exchange(hyper::Error),
     /// The pooled client failed.
     Pooled(hyper_util::client::legacy::Error),
+    /// Not sent: the client connection has no upstream connection and the worker has as many
+    /// connects in flight as it allows; the pooled client takes it.
+    Busy(Box<Request<Incoming>>),
 }
 
 /// What the request path knows when it forwards.
@@ -95,10 +98,14 @@ impl Forward<'_> {
             return resp;
         }
         let result = tokio::time::timeout(self.response_timeout, async {
-            match affine {
-                Some((conn, upstream)) => conn.send(upstream, req, self.now).await,
-                None => self.client.request(req).await.map_err(Failure::Pooled),
-            }
+            let req = match affine {
+                Some((conn, upstream)) => match conn.send(upstream, req, self.now).await {
+                    Err(Failure::Busy(req)) => self.absolute(*req),
+                    done => return done,
+                },
+                None => req,
+            };
+            self.client.request(req).await.map_err(Failure::Pooled)
         })
         .await;
         let mut resp = match result {
@@ -149,6 +156,17 @@ impl Forward<'_> {
             ),
         };
         respond::error(status, detail)
+    }
+
+    /// `req` (rewritten in origin-form) in the absolute form the pooled client needs.
+    fn absolute(&self, mut req: Request<Incoming>) -> Request<Incoming> {
+        let mut parts = req.uri().clone().into_parts();
+        parts.scheme = Some(http::uri::Scheme::HTTP);
+        parts.authority = Some(self.upstream.clone());
+        if let Ok(uri) = Uri::from_parts(parts) {
+            *req.uri_mut() = uri;
+        }
+        req
     }
 
     /// Points the request at the upstream and rewrites its headers for the hop. `origin_form`:
@@ -319,7 +337,7 @@ impl Failure {
         let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
             Failure::Pooled(e) => Some(e),
             Failure::Exchange(e) => Some(e),
-            Failure::Connect(_) | Failure::ConnectTimeout => None,
+            Failure::Connect(_) | Failure::ConnectTimeout | Failure::Busy(_) => None,
         };
         while let Some(s) = source {
             if let Some(h) = s.downcast_ref::<hyper::Error>() {
@@ -336,7 +354,7 @@ impl Failure {
         match self {
             Failure::Connect(_) => UpstreamError::Connect,
             Failure::ConnectTimeout => UpstreamError::ConnectTimeout,
-            Failure::Exchange(_) => UpstreamError::Protocol,
+            Failure::Exchange(_) | Failure::Busy(_) => UpstreamError::Protocol,
             Failure::Pooled(e) if !e.is_connect() => UpstreamError::Protocol,
             Failure::Pooled(e) => {
                 let mut source = std::error::Error::source(e);
