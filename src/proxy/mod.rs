@@ -9,7 +9,7 @@
 //! Cost of the request path beyond hyper's own work: one header-size sum, the client-IP walk,
 //! one `ArcSwap` load, [`RuleSet::check`] (see its cost), the header rewrite for the hop (one
 //! allocation for `X-Forwarded-For`), two clock reads and one histogram observation; for an
-//! HTTP/1 client, the hand-over to its own upstream connection in the same task ([`affine`]:
+//! HTTP/1 client, the hand-over to its own upstream connection in the same task (`affine`:
 //! two uncontended locks, no trip through the runtime's queue).
 
 mod affine;
