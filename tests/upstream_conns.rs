@@ -200,7 +200,10 @@ async fn a_closed_client_connection_leaves_its_upstream_connection_to_the_next_o
         let mut c = client(&sc).await;
         let (status, body) = get_on(&mut c, GET).await;
         assert_eq!(status, "HTTP/1.1 200 OK", "client connection {i}");
-        assert_eq!(body, "1", "client connection {i} used the first upstream connection");
+        assert_eq!(
+            body, "1",
+            "client connection {i} used the first upstream connection"
+        );
         drop(c);
         // The proxy has seen the close (and parked the upstream connection) once its
         // connection gauge is back to zero.
