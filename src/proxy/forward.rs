@@ -278,16 +278,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
             headers.remove(name);
         }
     }
-    for name in [
-        &header::CONNECTION,
-        &KEEP_ALIVE,
-        &PROXY_CONNECTION,
-        &header::TE,
-        &header::TRAILER,
-        &header::TRANSFER_ENCODING,
-        &header::PROXY_AUTHENTICATE,
-        &header::PROXY_AUTHORIZATION,
-    ] {
+    for name in HOP_BY_HOP {
         headers.remove(name);
     }
     if keep_upgrade {
@@ -297,18 +288,22 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     }
 }
 
-/// True for the headers [`strip_hop_by_hop`] removes by name (those `Connection` names come
+/// The headers [`strip_hop_by_hop`] always removes (`Upgrade` too, unless upgrading).
+static HOP_BY_HOP: [&HeaderName; 8] = [
+    &header::CONNECTION,
+    &KEEP_ALIVE,
+    &PROXY_CONNECTION,
+    &header::TE,
+    &header::TRAILER,
+    &header::TRANSFER_ENCODING,
+    &header::PROXY_AUTHENTICATE,
+    &header::PROXY_AUTHORIZATION,
+];
+
+/// True for a header [`strip_hop_by_hop`] removes by name (those `Connection` names come
 /// with a `Connection` header, which is one of these).
 fn is_hop_by_hop(name: &HeaderName) -> bool {
-    name == header::CONNECTION
-        || name == KEEP_ALIVE
-        || name == PROXY_CONNECTION
-        || name == header::TE
-        || name == header::TRAILER
-        || name == header::TRANSFER_ENCODING
-        || name == header::PROXY_AUTHENTICATE
-        || name == header::PROXY_AUTHORIZATION
-        || name == header::UPGRADE
+    name == header::UPGRADE || HOP_BY_HOP.contains(&name)
 }
 
 /// Appends the peer to `X-Forwarded-For`, folding several header lines into one list: one
