@@ -59,11 +59,9 @@ pub struct Shared {
     pub ratios: Arc<ArcSwap<DropRatios>>,
     pub config: ArcSwap<Config>,
     upstream: http::uri::Authority,
-    /// The same, for the HTTP/1 connections made per client connection.
+    /// The same with its connect and idle timeouts, for every upstream connection.
     affine_upstream: affine::Upstream,
     upstream_h2: bool,
-    connect_timeout: Duration,
-    idle_timeout: Duration,
     pub clock: AnyClock,
     pub metrics: Arc<Metrics>,
     trusted_hops: u8,
@@ -163,8 +161,6 @@ impl Sidecar {
             trusted_hops: config.client_ip.trusted_hops,
             max_header_bytes: config.limits.max_header_bytes.0,
             response_timeout: t.upstream_response.0,
-            connect_timeout: t.upstream_connect.0,
-            idle_timeout: t.idle.0,
             draining: AtomicBool::new(false),
             exact: arc_swap::ArcSwapOption::new(exact),
             loaded: ArcSwap::from_pointee(reload::Loaded::new(
@@ -412,9 +408,10 @@ async fn worker(
             return;
         }
     };
+    let up = &shared.affine_upstream;
     let client = Arc::new(forward::client(
-        shared.connect_timeout,
-        shared.idle_timeout,
+        up.connect_timeout,
+        Duration::from_nanos(up.idle),
         shared.upstream_h2,
     ));
     let config = shared.config.load_full();
