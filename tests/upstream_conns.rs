@@ -1,6 +1,7 @@
-//! Each HTTP/1 client connection has an upstream connection of its own (src/proxy/affine.rs):
-//! reused while it lasts, replaced without an error when the upstream closed it, never asked
-//! twice for a request it was sent.
+//! Each HTTP/1 client connection has an upstream connection of its own after its first
+//! request (src/proxy/affine.rs): reused while it lasts, replaced without an error when the
+//! upstream closed it, never asked twice for a request it was sent, handed to the next client
+//! when its client leaves.
 
 mod common;
 
@@ -102,21 +103,37 @@ async fn client(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
 }
 
 #[tokio::test]
-async fn requests_of_one_client_connection_share_one_upstream_connection() {
+async fn after_its_first_request_a_client_connection_has_an_upstream_connection_of_its_own() {
     let up = counting(usize::MAX).await;
-    let sc = spillway::proxy::Sidecar::start(config(up.addr, "rules: []"))
+    // One worker: one pool for the first requests.
+    let sc = spillway::proxy::Sidecar::start(config(up.addr, "workers: 1\nrules: []"))
         .await
         .unwrap();
     let (mut a, mut b) = (client(&sc).await, client(&sc).await);
+    let (mut seen_a, mut seen_b) = (Vec::new(), Vec::new());
     for _ in 0..5 {
-        assert_eq!(get_on(&mut a, GET).await.0, "HTTP/1.1 200 OK");
-        assert_eq!(get_on(&mut b, GET).await.0, "HTTP/1.1 200 OK");
+        let (status, conn) = get_on(&mut a, GET).await;
+        assert_eq!(status, "HTTP/1.1 200 OK");
+        seen_a.push(conn);
+        let (status, conn) = get_on(&mut b, GET).await;
+        assert_eq!(status, "HTTP/1.1 200 OK");
+        seen_b.push(conn);
     }
     assert_eq!(up.requests.load(Ordering::SeqCst), 10);
     assert_eq!(
-        up.conns.load(Ordering::SeqCst),
-        2,
+        seen_a[0], seen_b[0],
+        "first requests share the pool's connection"
+    );
+    assert!(seen_a[1..].iter().all(|c| *c == seen_a[1]), "{seen_a:?}");
+    assert!(seen_b[1..].iter().all(|c| *c == seen_b[1]), "{seen_b:?}");
+    assert_ne!(
+        seen_a[1], seen_b[1],
         "one upstream connection per client connection"
+    );
+    assert_eq!(
+        up.conns.load(Ordering::SeqCst),
+        3,
+        "the pool's one, then one per client connection"
     );
     sc.shutdown();
     sc.wait().await;
@@ -163,13 +180,14 @@ async fn an_upstream_connection_idle_past_timeouts_idle_is_not_reused() {
     .await
     .unwrap();
     let mut c = client(&sc).await;
-    assert_eq!(get_on(&mut c, GET).await.1, "1");
+    assert_eq!(get_on(&mut c, GET).await.1, "1", "the pool's");
+    assert_eq!(get_on(&mut c, GET).await.1, "2", "its own");
     clock.advance(std::time::Duration::from_secs(5));
-    assert_eq!(get_on(&mut c, GET).await.1, "1", "5 s idle: reused");
+    assert_eq!(get_on(&mut c, GET).await.1, "2", "5 s idle: reused");
     clock.advance(std::time::Duration::from_secs(11));
     assert_eq!(
         get_on(&mut c, GET).await.1,
-        "2",
+        "3",
         "11 s idle: a new connection"
     );
     sc.shutdown();
@@ -198,11 +216,17 @@ async fn a_closed_client_connection_leaves_its_upstream_connection_to_the_next_o
         .unwrap();
     for i in 1..=4 {
         let mut c = client(&sc).await;
-        let (status, body) = get_on(&mut c, GET).await;
-        assert_eq!(status, "HTTP/1.1 200 OK", "client connection {i}");
+        let first = get_on(&mut c, GET).await;
+        let second = get_on(&mut c, GET).await;
+        assert_eq!(first.0, "HTTP/1.1 200 OK", "client connection {i}");
+        assert_eq!(second.0, "HTTP/1.1 200 OK", "client connection {i}");
+        // The first client's first request goes through the pool (upstream connection 1),
+        // its second gets a connection of its own (2), which every later client takes over.
+        let expected = if i == 1 { ("1", "2") } else { ("2", "2") };
         assert_eq!(
-            body, "1",
-            "client connection {i} used the first upstream connection"
+            (first.1.as_str(), second.1.as_str()),
+            expected,
+            "client connection {i}"
         );
         drop(c);
         // The proxy has seen the close (and parked the upstream connection) once its
@@ -215,7 +239,7 @@ async fn a_closed_client_connection_leaves_its_upstream_connection_to_the_next_o
             tokio::task::yield_now().await;
         }
     }
-    assert_eq!(up.conns.load(Ordering::SeqCst), 1);
+    assert_eq!(up.conns.load(Ordering::SeqCst), 2);
     sc.shutdown();
     sc.wait().await;
 }

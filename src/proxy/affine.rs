@@ -18,10 +18,12 @@
 //! keep the pooled client. When a client connection ends between requests, its upstream
 //! connection waits in the worker's [`Idle`] list for the next client connection (clients
 //! that close after each request do not cost a connect each), and is closed once unused for
-//! `timeouts.idle`. A worker makes at most [`MAX_CONNECTING`] connects at once: past that, a
-//! request without a connection goes through the pooled client, so that a burst of new
-//! clients does not overflow the app's accept backlog (SYNs dropped there are retried only
-//! after a second, the default connect timeout).
+//! `timeouts.idle`. A client connection's first request goes through the worker's pool when
+//! there is no idle connection to take, so only clients that come back get a connection of
+//! their own; and a worker makes at most [`MAX_CONNECTING`] connects at once (the others wait
+//! their turn). Both keep a burst of new clients from overflowing the app's accept backlog
+//! (128 for a tokio listener; SYNs dropped there are retried only after a second, the default
+//! connect timeout).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -72,6 +74,8 @@ struct State {
     last_used: u64,
     /// A connection made by a request, not yet picked up by [`drive`].
     new_driver: Option<Driver>,
+    /// A request of this client connection went through the worker's pool.
+    pooled_once: bool,
 }
 
 impl Affine {
@@ -141,11 +145,11 @@ impl Affine {
                     self.wakes.set(UPSTREAM);
                     (parked.sender, true)
                 }
-                // A burst of new client connections must not become a burst of connects
-                // larger than the app's accept backlog (128 for a tokio listener): past
-                // MAX_CONNECTING, the request takes the worker's pool, which shares its
-                // connections among waiting requests.
-                None if self.idle.connecting.load(Ordering::Relaxed) >= MAX_CONNECTING => {
+                // A client's first request with no connection to take shares the worker's
+                // pool: a client that sends one request and leaves (or a burst of them) is no
+                // reason for a connection of its own, and a burst of new clients must not
+                // become a burst of connects the app cannot accept in time.
+                None if !std::mem::replace(&mut self.state().pooled_once, true) => {
                     return Err(Failure::Busy(Box::new(req)))
                 }
                 None => (self.connect(upstream).await?, false),
@@ -181,7 +185,9 @@ impl Affine {
 
     /// A new connection to the upstream; its driver is left for [`drive`] to poll.
     async fn connect(&self, upstream: &Upstream) -> Result<http1::SendRequest<Incoming>, Failure> {
-        let _connecting = Connecting::new(&self.idle.connecting);
+        // A burst of new client connections must not become a burst of SYNs larger than the
+        // app's accept backlog (128 for a tokio listener). The semaphore is never closed.
+        let _turn = self.idle.connects.acquire().await;
         let stream = tokio::time::timeout(upstream.connect_timeout, connect_any(&upstream.address))
             .await
             .map_err(|_| Failure::ConnectTimeout)?
@@ -331,13 +337,21 @@ fn park(affine: &Affine, driver: Option<Driver>) {
 /// Upstream connections of one worker that no client connection holds, most recently used
 /// last. Nobody polls them while they wait: one the upstream closed meanwhile is found out
 /// when it is taken (its request comes back unsent and goes on a new connection).
-#[derive(Default)]
 pub struct Idle {
     // Only the worker's own thread locks it, never across an await: never contended.
     #[allow(clippy::disallowed_types)]
     conns: std::sync::Mutex<std::collections::VecDeque<Parked>>,
-    /// Connects in flight (Relaxed: a bound kept by one worker's thread).
-    connecting: std::sync::atomic::AtomicUsize,
+    /// Turns to connect, [`MAX_CONNECTING`] at once.
+    connects: tokio::sync::Semaphore,
+}
+
+impl Default for Idle {
+    fn default() -> Self {
+        Idle {
+            conns: Default::default(),
+            connects: tokio::sync::Semaphore::new(MAX_CONNECTING),
+        }
+    }
 }
 
 struct Parked {
@@ -347,24 +361,8 @@ struct Parked {
     since: u64,
 }
 
-/// Connects one worker has in flight at most before requests fall back to its pool.
+/// Connects one worker has in flight at most.
 const MAX_CONNECTING: usize = 4;
-
-/// Counts a connect in flight while it lives (a cancelled connect counts off too).
-struct Connecting<'a>(&'a std::sync::atomic::AtomicUsize);
-
-impl<'a> Connecting<'a> {
-    fn new(n: &'a std::sync::atomic::AtomicUsize) -> Self {
-        n.fetch_add(1, Ordering::Relaxed);
-        Connecting(n)
-    }
-}
-
-impl Drop for Connecting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
-    }
-}
 
 /// Idle upstream connections kept per worker; the oldest goes first past this.
 const MAX_IDLE: usize = 256;

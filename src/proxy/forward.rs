@@ -54,8 +54,8 @@ pub enum Failure {
     Exchange(hyper::Error),
     /// The pooled client failed.
     Pooled(hyper_util::client::legacy::Error),
-    /// Not sent: the client connection has no upstream connection and the worker has as many
-    /// connects in flight as it allows; the pooled client takes it.
+    /// Not sent: the first request of a client connection with no upstream connection to
+    /// take; the pooled client takes it.
     Busy(Box<Request<Incoming>>),
 }
 
