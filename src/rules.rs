@@ -32,6 +32,7 @@ use crate::limit::{
     Nanos, Permit, Quota, SlidingWindowCounter, SlidingWindowLog, TokenBucket, NANOS_PER_SEC,
 };
 use crate::metrics::Metrics;
+use crate::proxy::respond::Answers;
 
 /// Every rule of one configuration, ready to decide.
 pub struct RuleSet {
@@ -60,6 +61,8 @@ struct CompiledRule {
     delay: Option<Delay>,
     /// `"name";q=<burst>;w=<window seconds>`, built once.
     policy: HeaderValue,
+    /// This rule's 429s, built once per retry hint.
+    answers: Arc<Answers>,
     allowed: IntCounter,
     rejected: IntCounter,
     shadow_rejected: IntCounter,
@@ -411,6 +414,8 @@ pub struct Denial {
     pub delay: Option<Delay>,
     /// Refused for capacity (an adaptive limit), not quota: 503, not 429.
     pub capacity: bool,
+    /// The refusing rule's prepared 429 parts.
+    pub answers: Arc<Answers>,
 }
 
 impl Denial {
@@ -670,6 +675,7 @@ impl RuleSet {
             header_mode: self.header_mode,
             delay: rule.delay.clone(),
             capacity: matches!(*rule.kind, Kind::Adaptive { .. }),
+            answers: rule.answers.clone(),
         })
     }
 
@@ -1087,6 +1093,7 @@ fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>
         identity,
         delay,
         policy: HeaderValue::from_str(&policy).expect("rule names are header-safe by validation"),
+        answers: Arc::new(Answers::new(name.clone())),
         allowed: metrics.requests.with_label_values(&[label, "allowed"]),
         rejected: metrics.requests.with_label_values(&[label, "rejected"]),
         shadow_rejected: metrics

@@ -9,6 +9,7 @@
 //! (RESOURCE_EXHAUSTED), a `grpc-message`, and the retry hint as `grpc-retry-pushback-ms`.
 
 use std::fmt::Write as _;
+use std::sync::{Arc, OnceLock};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
@@ -53,30 +54,118 @@ pub fn refusal<L>(refusal: &Refusal, grpc: bool) -> Ours<L> {
 
 /// 429 (or gRPC RESOURCE_EXHAUSTED) for a request a rule refused.
 ///
-/// Built with one buffer for the body and one per formatted header value (nginx answers
-/// `limit_req` with a static page; this is the closest we get while saying which rule and when).
+/// The body and the `Retry-After` and `RateLimit` values of a 429 depend only on the rule and
+/// the retry hint in whole seconds, so they come from the rule's [`Answers`]: shared bytes,
+/// built on a rule's first refusal with that hint (nginx answers `limit_req` with a static
+/// page; this is as close as we get while saying which rule and when).
 pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
     if denial.capacity {
         return reduced_capacity(denial, grpc);
     }
     let rule = &denial.state.rule;
     let retry = denial.retry_after_secs();
-    let mut resp = if grpc {
-        let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
-        let h = resp.headers_mut();
-        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("8"));
-        // grpc-message is percent-encoded; the detail is plain ASCII without '%'.
-        let mut msg = String::with_capacity(96);
-        write_detail(&mut msg, rule, retry);
-        if let Ok(v) = HeaderValue::from_str(&msg.replace(' ', "%20")) {
-            h.insert(GRPC_MESSAGE.clone(), v);
+    if grpc {
+        return grpc_exhausted(denial, rule, retry);
+    }
+    // A denial's state is `r=0;t=<retry, or 0 for never>` (rules.rs), which is what the
+    // cached `RateLimit` value says.
+    debug_assert_eq!(
+        (denial.state.remaining, denial.state.reset_secs),
+        (0, retry.unwrap_or(0))
+    );
+    let built;
+    let answer = match denial.answers.get(retry) {
+        Some(cached) => cached,
+        None => {
+            built = Answer::new(rule, retry);
+            &built
         }
-        if let Some(ms) = denial.retry_after.map(|n| n.div_ceil(1_000_000)) {
-            h.insert(GRPC_PUSHBACK.clone(), HeaderValue::from(ms));
+    };
+    let mut resp = problem(StatusCode::TOO_MANY_REQUESTS, answer.body.clone());
+    let headers = resp.headers_mut();
+    if let Some(v) = &answer.retry_after {
+        headers.insert(RETRY_AFTER, v.clone());
+    }
+    if denial.header_mode != HeaderMode::Never {
+        headers.insert(RATELIMIT_POLICY.clone(), denial.state.policy.clone());
+        headers.insert(RATELIMIT.clone(), answer.ratelimit.clone());
+    }
+    resp
+}
+
+/// A limited gRPC call: HTTP 200 with `grpc-status: 8`.
+fn grpc_exhausted<L>(denial: &Denial, rule: &str, retry: Option<u64>) -> Ours<L> {
+    let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
+    let h = resp.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("8"));
+    // grpc-message is percent-encoded; the detail is plain ASCII without '%'.
+    let mut msg = String::with_capacity(96);
+    write_detail(&mut msg, rule, retry);
+    if let Ok(v) = HeaderValue::from_str(&msg.replace(' ', "%20")) {
+        h.insert(GRPC_MESSAGE.clone(), v);
+    }
+    if let Some(ms) = denial.retry_after.map(|n| n.div_ceil(1_000_000)) {
+        h.insert(GRPC_PUSHBACK.clone(), HeaderValue::from(ms));
+    }
+    if let Some(secs) = retry {
+        h.insert(RETRY_AFTER, HeaderValue::from(secs));
+    }
+    if denial.header_mode != HeaderMode::Never {
+        add_rate_headers(h, std::slice::from_ref(&denial.state));
+    }
+    resp
+}
+
+/// Retry hints (whole seconds) whose 429 parts a rule keeps: up to a minute covers rules
+/// limited per second or per minute; longer hints are formatted per refusal.
+const CACHED_SECS: usize = 60;
+
+/// The parts of one rule's 429s, one set per retry hint of up to [`CACHED_SECS`], each built
+/// on first use. About 1 KiB per rule until used, plus ~300 bytes per hint seen.
+pub struct Answers {
+    rule: Arc<str>,
+    // Boxed so that a rule's unused hints cost a pointer each.
+    by_secs: [OnceLock<Box<Answer>>; CACHED_SECS],
+}
+
+impl Answers {
+    pub fn new(rule: Arc<str>) -> Self {
+        Self {
+            rule,
+            by_secs: std::array::from_fn(|_| OnceLock::new()),
         }
-        resp
-    } else {
+    }
+
+    /// The parts for `retry`, when it is a hint worth keeping.
+    fn get(&self, retry: Option<u64>) -> Option<&Answer> {
+        let secs = retry?;
+        let slot = self
+            .by_secs
+            .get(usize::try_from(secs).ok()?.checked_sub(1)?)?;
+        Some(slot.get_or_init(|| Box::new(Answer::new(&self.rule, retry))))
+    }
+}
+
+impl std::fmt::Debug for Answers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let cached = self.by_secs.iter().filter(|s| s.get().is_some()).count();
+        f.debug_struct("Answers")
+            .field("rule", &self.rule)
+            .field("cached", &cached)
+            .finish()
+    }
+}
+
+/// A 429's body, `Retry-After` and `RateLimit` (`r=0`) for one rule and retry hint.
+struct Answer {
+    body: Bytes,
+    retry_after: Option<HeaderValue>,
+    ratelimit: HeaderValue,
+}
+
+impl Answer {
+    fn new(rule: &str, retry: Option<u64>) -> Self {
         let mut body = BytesMut::with_capacity(192);
         body.put_slice(
             b"{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\"detail\":\"",
@@ -87,16 +176,12 @@ pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
             let _ = write!(body, ",\"retry_after\":{secs}");
         }
         body.put_slice(b"}\n");
-        problem(StatusCode::TOO_MANY_REQUESTS, body.freeze())
-    };
-    let headers = resp.headers_mut();
-    if let Some(secs) = retry {
-        headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+        Self {
+            body: body.freeze(),
+            retry_after: retry.map(HeaderValue::from),
+            ratelimit: ratelimit_value(std::iter::once((rule, 0, retry.unwrap_or(0)))),
+        }
     }
-    if denial.header_mode != HeaderMode::Never {
-        add_rate_headers(headers, std::slice::from_ref(&denial.state));
-    }
-    resp
 }
 
 /// The problem type of draft-ietf-httpapi-ratelimit-headers for capacity, not quota.
@@ -160,16 +245,21 @@ pub fn add_rate_headers(headers: &mut HeaderMap, states: &[RateState]) {
             headers.insert(RATELIMIT_POLICY.clone(), v);
         }
     }
-    let mut value = BytesMut::with_capacity(48 * states.len());
-    for (i, s) in states.iter().enumerate() {
+    let value = ratelimit_value(states.iter().map(|s| (&*s.rule, s.remaining, s.reset_secs)));
+    headers.insert(RATELIMIT.clone(), value);
+}
+
+/// The `RateLimit` value: `"<rule>";r=<remaining>;t=<reset secs>` per rule, comma-separated.
+fn ratelimit_value<'a>(states: impl Iterator<Item = (&'a str, u32, u64)>) -> HeaderValue {
+    let mut value = BytesMut::with_capacity(48);
+    for (i, (rule, remaining, reset)) in states.enumerate() {
         if i > 0 {
             value.put_slice(b", ");
         }
-        let _ = write!(value, "\"{}\";r={};t={}", s.rule, s.remaining, s.reset_secs);
+        let _ = write!(value, "\"{rule}\";r={remaining};t={reset}");
     }
-    if let Ok(v) = HeaderValue::from_maybe_shared(value.freeze()) {
-        headers.insert(RATELIMIT.clone(), v);
-    }
+    // Rule names are validated to header-safe characters; digits and quotes are too.
+    HeaderValue::from_maybe_shared(value.freeze()).expect("RateLimit values are visible ASCII")
 }
 
 /// A short problem document for errors Spillway answers itself (400, 431, 502, 503, 504).
@@ -189,4 +279,92 @@ fn problem<L>(status: StatusCode, body: Bytes) -> Ours<L> {
     resp.headers_mut()
         .insert(CONTENT_TYPE, PROBLEM_JSON.clone());
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HeaderMode;
+    use crate::rules::RateState;
+
+    fn denial(answers: &Arc<Answers>, retry_secs: Option<u64>) -> Denial {
+        Denial {
+            state: RateState {
+                rule: Arc::from("per-ip"),
+                policy: HeaderValue::from_static("\"per-ip\";q=10;w=1"),
+                remaining: 0,
+                reset_secs: retry_secs.unwrap_or(0),
+            },
+            // Just under the whole second, as a limiter's hint usually is.
+            retry_after: retry_secs.map(|s| s * 1_000_000_000 - 1),
+            header_mode: HeaderMode::OnReject,
+            delay: None,
+            capacity: false,
+            answers: answers.clone(),
+        }
+    }
+
+    async fn parts(resp: Ours<()>) -> (StatusCode, HeaderMap, Bytes) {
+        let (parts, body) = resp.into_parts();
+        let Either::Right(full) = body else {
+            panic!("a 429 has a body of ours")
+        };
+        let bytes = http_body_util::BodyExt::collect(full)
+            .await
+            .unwrap()
+            .to_bytes();
+        (parts.status, parts.headers, bytes)
+    }
+
+    #[tokio::test]
+    async fn a_429_says_the_rule_and_its_retry_hint_whether_cached_or_not() {
+        let answers = Arc::new(Answers::new(Arc::from("per-ip")));
+        // 3 s is kept, 61 s and "never" are formatted per refusal: all must read the same way.
+        for secs in [Some(3), Some(3), Some(61), None] {
+            let (status, headers, body) =
+                parts(too_many_requests(&denial(&answers, secs), false)).await;
+            assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(
+                headers
+                    .get(RETRY_AFTER)
+                    .map(|v| v.to_str().unwrap().to_owned()),
+                secs.map(|s| s.to_string())
+            );
+            let t = secs.unwrap_or(0);
+            assert_eq!(
+                headers[&RATELIMIT],
+                format!("\"per-ip\";r=0;t={t}").as_str()
+            );
+            assert_eq!(headers[&RATELIMIT_POLICY], "\"per-ip\";q=10;w=1");
+            assert_eq!(headers[CONTENT_TYPE], "application/problem+json");
+            let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(doc["status"], 429);
+            assert_eq!(doc["rule"], "per-ip");
+            assert_eq!(
+                doc["retry_after"],
+                secs.map_or(serde_json::Value::Null, Into::into)
+            );
+            let detail = doc["detail"].as_str().unwrap();
+            match secs {
+                Some(s) => assert!(detail.ends_with(&format!("retry in {s} s")), "{detail}"),
+                None => assert!(detail.contains("can never be admitted"), "{detail}"),
+            }
+        }
+        let cached = format!("{answers:?}");
+        assert!(
+            cached.contains("cached: 1"),
+            "only the 3 s hint is kept: {cached}"
+        );
+    }
+
+    #[tokio::test]
+    async fn header_mode_never_leaves_out_the_ratelimit_headers_but_not_retry_after() {
+        let answers = Arc::new(Answers::new(Arc::from("per-ip")));
+        let mut d = denial(&answers, Some(1));
+        d.header_mode = HeaderMode::Never;
+        let (_, headers, _) = parts(too_many_requests(&d, false)).await;
+        assert_eq!(headers[RETRY_AFTER], "1");
+        assert!(!headers.contains_key(&RATELIMIT));
+        assert!(!headers.contains_key(&RATELIMIT_POLICY));
+    }
 }
