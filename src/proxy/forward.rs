@@ -7,6 +7,7 @@
 
 use std::error::Error as _;
 use std::net::IpAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -19,6 +20,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use smallvec::SmallVec;
 
 use super::affine::{Affine, Upstream};
+use super::coarse::{timeout, Sleep, Timers};
 use super::respond::{self, Body};
 use crate::gate::PermitBody;
 use crate::limit::Permit;
@@ -67,6 +69,8 @@ pub struct Forward<'a> {
     /// Whether `X-Forwarded-Proto`/`-Host` from a trusted hop are kept rather than replaced.
     pub trust_forwarded: bool,
     pub response_timeout: Duration,
+    /// Where the response deadline is kept (the worker's tick fires it).
+    pub timers: &'a Arc<Timers>,
     pub metrics: &'a Metrics,
     /// The upstream speaks HTTP/2 (`h2c://`).
     pub h2: bool,
@@ -97,7 +101,8 @@ impl Forward<'_> {
         if let Err(resp) = self.rewrite(&mut req, upgrade.is_some(), affine.is_some()) {
             return resp;
         }
-        let result = tokio::time::timeout(self.response_timeout, async {
+        let deadline = Sleep::until(self.timers.clone(), Timers::now() + self.response_timeout);
+        let result = timeout(deadline, async {
             let req = match affine {
                 Some((conn, upstream)) => match conn.send(upstream, req, self.now).await {
                     Err(Failure::Busy(req)) => self.absolute(*req),
@@ -109,12 +114,12 @@ impl Forward<'_> {
         })
         .await;
         let mut resp = match result {
-            Ok(Ok(resp)) => {
+            Some(Ok(resp)) => {
                 // The upstream's latency, for adaptive limits: to the response head.
                 permits.iter_mut().for_each(Permit::responded);
                 resp
             }
-            Ok(Err(e)) if e.client_body_failed() => {
+            Some(Err(e)) if e.client_body_failed() => {
                 // The client's own body was malformed (a bad chunk) or cut off: its fault, not
                 // the upstream's.
                 self.metrics.bad_body.inc();
@@ -123,8 +128,8 @@ impl Forward<'_> {
                     "the request body was malformed or ended early",
                 );
             }
-            Ok(Err(e)) => return self.failed(e.classify()),
-            Err(_) => return self.failed(UpstreamError::ResponseTimeout),
+            Some(Err(e)) => return self.failed(e.classify()),
+            None => return self.failed(UpstreamError::ResponseTimeout),
         };
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
             if let Some(client_side) = upgrade {

@@ -10,9 +10,12 @@
 //! one `ArcSwap` load, [`RuleSet::check`] (see its cost), the header rewrite for the hop (one
 //! allocation for `X-Forwarded-For`), two clock reads and one histogram observation; for an
 //! HTTP/1 client, the hand-over to its own upstream connection in the same task (`affine`:
-//! two uncontended locks, no trip through the runtime's queue).
+//! two uncontended locks, no trip through the runtime's queue); the header-read and response
+//! deadlines as slots of the worker's `coarse` timers (an uncontended lock to arm and one to
+//! disarm each, not tokio's timer wheel).
 
 mod affine;
+mod coarse;
 pub mod forward;
 pub mod reload;
 pub mod respond;
@@ -415,10 +418,11 @@ async fn worker(
         shared.upstream_h2,
     ));
     let config = shared.config.load_full();
+    let timers = Arc::new(coarse::Timers::default());
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
-        .timer(TokioTimer::new())
+        .timer(coarse::HyperTimer(timers.clone()))
         .header_read_timeout(config.timeouts.header_read.0)
         // hyper answers 431 itself past this; below it, the request path answers 431 with a
         // body at `max_header_bytes`.
@@ -437,6 +441,7 @@ async fn worker(
     tokio::spawn(anchor_timer(
         anchor_period(&config.timeouts),
         idle.clone(),
+        timers.clone(),
         shared.clone(),
     ));
 
@@ -465,6 +470,7 @@ async fn worker(
             shared: shared.clone(),
             client: client.clone(),
             affine: affine::Affine::new(idle.clone()),
+            timers: timers.clone(),
             peer,
         });
         let service_conn = conn.clone();
@@ -508,19 +514,24 @@ async fn worker(
     }
 }
 
-/// Keeps a timer pending that is due before any timer a request arms.
+/// The worker's tick: fires its [`coarse::Timers`] (each request's header-read and upstream
+/// response deadlines) and closes its idle upstream connections unused for `timeouts.idle`.
 ///
-/// tokio's timer wakes its own I/O driver (an eventfd write, and a spurious return from the
-/// next `epoll_wait`) whenever a timer is registered while no earlier one is pending, even
-/// from the runtime's own thread while it is busy (tokio-rs/tokio#5207). Every request arms
-/// two, hyper's header-read timer and the upstream response timeout, so without an anchor a
-/// worker paid that syscall on up to half its requests (strace, 16 connections: 11 325
-/// `write`s for 19 759 requests; with the anchor, 9 to 15 per run).
-///
-/// Each tick also closes the worker's idle upstream connections unused for `timeouts.idle`.
-async fn anchor_timer(period: Duration, idle: Arc<affine::Idle>, shared: Arc<Shared>) {
+/// Also the one timer on tokio's wheel that is always pending, so that the few a request may
+/// still arm there (a delayed request, a connect) do not each make tokio write its own eventfd:
+/// tokio wakes its I/O driver whenever a timer is registered while no earlier one is pending,
+/// even from the runtime's own thread while it is busy (tokio-rs/tokio#5207; strace, 16
+/// connections, before the request deadlines moved to `coarse`: 11 325 `write`s for 19 759
+/// requests without this timer, 9 to 15 per run with it).
+async fn anchor_timer(
+    period: Duration,
+    idle: Arc<affine::Idle>,
+    timers: Arc<coarse::Timers>,
+    shared: Arc<Shared>,
+) {
     loop {
         tokio::time::sleep(period).await;
+        timers.fire(coarse::Timers::now());
         idle.prune(shared.clock.now(), shared.affine_upstream.idle);
     }
 }
@@ -551,6 +562,8 @@ struct Conn {
     client: Arc<forward::UpstreamClient>,
     /// This connection's own upstream connection (HTTP/1 only).
     affine: affine::Affine,
+    /// The worker's request deadlines.
+    timers: Arc<coarse::Timers>,
     abandoned: Abandoned,
     peer: SocketAddr,
 }
@@ -633,6 +646,7 @@ async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Body> {
         peer: peer.ip(),
         trust_forwarded: shared.trusted_hops > 0,
         response_timeout: shared.response_timeout,
+        timers: &conn.timers,
         metrics,
         h2: shared.upstream_h2,
         affine: (!shared.upstream_h2).then_some((&conn.affine, &shared.affine_upstream)),
