@@ -14,6 +14,7 @@
 //! deadlines as slots of the worker's `coarse` timers (an uncontended lock to arm and one to
 //! disarm each, not tokio's timer wheel).
 
+mod accept;
 mod affine;
 mod coarse;
 pub mod forward;
@@ -303,8 +304,9 @@ fn reporter(
 }
 
 /// Binds `addr` once and gives each of `n` workers its own handle (a dup of the socket) to
-/// register with its own runtime. Every worker is woken for a new connection and the first one
-/// free accepts it, so a busy worker never queues connections an idle one could take.
+/// register with its own runtime. Every worker is woken for a new connection; the first worker
+/// takes it, the others only when the first leaves it waiting ([`accept`]), so a busy worker
+/// never queues connections an idle one could take, and a light load stays on one worker.
 ///
 /// Measured against one `SO_REUSEPORT` listener per worker (the kernel hashing each connection
 /// to a worker, whatever its load), same run, 3 rounds of `wrk -c16`: p99 0.61-0.65 ms against
@@ -361,7 +363,7 @@ async fn serve(
                     .enable_all()
                     .build()
                 {
-                    Ok(rt) => rt.block_on(worker(listener, shared, stop, slots, closed_tx)),
+                    Ok(rt) => rt.block_on(worker(i, listener, shared, stop, slots, closed_tx)),
                     Err(e) => tracing::error!(error = %e, "cannot start a worker runtime"),
                 }
                 let _ = done_tx.send(());
@@ -395,16 +397,14 @@ async fn serve(
 
 /// One data-plane worker: accepts on its own listener until `stop`, then drains.
 async fn worker(
+    index: usize,
     listener: std::net::TcpListener,
     shared: Arc<Shared>,
     mut stop: watch::Receiver<bool>,
     slots: Arc<Semaphore>,
     closed: tokio::sync::mpsc::Sender<()>,
 ) {
-    let listener = match listener
-        .set_nonblocking(true)
-        .and_then(|()| TcpListener::from_std(listener))
-    {
+    let mut listener = match accept::Acceptor::for_worker(listener, index) {
         Ok(l) => l,
         Err(e) => {
             tracing::error!(error = %e, "cannot use the listener");
