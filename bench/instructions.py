@@ -1,0 +1,118 @@
+#!/usr/bin/env python3
+"""User-space instructions per request, Spillway beside nginx, counted by callgrind.
+
+Wall-clock figures on a shared 2-core VM move by 10-15 % between runs of the same build, so a
+change worth 3 % cannot be seen in them. Instructions executed in the proxy's own process are
+nearly deterministic: this runs each proxy under valgrind's callgrind with one worker, sends a
+warm-up, zeroes the counters, sends N requests with h2load (HTTP/1.1, 16 keep-alive
+connections, one key), dumps the counters and divides. Two paths: every request forwarded (no
+limit reached) and every request refused (a limit of 1/s). Kernel time is not counted: it is
+the same syscalls for both proxies (see BENCHMARKS.md).
+
+Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
+"""
+
+import argparse
+import glob
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare as C  # noqa: E402
+
+CALLGRIND = ["valgrind", "--tool=callgrind", "--compress-strings=no", "--compress-pos=no"]
+PATHS = [("forwarded", None), ("refused (429)", 1)]
+
+
+def counted(cmd, port, out_dir, requests, conns):
+    """Runs `cmd` under callgrind and returns its instructions per request and h2load's status line."""
+    proc = subprocess.Popen(CALLGRIND + [f"--callgrind-out-file={out_dir}/cg.%p"] + cmd,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        C.wait_port(port, timeout=120)
+        load = ["h2load", "--h1", "-c", str(conns), "-H", "x-client: c1",
+                f"http://127.0.0.1:{port}/api/x"]
+        subprocess.run(load + ["-n", "2000"], capture_output=True, check=True)
+        subprocess.run(["callgrind_control", "-z", str(proc.pid)], capture_output=True, check=True)
+        out = subprocess.run(load + ["-n", str(requests)], capture_output=True, text=True,
+                             check=True).stdout
+        subprocess.run(["callgrind_control", "-d", str(proc.pid)], capture_output=True, check=True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    total = 0
+    for path in glob.glob(f"{out_dir}/cg.{proc.pid}.1"):
+        with open(path) as f:
+            for line in f:
+                if line.startswith(("summary:", "totals:")):
+                    total = max(total, int(line.split()[1]))
+    if total == 0:
+        raise RuntimeError(f"no callgrind dump for {cmd[0]}")
+    status = next((l.strip() for l in out.splitlines() if "status codes" in l), "")
+    return total / requests, status
+
+
+def spillway_cmd(binary, port, up, limit, d):
+    yaml = "workers: 1\n" + C.spillway_yaml(port, up, C.rule(f"{limit}/s" if limit else "1000000000/s"))
+    path = os.path.join(d, f"spillway-{port}.yaml")
+    with open(path, "w") as f:
+        f.write(yaml)
+    return [binary, "proxy", "--config", path]
+
+
+def nginx_cmd(port, up, limit, d):
+    conf = C.nginx_conf(d, C.nginx_proxy(port, up, limit), 1)
+    with open(conf) as f:
+        text = f.read().replace("daemon off;", "daemon off;\nmaster_process off;")
+    with open(conf, "w") as f:
+        f.write(text)
+    return [C.NGINX, "-p", d, "-c", conf, "-e", f"{d}/error.log"]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=5000)
+    ap.add_argument("--conns", type=int, default=16)
+    ap.add_argument("--baseline", help="another spillway binary to count beside this one")
+    args = ap.parse_args()
+
+    proxies = [("spillway", C.SPILLWAY)]
+    if args.baseline:
+        proxies.append(("baseline", os.path.abspath(args.baseline)))
+    proxies.append(("nginx", None))
+    up_port = C.free_port()
+    upstream = C.start_nginx(
+        f'server {{ listen 127.0.0.1:{up_port}; location / {{ return 200 "ok\\n"; }} }}', 1, up_port)
+    rows = []
+    try:
+        for path_name, limit in PATHS:
+            for name, binary in proxies:
+                d = tempfile.mkdtemp(prefix="spillway-bench-cg-")
+                port = C.free_port()
+                cmd = nginx_cmd(port, up_port, limit, d) if binary is None else \
+                    spillway_cmd(binary, port, up_port, limit, d)
+                per, status = counted(cmd, port, d, args.requests, args.conns)
+                print(f"{name}, {path_name}: {per:.0f} instructions per request ({status})",
+                      file=sys.stderr, flush=True)
+                rows.append((name, path_name, per))
+    finally:
+        upstream.stop()
+
+    print(f"\n{args.requests} requests, h2load --h1 -c {args.conns}, one key, one worker; "
+          "user-space instructions of the proxy's process per request (callgrind).\n")
+    print("| proxy | path | instructions per request | vs nginx |")
+    print("|---|---|---|---|")
+    nginx = {p: v for n, p, v in rows if n == "nginx"}
+    for name, path_name, per in rows:
+        print(f"| {name} | {path_name} | {per:.0f} | {per / nginx[path_name]:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
