@@ -70,7 +70,6 @@ impl Req {
             method: &Method::GET,
             uri: &self.uri,
             headers: &self.headers,
-            host: None,
             client_ip: ip,
         };
         black_box(rules.check(&view, self.clock.now()));
@@ -167,7 +166,6 @@ fn bench(c: &mut Criterion) {
                 method: &Method::GET,
                 uri: &unmatched,
                 headers: &headers,
-                host: None,
                 client_ip: ip(1),
             };
             black_box(rules.check(&view, clock.now()))

@@ -37,7 +37,6 @@ fn one(limit: &str) {
                 method: &Method::GET,
                 uri: &uri,
                 headers: &headers,
-                host: None,
                 client_ip: IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)),
             };
             std::hint::black_box(rules.check(&view, 1_000_000_000));

@@ -25,7 +25,6 @@ fn main() {
                 method: &Method::GET,
                 uri: &uri,
                 headers: &headers,
-                host: None,
                 client_ip: IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)),
             };
             // Uneven: key i is offered 1 + i % 7 times, so the top-k is a real choice.

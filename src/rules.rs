@@ -1186,7 +1186,7 @@ impl Matcher {
             return false;
         }
         if let Some(h) = &self.host {
-            if !host_matches(&h.0, req.host) {
+            if !host_matches(&h.0, req.host()) {
                 return false;
             }
         }

@@ -56,7 +56,6 @@ fn decide_for(rules: &RuleSet, now: u64, ip: Ipv4Addr) -> bool {
         method: &Method::GET,
         uri: &uri,
         headers: &headers,
-        host: None,
         client_ip: IpAddr::V4(ip),
     };
     matches!(rules.check(&view, now), Verdict::Allow(_))

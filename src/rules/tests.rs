@@ -4,7 +4,6 @@ use http::{HeaderMap, Method, Uri};
 
 use super::*;
 use crate::config::Config;
-use crate::key::request_host;
 use crate::limit::NANOS_PER_SEC;
 
 fn ruleset(rules: &str, headers: &str) -> (RuleSet, Metrics) {
@@ -49,7 +48,6 @@ impl Req {
             method: &self.method,
             uri: &self.uri,
             headers: &self.headers,
-            host: request_host(&self.uri, &self.headers),
             client_ip: self.ip,
         };
         rules.check(&view, now)
