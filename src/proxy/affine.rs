@@ -335,8 +335,10 @@ fn park(affine: &Affine, driver: Option<Driver>) {
 }
 
 /// Upstream connections of one worker that no client connection holds, most recently used
-/// last. Nobody polls them while they wait: one the upstream closed meanwhile is found out
-/// when it is taken (its request comes back unsent and goes on a new connection).
+/// last. The worker's tick polls each once ([`prune`](Self::prune)): one the upstream closed
+/// meanwhile reads its EOF there and is dropped, instead of sitting in CLOSE_WAIT until taken
+/// or expired. One closed between two ticks is found out when it is taken (its request comes
+/// back unsent and goes on a new connection).
 pub struct Idle {
     // Only the worker's own thread locks it, never across an await: never contended.
     #[allow(clippy::disallowed_types)]
@@ -391,10 +393,20 @@ impl Idle {
         None
     }
 
-    /// Closes the connections unused for `idle` nanoseconds or more.
+    /// Closes the connections unused for `idle` nanoseconds or more, and those the upstream
+    /// closed: each is polled once, with a waker that does nothing (the next tick polls again).
     pub fn prune(&self, now: u64, idle: u64) {
-        self.conns()
-            .retain(|p| now.saturating_sub(p.since) < idle && !p.sender.is_closed());
+        let mut cx = Context::from_waker(Waker::noop());
+        self.conns().retain_mut(|p| {
+            now.saturating_sub(p.since) < idle
+                && p.driver.as_mut().poll(&mut cx).is_pending()
+                && !p.sender.is_closed()
+        });
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.conns().len()
     }
 }
 
@@ -410,5 +422,44 @@ fn poll_driver(affine: &Affine, driver: &mut Option<Driver>, cx: &mut Context<'_
             }
             *driver = None;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn a_waiting_connection_the_upstream_closed_is_dropped_by_the_next_prune() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let stream = TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (app_side, _) = listener.accept().await.unwrap();
+        let (sender, conn) = http1::Builder::new()
+            .handshake::<_, Incoming>(TokioIo::new(stream))
+            .await
+            .unwrap();
+        let idle = Idle::default();
+        idle.put(Parked {
+            sender,
+            driver: Box::pin(conn),
+            since: 0,
+        });
+        for _ in 0..100 {
+            idle.prune(1, u64::MAX);
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(idle.len(), 1, "an open connection waits to be taken");
+        drop(app_side);
+        // Bounded: the EOF reaches the connection once the runtime's reactor has seen it.
+        for _ in 0..10_000 {
+            idle.prune(1, u64::MAX);
+            if idle.len() == 0 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(idle.len(), 0, "a connection the app closed is dropped");
     }
 }

@@ -515,7 +515,8 @@ async fn worker(
 }
 
 /// The worker's tick: fires its [`coarse::Timers`] (each request's header-read and upstream
-/// response deadlines) and closes its idle upstream connections unused for `timeouts.idle`.
+/// response deadlines) and closes its idle upstream connections unused for `timeouts.idle` or
+/// closed by the upstream meanwhile.
 ///
 /// Also the one timer on tokio's wheel that is always pending, so that the few a request may
 /// still arm there (a delayed request, a connect) do not each make tokio write its own eventfd:
