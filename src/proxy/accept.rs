@@ -5,9 +5,10 @@
 //! every new connection, and whichever tries first wins: a burst of 16 connections split about
 //! evenly. Split, both workers wake and sleep for every few requests, and on this 2-core
 //! machine they compete with the load generator and the app for the cores; on one worker, the
-//! other core is left to them. Measured (BENCHMARKS.md, `wrk -c16` with a limiting rule):
-//! `workers: 1` gave 72-77k req/s at p99 0.6-0.7 ms where two randomly split workers gave
-//! 63-66k at 0.9-1.2 ms. nginx concentrates the same way (`EPOLLEXCLUSIVE` wakes one waiting
+//! other core is left to them. Measured before this change (`wrk -c16`, limiting rule, two runs
+//! each): `workers: 1` gave 72-77k req/s at p99 0.6-0.7 ms where two randomly split workers
+//! gave 63-66k at 0.9-1.2 ms; the A/B of the change itself is in BENCHMARKS.md. nginx
+//! concentrates the same way (`EPOLLEXCLUSIVE` wakes one waiting
 //! worker: 15 or 16 of 16 connections on one worker in our runs); at 128 connections its split
 //! varied from 57/71 to 121/7.
 //!
