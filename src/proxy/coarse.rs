@@ -1,12 +1,13 @@
 //! Per-worker timers at the anchor's tick, for the two deadlines every request arms: hyper's
 //! header-read timeout and the upstream response timeout.
 //!
-//! Both almost never fire. On tokio's timer wheel each cost ~1 000 instructions per request
-//! (callgrind: build the entry, register it under the driver's lock on first poll, deregister it
-//! on drop), about 5 % of a forwarded request's user-space work. Here a timer is a slot in the
-//! worker's [`Timers`]: arming takes a slot and clones the waker under a lock only the worker's
-//! own thread takes, disarming frees it, and the worker's anchor tick wakes those due. No clock
-//! read beyond the one that computes the deadline.
+//! Both almost never fire. On tokio's timer wheel each is an entry built per request,
+//! registered under the time driver's lock on first poll and deregistered on drop. Here a timer
+//! is a slot in the worker's [`Timers`]: arming takes a slot and clones the waker under a lock
+//! only the worker's own thread takes, disarming frees it, and the worker's anchor tick wakes
+//! those due. No clock read beyond the one that computes the deadline. Measured with
+//! `bench/instructions.sh`: ~300 instructions per request for the slots, ~500 fewer per
+//! forwarded request and ~400 fewer per refused one than with tokio's timers.
 //!
 //! They fire up to one tick late: the tick is half the shorter of the two timeouts, at most a
 //! second (`anchor_period` in `proxy/mod.rs`). Must never: be the only thing that bounds a
