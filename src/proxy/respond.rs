@@ -121,7 +121,7 @@ fn grpc_exhausted<L>(denial: &Denial, rule: &str, retry: Option<u64>) -> Ours<L>
 /// limited per second or per minute; longer hints are formatted per refusal.
 const CACHED_SECS: usize = 60;
 
-/// The parts of one rule's 429s, one set per retry hint of up to [`CACHED_SECS`], each built
+/// The parts of one rule's 429s, one set per retry hint of up to `CACHED_SECS` (60 s), each built
 /// on first use. About 1 KiB per rule until used, plus ~300 bytes per hint seen.
 pub struct Answers {
     rule: Arc<str>,
