@@ -66,12 +66,7 @@ impl Req {
     }
     #[inline]
     fn decide(&self, rules: &RuleSet, ip: IpAddr) {
-        let view = RequestView {
-            method: &Method::GET,
-            uri: &self.uri,
-            headers: &self.headers,
-            client_ip: ip,
-        };
+        let view = RequestView::new(&Method::GET, &self.uri, &self.headers, ip);
         black_box(rules.check(&view, self.clock.now()));
     }
 }
@@ -162,12 +157,7 @@ fn bench(c: &mut Criterion) {
     let headers = HeaderMap::new();
     g.bench_function("no_matching_rule/1_thread", |b| {
         b.iter(|| {
-            let view = RequestView {
-                method: &Method::GET,
-                uri: &unmatched,
-                headers: &headers,
-                client_ip: ip(1),
-            };
+            let view = RequestView::new(&Method::GET, &unmatched, &headers, ip(1));
             black_box(rules.check(&view, clock.now()))
         })
     });

@@ -33,12 +33,12 @@ fn one(limit: &str) {
     let (uri, headers) = (Uri::from_static("/"), HeaderMap::new());
     let offer = |from: u32, to: u32| {
         for i in from..to {
-            let view = RequestView {
-                method: &Method::GET,
-                uri: &uri,
-                headers: &headers,
-                client_ip: IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)),
-            };
+            let view = RequestView::new(
+                &Method::GET,
+                &uri,
+                &headers,
+                IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)),
+            );
             std::hint::black_box(rules.check(&view, 1_000_000_000));
         }
     };

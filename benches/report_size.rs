@@ -21,12 +21,12 @@ fn main() {
         let rules = RuleSet::build(&config, &Metrics::new());
         let (uri, headers) = (Uri::from_static("/"), HeaderMap::new());
         for i in 0..n {
-            let view = RequestView {
-                method: &Method::GET,
-                uri: &uri,
-                headers: &headers,
-                client_ip: IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)),
-            };
+            let view = RequestView::new(
+                &Method::GET,
+                &uri,
+                &headers,
+                IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i)),
+            );
             // Uneven: key i is offered 1 + i % 7 times, so the top-k is a real choice.
             for _ in 0..=(i % 7) {
                 std::hint::black_box(rules.check(&view, 1));

@@ -9,6 +9,7 @@
 use std::fmt;
 use std::net::IpAddr;
 use std::str::FromStr;
+use std::sync::OnceLock;
 
 use http::{HeaderMap, HeaderName, Method, Uri};
 use smallvec::SmallVec;
@@ -75,30 +76,44 @@ impl fmt::Display for KeyPart {
 }
 
 /// What key extraction and matching read from a request; all borrowed.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct RequestView<'a> {
     pub method: &'a Method,
     pub uri: &'a Uri,
     pub headers: &'a HeaderMap,
     pub client_ip: IpAddr,
+    /// Worked out on the first rule that asks (most never do), then kept for the others.
+    host: OnceLock<Option<&'a str>>,
 }
 
 impl<'a> RequestView<'a> {
     /// The view of `req` from `client_ip`. It borrows the head only, never the body, so a
     /// future holding it stays `Send` whatever the body type.
     pub fn of<B>(req: &'a http::Request<B>, client_ip: IpAddr) -> Self {
+        RequestView::new(req.method(), req.uri(), req.headers(), client_ip)
+    }
+
+    pub fn new(
+        method: &'a Method,
+        uri: &'a Uri,
+        headers: &'a HeaderMap,
+        client_ip: IpAddr,
+    ) -> Self {
         RequestView {
-            method: req.method(),
-            uri: req.uri(),
-            headers: req.headers(),
+            method,
+            uri,
+            headers,
             client_ip,
+            host: OnceLock::new(),
         }
     }
 
-    /// The host without port, when the request names one; worked out when a rule asks (most
-    /// rules never do: a `Host` lookup on every request cost ~250 instructions).
+    /// The host without port, when the request names one: worked out once, when a rule first
+    /// asks (a `Host` lookup on every request cost ~250 instructions, and most rules never ask).
     pub fn host(&self) -> Option<&'a str> {
-        request_host(self.uri, self.headers)
+        *self
+            .host
+            .get_or_init(|| request_host(self.uri, self.headers))
     }
 }
 
@@ -309,12 +324,7 @@ mod tests {
     }
 
     fn view<'a>(m: &'a Method, u: &'a Uri, h: &'a HeaderMap) -> RequestView<'a> {
-        RequestView {
-            method: m,
-            uri: u,
-            headers: h,
-            client_ip: PEER,
-        }
+        RequestView::new(m, u, h, PEER)
     }
 
     #[test]

@@ -52,12 +52,7 @@ fn decide(rules: &RuleSet, now: u64) -> bool {
 
 fn decide_for(rules: &RuleSet, now: u64, ip: Ipv4Addr) -> bool {
     let (uri, headers) = (Uri::from_static("/api/x"), HeaderMap::new());
-    let view = RequestView {
-        method: &Method::GET,
-        uri: &uri,
-        headers: &headers,
-        client_ip: IpAddr::V4(ip),
-    };
+    let view = RequestView::new(&Method::GET, &uri, &headers, IpAddr::V4(ip));
     matches!(rules.check(&view, now), Verdict::Allow(_))
 }
 

@@ -44,12 +44,7 @@ impl Req {
         self
     }
     fn check(&self, rules: &RuleSet, now: Nanos) -> Verdict {
-        let view = RequestView {
-            method: &self.method,
-            uri: &self.uri,
-            headers: &self.headers,
-            client_ip: self.ip,
-        };
+        let view = RequestView::new(&self.method, &self.uri, &self.headers, self.ip);
         rules.check(&view, now)
     }
     fn allowed(&self, rules: &RuleSet, now: Nanos) -> bool {
