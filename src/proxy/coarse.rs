@@ -67,8 +67,9 @@ impl Timers {
         due.into_iter().for_each(Waker::wake);
     }
 
-    /// Armed timers (tests and debugging).
-    pub fn armed(&self) -> usize {
+    /// Armed timers.
+    #[cfg(test)]
+    fn armed(&self) -> usize {
         let slots = self.lock();
         slots.entries.len() - slots.free.len()
     }
