@@ -32,6 +32,8 @@ listen: 127.0.0.1:0
 upstream: http://{upstream}
 admin: 127.0.0.1:0
 headers: on_reject
+# A handful of clients: no need to ask the system for descriptors for 10 000.
+limits: {{ max_connections: 100 }}
 rules:
   - name: per-client
     match: {{ path_prefix: /api/ }}

@@ -38,6 +38,8 @@ service: shop
 listen: 127.0.0.1:0
 upstream: http://{upstream}
 admin: 127.0.0.1:0
+# A handful of clients: no need to ask the system for descriptors for 10 000.
+limits: {{ max_connections: 100 }}
 control_plane:
   url: http://{aggregator}
   report_interval: {}ms

@@ -17,6 +17,7 @@
 mod accept;
 mod affine;
 mod coarse;
+mod fds;
 pub mod forward;
 pub mod reload;
 pub mod respond;
@@ -111,6 +112,17 @@ impl Sidecar {
                 format!("cannot listen on admin {}: {e}", config.admin),
             )
         })?;
+        let needed = fds::needed(config.limits.max_connections.get(), workers);
+        match fds::prepare(needed, std::os::fd::AsFd::as_fd(&listeners[0])) {
+            Ok(room) if room.limit < room.needed => tracing::warn!(
+                limit = room.limit,
+                needed = room.needed,
+                "the open-files limit is below what limits.max_connections needs: raise it \
+                 (ulimit -n) or lower limits.max_connections"
+            ),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
+        }
         let addr = listeners[0].local_addr()?;
         let admin_addr = admin_listener.local_addr()?;
         let metrics = Arc::new(Metrics::new());
