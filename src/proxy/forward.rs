@@ -2,8 +2,10 @@
 //!
 //! Owns what a reverse proxy must do to a request and a response in transit (RFC 9110 §7.6:
 //! hop-by-hop headers, `X-Forwarded-*`), the mapping of upstream failures to 502/504, and the
-//! splice of upgraded connections (WebSocket). Bodies are never buffered: hyper's `Incoming`
-//! is handed to the client as is, and the upstream's body is returned as is.
+//! splice of upgraded connections (WebSocket). Bodies are never buffered: the client's body is
+//! streamed upstream as it comes, and the upstream's body (hyper's `Incoming` from the pooled
+//! client, or `h1::RawBody` from the client connection's own upstream
+//! connection) is streamed back as it comes.
 
 use std::error::Error as _;
 use std::net::IpAddr;
@@ -27,6 +29,9 @@ use crate::limit::Permit;
 use crate::metrics::{Metrics, UpstreamError};
 
 pub type UpstreamClient = Client<HttpConnector, Incoming>;
+
+/// An upstream response's body: from the pooled client, or read from our own connection.
+pub type UpstreamBody = Either<Incoming, super::h1::RawBody>;
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
@@ -52,8 +57,10 @@ pub fn client(connect_timeout: Duration, idle: Duration, h2: bool) -> UpstreamCl
 pub enum Failure {
     Connect(std::io::Error),
     ConnectTimeout,
-    /// The exchange on an upstream connection of our own failed (hyper's error says why).
-    Exchange(hyper::Error),
+    /// The exchange on an upstream connection of our own failed.
+    Raw(std::io::Error),
+    /// Reading the client's request body failed while it was sent on our own connection.
+    ClientBody(hyper::Error),
     /// The pooled client failed.
     Pooled(hyper_util::client::legacy::Error),
     /// Not sent: the first request of a client connection with no upstream connection to
@@ -106,11 +113,12 @@ impl Forward<'_> {
             let req = match affine {
                 Some((conn, upstream)) => match conn.send(upstream, req, self.now).await {
                     Err(Failure::Busy(req)) => self.absolute(*req),
-                    done => return done,
+                    done => return done.map(|resp| resp.map(Either::Right)),
                 },
                 None => req,
             };
-            self.client.request(req).await.map_err(Failure::Pooled)
+            let resp = self.client.request(req).await.map_err(Failure::Pooled)?;
+            Ok(resp.map(Either::Left))
         })
         .await;
         let mut resp = match result {
@@ -374,8 +382,10 @@ impl Failure {
     fn client_body_failed(&self) -> bool {
         let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
             Failure::Pooled(e) => Some(e),
-            Failure::Exchange(e) => Some(e),
-            Failure::Connect(_) | Failure::ConnectTimeout | Failure::Busy(_) => None,
+            Failure::ClientBody(_) => return true,
+            Failure::Raw(_) | Failure::Connect(_) | Failure::ConnectTimeout | Failure::Busy(_) => {
+                None
+            }
         };
         while let Some(s) = source {
             if let Some(h) = s.downcast_ref::<hyper::Error>() {
@@ -392,7 +402,7 @@ impl Failure {
         match self {
             Failure::Connect(_) => UpstreamError::Connect,
             Failure::ConnectTimeout => UpstreamError::ConnectTimeout,
-            Failure::Exchange(_) | Failure::Busy(_) => UpstreamError::Protocol,
+            Failure::Raw(_) | Failure::ClientBody(_) | Failure::Busy(_) => UpstreamError::Protocol,
             Failure::Pooled(e) if !e.is_connect() => UpstreamError::Protocol,
             Failure::Pooled(e) => {
                 let mut source = std::error::Error::source(e);

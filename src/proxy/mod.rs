@@ -19,6 +19,7 @@ mod affine;
 mod coarse;
 mod fds;
 pub mod forward;
+mod h1;
 pub mod reload;
 pub mod respond;
 

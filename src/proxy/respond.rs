@@ -15,14 +15,13 @@ use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body_util::{Either, Full};
-use hyper::body::Incoming;
 
 use crate::config::HeaderMode;
 use crate::gate::{PermitBody, Refusal};
 use crate::rules::{Denial, RateState};
 
 /// Response bodies of the sidecar: the upstream's, streamed, or a short one of ours.
-pub type Body = Either<PermitBody<Incoming>, Full<Bytes>>;
+pub type Body = Either<PermitBody<super::forward::UpstreamBody>, Full<Bytes>>;
 
 /// A response of ours, for whatever the other body type is.
 type Ours<L> = Response<Either<L, Full<Bytes>>>;
