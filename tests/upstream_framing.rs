@@ -64,6 +64,10 @@ fn script(path: &str) -> (String, bool) {
         ),
         "/short" => ("HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf", true),
         "/garbage" => ("HTTP/1.1 two hundred\r\n\r\n", true),
+        "/switch" => (
+            "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+            false,
+        ),
         other => panic!("no script for {other}"),
     };
     (text.to_string(), close)
@@ -326,7 +330,7 @@ async fn a_broken_response_is_a_502_and_a_cut_body_an_error() {
     let sc = proxy(&up).await;
     let mut c = Client::new(sc.addr()).await;
     c.get("/plain").await;
-    for path in ["/conflict", "/garbage", "/huge"] {
+    for path in ["/conflict", "/garbage", "/huge", "/switch"] {
         let seen = c.get(path).await;
         assert_eq!(seen.status, StatusCode::BAD_GATEWAY, "{path}");
     }

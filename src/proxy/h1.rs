@@ -143,8 +143,14 @@ pub async fn exchange(
     let head_only = parts.method == Method::HEAD;
     loop {
         let head = parse_head(&mut raw).await.map_err(Failed::Upstream)?;
+        // Nothing asked to switch protocols here (upgrades take the pooled client).
+        if head.status == 101 {
+            return Err(Failed::Upstream(protocol(
+                "upstream switched protocols unasked",
+            )));
+        }
         // Interim responses (100 Continue, 103 Early Hints): the final one follows.
-        if (100..200).contains(&head.status) && head.status != 101 {
+        if (100..200).contains(&head.status) {
             continue;
         }
         return respond(head, head_only, raw, home, now).map_err(Failed::Upstream);
