@@ -56,8 +56,8 @@ pub struct Upstream {
 pub struct Affine {
     /// Shared with the response body that holds the connection, which puts it back here.
     slot: Arc<Slot>,
-    /// The connection task's wakes (see [`drive`]).
-    pub wakes: Arc<Wakes>,
+    /// The connection task's waker and trip flag (see [`drive`]).
+    pub wakes: Wakes,
     /// The worker's upstream connections that no client connection holds.
     idle: Arc<Idle>,
 }

@@ -4,8 +4,8 @@
 //! hop-by-hop headers, `X-Forwarded-*`), the mapping of upstream failures to 502/504, and the
 //! splice of upgraded connections (WebSocket). Bodies are never buffered: the client's body is
 //! streamed upstream as it comes, and the upstream's body (hyper's `Incoming` from the pooled
-//! client, or `h1::RawBody` from the client connection's own upstream
-//! connection) is streamed back as it comes.
+//! client, or `h1::RawBody` from the client connection's own upstream connection) is streamed
+//! back as it comes.
 
 use std::error::Error as _;
 use std::net::IpAddr;

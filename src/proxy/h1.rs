@@ -50,6 +50,8 @@ pub struct Raw {
     buf: BytesMut,
     /// The request head being written, kept for the next one.
     out: Vec<u8>,
+    /// A read filled its room: the body is large, read in larger pieces.
+    large: bool,
 }
 
 /// Where a connection goes when the body that holds it has been read to its end.
@@ -76,6 +78,7 @@ impl Raw {
             stream,
             buf: BytesMut::new(),
             out: Vec::new(),
+            large: false,
         }
     }
 
@@ -98,16 +101,23 @@ impl Raw {
 
     /// Reads more into `buf`; `Ok(0)` at the end of the stream. Through tokio's `AsyncRead`,
     /// which forgets the socket's readiness after a short read: the next read then waits for
-    /// the reactor instead of trying (and failing) a `recv` first.
+    /// the reactor instead of trying (and failing) a `recv` first. Reads are 8 KiB, and 64 KiB
+    /// once one filled its room (a large body: fewer syscalls).
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < 1024 {
-            self.buf.reserve(8 * 1024);
+            let want = if self.large { 64 * 1024 } else { 8 * 1024 };
+            self.buf.reserve(want);
         }
+        let room = self.buf.capacity() - self.buf.len();
         let read = std::pin::pin!(tokio::io::AsyncReadExt::read_buf(
             &mut self.stream,
             &mut self.buf
         ));
-        read.poll(cx)
+        let polled = read.poll(cx);
+        if let Poll::Ready(Ok(n)) = polled {
+            self.large |= n == room;
+        }
+        polled
     }
 
     async fn fill(&mut self) -> io::Result<usize> {
@@ -244,6 +254,9 @@ async fn parse_head(raw: &mut Raw) -> io::Result<Head> {
             let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
             let mut resp = httparse::Response::new(&mut fields);
             match resp.parse(&raw.buf) {
+                Ok(httparse::Status::Complete(len)) if len > MAX_HEAD => {
+                    return Err(protocol("upstream response head too large"));
+                }
                 Ok(httparse::Status::Complete(len)) => {
                     let status = resp.code.unwrap_or(0);
                     let version = if resp.version == Some(0) {
@@ -428,8 +441,9 @@ impl RawBody {
     /// The body is over: the connection goes home if it may be reused and nothing follows.
     fn finish(&mut self) {
         self.framing = Framing::Done;
-        if let (Some(raw), Some(home)) = (self.raw.take(), self.home.take()) {
+        if let (Some(mut raw), Some(home)) = (self.raw.take(), self.home.take()) {
             if raw.buf.is_empty() {
+                raw.large = false;
                 home.put(raw, self.since);
             }
         }
