@@ -54,6 +54,11 @@ fn script(path: &str) -> (String, bool) {
             "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\nx-conn: {c}\r\n\r\nok",
             true,
         ),
+        "/te-and-cl" => (
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ncontent-length: 100\r\nx-conn: {c}\r\n\r\n\
+             3\r\nabc\r\n0\r\n\r\n",
+            false,
+        ),
         "/http10" => (
             "HTTP/1.0 200 OK\r\ncontent-length: 2\r\nx-conn: {c}\r\n\r\nok",
             false,
@@ -315,11 +320,20 @@ async fn a_response_that_ends_its_connection_is_read_to_the_end_and_not_reused()
     let third = c.get("/plain").await.conn;
     assert_ne!(third, second, "`Connection: close` ends the connection");
 
+    // Transfer-Encoding beside a Content-Length: the coding wins, the length is not passed
+    // on, and the connection is not reused (RFC 9112 §6.3).
+    let both = c.get("/te-and-cl").await;
+    assert_eq!(both.body.unwrap(), "abc");
+    assert_ne!(both.length.as_deref(), Some("100"));
+    assert_eq!(both.conn, third);
+    let fourth = c.get("/plain").await.conn;
+    assert_ne!(fourth, third);
+
     // HTTP/1.0 without `keep-alive` closes too (the upstream's; the client's stays open).
     let old = c.get("/http10").await;
     assert_eq!(old.body.unwrap(), "ok");
-    assert_eq!(old.conn, third);
-    assert_ne!(c.get("/plain").await.conn, third);
+    assert_eq!(old.conn, fourth);
+    assert_ne!(c.get("/plain").await.conn, fourth);
     sc.shutdown();
     sc.wait().await;
 }

@@ -342,6 +342,11 @@ fn respond(
     }
     let (framing, mut reusable) = framing(status, head_only, &headers)?;
     reusable &= keeps_alive(head.version, &headers);
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        // The coding delimits the body, and a Content-Length beside it must not be passed on
+        // (RFC 9112 §6.3): the client is told the decoded length, or gets it chunked.
+        headers.remove(header::CONTENT_LENGTH);
+    }
     let mut body = RawBody {
         raw: Some(raw),
         framing,
