@@ -459,7 +459,8 @@ impl RawBody {
             let Some(raw) = self.raw.as_mut() else {
                 return Poll::Ready(None);
             };
-            let need_more = match self.framing {
+            // Each arm either answers or falls through to read more.
+            match self.framing {
                 Framing::Done => return Poll::Ready(None),
                 Framing::Length(left) | Framing::Chunked(Chunk::Data(left))
                     if !raw.buf.is_empty() =>
@@ -498,7 +499,7 @@ impl RawBody {
                             "upstream chunk-size line too long",
                         ))))
                     }
-                    None => true,
+                    None => {}
                 },
                 Framing::Chunked(Chunk::DataEnd) if raw.buf.len() >= 2 => {
                     if &raw.buf[..2] != b"\r\n" {
@@ -530,12 +531,11 @@ impl RawBody {
                         None if raw.buf.len() > MAX_HEAD => {
                             return Poll::Ready(Some(Err(protocol("upstream trailers too large"))))
                         }
-                        None => true,
+                        None => {}
                     }
                 }
-                _ => true,
-            };
-            debug_assert!(need_more);
+                _ => {}
+            }
             match ready!(raw.poll_fill(cx)) {
                 Ok(0) if matches!(self.framing, Framing::Close) => {
                     self.finish();
