@@ -105,7 +105,7 @@ async fn client(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
 #[tokio::test]
 async fn after_its_first_request_a_client_connection_has_an_upstream_connection_of_its_own() {
     let up = counting(usize::MAX).await;
-    // One worker: one pool for the first requests.
+    // One worker: one list of connections for the first requests to borrow.
     let sc = spillway::proxy::Sidecar::start(config(up.addr, "workers: 1\nrules: []"))
         .await
         .unwrap();
@@ -122,9 +122,9 @@ async fn after_its_first_request_a_client_connection_has_an_upstream_connection_
     assert_eq!(up.requests.load(Ordering::SeqCst), 10);
     assert_eq!(
         seen_a[0], seen_b[0],
-        "first requests share the pool's connection"
+        "a first request only borrows its connection: the next first request takes it"
     );
-    assert!(seen_a[1..].iter().all(|c| *c == seen_a[1]), "{seen_a:?}");
+    assert!(seen_a.iter().all(|c| *c == seen_a[0]), "{seen_a:?}");
     assert!(seen_b[1..].iter().all(|c| *c == seen_b[1]), "{seen_b:?}");
     assert_ne!(
         seen_a[1], seen_b[1],
@@ -132,8 +132,8 @@ async fn after_its_first_request_a_client_connection_has_an_upstream_connection_
     );
     assert_eq!(
         up.conns.load(Ordering::SeqCst),
-        3,
-        "the pool's one, then one per client connection"
+        2,
+        "one per client connection: the borrowed one is kept by the first client to come back"
     );
     sc.shutdown();
     sc.wait().await;
@@ -180,14 +180,14 @@ async fn an_upstream_connection_idle_past_timeouts_idle_is_not_reused() {
     .await
     .unwrap();
     let mut c = client(&sc).await;
-    assert_eq!(get_on(&mut c, GET).await.1, "1", "the pool's");
-    assert_eq!(get_on(&mut c, GET).await.1, "2", "its own");
+    assert_eq!(get_on(&mut c, GET).await.1, "1", "borrowed");
+    assert_eq!(get_on(&mut c, GET).await.1, "1", "kept as its own");
     clock.advance(std::time::Duration::from_secs(5));
-    assert_eq!(get_on(&mut c, GET).await.1, "2", "5 s idle: reused");
+    assert_eq!(get_on(&mut c, GET).await.1, "1", "5 s idle: reused");
     clock.advance(std::time::Duration::from_secs(11));
     assert_eq!(
         get_on(&mut c, GET).await.1,
-        "3",
+        "2",
         "11 s idle: a new connection"
     );
     sc.shutdown();
@@ -220,12 +220,11 @@ async fn a_closed_client_connection_leaves_its_upstream_connection_to_the_next_o
         let second = get_on(&mut c, GET).await;
         assert_eq!(first.0, "HTTP/1.1 200 OK", "client connection {i}");
         assert_eq!(second.0, "HTTP/1.1 200 OK", "client connection {i}");
-        // The first client's first request goes through the pool (upstream connection 1),
-        // its second gets a connection of its own (2), which every later client takes over.
-        let expected = if i == 1 { ("1", "2") } else { ("2", "2") };
+        // The first client's first request makes upstream connection 1 and gives it back,
+        // its second keeps it; every later client takes it over.
         assert_eq!(
             (first.1.as_str(), second.1.as_str()),
-            expected,
+            ("1", "1"),
             "client connection {i}"
         );
         drop(c);
@@ -239,7 +238,7 @@ async fn a_closed_client_connection_leaves_its_upstream_connection_to_the_next_o
             tokio::task::yield_now().await;
         }
     }
-    assert_eq!(up.conns.load(Ordering::SeqCst), 2);
+    assert_eq!(up.conns.load(Ordering::SeqCst), 1);
     sc.shutdown();
     sc.wait().await;
 }

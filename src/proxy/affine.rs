@@ -17,15 +17,16 @@
 //!
 //! Used for HTTP/1 requests to an HTTP/1 upstream without an upgrade; HTTP/2 client
 //! connections (concurrent streams, each a task of hyper's), upgrades and `h2c://` upstreams
-//! keep the pooled client. When a client connection ends between requests, its upstream
-//! connection waits in the worker's [`Idle`] list for the next client connection (clients
-//! that close after each request do not cost a connect each), and is closed once unused for
-//! `timeouts.idle`. A client connection's first request goes through the worker's pool when
-//! there is no idle connection to take, so only clients that come back get a connection of
-//! their own; and a worker makes at most [`MAX_CONNECTING`] connects at once (the others wait
-//! their turn). Both keep a burst of new clients from overflowing the app's accept backlog
-//! (128 for a tokio listener; SYNs dropped there are retried only after a second, the default
-//! connect timeout).
+//! keep the pooled client. A client connection's first exchange only borrows a connection
+//! from the worker's [`Idle`] list (or a new one): at the body's end it goes back there, for
+//! whichever request comes next, so a client that sends one request and leaves, or a burst of
+//! them, costs no connection each; from its second exchange on, a client keeps the one it has.
+//! When a client connection ends between requests, its upstream connection goes back to the
+//! list too, and is closed once unused for `timeouts.idle`. A worker makes at most
+//! [`MAX_CONNECTING`] connects at once, and a request whose turn comes first takes a
+//! connection that came back meanwhile instead of connecting: a burst of new clients does not
+//! overflow the app's accept backlog (128 for a tokio listener; SYNs dropped there are retried
+//! only after a second, the default connect timeout).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -76,8 +77,8 @@ struct State {
     raw: Option<Raw>,
     /// When `raw` was last used (the clock's nanoseconds).
     last_used: u64,
-    /// A request of this client connection went through the worker's pool.
-    pooled_once: bool,
+    /// A request of this client connection was sent upstream.
+    served: bool,
 }
 
 impl Slot {
@@ -113,31 +114,33 @@ impl Affine {
         req: Request<Incoming>,
         now: u64,
     ) -> Result<Response<RawBody>, Failure> {
-        let cached = {
+        let (cached, first) = {
             let mut state = self.slot.state();
             let fresh = now.saturating_sub(state.last_used) < upstream.idle;
-            state.raw.take().filter(|_| fresh)
+            let first = !std::mem::replace(&mut state.served, true);
+            (state.raw.take().filter(|_| fresh), first)
         };
         let (raw, reused) = match cached.and_then(usable) {
             Some(raw) => (raw, true),
             None => match self.idle.take(now, upstream.idle) {
                 Some(raw) => (raw, true),
-                // A client's first request with no connection to take shares the worker's
-                // pool: a client that sends one request and leaves (or a burst of them) is no
-                // reason for a connection of its own, and a burst of new clients must not
-                // become a burst of connects the app cannot accept in time.
-                None if !std::mem::replace(&mut self.slot.state().pooled_once, true) => {
-                    return Err(Failure::Busy(Box::new(req)))
-                }
-                None => (Box::pin(self.connect(upstream)).await?, false),
+                None => Box::pin(self.connect(upstream, now)).await?,
             },
         };
-        let home: Arc<dyn h1::Home> = self.slot.clone();
+        // A client connection's first exchange only borrows its connection: at the body's end
+        // it goes back to the worker's list, for whichever request comes next (a client that
+        // sends one request and leaves, or a burst of them, is no reason for a connection
+        // each). From its second exchange on, a client keeps the one it has.
+        let home: Arc<dyn h1::Home> = if first {
+            self.idle.clone()
+        } else {
+            self.slot.clone()
+        };
         let failed = match h1::exchange(raw, req, home.clone(), now).await {
             Ok(resp) => return Ok(resp),
-            // A reused connection the upstream closed just now: once more on a new one.
+            // A reused connection the upstream closed just now: once more on another.
             Err(h1::Failed::Unsent(req, _)) if reused => {
-                let raw = Box::pin(self.connect(upstream)).await?;
+                let (raw, _) = Box::pin(self.connect(upstream, now)).await?;
                 h1::exchange(raw, *req, home, now).await
             }
             Err(e) => Err(e),
@@ -148,17 +151,21 @@ impl Affine {
         })
     }
 
-    /// A new connection to the upstream.
-    async fn connect(&self, upstream: &Upstream) -> Result<Raw, Failure> {
+    /// A connection to the upstream, once it is this request's turn to connect: one that came
+    /// back to the worker's list meanwhile (`true`: reused), or a new one.
+    async fn connect(&self, upstream: &Upstream, now: u64) -> Result<(Raw, bool), Failure> {
         // A burst of new client connections must not become a burst of SYNs larger than the
         // app's accept backlog (128 for a tokio listener). The semaphore is never closed.
         let _turn = self.idle.connects.acquire().await;
+        if let Some(raw) = self.idle.take(now, upstream.idle) {
+            return Ok((raw, true));
+        }
         let stream = tokio::time::timeout(upstream.connect_timeout, connect_any(&upstream.address))
             .await
             .map_err(|_| Failure::ConnectTimeout)?
             .map_err(Failure::Connect)?;
         let _ = stream.set_nodelay(true);
-        Ok(Raw::new(stream))
+        Ok((Raw::new(stream), false))
     }
 }
 
@@ -266,6 +273,12 @@ const MAX_CONNECTING: usize = 4;
 
 /// Idle upstream connections kept per worker; the oldest goes first past this.
 const MAX_IDLE: usize = 256;
+
+impl h1::Home for Idle {
+    fn put(&self, raw: Raw, since: u64) {
+        Idle::put(self, Parked { raw, since });
+    }
+}
 
 impl Idle {
     fn conns(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Parked>> {

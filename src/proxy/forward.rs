@@ -63,9 +63,6 @@ pub enum Failure {
     ClientBody(hyper::Error),
     /// The pooled client failed.
     Pooled(hyper_util::client::legacy::Error),
-    /// Not sent: the first request of a client connection with no upstream connection to
-    /// take; the pooled client takes it.
-    Busy(Box<Request<Incoming>>),
 }
 
 /// What the request path knows when it forwards.
@@ -110,15 +107,16 @@ impl Forward<'_> {
         }
         let deadline = Sleep::until(self.timers.clone(), Timers::now() + self.response_timeout);
         let result = timeout(deadline, async {
-            let req = match affine {
-                Some((conn, upstream)) => match conn.send(upstream, req, self.now).await {
-                    Err(Failure::Busy(req)) => self.absolute(*req),
-                    done => return done.map(|resp| resp.map(Either::Right)),
-                },
-                None => req,
-            };
-            let resp = self.client.request(req).await.map_err(Failure::Pooled)?;
-            Ok(resp.map(Either::Left))
+            match affine {
+                Some((conn, upstream)) => {
+                    let resp = conn.send(upstream, req, self.now).await?;
+                    Ok(resp.map(Either::Right))
+                }
+                None => {
+                    let resp = self.client.request(req).await.map_err(Failure::Pooled)?;
+                    Ok::<_, Failure>(resp.map(Either::Left))
+                }
+            }
         })
         .await;
         let mut resp = match result {
@@ -169,17 +167,6 @@ impl Forward<'_> {
             ),
         };
         respond::error(status, detail)
-    }
-
-    /// `req` (rewritten in origin-form) in the absolute form the pooled client needs.
-    fn absolute(&self, mut req: Request<Incoming>) -> Request<Incoming> {
-        let mut parts = req.uri().clone().into_parts();
-        parts.scheme = Some(http::uri::Scheme::HTTP);
-        parts.authority = Some(self.upstream.clone());
-        if let Ok(uri) = Uri::from_parts(parts) {
-            *req.uri_mut() = uri;
-        }
-        req
     }
 
     /// Points the request at the upstream and rewrites its headers for the hop. `origin_form`:
@@ -383,9 +370,7 @@ impl Failure {
         let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
             Failure::Pooled(e) => Some(e),
             Failure::ClientBody(_) => return true,
-            Failure::Raw(_) | Failure::Connect(_) | Failure::ConnectTimeout | Failure::Busy(_) => {
-                None
-            }
+            Failure::Raw(_) | Failure::Connect(_) | Failure::ConnectTimeout => None,
         };
         while let Some(s) = source {
             if let Some(h) = s.downcast_ref::<hyper::Error>() {
@@ -402,7 +387,7 @@ impl Failure {
         match self {
             Failure::Connect(_) => UpstreamError::Connect,
             Failure::ConnectTimeout => UpstreamError::ConnectTimeout,
-            Failure::Raw(_) | Failure::ClientBody(_) | Failure::Busy(_) => UpstreamError::Protocol,
+            Failure::Raw(_) | Failure::ClientBody(_) => UpstreamError::Protocol,
             Failure::Pooled(e) if !e.is_connect() => UpstreamError::Protocol,
             Failure::Pooled(e) => {
                 let mut source = std::error::Error::source(e);
