@@ -1,6 +1,7 @@
-//! Responses of every framing, and request bodies, through a client connection's own upstream
-//! connection (src/proxy/h1.rs, the hand-written HTTP/1.1 exchange): each body arrives whole,
-//! and the connection is reused after a response only when that response allows it.
+//! Responses of every framing through a client connection's own upstream connection
+//! (src/proxy/h1.rs, the hand-written HTTP/1.1 exchange): each body arrives whole, and the
+//! connection is reused after a response only when that response allows it. Requests with a
+//! body go through hyper's pool instead (src/proxy/forward.rs); they are checked here too.
 //!
 //! A client connection's first request only borrows a connection (src/proxy/affine.rs), so
 //! every test sends a first request before the ones it is about.

@@ -15,9 +15,9 @@
 //! A connect only when there is no usable connection: the first request, after the upstream
 //! closed it, or after [`Upstream::idle`] unused.
 //!
-//! Used for HTTP/1 requests to an HTTP/1 upstream without an upgrade; HTTP/2 client
-//! connections (concurrent streams, each a task of hyper's), upgrades and `h2c://` upstreams
-//! keep the pooled client. A client connection's first exchange only borrows a connection
+//! Used for HTTP/1 requests without a body or an upgrade to an HTTP/1 upstream; HTTP/2 client
+//! connections (concurrent streams, each a task of hyper's), requests with a body, upgrades and
+//! `h2c://` upstreams keep the pooled client. A client connection's first exchange only borrows a connection
 //! from the worker's [`Idle`] list (or a new one): at the body's end it goes back there, for
 //! whichever request comes next, so a client that sends one request and leaves, or a burst of
 //! them, costs no connection each; from its second exchange on, a client keeps the one it has.
@@ -104,7 +104,7 @@ impl Affine {
         }
     }
 
-    /// Sends `req` (origin-form URI, `Host` set) on this client connection's upstream
+    /// Sends `req` (origin-form URI, `Host` set, no body) on this client connection's upstream
     /// connection, connecting first when there is none usable; `now` is the clock's time. A
     /// connection the upstream closed meanwhile is not used (a new one is made); a request
     /// that was sent is never sent twice.
@@ -146,7 +146,6 @@ impl Affine {
             Err(e) => Err(e),
         };
         failed.map_err(|e| match e {
-            h1::Failed::ClientBody(e) => Failure::ClientBody(e),
             h1::Failed::Upstream(e) | h1::Failed::Unsent(_, e) => Failure::Raw(e),
         })
     }

@@ -59,8 +59,6 @@ pub enum Failure {
     ConnectTimeout,
     /// The exchange on an upstream connection of our own failed.
     Raw(std::io::Error),
-    /// Reading the client's request body failed while it was sent on our own connection.
-    ClientBody(hyper::Error),
     /// The pooled client failed.
     Pooled(hyper_util::client::legacy::Error),
 }
@@ -96,11 +94,14 @@ impl Forward<'_> {
         // HTTP/1.1 upgrades only: an HTTP/2 upstream has no Upgrade.
         let upgrade = (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut req));
         // The client connection's own upstream connection takes what one connection in
-        // sequence can: HTTP/1 requests without an upgrade (CONNECT has none to give).
+        // sequence can: HTTP/1 requests without an upgrade (CONNECT has none to give) and
+        // without a body. A body goes through hyper's pool, whose client hands back a response
+        // that comes while the body is still being sent (an early 413 or 401 to an upload).
         let affine = self.affine.filter(|_| {
             upgrade.is_none()
                 && req.version() <= Version::HTTP_11
                 && req.method() != Method::CONNECT
+                && http_body::Body::is_end_stream(req.body())
         });
         if let Err(resp) = self.rewrite(&mut req, upgrade.is_some(), affine.is_some()) {
             return resp;
@@ -369,7 +370,6 @@ impl Failure {
     fn client_body_failed(&self) -> bool {
         let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
             Failure::Pooled(e) => Some(e),
-            Failure::ClientBody(_) => return true,
             Failure::Raw(_) | Failure::Connect(_) | Failure::ConnectTimeout => None,
         };
         while let Some(s) = source {
@@ -387,7 +387,7 @@ impl Failure {
         match self {
             Failure::Connect(_) => UpstreamError::Connect,
             Failure::ConnectTimeout => UpstreamError::ConnectTimeout,
-            Failure::Raw(_) | Failure::ClientBody(_) => UpstreamError::Protocol,
+            Failure::Raw(_) => UpstreamError::Protocol,
             Failure::Pooled(e) if !e.is_connect() => UpstreamError::Protocol,
             Failure::Pooled(e) => {
                 let mut source = std::error::Error::source(e);

@@ -8,15 +8,16 @@
 //! read from the same socket by the body itself, in the client connection's task. hyper's
 //! server side is kept, and so is hyper's client for HTTP/2 upstreams and upgrades.
 //!
-//! What it does, per RFC 9112: the request body is streamed as it comes (with its
-//! `Content-Length`, or chunked when it had none); a response's body is delimited by `HEAD`,
+//! What it does, per RFC 9112: requests without a body only (one with a body goes through
+//! hyper's pool, whose client hands back a response that comes while the body is still being
+//! sent); a response's body is delimited by `HEAD`,
 //! 1xx/204/304 (none), `Transfer-Encoding` (chunked, or up to the close for any other), a
 //! `Content-Length` (all values equal, or the response is refused), or the close. Interim
 //! responses (1xx but 101) are skipped. The connection is reused only after a response that
 //! allows it (HTTP/1.1 without `close`, HTTP/1.0 with `keep-alive`, delimited by length or
 //! chunks, read to its end); a body dropped before its end drops the connection.
 //!
-//! Cost per request: one `write` for the head (and one per body frame), one `read` per
+//! Cost per request: one `write` for the head, one `read` per
 //! response in the common case (the head and a small body arrive together), httparse, one
 //! `HeaderMap` built from the head, no allocation for the head's text (the values share one
 //! buffer).
@@ -63,8 +64,6 @@ pub trait Home: Send + Sync + 'static {
 /// Why an exchange produced no response.
 #[derive(Debug)]
 pub enum Failed {
-    /// Reading the client's request body failed: its fault (400).
-    ClientBody(hyper::Error),
     /// The upstream connection failed or the upstream answered out of protocol (502).
     Upstream(io::Error),
     /// Writing the request head failed: nothing of the request was taken, it can go on
@@ -125,8 +124,8 @@ impl Raw {
     }
 }
 
-/// Sends `req` (origin-form URI, `Host` set, hop-by-hop headers gone) on `raw` and reads the
-/// response head; the body reads the rest, and hands the connection to `home` at its end when
+/// Sends `req` (origin-form URI, `Host` set, hop-by-hop headers gone, no body: a body goes
+/// through hyper's pool, see `forward`) on `raw` and reads the response head; the body reads the rest, and hands the connection to `home` at its end when
 /// the connection may be reused.
 pub async fn exchange(
     mut raw: Raw,
@@ -134,22 +133,16 @@ pub async fn exchange(
     home: Arc<dyn Home>,
     now: u64,
 ) -> Result<Response<RawBody>, Failed> {
-    let has_body = !req.body().is_end_stream();
-    // A body without a length (it came chunked, or over HTTP/2) goes chunked.
-    let chunked = has_body && !req.headers().contains_key(header::CONTENT_LENGTH);
     let mut head = std::mem::take(&mut raw.out);
     head.clear();
-    write_head(&mut head, &req, chunked);
+    write_head(&mut head, &req);
     let written = raw.stream.write_all(&head).await;
     raw.out = head;
     if let Err(e) = written {
         // Not a whole request: the upstream cannot have acted on it.
         return Err(Failed::Unsent(Box::new(req), e));
     }
-    let (parts, mut body) = req.into_parts();
-    if has_body {
-        send_body(&mut raw.stream, &mut body, chunked).await?;
-    }
+    let parts = req.into_parts().0;
     let head_only = parts.method == Method::HEAD;
     loop {
         let head = parse_head(&mut raw).await.map_err(Failed::Upstream)?;
@@ -168,7 +161,7 @@ pub async fn exchange(
 }
 
 /// Writes the request line and headers.
-fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, chunked: bool) {
+fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>) {
     out.extend_from_slice(req.method().as_str().as_bytes());
     out.push(b' ');
     let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
@@ -180,58 +173,7 @@ fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, chunked: bool) {
         out.extend_from_slice(value.as_bytes());
         out.extend_from_slice(b"\r\n");
     }
-    if chunked {
-        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
-    }
     out.extend_from_slice(b"\r\n");
-}
-
-/// Streams the request body: as it is (it has a `Content-Length`) or chunked.
-async fn send_body(
-    stream: &mut TcpStream,
-    body: &mut Incoming,
-    chunked: bool,
-) -> Result<(), Failed> {
-    use http_body_util::BodyExt;
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(Failed::ClientBody)?;
-        match frame.into_data() {
-            Ok(data) if data.is_empty() => {}
-            Ok(data) if chunked => {
-                let size = format!("{:x}\r\n", data.len());
-                let mut out = size.as_bytes().chain(data).chain(&b"\r\n"[..]);
-                stream
-                    .write_all_buf(&mut out)
-                    .await
-                    .map_err(Failed::Upstream)?;
-            }
-            Ok(mut data) => stream
-                .write_all_buf(&mut data)
-                .await
-                .map_err(Failed::Upstream)?,
-            Err(frame) => {
-                if let (true, Ok(trailers)) = (chunked, frame.into_trailers()) {
-                    let mut out = b"0\r\n".to_vec();
-                    for (name, value) in &trailers {
-                        out.extend_from_slice(name.as_str().as_bytes());
-                        out.extend_from_slice(b": ");
-                        out.extend_from_slice(value.as_bytes());
-                        out.extend_from_slice(b"\r\n");
-                    }
-                    out.extend_from_slice(b"\r\n");
-                    stream.write_all(&out).await.map_err(Failed::Upstream)?;
-                    return Ok(());
-                }
-            }
-        }
-    }
-    if chunked {
-        stream
-            .write_all(b"0\r\n\r\n")
-            .await
-            .map_err(Failed::Upstream)?;
-    }
-    Ok(())
 }
 
 /// A response head as parsed: its text, and where each part lies in it.
@@ -735,11 +677,10 @@ mod tests {
             .body(())
             .unwrap();
         let mut out = Vec::new();
-        write_head(&mut out, &req, true);
+        write_head(&mut out, &req);
         assert_eq!(
             String::from_utf8(out).unwrap(),
-            "POST /a?b=c HTTP/1.1\r\nhost: app\r\nx-many: 1\r\nx-many: 2\r\n\
-             transfer-encoding: chunked\r\n\r\n"
+            "POST /a?b=c HTTP/1.1\r\nhost: app\r\nx-many: 1\r\nx-many: 2\r\n\r\n"
         );
     }
 }
