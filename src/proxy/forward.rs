@@ -247,7 +247,8 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
             .any(|v| has_token(v.as_bytes(), b"upgrade"))
 }
 
-fn has_token(list: &[u8], token: &[u8]) -> bool {
+/// Whether the comma-separated `list` (a header value) holds `token`, whatever its case.
+pub(super) fn has_token(list: &[u8], token: &[u8]) -> bool {
     list.split(|&b| b == b',')
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }

@@ -10,17 +10,16 @@
 //!
 //! What it does, per RFC 9112: requests without a body only (one with a body goes through
 //! hyper's pool, whose client hands back a response that comes while the body is still being
-//! sent); a response's body is delimited by `HEAD`,
-//! 1xx/204/304 (none), `Transfer-Encoding` (chunked, or up to the close for any other), a
-//! `Content-Length` (all values equal, or the response is refused), or the close. Interim
-//! responses (1xx but 101) are skipped. The connection is reused only after a response that
-//! allows it (HTTP/1.1 without `close`, HTTP/1.0 with `keep-alive`, delimited by length or
-//! chunks, read to its end); a body dropped before its end drops the connection.
+//! sent); a response's body is delimited by `HEAD`, 1xx/204/304 (none), `Transfer-Encoding`
+//! (chunked, or up to the close for any other), a `Content-Length` (all values equal, or the
+//! response is refused), or the close. Interim responses are skipped, an unasked 101 refused.
+//! The connection is reused only after a response that allows it (HTTP/1.1 without `close`,
+//! HTTP/1.0 with `keep-alive`, delimited by length or chunks, read to its end); a body dropped
+//! before its end drops the connection.
 //!
-//! Cost per request: one `write` for the head, one `read` per
-//! response in the common case (the head and a small body arrive together), httparse, one
-//! `HeaderMap` built from the head, no allocation for the head's text (the values share one
-//! buffer).
+//! Cost per request: one `write` for the head, one `read` per response in the common case (the
+//! head and a small body arrive together), httparse, one `HeaderMap` built from the head, no
+//! allocation for the head's text (the values share one buffer).
 
 use std::future::Future;
 use std::io;
@@ -36,6 +35,8 @@ use hyper::body::Incoming;
 use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
+
+use super::forward::has_token;
 
 /// Response heads (and chunked trailers) larger than this are refused (502).
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -125,8 +126,8 @@ impl Raw {
 }
 
 /// Sends `req` (origin-form URI, `Host` set, hop-by-hop headers gone, no body: a body goes
-/// through hyper's pool, see `forward`) on `raw` and reads the response head; the body reads the rest, and hands the connection to `home` at its end when
-/// the connection may be reused.
+/// through hyper's pool, see `forward`) on `raw` and reads the response head; the body reads
+/// the rest, and hands the connection to `home` at its end when it may be reused.
 pub async fn exchange(
     mut raw: Raw,
     req: Request<Incoming>,
@@ -142,8 +143,8 @@ pub async fn exchange(
         // Not a whole request: the upstream cannot have acted on it.
         return Err(Failed::Unsent(Box::new(req), e));
     }
-    let parts = req.into_parts().0;
-    let head_only = parts.method == Method::HEAD;
+    let head_only = req.method() == Method::HEAD;
+    drop(req);
     loop {
         let head = parse_head(&mut raw).await.map_err(Failed::Upstream)?;
         // Nothing asked to switch protocols here (upgrades take the pooled client).
@@ -361,11 +362,10 @@ fn parse_length(digits: &[u8]) -> Option<u64> {
 /// Whether the upstream keeps the connection open after this response.
 fn keeps_alive(version: Version, headers: &HeaderMap) -> bool {
     let has = |token: &[u8]| {
-        headers.get_all(header::CONNECTION).iter().any(|v| {
-            v.as_bytes()
-                .split(|&b| b == b',')
-                .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
-        })
+        headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| has_token(v.as_bytes(), token))
     };
     if version == Version::HTTP_10 {
         has(b"keep-alive")
@@ -571,17 +571,7 @@ fn parse_trailers(text: &[u8]) -> io::Result<HeaderMap> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.append(
-                HeaderName::from_bytes(k.as_bytes()).unwrap(),
-                HeaderValue::from_str(v).unwrap(),
-            );
-        }
-        h
-    }
+    use crate::key::tests::headers;
 
     fn framed(status: u16, head_only: bool, pairs: &[(&str, &str)]) -> io::Result<(String, bool)> {
         let status = StatusCode::from_u16(status).unwrap();
