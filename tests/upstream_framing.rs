@@ -50,6 +50,11 @@ fn script(path: &str) -> (String, bool) {
              HTTP/1.1 200 OK\r\ncontent-length: 5\r\nx-conn: {c}\r\n\r\nhints",
             false,
         ),
+        "/hop" => (
+            "HTTP/1.1 200 OK\r\nconnection: keep-alive, x-hop\r\nkeep-alive: timeout=5\r\n\
+             x-hop: 1\r\nx-kept: yes\r\ncontent-length: 2\r\nx-conn: {c}\r\n\r\nok",
+            false,
+        ),
         "/until-close" => ("HTTP/1.1 200 OK\r\nx-conn: {c}\r\n\r\nto the end", true),
         "/close" => (
             "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\nx-conn: {c}\r\n\r\nok",
@@ -182,6 +187,7 @@ struct Seen {
     status: StatusCode,
     conn: Option<String>,
     length: Option<String>,
+    headers: http::HeaderMap,
     body: Result<Bytes, String>,
 }
 
@@ -218,6 +224,7 @@ impl Client {
                 .map(|v| v.to_str().unwrap().to_string())
         };
         let (status, conn, length) = (resp.status(), header("x-conn"), header("content-length"));
+        let headers = resp.headers().clone();
         let body = match resp.into_body().collect().await {
             Ok(all) => Ok(all.to_bytes()),
             Err(e) => Err(e.to_string()),
@@ -226,6 +233,7 @@ impl Client {
             status,
             conn,
             length,
+            headers,
             body,
         })
     }
@@ -278,6 +286,15 @@ async fn every_framing_arrives_whole_and_the_connection_is_reused_after_it() {
         assert_eq!(seen.body.unwrap(), "", "{path}");
         assert_eq!(seen.conn, own, "{path}");
     }
+
+    // The connection's own fields, and those its `Connection` names, stay with it.
+    let hop = c.get("/hop").await;
+    assert_eq!(hop.body.unwrap(), "ok");
+    assert_eq!(hop.headers["x-kept"], "yes");
+    for name in ["connection", "keep-alive", "x-hop"] {
+        assert!(!hop.headers.contains_key(name), "{name}: {:?}", hop.headers);
+    }
+    assert_eq!(hop.conn, own, "`keep-alive` keeps it");
 
     let hints = c.get("/hints").await;
     assert_eq!(

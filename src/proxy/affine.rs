@@ -40,7 +40,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::net::TcpStream;
 
-use super::forward::Failure;
+use super::forward::{Added, Failure};
 use super::h1::{self, Raw, RawBody};
 
 /// Where and how to connect.
@@ -112,6 +112,7 @@ impl Affine {
         &self,
         upstream: &Upstream,
         req: Request<Incoming>,
+        added: &Added,
         now: u64,
     ) -> Result<Response<RawBody>, Failure> {
         let (cached, first) = {
@@ -136,12 +137,12 @@ impl Affine {
         } else {
             self.slot.clone()
         };
-        let failed = match h1::exchange(raw, req, home.clone(), now).await {
+        let failed = match h1::exchange(raw, req, added, home.clone(), now).await {
             Ok(resp) => return Ok(resp),
             // A reused connection the upstream closed just now: once more on another.
             Err(h1::Failed::Unsent(req, _)) if reused => {
                 let (raw, _) = Box::pin(self.connect(upstream, now)).await?;
-                h1::exchange(raw, *req, home, now).await
+                h1::exchange(raw, *req, added, home, now).await
             }
             Err(e) => Err(e),
         };

@@ -103,14 +103,25 @@ impl Forward<'_> {
                 && req.method() != Method::CONNECT
                 && http_body::Body::is_end_stream(req.body())
         });
-        if let Err(resp) = self.rewrite(&mut req, upgrade.is_some(), affine.is_some()) {
-            return resp;
+        // The client connection's own upstream connection writes the client's headers as the
+        // hop leaves them; the pooled client gets the request rewritten.
+        let added = Added::of(
+            req.headers(),
+            req.uri().authority(),
+            affine.map(|_| self.upstream),
+            self.peer,
+            self.trust_forwarded,
+        );
+        if affine.is_none() {
+            if let Err(resp) = self.rewrite(&mut req, upgrade.is_some(), &added) {
+                return resp;
+            }
         }
         let deadline = Sleep::until(self.timers.clone(), Timers::now() + self.response_timeout);
         let result = timeout(deadline, async {
             match affine {
                 Some((conn, upstream)) => {
-                    let resp = conn.send(upstream, req, self.now).await?;
+                    let resp = conn.send(upstream, req, &added, self.now).await?;
                     Ok(resp.map(Either::Right))
                 }
                 None => {
@@ -146,7 +157,10 @@ impl Forward<'_> {
                 return resp.map(|b| Either::Left(PermitBody::new(b, SmallVec::new())));
             }
         }
-        strip_hop_by_hop(resp.headers_mut(), false);
+        // The own connection's response comes without them (`h1` leaves them out).
+        if matches!(resp.body(), Either::Left(_)) {
+            strip_hop_by_hop(resp.headers_mut(), false);
+        }
         resp.map(|b| Either::Left(PermitBody::new(b, permits)))
     }
 
@@ -170,27 +184,23 @@ impl Forward<'_> {
         respond::error(status, detail)
     }
 
-    /// Points the request at the upstream and rewrites its headers for the hop. `origin_form`:
-    /// the URI keeps only path and query, and `Host` names the upstream when the client gave
-    /// none (what the pooled client does itself).
+    /// Points the request at the upstream (absolute form, for the pooled client) and rewrites
+    /// its headers for the hop.
     #[allow(clippy::result_large_err)]
     fn rewrite(
         &self,
         req: &mut Request<Incoming>,
         upgrade: bool,
-        origin_form: bool,
+        added: &Added,
     ) -> Result<(), Response<Body>> {
-        let original_authority = req.uri().authority().cloned();
         let path_and_query = req
             .uri()
             .path_and_query()
             .cloned()
             .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
         let mut parts = http::uri::Parts::default();
-        if !origin_form {
-            parts.scheme = Some(http::uri::Scheme::HTTP);
-            parts.authority = Some(self.upstream.clone());
-        }
+        parts.scheme = Some(http::uri::Scheme::HTTP);
+        parts.authority = Some(self.upstream.clone());
         parts.path_and_query = Some(path_and_query);
         *req.uri_mut() = Uri::from_parts(parts).map_err(|_| {
             respond::error(
@@ -214,27 +224,91 @@ impl Forward<'_> {
         if self.h2 && te_trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
-        // HTTP/2 requests carry the host in :authority; the upstream speaks HTTP/1.1.
-        if !headers.contains_key(header::HOST) {
-            let host = original_authority
-                .as_ref()
-                .or(origin_form.then_some(self.upstream));
-            if let Some(a) = host {
-                if let Ok(v) = HeaderValue::from_str(a.as_str()) {
-                    headers.insert(header::HOST, v);
-                }
-            }
-        }
-        append_forwarded_for(headers, self.peer);
-        if !self.trust_forwarded || !headers.contains_key(&X_FORWARDED_PROTO) {
-            headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
-        }
-        if !self.trust_forwarded || !headers.contains_key(&X_FORWARDED_HOST) {
-            if let Some(host) = headers.get(header::HOST).cloned() {
-                headers.insert(X_FORWARDED_HOST.clone(), host);
-            }
+        for (name, value) in added.fields() {
+            headers.insert(name.clone(), value.clone());
         }
         Ok(())
+    }
+}
+
+/// The headers a hop sets on a request: `Host` when it has none, `X-Forwarded-For` (the
+/// client's lines folded, the peer appended), `X-Forwarded-Proto` and `-Host` (the client's
+/// kept only from a trusted hop). Found in one pass over the client's headers, then either
+/// written into them (the pooled client) or written after those that go on (`h1`).
+pub struct Added {
+    host: Option<HeaderValue>,
+    forwarded_for: Option<HeaderValue>,
+    proto: Option<HeaderValue>,
+    forwarded_host: Option<HeaderValue>,
+    /// The client's `Connection` values: the names they list do not go on.
+    connection: SmallVec<[HeaderValue; 1]>,
+}
+
+impl Added {
+    /// `authority`: the request target's, if absolute (or HTTP/2's `:authority`), the `Host`
+    /// when the client sent none; else `default_host`.
+    pub fn of(
+        headers: &HeaderMap,
+        authority: Option<&http::uri::Authority>,
+        default_host: Option<&http::uri::Authority>,
+        peer: IpAddr,
+        trust_forwarded: bool,
+    ) -> Added {
+        use bytes::BufMut;
+        let (mut host, mut proto, mut forwarded_host) = (None, false, false);
+        let mut connection = SmallVec::new();
+        let mut forwarded_for = bytes::BytesMut::with_capacity(64);
+        for (name, value) in headers {
+            if name == header::HOST {
+                host = host.or(Some(value));
+            } else if name == header::CONNECTION {
+                connection.push(value.clone());
+            } else if name == X_FORWARDED_FOR {
+                if value.to_str().is_ok() {
+                    forwarded_for.put_slice(value.as_bytes());
+                    forwarded_for.put_slice(b", ");
+                }
+            } else if name == X_FORWARDED_PROTO {
+                proto = true;
+            } else if name == X_FORWARDED_HOST {
+                forwarded_host = true;
+            }
+        }
+        put_address(&mut forwarded_for, peer);
+        let added_host = match host {
+            Some(_) => None,
+            None => authority
+                .or(default_host)
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok()),
+        };
+        let forwarded_host = (!trust_forwarded || !forwarded_host)
+            .then(|| host.or(added_host.as_ref()).cloned())
+            .flatten();
+        Added {
+            host: added_host,
+            forwarded_for: HeaderValue::from_maybe_shared(forwarded_for.freeze()).ok(),
+            proto: (!trust_forwarded || !proto).then(|| HeaderValue::from_static("http")),
+            forwarded_host,
+            connection,
+        }
+    }
+
+    /// The headers set, each replacing the client's of that name.
+    pub fn fields(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+        [
+            (&header::HOST, &self.host),
+            (&X_FORWARDED_FOR, &self.forwarded_for),
+            (&X_FORWARDED_PROTO, &self.proto),
+            (&X_FORWARDED_HOST, &self.forwarded_host),
+        ]
+        .into_iter()
+        .filter_map(|(name, value)| value.as_ref().map(|v| (name, v)))
+    }
+
+    /// Whether the client's header `name` goes on (upgrades aside: those take the pooled
+    /// client): not one of the connection's own, not one set here.
+    pub fn passes(&self, name: &HeaderName) -> bool {
+        !hop_by_hop(name, &self.connection) && self.fields().all(|(set, _)| set != name)
     }
 }
 
@@ -251,6 +325,16 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
 pub(super) fn has_token(list: &[u8], token: &[u8]) -> bool {
     list.split(|&b| b == b',')
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
+}
+
+/// Whether `name` belongs to one connection (RFC 9110 §7.6.1): one of [`HOP_BY_HOP`],
+/// `Upgrade`, or a name the message's `connection` values list.
+pub(super) fn hop_by_hop<V: AsRef<[u8]>>(name: &HeaderName, connection: &[V]) -> bool {
+    HOP_BY_HOP.contains(&name)
+        || name == header::UPGRADE
+        || connection
+            .iter()
+            .any(|v| has_token(v.as_ref(), name.as_str().as_bytes()))
 }
 
 /// Removes the headers that belong to one connection (RFC 9110 §7.6.1), including those the
@@ -321,18 +405,10 @@ static HOP_BY_HOP: [&HeaderName; 8] = [
     &header::PROXY_AUTHORIZATION,
 ];
 
-/// Appends the peer to `X-Forwarded-For`, folding several header lines into one list: one
-/// buffer, handed to the header value without a copy.
-fn append_forwarded_for(headers: &mut HeaderMap, peer: IpAddr) {
+/// Writes `peer` as std writes it (an IPv4-mapped address as IPv4).
+fn put_address(value: &mut bytes::BytesMut, peer: IpAddr) {
     use bytes::BufMut;
     use std::fmt::Write;
-    let mut value = bytes::BytesMut::with_capacity(64);
-    for v in headers.get_all(&X_FORWARDED_FOR) {
-        if v.to_str().is_ok() {
-            value.put_slice(v.as_bytes());
-            value.put_slice(b", ");
-        }
-    }
     match peer.to_canonical() {
         // core's formatting of an address costs ~1 000 instructions; this, a tenth of it.
         IpAddr::V4(v4) => {
@@ -340,15 +416,12 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: IpAddr) {
                 if i > 0 {
                     value.put_u8(b'.');
                 }
-                put_decimal(&mut value, octet);
+                put_decimal(value, octet);
             }
         }
         v6 => {
             let _ = write!(value, "{v6}");
         }
-    }
-    if let Ok(v) = HeaderValue::from_maybe_shared(value.freeze()) {
-        headers.insert(X_FORWARDED_FOR.clone(), v);
     }
 }
 
@@ -476,17 +549,97 @@ mod tests {
         assert_eq!(h.get(header::CONNECTION).unwrap(), "upgrade");
     }
 
+    fn added(h: &HeaderMap, trust: bool) -> Added {
+        Added::of(h, None, None, "::ffff:10.0.0.1".parse().unwrap(), trust)
+    }
+
     #[test]
     fn forwarded_for_lines_fold_and_the_peer_is_appended() {
         let mut h = HeaderMap::new();
         h.append(&X_FORWARDED_FOR, "1.1.1.1".parse().unwrap());
         h.append(&X_FORWARDED_FOR, "2.2.2.2".parse().unwrap());
-        append_forwarded_for(&mut h, "::ffff:10.0.0.1".parse().unwrap());
-        assert_eq!(h.get_all(&X_FORWARDED_FOR).iter().count(), 1);
+        let a = added(&h, false);
         assert_eq!(
-            h.get(&X_FORWARDED_FOR).unwrap(),
+            a.forwarded_for.as_ref().unwrap(),
             "1.1.1.1, 2.2.2.2, 10.0.0.1"
         );
+        assert!(
+            !a.passes(&X_FORWARDED_FOR),
+            "the client's lines are replaced"
+        );
+    }
+
+    /// The headers the upstream gets, as the pooled client sends them (rewritten in place)
+    /// and as `h1` writes them (the client's that pass, then the added): the same.
+    fn both_ways(h: &HeaderMap, authority: Option<&str>, trust: bool) -> Vec<(String, String)> {
+        let authority: Option<http::uri::Authority> = authority.map(|a| a.parse().unwrap());
+        let peer: IpAddr = "192.0.2.7".parse().unwrap();
+        let a = Added::of(h, None, authority.as_ref(), peer, trust);
+        let mut rewritten = h.clone();
+        strip_hop_by_hop(&mut rewritten, false);
+        for (name, value) in a.fields() {
+            rewritten.insert(name.clone(), value.clone());
+        }
+        let written = h
+            .iter()
+            .filter(|(name, _)| a.passes(name))
+            .chain(a.fields());
+        let sorted = |it: &mut dyn Iterator<Item = (&HeaderName, &HeaderValue)>| {
+            let mut v: Vec<(String, String)> = it
+                .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+                .collect();
+            v.sort();
+            v
+        };
+        let (left, right) = (
+            sorted(&mut rewritten.iter()),
+            sorted(&mut written.into_iter()),
+        );
+        assert_eq!(left, right, "rewritten vs written, from {h:?}");
+        left
+    }
+
+    #[test]
+    fn the_pooled_client_and_the_own_connection_send_the_same_headers() {
+        let plain = crate::key::tests::headers(&[("host", "shop"), ("x-client", "c1")]);
+        let sent = both_ways(&plain, None, false);
+        assert!(sent.contains(&("x-forwarded-for".into(), "192.0.2.7".into())));
+        assert!(sent.contains(&("x-forwarded-host".into(), "shop".into())));
+        assert!(sent.contains(&("x-forwarded-proto".into(), "http".into())));
+        assert_eq!(sent.len(), 5);
+
+        let busy = crate::key::tests::headers(&[
+            ("connection", "keep-alive, X-Secret"),
+            ("x-secret", "1"),
+            ("keep-alive", "timeout=5"),
+            ("te", "trailers"),
+            ("upgrade", "h2c"),
+            ("proxy-authorization", "Basic Zm9v"),
+            ("x-forwarded-for", "1.1.1.1"),
+            ("x-forwarded-for", "2.2.2.2, 3.3.3.3"),
+            ("x-forwarded-proto", "https"),
+            ("x-forwarded-host", "front"),
+            ("x-kept", "a"),
+            ("x-kept", "b"),
+        ]);
+        for trust in [false, true] {
+            let sent = both_ways(&busy, Some("app:8080"), trust);
+            let proto = if trust { "https" } else { "http" };
+            let fhost = if trust { "front" } else { "app:8080" };
+            let mut want: Vec<(String, String)> = [
+                ("host", "app:8080"),
+                ("x-forwarded-for", "1.1.1.1, 2.2.2.2, 3.3.3.3, 192.0.2.7"),
+                ("x-forwarded-proto", proto),
+                ("x-forwarded-host", fhost),
+                ("x-kept", "a"),
+                ("x-kept", "b"),
+            ]
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect();
+            want.sort();
+            assert_eq!(sent, want, "trusted: {trust}");
+        }
     }
 
     #[test]
@@ -514,12 +667,9 @@ mod tests {
             "::ffff:192.168.0.1",
         ] {
             let ip: IpAddr = peer.parse().unwrap();
-            let mut h = HeaderMap::new();
-            append_forwarded_for(&mut h, ip);
-            assert_eq!(
-                h[&X_FORWARDED_FOR].to_str().unwrap(),
-                ip.to_canonical().to_string()
-            );
+            let mut out = bytes::BytesMut::new();
+            put_address(&mut out, ip);
+            assert_eq!(&out[..], ip.to_canonical().to_string().as_bytes());
         }
         for n in 0..=255u8 {
             let mut out = bytes::BytesMut::new();
