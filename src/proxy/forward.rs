@@ -240,8 +240,8 @@ pub struct Added {
     forwarded_for: Option<HeaderValue>,
     proto: Option<HeaderValue>,
     forwarded_host: Option<HeaderValue>,
-    /// The client's `Connection` values: the names they list do not go on.
-    connection: SmallVec<[HeaderValue; 1]>,
+    /// The names the client's `Connection` lists: those fields do not go on.
+    listed: SmallVec<[HeaderName; 1]>,
 }
 
 impl Added {
@@ -256,13 +256,13 @@ impl Added {
     ) -> Added {
         use bytes::BufMut;
         let (mut host, mut proto, mut forwarded_host) = (None, false, false);
-        let mut connection = SmallVec::new();
+        let mut connection = SmallVec::<[&HeaderValue; 1]>::new();
         let mut forwarded_for = bytes::BytesMut::with_capacity(64);
         for (name, value) in headers {
             if name == header::HOST {
                 host = host.or(Some(value));
             } else if name == header::CONNECTION {
-                connection.push(value.clone());
+                connection.push(value);
             } else if name == X_FORWARDED_FOR {
                 if value.to_str().is_ok() {
                     forwarded_for.put_slice(value.as_bytes());
@@ -289,7 +289,10 @@ impl Added {
             forwarded_for: HeaderValue::from_maybe_shared(forwarded_for.freeze()).ok(),
             proto: (!trust_forwarded || !proto).then(|| HeaderValue::from_static("http")),
             forwarded_host,
-            connection,
+            listed: listed(connection.iter().map(|v| v.as_bytes()))
+                .into_iter()
+                .filter_map(|t| HeaderName::from_bytes(t).ok())
+                .collect(),
         }
     }
 
@@ -308,7 +311,9 @@ impl Added {
     /// Whether the client's header `name` goes on (upgrades aside: those take the pooled
     /// client): not one of the connection's own, not one set here.
     pub fn passes(&self, name: &HeaderName) -> bool {
-        !hop_by_hop(name, &self.connection) && self.fields().all(|(set, _)| set != name)
+        !hop_by_hop(name)
+            && !self.listed.contains(name)
+            && self.fields().all(|(set, _)| set != name)
     }
 }
 
@@ -327,14 +332,30 @@ pub(super) fn has_token(list: &[u8], token: &[u8]) -> bool {
         .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
-/// Whether `name` belongs to one connection (RFC 9110 §7.6.1): one of [`HOP_BY_HOP`],
-/// `Upgrade`, or a name the message's `connection` values list.
-pub(super) fn hop_by_hop<V: AsRef<[u8]>>(name: &HeaderName, connection: &[V]) -> bool {
-    HOP_BY_HOP.contains(&name)
-        || name == header::UPGRADE
-        || connection
-            .iter()
-            .any(|v| has_token(v.as_ref(), name.as_str().as_bytes()))
+/// Whether `name` is one of the fields that always belong to one connection (RFC 9110
+/// §7.6.1): [`HOP_BY_HOP`] and `Upgrade`. Those a message's `Connection` lists are [`listed`].
+pub(super) fn hop_by_hop(name: &HeaderName) -> bool {
+    HOP_BY_HOP.contains(&name) || name == header::UPGRADE
+}
+
+/// The field names a message's `Connection` values list beyond those [`hop_by_hop`] covers
+/// (`close` names none): usually none at all.
+pub(super) fn listed<'a>(
+    connection: impl IntoIterator<Item = &'a [u8]>,
+) -> SmallVec<[&'a [u8]; 2]> {
+    connection
+        .into_iter()
+        .flat_map(|v| v.split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| {
+            !t.is_empty()
+                && !t.eq_ignore_ascii_case(b"close")
+                && !t.eq_ignore_ascii_case(b"upgrade")
+                && !HOP_BY_HOP
+                    .iter()
+                    .any(|h| h.as_str().as_bytes().eq_ignore_ascii_case(t))
+        })
+        .collect()
 }
 
 /// Removes the headers that belong to one connection (RFC 9110 §7.6.1), including those the
