@@ -191,16 +191,32 @@ impl hyper::rt::Timer for HyperTimer {
 }
 
 /// `fut`, or `None` when `sleep` fires first.
-pub async fn timeout<F: Future>(sleep: Sleep, fut: F) -> Option<F::Output> {
-    let mut sleep = std::pin::pin!(sleep);
-    let mut fut = std::pin::pin!(fut);
-    std::future::poll_fn(|cx| {
-        if let Poll::Ready(out) = fut.as_mut().poll(cx) {
+pub fn timeout<F: Future>(sleep: Sleep, fut: F) -> Timeout<F> {
+    Timeout { fut, sleep }
+}
+
+pin_project_lite::pin_project! {
+    /// [`timeout`]'s future: `fut` and `sleep` side by side. A struct, not an `async fn`: the
+    /// compiler keeps an `async fn`'s argument and the local it is pinned in as two fields,
+    /// which held the forwarding future twice (3 688 bytes instead of ~1 830). A request's
+    /// future (6 032 -> 4 168 bytes) lives as long as its connection in hyper's dispatcher.
+    pub struct Timeout<F> {
+        #[pin]
+        fut: F,
+        sleep: Sleep,
+    }
+}
+
+impl<F: Future> Future for Timeout<F> {
+    type Output = Option<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        if let Poll::Ready(out) = this.fut.poll(cx) {
             return Poll::Ready(Some(out));
         }
-        sleep.as_mut().poll(cx).map(|()| None)
-    })
-    .await
+        Pin::new(this.sleep).poll(cx).map(|()| None)
+    }
 }
 
 #[cfg(test)]
