@@ -294,7 +294,10 @@ def start_global(port, up_port, per_key, script):
 
 def nginx_proxy(port, up_port, per_key, h2=False):
     limit_zone = f"limit_req_zone $http_x_client zone=per:10m rate={per_key}r/s;" if per_key else ""
-    limit = f"limit_req zone=per burst={per_key} nodelay; limit_req_status 429;" if per_key else ""
+    # Refusals are logged at `info`, below the error log's level: nginx would otherwise write
+    # a line per refused request (its default is `error`), which Spillway does not do.
+    limit = (f"limit_req zone=per burst={per_key} nodelay; limit_req_status 429; "
+             "limit_req_log_level info;") if per_key else ""
     listen = f"listen 127.0.0.1:{port} http2;" if h2 else f"listen 127.0.0.1:{port};"
     return f"""
   upstream app {{ server 127.0.0.1:{up_port}; keepalive 64; }}

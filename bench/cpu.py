@@ -1,0 +1,145 @@
+#!/usr/bin/env python3
+"""CPU time per request, user and kernel, of Spillway beside nginx; and syscalls per request.
+
+Where instructions.py counts the proxy's user space only, this reads what the proxy's process
+spent in all (`/proc/PID/stat` utime and stime): each proxy with one worker, h2load sending N
+requests over 16 keep-alive HTTP/1.1 connections with one key after a warm-up, rounds
+alternating the proxies, medians. Two paths, as in instructions.py: every request forwarded,
+every request refused. With `--syscalls`, one more run per proxy and path under `strace -c`
+counts the system calls per request (strace slows the proxy; only the counts are used).
+
+Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
+"""
+
+import argparse
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare as C  # noqa: E402
+import instructions as I  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid):
+    """(user, kernel) seconds the process has used, all its threads."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) / TICK, int(fields[12]) / TICK
+
+
+def load(port, requests, conns):
+    subprocess.run(["h2load", "--h1", "-c", str(conns), "-n", str(requests), "-H", "x-client: c1",
+                    f"http://127.0.0.1:{port}/api/x"], capture_output=True, check=True)
+
+
+def measured(cmd, port, requests, conns, syscalls_to=None):
+    """Runs `cmd` (a proxy in the foreground) and returns its (user, kernel) microseconds per
+    request; with `syscalls_to`, counts its system calls into that file instead."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        C.wait_port(port, timeout=30)
+        load(port, 5000, conns)
+        if syscalls_to:
+            strace = subprocess.Popen(["strace", "-f", "-c", "-o", syscalls_to, "-p", str(proc.pid)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            # strace says it attached on stderr: wait for that, not for a while.
+            strace.stderr.readline()
+            load(port, requests, conns)
+            strace.send_signal(signal.SIGINT)
+            strace.wait(timeout=30)
+            return None
+        (u0, k0) = cpu_seconds(proc.pid)
+        load(port, requests, conns)
+        (u1, k1) = cpu_seconds(proc.pid)
+        return (u1 - u0) * 1e6 / requests, (k1 - k0) * 1e6 / requests
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def syscalls_per_request(path, requests):
+    """{syscall: calls per request} from an `strace -c` summary, the rare ones left out."""
+    out = {}
+    with open(path) as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5 and parts[0][0].isdigit() and parts[-1] != "total":
+                out[parts[-1]] = int(parts[3]) / requests
+    return {k: v for k, v in out.items() if v >= 0.01}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=100000)
+    ap.add_argument("--conns", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--baseline", help="another spillway binary to measure beside this one")
+    ap.add_argument("--syscalls", action="store_true", help="also count syscalls (needs strace)")
+    args = ap.parse_args()
+    if args.syscalls and not shutil.which("strace"):
+        sys.exit("--syscalls needs strace (apt-get install strace)")
+
+    proxies = [("spillway", C.SPILLWAY)]
+    if args.baseline:
+        proxies.append(("baseline", os.path.abspath(args.baseline)))
+    proxies.append(("nginx", None))
+    up_port = C.free_port()
+    upstream = C.start_nginx(
+        f'server {{ listen 127.0.0.1:{up_port}; location / {{ return 200 "ok\\n"; }} }}', 1, up_port)
+    results = {}
+    calls = {}
+    try:
+        for path_name, limit in I.PATHS:
+            for r in range(args.rounds):
+                for name, binary in proxies:
+                    d = tempfile.mkdtemp(prefix="spillway-bench-cpu-")
+                    port = C.free_port()
+                    cmd = I.nginx_cmd(port, up_port, limit, d) if binary is None else \
+                        I.spillway_cmd(binary, port, up_port, limit, d)
+                    user, kernel = measured(cmd, port, args.requests, args.conns)
+                    results.setdefault((name, path_name), []).append((user, kernel))
+                    print(f"round {r + 1}: {name}, {path_name}: user {user:.2f} us, kernel "
+                          f"{kernel:.2f} us per request", file=sys.stderr, flush=True)
+            if args.syscalls:
+                for name, binary in proxies:
+                    d = tempfile.mkdtemp(prefix="spillway-bench-cpu-")
+                    port = C.free_port()
+                    cmd = I.nginx_cmd(port, up_port, limit, d) if binary is None else \
+                        I.spillway_cmd(binary, port, up_port, limit, d)
+                    out = os.path.join(d, "strace.txt")
+                    measured(cmd, port, args.requests // 5, args.conns, syscalls_to=out)
+                    calls[(name, path_name)] = syscalls_per_request(out, args.requests // 5)
+    finally:
+        upstream.stop()
+
+    print(f"\n{args.rounds} rounds x {args.requests} requests, h2load --h1 -c {args.conns}, one key, "
+          "one worker; CPU of the proxy's process per request (medians).\n")
+    print("| proxy | path | user us | kernel us | total us | total vs nginx |")
+    print("|---|---|---|---|---|---|")
+    med = {k: (statistics.median(u for u, _ in v), statistics.median(k_ for _, k_ in v),
+               statistics.median(u + k_ for u, k_ in v)) for k, v in results.items()}
+    for (name, path_name), (u, k, t) in med.items():
+        print(f"| {name} | {path_name} | {u:.2f} | {k:.2f} | {t:.2f} | "
+              f"{t / med[('nginx', path_name)][2]:.2f}x |")
+    if calls:
+        print("\nSystem calls per request (strace -c, one run each):\n")
+        print("| proxy | path | calls per request |")
+        print("|---|---|---|")
+        for (name, path_name), c in calls.items():
+            listed = ", ".join(f"{k} {v:.2f}" for k, v in sorted(c.items(), key=lambda kv: -kv[1]))
+            print(f"| {name} | {path_name} | {sum(c.values()):.2f}: {listed} |")
+
+
+if __name__ == "__main__":
+    main()
