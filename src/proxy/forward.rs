@@ -220,12 +220,9 @@ impl Forward<'_> {
             .get_all(header::TE)
             .iter()
             .any(|v| has_token(v.as_bytes(), b"trailers"));
-        strip_hop_by_hop(headers, upgrade);
+        added.apply(headers, upgrade);
         if self.h2 && te_trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
-        }
-        for (name, value) in added.fields() {
-            headers.insert(name.clone(), value.clone());
         }
         Ok(())
     }
@@ -242,6 +239,8 @@ pub struct Added {
     forwarded_host: Option<HeaderValue>,
     /// The names the client's `Connection` lists: those fields do not go on.
     listed: SmallVec<[HeaderName; 1]>,
+    /// The client's `X-Forwarded-*` come from a trusted hop.
+    trusted: bool,
 }
 
 impl Added {
@@ -293,6 +292,19 @@ impl Added {
                 .into_iter()
                 .filter_map(|t| HeaderName::from_bytes(t).ok())
                 .collect(),
+            trusted: trust_forwarded,
+        }
+    }
+
+    /// Rewrites `headers` in place for the pooled client: the connection's own fields go
+    /// (`Upgrade` stays for an `upgrade`), the hop's are set.
+    pub fn apply(&self, headers: &mut HeaderMap, upgrade: bool) {
+        strip_hop_by_hop(headers, upgrade);
+        for (name, value) in self.fields() {
+            headers.insert(name.clone(), value.clone());
+        }
+        if !self.trusted && self.forwarded_host.is_none() {
+            headers.remove(&X_FORWARDED_HOST);
         }
     }
 
@@ -309,11 +321,13 @@ impl Added {
     }
 
     /// Whether the client's header `name` goes on (upgrades aside: those take the pooled
-    /// client): not one of the connection's own, not one set here.
+    /// client): not one of the connection's own, not one set here, no `X-Forwarded-Host` from
+    /// an untrusted client (one without any host to replace it with goes too).
     pub fn passes(&self, name: &HeaderName) -> bool {
         !hop_by_hop(name)
             && !self.listed.contains(name)
             && self.fields().all(|(set, _)| set != name)
+            && (self.trusted || name != X_FORWARDED_HOST)
     }
 }
 
@@ -597,10 +611,7 @@ mod tests {
         let peer: IpAddr = "192.0.2.7".parse().unwrap();
         let a = Added::of(h, None, authority.as_ref(), peer, trust);
         let mut rewritten = h.clone();
-        strip_hop_by_hop(&mut rewritten, false);
-        for (name, value) in a.fields() {
-            rewritten.insert(name.clone(), value.clone());
-        }
+        a.apply(&mut rewritten, false);
         let written = h
             .iter()
             .filter(|(name, _)| a.passes(name))
@@ -661,6 +672,17 @@ mod tests {
             want.sort();
             assert_eq!(sent, want, "trusted: {trust}");
         }
+
+        // No host to say (an HTTP/1.0 request without `Host` through the pool): an untrusted
+        // client's X-Forwarded-Host does not go on for want of one.
+        let hostless = crate::key::tests::headers(&[("x-forwarded-host", "evil")]);
+        let names =
+            |sent: Vec<(String, String)>| sent.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+        assert_eq!(
+            names(both_ways(&hostless, None, false)),
+            ["x-forwarded-for", "x-forwarded-proto"]
+        );
+        assert!(names(both_ways(&hostless, None, true)).contains(&"x-forwarded-host".to_string()));
     }
 
     #[test]
