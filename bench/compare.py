@@ -107,13 +107,18 @@ class Proc:
         return children(self.p.pid)
 
     def stop(self):
-        if self.p.poll() is None:
-            self.p.send_signal(signal.SIGTERM)
-            try:
-                self.p.wait(10)
-            except subprocess.TimeoutExpired:
-                self.p.kill()
-                self.p.wait()
+        stop(self.p)
+
+
+def stop(p, timeout=10):
+    """Stops `p`, a process started here: SIGTERM, then SIGKILL after `timeout` seconds."""
+    if p.poll() is None:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def nginx_conf(dir, body, workers):

@@ -60,12 +60,7 @@ def measured(cmd, port, requests, conns, syscalls_to=None):
         (u1, k1) = cpu_seconds(proc.pid)
         return (u1 - u0) * 1e6 / requests, (k1 - k0) * 1e6 / requests
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        C.stop(proc, 30)
 
 
 def syscalls_per_request(path, requests):
@@ -90,13 +85,8 @@ def main():
     if args.syscalls and not shutil.which("strace"):
         sys.exit("--syscalls needs strace (apt-get install strace)")
 
-    proxies = [("spillway", C.SPILLWAY)]
-    if args.baseline:
-        proxies.append(("baseline", os.path.abspath(args.baseline)))
-    proxies.append(("nginx", None))
-    up_port = C.free_port()
-    upstream = C.start_nginx(
-        f'server {{ listen 127.0.0.1:{up_port}; location / {{ return 200 "ok\\n"; }} }}', 1, up_port)
+    proxies = I.proxies(args.baseline)
+    up_port, upstream = I.start_upstream()
     results = {}
     calls = {}
     try:
@@ -105,8 +95,7 @@ def main():
                 for name, binary in proxies:
                     d = tempfile.mkdtemp(prefix="spillway-bench-cpu-")
                     port = C.free_port()
-                    cmd = I.nginx_cmd(port, up_port, limit, d) if binary is None else \
-                        I.spillway_cmd(binary, port, up_port, limit, d)
+                    cmd = I.proxy_cmd(binary, port, up_port, limit, d)
                     user, kernel = measured(cmd, port, args.requests, args.conns)
                     results.setdefault((name, path_name), []).append((user, kernel))
                     print(f"round {r + 1}: {name}, {path_name}: user {user:.2f} us, kernel "
@@ -115,8 +104,7 @@ def main():
                 for name, binary in proxies:
                     d = tempfile.mkdtemp(prefix="spillway-bench-cpu-")
                     port = C.free_port()
-                    cmd = I.nginx_cmd(port, up_port, limit, d) if binary is None else \
-                        I.spillway_cmd(binary, port, up_port, limit, d)
+                    cmd = I.proxy_cmd(binary, port, up_port, limit, d)
                     out = os.path.join(d, "strace.txt")
                     measured(cmd, port, args.requests // 5, args.conns, syscalls_to=out)
                     calls[(name, path_name)] = syscalls_per_request(out, args.requests // 5)

@@ -15,7 +15,6 @@ Everything listens on 127.0.0.1 and every process started here is stopped by its
 import argparse
 import glob
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -41,12 +40,7 @@ def counted(cmd, port, out_dir, requests, conns):
                              check=True).stdout
         subprocess.run(["callgrind_control", "-d", str(proc.pid)], capture_output=True, check=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        C.stop(proc, 60)
     total = 0
     for path in glob.glob(f"{out_dir}/cg.{proc.pid}.1"):
         with open(path) as f:
@@ -76,6 +70,29 @@ def nginx_cmd(port, up, limit, d):
     return [C.NGINX, "-p", d, "-c", conf, "-e", f"{d}/error.log"]
 
 
+def proxy_cmd(binary, port, up, limit, d):
+    """The command of a proxy in the foreground: Spillway's `binary`, or nginx for `None`."""
+    if binary is None:
+        return nginx_cmd(port, up, limit, d)
+    return spillway_cmd(binary, port, up, limit, d)
+
+
+def proxies(baseline):
+    """(name, binary) of the proxies measured: this build, `baseline` if given, nginx (None)."""
+    out = [("spillway", C.SPILLWAY)]
+    if baseline:
+        out.append(("baseline", os.path.abspath(baseline)))
+    out.append(("nginx", None))
+    return out
+
+
+def start_upstream():
+    """The static upstream every proxy forwards to: (port, process)."""
+    port = C.free_port()
+    body = f'server {{ listen 127.0.0.1:{port}; location / {{ return 200 "ok\\n"; }} }}'
+    return port, C.start_nginx(body, 1, port)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=5000)
@@ -83,21 +100,14 @@ def main():
     ap.add_argument("--baseline", help="another spillway binary to count beside this one")
     args = ap.parse_args()
 
-    proxies = [("spillway", C.SPILLWAY)]
-    if args.baseline:
-        proxies.append(("baseline", os.path.abspath(args.baseline)))
-    proxies.append(("nginx", None))
-    up_port = C.free_port()
-    upstream = C.start_nginx(
-        f'server {{ listen 127.0.0.1:{up_port}; location / {{ return 200 "ok\\n"; }} }}', 1, up_port)
+    up_port, upstream = start_upstream()
     rows = []
     try:
         for path_name, limit in PATHS:
-            for name, binary in proxies:
+            for name, binary in proxies(args.baseline):
                 d = tempfile.mkdtemp(prefix="spillway-bench-cg-")
                 port = C.free_port()
-                cmd = nginx_cmd(port, up_port, limit, d) if binary is None else \
-                    spillway_cmd(binary, port, up_port, limit, d)
+                cmd = proxy_cmd(binary, port, up_port, limit, d)
                 per, status = counted(cmd, port, d, args.requests, args.conns)
                 print(f"{name}, {path_name}: {per:.0f} instructions per request ({status})",
                       file=sys.stderr, flush=True)
