@@ -79,8 +79,7 @@ def main():
     proxies = [("spillway", C.SPILLWAY), ("nginx", None)]
     if args.baseline:
         proxies.append(("baseline", args.baseline))
-    up = C.free_port()
-    upstream = C.start_nginx(f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok\\n"; }} }}', 1, up)
+    up, upstream = C.start_upstream()
     results = {name: [] for name, _ in proxies}
     try:
         for _ in range(args.reps):

@@ -149,6 +149,13 @@ def start_nginx(body, workers, port):
     return proc
 
 
+def start_upstream():
+    """The static upstream every proxy forwards to (nginx, one worker): (port, process)."""
+    port = free_port()
+    body = f'server {{ listen 127.0.0.1:{port}; location / {{ return 200 "ok\\n"; }} }}'
+    return port, start_nginx(body, 1, port)
+
+
 def start_spillway(yaml, port, extra_wait=0.0, binary=None):
     d = tempfile.mkdtemp(prefix="spillway-bench-")
     path = os.path.join(d, "spillway.yaml")
@@ -195,8 +202,7 @@ def main():
     with open(script, "w") as f:
         f.write(WRK_SCRIPT)
 
-    up_port = free_port()
-    upstream = start_nginx(f'server {{ listen 127.0.0.1:{up_port}; location / {{ return 200 "ok\\n"; }} }}', 1, up_port)
+    up_port, upstream = start_upstream()
     procs = [upstream]
     try:
         # The half-rejecting limits are set from what the bare proxy does, per key.

@@ -68,9 +68,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conns", type=int, default=1000)
     args = ap.parse_args()
-    up = C.free_port()
-    upstream = C.start_nginx(
-        f'server {{ listen 127.0.0.1:{up}; location / {{ return 200 "ok\\n"; }} }}', 1, up)
+    up, upstream = C.start_upstream()
     rows = []
     try:
         cases = [

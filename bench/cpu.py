@@ -86,7 +86,7 @@ def main():
         sys.exit("--syscalls needs strace (apt-get install strace)")
 
     proxies = I.proxies(args.baseline)
-    up_port, upstream = I.start_upstream()
+    up_port, upstream = C.start_upstream()
     results = {}
     calls = {}
     try:

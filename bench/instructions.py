@@ -86,13 +86,6 @@ def proxies(baseline):
     return out
 
 
-def start_upstream():
-    """The static upstream every proxy forwards to: (port, process)."""
-    port = C.free_port()
-    body = f'server {{ listen 127.0.0.1:{port}; location / {{ return 200 "ok\\n"; }} }}'
-    return port, C.start_nginx(body, 1, port)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=5000)
@@ -100,7 +93,7 @@ def main():
     ap.add_argument("--baseline", help="another spillway binary to count beside this one")
     args = ap.parse_args()
 
-    up_port, upstream = start_upstream()
+    up_port, upstream = C.start_upstream()
     rows = []
     try:
         for path_name, limit in PATHS:

@@ -64,8 +64,8 @@ def main():
     with open(abuse_script, "w") as f:
         f.write(ONE_KEY_SCRIPT)
 
-    up_port, redis_port = c.free_port(), c.free_port()
-    upstream = c.start_nginx(f'server {{ listen 127.0.0.1:{up_port}; location / {{ return 200 "ok\\n"; }} }}', 1, up_port)
+    redis_port = c.free_port()
+    up_port, upstream = c.start_upstream()
     redis = start_redis(redis_port, tmp)
     alg = args.algorithm
     scenarios = [
