@@ -273,6 +273,21 @@ impl Added {
                 forwarded_host = true;
             }
         }
+        let listed: SmallVec<[HeaderName; 1]> = listed(connection.iter().map(|v| v.as_bytes()))
+            .into_iter()
+            .filter_map(|t| HeaderName::from_bytes(t).ok())
+            .collect();
+        // What the client's `Connection` names is gone before the hop's fields are worked
+        // out (`Connection: X-Forwarded-For` drops the client's list, as stripping first did).
+        if !listed.is_empty() {
+            let named = |n: &HeaderName| listed.contains(n);
+            host = host.filter(|_| !named(&header::HOST));
+            if named(&X_FORWARDED_FOR) {
+                forwarded_for.clear();
+            }
+            proto &= !named(&X_FORWARDED_PROTO);
+            forwarded_host &= !named(&X_FORWARDED_HOST);
+        }
         put_address(&mut forwarded_for, peer);
         let added_host = match host {
             Some(_) => None,
@@ -288,10 +303,7 @@ impl Added {
             forwarded_for: HeaderValue::from_maybe_shared(forwarded_for.freeze()).ok(),
             proto: (!trust_forwarded || !proto).then(|| HeaderValue::from_static("http")),
             forwarded_host,
-            listed: listed(connection.iter().map(|v| v.as_bytes()))
-                .into_iter()
-                .filter_map(|t| HeaderName::from_bytes(t).ok())
-                .collect(),
+            listed,
             trusted: trust_forwarded,
         }
     }
@@ -671,6 +683,19 @@ mod tests {
             .collect();
             want.sort();
             assert_eq!(sent, want, "trusted: {trust}");
+        }
+
+        // A field the client's `Connection` names is gone before the hop's are worked out.
+        let named = crate::key::tests::headers(&[
+            ("host", "shop"),
+            ("connection", "X-Forwarded-For, x-forwarded-proto"),
+            ("x-forwarded-for", "1.1.1.1"),
+            ("x-forwarded-proto", "https"),
+        ]);
+        for trust in [false, true] {
+            let sent = both_ways(&named, None, trust);
+            assert!(sent.contains(&("x-forwarded-for".into(), "192.0.2.7".into())));
+            assert!(sent.contains(&("x-forwarded-proto".into(), "http".into())));
         }
 
         // No host to say (an HTTP/1.0 request without `Host` through the pool): an untrusted
