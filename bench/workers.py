@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""Spillway with one worker and with two, beside nginx with two: paired rounds of wrk.
+
+The tail at 128 connections depends on how many of wrk's connections the second worker took
+at its connect burst (see BENCHMARKS.md). Each round runs every variant once (a fresh proxy,
+one 5 s wrk run like compare.py's, the 'rejecting ~half' limit given with --rate), so that a
+slow period of the machine hits a round rather than a variant; prints each round and the
+medians. Run after the README's set-up and `cargo build --release` (compare.sh installs wrk).
+
+Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import compare as C  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conns", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--seconds", type=int, default=5)
+    ap.add_argument("--rate", type=int, default=315, help="per-key limit (requests/s)")
+    args = ap.parse_args()
+    script = os.path.join(tempfile.mkdtemp(prefix="spillway-bench-"), "keys.lua")
+    with open(script, "w") as f:
+        f.write(C.WRK_SCRIPT)
+
+    up_port, upstream = C.start_upstream()
+    rule = C.rule(f"{args.rate}/s")
+    variants = [
+        ("spillway, 1 worker", lambda p: C.start_spillway("workers: 1\n" + C.spillway_yaml(p, up_port, rule), p)),
+        ("spillway, 2 workers", lambda p: C.start_spillway("workers: 2\n" + C.spillway_yaml(p, up_port, rule), p)),
+        ("nginx, 2 workers", lambda p: C.start_nginx(C.nginx_proxy(p, up_port, args.rate), 2, p)),
+    ]
+    results = {name: [] for name, _ in variants}
+    try:
+        for r in range(args.rounds):
+            line = []
+            for name, start in variants:
+                port = C.free_port()
+                proc = start(port)
+                try:
+                    res = C.wrk(port, args.conns, args.seconds, script)
+                finally:
+                    proc.stop()
+                results[name].append(res)
+                line.append(f"{name}: {res['rps']:.0f} req/s p99 {res['p99']:.2f}")
+            print(f"round {r + 1}: " + "; ".join(line), file=sys.stderr, flush=True)
+    finally:
+        upstream.stop()
+
+    print(f"\n{args.rounds} paired rounds x {args.seconds} s, {args.conns} connections, "
+          f"limit {args.rate}/s per key over {C.KEYS} keys; medians.\n")
+    print("| proxy | req/s | p50 ms | p99 ms | p99.9 ms |")
+    print("|---|---|---|---|---|")
+    for name, rs in results.items():
+        med = {k: statistics.median(x[k] for x in rs) for k in ("rps", "p50", "p99", "p999")}
+        print(f"| {name} | {med['rps']:.0f} | {med['p50']:.2f} | {med['p99']:.2f} | {med['p999']:.2f} |")
+    one, two = results["spillway, 1 worker"], results["spillway, 2 workers"]
+    lower = sum(a["p99"] < b["p99"] for a, b in zip(one, two))
+    print(f"\np99 lower with 1 worker than with 2 in {lower} of {args.rounds} rounds.")
+
+
+if __name__ == "__main__":
+    main()
