@@ -250,6 +250,9 @@ pub struct ClientIp {
 pub struct Timeouts {
     /// A client must send a whole request head within this (also bounds keep-alive waits).
     pub header_read: Dur,
+    /// A connection to the upstream must be made within this (3 s by default: longer than
+    /// the 1 s after which Linux retries a SYN the app's full backlog dropped, and the wait
+    /// counts while the worker is busy with other connections).
     pub upstream_connect: Dur,
     /// From the request sent upstream to the response head received.
     pub upstream_response: Dur,
@@ -263,7 +266,7 @@ impl Default for Timeouts {
     fn default() -> Self {
         Self {
             header_read: Dur(Duration::from_secs(10)),
-            upstream_connect: Dur(Duration::from_secs(1)),
+            upstream_connect: Dur(Duration::from_secs(3)),
             upstream_response: Dur(Duration::from_secs(30)),
             idle: Dur(Duration::from_secs(60)),
             drain: Dur(Duration::from_secs(25)),

@@ -26,7 +26,7 @@
 //! [`MAX_CONNECTING`] connects at once, and a request whose turn comes first takes a
 //! connection that came back meanwhile instead of connecting: a burst of new clients does not
 //! overflow the app's accept backlog (128 for a tokio listener; SYNs dropped there are retried
-//! only after a second, the default connect timeout).
+//! only after a second, a third of the default connect timeout).
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
