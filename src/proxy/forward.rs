@@ -364,8 +364,9 @@ pub(super) fn hop_by_hop(name: &HeaderName) -> bool {
     HOP_BY_HOP.contains(&name) || name == header::UPGRADE
 }
 
-/// The field names a message's `Connection` values list beyond those [`hop_by_hop`] covers
-/// (`close` names none): usually none at all.
+/// The field names a message's `Connection` values list beyond those [`hop_by_hop`] covers:
+/// usually none at all, or `close` (no field is named so; one that were would go too, as it
+/// always has through [`strip_hop_by_hop`], which uses this list).
 pub(super) fn listed<'a>(
     connection: impl IntoIterator<Item = &'a [u8]>,
 ) -> SmallVec<[&'a [u8]; 2]> {
@@ -375,7 +376,6 @@ pub(super) fn listed<'a>(
         .map(<[u8]>::trim_ascii)
         .filter(|t| {
             !t.is_empty()
-                && !t.eq_ignore_ascii_case(b"close")
                 && !t.eq_ignore_ascii_case(b"upgrade")
                 && !HOP_BY_HOP
                     .iter()
@@ -402,29 +402,19 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
     if present == 0 && !keep_upgrade {
         return;
     }
-    // HOP_BY_HOP[0] is `Connection`; the headers it names go too. The values are shared with
-    // the parsed message (cloning one counts a reference), and each named header is removed
-    // by its text: no header name is allocated.
+    // HOP_BY_HOP[0] is `Connection`; the other headers it names go too (`upgrade` and
+    // HOP_BY_HOP's own are dealt with below, by what the pass found). The values are shared
+    // with the parsed message (cloning one counts a reference), and each named header is
+    // removed by its text: no header name is allocated.
     if present & 1 != 0 {
         let connection: SmallVec<[HeaderValue; 2]> = headers
             .get_all(header::CONNECTION)
             .iter()
             .cloned()
             .collect();
-        for token in connection
-            .iter()
-            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-            .map(<[u8]>::trim_ascii)
-        {
-            // `upgrade` and the listed names are dealt with below, by what the pass found.
-            let listed = token.eq_ignore_ascii_case(b"upgrade")
-                || HOP_BY_HOP
-                    .iter()
-                    .any(|h| h.as_str().as_bytes().eq_ignore_ascii_case(token));
-            if !listed {
-                if let Ok(name) = std::str::from_utf8(token) {
-                    headers.remove(name);
-                }
+        for token in listed(connection.iter().map(HeaderValue::as_bytes)) {
+            if let Ok(name) = std::str::from_utf8(token) {
+                headers.remove(name);
             }
         }
     }
@@ -684,6 +674,19 @@ mod tests {
             want.sort();
             assert_eq!(sent, want, "trusted: {trust}");
         }
+
+        // `Connection: close` names an option, and a field called so (were there one) goes
+        // the same way on both paths.
+        let closing = crate::key::tests::headers(&[
+            ("host", "shop"),
+            ("connection", "close"),
+            ("close", "x"),
+        ]);
+        let sent = both_ways(&closing, None, false);
+        assert!(
+            sent.iter().all(|(n, _)| n != "close" && n != "connection"),
+            "{sent:?}"
+        );
 
         // A field the client's `Connection` names is gone before the hop's are worked out.
         let named = crate::key::tests::headers(&[
