@@ -525,18 +525,15 @@ impl RawBody {
                     self.finish();
                     return Poll::Ready(None);
                 }
+                // An error drops the connection in `poll_frame`, as for every other error.
                 Ok(0) => {
-                    self.raw = None;
                     return Poll::Ready(Some(Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
                         "upstream closed the connection before the body's end",
                     ))));
                 }
                 Ok(_) => {}
-                Err(e) => {
-                    self.raw = None;
-                    return Poll::Ready(Some(Err(e)));
-                }
+                Err(e) => return Poll::Ready(Some(Err(e))),
             }
         }
     }
