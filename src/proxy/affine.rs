@@ -104,8 +104,9 @@ impl Affine {
         }
     }
 
-    /// Sends `req` (origin-form URI, `Host` set, no body) on this client connection's upstream
-    /// connection, connecting first when there is none usable; `now` is the clock's time. A
+    /// Sends `req` (as the client sent it, no body), with the headers the hop changes
+    /// (`added`), on this client connection's upstream connection, connecting first when there
+    /// is none usable; `now` is the clock's time. A
     /// connection the upstream closed meanwhile is not used (a new one is made); a request
     /// that was sent is never sent twice.
     pub async fn send(
