@@ -1,56 +1,155 @@
-//! Which worker takes a new connection: the first worker at once; the others only once it has
-//! left the connection waiting for [`GRACE`], and then every connection waiting with it.
+//! Which worker takes a new connection: the first worker, unless it is busy. The others take a
+//! connection at once while the first spent most of its last [`WINDOW`] running tasks, and
+//! otherwise only once it has left the connection waiting for [`GRACE`] (and then every
+//! connection waiting with it).
 //!
 //! Every worker's runtime watches the one shared listening socket, so every worker is woken for
 //! every new connection, and whichever tries first wins: a burst of 16 connections split about
 //! evenly. Split, both workers wake and sleep for every few requests, and on this 2-core
 //! machine they compete with the load generator and the app for the cores; on one worker, the
-//! other core is left to them. Measured before this change (`wrk -c16`, limiting rule, two runs
-//! each): `workers: 1` gave 72-77k req/s at p99 0.6-0.7 ms where two randomly split workers
-//! gave 63-66k at 0.9-1.2 ms; the A/B of the change itself is in BENCHMARKS.md. nginx
-//! concentrates the same way (`EPOLLEXCLUSIVE` wakes one waiting
-//! worker: 15 or 16 of 16 connections on one worker in our runs); at 128 connections its split
-//! varied from 57/71 to 121/7.
+//! other core is left to them. Measured before concentrating (`wrk -c16`, limiting rule, two
+//! runs each): `workers: 1` gave 72-77k req/s at p99 0.6-0.7 ms where two randomly split
+//! workers gave 63-66k at 0.9-1.2 ms; the A/Bs are in BENCHMARKS.md. nginx concentrates the
+//! same way (`EPOLLEXCLUSIVE` wakes one waiting worker: 15 or 16 of 16 connections on one
+//! worker in our runs); at 128 connections its split varied from 57/71 to 121/7.
 //!
-//! Deferring is what keeps the load-balancing: a worker that is busy does not get back to its
-//! accept loop within [`GRACE`] (a round over 64 busy connections takes about that long here),
-//! so the others take the connections it cannot. Cost: one timer per connection arrival on the
-//! deferring workers, nothing per request. Must never: leave a connection waiting when the first
-//! worker is busy for longer than about [`GRACE`].
+//! The first worker's load decides, not how long one connection waited: a grace of 1 ms (the
+//! rule before) let the second worker take a share of every connect burst whenever one round of
+//! the first over its connections happened to take longer, which fixed the split of wrk's 128
+//! connections by chance, and that share set the p99 (one worker had a lower p99 than two in 10
+//! of 10 paired rounds). Load comes from tokio's busy time of the first worker's runtime,
+//! which it publishes on its tick ([`Sampler`]); the grace is now only the fallback for a first
+//! worker that is stuck (a long poll, the OS not running it) before its load shows.
+//!
+//! Cost: one atomic load and, while the first worker is not busy, one timer per connection
+//! arrival on the other workers; one sample per tick on the first; nothing per request. Must
+//! never: leave a connection waiting longer than about [`GRACE`], or leave new connections to a
+//! first worker that was busy for a whole window.
 
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
 use tokio::net::TcpStream;
+use tokio::runtime::RuntimeMetrics;
+use tokio::time::Instant;
 
-/// How long a worker other than the first leaves a new connection for the first.
-pub const GRACE: Duration = Duration::from_millis(1);
+/// How long a worker other than the first leaves a new connection for the first while the
+/// first's load does not show it busy.
+pub const GRACE: Duration = Duration::from_millis(20);
+
+/// The shortest span the first worker's load is measured over (its tick is 1 s by default).
+pub const WINDOW: Duration = Duration::from_millis(100);
+
+/// Whether the first worker is busy: written by its [`Sampler`], read by the others.
+#[derive(Debug, Default)]
+pub struct FirstLoad {
+    busy: AtomicBool,
+}
+
+impl FirstLoad {
+    pub fn is_busy(&self) -> bool {
+        self.busy.load(Ordering::Relaxed)
+    }
+
+    fn set(&self, busy: bool) {
+        self.busy.store(busy, Ordering::Relaxed);
+    }
+}
+
+/// Busy: tasks ran for at least three quarters of the span. A worker that cannot keep up runs
+/// tasks all the time it is on a CPU; what is left is its time in `epoll_wait` for events.
+fn busy(ran: Duration, span: Duration) -> bool {
+    !span.is_zero() && ran.as_nanos() * 4 >= span.as_nanos() * 3
+}
+
+/// The span being measured: where it started, and the runtime's busy time then.
+#[derive(Debug, Clone, Copy)]
+struct Span {
+    at: Instant,
+    ran: Duration,
+}
+
+impl Span {
+    /// Ends the span at `now` with the runtime's busy time `ran` if it is at least [`WINDOW`]
+    /// long, saying whether the worker was busy over it, and starts the next one.
+    fn close(&mut self, now: Instant, ran: Duration) -> Option<bool> {
+        let span = now.checked_duration_since(self.at)?;
+        if span < WINDOW {
+            return None;
+        }
+        let was = busy(ran.saturating_sub(self.ran), span);
+        *self = Span { at: now, ran };
+        Some(was)
+    }
+}
+
+/// The first worker's side of [`FirstLoad`]: measures its runtime's busy time on its tick.
+pub struct Sampler {
+    load: Arc<FirstLoad>,
+    metrics: RuntimeMetrics,
+    span: Span,
+}
+
+impl Sampler {
+    /// Must be called within the first worker's (current-thread) runtime.
+    pub fn new(load: Arc<FirstLoad>) -> Self {
+        let metrics = tokio::runtime::Handle::current().metrics();
+        let span = Span {
+            at: Instant::now(),
+            ran: metrics.worker_total_busy_duration(0),
+        };
+        Self {
+            load,
+            metrics,
+            span,
+        }
+    }
+
+    pub fn sample(&mut self, now: Instant) {
+        let ran = self.metrics.worker_total_busy_duration(0);
+        if let Some(busy) = self.span.close(now, ran) {
+            self.load.set(busy);
+        }
+    }
+}
 
 /// One worker's handle on the shared listening socket.
 pub struct Acceptor {
     fd: AsyncFd<std::net::TcpListener>,
-    /// `None` for the first worker.
-    grace: Option<Duration>,
+    /// `None` for the first worker; the first's load for the others.
+    first: Option<Arc<FirstLoad>>,
+    /// How long the others leave a connection to a first worker that is not busy.
+    grace: Duration,
     /// The last try took a connection: take the rest of the backlog without waiting again.
     draining: bool,
 }
 
 impl Acceptor {
     /// The handle of worker `index` (0 = the first). Must be called within its runtime.
-    pub fn for_worker(listener: std::net::TcpListener, index: usize) -> io::Result<Self> {
-        Self::new(listener, (index > 0).then_some(GRACE))
+    pub fn for_worker(
+        listener: std::net::TcpListener,
+        index: usize,
+        first: &Arc<FirstLoad>,
+    ) -> io::Result<Self> {
+        Self::new(listener, (index > 0).then(|| first.clone()), GRACE)
     }
 
-    /// A handle that leaves each new connection to the others for `grace` (`None`: takes it).
-    fn new(listener: std::net::TcpListener, grace: Option<Duration>) -> io::Result<Self> {
+    fn new(
+        listener: std::net::TcpListener,
+        first: Option<Arc<FirstLoad>>,
+        grace: Duration,
+    ) -> io::Result<Self> {
         listener.set_nonblocking(true)?;
         // SAFETY: the `AsyncFd` owns the listener, whose descriptor stays open and the same
         // until the `AsyncFd` is dropped.
         let fd = unsafe { AsyncFd::register(listener) }.map_err(io::Error::from)?;
         Ok(Self {
             fd,
+            first,
             grace,
             draining: false,
         })
@@ -59,8 +158,9 @@ impl Acceptor {
     pub async fn accept(&mut self) -> io::Result<(TcpStream, SocketAddr)> {
         loop {
             let mut ready = self.fd.readable().await?;
-            if let (Some(grace), false) = (self.grace, self.draining) {
-                tokio::time::sleep(grace).await;
+            let defer = self.first.as_ref().is_some_and(|first| !first.is_busy());
+            if defer && !self.draining {
+                tokio::time::sleep(self.grace).await;
             }
             // A would-block clears the readiness: back to waiting for the next connection.
             let Ok(accepted) = ready.try_io(|l| l.get_ref().accept()) else {
@@ -95,20 +195,19 @@ mod tests {
         });
     }
 
+    /// A grace no test outlasts: whatever the machine's pauses, the first worker is never too
+    /// slow for it.
+    const LONG: Duration = Duration::from_secs(3600);
+
     #[tokio::test]
     async fn connections_go_to_the_first_worker_while_it_keeps_up() {
         let l = listener();
         let addr = l.local_addr().unwrap();
         let (tx, mut took) = mpsc::unbounded_channel();
-        // A grace no test outlasts: whatever the machine's pauses, the first worker is never
-        // too slow here, so every connection must be its.
-        let long = Some(Duration::from_secs(3600));
-        run(
-            Acceptor::new(l.try_clone().unwrap(), long).unwrap(),
-            1,
-            tx.clone(),
-        );
-        run(Acceptor::for_worker(l, 0).unwrap(), 0, tx);
+        let load = Arc::new(FirstLoad::default());
+        let deferring = Acceptor::new(l.try_clone().unwrap(), Some(load.clone()), LONG);
+        run(deferring.unwrap(), 1, tx.clone());
+        run(Acceptor::for_worker(l, 0, &load).unwrap(), 0, tx);
         let mut clients = Vec::new();
         for n in 0..20 {
             clients.push(TcpStream::connect(addr).await.unwrap());
@@ -122,9 +221,12 @@ mod tests {
         let l = listener();
         let addr = l.local_addr().unwrap();
         let (tx, mut took) = mpsc::unbounded_channel();
-        // The first worker's handle exists but nobody accepts on it: a busy first worker.
-        let _busy = Acceptor::for_worker(l.try_clone().unwrap(), 0).unwrap();
-        run(Acceptor::for_worker(l, 1).unwrap(), 1, tx);
+        let load = Arc::new(FirstLoad::default());
+        // The first worker's handle exists but nobody accepts on it: a stuck first worker,
+        // whose load does not show it (it is not busy).
+        let _stuck = Acceptor::for_worker(l.try_clone().unwrap(), 0, &load).unwrap();
+        let deferring = Acceptor::new(l, Some(load), Duration::from_millis(1));
+        run(deferring.unwrap(), 1, tx);
         let mut clients = Vec::new();
         for _ in 0..5 {
             clients.push(TcpStream::connect(addr).await.unwrap());
@@ -132,5 +234,78 @@ mod tests {
         for _ in 0..5 {
             assert_eq!(took.recv().await.unwrap().0, 1);
         }
+    }
+
+    #[tokio::test]
+    async fn a_deferring_worker_takes_at_once_while_the_first_is_busy() {
+        let l = listener();
+        let addr = l.local_addr().unwrap();
+        let (tx, mut took) = mpsc::unbounded_channel();
+        let load = Arc::new(FirstLoad::default());
+        load.set(true);
+        let _busy = Acceptor::for_worker(l.try_clone().unwrap(), 0, &load).unwrap();
+        run(Acceptor::new(l, Some(load), LONG).unwrap(), 1, tx);
+        let mut clients = Vec::new();
+        for _ in 0..5 {
+            clients.push(TcpStream::connect(addr).await.unwrap());
+        }
+        // Waiting out the grace would take an hour: a minute is a failure, not a hang.
+        let all = async {
+            for _ in 0..5 {
+                assert_eq!(took.recv().await.unwrap().0, 1);
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(60), all)
+            .await
+            .expect("the busy first worker's connections waited for the grace");
+    }
+
+    #[test]
+    fn busy_is_three_quarters_of_the_span_running_tasks() {
+        let s = Duration::from_secs(1);
+        assert!(busy(Duration::from_millis(750), s));
+        assert!(busy(s, s));
+        assert!(!busy(Duration::from_millis(749), s));
+        assert!(!busy(Duration::ZERO, s));
+        assert!(!busy(Duration::ZERO, Duration::ZERO));
+    }
+
+    #[test]
+    fn a_span_closes_once_it_is_a_window_long() {
+        let t0 = Instant::now();
+        let mut span = Span {
+            at: t0,
+            ran: Duration::from_secs(5),
+        };
+        let at = |d: Duration| t0 + d;
+        // Too short: nothing said, the span goes on.
+        assert_eq!(span.close(at(WINDOW / 2), Duration::from_secs(6)), None);
+        // Busy for 80 of the first 100 ms.
+        let ran = Duration::from_secs(5) + WINDOW * 4 / 5;
+        assert_eq!(span.close(at(WINDOW), ran), Some(true));
+        // The next span starts there: 10 % of it busy.
+        let ran2 = ran + WINDOW / 5;
+        assert_eq!(span.close(at(WINDOW * 3), ran2), Some(false));
+        // A clock that went back says nothing.
+        assert_eq!(span.close(t0, ran2), None);
+    }
+
+    #[test]
+    fn the_runtime_reports_busy_time_of_a_current_thread_worker() {
+        // What the sampler relies on: tokio counts the first worker's busy time (a stable
+        // metric on 64-bit targets) while a task runs, without the unstable cfg.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let ran = rt.block_on(async {
+            let metrics = tokio::runtime::Handle::current().metrics();
+            let before = metrics.worker_total_busy_duration(0);
+            // A task that holds the worker for 50 ms, as a saturated worker's tasks do.
+            tokio::spawn(async { std::thread::sleep(Duration::from_millis(50)) })
+                .await
+                .unwrap();
+            metrics.worker_total_busy_duration(0) - before
+        });
+        assert!(ran >= Duration::from_millis(50), "busy time {ran:?}");
     }
 }

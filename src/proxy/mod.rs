@@ -365,10 +365,11 @@ async fn serve(
     // Each worker says when its listener is closed, so that /readyz turns 503 only once no
     // new connection can be accepted.
     let (closed_tx, mut closed) = tokio::sync::mpsc::channel::<()>(listeners.len().max(1));
+    let first = Arc::new(accept::FirstLoad::default());
     for (i, listener) in listeners.into_iter().enumerate() {
         let (done_tx, done) = tokio::sync::oneshot::channel::<()>();
         let (shared, stop, slots) = (shared.clone(), stop.clone(), slots.clone());
-        let closed_tx = closed_tx.clone();
+        let (closed_tx, first) = (closed_tx.clone(), first.clone());
         let spawned = std::thread::Builder::new()
             .name(format!("spillway-worker-{i}"))
             .spawn(move || {
@@ -376,7 +377,9 @@ async fn serve(
                     .enable_all()
                     .build()
                 {
-                    Ok(rt) => rt.block_on(worker(i, listener, shared, stop, slots, closed_tx)),
+                    Ok(rt) => {
+                        rt.block_on(worker(i, listener, shared, stop, slots, closed_tx, first))
+                    }
                     Err(e) => tracing::error!(error = %e, "cannot start a worker runtime"),
                 }
                 let _ = done_tx.send(());
@@ -416,8 +419,9 @@ async fn worker(
     mut stop: watch::Receiver<bool>,
     slots: Arc<Semaphore>,
     closed: tokio::sync::mpsc::Sender<()>,
+    first: Arc<accept::FirstLoad>,
 ) {
-    let mut listener = match accept::Acceptor::for_worker(listener, index) {
+    let mut listener = match accept::Acceptor::for_worker(listener, index, &first) {
         Ok(l) => l,
         Err(e) => {
             tracing::error!(error = %e, "cannot use the listener");
@@ -456,6 +460,7 @@ async fn worker(
         idle.clone(),
         timers.clone(),
         shared.clone(),
+        (index == 0).then(|| accept::Sampler::new(first)),
     ));
 
     loop {
@@ -529,7 +534,8 @@ async fn worker(
 
 /// The worker's tick: fires its [`coarse::Timers`] (each request's header-read and upstream
 /// response deadlines) and closes its idle upstream connections unused for `timeouts.idle` or
-/// closed by the upstream meanwhile.
+/// closed by the upstream meanwhile. On the first worker, also measures its load for the
+/// others' accept loops ([`accept::Sampler`]).
 ///
 /// Also the one timer on tokio's wheel that is always pending, so that the few a request may
 /// still arm there (a delayed request, a connect) do not each make tokio write its own eventfd:
@@ -542,11 +548,15 @@ async fn anchor_timer(
     idle: Arc<affine::Idle>,
     timers: Arc<coarse::Timers>,
     shared: Arc<Shared>,
+    mut load: Option<accept::Sampler>,
 ) {
     loop {
         tokio::time::sleep(period).await;
         timers.fire(coarse::Timers::now());
         idle.prune(shared.clock.now(), shared.affine_upstream.idle);
+        if let Some(load) = &mut load {
+            load.sample(tokio::time::Instant::now());
+        }
     }
 }
 
