@@ -318,8 +318,9 @@ fn reporter(
 
 /// Binds `addr` once and gives each of `n` workers its own handle (a dup of the socket) to
 /// register with its own runtime. Every worker is woken for a new connection; the first worker
-/// takes it, the others only when the first leaves it waiting ([`accept`]), so a busy worker
-/// never queues connections an idle one could take, and a light load stays on one worker.
+/// takes it, the others only while the first is busy or when it leaves one waiting
+/// ([`accept`]), so a busy worker never queues connections an idle one could take, and a light
+/// load stays on one worker.
 ///
 /// Measured against one `SO_REUSEPORT` listener per worker (the kernel hashing each connection
 /// to a worker, whatever its load), same run, 3 rounds of `wrk -c16`: p99 0.61-0.65 ms against
