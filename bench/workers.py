@@ -65,6 +65,12 @@ def main():
     one, two = results["spillway, 1 worker"], results["spillway, 2 workers"]
     lower = sum(a["p99"] < b["p99"] for a, b in zip(one, two))
     print(f"\np99 lower with 1 worker than with 2 in {lower} of {args.rounds} rounds.")
+    nginx = results["nginx, 2 workers"]
+    for name in ("spillway, 1 worker", "spillway, 2 workers"):
+        rs = results[name]
+        faster = sum(a["rps"] > b["rps"] for a, b in zip(rs, nginx))
+        lower = sum(a["p99"] < b["p99"] for a, b in zip(rs, nginx))
+        print(f"{name} against nginx: more req/s in {faster}, lower p99 in {lower} of {args.rounds} rounds.")
 
 
 if __name__ == "__main__":
