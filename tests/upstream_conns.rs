@@ -1,7 +1,7 @@
 //! Each HTTP/1 client connection has an upstream connection of its own after its first
 //! request (src/proxy/affine.rs): reused while it lasts, replaced without an error when the
 //! upstream closed it, never asked twice for a request it was sent, handed to the next client
-//! when its client leaves.
+//! when its client leaves. An HTTP/2 client's streams borrow the worker's connections.
 
 mod common;
 
@@ -190,6 +190,48 @@ async fn an_upstream_connection_idle_past_timeouts_idle_is_not_reused() {
         "2",
         "11 s idle: a new connection"
     );
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn an_http2_clients_streams_borrow_the_workers_upstream_connections() {
+    let up = counting(usize::MAX).await;
+    let clock = spillway::limit::ManualClock::new(1_000_000_000);
+    let sc = spillway::proxy::Sidecar::start_with_clock(
+        config(up.addr, "workers: 1\ntimeouts: { idle: 10s }\nrules: []"),
+        spillway::limit::AnyClock::Manual(clock.clone()),
+    )
+    .await
+    .unwrap();
+    let (c, addr) = (h2_client(), sc.addr());
+    // Ten streams at once: each borrows a connection for its exchange, at most one each.
+    let mut streams = tokio::task::JoinSet::new();
+    for _ in 0..10 {
+        let c = c.clone();
+        streams.spawn(async move { send(&c, addr, "GET", "/x", &[]).await });
+    }
+    while let Some(answer) = streams.join_next().await {
+        let (status, _, body) = answer.unwrap();
+        assert_eq!(status, http::StatusCode::OK);
+        assert!(body.parse::<usize>().is_ok(), "{body}");
+    }
+    let conns = up.conns.load(Ordering::SeqCst);
+    assert!((1..=10).contains(&conns), "{conns} connections");
+    // Each gave its connection back at its response's end: one after the other, the streams
+    // take them again.
+    for _ in 0..5 {
+        let (status, _, body) = send(&c, addr, "GET", "/x", &[]).await;
+        assert_eq!(status, http::StatusCode::OK);
+        assert!(body.parse::<usize>().unwrap() <= conns, "{body}");
+    }
+    assert_eq!(up.conns.load(Ordering::SeqCst), conns, "no new connection");
+    // They are the worker's own connections, idle by the proxy's clock (hyper's pool would go
+    // by the real one): past `timeouts.idle`, none is reused.
+    clock.advance(std::time::Duration::from_secs(11));
+    let (_, _, body) = send(&c, addr, "GET", "/x", &[]).await;
+    assert_eq!(body, (conns + 1).to_string(), "a new connection");
+    assert_eq!(up.requests.load(Ordering::SeqCst), 16);
     sc.shutdown();
     sc.wait().await;
 }

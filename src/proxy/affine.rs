@@ -15,12 +15,15 @@
 //! A connect only when there is no usable connection: the first request, after the upstream
 //! closed it, or after [`Upstream::idle`] unused.
 //!
-//! Used for HTTP/1 requests without a body or an upgrade to an HTTP/1 upstream; HTTP/2 client
-//! connections (concurrent streams, each a task of hyper's), requests with a body, upgrades and
-//! `h2c://` upstreams keep the pooled client. A client connection's first exchange only borrows a connection
-//! from the worker's [`Idle`] list (or a new one): at the body's end it goes back there, for
-//! whichever request comes next, so a client that sends one request and leaves, or a burst of
-//! them, costs no connection each; from its second exchange on, a client keeps the one it has.
+//! Used for requests without a body or an upgrade to an HTTP/1 upstream; requests with a body,
+//! upgrades and `h2c://` upstreams keep the pooled client. A client connection's first exchange
+//! only borrows a connection from the worker's [`Idle`] list (or a new one): at the body's end
+//! it goes back there, for whichever request comes next, so a client that sends one request
+//! and leaves, or a burst of them, costs no connection each; from its second exchange on, an
+//! HTTP/1 client keeps the one it has. Every stream of an HTTP/2 client connection borrows
+//! (its streams run at once, each in a task of hyper's, which then does the I/O): the exchange
+//! is the same, without the pooled client's task per upstream connection and the two channel
+//! trips per request.
 //! When a client connection ends between requests, its upstream connection goes back to the
 //! list too, and is closed once unused for `timeouts.idle`. A worker makes at most
 //! [`MAX_CONNECTING`] connects at once, and a request whose turn comes first takes a
@@ -36,7 +39,7 @@ use std::time::Duration;
 
 use atomic_waker::AtomicWaker;
 
-use http::{Request, Response};
+use http::{Request, Response, Version};
 use hyper::body::Incoming;
 use tokio::net::TcpStream;
 
@@ -116,7 +119,11 @@ impl Affine {
         added: &Added,
         now: u64,
     ) -> Result<Response<RawBody>, Failure> {
-        let (cached, first) = {
+        // An HTTP/2 client connection's streams run at once, each in a task of its own: every
+        // one borrows, as an HTTP/1 connection's first exchange does.
+        let (cached, first) = if req.version() == Version::HTTP_2 {
+            (None, true)
+        } else {
             let mut state = self.slot.state();
             let fresh = now.saturating_sub(state.last_used) < upstream.idle;
             let first = !std::mem::replace(&mut state.served, true);

@@ -76,8 +76,8 @@ pub struct Forward<'a> {
     pub metrics: &'a Metrics,
     /// The upstream speaks HTTP/2 (`h2c://`).
     pub h2: bool,
-    /// The client connection's own upstream connection, for HTTP/1 client connections to an
-    /// HTTP/1 upstream; `None` sends through the pooled client.
+    /// The client connection's own upstream connection (or, for HTTP/2 streams, one borrowed
+    /// from the worker's), for an HTTP/1 upstream; `None` sends through the pooled client.
     pub affine: Option<(&'a Affine, &'a Upstream)>,
     /// The request's start (the clock's nanoseconds).
     pub now: u64,
@@ -94,12 +94,13 @@ impl Forward<'_> {
         // HTTP/1.1 upgrades only: an HTTP/2 upstream has no Upgrade.
         let upgrade = (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut req));
         // The client connection's own upstream connection takes what one connection in
-        // sequence can: HTTP/1 requests without an upgrade (CONNECT has none to give) and
-        // without a body. A body goes through hyper's pool, whose client hands back a response
-        // that comes while the body is still being sent (an early 413 or 401 to an upload).
+        // sequence can: requests without an upgrade (CONNECT has none to give) and without a
+        // body, HTTP/2 streams included. A body goes through hyper's pool, whose client hands
+        // back a response that comes while the body is still being sent (an early 413 or 401
+        // to an upload).
         let affine = self.affine.filter(|_| {
             upgrade.is_none()
-                && req.version() <= Version::HTTP_11
+                && req.version() <= Version::HTTP_2
                 && req.method() != Method::CONNECT
                 && http_body::Body::is_end_stream(req.body())
         });
