@@ -102,6 +102,21 @@ async fn client(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
     BufReader::new(TcpStream::connect(sc.addr()).await.unwrap())
 }
 
+/// A proxy in front of `up` whose clock (the one upstream connections idle by) the test moves.
+async fn on_manual_clock(
+    up: &Counting,
+    yaml: &str,
+) -> (spillway::proxy::Sidecar, spillway::limit::ManualClock) {
+    let clock = spillway::limit::ManualClock::new(1_000_000_000);
+    let sc = spillway::proxy::Sidecar::start_with_clock(
+        config(up.addr, yaml),
+        spillway::limit::AnyClock::Manual(clock.clone()),
+    )
+    .await
+    .unwrap();
+    (sc, clock)
+}
+
 #[tokio::test]
 async fn after_its_first_request_a_client_connection_has_an_upstream_connection_of_its_own() {
     let up = counting(usize::MAX).await;
@@ -172,13 +187,7 @@ async fn an_upstream_connection_closed_between_requests_is_replaced_without_an_e
 #[tokio::test]
 async fn an_upstream_connection_idle_past_timeouts_idle_is_not_reused() {
     let up = counting(usize::MAX).await;
-    let clock = spillway::limit::ManualClock::new(1_000_000_000);
-    let sc = spillway::proxy::Sidecar::start_with_clock(
-        config(up.addr, "timeouts: { idle: 10s }\nrules: []"),
-        spillway::limit::AnyClock::Manual(clock.clone()),
-    )
-    .await
-    .unwrap();
+    let (sc, clock) = on_manual_clock(&up, "timeouts: { idle: 10s }\nrules: []").await;
     let mut c = client(&sc).await;
     assert_eq!(get_on(&mut c, GET).await.1, "1", "borrowed");
     assert_eq!(get_on(&mut c, GET).await.1, "1", "kept as its own");
@@ -197,13 +206,8 @@ async fn an_upstream_connection_idle_past_timeouts_idle_is_not_reused() {
 #[tokio::test]
 async fn an_http2_clients_streams_borrow_the_workers_upstream_connections() {
     let up = counting(usize::MAX).await;
-    let clock = spillway::limit::ManualClock::new(1_000_000_000);
-    let sc = spillway::proxy::Sidecar::start_with_clock(
-        config(up.addr, "workers: 1\ntimeouts: { idle: 10s }\nrules: []"),
-        spillway::limit::AnyClock::Manual(clock.clone()),
-    )
-    .await
-    .unwrap();
+    let yaml = "workers: 1\ntimeouts: { idle: 10s }\nrules: []";
+    let (sc, clock) = on_manual_clock(&up, yaml).await;
     let (c, addr) = (h2_client(), sc.addr());
     // Ten streams at once: each borrows a connection for its exchange, at most one each.
     let mut streams = tokio::task::JoinSet::new();

@@ -180,8 +180,11 @@ mod tests {
     use super::*;
     use tokio::sync::mpsc;
 
-    fn listener() -> std::net::TcpListener {
-        std::net::TcpListener::bind("127.0.0.1:0").unwrap()
+    /// A listener for the workers to share, its address, and the first worker's load.
+    fn shared() -> (std::net::TcpListener, SocketAddr, Arc<FirstLoad>) {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        (l, addr, Arc::new(FirstLoad::default()))
     }
 
     /// Accepts forever, saying which worker took each connection.
@@ -195,16 +198,23 @@ mod tests {
         });
     }
 
+    /// `n` clients, connected (and kept open).
+    async fn connect(addr: SocketAddr, n: usize) -> Vec<TcpStream> {
+        let mut clients = Vec::new();
+        for _ in 0..n {
+            clients.push(TcpStream::connect(addr).await.unwrap());
+        }
+        clients
+    }
+
     /// A grace no test outlasts: whatever the machine's pauses, the first worker is never too
     /// slow for it.
     const LONG: Duration = Duration::from_secs(3600);
 
     #[tokio::test]
     async fn connections_go_to_the_first_worker_while_it_keeps_up() {
-        let l = listener();
-        let addr = l.local_addr().unwrap();
+        let (l, addr, load) = shared();
         let (tx, mut took) = mpsc::unbounded_channel();
-        let load = Arc::new(FirstLoad::default());
         let deferring = Acceptor::new(l.try_clone().unwrap(), Some(load.clone()), LONG);
         run(deferring.unwrap(), 1, tx.clone());
         run(Acceptor::for_worker(l, 0, &load).unwrap(), 0, tx);
@@ -218,19 +228,14 @@ mod tests {
 
     #[tokio::test]
     async fn a_deferring_worker_takes_what_the_first_leaves_waiting() {
-        let l = listener();
-        let addr = l.local_addr().unwrap();
+        let (l, addr, load) = shared();
         let (tx, mut took) = mpsc::unbounded_channel();
-        let load = Arc::new(FirstLoad::default());
         // The first worker's handle exists but nobody accepts on it: a stuck first worker,
         // whose load does not show it (it is not busy).
         let _stuck = Acceptor::for_worker(l.try_clone().unwrap(), 0, &load).unwrap();
         let deferring = Acceptor::new(l, Some(load), Duration::from_millis(1));
         run(deferring.unwrap(), 1, tx);
-        let mut clients = Vec::new();
-        for _ in 0..5 {
-            clients.push(TcpStream::connect(addr).await.unwrap());
-        }
+        let _clients = connect(addr, 5).await;
         for _ in 0..5 {
             assert_eq!(took.recv().await.unwrap().0, 1);
         }
@@ -238,17 +243,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_deferring_worker_takes_at_once_while_the_first_is_busy() {
-        let l = listener();
-        let addr = l.local_addr().unwrap();
+        let (l, addr, load) = shared();
         let (tx, mut took) = mpsc::unbounded_channel();
-        let load = Arc::new(FirstLoad::default());
         load.set(true);
         let _busy = Acceptor::for_worker(l.try_clone().unwrap(), 0, &load).unwrap();
         run(Acceptor::new(l, Some(load), LONG).unwrap(), 1, tx);
-        let mut clients = Vec::new();
-        for _ in 0..5 {
-            clients.push(TcpStream::connect(addr).await.unwrap());
-        }
+        let _clients = connect(addr, 5).await;
         // Waiting out the grace would take an hour: a minute is a failure, not a hang.
         let all = async {
             for _ in 0..5 {
