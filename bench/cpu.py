@@ -4,8 +4,8 @@
 Where instructions.py counts the proxy's user space only, this reads what the proxy's process
 spent in all (`/proc/PID/stat` utime and stime): each proxy with one worker, h2load sending N
 requests over 16 keep-alive HTTP/1.1 connections with one key after a warm-up, rounds
-alternating the proxies, medians. Two paths, as in instructions.py: every request forwarded,
-every request refused. With `--syscalls`, one more run per proxy and path under `strace -c`
+alternating the proxies, medians. The paths of instructions.py: every request forwarded, every
+request refused, every request forwarded from an HTTP/2 client. With `--syscalls`, one more run per proxy and path under `strace -c`
 counts the system calls per request (strace slows the proxy; only the counts are used).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
@@ -34,29 +34,28 @@ def cpu_seconds(pid):
     return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
-def load(port, requests, conns):
-    subprocess.run(["h2load", "--h1", "-c", str(conns), "-n", str(requests), "-H", "x-client: c1",
-                    f"http://127.0.0.1:{port}/api/x"], capture_output=True, check=True)
+def load(port, requests, conns, h2):
+    subprocess.run(I.h2load(port, conns, h2) + ["-n", str(requests)], capture_output=True, check=True)
 
 
-def measured(cmd, port, requests, conns, syscalls_to=None):
+def measured(cmd, port, requests, conns, h2, syscalls_to=None):
     """Runs `cmd` (a proxy in the foreground) and returns its (user, kernel) microseconds per
     request; with `syscalls_to`, counts its system calls into that file instead."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         C.wait_port(port, timeout=30)
-        load(port, 5000, conns)
+        load(port, 5000, conns, h2)
         if syscalls_to:
             strace = subprocess.Popen(["strace", "-f", "-c", "-o", syscalls_to, "-p", str(proc.pid)],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             # strace says it attached on stderr: wait for that, not for a while.
             strace.stderr.readline()
-            load(port, requests, conns)
+            load(port, requests, conns, h2)
             strace.send_signal(signal.SIGINT)
             strace.wait(timeout=30)
             return None
         (u0, k0) = cpu_seconds(proc.pid)
-        load(port, requests, conns)
+        load(port, requests, conns, h2)
         (u1, k1) = cpu_seconds(proc.pid)
         return (u1 - u0) * 1e6 / requests, (k1 - k0) * 1e6 / requests
     finally:
@@ -90,13 +89,13 @@ def main():
     results = {}
     calls = {}
     try:
-        for path_name, limit in I.PATHS:
+        for path_name, limit, h2 in I.PATHS:
             for r in range(args.rounds):
                 for name, binary in proxies:
                     d = tempfile.mkdtemp(prefix="spillway-bench-cpu-")
                     port = C.free_port()
-                    cmd = I.proxy_cmd(binary, port, up_port, limit, d)
-                    user, kernel = measured(cmd, port, args.requests, args.conns)
+                    cmd = I.proxy_cmd(binary, port, up_port, limit, d, h2)
+                    user, kernel = measured(cmd, port, args.requests, args.conns, h2)
                     results.setdefault((name, path_name), []).append((user, kernel))
                     print(f"round {r + 1}: {name}, {path_name}: user {user:.2f} us, kernel "
                           f"{kernel:.2f} us per request", file=sys.stderr, flush=True)
@@ -104,14 +103,14 @@ def main():
                 for name, binary in proxies:
                     d = tempfile.mkdtemp(prefix="spillway-bench-cpu-")
                     port = C.free_port()
-                    cmd = I.proxy_cmd(binary, port, up_port, limit, d)
+                    cmd = I.proxy_cmd(binary, port, up_port, limit, d, h2)
                     out = os.path.join(d, "strace.txt")
-                    measured(cmd, port, args.requests // 5, args.conns, syscalls_to=out)
+                    measured(cmd, port, args.requests // 5, args.conns, h2, syscalls_to=out)
                     calls[(name, path_name)] = syscalls_per_request(out, args.requests // 5)
     finally:
         upstream.stop()
 
-    print(f"\n{args.rounds} rounds x {args.requests} requests, h2load --h1 -c {args.conns}, one key, "
+    print(f"\n{args.rounds} rounds x {args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10), one key, "
           "one worker; CPU of the proxy's process per request (medians).\n")
     print("| proxy | path | user us | kernel us | total us | total vs nginx |")
     print("|---|---|---|---|---|---|")

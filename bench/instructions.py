@@ -5,9 +5,10 @@ Wall-clock figures on a shared 2-core VM move by 10-15 % between runs of the sam
 change worth 3 % cannot be seen in them. Instructions executed in the proxy's own process are
 nearly deterministic: this runs each proxy under valgrind's callgrind with one worker, sends a
 warm-up, zeroes the counters, sends N requests with h2load (HTTP/1.1, 16 keep-alive
-connections, one key), dumps the counters and divides. Two paths: every request forwarded (no
-limit reached) and every request refused (a limit of 1/s). Kernel time is not counted: it is
-the same syscalls for both proxies (see BENCHMARKS.md).
+connections, one key), dumps the counters and divides. Three paths: every request forwarded (no
+limit reached), every request refused (a limit of 1/s), and every request forwarded from an
+HTTP/2 client (h2c with prior knowledge, 10 streams per connection). Kernel time is not
+counted: it is the same syscalls for both proxies (see BENCHMARKS.md).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
 """
@@ -23,17 +24,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare as C  # noqa: E402
 
 CALLGRIND = ["valgrind", "--tool=callgrind", "--compress-strings=no", "--compress-pos=no"]
-PATHS = [("forwarded", None), ("refused (429)", 1)]
+# (path, per-key limit, HTTP/2 client)
+PATHS = [("forwarded", None, False), ("refused (429)", 1, False), ("forwarded, HTTP/2", None, True)]
 
 
-def counted(cmd, port, out_dir, requests, conns):
+def h2load(port, conns, h2):
+    """h2load's command for one path: HTTP/1.1, or HTTP/2 with 10 streams per connection."""
+    protocol = ["-m", "10"] if h2 else ["--h1"]
+    return ["h2load", *protocol, "-c", str(conns), "-H", "x-client: c1",
+            f"http://127.0.0.1:{port}/api/x"]
+
+
+def counted(cmd, port, out_dir, requests, conns, h2=False):
     """Runs `cmd` under callgrind and returns its instructions per request and h2load's status line."""
     proc = subprocess.Popen(CALLGRIND + [f"--callgrind-out-file={out_dir}/cg.%p"] + cmd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         C.wait_port(port, timeout=120)
-        load = ["h2load", "--h1", "-c", str(conns), "-H", "x-client: c1",
-                f"http://127.0.0.1:{port}/api/x"]
+        load = h2load(port, conns, h2)
         subprocess.run(load + ["-n", "2000"], capture_output=True, check=True)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], capture_output=True, check=True)
         out = subprocess.run(load + ["-n", str(requests)], capture_output=True, text=True,
@@ -61,8 +69,8 @@ def spillway_cmd(binary, port, up, limit, d):
     return [binary, "proxy", "--config", path]
 
 
-def nginx_cmd(port, up, limit, d):
-    conf = C.nginx_conf(d, C.nginx_proxy(port, up, limit), 1)
+def nginx_cmd(port, up, limit, d, h2=False):
+    conf = C.nginx_conf(d, C.nginx_proxy(port, up, limit, h2=h2), 1)
     with open(conf) as f:
         text = f.read().replace("daemon off;", "daemon off;\nmaster_process off;")
     with open(conf, "w") as f:
@@ -70,10 +78,11 @@ def nginx_cmd(port, up, limit, d):
     return [C.NGINX, "-p", d, "-c", conf, "-e", f"{d}/error.log"]
 
 
-def proxy_cmd(binary, port, up, limit, d):
-    """The command of a proxy in the foreground: Spillway's `binary`, or nginx for `None`."""
+def proxy_cmd(binary, port, up, limit, d, h2=False):
+    """The command of a proxy in the foreground: Spillway's `binary`, or nginx for `None`
+    (`h2`: nginx takes HTTP/2 with prior knowledge; Spillway always does)."""
     if binary is None:
-        return nginx_cmd(port, up, limit, d)
+        return nginx_cmd(port, up, limit, d, h2)
     return spillway_cmd(binary, port, up, limit, d)
 
 
@@ -96,19 +105,19 @@ def main():
     up_port, upstream = C.start_upstream()
     rows = []
     try:
-        for path_name, limit in PATHS:
+        for path_name, limit, h2 in PATHS:
             for name, binary in proxies(args.baseline):
                 d = tempfile.mkdtemp(prefix="spillway-bench-cg-")
                 port = C.free_port()
-                cmd = proxy_cmd(binary, port, up_port, limit, d)
-                per, status = counted(cmd, port, d, args.requests, args.conns)
+                cmd = proxy_cmd(binary, port, up_port, limit, d, h2)
+                per, status = counted(cmd, port, d, args.requests, args.conns, h2)
                 print(f"{name}, {path_name}: {per:.0f} instructions per request ({status})",
                       file=sys.stderr, flush=True)
                 rows.append((name, path_name, per))
     finally:
         upstream.stop()
 
-    print(f"\n{args.requests} requests, h2load --h1 -c {args.conns}, one key, one worker; "
+    print(f"\n{args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10), one key, one worker; "
           "user-space instructions of the proxy's process per request (callgrind).\n")
     print("| proxy | path | instructions per request | vs nginx |")
     print("|---|---|---|---|")
