@@ -1,7 +1,7 @@
 //! Which worker takes a new connection: the first worker, unless it is busy. The others take a
-//! connection at once while the first spent most of its last [`WINDOW`] running tasks, and
-//! otherwise only once it has left the connection waiting for [`GRACE`] (and then every
-//! connection waiting with it).
+//! connection at once while the first spent most of its last tick (at least [`WINDOW`])
+//! running tasks, and otherwise only once it has left the connection waiting for [`GRACE`] (and
+//! then every connection waiting with it).
 //!
 //! Every worker's runtime watches the one shared listening socket, so every worker is woken for
 //! every new connection, and whichever tries first wins: a burst of 16 connections split about
@@ -88,6 +88,7 @@ impl Span {
 }
 
 /// The first worker's side of [`FirstLoad`]: measures its runtime's busy time on its tick.
+/// (tokio offers that metric on targets with 64-bit atomics: every target a sidecar runs on.)
 pub struct Sampler {
     load: Arc<FirstLoad>,
     metrics: RuntimeMetrics,
