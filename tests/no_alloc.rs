@@ -110,13 +110,20 @@ fn the_drop_ratio_path_does_not_allocate() {
         &reply, "s", 0,
     )));
     let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios);
-    for i in 0..10 {
-        decide(&rules, i);
+    // Warmed until both outcomes were seen: the first refusal allocates once (so a warm-up of
+    // ten random draws that all admitted, one run in 1 024, left it to the measured loop).
+    let (mut seen_allow, mut seen_deny, mut now) = (false, false, 0);
+    while !(seen_allow && seen_deny) && now < 10_000 {
+        let allowed = decide(&rules, now);
+        seen_allow |= allowed;
+        seen_deny |= !allowed;
+        now += 1;
     }
+    assert!(seen_allow && seen_deny, "a ratio of 0.5 admitted or refused everything");
     let mut admitted = 0;
     let n = allocations_during(|| {
         for i in 0..1000 {
-            admitted += u32::from(decide(&rules, 100 + i));
+            admitted += u32::from(decide(&rules, now + i));
         }
     });
     assert_eq!(n, 0, "{n} allocations in 1000 global decisions");
