@@ -119,7 +119,10 @@ fn the_drop_ratio_path_does_not_allocate() {
         seen_deny |= !allowed;
         now += 1;
     }
-    assert!(seen_allow && seen_deny, "a ratio of 0.5 admitted or refused everything");
+    assert!(
+        seen_allow && seen_deny,
+        "a ratio of 0.5 admitted or refused everything"
+    );
     let mut admitted = 0;
     let n = allocations_during(|| {
         for i in 0..1000 {
