@@ -5,8 +5,9 @@ Where instructions.py counts the proxy's user space only, this reads what the pr
 spent in all (`/proc/PID/stat` utime and stime): each proxy with one worker, h2load sending N
 requests over 16 keep-alive HTTP/1.1 connections with one key after a warm-up, rounds
 alternating the proxies, medians. The paths of instructions.py: every request forwarded, every
-request refused, every request forwarded from an HTTP/2 client. With `--syscalls`, one more run per proxy and path under `strace -c`
-counts the system calls per request (strace slows the proxy; only the counts are used).
+request refused, every request forwarded from an HTTP/2 client. With `--syscalls`, one more run
+per proxy and path under `strace -c` counts the system calls per request (strace slows the
+proxy; only the counts are used).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
 """
