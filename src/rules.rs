@@ -1072,7 +1072,8 @@ fn identity(r: &Rule) -> String {
 fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>>) -> CompiledRule {
     let name: Arc<str> = Arc::from(r.name.0.as_str());
     let label = &*name;
-    let policy = policy_of(r, &name);
+    let policy = HeaderValue::from_str(&policy_of(r, &name))
+        .expect("rule names are header-safe by validation");
     // A kept rule's state is the previous set's; its policy follows from the same limit.
     let kind = kept.unwrap_or_else(|| Arc::new(compile_kind(r, metrics, label)));
     let delay = (r.on_limit == OnLimit::Delay).then(|| Delay {
@@ -1092,8 +1093,10 @@ fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>
         kind,
         identity,
         delay,
-        policy: HeaderValue::from_str(&policy).expect("rule names are header-safe by validation"),
-        answers: Arc::new(Answers::new(name.clone())),
+        // Cloned here, the value's bytes become shared now rather than on the rule's first
+        // refusal (`state` clones it per request).
+        answers: Arc::new(Answers::new(name.clone(), policy.clone())),
+        policy,
         allowed: metrics.requests.with_label_values(&[label, "allowed"]),
         rejected: metrics.requests.with_label_values(&[label, "rejected"]),
         shadow_rejected: metrics

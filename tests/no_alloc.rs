@@ -110,8 +110,9 @@ fn the_drop_ratio_path_does_not_allocate() {
         &reply, "s", 0,
     )));
     let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios);
-    // Warmed until both outcomes were seen: the first refusal allocates once (so a warm-up of
-    // ten random draws that all admitted, one run in 1 024, left it to the measured loop).
+    // Warmed until both outcomes were seen, so that neither path's first use falls in the
+    // measured loop (a rule's first refusal used to allocate once, and a warm-up of ten random
+    // draws that all admitted, one run in 1 024, left that to the loop).
     let (mut seen_allow, mut seen_deny, mut now) = (false, false, 0);
     while !(seen_allow && seen_deny) && now < 10_000 {
         let allowed = decide(&rules, now);

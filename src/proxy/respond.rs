@@ -72,17 +72,19 @@ pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
         (denial.state.remaining, denial.state.reset_secs),
         (0, retry.unwrap_or(0))
     );
-    let policy = &denial.state.policy;
     let built;
-    let answer = match denial.answers.get(retry, policy) {
+    let answer = match denial.answers.get(retry) {
         Some(cached) => cached,
         None => {
-            built = Answer::new(rule, policy, retry);
+            built = denial.answers.build(retry);
             &built
         }
     };
-    // The policy is the rule's, the one the answer was built with.
-    debug_assert_eq!(answer.headers.get(&RATELIMIT_POLICY), Some(policy));
+    // The policy is the rule's, the one its answers are built with.
+    debug_assert_eq!(
+        answer.headers.get(&RATELIMIT_POLICY),
+        Some(&denial.state.policy)
+    );
     let mut resp = Response::new(Either::Right(Full::new(answer.body.clone())));
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
     // One copy of the answer's headers: a third of what inserting them one by one cost.
@@ -127,25 +129,33 @@ const CACHED_SECS: usize = 60;
 /// on first use. About 1 KiB per rule until used, plus about 1 KiB per hint seen.
 pub struct Answers {
     rule: Arc<str>,
+    /// The rule's `RateLimit-Policy` value.
+    policy: HeaderValue,
     // Boxed so that a rule's unused hints cost a pointer each.
     by_secs: [OnceLock<Box<Answer>>; CACHED_SECS],
 }
 
 impl Answers {
-    pub fn new(rule: Arc<str>) -> Self {
+    pub fn new(rule: Arc<str>, policy: HeaderValue) -> Self {
         Self {
             rule,
+            policy,
             by_secs: std::array::from_fn(|_| OnceLock::new()),
         }
     }
 
-    /// The parts for `retry`, when it is a hint worth keeping; `policy` is the rule's.
-    fn get(&self, retry: Option<u64>, policy: &HeaderValue) -> Option<&Answer> {
+    /// The parts for `retry`, when it is a hint worth keeping.
+    fn get(&self, retry: Option<u64>) -> Option<&Answer> {
         let secs = retry?;
         let slot = self
             .by_secs
             .get(usize::try_from(secs).ok()?.checked_sub(1)?)?;
-        Some(slot.get_or_init(|| Box::new(Answer::new(&self.rule, policy, retry))))
+        Some(slot.get_or_init(|| Box::new(self.build(retry))))
+    }
+
+    /// The parts for `retry`, built now.
+    fn build(&self, retry: Option<u64>) -> Answer {
+        Answer::new(&self.rule, &self.policy, retry)
     }
 }
 
@@ -296,11 +306,15 @@ mod tests {
     use crate::config::HeaderMode;
     use crate::rules::RateState;
 
+    fn policy() -> HeaderValue {
+        HeaderValue::from_static("\"per-ip\";q=10;w=1")
+    }
+
     fn denial(answers: &Arc<Answers>, retry_secs: Option<u64>) -> Denial {
         Denial {
             state: RateState {
                 rule: Arc::from("per-ip"),
-                policy: HeaderValue::from_static("\"per-ip\";q=10;w=1"),
+                policy: policy(),
                 remaining: 0,
                 reset_secs: retry_secs.unwrap_or(0),
             },
@@ -327,7 +341,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_429_says_the_rule_and_its_retry_hint_whether_cached_or_not() {
-        let answers = Arc::new(Answers::new(Arc::from("per-ip")));
+        let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
         // 3 s is kept, 61 s and "never" are formatted per refusal: all must read the same way.
         for secs in [Some(3), Some(3), Some(61), None] {
             let (status, headers, body) =
@@ -368,7 +382,7 @@ mod tests {
 
     #[tokio::test]
     async fn header_mode_never_leaves_out_the_ratelimit_headers_but_not_retry_after() {
-        let answers = Arc::new(Answers::new(Arc::from("per-ip")));
+        let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
         let mut d = denial(&answers, Some(1));
         d.header_mode = HeaderMode::Never;
         let (_, headers, _) = parts(too_many_requests(&d, false)).await;
