@@ -40,10 +40,9 @@ use std::time::Duration;
 use atomic_waker::AtomicWaker;
 
 use http::{Request, Response, Version};
-use hyper::body::Incoming;
 use tokio::net::TcpStream;
 
-use super::forward::{Added, Failure};
+use super::forward::{Added, Failure, ReqBody};
 use super::h1::{self, Raw, RawBody};
 
 /// Where and how to connect.
@@ -115,7 +114,7 @@ impl Affine {
     pub async fn send(
         &self,
         upstream: &Upstream,
-        req: Request<Incoming>,
+        req: Request<ReqBody>,
         added: &Added,
         now: u64,
     ) -> Result<Response<RawBody>, Failure> {

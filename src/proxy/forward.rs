@@ -28,7 +28,11 @@ use crate::gate::PermitBody;
 use crate::limit::Permit;
 use crate::metrics::{Metrics, UpstreamError};
 
-pub type UpstreamClient = Client<HttpConnector, Incoming>;
+pub type UpstreamClient = Client<HttpConnector, ReqBody>;
+
+/// A client request's body: hyper's, or none (a request our own HTTP/1 server side parsed,
+/// `inbound`, never has one).
+pub type ReqBody = Either<Incoming, http_body_util::Empty<bytes::Bytes>>;
 
 /// An upstream response's body: from the pooled client, or read from our own connection.
 pub type UpstreamBody = Either<Incoming, super::h1::RawBody>;
@@ -88,7 +92,7 @@ impl Forward<'_> {
     /// `permits` are concurrency slots, held until the response body ends.
     pub async fn send(
         &self,
-        mut req: Request<Incoming>,
+        mut req: Request<ReqBody>,
         mut permits: SmallVec<[Permit; 1]>,
     ) -> Response<Body> {
         // HTTP/1.1 upgrades only: an HTTP/2 upstream has no Upgrade.
@@ -190,7 +194,7 @@ impl Forward<'_> {
     #[allow(clippy::result_large_err)]
     fn rewrite(
         &self,
-        req: &mut Request<Incoming>,
+        req: &mut Request<ReqBody>,
         upgrade: bool,
         added: &Added,
     ) -> Result<(), Response<Body>> {

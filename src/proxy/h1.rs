@@ -6,7 +6,8 @@
 //! ~21 000 in all). Here the request head is written straight from the request, the response
 //! head is parsed with httparse into the response the server side sends on, and the body is
 //! read from the same socket by the body itself, in the client connection's task. hyper's
-//! server side is kept, and so is hyper's client for HTTP/2 upstreams and upgrades.
+//! client is kept for HTTP/2 upstreams, bodies and upgrades (the server side of our own is
+//! `inbound`).
 //!
 //! What it does, per RFC 9112: requests without a body only (one with a body goes through
 //! hyper's pool, whose client hands back a response that comes while the body is still being
@@ -36,12 +37,11 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::forward::{has_token, hop_by_hop, listed, Added};
+use super::forward::{has_token, hop_by_hop, listed, Added, ReqBody};
 
 /// Response heads (and chunked trailers) larger than this are refused (502).
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -74,7 +74,7 @@ pub enum Failed {
     Upstream(io::Error),
     /// Writing the request head failed: nothing of the request was taken, it can go on
     /// another connection.
-    Unsent(Box<Request<Incoming>>, io::Error),
+    Unsent(Box<Request<ReqBody>>, io::Error),
 }
 
 impl Raw {
@@ -136,7 +136,7 @@ impl Raw {
 /// reused.
 pub async fn exchange(
     mut raw: Raw,
-    req: Request<Incoming>,
+    req: Request<ReqBody>,
     added: &Added,
     home: Arc<dyn Home>,
     now: u64,

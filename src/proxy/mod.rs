@@ -2,17 +2,18 @@
 //!
 //! Owns the client listener (shared by the worker threads, each with its own current-thread
 //! runtime and upstream connections, so a request never hops threads once accepted), the
-//! per-connection hyper server (HTTP/1.1 and HTTP/2 prior knowledge on one port), the request
-//! path, and the shutdown sequence. Must never: hold a
-//! snapshot guard or any lock across an `.await`, buffer a body, log per request above debug.
+//! client connections (HTTP/1.1 requests without a body served by `inbound`, by hand; the rest,
+//! HTTP/2 prior knowledge included, by hyper's server on the same port), the request path, and
+//! the shutdown sequence. Must never: hold a snapshot guard or any lock across an `.await`,
+//! buffer a body, log per request above debug.
 //!
-//! Cost of the request path beyond hyper's own work: one header-size sum, the client-IP walk,
-//! one `ArcSwap` load, [`RuleSet::check`] (see its cost), the header rewrite for the hop (one
-//! allocation for `X-Forwarded-For`), two clock reads and one histogram observation; for an
-//! HTTP/1 client, the hand-over to its own upstream connection in the same task (`affine`:
-//! two uncontended locks, no trip through the runtime's queue); the header-read and response
-//! deadlines as slots of the worker's `coarse` timers (an uncontended lock to arm and one to
-//! disarm each, not tokio's timer wheel).
+//! Cost of the request path beyond the server side's own work (`inbound`'s, or hyper's): one
+//! header-size sum, the client-IP walk, one `ArcSwap` load, [`RuleSet::check`] (see its cost),
+//! the header rewrite for the hop (one allocation for `X-Forwarded-For`), two clock reads and
+//! one histogram observation; for an HTTP/1 client, the hand-over to its own upstream
+//! connection in the same task (`affine`: two uncontended locks, no trip through the runtime's
+//! queue); the header-read and response deadlines as slots of the worker's `coarse` timers (an
+//! uncontended lock to arm and one to disarm each, not tokio's timer wheel).
 
 mod accept;
 mod affine;
@@ -20,10 +21,10 @@ mod coarse;
 mod fds;
 pub mod forward;
 mod h1;
+mod inbound;
 pub mod reload;
 pub mod respond;
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -34,11 +35,8 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
-use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioExecutor, TokioTimer};
 use hyper_util::server::conn::auto;
-use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
@@ -52,6 +50,7 @@ use crate::key::{self, RequestView};
 use crate::limit::{AnyClock, Clock};
 use crate::metrics::{Metrics, Outcome};
 use crate::rules::RuleSet;
+use forward::ReqBody;
 use respond::Body;
 
 /// How often idle keys are swept from the per-rule stores.
@@ -453,7 +452,15 @@ async fn worker(
         .max_pending_accept_reset_streams(64)
         .keep_alive_interval(Some(config.timeouts.idle.0))
         .keep_alive_timeout(config.timeouts.header_read.0);
-    let graceful = GracefulShutdown::new();
+    // Tells this worker's connections that it drains; each holds `alive` until it ends.
+    let (drain_tx, draining) = watch::channel(false);
+    let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
+    let lane = Arc::new(inbound::Lane {
+        hyper: builder,
+        max_head: (config.limits.max_header_bytes.0 * 2).max(8192 + 1024),
+        header_read: config.timeouts.header_read.0,
+        draining,
+    });
     let idle = Arc::new(affine::Idle::default());
     // Ends with this worker's runtime.
     tokio::spawn(anchor_timer(
@@ -492,24 +499,12 @@ async fn worker(
             timers: timers.clone(),
             peer,
         });
-        let service_conn = conn.clone();
-        let service = service_fn(move |req| {
-            // Made with the request's future, so that one dropped before its first poll (an
-            // HTTP/2 stream reset at once) counts as abandoned too.
-            let guard = AbandonGuard(Some(service_conn.clone()));
-            async move {
-                let resp = handle(guard.conn(), req).await;
-                guard.disarm();
-                Ok::<_, Infallible>(resp)
-            }
-        });
-        let served = builder
-            .serve_connection_with_upgrades(TokioIo::new(stream), service)
-            .into_owned();
-        let served = graceful.watch(served);
+        let (lane, alive) = (lane.clone(), alive.clone());
         let metrics = shared.metrics.clone();
         metrics.connections.inc();
         tokio::spawn(async move {
+            let _alive = alive;
+            let served = inbound::serve(stream, conn.clone(), lane);
             match affine::drive(served, &conn.affine).await {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
@@ -527,8 +522,10 @@ async fn worker(
     }
     drop(listener);
     drop(closed);
+    let _ = drain_tx.send(true);
+    drop(alive);
     tokio::select! {
-        _ = graceful.shutdown() => tracing::debug!("worker drained"),
+        _ = all_ended.recv() => tracing::debug!("worker drained"),
         _ = tokio::time::sleep(config.timeouts.drain.0) => tracing::warn!("drain timed out; closing the remaining connections"),
     }
 }
@@ -621,7 +618,7 @@ impl Drop for AbandonGuard {
 }
 
 /// The request path.
-async fn handle(conn: &Conn, req: Request<Incoming>) -> Response<Body> {
+async fn handle(conn: &Conn, req: Request<ReqBody>) -> Response<Body> {
     let (shared, peer) = (&*conn.shared, conn.peer);
     let start = shared.clock.now();
     let metrics = &shared.metrics;
@@ -696,7 +693,7 @@ const DRAIN_TIME: Duration = Duration::from_millis(500);
 
 /// Reads and drops `body` if it ends within [`DRAIN_BYTES`] and [`DRAIN_TIME`]; false when it
 /// did not (the connection should then close). A body that is already over costs nothing.
-async fn drained(mut body: Incoming) -> bool {
+async fn drained(mut body: ReqBody) -> bool {
     use http_body_util::BodyExt;
     let mut read = 0usize;
     let drain = async {
@@ -723,7 +720,7 @@ fn elapsed(shared: &Shared, start: u64) -> f64 {
 }
 
 /// Bytes of the request head as sent (name, ": ", value, CRLF per header).
-fn header_bytes(req: &Request<Incoming>) -> usize {
+fn header_bytes<B>(req: &Request<B>) -> usize {
     req.headers()
         .iter()
         .map(|(k, v)| k.as_str().len() + v.len() + 4)

@@ -1,0 +1,840 @@
+//! A client connection: HTTP/1.1 requests without a body served here, written by hand; the
+//! rest of the connection handed to hyper's server.
+//!
+//! hyper's server side was most of our user-space instructions (BENCHMARKS.md): a dispatch
+//! loop and connection future per connection, its own read and write buffers, a read after
+//! every request to notice a client that leaves (which reallocated the 8 KiB read buffer for
+//! most requests, the request's head still holding the old one), and the response encoded
+//! through its buffer queue. Here one task reads a request head into the connection's buffer,
+//! parses it with httparse into the request the request path takes, and writes the response
+//! head and (for a small first piece) its body in one `write`.
+//!
+//! What is served here, per RFC 9112: a complete request head of HTTP/1.0 or 1.1 in origin
+//! form, without a body (no `Transfer-Encoding`, no `Content-Length` other than 0), without
+//! `Expect`, without `Upgrade`, not `CONNECT`. Anything else (a body, an upgrade, an HTTP/2
+//! preface, a head too large or malformed) hands the connection, with the bytes read so far,
+//! to hyper's server for the rest of its life, which answers it as before (400, 431, the
+//! upload streamed to the app, the WebSocket spliced). The response is delimited by its
+//! `Content-Length`, a known body size, chunks (HTTP/1.1) or the close (HTTP/1.0); `HEAD`,
+//! 204 and 304 get no body; trailers are not sent (nor did hyper send them to HTTP/1 clients).
+//! The connection stays open after a response unless the client asked otherwise (HTTP/1.1
+//! `close`, HTTP/1.0 without `keep-alive`), the response says `close`, its body was cut short,
+//! or the worker is draining.
+//!
+//! While a request is in flight its client's socket is watched with a one-byte `MSG_PEEK`
+//! only when the reactor says it is readable: an end of stream abandons the request (the
+//! connection closes, as hyper did); a pipelined request is left where it is. A head that does
+//! not arrive whole in the first read has `timeouts.header_read` from its first byte (hyper's
+//! rule); an idle connection waits without a deadline, as with hyper, until the worker drains.
+//!
+//! Cost per request: one `recv` for the head (nothing when the last one read it already),
+//! httparse, the `HeaderMap` (a heap allocation per header name outside the standard ones, as
+//! with hyper), the head's values shared with the buffer, one `write` for the response head
+//! and a body piece of up to [`COALESCE`]; no timer, no allocation for the buffer while the
+//! previous request's head is gone by the next read.
+
+use std::future::Future;
+use std::io;
+use std::mem::MaybeUninit;
+use std::pin::{pin, Pin};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body::Body as _;
+use http_body_util::{Either, Empty};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use super::forward::{has_token, ReqBody};
+use super::respond::Body;
+use super::{handle, AbandonGuard, Conn};
+
+/// Header fields in a request head at most (hyper's limit too); more hands the connection to
+/// hyper, which answers 431.
+const MAX_HEADERS: usize = 100;
+/// The buffer's room for a read.
+const READ: usize = 8 * 1024;
+/// A first body piece up to this size is copied behind the head and written with it.
+pub const COALESCE: usize = 16 * 1024;
+
+/// What a worker's connections share.
+pub struct Lane {
+    /// hyper's server, for the connections handed to it.
+    pub hyper: auto::Builder<TokioExecutor>,
+    /// A partial head at least this long is handed to hyper (which answers 431).
+    pub max_head: usize,
+    pub header_read: Duration,
+    /// Turns true when the worker drains.
+    pub draining: watch::Receiver<bool>,
+}
+
+type Error = Box<dyn std::error::Error + Send + Sync>;
+
+/// Serves the client connection `stream` until it ends.
+pub async fn serve(stream: TcpStream, conn: Arc<Conn>, lane: Arc<Lane>) -> Result<(), Error> {
+    let mut draining = lane.draining.clone();
+    // Made once per connection: waiting on it costs nothing per request.
+    let mut drained = pin!(async move {
+        let _ = draining.wait_for(|d| *d).await;
+    });
+    let mut s = Served {
+        stream,
+        buf: BytesMut::with_capacity(READ),
+        out: Vec::with_capacity(512),
+    };
+    loop {
+        let req = match s.head(&lane, drained.as_mut()).await? {
+            Next::Request(req) => req,
+            Next::Closed => return Ok(()),
+            Next::Hyper => return hand_off(s, conn, &lane, drained).await,
+        };
+        let mut asked = Asked::of(&req);
+        let guard = AbandonGuard(Some(conn.clone()));
+        let resp = {
+            let answer = pin!(handle(&conn, req));
+            match unless_left(&s.stream, answer).await {
+                Some(resp) => resp,
+                // The client left: the request's future is gone, `guard` counts it.
+                None => return Ok(()),
+            }
+        };
+        guard.disarm();
+        asked.keep_alive &= !lane.draining.has_changed().unwrap_or(true);
+        if !s.respond(resp, asked).await? {
+            let _ = s.stream.shutdown().await;
+            return Ok(());
+        }
+    }
+}
+
+/// What came in on a connection.
+// Unboxed: a box would be an allocation per request, for one move.
+#[allow(clippy::large_enum_variant)]
+enum Next {
+    Request(Request<ReqBody>),
+    /// Closed by the client, timed out in a head, or the worker drains.
+    Closed,
+    /// For hyper to serve from here on.
+    Hyper,
+}
+
+struct Served {
+    stream: TcpStream,
+    /// Read and not yet used.
+    buf: BytesMut,
+    /// The response head being written, kept for the next one.
+    out: Vec<u8>,
+}
+
+impl Served {
+    /// Reads until the buffer holds a whole request head this side serves.
+    async fn head(&mut self, lane: &Lane, mut drained: Pin<&mut impl Future>) -> io::Result<Next> {
+        let mut deadline = None;
+        loop {
+            if !self.buf.is_empty() {
+                match parse(&mut self.buf) {
+                    Parsed::Request(req) => return Ok(Next::Request(req)),
+                    Parsed::Other => return Ok(Next::Hyper),
+                    Parsed::Partial if self.buf.len() >= lane.max_head => return Ok(Next::Hyper),
+                    Parsed::Partial => {}
+                }
+                deadline.get_or_insert_with(|| tokio::time::Instant::now() + lane.header_read);
+            }
+            if self.buf.capacity() - self.buf.len() < 1024 {
+                self.buf.reserve(READ);
+            }
+            let n = match deadline {
+                // Between requests: no deadline, but the worker's drain ends the wait.
+                None => tokio::select! {
+                    biased;
+                    n = self.stream.read_buf(&mut self.buf) => n,
+                    _ = drained.as_mut() => return Ok(Next::Closed),
+                },
+                Some(at) => {
+                    match tokio::time::timeout_at(at, self.stream.read_buf(&mut self.buf)).await {
+                        Ok(n) => n,
+                        Err(_) => return Ok(Next::Closed),
+                    }
+                }
+            };
+            match n {
+                Ok(0) => return Ok(Next::Closed),
+                Ok(_) => {}
+                Err(e) if is_gone(&e) => return Ok(Next::Closed),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Writes `resp`; whether the connection may serve another request.
+    async fn respond(&mut self, resp: Response<Body>, asked: Asked) -> io::Result<bool> {
+        let (parts, body) = resp.into_parts();
+        let mut body = pin!(body);
+        let status = parts.status;
+        let closes = parts
+            .headers
+            .get_all(header::CONNECTION)
+            .iter()
+            .any(|v| has_token(v.as_bytes(), b"close"));
+        let mut stay = asked.keep_alive && !closes;
+        let given = parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| parse_length(v.as_bytes()));
+        let known = body.size_hint().exact();
+        let framing = if asked.head
+            || status.is_informational()
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+        {
+            Framing::None
+        } else if let Some(n) = given.or(known) {
+            Framing::Length(n)
+        } else if asked.http10 {
+            stay = false;
+            Framing::Close
+        } else {
+            Framing::Chunked
+        };
+        self.out.clear();
+        write_head(
+            &mut self.out,
+            status,
+            &parts.headers,
+            &framing,
+            known,
+            asked,
+            stay,
+        );
+        drop(parts);
+        if let Framing::None = framing {
+            self.stream.write_all(&self.out).await?;
+            return Ok(stay);
+        }
+        let mut left = match framing {
+            Framing::Length(n) => n,
+            _ => u64::MAX,
+        };
+        let mut first = true;
+        while left > 0 {
+            let frame = if first {
+                first = false;
+                // The first piece goes with the head when it is there already; a body that
+                // is not (a slow app, a stream of events) gets its head at once.
+                match std::future::poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx))).await {
+                    Poll::Ready(f) => f,
+                    Poll::Pending => {
+                        self.flush().await?;
+                        std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await
+                    }
+                }
+            } else {
+                std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await
+            };
+            let mut data = match frame {
+                None => break,
+                Some(Ok(f)) => match f.into_data() {
+                    Ok(d) => d,
+                    // Trailers: not for an HTTP/1 client.
+                    Err(_) => continue,
+                },
+                // The body broke off: the client can only tell by the close.
+                Some(Err(_)) => {
+                    self.flush().await?;
+                    return Ok(false);
+                }
+            };
+            if let Framing::Length(_) = framing {
+                if data.len() as u64 > left {
+                    // More than the length said: what is beyond it cannot be sent.
+                    data.truncate(left as usize);
+                    stay = false;
+                }
+                left -= data.len() as u64;
+            }
+            if data.is_empty() {
+                continue;
+            }
+            self.put(&data, &framing).await?;
+            if left > 0 && !body.is_end_stream() {
+                self.flush().await?;
+            }
+        }
+        if let Framing::Chunked = framing {
+            self.out.extend_from_slice(b"0\r\n\r\n");
+        }
+        self.flush().await?;
+        // A body shorter than its length: the client learns it from the close.
+        Ok(stay
+            && matches!(framing, Framing::Chunked | Framing::Length(_))
+            && (left == 0 || left == u64::MAX))
+    }
+
+    /// Queues one piece of the body behind what is queued; a large piece is written at once.
+    async fn put(&mut self, data: &Bytes, framing: &Framing) -> io::Result<()> {
+        use std::io::Write as _;
+        let chunked = matches!(framing, Framing::Chunked);
+        if chunked {
+            let _ = write!(self.out, "{:x}\r\n", data.len());
+        }
+        if data.len() <= COALESCE {
+            self.out.extend_from_slice(data);
+        } else {
+            self.flush().await?;
+            self.stream.write_all(data).await?;
+        }
+        if chunked {
+            self.out.extend_from_slice(b"\r\n");
+        }
+        Ok(())
+    }
+
+    /// Writes what is queued.
+    async fn flush(&mut self) -> io::Result<()> {
+        if !self.out.is_empty() {
+            self.stream.write_all(&self.out).await?;
+            self.out.clear();
+        }
+        Ok(())
+    }
+}
+
+/// What the request said about its response.
+#[derive(Clone, Copy)]
+struct Asked {
+    head: bool,
+    http10: bool,
+    /// The client keeps the connection (and the worker is not draining).
+    keep_alive: bool,
+}
+
+impl Asked {
+    fn of(req: &Request<ReqBody>) -> Asked {
+        let http10 = req.version() == Version::HTTP_10;
+        let has = |token: &[u8]| {
+            req.headers()
+                .get_all(header::CONNECTION)
+                .iter()
+                .any(|v| has_token(v.as_bytes(), token))
+        };
+        Asked {
+            head: req.method() == Method::HEAD,
+            http10,
+            keep_alive: if http10 {
+                has(b"keep-alive")
+            } else {
+                !has(b"close")
+            },
+        }
+    }
+}
+
+/// How a response's body is delimited.
+enum Framing {
+    None,
+    Length(u64),
+    Chunked,
+    Close,
+}
+
+/// The status line and the header fields: the response's own, except those this side sets
+/// (`Connection`, `Transfer-Encoding`, and `Content-Length` unless the response gave one),
+/// then `Date` unless given.
+fn write_head(
+    out: &mut Vec<u8>,
+    status: StatusCode,
+    headers: &HeaderMap,
+    framing: &Framing,
+    known: Option<u64>,
+    asked: Asked,
+    stay: bool,
+) {
+    // An HTTP/1.0 client is answered in its version (as hyper did).
+    out.extend_from_slice(if asked.http10 {
+        b"HTTP/1.0 "
+    } else {
+        b"HTTP/1.1 "
+    });
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    let mut length_given = false;
+    for (name, value) in headers {
+        if name == header::CONNECTION || name == header::TRANSFER_ENCODING {
+            continue;
+        }
+        length_given |= name == header::CONTENT_LENGTH;
+        field(out, name.as_str().as_bytes(), value.as_bytes());
+    }
+    if !headers.contains_key(header::DATE) {
+        date::with(|d| field(out, b"date", d));
+    }
+    let mut digits = [0u8; 20];
+    match framing {
+        Framing::Length(len) if !length_given => {
+            field(out, b"content-length", decimal(*len, &mut digits))
+        }
+        Framing::Chunked => field(out, b"transfer-encoding", b"chunked"),
+        // A HEAD's answer says the length a GET would have had, when it is known.
+        Framing::None if asked.head && !length_given => {
+            if let Some(len) = known.filter(|&l| l > 0) {
+                field(out, b"content-length", decimal(len, &mut digits));
+            }
+        }
+        _ => {}
+    }
+    if !stay {
+        field(out, b"connection", b"close");
+    } else if asked.http10 {
+        field(out, b"connection", b"keep-alive");
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `n` in decimal, written into `buf`.
+fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[i..];
+        }
+    }
+}
+
+/// A decimal length of at most 19 digits.
+fn parse_length(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(digits.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+/// The client reset or broke the connection: nothing to answer.
+fn is_gone(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+    )
+}
+
+/// What a look at the buffer found.
+#[allow(clippy::large_enum_variant)]
+enum Parsed {
+    Request(Request<ReqBody>),
+    /// Not whole yet.
+    Partial,
+    /// Not for this side: hyper's to serve (or refuse).
+    Other,
+}
+
+/// Takes a whole request head this side serves out of `buf`, as the request.
+fn parse(buf: &mut BytesMut) -> Parsed {
+    // Uninitialised: filling 100 empty fields first would cost more than the parse.
+    let mut fields = [const { MaybeUninit::uninit() }; MAX_HEADERS];
+    let mut parsed = httparse::Request::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
+        &mut parsed,
+        buf,
+        &mut fields,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Parsed::Partial,
+        Err(_) => return Parsed::Other,
+    };
+    let (Some(method), Some(path), Some(minor)) = (parsed.method, parsed.path, parsed.version)
+    else {
+        return Parsed::Other;
+    };
+    if !path.starts_with('/') {
+        return Parsed::Other;
+    }
+    let Ok(method) = Method::from_bytes(method.as_bytes()) else {
+        return Parsed::Other;
+    };
+    if method == Method::CONNECT {
+        return Parsed::Other;
+    }
+    let base = buf.as_ptr() as usize;
+    let at = |s: &[u8]| {
+        let start = s.as_ptr() as usize - base;
+        start..start + s.len()
+    };
+    let path = at(path.as_bytes());
+    let mut named: smallvec::SmallVec<[(HeaderName, std::ops::Range<usize>); 16]> =
+        smallvec::SmallVec::new();
+    for f in parsed.headers.iter() {
+        let Ok(name) = HeaderName::from_bytes(f.name.as_bytes()) else {
+            return Parsed::Other;
+        };
+        // A body, an upgrade or an expectation: hyper's.
+        let other = name == header::TRANSFER_ENCODING
+            || name == header::UPGRADE
+            || name == header::EXPECT
+            || (name == header::CONTENT_LENGTH && f.value != b"0");
+        if other {
+            return Parsed::Other;
+        }
+        named.push((name, at(f.value)));
+    }
+    let head = buf.split_to(len).freeze();
+    match request_of(&head, path, named, minor, method) {
+        Some(req) => Parsed::Request(req),
+        None => {
+            // hyper's to refuse, from the head on: put it back in front.
+            let mut whole = BytesMut::with_capacity(head.len() + buf.len());
+            whole.extend_from_slice(&head);
+            whole.extend_from_slice(buf);
+            *buf = whole;
+            Parsed::Other
+        }
+    }
+}
+
+/// The request of the parsed `head`: its target at `path`, its fields `named`; `None` when
+/// the target is no URI or a value no header value (hyper then answers 400).
+fn request_of(
+    head: &Bytes,
+    path: std::ops::Range<usize>,
+    named: smallvec::SmallVec<[(HeaderName, std::ops::Range<usize>); 16]>,
+    minor: u8,
+    method: Method,
+) -> Option<Request<ReqBody>> {
+    let uri = Uri::from_maybe_shared(head.slice(path)).ok()?;
+    let mut headers = HeaderMap::with_capacity(named.len());
+    for (name, range) in named {
+        headers.append(
+            name,
+            HeaderValue::from_maybe_shared(head.slice(range)).ok()?,
+        );
+    }
+    let mut req = Request::new(Either::Right(Empty::new()));
+    *req.method_mut() = method;
+    *req.uri_mut() = uri;
+    *req.version_mut() = if minor == 0 {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    *req.headers_mut() = headers;
+    Some(req)
+}
+
+/// Runs `answer` unless the client closes its connection first (`None`; `answer` is dropped).
+/// Bytes the client sends meanwhile (a pipelined request) stay in the socket.
+async fn unless_left<F: Future>(stream: &TcpStream, mut answer: Pin<&mut F>) -> Option<F::Output> {
+    let mut watching = true;
+    std::future::poll_fn(|cx| {
+        if let Poll::Ready(out) = answer.as_mut().poll(cx) {
+            return Poll::Ready(Some(out));
+        }
+        if watching {
+            let mut one = [MaybeUninit::<u8>::uninit(); 1];
+            let mut peek = ReadBuf::uninit(&mut one);
+            match stream.poll_peek(cx, &mut peek) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(None),
+                Poll::Ready(Ok(_)) => watching = false,
+                Poll::Pending => {}
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// Serves the rest of the connection with hyper's server: the bytes read so far first.
+async fn hand_off(
+    s: Served,
+    conn: Arc<Conn>,
+    lane: &Lane,
+    drained: Pin<&mut impl Future>,
+) -> Result<(), Error> {
+    let io = TokioIo::new(Rewind {
+        read: s.buf.freeze(),
+        stream: s.stream,
+    });
+    let service = service_fn(move |req: Request<hyper::body::Incoming>| {
+        // Made with the request's future, so that one dropped before its first poll (an
+        // HTTP/2 stream reset at once) counts as abandoned too.
+        let guard = AbandonGuard(Some(conn.clone()));
+        async move {
+            let resp = handle(guard.conn(), req.map(Either::Left)).await;
+            guard.disarm();
+            Ok::<_, std::convert::Infallible>(resp)
+        }
+    });
+    let mut served = pin!(lane.hyper.serve_connection_with_upgrades(io, service));
+    tokio::select! {
+        biased;
+        done = served.as_mut() => done,
+        _ = drained => {
+            served.as_mut().graceful_shutdown();
+            served.await
+        }
+    }
+}
+
+/// A connection with bytes already read from it in front.
+struct Rewind {
+    read: Bytes,
+    stream: TcpStream,
+}
+
+impl AsyncRead for Rewind {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if !this.read.is_empty() {
+            let n = this.read.len().min(buf.remaining());
+            buf.put_slice(&this.read[..n]);
+            this.read.advance(n);
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.stream).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Rewind {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+/// The `Date` field's value, formatted once a second per thread.
+mod date {
+    use std::cell::RefCell;
+    use std::time::{SystemTime, UNIX_EPOCH};
+
+    thread_local! {
+        static NOW: RefCell<(u64, String)> = const { RefCell::new((0, String::new())) };
+    }
+
+    pub fn with(f: impl FnOnce(&[u8])) {
+        let now = SystemTime::now();
+        let secs = now.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        NOW.with(|cell| {
+            let mut cached = cell.borrow_mut();
+            if cached.0 != secs || cached.1.is_empty() {
+                *cached = (secs, httpdate::fmt_http_date(now));
+            }
+            f(cached.1.as_bytes());
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(text: &[u8]) -> (Parsed, BytesMut) {
+        let mut buf = BytesMut::from(text);
+        (parse(&mut buf), buf)
+    }
+
+    #[test]
+    fn a_plain_request_is_taken_out_of_the_buffer_and_what_follows_stays() {
+        let (p, rest) = parsed(
+            b"GET /a?b=1 HTTP/1.1\r\nHost: x\r\nX-Client: c1\r\nX-Client: c2\r\n\r\nGET /next",
+        );
+        let Parsed::Request(req) = p else {
+            panic!("not served here")
+        };
+        assert_eq!(req.method(), Method::GET);
+        assert_eq!(req.uri(), "/a?b=1");
+        assert_eq!(req.version(), Version::HTTP_11);
+        assert_eq!(req.headers()["host"], "x");
+        let clients: Vec<_> = req.headers().get_all("x-client").iter().collect();
+        assert_eq!(clients, ["c1", "c2"]);
+        assert!(http_body::Body::is_end_stream(req.body()));
+        assert_eq!(&rest[..], b"GET /next");
+    }
+
+    #[test]
+    fn http10_head_and_a_zero_length_are_served_here() {
+        let (p, _) = parsed(b"HEAD / HTTP/1.0\r\nContent-Length: 0\r\n\r\n");
+        let Parsed::Request(req) = p else {
+            panic!("not served here")
+        };
+        assert_eq!(
+            (req.method(), req.version()),
+            (&Method::HEAD, Version::HTTP_10)
+        );
+    }
+
+    #[test]
+    fn a_head_not_yet_whole_waits() {
+        assert!(matches!(
+            parsed(b"GET / HTTP/1.1\r\nHost: x\r\n").0,
+            Parsed::Partial
+        ));
+    }
+
+    #[test]
+    fn bodies_upgrades_other_targets_and_garbage_go_to_hyper_with_every_byte() {
+        let others: &[&[u8]] = &[
+            b"POST /u HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
+            b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+            b"PUT /u HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n",
+            b"CONNECT app:443 HTTP/1.1\r\n\r\n",
+            b"OPTIONS * HTTP/1.1\r\n\r\n",
+            b"GET http://app/x HTTP/1.1\r\n\r\n",
+            b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+            // An HTTP/2 preface is known before it is whole.
+            b"PRI * HTTP/2",
+            b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
+            b"\x16\x03\x01\x02\x00",
+        ];
+        for text in others {
+            let (p, rest) = parsed(text);
+            assert!(
+                matches!(p, Parsed::Other),
+                "{:?}",
+                String::from_utf8_lossy(text)
+            );
+            assert_eq!(&rest[..], *text, "bytes kept for hyper");
+        }
+    }
+
+    #[test]
+    fn lengths_and_decimals() {
+        let mut digits = [0u8; 20];
+        assert_eq!(decimal(0, &mut digits), b"0");
+        assert_eq!(decimal(164, &mut digits), b"164");
+        assert_eq!(
+            decimal(u64::MAX, &mut digits),
+            u64::MAX.to_string().as_bytes()
+        );
+        assert_eq!(parse_length(b"164"), Some(164));
+        assert_eq!(parse_length(b""), None);
+        assert_eq!(parse_length(b"1 2"), None);
+        assert_eq!(parse_length(b"99999999999999999999"), None);
+    }
+
+    fn head_of(
+        status: StatusCode,
+        headers: &[(&str, &str)],
+        framing: Framing,
+        asked: Asked,
+        stay: bool,
+    ) -> String {
+        let mut map = HeaderMap::new();
+        for (n, v) in headers {
+            map.append(
+                HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        let mut out = Vec::new();
+        write_head(&mut out, status, &map, &framing, Some(3), asked, stay);
+        String::from_utf8(out).unwrap()
+    }
+
+    const GET11: Asked = Asked {
+        head: false,
+        http10: false,
+        keep_alive: true,
+    };
+
+    #[test]
+    fn the_head_says_how_the_body_ends_and_what_becomes_of_the_connection() {
+        let h = head_of(
+            StatusCode::OK,
+            &[("content-type", "text/plain")],
+            Framing::Length(3),
+            GET11,
+            true,
+        );
+        assert!(
+            h.starts_with("HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ndate: "),
+            "{h}"
+        );
+        assert!(h.ends_with("GMT\r\ncontent-length: 3\r\n\r\n"), "{h}");
+        // A length the response gave is not written twice; its own Connection is replaced.
+        let h = head_of(
+            StatusCode::OK,
+            &[("content-length", "3"), ("connection", "x")],
+            Framing::Length(3),
+            GET11,
+            false,
+        );
+        assert_eq!(h.matches("content-length").count(), 1, "{h}");
+        assert!(
+            !h.contains("connection: x") && h.ends_with("connection: close\r\n\r\n"),
+            "{h}"
+        );
+        let h = head_of(StatusCode::OK, &[], Framing::Chunked, GET11, true);
+        assert!(h.ends_with("transfer-encoding: chunked\r\n\r\n"), "{h}");
+        // HTTP/1.0: its own version, keep-alive said when kept.
+        let ten = Asked {
+            http10: true,
+            ..GET11
+        };
+        let h = head_of(
+            StatusCode::TOO_MANY_REQUESTS,
+            &[("date", "d")],
+            Framing::Close,
+            ten,
+            true,
+        );
+        assert!(
+            h.starts_with("HTTP/1.0 429 Too Many Requests\r\ndate: d\r\n"),
+            "{h}"
+        );
+        assert!(h.ends_with("connection: keep-alive\r\n\r\n"), "{h}");
+        // HEAD: the length a GET would have had.
+        let head = Asked {
+            head: true,
+            ..GET11
+        };
+        let h = head_of(StatusCode::OK, &[], Framing::None, head, true);
+        assert!(h.ends_with("content-length: 3\r\n\r\n"), "{h}");
+    }
+}

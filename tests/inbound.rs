@@ -1,0 +1,183 @@
+//! The proxy's own HTTP/1 server side (src/proxy/inbound.rs) as a client sees it on the wire:
+//! pipelined requests answered in order, HTTP/1.0 keep-alive and close, a request with a body
+//! handed to hyper in the middle of a connection, a client leaving mid-request noticed, idle
+//! connections closed by a drain.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+
+/// A response read off the wire: status line, lower-cased head, body (by its length).
+struct Answer {
+    status: String,
+    head: String,
+    body: String,
+}
+
+async fn read_answer(s: &mut BufReader<TcpStream>) -> Answer {
+    let mut status = String::new();
+    s.read_line(&mut status).await.unwrap();
+    let mut head = String::new();
+    let mut len = 0usize;
+    loop {
+        let mut line = String::new();
+        s.read_line(&mut line).await.unwrap();
+        if line == "\r\n" || line.is_empty() {
+            break;
+        }
+        let lower = line.to_ascii_lowercase();
+        if let Some(v) = lower.strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+        head.push_str(&lower);
+    }
+    let mut body = vec![0; len];
+    s.read_exact(&mut body).await.unwrap();
+    Answer {
+        status: status.trim_end().to_string(),
+        head,
+        body: String::from_utf8(body).unwrap(),
+    }
+}
+
+async fn connect(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
+    BufReader::new(TcpStream::connect(sc.addr()).await.unwrap())
+}
+
+/// The `x-n` header the upstream's `/echo` saw.
+fn echoed_n(a: &Answer) -> String {
+    let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    v["headers"]["x-n"].as_str().unwrap_or("").to_string()
+}
+
+async fn at_end(s: &mut BufReader<TcpStream>) -> bool {
+    let mut rest = Vec::new();
+    matches!(
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await,
+        Ok(Ok(0))
+    )
+}
+
+#[tokio::test]
+async fn pipelined_requests_are_answered_in_order_on_one_connection() {
+    let (sc, _up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    let three: String = (1..=3)
+        .map(|n| format!("GET /echo HTTP/1.1\r\nhost: app\r\nx-n: {n}\r\n\r\n"))
+        .collect();
+    c.get_mut().write_all(three.as_bytes()).await.unwrap();
+    for n in 1..=3 {
+        let a = read_answer(&mut c).await;
+        assert_eq!(a.status, "HTTP/1.1 200 OK");
+        assert_eq!(echoed_n(&a), n.to_string());
+    }
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn http10_clients_are_closed_unless_they_ask_for_keep_alive() {
+    let (sc, _up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    let asks = "GET /x HTTP/1.0\r\nconnection: keep-alive\r\n\r\n";
+    c.get_mut().write_all(asks.as_bytes()).await.unwrap();
+    let a = read_answer(&mut c).await;
+    assert_eq!(
+        (a.status.as_str(), a.body.as_str()),
+        ("HTTP/1.0 200 OK", "ok")
+    );
+    assert!(a.head.contains("connection: keep-alive\r\n"), "{}", a.head);
+    // The same connection, now without keep-alive: answered, then closed.
+    c.get_mut()
+        .write_all(b"GET /x HTTP/1.0\r\n\r\n")
+        .await
+        .unwrap();
+    let a = read_answer(&mut c).await;
+    assert_eq!(a.body, "ok");
+    assert!(a.head.contains("connection: close\r\n"), "{}", a.head);
+    assert!(at_end(&mut c).await, "closed after an HTTP/1.0 answer");
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn a_request_with_a_body_mid_connection_is_served_and_so_are_those_after_it() {
+    let (sc, _up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    let get = "GET /echo HTTP/1.1\r\nhost: app\r\nx-n: 1\r\n\r\n";
+    c.get_mut().write_all(get.as_bytes()).await.unwrap();
+    assert_eq!(echoed_n(&read_answer(&mut c).await), "1");
+    // From here hyper serves the connection, starting with the bytes already read.
+    let post = "POST /upload HTTP/1.1\r\nhost: app\r\ncontent-length: 5\r\n\r\nhello";
+    c.get_mut().write_all(post.as_bytes()).await.unwrap();
+    let a = read_answer(&mut c).await;
+    assert_eq!(
+        (a.status.as_str(), a.body.as_str()),
+        ("HTTP/1.1 200 OK", "5")
+    );
+    let get = "GET /echo HTTP/1.1\r\nhost: app\r\nx-n: 3\r\n\r\n";
+    c.get_mut().write_all(get.as_bytes()).await.unwrap();
+    assert_eq!(echoed_n(&read_answer(&mut c).await), "3");
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn a_client_that_leaves_mid_request_ends_its_upstream_exchange() {
+    // A raw upstream that takes one request, never answers, and says when the proxy hangs up.
+    let up = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up_addr = up.local_addr().unwrap();
+    let (got, mut got_rx) = tokio::sync::mpsc::unbounded_channel::<&str>();
+    tokio::spawn(async move {
+        let (mut s, _) = up.accept().await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let mut seen = Vec::new();
+        while !seen.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the proxy closed before a whole request");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        got.send("request").unwrap();
+        // Held until the proxy ends the exchange.
+        let n = s.read(&mut buf).await.unwrap_or(0);
+        got.send(if n == 0 { "closed" } else { "more bytes" })
+            .unwrap();
+    });
+    let sc = spillway::proxy::Sidecar::start(config(up_addr, "rules: []"))
+        .await
+        .unwrap();
+    let mut c = TcpStream::connect(sc.addr()).await.unwrap();
+    c.write_all(b"GET /held HTTP/1.1\r\nhost: app\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(got_rx.recv().await, Some("request"));
+    drop(c);
+    // The proxy's response deadline is 30 s: the close must come from the client leaving.
+    let ended = tokio::time::timeout(Duration::from_secs(10), got_rx.recv()).await;
+    assert_eq!(ended, Ok(Some("closed")));
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn a_drain_closes_idle_keep_alive_connections() {
+    let (sc, _up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    c.get_mut()
+        .write_all(b"GET /x HTTP/1.1\r\nhost: app\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_answer(&mut c).await.body, "ok");
+    sc.shutdown();
+    assert!(
+        at_end(&mut c).await,
+        "an idle connection is closed by the drain"
+    );
+    tokio::time::timeout(Duration::from_secs(10), sc.wait())
+        .await
+        .expect("the proxy stops once drained");
+}
