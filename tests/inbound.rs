@@ -181,3 +181,24 @@ async fn a_drain_closes_idle_keep_alive_connections() {
         .await
         .expect("the proxy stops once drained");
 }
+
+#[tokio::test]
+async fn idle_connections_are_closed_after_the_header_timeout_new_or_kept_alive() {
+    let (sc, _up) = sidecar("timeouts: { header_read: 200ms }\nrules: []").await;
+    // A client that connects and sends nothing.
+    let mut silent = connect(&sc).await;
+    // A client that made one request and stays idle.
+    let mut kept = connect(&sc).await;
+    kept.get_mut()
+        .write_all(b"GET /x HTTP/1.1\r\nhost: app\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_answer(&mut kept).await.body, "ok");
+    assert!(at_end(&mut silent).await, "a silent connection stayed open");
+    assert!(
+        at_end(&mut kept).await,
+        "an idle keep-alive connection stayed open"
+    );
+    sc.shutdown();
+    sc.wait().await;
+}

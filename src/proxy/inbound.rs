@@ -23,15 +23,17 @@
 //!
 //! While a request is in flight its client's socket is watched with a one-byte `MSG_PEEK`
 //! only when the reactor says it is readable: an end of stream abandons the request (the
-//! connection closes, as hyper did); a pipelined request is left where it is. A head that does
-//! not arrive whole in the first read has `timeouts.header_read` from its first byte (hyper's
-//! rule); an idle connection waits without a deadline, as with hyper, until the worker drains.
+//! connection closes, as hyper did); a pipelined request is left where it is. Each request
+//! head, the first included, must arrive whole within `timeouts.header_read` of the start of
+//! the wait for it (hyper's rule: an idle keep-alive connection is closed after it too, so an
+//! idle client does not keep a connection slot); between requests a drain closes it at once.
 //!
 //! Cost per request: one `recv` for the head (nothing when the last one read it already),
 //! httparse, the `HeaderMap` (a heap allocation per header name outside the standard ones, as
-//! with hyper), the head's values shared with the buffer, one `write` for the response head
-//! and a body piece of up to [`COALESCE`]; no timer, no allocation for the buffer while the
-//! previous request's head is gone by the next read.
+//! with hyper), the head's values shared with the buffer, a slot of the worker's `coarse`
+//! timers while the read waits, one `write` for the response head and a body piece of up to
+//! [`COALESCE`]; no allocation for the buffer while the previous request's head is gone by the
+//! next read.
 
 use std::future::Future;
 use std::io;
@@ -53,6 +55,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
+use super::coarse::{Sleep, Timers};
 use super::forward::{has_token, ReqBody};
 use super::respond::Body;
 use super::{handle, AbandonGuard, Conn};
@@ -72,6 +75,8 @@ pub struct Lane {
     /// A partial head at least this long is handed to hyper (which answers 431).
     pub max_head: usize,
     pub header_read: Duration,
+    /// The worker's timers (the header-read deadline).
+    pub timers: Arc<Timers>,
     /// Turns true when the worker drains.
     pub draining: watch::Receiver<bool>,
 }
@@ -135,9 +140,12 @@ struct Served {
 }
 
 impl Served {
-    /// Reads until the buffer holds a whole request head this side serves.
+    /// Reads until the buffer holds a whole request head this side serves, within
+    /// `timeouts.header_read` from the start of the wait (hyper's rule: it bounds an idle
+    /// keep-alive connection too, so an idle client does not keep its connection slot).
     async fn head(&mut self, lane: &Lane, mut drained: Pin<&mut impl Future>) -> io::Result<Next> {
-        let mut deadline = None;
+        // Armed (a slot in the worker's timers) only when a read has to wait.
+        let mut deadline = Sleep::until(lane.timers.clone(), Timers::now() + lane.header_read);
         loop {
             if !self.buf.is_empty() {
                 match parse(&mut self.buf) {
@@ -146,24 +154,17 @@ impl Served {
                     Parsed::Partial if self.buf.len() >= lane.max_head => return Ok(Next::Hyper),
                     Parsed::Partial => {}
                 }
-                deadline.get_or_insert_with(|| tokio::time::Instant::now() + lane.header_read);
             }
             if self.buf.capacity() - self.buf.len() < 1024 {
                 self.buf.reserve(READ);
             }
-            let n = match deadline {
-                // Between requests: no deadline, but the worker's drain ends the wait.
-                None => tokio::select! {
-                    biased;
-                    n = self.stream.read_buf(&mut self.buf) => n,
-                    _ = drained.as_mut() => return Ok(Next::Closed),
-                },
-                Some(at) => {
-                    match tokio::time::timeout_at(at, self.stream.read_buf(&mut self.buf)).await {
-                        Ok(n) => n,
-                        Err(_) => return Ok(Next::Closed),
-                    }
-                }
+            // Between requests the worker's drain ends the wait; within a head, the deadline.
+            let idle = self.buf.is_empty();
+            let n = tokio::select! {
+                biased;
+                n = self.stream.read_buf(&mut self.buf) => n,
+                _ = &mut deadline => return Ok(Next::Closed),
+                _ = drained.as_mut(), if idle => return Ok(Next::Closed),
             };
             match n {
                 Ok(0) => return Ok(Next::Closed),

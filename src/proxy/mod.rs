@@ -459,6 +459,7 @@ async fn worker(
         hyper: builder,
         max_head: (config.limits.max_header_bytes.0 * 2).max(8192 + 1024),
         header_read: config.timeouts.header_read.0,
+        timers: timers.clone(),
         draining,
     });
     let idle = Arc::new(affine::Idle::default());
