@@ -436,14 +436,15 @@ async fn worker(
     ));
     let config = shared.config.load_full();
     let timers = Arc::new(coarse::Timers::default());
+    // A request head this long is hyper's to answer with its own 431 (`inbound` hands it
+    // over); below it, the request path answers 431 with a body at `max_header_bytes`.
+    let max_head = (config.limits.max_header_bytes.0 * 2).max(8192 + 1024);
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
         .timer(coarse::HyperTimer(timers.clone()))
         .header_read_timeout(config.timeouts.header_read.0)
-        // hyper answers 431 itself past this; below it, the request path answers 431 with a
-        // body at `max_header_bytes`.
-        .max_buf_size((config.limits.max_header_bytes.0 * 2).max(8192 + 1024));
+        .max_buf_size(max_head);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -457,7 +458,7 @@ async fn worker(
     let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
     let lane = Arc::new(inbound::Lane {
         hyper: builder,
-        max_head: (config.limits.max_header_bytes.0 * 2).max(8192 + 1024),
+        max_head,
         header_read: config.timeouts.header_read.0,
         timers: timers.clone(),
         draining,
