@@ -38,11 +38,13 @@ async fn traffic(
     clients: usize,
     phase: Arc<Mutex<(usize, tokio::time::Instant)>>,
     stop: Arc<AtomicBool>,
+    limited: Arc<tokio::sync::Notify>,
 ) -> Seen {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let mut tasks = JoinSet::new();
     for c in 0..clients {
         let (seen, phase, stop) = (seen.clone(), phase.clone(), stop.clone());
+        let limited = limited.clone();
         tasks.spawn(async move {
             let client = client();
             let mut n = 0u64;
@@ -65,6 +67,9 @@ async fn traffic(
                     }
                     _ => 0,
                 };
+                if status == 429 {
+                    limited.notify_one();
+                }
                 let (p, since) = *phase.lock().unwrap();
                 let mut seen = seen.lock().unwrap();
                 *seen.by_phase[p].entry(status).or_default() += 1;
@@ -82,15 +87,29 @@ async fn traffic(
 }
 
 /// Runs traffic; after `before` calls `fault`, after `during` calls `restore` (which returns
-/// when the part is back), then keeps going for `after`. Returns what the clients saw.
-async fn scenario<F, R>(addr: SocketAddr, fault: F, restore: R, name: &str) -> Seen
+/// when the part is back), then keeps going for `after`. With `limiting`, `before` starts once
+/// the clients saw the limit enforced (a 429), which a control loop takes a few report rounds
+/// to reach. Returns what the clients saw.
+async fn scenario<F, R>(addr: SocketAddr, limiting: bool, fault: F, restore: R, name: &str) -> Seen
 where
     F: std::future::Future<Output = ()>,
     R: std::future::Future<Output = ()>,
 {
     let phase = Arc::new(Mutex::new((0usize, tokio::time::Instant::now())));
     let stop = Arc::new(AtomicBool::new(false));
-    let load = tokio::spawn(traffic(addr, 8, phase.clone(), stop.clone()));
+    let limited = Arc::new(tokio::sync::Notify::new());
+    let load = tokio::spawn(traffic(
+        addr,
+        8,
+        phase.clone(),
+        stop.clone(),
+        limited.clone(),
+    ));
+    if limiting {
+        tokio::time::timeout(Duration::from_secs(20), limited.notified())
+            .await
+            .unwrap_or_else(|_| panic!("{name}: the limit was never enforced before the fault"));
+    }
     tokio::time::sleep(Duration::from_millis(700)).await;
     phase.lock().unwrap().0 = 1;
     fault.await;
@@ -175,6 +194,7 @@ async fn control_plane_faults_lose_nothing_and_cause_no_5xx() {
     let (c1, c2) = (ctl.clone(), ctl.clone());
     let seen = scenario(
         sc.addr(),
+        true,
         async move { c1.lock().unwrap().kill() },
         async move {
             *c2.lock().unwrap() = Proc::spawn(&[
@@ -200,6 +220,7 @@ async fn control_plane_faults_lose_nothing_and_cause_no_5xx() {
     let (a1, a2) = (agg.clone(), agg.clone());
     let seen = scenario(
         sc.addr(),
+        true,
         async move { a1.lock().unwrap().kill() },
         async move {
             let mut a = agg_args(ctl_addr);
@@ -229,6 +250,7 @@ async fn a_redis_outage_loses_nothing_and_causes_no_5xx() {
     let (r1, r2) = (redis.clone(), redis.clone());
     let seen = scenario(
         sc.addr(),
+        true,
         async move { r1.lock().unwrap().stop() },
         async move { r2.lock().unwrap().restart() },
         "redis killed",
@@ -294,6 +316,7 @@ async fn an_upstream_outage_gives_fast_502s_and_full_recovery_without_a_restart(
     let (a1, a2) = (app.clone(), app.clone());
     let seen = scenario(
         sc.addr(),
+        false,
         async move {
             if let Some(a) = a1.lock().unwrap().take() {
                 a.kill();

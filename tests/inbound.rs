@@ -44,6 +44,12 @@ async fn read_answer(s: &mut BufReader<TcpStream>) -> Answer {
     }
 }
 
+/// Sends `text` on `c` and reads one answer.
+async fn ask(c: &mut BufReader<TcpStream>, text: &str) -> Answer {
+    c.get_mut().write_all(text.as_bytes()).await.unwrap();
+    read_answer(c).await
+}
+
 async fn connect(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
     BufReader::new(TcpStream::connect(sc.addr()).await.unwrap())
 }
@@ -83,20 +89,14 @@ async fn pipelined_requests_are_answered_in_order_on_one_connection() {
 async fn http10_clients_are_closed_unless_they_ask_for_keep_alive() {
     let (sc, _up) = sidecar("rules: []").await;
     let mut c = connect(&sc).await;
-    let asks = "GET /x HTTP/1.0\r\nconnection: keep-alive\r\n\r\n";
-    c.get_mut().write_all(asks.as_bytes()).await.unwrap();
-    let a = read_answer(&mut c).await;
+    let a = ask(&mut c, "GET /x HTTP/1.0\r\nconnection: keep-alive\r\n\r\n").await;
     assert_eq!(
         (a.status.as_str(), a.body.as_str()),
         ("HTTP/1.0 200 OK", "ok")
     );
     assert!(a.head.contains("connection: keep-alive\r\n"), "{}", a.head);
     // The same connection, now without keep-alive: answered, then closed.
-    c.get_mut()
-        .write_all(b"GET /x HTTP/1.0\r\n\r\n")
-        .await
-        .unwrap();
-    let a = read_answer(&mut c).await;
+    let a = ask(&mut c, "GET /x HTTP/1.0\r\n\r\n").await;
     assert_eq!(a.body, "ok");
     assert!(a.head.contains("connection: close\r\n"), "{}", a.head);
     assert!(at_end(&mut c).await, "closed after an HTTP/1.0 answer");
@@ -108,20 +108,16 @@ async fn http10_clients_are_closed_unless_they_ask_for_keep_alive() {
 async fn a_request_with_a_body_mid_connection_is_served_and_so_are_those_after_it() {
     let (sc, _up) = sidecar("rules: []").await;
     let mut c = connect(&sc).await;
-    let get = "GET /echo HTTP/1.1\r\nhost: app\r\nx-n: 1\r\n\r\n";
-    c.get_mut().write_all(get.as_bytes()).await.unwrap();
-    assert_eq!(echoed_n(&read_answer(&mut c).await), "1");
+    let get = |n: u32| format!("GET /echo HTTP/1.1\r\nhost: app\r\nx-n: {n}\r\n\r\n");
+    assert_eq!(echoed_n(&ask(&mut c, &get(1)).await), "1");
     // From here hyper serves the connection, starting with the bytes already read.
     let post = "POST /upload HTTP/1.1\r\nhost: app\r\ncontent-length: 5\r\n\r\nhello";
-    c.get_mut().write_all(post.as_bytes()).await.unwrap();
-    let a = read_answer(&mut c).await;
+    let a = ask(&mut c, post).await;
     assert_eq!(
         (a.status.as_str(), a.body.as_str()),
         ("HTTP/1.1 200 OK", "5")
     );
-    let get = "GET /echo HTTP/1.1\r\nhost: app\r\nx-n: 3\r\n\r\n";
-    c.get_mut().write_all(get.as_bytes()).await.unwrap();
-    assert_eq!(echoed_n(&read_answer(&mut c).await), "3");
+    assert_eq!(echoed_n(&ask(&mut c, &get(3)).await), "3");
     sc.shutdown();
     sc.wait().await;
 }
@@ -167,11 +163,18 @@ async fn a_client_that_leaves_mid_request_ends_its_upstream_exchange() {
 async fn a_drain_closes_idle_keep_alive_connections() {
     let (sc, _up) = sidecar("rules: []").await;
     let mut c = connect(&sc).await;
-    c.get_mut()
-        .write_all(b"GET /x HTTP/1.1\r\nhost: app\r\n\r\n")
+    assert_eq!(
+        ask(
+            &mut c,
+            "GET /x HTTP/1.1
+host: app
+
+"
+        )
         .await
-        .unwrap();
-    assert_eq!(read_answer(&mut c).await.body, "ok");
+        .body,
+        "ok"
+    );
     sc.shutdown();
     assert!(
         at_end(&mut c).await,
@@ -189,11 +192,15 @@ async fn idle_connections_are_closed_after_the_header_timeout_new_or_kept_alive(
     let mut silent = connect(&sc).await;
     // A client that made one request and stays idle.
     let mut kept = connect(&sc).await;
-    kept.get_mut()
-        .write_all(b"GET /x HTTP/1.1\r\nhost: app\r\n\r\n")
-        .await
-        .unwrap();
-    assert_eq!(read_answer(&mut kept).await.body, "ok");
+    let a = ask(
+        &mut kept,
+        "GET /x HTTP/1.1
+host: app
+
+",
+    )
+    .await;
+    assert_eq!(a.body, "ok");
     assert!(at_end(&mut silent).await, "a silent connection stayed open");
     assert!(
         at_end(&mut kept).await,
