@@ -398,7 +398,7 @@ fn framing(
 }
 
 /// A decimal length of at most 19 digits.
-fn parse_length(digits: &[u8]) -> Option<u64> {
+pub(super) fn parse_length(digits: &[u8]) -> Option<u64> {
     if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
         return None;
     }

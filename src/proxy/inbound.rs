@@ -57,6 +57,7 @@ use tokio::sync::watch;
 
 use super::coarse::{Sleep, Timers};
 use super::forward::{has_token, ReqBody};
+use super::h1::parse_length;
 use super::respond::Body;
 use super::{handle, AbandonGuard, Conn};
 
@@ -419,14 +420,6 @@ fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
             return &buf[i..];
         }
     }
-}
-
-/// A decimal length of at most 19 digits.
-fn parse_length(digits: &[u8]) -> Option<u64> {
-    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    Some(digits.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
 }
 
 /// The client reset or broke the connection: nothing to answer.
