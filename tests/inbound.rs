@@ -8,47 +8,8 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
-
-/// A response read off the wire: status line, lower-cased head, body (by its length).
-struct Answer {
-    status: String,
-    head: String,
-    body: String,
-}
-
-async fn read_answer(s: &mut BufReader<TcpStream>) -> Answer {
-    let mut status = String::new();
-    s.read_line(&mut status).await.unwrap();
-    let mut head = String::new();
-    let mut len = 0usize;
-    loop {
-        let mut line = String::new();
-        s.read_line(&mut line).await.unwrap();
-        if line == "\r\n" || line.is_empty() {
-            break;
-        }
-        let lower = line.to_ascii_lowercase();
-        if let Some(v) = lower.strip_prefix("content-length:") {
-            len = v.trim().parse().unwrap();
-        }
-        head.push_str(&lower);
-    }
-    let mut body = vec![0; len];
-    s.read_exact(&mut body).await.unwrap();
-    Answer {
-        status: status.trim_end().to_string(),
-        head,
-        body: String::from_utf8(body).unwrap(),
-    }
-}
-
-/// Sends `text` on `c` and reads one answer.
-async fn ask(c: &mut BufReader<TcpStream>, text: &str) -> Answer {
-    c.get_mut().write_all(text.as_bytes()).await.unwrap();
-    read_answer(c).await
-}
 
 async fn connect(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
     BufReader::new(TcpStream::connect(sc.addr()).await.unwrap())

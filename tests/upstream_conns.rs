@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::*;
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
@@ -74,26 +74,8 @@ async fn counting(per_conn: usize) -> Counting {
 
 /// Sends one GET on `stream` and returns (status line, body).
 async fn get_on(stream: &mut BufReader<TcpStream>, head: &str) -> (String, String) {
-    stream.get_mut().write_all(head.as_bytes()).await.unwrap();
-    let mut status = String::new();
-    stream.read_line(&mut status).await.unwrap();
-    let mut len = 0usize;
-    loop {
-        let mut line = String::new();
-        stream.read_line(&mut line).await.unwrap();
-        if line == "\r\n" {
-            break;
-        }
-        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
-            len = v.trim().parse().unwrap();
-        }
-    }
-    let mut body = vec![0; len];
-    stream.read_exact(&mut body).await.unwrap();
-    (
-        status.trim_end().to_string(),
-        String::from_utf8(body).unwrap(),
-    )
+    let a = ask(stream, head).await;
+    (a.status, a.body)
 }
 
 const GET: &str = "GET /x HTTP/1.1\r\nhost: app\r\n\r\n";

@@ -589,3 +589,45 @@ impl RedisCluster {
         format!("[{}]", urls.join(", "))
     }
 }
+
+/// A response read off the wire: status line, lower-cased head, body (by its length).
+pub struct Answer {
+    pub status: String,
+    pub head: String,
+    pub body: String,
+}
+
+/// Reads one response from a raw HTTP/1 connection.
+pub async fn read_answer(s: &mut tokio::io::BufReader<tokio::net::TcpStream>) -> Answer {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt};
+    let mut status = String::new();
+    s.read_line(&mut status).await.unwrap();
+    let mut head = String::new();
+    let mut len = 0usize;
+    loop {
+        let mut line = String::new();
+        s.read_line(&mut line).await.unwrap();
+        if line == "\r\n" || line.is_empty() {
+            break;
+        }
+        let lower = line.to_ascii_lowercase();
+        if let Some(v) = lower.strip_prefix("content-length:") {
+            len = v.trim().parse().unwrap();
+        }
+        head.push_str(&lower);
+    }
+    let mut body = vec![0; len];
+    s.read_exact(&mut body).await.unwrap();
+    Answer {
+        status: status.trim_end().to_string(),
+        head,
+        body: String::from_utf8(body).unwrap(),
+    }
+}
+
+/// Sends `text` on a raw HTTP/1 connection and reads one answer.
+pub async fn ask(c: &mut tokio::io::BufReader<tokio::net::TcpStream>, text: &str) -> Answer {
+    use tokio::io::AsyncWriteExt;
+    c.get_mut().write_all(text.as_bytes()).await.unwrap();
+    read_answer(c).await
+}
