@@ -170,3 +170,28 @@ host: app
     sc.shutdown();
     sc.wait().await;
 }
+
+#[tokio::test]
+async fn a_head_larger_than_the_first_buffer_arriving_in_pieces_is_served_whole() {
+    let (sc, _up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    // 12 KiB of one header (the limit is 16 KiB), written in 1 KiB pieces, then a plain
+    // request behind it on the same connection.
+    let big = "b".repeat(12 * 1024);
+    let head = format!("GET /echo HTTP/1.1\r\nhost: app\r\nx-big: {big}\r\nx-n: 1\r\n\r\n");
+    for piece in head.as_bytes().chunks(1024) {
+        c.get_mut().write_all(piece).await.unwrap();
+        c.get_mut().flush().await.unwrap();
+    }
+    let a = read_answer(&mut c).await;
+    let echo: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    assert_eq!(
+        echo["headers"]["x-big"].as_str().map(str::len),
+        Some(big.len())
+    );
+    assert_eq!(echoed_n(&a), "1");
+    let a = ask(&mut c, "GET /echo HTTP/1.1\r\nhost: app\r\nx-n: 2\r\n\r\n").await;
+    assert_eq!(echoed_n(&a), "2");
+    sc.shutdown();
+    sc.wait().await;
+}

@@ -64,8 +64,9 @@ use super::{handle, AbandonGuard, Conn};
 /// Header fields in a request head at most (hyper's limit too); more hands the connection to
 /// hyper, which answers 431.
 const MAX_HEADERS: usize = 100;
-/// The buffer's room for a read.
-const READ: usize = 8 * 1024;
+/// The buffer's first size, and its least room for a read: most request heads are a few
+/// hundred bytes (nginx starts with 1 KiB). A larger head doubles it as it comes.
+const READ: usize = 2 * 1024;
 /// A first body piece up to this size is copied behind the head and written with it.
 pub const COALESCE: usize = 16 * 1024;
 
@@ -157,7 +158,8 @@ impl Served {
                 }
             }
             if self.buf.capacity() - self.buf.len() < 1024 {
-                self.buf.reserve(READ);
+                // Reclaimed in place once the last request's head is gone; grown otherwise.
+                self.buf.reserve(self.buf.len().max(READ));
             }
             // Between requests the worker's drain ends the wait; within a head, the deadline.
             let idle = self.buf.is_empty();
