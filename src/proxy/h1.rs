@@ -405,9 +405,9 @@ pub(super) fn parse_length(digits: &[u8]) -> Option<u64> {
     Some(digits.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
 }
 
-/// Whether the upstream keeps the connection open after a response with these `connection`
-/// values.
-fn keeps_alive(version: Version, connection: &[&[u8]]) -> bool {
+/// Whether a message of `version` with these `Connection` values leaves its connection open
+/// for another exchange (RFC 9112 §9.3): the upstream's response, or the client's request.
+pub(super) fn keeps_alive(version: Version, connection: &[&[u8]]) -> bool {
     let has = |token: &[u8]| connection.iter().any(|v| has_token(v, token));
     if version == Version::HTTP_10 {
         has(b"keep-alive")

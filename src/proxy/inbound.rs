@@ -57,7 +57,7 @@ use tokio::sync::watch;
 
 use super::coarse::{Sleep, Timers};
 use super::forward::{has_token, ReqBody};
-use super::h1::parse_length;
+use super::h1::{keeps_alive, parse_length};
 use super::respond::Body;
 use super::{handle, AbandonGuard, Conn};
 
@@ -322,21 +322,16 @@ struct Asked {
 
 impl Asked {
     fn of(req: &Request<ReqBody>) -> Asked {
-        let http10 = req.version() == Version::HTTP_10;
-        let has = |token: &[u8]| {
-            req.headers()
-                .get_all(header::CONNECTION)
-                .iter()
-                .any(|v| has_token(v.as_bytes(), token))
-        };
+        let connection: smallvec::SmallVec<[&[u8]; 2]> = req
+            .headers()
+            .get_all(header::CONNECTION)
+            .iter()
+            .map(HeaderValue::as_bytes)
+            .collect();
         Asked {
             head: req.method() == Method::HEAD,
-            http10,
-            keep_alive: if http10 {
-                has(b"keep-alive")
-            } else {
-                !has(b"close")
-            },
+            http10: req.version() == Version::HTTP_10,
+            keep_alive: keeps_alive(req.version(), &connection),
         }
     }
 }
