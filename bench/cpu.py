@@ -5,7 +5,8 @@ Where instructions.py counts the proxy's user space only, this reads what the pr
 spent in all (`/proc/PID/stat` utime and stime): each proxy with one worker, h2load sending N
 requests over 16 keep-alive HTTP/1.1 connections with one key after a warm-up, rounds
 alternating the proxies, medians. The paths of instructions.py: every request forwarded, every
-request refused, every request forwarded from an HTTP/2 client. With `--syscalls`, one more run
+request refused, every request forwarded from an HTTP/2 client, every request a 1 KiB POST
+forwarded. With `--syscalls`, one more run
 per proxy and path under `strace -c` counts the system calls per request (strace slows the
 proxy; only the counts are used).
 
@@ -35,28 +36,29 @@ def cpu_seconds(pid):
     return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
-def load(port, requests, conns, h2):
-    subprocess.run(I.h2load(port, conns, h2) + ["-n", str(requests)], capture_output=True, check=True)
+def load(port, requests, conns, h2, body):
+    subprocess.run(I.h2load(port, conns, h2, body) + ["-n", str(requests)], capture_output=True,
+                   check=True)
 
 
-def measured(cmd, port, requests, conns, h2, syscalls_to=None):
+def measured(cmd, port, requests, conns, h2, body, syscalls_to=None):
     """Runs `cmd` (a proxy in the foreground) and returns its (user, kernel) microseconds per
     request; with `syscalls_to`, counts its system calls into that file instead."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         C.wait_port(port, timeout=30)
-        load(port, 5000, conns, h2)
+        load(port, 5000, conns, h2, body)
         if syscalls_to:
             strace = subprocess.Popen(["strace", "-f", "-c", "-o", syscalls_to, "-p", str(proc.pid)],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             # strace says it attached on stderr: wait for that, not for a while.
             strace.stderr.readline()
-            load(port, requests, conns, h2)
+            load(port, requests, conns, h2, body)
             strace.send_signal(signal.SIGINT)
             strace.wait(timeout=30)
             return None
         (u0, k0) = cpu_seconds(proc.pid)
-        load(port, requests, conns, h2)
+        load(port, requests, conns, h2, body)
         (u1, k1) = cpu_seconds(proc.pid)
         return (u1 - u0) * 1e6 / requests, (k1 - k0) * 1e6 / requests
     finally:
@@ -90,13 +92,14 @@ def main():
     results = {}
     calls = {}
     try:
-        for path_name, limit, h2 in I.PATHS:
+        for path_name, limit, h2, size in I.PATHS:
             for r in range(args.rounds):
                 for name, binary in proxies:
                     d = tempfile.mkdtemp(prefix="spillway-bench-cpu-")
                     port = C.free_port()
                     cmd = I.proxy_cmd(binary, port, up_port, limit, d, h2)
-                    user, kernel = measured(cmd, port, args.requests, args.conns, h2)
+                    user, kernel = measured(cmd, port, args.requests, args.conns, h2,
+                                            I.body_file(d, size))
                     results.setdefault((name, path_name), []).append((user, kernel))
                     print(f"round {r + 1}: {name}, {path_name}: user {user:.2f} us, kernel "
                           f"{kernel:.2f} us per request", file=sys.stderr, flush=True)
@@ -106,7 +109,8 @@ def main():
                     port = C.free_port()
                     cmd = I.proxy_cmd(binary, port, up_port, limit, d, h2)
                     out = os.path.join(d, "strace.txt")
-                    measured(cmd, port, args.requests // 5, args.conns, h2, syscalls_to=out)
+                    measured(cmd, port, args.requests // 5, args.conns, h2, I.body_file(d, size),
+                             syscalls_to=out)
                     calls[(name, path_name)] = syscalls_per_request(out, args.requests // 5)
     finally:
         upstream.stop()

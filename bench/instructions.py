@@ -5,9 +5,10 @@ Wall-clock figures on a shared 2-core VM move by 10-15 % between runs of the sam
 change worth 3 % cannot be seen in them. Instructions executed in the proxy's own process are
 nearly deterministic: this runs each proxy under valgrind's callgrind with one worker, sends a
 warm-up, zeroes the counters, sends N requests with h2load (HTTP/1.1, 16 keep-alive
-connections, one key), dumps the counters and divides. Three paths: every request forwarded (no
-limit reached), every request refused (a limit of 1/s), and every request forwarded from an
-HTTP/2 client (h2c with prior knowledge, 10 streams per connection). Kernel time is not
+connections, one key), dumps the counters and divides. Four paths: every request forwarded (no
+limit reached), every request refused (a limit of 1/s), every request forwarded from an HTTP/2
+client (h2c with prior knowledge, 10 streams per connection), and every request a POST with a
+1 KiB body, forwarded. Kernel time is not
 counted: it is the same syscalls for both proxies (see BENCHMARKS.md).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
@@ -24,24 +25,37 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare as C  # noqa: E402
 
 CALLGRIND = ["valgrind", "--tool=callgrind", "--compress-strings=no", "--compress-pos=no"]
-# (path, per-key limit, HTTP/2 client)
-PATHS = [("forwarded", None, False), ("refused (429)", 1, False), ("forwarded, HTTP/2", None, True)]
+# (path, per-key limit, HTTP/2 client, request body bytes)
+PATHS = [("forwarded", None, False, 0), ("refused (429)", 1, False, 0),
+         ("forwarded, HTTP/2", None, True, 0), ("forwarded, 1 KiB POST", None, False, 1024)]
 
 
-def h2load(port, conns, h2):
-    """h2load's command for one path: HTTP/1.1, or HTTP/2 with 10 streams per connection."""
+def h2load(port, conns, h2, body=None):
+    """h2load's command for one path: HTTP/1.1, or HTTP/2 with 10 streams per connection;
+    `body`, a file each request POSTs."""
     protocol = ["-m", "10"] if h2 else ["--h1"]
-    return ["h2load", *protocol, "-c", str(conns), "-H", "x-client: c1",
+    data = ["-d", body] if body else []
+    return ["h2load", *protocol, *data, "-c", str(conns), "-H", "x-client: c1",
             f"http://127.0.0.1:{port}/api/x"]
 
 
-def counted(cmd, port, out_dir, requests, conns, h2=False):
+def body_file(d, size):
+    """A file of `size` bytes in `d` for h2load to POST, or None for no body."""
+    if not size:
+        return None
+    path = os.path.join(d, "body")
+    with open(path, "wb") as f:
+        f.write(b"x" * size)
+    return path
+
+
+def counted(cmd, port, out_dir, requests, conns, h2=False, body=None):
     """Runs `cmd` under callgrind and returns its instructions per request and h2load's status line."""
     proc = subprocess.Popen(CALLGRIND + [f"--callgrind-out-file={out_dir}/cg.%p"] + cmd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         C.wait_port(port, timeout=120)
-        load = h2load(port, conns, h2)
+        load = h2load(port, conns, h2, body)
         subprocess.run(load + ["-n", "2000"], capture_output=True, check=True)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], capture_output=True, check=True)
         out = subprocess.run(load + ["-n", str(requests)], capture_output=True, text=True,
@@ -105,12 +119,13 @@ def main():
     up_port, upstream = C.start_upstream()
     rows = []
     try:
-        for path_name, limit, h2 in PATHS:
+        for path_name, limit, h2, size in PATHS:
             for name, binary in proxies(args.baseline):
                 d = tempfile.mkdtemp(prefix="spillway-bench-cg-")
                 port = C.free_port()
                 cmd = proxy_cmd(binary, port, up_port, limit, d, h2)
-                per, status = counted(cmd, port, d, args.requests, args.conns, h2)
+                per, status = counted(cmd, port, d, args.requests, args.conns, h2,
+                                      body_file(d, size))
                 print(f"{name}, {path_name}: {per:.0f} instructions per request ({status})",
                       file=sys.stderr, flush=True)
                 rows.append((name, path_name, per))

@@ -1,7 +1,8 @@
 //! The proxy's own HTTP/1 server side (src/proxy/inbound.rs) as a client sees it on the wire:
-//! pipelined requests answered in order, HTTP/1.0 keep-alive and close, a request with a body
-//! handed to hyper in the middle of a connection, a client leaving mid-request noticed, idle
-//! connections closed by a drain.
+//! pipelined requests answered in order, HTTP/1.0 keep-alive and close, a small body sent with
+//! its head forwarded on the connection's own upstream connection, a larger body or one that
+//! comes later handed to hyper in the middle of a connection, a client leaving mid-request
+//! noticed, idle connections closed by a drain.
 
 mod common;
 
@@ -65,20 +66,84 @@ async fn http10_clients_are_closed_unless_they_ask_for_keep_alive() {
     sc.wait().await;
 }
 
+/// The `peer` the upstream's `/echo` saw: the proxy's end of the upstream connection.
+fn echoed_peer(a: &Answer) -> String {
+    let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    v["peer"].as_str().unwrap().to_string()
+}
+
+#[tokio::test]
+async fn a_small_body_sent_with_its_head_goes_on_the_connections_own_upstream_connection() {
+    let (sc, _up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    let get = |n: u32| format!("GET /echo HTTP/1.1\r\nhost: app\r\nx-n: {n}\r\n\r\n");
+    let first = ask(&mut c, &get(1)).await;
+    // Twice: a client's first exchange borrows from the worker's list, its second keeps one.
+    let own = echoed_peer(&ask(&mut c, &get(2)).await);
+    let post = "POST /echo HTTP/1.1\r\nhost: app\r\ncontent-length: 5\r\n\r\nhello";
+    let a = ask(&mut c, post).await;
+    assert_eq!(a.status, "HTTP/1.1 200 OK");
+    let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    assert_eq!(v["body"], "hello");
+    assert_eq!(v["headers"]["content-length"], "5");
+    // hyper's pooled client would have sent it on a connection of its own.
+    assert_eq!(
+        echoed_peer(&a),
+        own,
+        "first exchange on {}",
+        echoed_peer(&first)
+    );
+    // Pipelined behind a body: both answered, in order, still on our own side.
+    let two = format!("{post}{}", get(4));
+    c.get_mut().write_all(two.as_bytes()).await.unwrap();
+    let a = read_answer(&mut c).await;
+    assert_eq!(echoed_peer(&a), own);
+    let a = read_answer(&mut c).await;
+    assert_eq!((echoed_n(&a), echoed_peer(&a)), ("4".to_string(), own));
+    sc.shutdown();
+    sc.wait().await;
+}
+
 #[tokio::test]
 async fn a_request_with_a_body_mid_connection_is_served_and_so_are_those_after_it() {
     let (sc, _up) = sidecar("rules: []").await;
     let mut c = connect(&sc).await;
     let get = |n: u32| format!("GET /echo HTTP/1.1\r\nhost: app\r\nx-n: {n}\r\n\r\n");
     assert_eq!(echoed_n(&ask(&mut c, &get(1)).await), "1");
-    // From here hyper serves the connection, starting with the bytes already read.
-    let post = "POST /upload HTTP/1.1\r\nhost: app\r\ncontent-length: 5\r\n\r\nhello";
-    let a = ask(&mut c, post).await;
+    // A body larger than is read with its head: from here hyper serves the connection,
+    // starting with the bytes already read.
+    let large = 20_000;
+    let post = format!(
+        "POST /upload HTTP/1.1\r\nhost: app\r\ncontent-length: {large}\r\n\r\n{}",
+        "x".repeat(large)
+    );
+    let a = ask(&mut c, &post).await;
+    assert_eq!(
+        (a.status.as_str(), a.body),
+        ("HTTP/1.1 200 OK", large.to_string())
+    );
+    assert_eq!(echoed_n(&ask(&mut c, &get(3)).await), "3");
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn a_small_body_that_comes_after_its_head_is_not_waited_for_here() {
+    let (sc, up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    let head = "POST /upload HTTP/1.1\r\nhost: app\r\ncontent-length: 5\r\n\r\n";
+    c.get_mut().write_all(head.as_bytes()).await.unwrap();
+    // The head reaches the app before the body exists: hyper streams it; our side, which
+    // sends a body with its head, would still be waiting.
+    let arrived = up.signals.upload_head.notified();
+    tokio::time::timeout(Duration::from_secs(10), arrived)
+        .await
+        .expect("the head was forwarded without its body");
+    let a = ask(&mut c, "hello").await;
     assert_eq!(
         (a.status.as_str(), a.body.as_str()),
         ("HTTP/1.1 200 OK", "5")
     );
-    assert_eq!(echoed_n(&ask(&mut c, &get(3)).await), "3");
     sc.shutdown();
     sc.wait().await;
 }

@@ -15,8 +15,9 @@
 //! A connect only when there is no usable connection: the first request, after the upstream
 //! closed it, or after [`Upstream::idle`] unused.
 //!
-//! Used for requests without a body or an upgrade to an HTTP/1 upstream; requests with a body,
-//! upgrades and `h2c://` upstreams keep the pooled client. A client connection's first exchange
+//! Used for requests without an upgrade to an HTTP/1 upstream whose body is none or in hand
+//! (read with the head by `inbound`); requests whose body is still coming, upgrades and
+//! `h2c://` upstreams keep the pooled client. A client connection's first exchange
 //! only borrows a connection from the worker's [`Idle`] list (or a new one): at the body's end
 //! it goes back there, for whichever request comes next, so a client that sends one request
 //! and leaves, or a burst of them, costs no connection each; from its second exchange on, an
@@ -106,7 +107,7 @@ impl Affine {
         }
     }
 
-    /// Sends `req` (as the client sent it, no body), with the headers the hop changes
+    /// Sends `req` (as the client sent it, with no body or one in hand), with the headers the hop changes
     /// (`added`), on this client connection's upstream connection, connecting first when there
     /// is none usable; `now` is the clock's time. A
     /// connection the upstream closed meanwhile is not used (a new one is made); a request

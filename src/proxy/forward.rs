@@ -12,6 +12,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::Either;
@@ -30,9 +31,44 @@ use crate::metrics::{Metrics, UpstreamError};
 
 pub type UpstreamClient = Client<HttpConnector, ReqBody>;
 
-/// A client request's body: hyper's, or none (a request our own HTTP/1 server side parsed,
-/// `inbound`, never has one).
-pub type ReqBody = Either<Incoming, http_body_util::Empty<bytes::Bytes>>;
+/// A client request's body: hyper's, or one our own HTTP/1 server side (`inbound`) read whole
+/// with its head (none, or a small body that came with it).
+pub type ReqBody = Either<Incoming, InHand>;
+
+/// A request body read whole before the request was made, given as one frame.
+#[derive(Debug, Default)]
+pub struct InHand(Option<Bytes>);
+
+impl InHand {
+    pub fn new(bytes: Bytes) -> Self {
+        Self((!bytes.is_empty()).then_some(bytes))
+    }
+
+    /// What is left to give: all of it until the body is polled.
+    pub fn bytes(&self) -> &[u8] {
+        self.0.as_deref().unwrap_or_default()
+    }
+}
+
+impl http_body::Body for InHand {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        std::task::Poll::Ready(self.0.take().map(|b| Ok(http_body::Frame::data(b))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_none()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        http_body::SizeHint::with_exact(self.bytes().len() as u64)
+    }
+}
 
 /// An upstream response's body: from the pooled client, or read from our own connection.
 pub type UpstreamBody = Either<Incoming, super::h1::RawBody>;
@@ -99,14 +135,18 @@ impl Forward<'_> {
         let upgrade = (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut req));
         // The client connection's own upstream connection takes what one connection in
         // sequence can: requests without an upgrade (CONNECT has none to give) and without a
-        // body, HTTP/2 streams included. A body goes through hyper's pool, whose client hands
+        // body still to come, HTTP/2 streams included; a body read whole with its head is
+        // written with it. A body still coming goes through hyper's pool, whose client hands
         // back a response that comes while the body is still being sent (an early 413 or 401
         // to an upload).
         let affine = self.affine.filter(|_| {
             upgrade.is_none()
                 && req.version() <= Version::HTTP_2
                 && req.method() != Method::CONNECT
-                && http_body::Body::is_end_stream(req.body())
+                && match req.body() {
+                    Either::Left(body) => http_body::Body::is_end_stream(body),
+                    Either::Right(_) => true,
+                }
         });
         // The client connection's own upstream connection writes the client's headers as the
         // hop leaves them; the pooled client gets the request rewritten.

@@ -9,9 +9,10 @@
 //! client is kept for HTTP/2 upstreams, bodies and upgrades (the server side of our own is
 //! `inbound`).
 //!
-//! What it does, per RFC 9112: requests without a body only (one with a body goes through
-//! hyper's pool, whose client hands back a response that comes while the body is still being
-//! sent); a response's body is delimited by `HEAD`, 1xx/204/304 (none), `Transfer-Encoding`
+//! What it does, per RFC 9112: requests without a body, or with a small one read whole with
+//! its head (`inbound`), written in the same `write` (a body still coming goes through hyper's
+//! pool, whose client hands back a response that comes while the body is still being sent); a
+//! response's body is delimited by `HEAD`, 1xx/204/304 (none), `Transfer-Encoding`
 //! (chunked, or up to the close for any other), a `Content-Length` (all values equal, or the
 //! response is refused), or the close. Interim responses are skipped, an unasked 101 refused.
 //! The connection is reused only after a response that allows it (HTTP/1.1 without `close`,
@@ -37,6 +38,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
+use http_body_util::Either;
 use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -130,8 +132,8 @@ impl Raw {
     }
 }
 
-/// Sends `req` (as the client sent it, no body: a body goes through hyper's pool, see
-/// `forward`) with the headers the hop changes, `added`, on `raw` and reads the response head;
+/// Sends `req` (as the client sent it, with no body or one in hand: a body still coming goes
+/// through hyper's pool, see `forward`) with the headers the hop changes, `added`, on `raw` and reads the response head;
 /// the body reads the rest, and hands the connection to `home` at its end when it may be
 /// reused.
 pub async fn exchange(
@@ -144,6 +146,11 @@ pub async fn exchange(
     let mut head = std::mem::take(&mut raw.out);
     head.clear();
     write_head(&mut head, &req, added);
+    // A body in hand (small: `inbound` reads it with its head) goes in the same write; its
+    // `Content-Length` passed on with the client's fields.
+    if let Either::Right(body) = req.body() {
+        head.extend_from_slice(body.bytes());
+    }
     let written = raw.stream.write_all(&head).await;
     raw.out = head;
     if let Err(e) = written {

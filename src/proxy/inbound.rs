@@ -1,5 +1,5 @@
-//! A client connection: HTTP/1.1 requests without a body served here, written by hand; the
-//! rest of the connection handed to hyper's server.
+//! A client connection: HTTP/1.1 requests without a body (or with a small one that came with
+//! the head) served here, written by hand; the rest of the connection handed to hyper's server.
 //!
 //! hyper's server side was most of our user-space instructions (BENCHMARKS.md): a dispatch
 //! loop and connection future per connection, its own read and write buffers, a read after
@@ -10,10 +10,12 @@
 //! head and (for a small first piece) its body in one `write`.
 //!
 //! What is served here, per RFC 9112: a complete request head of HTTP/1.0 or 1.1 in origin
-//! form, without a body (no `Transfer-Encoding`, no `Content-Length` other than 0), without
-//! `Expect`, without `Upgrade`, not `CONNECT`. Anything else (a body, an upgrade, an HTTP/2
-//! preface, a head too large or malformed) hands the connection, with the bytes read so far,
-//! to hyper's server for the rest of its life, which answers it as before (400, 431, the
+//! form, without `Transfer-Encoding`, `Expect` or `Upgrade`, not `CONNECT`, and either without
+//! a body or with one `Content-Length` of at most [`IN_HAND`] whose body the socket already
+//! holds (what it holds is read at once, never waited for): the body goes upstream in the
+//! head's `write`. Anything else (a larger body, one still coming or chunked, an upgrade, an
+//! HTTP/2 preface, a head too large or malformed) hands the connection, with the bytes read so
+//! far, to hyper's server for the rest of its life, which answers it as before (400, 431, the
 //! upload streamed to the app, the WebSocket spliced). The response is delimited by its
 //! `Content-Length`, a known body size, chunks (HTTP/1.1) or the close (HTTP/1.0); `HEAD`,
 //! 204 and 304 get no body; trailers are not sent (nor did hyper send them to HTTP/1 clients).
@@ -47,7 +49,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
-use http_body_util::{Either, Empty};
+use http_body_util::Either;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
@@ -56,7 +58,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use super::coarse::{Sleep, Timers};
-use super::forward::{has_token, ReqBody};
+use super::forward::{has_token, InHand, ReqBody};
 use super::h1::{keeps_alive, parse_length};
 use super::respond::Body;
 use super::{handle, AbandonGuard, Conn};
@@ -69,6 +71,10 @@ const MAX_HEADERS: usize = 100;
 const READ: usize = 2 * 1024;
 /// A first body piece up to this size is copied behind the head and written with it.
 pub const COALESCE: usize = 16 * 1024;
+/// A request body of up to this many bytes (with a `Content-Length`) that came with its head
+/// is read with it and sent upstream in the same `write` (nginx's `client_body_buffer_size`
+/// on 64-bit systems); a larger one, or one still coming, goes to hyper.
+pub const IN_HAND: usize = 16 * 1024;
 
 /// What a worker's connections share.
 pub struct Lane {
@@ -153,6 +159,12 @@ impl Served {
                 match parse(&mut self.buf) {
                     Parsed::Request(req) => return Ok(Next::Request(req)),
                     Parsed::Other => return Ok(Next::Hyper),
+                    // What of the body the socket holds now; the rest would be hyper's to
+                    // wait for (no timeout of ours is put on a body).
+                    Parsed::Short(need) => match self.read_now(need)? {
+                        true => continue,
+                        false => return Ok(Next::Hyper),
+                    },
                     Parsed::Partial if self.buf.len() >= lane.max_head => return Ok(Next::Hyper),
                     Parsed::Partial => {}
                 }
@@ -176,6 +188,21 @@ impl Served {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// Reads what the socket holds, without waiting, until the buffer has `need` bytes;
+    /// whether it has.
+    fn read_now(&mut self, need: usize) -> io::Result<bool> {
+        self.buf.reserve(need.saturating_sub(self.buf.len()));
+        while self.buf.len() < need {
+            match self.stream.try_read_buf(&mut self.buf) {
+                Ok(0) => return Ok(false),
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock || is_gone(&e) => return Ok(false),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(true)
     }
 
     /// Writes `resp`; whether the connection may serve another request.
@@ -435,6 +462,9 @@ enum Parsed {
     Request(Request<ReqBody>),
     /// Not whole yet.
     Partial,
+    /// A whole head whose body (of up to [`IN_HAND`] bytes) is not: the request needs this
+    /// many bytes in the buffer.
+    Short(usize),
     /// Not for this side: hyper's to serve (or refuse).
     Other,
 }
@@ -474,27 +504,40 @@ fn parse(buf: &mut BytesMut) -> Parsed {
     let path = at(path.as_bytes());
     let mut named: smallvec::SmallVec<[(HeaderName, std::ops::Range<usize>); 16]> =
         smallvec::SmallVec::new();
+    let mut length = None;
     for f in parsed.headers.iter() {
         let Ok(name) = HeaderName::from_bytes(f.name.as_bytes()) else {
             return Parsed::Other;
         };
-        // A body, an upgrade or an expectation: hyper's.
-        let other = name == header::TRANSFER_ENCODING
-            || name == header::UPGRADE
-            || name == header::EXPECT
-            || (name == header::CONTENT_LENGTH && f.value != b"0");
+        if name == header::CONTENT_LENGTH {
+            // One field with a small length: the body is read with the head. Another field
+            // or a larger body: hyper's (which streams it, or answers 400).
+            match parse_length(f.value) {
+                Some(n) if n <= IN_HAND as u64 && length.is_none() => length = Some(n as usize),
+                _ => return Parsed::Other,
+            }
+        }
+        // A body in chunks, an upgrade or an expectation: hyper's.
+        let other =
+            name == header::TRANSFER_ENCODING || name == header::UPGRADE || name == header::EXPECT;
         if other {
             return Parsed::Other;
         }
         named.push((name, at(f.value)));
     }
+    let length = length.unwrap_or(0);
+    if buf.len() < len + length {
+        return Parsed::Short(len + length);
+    }
     let head = buf.split_to(len).freeze();
-    match request_of(&head, path, named, minor, method) {
+    let body = buf.split_to(length).freeze();
+    match request_of(&head, path, named, minor, method, &body) {
         Some(req) => Parsed::Request(req),
         None => {
             // hyper's to refuse, from the head on: put it back in front.
-            let mut whole = BytesMut::with_capacity(head.len() + buf.len());
+            let mut whole = BytesMut::with_capacity(head.len() + body.len() + buf.len());
             whole.extend_from_slice(&head);
+            whole.extend_from_slice(&body);
             whole.extend_from_slice(buf);
             *buf = whole;
             Parsed::Other
@@ -510,6 +553,7 @@ fn request_of(
     named: smallvec::SmallVec<[(HeaderName, std::ops::Range<usize>); 16]>,
     minor: u8,
     method: Method,
+    body: &Bytes,
 ) -> Option<Request<ReqBody>> {
     let uri = Uri::from_maybe_shared(head.slice(path)).ok()?;
     let mut headers = HeaderMap::with_capacity(named.len());
@@ -519,7 +563,7 @@ fn request_of(
             HeaderValue::from_maybe_shared(head.slice(range)).ok()?,
         );
     }
-    let mut req = Request::new(Either::Right(Empty::new()));
+    let mut req = Request::new(Either::Right(InHand::new(body.clone())));
     *req.method_mut() = method;
     *req.uri_mut() = uri;
     *req.version_mut() = if minor == 0 {
@@ -700,6 +744,27 @@ mod tests {
     }
 
     #[test]
+    fn a_small_body_that_came_with_its_head_is_taken_with_it() {
+        let (p, rest) = parsed(b"POST /u HTTP/1.1\r\nContent-Length: 5\r\n\r\nhelloGET /next");
+        let Parsed::Request(req) = p else {
+            panic!("not served here")
+        };
+        let Either::Right(body) = req.body() else {
+            panic!("a body in hand")
+        };
+        assert_eq!(body.bytes(), b"hello");
+        assert_eq!(http_body::Body::size_hint(body).exact(), Some(5));
+        assert_eq!(req.headers()["content-length"], "5");
+        assert_eq!(&rest[..], b"GET /next");
+
+        // Not all of it yet: the request needs the head's 39 bytes and 5 more.
+        let text = b"POST /u HTTP/1.1\r\nContent-Length: 5\r\n\r\nhel";
+        let (p, rest) = parsed(text);
+        assert!(matches!(p, Parsed::Short(44)));
+        assert_eq!(&rest[..], text, "nothing taken");
+    }
+
+    #[test]
     fn a_head_not_yet_whole_waits() {
         assert!(matches!(
             parsed(b"GET / HTTP/1.1\r\nHost: x\r\n").0,
@@ -709,8 +774,16 @@ mod tests {
 
     #[test]
     fn bodies_upgrades_other_targets_and_garbage_go_to_hyper_with_every_byte() {
+        let large = format!(
+            "POST /u HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+            IN_HAND + 1
+        );
         let others: &[&[u8]] = &[
-            b"POST /u HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
+            large.as_bytes(),
+            b"POST /u HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello",
+            b"POST /u HTTP/1.1\r\nContent-Length: -5\r\n\r\nhello",
+            // A target no URI: hyper answers 400; the body goes back with the head.
+            b"POST /a<b> HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
             b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
             b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
             b"PUT /u HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n",

@@ -2,10 +2,11 @@
 //!
 //! Owns the client listener (shared by the worker threads, each with its own current-thread
 //! runtime and upstream connections, so a request never hops threads once accepted), the
-//! client connections (HTTP/1.1 requests without a body served by `inbound`, by hand; the rest,
-//! HTTP/2 prior knowledge included, by hyper's server on the same port), the request path, and
-//! the shutdown sequence. Must never: hold a snapshot guard or any lock across an `.await`,
-//! buffer a body, log per request above debug.
+//! client connections (HTTP/1.1 requests without a body, or with a small one that came with the
+//! head, served by `inbound`, by hand; the rest, HTTP/2 prior knowledge included, by hyper's
+//! server on the same port), the request path, and the shutdown sequence. Must never: hold a
+//! snapshot guard or any lock across an `.await`, buffer a body (beyond a small one already
+//! read with its head), log per request above debug.
 //!
 //! Cost of the request path beyond the server side's own work (`inbound`'s, or hyper's): one
 //! header-size sum, the client-IP walk, one `ArcSwap` load, [`RuleSet::check`] (see its cost),
@@ -651,8 +652,11 @@ async fn handle(conn: &Conn, req: Request<ReqBody>) -> Response<Body> {
             let mut resp = respond::refusal(&refusal, grpc);
             // Refused before its body was read: read (and drop) a small body so that the
             // connection stays usable and the client reads our answer; a large or slow one
-            // closes the connection instead (nginx's lingering close, bounded).
-            let body = req.into_body();
+            // closes the connection instead (nginx's lingering close, bounded). A body in
+            // hand was read with the head.
+            let http_body_util::Either::Left(body) = req.into_body() else {
+                return resp;
+            };
             // Boxed: the rare path (a body to read) keeps the common future small.
             if !http_body::Body::is_end_stream(&body) && !Box::pin(drained(body)).await {
                 resp.headers_mut().insert(
@@ -695,7 +699,7 @@ const DRAIN_TIME: Duration = Duration::from_millis(500);
 
 /// Reads and drops `body` if it ends within [`DRAIN_BYTES`] and [`DRAIN_TIME`]; false when it
 /// did not (the connection should then close). A body that is already over costs nothing.
-async fn drained(mut body: ReqBody) -> bool {
+async fn drained(mut body: hyper::body::Incoming) -> bool {
     use http_body_util::BodyExt;
     let mut read = 0usize;
     let drain = async {

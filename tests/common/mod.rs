@@ -29,10 +29,13 @@ pub struct Signals {
     pub held: Notify,
     /// `/upload` reports here the first time it sees body bytes.
     pub first_bytes: Notify,
+    /// `/upload` reports here when a request's head has arrived.
+    pub upload_head: Notify,
 }
 
 /// An app on loopback:
-/// - `/echo`: 200, body = JSON of method, uri and request headers;
+/// - `/echo`: 200, body = JSON of method, uri, request headers, body and the proxy's end of
+///   the connection it came on;
 /// - `/slow`: answers after 10 s;
 /// - `/hold`: answers when the test releases it;
 /// - `/upload`: streams the body and answers with the byte count;
@@ -50,12 +53,12 @@ pub async fn upstream() -> Upstream {
     let s = signals.clone();
     tokio::spawn(async move {
         loop {
-            let Ok((stream, _)) = listener.accept().await else {
+            let Ok((stream, peer)) = listener.accept().await else {
                 return;
             };
             let s = s.clone();
             tokio::spawn(async move {
-                let service = service_fn(move |req| app(req, s.clone()));
+                let service = service_fn(move |req| app(req, s.clone(), peer));
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service)
                     .with_upgrades()
@@ -69,6 +72,7 @@ pub async fn upstream() -> Upstream {
 async fn app(
     mut req: Request<Incoming>,
     signals: Arc<Signals>,
+    peer: SocketAddr,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
     let body = match req.uri().path() {
         "/echo" => {
@@ -77,11 +81,16 @@ async fn app(
                 .iter()
                 .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("?").into()))
                 .collect();
+            let (method, uri, version) = (req.method().clone(), req.uri().clone(), req.version());
+            let body = req.into_body().collect().await.map(|b| b.to_bytes());
             serde_json::json!({
-                "method": req.method().as_str(),
-                "uri": req.uri().to_string(),
-                "version": format!("{:?}", req.version()),
+                "method": method.as_str(),
+                "uri": uri.to_string(),
+                "version": format!("{version:?}"),
                 "headers": headers,
+                "body": String::from_utf8_lossy(&body.unwrap_or_default()),
+                // The proxy's end of the upstream connection the request came on.
+                "peer": peer.to_string(),
             })
             .to_string()
         }
@@ -95,6 +104,7 @@ async fn app(
             "released".into()
         }
         "/upload" => {
+            signals.upload_head.notify_one();
             let mut n = 0u64;
             let mut body = req.into_body();
             while let Some(frame) = body.frame().await {
