@@ -530,7 +530,10 @@ fn parse(buf: &mut BytesMut) -> Parsed {
         return Parsed::Short(len + length);
     }
     let head = buf.split_to(len).freeze();
-    let body = buf.split_to(length).freeze();
+    let body = match length {
+        0 => Bytes::new(),
+        n => buf.split_to(n).freeze(),
+    };
     match request_of(&head, path, named, minor, method, &body) {
         Some(req) => Parsed::Request(req),
         None => {
