@@ -133,9 +133,9 @@ impl Raw {
 }
 
 /// Sends `req` (as the client sent it, with no body or one in hand: a body still coming goes
-/// through hyper's pool, see `forward`) with the headers the hop changes, `added`, on `raw` and reads the response head;
-/// the body reads the rest, and hands the connection to `home` at its end when it may be
-/// reused.
+/// through hyper's pool, see `forward`) with the headers the hop changes, `added`, on `raw`
+/// and reads the response head; the body reads the rest, and hands the connection to `home`
+/// at its end when it may be reused.
 pub async fn exchange(
     mut raw: Raw,
     req: Request<ReqBody>,
