@@ -16,10 +16,22 @@ async fn connect(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
     BufReader::new(TcpStream::connect(sc.addr()).await.unwrap())
 }
 
+/// A request for the upstream's `/echo`, numbered `n` in its `x-n` header.
+fn get_echo(n: u32) -> String {
+    format!("GET /echo HTTP/1.1\r\nhost: app\r\nx-n: {n}\r\n\r\n")
+}
+
+/// What the upstream's `/echo` saw, as it answered.
+fn echoed(a: &Answer) -> serde_json::Value {
+    serde_json::from_str(&a.body).unwrap()
+}
+
 /// The `x-n` header the upstream's `/echo` saw.
 fn echoed_n(a: &Answer) -> String {
-    let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
-    v["headers"]["x-n"].as_str().unwrap_or("").to_string()
+    echoed(a)["headers"]["x-n"]
+        .as_str()
+        .unwrap_or("")
+        .to_string()
 }
 
 async fn at_end(s: &mut BufReader<TcpStream>) -> bool {
@@ -34,9 +46,7 @@ async fn at_end(s: &mut BufReader<TcpStream>) -> bool {
 async fn pipelined_requests_are_answered_in_order_on_one_connection() {
     let (sc, _up) = sidecar("rules: []").await;
     let mut c = connect(&sc).await;
-    let three: String = (1..=3)
-        .map(|n| format!("GET /echo HTTP/1.1\r\nhost: app\r\nx-n: {n}\r\n\r\n"))
-        .collect();
+    let three: String = (1..=3).map(get_echo).collect();
     c.get_mut().write_all(three.as_bytes()).await.unwrap();
     for n in 1..=3 {
         let a = read_answer(&mut c).await;
@@ -68,22 +78,20 @@ async fn http10_clients_are_closed_unless_they_ask_for_keep_alive() {
 
 /// The `peer` the upstream's `/echo` saw: the proxy's end of the upstream connection.
 fn echoed_peer(a: &Answer) -> String {
-    let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
-    v["peer"].as_str().unwrap().to_string()
+    echoed(a)["peer"].as_str().unwrap().to_string()
 }
 
 #[tokio::test]
 async fn a_small_body_sent_with_its_head_goes_on_the_connections_own_upstream_connection() {
     let (sc, _up) = sidecar("rules: []").await;
     let mut c = connect(&sc).await;
-    let get = |n: u32| format!("GET /echo HTTP/1.1\r\nhost: app\r\nx-n: {n}\r\n\r\n");
-    let first = ask(&mut c, &get(1)).await;
+    let first = ask(&mut c, &get_echo(1)).await;
     // Twice: a client's first exchange borrows from the worker's list, its second keeps one.
-    let own = echoed_peer(&ask(&mut c, &get(2)).await);
+    let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);
     let post = "POST /echo HTTP/1.1\r\nhost: app\r\ncontent-length: 5\r\n\r\nhello";
     let a = ask(&mut c, post).await;
     assert_eq!(a.status, "HTTP/1.1 200 OK");
-    let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    let v = echoed(&a);
     assert_eq!(v["body"], "hello");
     assert_eq!(v["headers"]["content-length"], "5");
     // hyper's pooled client would have sent it on a connection of its own.
@@ -94,7 +102,7 @@ async fn a_small_body_sent_with_its_head_goes_on_the_connections_own_upstream_co
         echoed_peer(&first)
     );
     // Pipelined behind a body: both answered, in order, still on our own side.
-    let two = format!("{post}{}", get(4));
+    let two = format!("{post}{}", get_echo(4));
     c.get_mut().write_all(two.as_bytes()).await.unwrap();
     let a = read_answer(&mut c).await;
     assert_eq!(echoed_peer(&a), own);
@@ -108,8 +116,7 @@ async fn a_small_body_sent_with_its_head_goes_on_the_connections_own_upstream_co
 async fn a_request_with_a_body_mid_connection_is_served_and_so_are_those_after_it() {
     let (sc, _up) = sidecar("rules: []").await;
     let mut c = connect(&sc).await;
-    let get = |n: u32| format!("GET /echo HTTP/1.1\r\nhost: app\r\nx-n: {n}\r\n\r\n");
-    assert_eq!(echoed_n(&ask(&mut c, &get(1)).await), "1");
+    assert_eq!(echoed_n(&ask(&mut c, &get_echo(1)).await), "1");
     // A body larger than is read with its head: from here hyper serves the connection,
     // starting with the bytes already read.
     let large = 20_000;
@@ -122,7 +129,7 @@ async fn a_request_with_a_body_mid_connection_is_served_and_so_are_those_after_i
         (a.status.as_str(), a.body),
         ("HTTP/1.1 200 OK", large.to_string())
     );
-    assert_eq!(echoed_n(&ask(&mut c, &get(3)).await), "3");
+    assert_eq!(echoed_n(&ask(&mut c, &get_echo(3)).await), "3");
     sc.shutdown();
     sc.wait().await;
 }
@@ -249,13 +256,13 @@ async fn a_head_larger_than_the_first_buffer_arriving_in_pieces_is_served_whole(
         c.get_mut().flush().await.unwrap();
     }
     let a = read_answer(&mut c).await;
-    let echo: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    let echo = echoed(&a);
     assert_eq!(
         echo["headers"]["x-big"].as_str().map(str::len),
         Some(big.len())
     );
     assert_eq!(echoed_n(&a), "1");
-    let a = ask(&mut c, "GET /echo HTTP/1.1\r\nhost: app\r\nx-n: 2\r\n\r\n").await;
+    let a = ask(&mut c, &get_echo(2)).await;
     assert_eq!(echoed_n(&a), "2");
     sc.shutdown();
     sc.wait().await;
