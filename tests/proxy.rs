@@ -71,6 +71,62 @@ async fn retry_after_is_computed_from_the_bucket_and_a_retry_then_is_admitted() 
     assert_eq!(get(sc.addr(), "/", &[]).await.0, StatusCode::OK);
 }
 
+/// A head's fields but `Date`, sorted: what two answers must agree on.
+fn fields<'a>(pairs: impl Iterator<Item = (&'a str, &'a str)>) -> Vec<(String, String)> {
+    let mut out: Vec<_> = pairs
+        .filter(|(n, _)| !n.eq_ignore_ascii_case("date"))
+        .map(|(n, v)| (n.to_ascii_lowercase(), v.trim().to_string()))
+        .collect();
+    out.sort();
+    out
+}
+
+fn map_fields(headers: &http::HeaderMap) -> Vec<(String, String)> {
+    fields(
+        headers
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.to_str().unwrap())),
+    )
+}
+
+/// Our HTTP/1 side writes the lines a rule keeps for a 429; hyper's server (a connection
+/// handed to it, HTTP/2) writes the 429 from its map. A client sees the same answer.
+#[tokio::test]
+async fn a_kept_429_reads_the_same_from_every_server_side() {
+    for mode in ["on_reject", "never"] {
+        let (sc, _up, _clock) = sidecar_with_clock(&format!(
+            "headers: {mode}\nrules:\n  - name: r\n    key: client_ip\n    \
+             limit: {{ rate: 1/m, burst: 1 }}\n"
+        ))
+        .await;
+        assert_eq!(get(sc.addr(), "/", &[]).await.0, StatusCode::OK);
+        // The clock stands still: every refusal's hint is 60 s, one the rule keeps.
+        let (status, headers, body) = get(sc.addr(), "/", &[]).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{mode}");
+        assert_eq!(headers["retry-after"], "60");
+        assert_eq!(headers.contains_key("ratelimit"), mode == "on_reject");
+        let ours = map_fields(&headers);
+
+        // A chunked body hands the connection to hyper's HTTP/1 server.
+        let stream = tokio::net::TcpStream::connect(sc.addr()).await.unwrap();
+        let mut c = tokio::io::BufReader::new(stream);
+        let raw = ask(
+            &mut c,
+            "POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n",
+        )
+        .await;
+        assert_eq!(raw.status, "HTTP/1.1 429 Too Many Requests");
+        let lines = raw.head.lines().filter_map(|l| l.split_once(':'));
+        assert_eq!(fields(lines), ours, "{mode}: hyper's HTTP/1");
+        assert_eq!(raw.body, body);
+
+        let (status, headers, h2_body) = send(&h2_client(), sc.addr(), "GET", "/", &[]).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(map_fields(&headers), ours, "{mode}: HTTP/2");
+        assert_eq!(h2_body, body);
+    }
+}
+
 #[tokio::test]
 async fn each_key_has_its_own_bucket() {
     let (sc, _up) = sidecar(PER_CLIENT).await;

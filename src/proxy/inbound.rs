@@ -60,7 +60,7 @@ use tokio::sync::watch;
 use super::coarse::{Sleep, Timers};
 use super::forward::{has_token, InHand, ReqBody};
 use super::h1::{keeps_alive, parse_length};
-use super::respond::Body;
+use super::respond::{self, Body, Own};
 use super::{handle, AbandonGuard, Conn};
 
 /// Header fields in a request head at most (hyper's limit too); more hands the connection to
@@ -208,7 +208,6 @@ impl Served {
     /// Writes `resp`; whether the connection may serve another request.
     async fn respond(&mut self, resp: Response<Body>, asked: Asked) -> io::Result<bool> {
         let (parts, body) = resp.into_parts();
-        let mut body = pin!(body);
         let status = parts.status;
         let closes = parts
             .headers
@@ -235,17 +234,23 @@ impl Served {
         } else {
             Framing::Chunked
         };
+        // A 429 its rule keeps has its fields written already.
+        let kept = match &body {
+            Either::Right(Own::Canned(canned)) => canned.fields(),
+            _ => &[],
+        };
         self.out.clear();
         write_head(
             &mut self.out,
             status,
-            &parts.headers,
+            (&parts.headers, kept),
             &framing,
             known,
             asked,
             stay,
         );
         drop(parts);
+        let mut body = pin!(body);
         if let Framing::None = framing {
             self.stream.write_all(&self.out).await?;
             return Ok(stay);
@@ -373,11 +378,12 @@ enum Framing {
 
 /// The status line and the header fields: the response's own, except those this side sets
 /// (`Connection`, `Transfer-Encoding`, and `Content-Length` unless the response gave one),
-/// then `Date` unless given.
+/// then the `kept` lines of a 429 its rule keeps (which hold none of those or `Date`), then
+/// `Date` unless given.
 fn write_head(
     out: &mut Vec<u8>,
     status: StatusCode,
-    headers: &HeaderMap,
+    (headers, kept): (&HeaderMap, &[u8]),
     framing: &Framing,
     known: Option<u64>,
     asked: Asked,
@@ -401,6 +407,7 @@ fn write_head(
         length_given |= name == header::CONTENT_LENGTH;
         field(out, name.as_str().as_bytes(), value.as_bytes());
     }
+    out.extend_from_slice(kept);
     if !headers.contains_key(header::DATE) {
         date::with(|d| field(out, b"date", d));
     }
@@ -618,7 +625,7 @@ async fn hand_off(
         async move {
             let resp = handle(guard.conn(), req.map(Either::Left)).await;
             guard.disarm();
-            Ok::<_, std::convert::Infallible>(resp)
+            Ok::<_, std::convert::Infallible>(respond::whole(resp))
         }
     });
     let mut served = pin!(lane.hyper.serve_connection_with_upgrades(io, service));
@@ -840,7 +847,15 @@ mod tests {
             );
         }
         let mut out = Vec::new();
-        write_head(&mut out, status, &map, &framing, Some(3), asked, stay);
+        write_head(
+            &mut out,
+            status,
+            (&map, &[]),
+            &framing,
+            Some(3),
+            asked,
+            stay,
+        );
         String::from_utf8(out).unwrap()
     }
 

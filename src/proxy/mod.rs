@@ -649,7 +649,7 @@ async fn handle(conn: &Conn, req: Request<ReqBody>) -> Response<Body> {
                 gate::Refusal::BadCost(_) => Outcome::Error,
             };
             metrics.duration(outcome).observe(elapsed(shared, start));
-            let mut resp = respond::refusal(&refusal, grpc);
+            let mut resp = respond::refused(&refusal, grpc);
             // Refused before its body was read: read (and drop) a small body so that the
             // connection stays usable and the client reads our answer; a large or slow one
             // closes the connection instead (nginx's lingering close, bounded). A body in

@@ -7,13 +7,22 @@
 //! structured-field strings of the `RateLimit` headers (draft-ietf-httpapi-ratelimit-headers-11).
 //! A limited gRPC call gets what gRPC clients understand: HTTP 200 with `grpc-status: 8`
 //! (RESOURCE_EXHAUSTED), a `grpc-message`, and the retry hint as `grpc-retry-pushback-ms`.
+//!
+//! Cost: a rule's 429 for a retry hint of up to a minute is built once and kept, its header
+//! fields both as a map and as the lines of an HTTP/1 head. The sidecar's refused request takes
+//! two reference counts and no allocation ([`refused`]); our HTTP/1 side copies the lines into
+//! its write, and only hyper's server (HTTP/2, a connection handed to it) gets the map cloned.
 
+use std::convert::Infallible;
 use std::fmt::Write as _;
+use std::pin::Pin;
 use std::sync::{Arc, OnceLock};
+use std::task::{Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
+use http_body::{Frame, SizeHint};
 use http_body_util::{Either, Full};
 
 use crate::config::HeaderMode;
@@ -21,10 +30,11 @@ use crate::gate::{PermitBody, Refusal};
 use crate::rules::{Denial, RateState};
 
 /// Response bodies of the sidecar: the upstream's, streamed, or a short one of ours.
-pub type Body = Either<PermitBody<super::forward::UpstreamBody>, Full<Bytes>>;
+pub type Body = Either<PermitBody<super::forward::UpstreamBody>, Own>;
 
-/// A response of ours, for whatever the other body type is.
-type Ours<L> = Response<Either<L, Full<Bytes>>>;
+/// A response of ours, for whatever the other body type is: `R` is `Full<Bytes>` for the
+/// embedded layer and [`Own`] for the sidecar.
+type Ours<L, R> = Response<Either<L, R>>;
 
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -41,7 +51,7 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
 }
 
 /// The answer to a refused request.
-pub fn refusal<L>(refusal: &Refusal, grpc: bool) -> Ours<L> {
+pub fn refusal<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: bool) -> Ours<L, R> {
     match refusal {
         Refusal::Limited(denial) => too_many_requests(denial, grpc),
         Refusal::BadCost(header) => error(
@@ -57,7 +67,7 @@ pub fn refusal<L>(refusal: &Refusal, grpc: bool) -> Ours<L> {
 /// the retry hint in whole seconds, so they come from the rule's [`Answers`]: shared bytes,
 /// built on a rule's first refusal with that hint (nginx answers `limit_req` with a static
 /// page; this is as close as we get while saying which rule and when).
-pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
+pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -> Ours<L, R> {
     if denial.capacity {
         return reduced_capacity(denial, grpc);
     }
@@ -74,7 +84,7 @@ pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
     );
     let built;
     let answer = match denial.answers.get(retry) {
-        Some(cached) => cached,
+        Some(cached) => &**cached,
         None => {
             built = denial.answers.build(retry);
             &built
@@ -85,7 +95,7 @@ pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
         answer.headers.get(&RATELIMIT_POLICY),
         Some(&denial.state.policy)
     );
-    let mut resp = Response::new(Either::Right(Full::new(answer.body.clone())));
+    let mut resp = Response::new(Either::Right(Full::new(answer.body.clone()).into()));
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
     // One copy of the answer's headers: a third of what inserting them one by one cost.
     let headers = resp.headers_mut();
@@ -97,9 +107,119 @@ pub fn too_many_requests<L>(denial: &Denial, grpc: bool) -> Ours<L> {
     resp
 }
 
+/// The sidecar's answer to a refused request. A 429 whose parts the rule keeps (a plain HTTP
+/// request, a retry hint of up to a minute) comes with no header map: its body holds the
+/// rule's [`Answer`], whose fields our HTTP/1 side writes as they are kept (no map cloned,
+/// walked and dropped per refusal) and [`whole`] puts in the map for hyper's server.
+pub fn refused(refusal: &Refusal, grpc: bool) -> Response<Body> {
+    if let Refusal::Limited(denial) = refusal {
+        if !grpc && !denial.capacity {
+            if let Some(answer) = denial.answers.get(denial.retry_after_secs()) {
+                let canned = Canned {
+                    answer: answer.clone(),
+                    rate: denial.header_mode != HeaderMode::Never,
+                    body: Full::new(answer.body.clone()),
+                };
+                let mut resp = Response::new(Either::Right(Own::Canned(canned)));
+                *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                return resp;
+            }
+        }
+    }
+    self::refusal(refusal, grpc)
+}
+
+/// `resp` with a kept 429's header fields in its map, for a server that writes its own heads
+/// (hyper's). Fields already in the map (a `Connection: close`) stay.
+pub fn whole(mut resp: Response<Body>) -> Response<Body> {
+    if let Either::Right(Own::Canned(canned)) = resp.body() {
+        let mut headers = canned.answer.headers.clone();
+        if !canned.rate {
+            headers.remove(&RATELIMIT);
+            headers.remove(&RATELIMIT_POLICY);
+        }
+        headers.extend(std::mem::take(resp.headers_mut()));
+        *resp.headers_mut() = headers;
+    }
+    resp
+}
+
+/// A body of the sidecar's own: a short document, or a kept 429 with its head's fields.
+#[derive(Debug)]
+pub enum Own {
+    Doc(Full<Bytes>),
+    Canned(Canned),
+}
+
+/// A 429 kept by its rule: the body, and the header fields to write with it.
+pub struct Canned {
+    answer: Arc<Answer>,
+    /// With the `RateLimit` headers (any `headers` mode but `never`).
+    rate: bool,
+    body: Full<Bytes>,
+}
+
+impl Canned {
+    /// The response's header fields as lines of an HTTP/1 head (no `Content-Length`).
+    pub fn fields(&self) -> &[u8] {
+        let fields = &self.answer.fields;
+        &fields[..if self.rate {
+            fields.len()
+        } else {
+            self.answer.rate_at
+        }]
+    }
+}
+
+impl std::fmt::Debug for Canned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Canned")
+            .field("fields", &String::from_utf8_lossy(self.fields()))
+            .finish()
+    }
+}
+
+impl From<Full<Bytes>> for Own {
+    fn from(doc: Full<Bytes>) -> Self {
+        Own::Doc(doc)
+    }
+}
+
+impl http_body::Body for Own {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            Own::Doc(full) | Own::Canned(Canned { body: full, .. }) => {
+                Pin::new(full).poll_frame(cx)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Own::Doc(full) | Own::Canned(Canned { body: full, .. }) => full.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Own::Doc(full) | Own::Canned(Canned { body: full, .. }) => full.size_hint(),
+        }
+    }
+}
+
 /// A limited gRPC call: HTTP 200 with `grpc-status: 8`.
-fn grpc_exhausted<L>(denial: &Denial, rule: &str, retry: Option<u64>) -> Ours<L> {
-    let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
+fn grpc_exhausted<L, R: From<Full<Bytes>>>(
+    denial: &Denial,
+    rule: &str,
+    retry: Option<u64>,
+) -> Ours<L, R> {
+    let mut resp = Response::new(Either::Right(Full::new(Bytes::new()).into()));
     let h = resp.headers_mut();
     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("8"));
@@ -131,8 +251,8 @@ pub struct Answers {
     rule: Arc<str>,
     /// The rule's `RateLimit-Policy` value.
     policy: HeaderValue,
-    // Boxed so that a rule's unused hints cost a pointer each.
-    by_secs: [OnceLock<Box<Answer>>; CACHED_SECS],
+    // Shared so that a refusal's response can hold its answer; a pointer per unused hint.
+    by_secs: [OnceLock<Arc<Answer>>; CACHED_SECS],
 }
 
 impl Answers {
@@ -145,12 +265,12 @@ impl Answers {
     }
 
     /// The parts for `retry`, when it is a hint worth keeping.
-    fn get(&self, retry: Option<u64>) -> Option<&Answer> {
+    fn get(&self, retry: Option<u64>) -> Option<&Arc<Answer>> {
         let secs = retry?;
         let slot = self
             .by_secs
             .get(usize::try_from(secs).ok()?.checked_sub(1)?)?;
-        Some(slot.get_or_init(|| Box::new(self.build(retry))))
+        Some(slot.get_or_init(|| Arc::new(self.build(retry))))
     }
 
     /// The parts for `retry`, built now.
@@ -170,10 +290,14 @@ impl std::fmt::Debug for Answers {
 }
 
 /// A 429's body and headers for one rule and retry hint: `Content-Type`, `Retry-After`,
-/// `RateLimit-Policy` and `RateLimit` (`r=0`).
+/// `RateLimit-Policy` and `RateLimit` (`r=0`), as a map and as the lines of an HTTP/1 head.
 struct Answer {
     body: Bytes,
     headers: HeaderMap,
+    /// `headers` written as `name: value\r\n` lines, the `RateLimit` ones last...
+    fields: Box<[u8]>,
+    /// ...from here on.
+    rate_at: usize,
 }
 
 impl Answer {
@@ -196,9 +320,22 @@ impl Answer {
         headers.insert(RATELIMIT_POLICY.clone(), policy.clone());
         let ratelimit = ratelimit_value(std::iter::once((rule, 0, retry.unwrap_or(0))));
         headers.insert(RATELIMIT.clone(), ratelimit);
+        let mut fields = Vec::with_capacity(160);
+        let mut rate_at = 0;
+        // A map's fields iterate in insertion order, so the `RateLimit` ones come last.
+        for (name, value) in &headers {
+            if name == RATELIMIT_POLICY && rate_at == 0 {
+                rate_at = fields.len();
+            }
+            for part in [name.as_str().as_bytes(), b": ", value.as_bytes(), b"\r\n"] {
+                fields.extend_from_slice(part);
+            }
+        }
         Self {
             body: body.freeze(),
             headers,
+            fields: fields.into_boxed_slice(),
+            rate_at,
         }
     }
 }
@@ -209,12 +346,12 @@ const REDUCED_CAPACITY: &str =
 
 /// 503 with `Retry-After` for a request an adaptive limit refused: the upstream is at the
 /// concurrency its latency allows now. No `RateLimit` headers: this is not the client's quota.
-fn reduced_capacity<L>(denial: &Denial, grpc: bool) -> Ours<L> {
+fn reduced_capacity<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -> Ours<L, R> {
     let rule = &denial.state.rule;
     let secs = denial.retry_after_secs().unwrap_or(1);
     let mut resp = if grpc {
         // UNAVAILABLE: gRPC clients retry it with back-off.
-        let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
+        let mut resp = Response::new(Either::Right(Full::new(Bytes::new()).into()));
         let h = resp.headers_mut();
         h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("14"));
@@ -282,7 +419,7 @@ fn ratelimit_value<'a>(states: impl Iterator<Item = (&'a str, u32, u64)>) -> Hea
 }
 
 /// A short problem document for errors Spillway answers itself (400, 431, 502, 503, 504).
-pub fn error<L>(status: StatusCode, detail: &str) -> Ours<L> {
+pub fn error<L, R: From<Full<Bytes>>>(status: StatusCode, detail: &str) -> Ours<L, R> {
     let title = status.canonical_reason().unwrap_or("Error");
     let body = format!(
         "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":{}}}\n",
@@ -292,8 +429,8 @@ pub fn error<L>(status: StatusCode, detail: &str) -> Ours<L> {
     problem(status, Bytes::from(body))
 }
 
-fn problem<L>(status: StatusCode, body: Bytes) -> Ours<L> {
-    let mut resp = Response::new(Either::Right(Full::new(body)));
+fn problem<L, R: From<Full<Bytes>>>(status: StatusCode, body: Bytes) -> Ours<L, R> {
+    let mut resp = Response::new(Either::Right(Full::new(body).into()));
     *resp.status_mut() = status;
     resp.headers_mut()
         .insert(CONTENT_TYPE, PROBLEM_JSON.clone());
@@ -327,7 +464,7 @@ mod tests {
         }
     }
 
-    async fn parts(resp: Ours<()>) -> (StatusCode, HeaderMap, Bytes) {
+    async fn parts(resp: Ours<(), Full<Bytes>>) -> (StatusCode, HeaderMap, Bytes) {
         let (parts, body) = resp.into_parts();
         let Either::Right(full) = body else {
             panic!("a 429 has a body of ours")
@@ -378,6 +515,56 @@ mod tests {
             cached.contains("cached: 1"),
             "only the 3 s hint is kept: {cached}"
         );
+    }
+
+    /// The lines of an HTTP/1 head for `headers`, in their order.
+    fn lines(headers: &HeaderMap) -> String {
+        headers
+            .iter()
+            .map(|(n, v)| format!("{n}: {}\r\n", v.to_str().unwrap()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_kept_429_has_the_same_fields_and_body_as_one_built_with_its_map() {
+        let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
+        for mode in [HeaderMode::OnReject, HeaderMode::Always, HeaderMode::Never] {
+            let mut d = denial(&answers, Some(7));
+            d.header_mode = mode;
+            let (status, headers, body) = parts(too_many_requests(&d, false)).await;
+            let refusal = Refusal::Limited(d);
+            let kept = refused(&refusal, false);
+            let Either::Right(Own::Canned(canned)) = kept.body() else {
+                panic!("a 7 s hint is kept: {mode:?}")
+            };
+            assert!(kept.headers().is_empty(), "no map for a kept 429");
+            assert_eq!(String::from_utf8_lossy(canned.fields()), lines(&headers));
+            let (parts_, own) = whole(kept).into_parts();
+            assert_eq!((parts_.status, &parts_.headers), (status, &headers));
+            let bytes = http_body_util::BodyExt::collect(own).await.unwrap();
+            assert_eq!(bytes.to_bytes(), body);
+        }
+    }
+
+    #[test]
+    fn a_429_not_kept_comes_with_its_map_and_a_field_added_to_a_kept_one_stays() {
+        let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
+        // A hint over a minute, "never", and gRPC are built per refusal.
+        for (secs, grpc) in [(Some(61), false), (None, false), (Some(7), true)] {
+            let resp = refused(&Refusal::Limited(denial(&answers, secs)), grpc);
+            assert!(
+                matches!(resp.body(), Either::Right(Own::Doc(_))),
+                "{secs:?} {grpc}"
+            );
+            assert!(resp.headers().contains_key(RETRY_AFTER) || secs.is_none());
+        }
+        let mut kept = refused(&Refusal::Limited(denial(&answers, Some(7))), false);
+        kept.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        let resp = whole(kept);
+        assert_eq!(resp.headers()[http::header::CONNECTION], "close");
+        assert_eq!(resp.headers()[RETRY_AFTER], "7");
+        assert_eq!(resp.headers().len(), 5);
     }
 
     #[tokio::test]
