@@ -114,6 +114,14 @@ impl<B> PermitBody<B> {
     pub fn new(inner: B, permits: SmallVec<[Permit; 1]>) -> Self {
         Self { inner, permits }
     }
+
+    pub fn inner(&self) -> &B {
+        &self.inner
+    }
+
+    pub fn inner_mut(&mut self) -> &mut B {
+        &mut self.inner
+    }
 }
 
 impl<B: Body + Unpin> Body for PermitBody<B> {

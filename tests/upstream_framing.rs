@@ -55,6 +55,18 @@ fn script(path: &str) -> (String, bool) {
              x-hop: 1\r\nx-kept: yes\r\ncontent-length: 2\r\nx-conn: {c}\r\n\r\nok",
             false,
         ),
+        // Hop lines between every kept one: too many pieces to copy, so it takes the map.
+        "/hops" => (
+            "HTTP/1.1 200 OK\r\nx-a: 1\r\nkeep-alive: timeout=5\r\nx-b: 2\r\nte: x\r\n\
+             x-c: 3\r\nproxy-connection: x\r\nx-d: 4\r\nconnection: keep-alive\r\n\
+             content-length: 2\r\nx-conn: {c}\r\n\r\nok",
+            false,
+        ),
+        // Bare LF line ends (RFC 9112 §2.2 lets a recipient take them).
+        "/lf" => (
+            "HTTP/1.1 200 OK\nx-lf: yes\nkeep-alive: timeout=5\ncontent-length: 2\nx-conn: {c}\n\nok",
+            false,
+        ),
         "/until-close" => ("HTTP/1.1 200 OK\r\nx-conn: {c}\r\n\r\nto the end", true),
         "/close" => (
             "HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: 2\r\nx-conn: {c}\r\n\r\nok",
@@ -295,6 +307,38 @@ async fn every_framing_arrives_whole_and_the_connection_is_reused_after_it() {
         assert!(!hop.headers.contains_key(name), "{name}: {:?}", hop.headers);
     }
     assert_eq!(hop.conn, own, "`keep-alive` keeps it");
+
+    // The same through hyper's server (HTTP/2), which gets the fields in the map; and heads
+    // that take the map path on our side too.
+    let h2 = h2_client();
+    for (path, kept, gone) in [
+        (
+            "/hop",
+            &["x-kept"][..],
+            &["connection", "keep-alive", "x-hop"][..],
+        ),
+        (
+            "/hops",
+            &["x-a", "x-b", "x-c", "x-d"],
+            &["keep-alive", "te", "proxy-connection"],
+        ),
+        ("/lf", &["x-lf"], &["keep-alive"]),
+    ] {
+        let ours = c.get(path).await;
+        let (status, theirs, body) = send(&h2, sc.addr(), "GET", path, &[]).await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, "ok"), "{path}");
+        assert_eq!(ours.body.unwrap(), "ok", "{path}");
+        assert_eq!(ours.conn, own, "{path}");
+        for headers in [&ours.headers, &theirs] {
+            assert_eq!(headers["content-length"], "2", "{path}: {headers:?}");
+            for name in kept {
+                assert!(headers.contains_key(*name), "{path} {name}: {headers:?}");
+            }
+            for name in gone {
+                assert!(!headers.contains_key(*name), "{path} {name}: {headers:?}");
+            }
+        }
+    }
 
     let hints = c.get("/hints").await;
     assert_eq!(

@@ -35,7 +35,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Either;
@@ -43,7 +43,7 @@ use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::forward::{has_token, hop_by_hop, listed, Added, ReqBody};
+use super::forward::{has_token, listed, Added, ReqBody};
 
 /// Response heads (and chunked trailers) larger than this are refused (502).
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -198,8 +198,68 @@ struct Head {
     bytes: Bytes,
     status: u16,
     version: Version,
-    /// (name, value range in `bytes`) per header field.
-    fields: SmallVec<[(HeaderName, std::ops::Range<usize>); 16]>,
+    fields: SmallVec<[Field; 16]>,
+    /// Every field's line ends in CRLF (RFC 9112 lets a recipient take a bare LF too).
+    crlf: bool,
+}
+
+/// Where a header field lies in its head: `[start, end)` of its name, of its value, and the
+/// end of its line (after the line's end of line).
+#[derive(Clone, Copy)]
+struct Field {
+    name: (u32, u32),
+    value: (u32, u32),
+    end: u32,
+    named: Named,
+}
+
+/// What a response field's name is to this side.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Named {
+    Connection,
+    TransferEncoding,
+    ContentLength,
+    Date,
+    /// Another field of one connection ([`hop_by_hop`](super::forward::hop_by_hop)).
+    Hop,
+    Other,
+}
+
+impl Named {
+    /// By its length first: most names are none of these and cost one `match`.
+    fn of(name: &[u8]) -> Named {
+        let is = |text: &[u8]| name.eq_ignore_ascii_case(text);
+        match name.len() {
+            2 if is(b"te") => Named::Hop,
+            4 if is(b"date") => Named::Date,
+            7 if is(b"trailer") || is(b"upgrade") => Named::Hop,
+            10 if is(b"connection") => Named::Connection,
+            10 if is(b"keep-alive") => Named::Hop,
+            14 if is(b"content-length") => Named::ContentLength,
+            16 if is(b"proxy-connection") => Named::Hop,
+            17 if is(b"transfer-encoding") => Named::TransferEncoding,
+            18 if is(b"proxy-authenticate") => Named::Hop,
+            19 if is(b"proxy-authorization") => Named::Hop,
+            _ => Named::Other,
+        }
+    }
+
+    fn hop_by_hop(self) -> bool {
+        matches!(
+            self,
+            Named::Connection | Named::TransferEncoding | Named::Hop
+        )
+    }
+}
+
+impl Field {
+    fn name<'a>(&self, head: &'a [u8]) -> &'a [u8] {
+        &head[self.name.0 as usize..self.name.1 as usize]
+    }
+
+    fn value<'a>(&self, head: &'a [u8]) -> &'a [u8] {
+        &head[self.value.0 as usize..self.value.1 as usize]
+    }
 }
 
 fn protocol(what: &str) -> io::Error {
@@ -210,47 +270,8 @@ fn protocol(what: &str) -> io::Error {
 async fn parse_head(raw: &mut Raw) -> io::Result<Head> {
     loop {
         if !raw.buf.is_empty() {
-            // Uninitialised: filling 100 empty fields first would cost more than the parse.
-            let mut fields = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
-            let mut resp = httparse::Response::new(&mut []);
-            let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
-                &mut resp,
-                &raw.buf,
-                &mut fields,
-            );
-            match parsed {
-                Ok(httparse::Status::Complete(len)) if len > MAX_HEAD => {
-                    return Err(protocol("upstream response head too large"));
-                }
-                Ok(httparse::Status::Complete(len)) => {
-                    let status = resp.code.unwrap_or(0);
-                    let version = if resp.version == Some(0) {
-                        Version::HTTP_10
-                    } else {
-                        Version::HTTP_11
-                    };
-                    let base = raw.buf.as_ptr() as usize;
-                    let mut named = SmallVec::new();
-                    for f in resp.headers.iter() {
-                        let name = HeaderName::from_bytes(f.name.as_bytes())
-                            .map_err(|_| protocol("upstream sent an invalid header name"))?;
-                        let start = f.value.as_ptr() as usize - base;
-                        named.push((name, start..start + f.value.len()));
-                    }
-                    let bytes = raw.buf.split_to(len).freeze();
-                    return Ok(Head {
-                        bytes,
-                        status,
-                        version,
-                        fields: named,
-                    });
-                }
-                Ok(httparse::Status::Partial) => {}
-                Err(e) => {
-                    return Err(protocol(&format!(
-                        "upstream sent an invalid response head: {e}"
-                    )))
-                }
+            if let Some(head) = take_head(&mut raw.buf)? {
+                return Ok(head);
             }
         }
         if raw.buf.len() >= MAX_HEAD {
@@ -263,6 +284,64 @@ async fn parse_head(raw: &mut Raw) -> io::Result<Head> {
             ));
         }
     }
+}
+
+/// The response head at the start of `buf`, taken out of it; `None` while it is partial.
+fn take_head(buf: &mut BytesMut) -> io::Result<Option<Head>> {
+    // Uninitialised: filling 100 empty fields first would cost more than the parse.
+    let mut fields = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut []);
+    let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+        &mut resp,
+        buf,
+        &mut fields,
+    );
+    let len = match parsed {
+        Ok(httparse::Status::Complete(len)) if len > MAX_HEAD => {
+            return Err(protocol("upstream response head too large"));
+        }
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(e) => {
+            return Err(protocol(&format!(
+                "upstream sent an invalid response head: {e}"
+            )))
+        }
+    };
+    let status = resp.code.unwrap_or(0);
+    let version = if resp.version == Some(0) {
+        Version::HTTP_10
+    } else {
+        Version::HTTP_11
+    };
+    // Offsets fit: a head is at most MAX_HEAD bytes.
+    let base = buf.as_ptr() as usize;
+    let at = |part: &[u8]| (part.as_ptr() as usize - base) as u32;
+    let mut fields: SmallVec<[Field; 16]> = SmallVec::new();
+    for f in resp.headers.iter() {
+        let (name, value) = (at(f.name.as_bytes()), at(f.value));
+        fields.push(Field {
+            name: (name, name + f.name.len() as u32),
+            value: (value, value + f.value.len() as u32),
+            end: 0,
+            named: Named::of(f.name.as_bytes()),
+        });
+    }
+    // A line ends where the next begins; the last one before the empty line.
+    let mut crlf = buf[..len].ends_with(b"\r\n\r\n");
+    let mut end = len as u32 - 2;
+    for f in fields.iter_mut().rev() {
+        f.end = end;
+        crlf &= buf[..end as usize].ends_with(b"\r\n");
+        end = f.name.0;
+    }
+    Ok(Some(Head {
+        bytes: buf.split_to(len).freeze(),
+        status,
+        version,
+        fields,
+        crlf,
+    }))
 }
 
 /// How a response's body ends.
@@ -300,7 +379,8 @@ fn respond(
 ) -> io::Result<Response<RawBody>> {
     let status = StatusCode::from_u16(head.status)
         .map_err(|_| protocol("upstream sent an invalid status"))?;
-    let fields = head.fields.iter().map(|(n, r)| (n, &head.bytes[r.clone()]));
+    let text = &head.bytes[..];
+    let fields = head.fields.iter().map(|f| (f.named, f.value(text)));
     let delimiters = Delimiters::of(fields);
     let (framing, mut reusable) = framing(status, head_only, &delimiters)?;
     reusable &= keeps_alive(head.version, &delimiters.connection);
@@ -308,22 +388,33 @@ fn respond(
     // client is told the decoded length, or gets it chunked.
     let coded = !delimiters.codings.is_empty();
     let listed = listed(delimiters.connection.iter().copied());
-    let mut headers = HeaderMap::with_capacity(head.fields.len());
-    for (name, range) in head.fields.iter() {
-        let named = |t: &&[u8]| t.eq_ignore_ascii_case(name.as_str().as_bytes());
-        if hop_by_hop(name) || listed.iter().any(named) || (coded && name == header::CONTENT_LENGTH)
-        {
-            continue;
+    let passes = |f: &Field| {
+        !(f.named.hop_by_hop()
+            || (coded && f.named == Named::ContentLength)
+            || listed.iter().any(|t| t.eq_ignore_ascii_case(f.name(text))))
+    };
+    let mut headers = HeaderMap::new();
+    let passed = match Passed::of(&head, passes) {
+        Some(passed) => Some(passed),
+        None => {
+            for f in head.fields.iter().filter(|f| passes(f)) {
+                let name = HeaderName::from_bytes(f.name(text))
+                    .map_err(|_| protocol("upstream sent an invalid header name"))?;
+                let value = HeaderValue::from_maybe_shared(
+                    head.bytes.slice(f.value.0 as usize..f.value.1 as usize),
+                )
+                .map_err(|_| protocol("upstream sent an invalid header value"))?;
+                headers.append(name, value);
+            }
+            None
         }
-        let value = HeaderValue::from_maybe_shared(head.bytes.slice(range.clone()))
-            .map_err(|_| protocol("upstream sent an invalid header value"))?;
-        headers.append(name.clone(), value);
-    }
+    };
     let mut body = RawBody {
         raw: Some(raw),
         framing,
         home: reusable.then_some(home),
         since: now,
+        passed,
     };
     if matches!(body.framing, Framing::Done | Framing::Length(0)) {
         body.finish();
@@ -336,6 +427,88 @@ fn respond(
     Ok(resp)
 }
 
+/// Runs of kept lines a response head is copied in at most; a head whose hop-by-hop lines cut
+/// it into more gets a map instead.
+const RUNS: usize = 3;
+
+/// The end-to-end fields of an upstream response head as the upstream wrote them, for our HTTP/1
+/// server side to copy into the client's head: a few runs of whole lines, with the hop's lines
+/// (`Connection`, `Keep-Alive`, those `Connection` names, ...) left out. No `HeaderName` or
+/// `HeaderValue` is made and no map is built, hashed, walked and dropped; a server that writes
+/// its own heads (hyper's, for HTTP/2 clients) gets the map from [`Passed::into_map`].
+pub struct Passed {
+    head: Bytes,
+    runs: [(u32, u32); RUNS],
+    used: u8,
+    /// A `Date` line is among them.
+    pub date: bool,
+    /// A `Content-Length` line is among them.
+    pub length: bool,
+}
+
+impl Passed {
+    /// The fields of `head` that `passes` lets through; `None` when the head has bare-LF line
+    /// ends or more than [`RUNS`] runs of kept lines.
+    fn of(head: &Head, passes: impl Fn(&Field) -> bool) -> Option<Passed> {
+        if !head.crlf {
+            return None;
+        }
+        let mut p = Passed {
+            head: head.bytes.clone(),
+            runs: [(0, 0); RUNS],
+            used: 0,
+            date: false,
+            length: false,
+        };
+        for f in head.fields.iter().filter(|f| passes(f)) {
+            p.date |= f.named == Named::Date;
+            p.length |= f.named == Named::ContentLength;
+            match p.used {
+                n if n > 0 && p.runs[n as usize - 1].1 == f.name.0 => {
+                    p.runs[n as usize - 1].1 = f.end
+                }
+                n if (n as usize) < RUNS => {
+                    p.runs[n as usize] = (f.name.0, f.end);
+                    p.used += 1;
+                }
+                _ => return None,
+            }
+        }
+        Some(p)
+    }
+
+    /// The runs of lines, each `name: value\r\n` lines as the upstream wrote them.
+    pub fn runs(&self) -> impl Iterator<Item = &[u8]> {
+        self.runs[..self.used as usize]
+            .iter()
+            .map(|&(a, b)| &self.head[a as usize..b as usize])
+    }
+
+    /// Appends the fields to `headers`, for a server that writes its own heads.
+    pub fn into_map(self, headers: &mut HeaderMap) {
+        for &(a, b) in &self.runs[..self.used as usize] {
+            let mut at = a as usize;
+            for line in self.head[a as usize..b as usize].split_inclusive(|&c| c == b'\n') {
+                let start = at;
+                at += line.len();
+                // httparse took every line as `name: value`, so each has its colon.
+                let Some(colon) = line.iter().position(|&c| c == b':') else {
+                    continue;
+                };
+                let value = line[colon + 1..].trim_ascii();
+                let from = start + colon + 1 + line[colon + 1..].len()
+                    - line[colon + 1..].trim_ascii_start().len();
+                let name = HeaderName::from_bytes(&line[..colon]);
+                let value =
+                    HeaderValue::from_maybe_shared(self.head.slice(from..from + value.len()));
+                if let (Ok(name), Ok(value)) = (name, value) {
+                    headers.append(name, value);
+                }
+            }
+        }
+    }
+}
+
 /// The values of the fields that delimit a message's body and say what becomes of its
 /// connection.
 #[derive(Default)]
@@ -346,15 +519,14 @@ struct Delimiters<'a> {
 }
 
 impl<'a> Delimiters<'a> {
-    fn of(fields: impl Iterator<Item = (&'a HeaderName, &'a [u8])>) -> Self {
+    fn of(fields: impl Iterator<Item = (Named, &'a [u8])>) -> Self {
         let mut d = Delimiters::default();
-        for (name, value) in fields {
-            if name == header::CONNECTION {
-                d.connection.push(value);
-            } else if name == header::TRANSFER_ENCODING {
-                d.codings.push(value);
-            } else if name == header::CONTENT_LENGTH {
-                d.lengths.push(value);
+        for (named, value) in fields {
+            match named {
+                Named::Connection => d.connection.push(value),
+                Named::TransferEncoding => d.codings.push(value),
+                Named::ContentLength => d.lengths.push(value),
+                _ => {}
             }
         }
         d
@@ -431,9 +603,21 @@ pub struct RawBody {
     /// Where the connection goes at the body's end; `None` when it is not reused.
     home: Option<Arc<dyn Home>>,
     since: u64,
+    /// The response's fields, when they are not in its map.
+    passed: Option<Passed>,
 }
 
 impl RawBody {
+    /// The response's fields as the upstream wrote them, when they are not in its map.
+    pub fn passed(&self) -> Option<&Passed> {
+        self.passed.as_ref()
+    }
+
+    /// Takes the response's fields out, to put them in its map.
+    pub fn take_passed(&mut self) -> Option<Passed> {
+        self.passed.take()
+    }
+
     /// The body is over: the connection goes home if it may be reused and nothing follows.
     fn finish(&mut self) {
         self.framing = Framing::Done;
@@ -635,7 +819,10 @@ mod tests {
     }
 
     fn delimiters(h: &HeaderMap) -> Delimiters<'_> {
-        Delimiters::of(h.iter().map(|(n, v)| (n, v.as_bytes())))
+        Delimiters::of(
+            h.iter()
+                .map(|(n, v)| (Named::of(n.as_str().as_bytes()), v.as_bytes())),
+        )
     }
 
     #[test]
@@ -692,6 +879,126 @@ mod tests {
             None,
             "past 15 digits"
         );
+    }
+
+    /// What `head` passes on when the hop's own fields stay behind: the runs of lines, and the
+    /// map a server writing its own heads gets; `None` when it takes the map path.
+    type Seen = (Vec<String>, bool, bool, Vec<(String, String)>);
+
+    fn passed(head: &str) -> Option<Seen> {
+        let mut buf = BytesMut::from(head);
+        let head = take_head(&mut buf).unwrap().expect("a whole head");
+        let p = Passed::of(&head, |f| !f.named.hop_by_hop())?;
+        let runs = p
+            .runs()
+            .map(|r| String::from_utf8_lossy(r).into_owned())
+            .collect();
+        let (date, length) = (p.date, p.length);
+        let mut map = HeaderMap::new();
+        p.into_map(&mut map);
+        let map = map
+            .iter()
+            .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+            .collect();
+        Some((runs, date, length, map))
+    }
+
+    fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
+        list.iter()
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect()
+    }
+
+    #[test]
+    fn an_upstream_head_passes_as_written_less_the_hops_lines() {
+        // nginx's: one run, the connection's field left out.
+        let (runs, date, length, map) = passed(
+            "HTTP/1.1 200 OK\r\nServer: nginx\r\nDate: Mon, 30 Nov 2026 16:00:00 GMT\r\n\
+             Content-Length: 2\r\nConnection: keep-alive\r\n\r\nok",
+        )
+        .unwrap();
+        assert_eq!(
+            runs,
+            ["Server: nginx\r\nDate: Mon, 30 Nov 2026 16:00:00 GMT\r\nContent-Length: 2\r\n"]
+        );
+        assert!(date && length);
+        assert_eq!(
+            map,
+            pairs(&[
+                ("server", "nginx"),
+                ("date", "Mon, 30 Nov 2026 16:00:00 GMT"),
+                ("content-length", "2")
+            ])
+        );
+        // Hop lines between kept ones cut the head into runs; values keep their inner spaces
+        // and lose the outer ones in the map.
+        let (runs, date, length, map) = passed(
+            "HTTP/1.1 200 OK\r\nkeep-alive: timeout=5\r\nx-a:  one two \r\nTE: trailers\r\n\
+             x-b:2\r\nx-c: 3\r\nconnection: close\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(runs, ["x-a:  one two \r\n", "x-b:2\r\nx-c: 3\r\n"]);
+        assert!(!date && !length);
+        assert_eq!(
+            map,
+            pairs(&[("x-a", "one two"), ("x-b", "2"), ("x-c", "3")])
+        );
+        // Nothing kept, nothing to write.
+        let (runs, ..) = passed("HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n").unwrap();
+        assert!(runs.is_empty());
+    }
+
+    #[test]
+    fn a_name_is_hop_by_hop_here_exactly_when_the_request_side_says_so() {
+        let names = [
+            "connection",
+            "Keep-Alive",
+            "proxy-connection",
+            "TE",
+            "trailer",
+            "transfer-encoding",
+            "proxy-authenticate",
+            "Proxy-Authorization",
+            "upgrade",
+            "date",
+            "content-length",
+            "server",
+            "x-conn",
+            "tes",
+            "connections",
+            "content-type",
+            "x",
+            "",
+        ];
+        for name in names {
+            let by_map = HeaderName::from_bytes(name.as_bytes())
+                .is_ok_and(|n| super::super::forward::hop_by_hop(&n));
+            assert_eq!(Named::of(name.as_bytes()).hop_by_hop(), by_map, "{name}");
+        }
+        assert_eq!(Named::of(b"Date"), Named::Date);
+        assert_eq!(Named::of(b"CONTENT-LENGTH"), Named::ContentLength);
+    }
+
+    #[test]
+    fn a_head_cut_into_many_runs_or_with_bare_lf_line_ends_takes_the_map() {
+        // Four runs of kept lines.
+        assert!(passed(
+            "HTTP/1.1 200 OK\r\nx-a: 1\r\nte: t\r\nx-b: 2\r\nte: t\r\nx-c: 3\r\nte: t\r\n\
+             x-d: 4\r\n\r\n"
+        )
+        .is_none());
+        // Three are fine.
+        assert!(
+            passed("HTTP/1.1 200 OK\r\nx-a: 1\r\nte: t\r\nx-b: 2\r\nte: t\r\nx-c: 3\r\n\r\n")
+                .is_some()
+        );
+        for lf in [
+            "HTTP/1.1 200 OK\nx-a: 1\nx-b: 2\n\n",
+            "HTTP/1.1 200 OK\r\nx-a: 1\nx-b: 2\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nx-a: 1\r\nx-b: 2\r\n\n",
+        ] {
+            assert!(passed(lf).is_none(), "{lf:?}");
+        }
     }
 
     #[test]

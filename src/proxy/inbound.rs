@@ -53,6 +53,7 @@ use http_body_util::Either;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::server::conn::auto;
+use smallvec::SmallVec;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -234,16 +235,11 @@ impl Served {
         } else {
             Framing::Chunked
         };
-        // A 429 its rule keeps has its fields written already.
-        let kept = match &body {
-            Either::Right(Own::Canned(canned)) => canned.fields(),
-            _ => &[],
-        };
         self.out.clear();
         write_head(
             &mut self.out,
             status,
-            (&parts.headers, kept),
+            (&parts.headers, Lines::of(&body)),
             &framing,
             known,
             asked,
@@ -376,14 +372,45 @@ enum Framing {
     Close,
 }
 
+/// Header lines a response brings as they are to be written: a kept 429's, or those the
+/// upstream wrote (neither has `Connection` or `Transfer-Encoding`).
+#[derive(Default)]
+struct Lines<'a> {
+    runs: SmallVec<[&'a [u8]; 3]>,
+    date: bool,
+    length: bool,
+}
+
+impl<'a> Lines<'a> {
+    fn of(body: &'a Body) -> Self {
+        match body {
+            Either::Right(Own::Canned(canned)) => Lines {
+                runs: smallvec::smallvec![canned.fields()],
+                ..Lines::default()
+            },
+            Either::Left(permit) => match permit.inner() {
+                Either::Right(raw) => match raw.passed() {
+                    Some(passed) => Lines {
+                        runs: passed.runs().collect(),
+                        date: passed.date,
+                        length: passed.length,
+                    },
+                    None => Lines::default(),
+                },
+                Either::Left(_) => Lines::default(),
+            },
+            Either::Right(Own::Doc(_)) => Lines::default(),
+        }
+    }
+}
+
 /// The status line and the header fields: the response's own, except those this side sets
 /// (`Connection`, `Transfer-Encoding`, and `Content-Length` unless the response gave one),
-/// then the `kept` lines of a 429 its rule keeps (which hold none of those or `Date`), then
-/// `Date` unless given.
+/// then the `lines` it brings written, then `Date` unless given.
 fn write_head(
     out: &mut Vec<u8>,
     status: StatusCode,
-    (headers, kept): (&HeaderMap, &[u8]),
+    (headers, lines): (&HeaderMap, Lines),
     framing: &Framing,
     known: Option<u64>,
     asked: Asked,
@@ -399,7 +426,7 @@ fn write_head(
     out.push(b' ');
     out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
     out.extend_from_slice(b"\r\n");
-    let mut length_given = false;
+    let mut length_given = lines.length;
     for (name, value) in headers {
         if name == header::CONNECTION || name == header::TRANSFER_ENCODING {
             continue;
@@ -407,8 +434,10 @@ fn write_head(
         length_given |= name == header::CONTENT_LENGTH;
         field(out, name.as_str().as_bytes(), value.as_bytes());
     }
-    out.extend_from_slice(kept);
-    if !headers.contains_key(header::DATE) {
+    for run in lines.runs {
+        out.extend_from_slice(run);
+    }
+    if !lines.date && !headers.contains_key(header::DATE) {
         date::with(|d| field(out, b"date", d));
     }
     let mut digits = [0u8; 20];
@@ -850,7 +879,7 @@ mod tests {
         write_head(
             &mut out,
             status,
-            (&map, &[]),
+            (&map, Lines::default()),
             &framing,
             Some(3),
             asked,

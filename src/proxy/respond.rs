@@ -129,19 +129,32 @@ pub fn refused(refusal: &Refusal, grpc: bool) -> Response<Body> {
     self::refusal(refusal, grpc)
 }
 
-/// `resp` with a kept 429's header fields in its map, for a server that writes its own heads
-/// (hyper's). Fields already in the map (a `Connection: close`) stay.
-pub fn whole(mut resp: Response<Body>) -> Response<Body> {
-    if let Either::Right(Own::Canned(canned)) = resp.body() {
-        let mut headers = canned.answer.headers.clone();
-        if !canned.rate {
-            headers.remove(&RATELIMIT);
-            headers.remove(&RATELIMIT_POLICY);
+/// `resp` with all its header fields in its map, for a server that writes its own heads
+/// (hyper's) or a change to the map: a kept 429's, or those an upstream response of our own
+/// connection passes as the upstream wrote them ([`h1::Passed`](super::h1::Passed)). Fields
+/// already in the map (a `Connection: close`) stay, after a 429's and before an upstream's.
+pub fn whole(resp: Response<Body>) -> Response<Body> {
+    let (mut parts, mut body) = resp.into_parts();
+    match &mut body {
+        Either::Right(Own::Canned(canned)) => {
+            let mut headers = canned.answer.headers.clone();
+            if !canned.rate {
+                headers.remove(&RATELIMIT);
+                headers.remove(&RATELIMIT_POLICY);
+            }
+            headers.extend(std::mem::take(&mut parts.headers));
+            parts.headers = headers;
         }
-        headers.extend(std::mem::take(resp.headers_mut()));
-        *resp.headers_mut() = headers;
+        Either::Left(permit) => {
+            if let Either::Right(raw) = permit.inner_mut() {
+                if let Some(passed) = raw.take_passed() {
+                    passed.into_map(&mut parts.headers);
+                }
+            }
+        }
+        Either::Right(Own::Doc(_)) => {}
     }
-    resp
+    Response::from_parts(parts, body)
 }
 
 /// A body of the sidecar's own: a short document, or a kept 429 with its head's fields.
