@@ -340,6 +340,23 @@ async fn every_framing_arrives_whole_and_the_connection_is_reused_after_it() {
         }
     }
 
+    // A connection handed to hyper's HTTP/1 server (a chunked body does it) gets them from the
+    // map the lines are put in.
+    let stream = TcpStream::connect(sc.addr()).await.unwrap();
+    let mut handed = tokio::io::BufReader::new(stream);
+    let upload = "POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n\
+                  2\r\nhi\r\n0\r\n\r\n";
+    assert_eq!(ask(&mut handed, upload).await.status, "HTTP/1.1 200 OK");
+    let hop = ask(&mut handed, "GET /hop HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    assert_eq!(
+        (hop.status.as_str(), hop.body.as_str()),
+        ("HTTP/1.1 200 OK", "ok")
+    );
+    assert!(hop.head.contains("x-kept: yes\r\n"), "{}", hop.head);
+    for name in ["connection: keep-alive", "keep-alive:", "x-hop:"] {
+        assert!(!hop.head.contains(name), "{name}: {}", hop.head);
+    }
+
     let hints = c.get("/hints").await;
     assert_eq!(
         hints.status,

@@ -35,7 +35,9 @@
 //! with hyper), the head's values shared with the buffer, a slot of the worker's `coarse`
 //! timers while the read waits, one `write` for the response head and a body piece of up to
 //! [`COALESCE`]; no allocation for the buffer while the previous request's head is gone by the
-//! next read.
+//! next read. The response head is its map's fields (none, for an upstream response of our
+//! own connection or a 429 its rule keeps) and then the lines the response brings written
+//! (`Lines`: the upstream's own, or the 429's), copied as they are.
 
 use std::future::Future;
 use std::io;
@@ -652,9 +654,10 @@ async fn hand_off(
         // HTTP/2 stream reset at once) counts as abandoned too.
         let guard = AbandonGuard(Some(conn.clone()));
         async move {
-            let resp = handle(guard.conn(), req.map(Either::Left)).await;
+            let mut resp = handle(guard.conn(), req.map(Either::Left)).await;
             guard.disarm();
-            Ok::<_, std::convert::Infallible>(respond::whole(resp))
+            respond::whole(&mut resp);
+            Ok::<_, std::convert::Infallible>(resp)
         }
     });
     let mut served = pin!(lane.hyper.serve_connection_with_upgrades(io, service));

@@ -689,7 +689,7 @@ async fn handle(conn: &Conn, req: Request<ReqBody>) -> Response<Body> {
     // `states` is filled only under `headers: always`; the fields go in the response's map,
     // with the upstream's (which replace any the upstream sent).
     if !admit.states.is_empty() {
-        resp = respond::whole(resp);
+        respond::whole(&mut resp);
         respond::add_rate_headers(resp.headers_mut(), &admit.states);
     }
     metrics.duration(outcome).observe(elapsed(shared, start));

@@ -129,32 +129,32 @@ pub fn refused(refusal: &Refusal, grpc: bool) -> Response<Body> {
     self::refusal(refusal, grpc)
 }
 
-/// `resp` with all its header fields in its map, for a server that writes its own heads
+/// Puts all of `resp`'s header fields in its map, for a server that writes its own heads
 /// (hyper's) or a change to the map: a kept 429's, or those an upstream response of our own
 /// connection passes as the upstream wrote them ([`h1::Passed`](super::h1::Passed)). Fields
 /// already in the map (a `Connection: close`) stay, after a 429's and before an upstream's.
-pub fn whole(resp: Response<Body>) -> Response<Body> {
-    let (mut parts, mut body) = resp.into_parts();
-    match &mut body {
+pub fn whole(resp: &mut Response<Body>) {
+    match resp.body_mut() {
         Either::Right(Own::Canned(canned)) => {
             let mut headers = canned.answer.headers.clone();
             if !canned.rate {
                 headers.remove(&RATELIMIT);
                 headers.remove(&RATELIMIT_POLICY);
             }
-            headers.extend(std::mem::take(&mut parts.headers));
-            parts.headers = headers;
+            headers.extend(std::mem::take(resp.headers_mut()));
+            *resp.headers_mut() = headers;
         }
         Either::Left(permit) => {
-            if let Either::Right(raw) = permit.inner_mut() {
-                if let Some(passed) = raw.take_passed() {
-                    passed.into_map(&mut parts.headers);
-                }
+            let passed = match permit.inner_mut() {
+                Either::Right(raw) => raw.take_passed(),
+                Either::Left(_) => None,
+            };
+            if let Some(passed) = passed {
+                passed.into_map(resp.headers_mut());
             }
         }
         Either::Right(Own::Doc(_)) => {}
     }
-    Response::from_parts(parts, body)
 }
 
 /// A body of the sidecar's own: a short document, or a kept 429 with its head's fields.
@@ -552,7 +552,9 @@ mod tests {
             };
             assert!(kept.headers().is_empty(), "no map for a kept 429");
             assert_eq!(String::from_utf8_lossy(canned.fields()), lines(&headers));
-            let (parts_, own) = whole(kept).into_parts();
+            let mut kept = kept;
+            whole(&mut kept);
+            let (parts_, own) = kept.into_parts();
             assert_eq!((parts_.status, &parts_.headers), (status, &headers));
             let bytes = http_body_util::BodyExt::collect(own).await.unwrap();
             assert_eq!(bytes.to_bytes(), body);
@@ -574,7 +576,8 @@ mod tests {
         let mut kept = refused(&Refusal::Limited(denial(&answers, Some(7))), false);
         kept.headers_mut()
             .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-        let resp = whole(kept);
+        let mut resp = kept;
+        whole(&mut resp);
         assert_eq!(resp.headers()[http::header::CONNECTION], "close");
         assert_eq!(resp.headers()[RETRY_AFTER], "7");
         assert_eq!(resp.headers().len(), 5);
