@@ -441,8 +441,10 @@ const RUNS: usize = 3;
 /// The end-to-end fields of an upstream response head as the upstream wrote them, for our HTTP/1
 /// server side to copy into the client's head: a few runs of whole lines, with the hop's lines
 /// (`Connection`, `Keep-Alive`, those `Connection` names, ...) left out. No `HeaderName` or
-/// `HeaderValue` is made and no map is built, hashed, walked and dropped; a server that writes
-/// its own heads (hyper's, for HTTP/2 clients) gets the map from [`Passed::into_map`].
+/// `HeaderValue` is made and no map is built, hashed, walked and dropped. A response for a
+/// server that writes its own heads (hyper's, on a connection handed to it) or one whose map
+/// changes (`headers: always`) gets the map from [`Passed::into_map`]; an HTTP/2 client's
+/// exchange builds the map at once.
 pub struct Passed {
     head: Bytes,
     runs: [(u32, u32); RUNS],
@@ -949,6 +951,16 @@ mod tests {
         assert_eq!(
             map,
             pairs(&[("x-a", "one two"), ("x-b", "2"), ("x-c", "3")])
+        );
+        // An empty value, and one of spaces only.
+        let (runs, _, length, map) =
+            passed("HTTP/1.1 200 OK\r\nx-empty:\r\nx-blank:   \r\ncontent-length: 0\r\n\r\n")
+                .unwrap();
+        assert_eq!(runs, ["x-empty:\r\nx-blank:   \r\ncontent-length: 0\r\n"]);
+        assert!(length);
+        assert_eq!(
+            map,
+            pairs(&[("x-empty", ""), ("x-blank", ""), ("content-length", "0")])
         );
         // Nothing kept, nothing to write.
         let (runs, ..) = passed("HTTP/1.1 204 No Content\r\nconnection: close\r\n\r\n").unwrap();

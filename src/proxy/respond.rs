@@ -337,7 +337,7 @@ impl Answer {
         let mut rate_at = 0;
         // A map's fields iterate in insertion order, so the `RateLimit` ones come last.
         for (name, value) in &headers {
-            if name == RATELIMIT_POLICY && rate_at == 0 {
+            if name == RATELIMIT_POLICY {
                 rate_at = fields.len();
             }
             for part in [name.as_str().as_bytes(), b": ", value.as_bytes(), b"\r\n"] {
