@@ -54,8 +54,27 @@ const MAX_HEADERS: usize = 100;
 /// A chunk-size line longer than this is refused.
 const MAX_CHUNK_LINE: usize = 1024;
 
-/// An upstream connection between exchanges.
-pub struct Raw {
+/// An upstream connection between exchanges. Boxed once, when connected: it moves between the
+/// worker's idle list, an exchange and the response body it reads, and a response moves by
+/// value through the request path's futures.
+pub struct Raw(Box<Upstream>);
+
+impl std::ops::Deref for Raw {
+    type Target = Upstream;
+
+    fn deref(&self) -> &Upstream {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Raw {
+    fn deref_mut(&mut self) -> &mut Upstream {
+        &mut self.0
+    }
+}
+
+/// What [`Raw`] holds.
+pub struct Upstream {
     stream: TcpStream,
     /// Bytes read and not yet used (empty between exchanges).
     buf: BytesMut,
@@ -83,12 +102,12 @@ pub enum Failed {
 
 impl Raw {
     pub fn new(stream: TcpStream) -> Self {
-        Raw {
+        Raw(Box::new(Upstream {
             stream,
             buf: BytesMut::new(),
             out: Vec::new(),
             large: false,
-        }
+        }))
     }
 
     /// False when the upstream closed the connection since its last exchange (or it has
@@ -118,9 +137,10 @@ impl Raw {
             self.buf.reserve(want);
         }
         let room = self.buf.capacity() - self.buf.len();
+        let this = &mut *self.0;
         let read = std::pin::pin!(tokio::io::AsyncReadExt::read_buf(
-            &mut self.stream,
-            &mut self.buf
+            &mut this.stream,
+            &mut this.buf
         ));
         let polled = read.poll(cx);
         if let Poll::Ready(Ok(n)) = polled {
