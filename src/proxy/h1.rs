@@ -209,10 +209,7 @@ fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added) {
     out.extend_from_slice(b" HTTP/1.1\r\n");
     let passing = req.headers().iter().filter(|(name, _)| added.passes(name));
     for (name, value) in passing.chain(added.fields()) {
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
+        super::inbound::field(out, name.as_str().as_bytes(), value.as_bytes());
     }
     out.extend_from_slice(b"\r\n");
 }

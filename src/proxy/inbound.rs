@@ -464,7 +464,8 @@ fn write_head(
     out.extend_from_slice(b"\r\n");
 }
 
-fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+/// Writes one header field as a line of an HTTP/1 head: `name: value\r\n`.
+pub(super) fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
     out.extend_from_slice(b": ");
     out.extend_from_slice(value);

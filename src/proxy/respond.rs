@@ -340,9 +340,7 @@ impl Answer {
             if name == RATELIMIT_POLICY {
                 rate_at = fields.len();
             }
-            for part in [name.as_str().as_bytes(), b": ", value.as_bytes(), b"\r\n"] {
-                fields.extend_from_slice(part);
-            }
+            super::inbound::field(&mut fields, name.as_str().as_bytes(), value.as_bytes());
         }
         Self {
             body: body.freeze(),
