@@ -507,7 +507,7 @@ async fn worker(
         metrics.connections.inc();
         tokio::spawn(async move {
             let _alive = alive;
-            let served = inbound::serve(stream, conn.clone(), lane);
+            let served = std::pin::pin!(inbound::serve(stream, conn.clone(), lane));
             match affine::drive(served, &conn.affine).await {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
