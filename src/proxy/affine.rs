@@ -116,7 +116,7 @@ impl Affine {
     pub async fn send(
         &self,
         upstream: &Upstream,
-        req: Request<ReqBody>,
+        req: &Request<ReqBody>,
         added: &Added,
         now: u64,
     ) -> Result<Response<RawBody>, Failure> {
@@ -149,14 +149,14 @@ impl Affine {
         let failed = match h1::exchange(raw, req, added, home.clone(), now).await {
             Ok(resp) => return Ok(resp),
             // A reused connection the upstream closed just now: once more on another.
-            Err(h1::Failed::Unsent(req, _)) if reused => {
+            Err(h1::Failed::Unsent(_)) if reused => {
                 let (raw, _) = Box::pin(self.connect(upstream, now)).await?;
-                h1::exchange(raw, *req, added, home, now).await
+                h1::exchange(raw, req, added, home, now).await
             }
             Err(e) => Err(e),
         };
         failed.map_err(|e| match e {
-            h1::Failed::Upstream(e) | h1::Failed::Unsent(_, e) => Failure::Raw(e),
+            h1::Failed::Upstream(e) | h1::Failed::Unsent(e) => Failure::Raw(e),
         })
     }
 

@@ -126,13 +126,17 @@ pub struct Forward<'a> {
 impl Forward<'_> {
     /// Sends `req` upstream and returns the response to stream back, or the error response.
     /// `permits` are concurrency slots, held until the response body ends.
+    /// Borrows `req`: the client connection's own upstream connection only reads it, and a
+    /// request moved down the layers of futures is copied at each (it is 264 bytes). The
+    /// pooled client takes it, leaving an empty request behind.
     pub async fn send(
         &self,
-        mut req: Request<ReqBody>,
+        req: &mut Request<ReqBody>,
         mut permits: SmallVec<[Permit; 1]>,
     ) -> Response<Body> {
         // HTTP/1.1 upgrades only: an HTTP/2 upstream has no Upgrade.
-        let upgrade = (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut req));
+        let upgrade =
+            (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut *req));
         // The client connection's own upstream connection takes what one connection in
         // sequence can: requests without an upgrade (CONNECT has none to give) and without a
         // body still to come, HTTP/2 streams included; a body read whole with its head is
@@ -158,7 +162,7 @@ impl Forward<'_> {
             self.trust_forwarded,
         );
         if affine.is_none() {
-            if let Err(resp) = self.rewrite(&mut req, upgrade.is_some(), &added) {
+            if let Err(resp) = self.rewrite(req, upgrade.is_some(), &added) {
                 return resp;
             }
         }
@@ -170,6 +174,8 @@ impl Forward<'_> {
                     Ok(resp.map(Either::Right))
                 }
                 None => {
+                    let req =
+                        std::mem::replace(req, Request::new(Either::Right(InHand::default())));
                     let resp = self.client.request(req).await.map_err(Failure::Pooled)?;
                     Ok::<_, Failure>(resp.map(Either::Left))
                 }

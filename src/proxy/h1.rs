@@ -28,7 +28,11 @@
 //! `inbound` into the client's head): no `HeaderMap` is built for an HTTP/1 client. That took a
 //! forwarded request from 24 600 to 22 000 user-space instructions; the map, the `Connection`
 //! names parsed once and httparse's fields left uninitialised, from 29 900 to 27 000 before
-//! (callgrind, see BENCHMARKS.md).
+//! (callgrind, see BENCHMARKS.md). The request is borrowed down the request path (`handle`,
+//! `forward`, `affine`, here) instead of moved, the response borrowed by the writer, and the
+//! response head (440 bytes) read where it was parsed: every future a value moves through
+//! copies it, and those copies (`memcpy`) were the largest single item, 3 100 instructions of
+//! a forwarded request. Now 1 300, and the request 20 750 -> 19 300 in all.
 
 use std::future::Future;
 use std::io;
@@ -97,7 +101,7 @@ pub enum Failed {
     Upstream(io::Error),
     /// Writing the request head failed: nothing of the request was taken, it can go on
     /// another connection.
-    Unsent(Box<Request<ReqBody>>, io::Error),
+    Unsent(io::Error),
 }
 
 impl Raw {
@@ -160,14 +164,14 @@ impl Raw {
 /// at its end when it may be reused.
 pub async fn exchange(
     mut raw: Raw,
-    req: Request<ReqBody>,
+    req: &Request<ReqBody>,
     added: &Added,
     home: Arc<dyn Home>,
     now: u64,
 ) -> Result<Response<RawBody>, Failed> {
     let mut head = std::mem::take(&mut raw.out);
     head.clear();
-    write_head(&mut head, &req, added);
+    write_head(&mut head, req, added);
     // A body in hand (small: `inbound` reads it with its head) goes in the same write; its
     // `Content-Length` passed on with the client's fields.
     if let Either::Right(body) = req.body() {
@@ -177,25 +181,36 @@ pub async fn exchange(
     raw.out = head;
     if let Err(e) = written {
         // Not a whole request: the upstream cannot have acted on it.
-        return Err(Failed::Unsent(Box::new(req), e));
+        return Err(Failed::Unsent(e));
     }
     let head_only = req.method() == Method::HEAD;
     // An HTTP/2 client's stream is answered by hyper's server, which writes from the map.
     let mapped = req.version() == Version::HTTP_2;
-    drop(req);
     loop {
-        let head = parse_head(&mut raw).await.map_err(Failed::Upstream)?;
-        // Nothing asked to switch protocols here (upgrades take the pooled client).
-        if head.status == 101 {
-            return Err(Failed::Upstream(protocol(
-                "upstream switched protocols unasked",
-            )));
+        // Parsed where it is used, never held across an await: a `Head` is 440 bytes, and
+        // each future it passed through would copy it.
+        let taken = match raw.buf.is_empty() {
+            true => Ok(None),
+            false => take_head(&mut raw.buf),
+        };
+        match taken {
+            // Borrowed where it was parsed into, not moved out (a copy).
+            Ok(Some(ref head)) => {
+                // Nothing asked to switch protocols here (upgrades take the pooled client).
+                if head.status == 101 {
+                    return Err(Failed::Upstream(protocol(
+                        "upstream switched protocols unasked",
+                    )));
+                }
+                // Interim responses (100 Continue, 103 Early Hints): the final one follows.
+                if (100..200).contains(&head.status) {
+                    continue;
+                }
+                return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
+            }
+            Ok(None) => more(&mut raw).await.map_err(Failed::Upstream)?,
+            Err(e) => return Err(Failed::Upstream(e)),
         }
-        // Interim responses (100 Continue, 103 Early Hints): the final one follows.
-        if (100..200).contains(&head.status) {
-            continue;
-        }
-        return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
     }
 }
 
@@ -287,24 +302,19 @@ fn protocol(what: &str) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidData, what.to_string())
 }
 
-/// Reads until a whole response head is in `raw.buf` and takes it out.
-async fn parse_head(raw: &mut Raw) -> io::Result<Head> {
-    loop {
-        if !raw.buf.is_empty() {
-            if let Some(head) = take_head(&mut raw.buf)? {
-                return Ok(head);
-            }
-        }
-        if raw.buf.len() >= MAX_HEAD {
-            return Err(protocol("upstream response head too large"));
-        }
-        if raw.fill().await? == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "upstream closed the connection before a response",
-            ));
-        }
+/// Reads more of a response head into `raw.buf`: an error for a head too large, or a
+/// connection closed before one.
+async fn more(raw: &mut Raw) -> io::Result<()> {
+    if raw.buf.len() >= MAX_HEAD {
+        return Err(protocol("upstream response head too large"));
     }
+    if raw.fill().await? == 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "upstream closed the connection before a response",
+        ));
+    }
+    Ok(())
 }
 
 /// The response head at the start of `buf`, taken out of it; `None` while it is partial.
@@ -393,7 +403,7 @@ enum Chunk {
 /// delimit the body and say whether the connection stays; the response goes on without them,
 /// its other fields [`Passed`] as they are, or in its map when `mapped`.
 fn respond(
-    head: Head,
+    head: &Head,
     head_only: bool,
     mapped: bool,
     raw: Raw,
@@ -420,7 +430,7 @@ fn respond(
     let passed = if mapped {
         None
     } else {
-        Passed::of(&head, passes)
+        Passed::of(head, passes)
     };
     if passed.is_none() {
         for f in head.fields.iter().filter(|f| passes(f)) {

@@ -621,11 +621,12 @@ impl Drop for AbandonGuard {
 }
 
 /// The request path.
-async fn handle(conn: &Conn, req: Request<ReqBody>) -> Response<Body> {
+/// Borrows `req` (see [`forward::Forward::send`]); what is left of it is the caller's to drop.
+async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     let (shared, peer) = (&*conn.shared, conn.peer);
     let start = shared.clock.now();
     let metrics = &shared.metrics;
-    if header_bytes(&req) > shared.max_header_bytes {
+    if header_bytes(req) > shared.max_header_bytes {
         metrics.header_too_large.inc();
         metrics
             .duration(Outcome::Error)
@@ -639,7 +640,7 @@ async fn handle(conn: &Conn, req: Request<ReqBody>) -> Response<Body> {
     // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
     // and never holds the rule snapshot across that wait.
     let client_ip = key::client_ip(req.headers(), peer.ip(), shared.trusted_hops);
-    let view = RequestView::of(&req, client_ip);
+    let view = RequestView::of(req, client_ip);
     let admitted = gate::admit(&shared.rules, &shared.clock, &view).await;
     let admit = match admitted {
         Ok(admit) => admit,
@@ -654,7 +655,9 @@ async fn handle(conn: &Conn, req: Request<ReqBody>) -> Response<Body> {
             // connection stays usable and the client reads our answer; a large or slow one
             // closes the connection instead (nginx's lingering close, bounded). A body in
             // hand was read with the head.
-            let http_body_util::Either::Left(body) = req.into_body() else {
+            let emptied = http_body_util::Either::Right(forward::InHand::default());
+            let http_body_util::Either::Left(body) = std::mem::replace(req.body_mut(), emptied)
+            else {
                 return resp;
             };
             // Boxed: the rare path (a body to read) keeps the common future small.
