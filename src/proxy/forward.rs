@@ -285,7 +285,9 @@ impl Forward<'_> {
 /// written into them (the pooled client) or written after those that go on (`h1`).
 pub struct Added {
     host: Option<HeaderValue>,
-    forwarded_for: Option<HeaderValue>,
+    /// Kept inline: the client's list and the peer's address fit in most cases, and the
+    /// value is only written out (a `HeaderValue` of it is made for the pooled client).
+    forwarded_for: SmallVec<[u8; FORWARDED_FOR_INLINE]>,
     proto: Option<HeaderValue>,
     forwarded_host: Option<HeaderValue>,
     /// The names the client's `Connection` lists: those fields do not go on.
@@ -293,6 +295,9 @@ pub struct Added {
     /// The client's `X-Forwarded-*` come from a trusted hop.
     trusted: bool,
 }
+
+/// Bytes of `X-Forwarded-For` kept in [`Added`] without an allocation.
+const FORWARDED_FOR_INLINE: usize = 48;
 
 impl Added {
     /// `authority`: the request target's, if absolute (or HTTP/2's `:authority`), the `Host`
@@ -304,10 +309,9 @@ impl Added {
         peer: IpAddr,
         trust_forwarded: bool,
     ) -> Added {
-        use bytes::BufMut;
         let (mut host, mut proto, mut forwarded_host) = (None, false, false);
         let mut connection = SmallVec::<[&HeaderValue; 1]>::new();
-        let mut forwarded_for = bytes::BytesMut::with_capacity(64);
+        let mut forwarded_for = SmallVec::new();
         for (name, value) in headers {
             if name == header::HOST {
                 host = host.or(Some(value));
@@ -315,8 +319,8 @@ impl Added {
                 connection.push(value);
             } else if name == X_FORWARDED_FOR {
                 if value.to_str().is_ok() {
-                    forwarded_for.put_slice(value.as_bytes());
-                    forwarded_for.put_slice(b", ");
+                    forwarded_for.extend_from_slice(value.as_bytes());
+                    forwarded_for.extend_from_slice(b", ");
                 }
             } else if name == X_FORWARDED_PROTO {
                 proto = true;
@@ -351,7 +355,7 @@ impl Added {
             .flatten();
         Added {
             host: added_host,
-            forwarded_for: HeaderValue::from_maybe_shared(forwarded_for.freeze()).ok(),
+            forwarded_for,
             proto: (!trust_forwarded || !proto).then(|| HeaderValue::from_static("http")),
             forwarded_host,
             listed,
@@ -364,7 +368,10 @@ impl Added {
     pub fn apply(&self, headers: &mut HeaderMap, upgrade: bool) {
         strip_hop_by_hop(headers, upgrade);
         for (name, value) in self.fields() {
-            headers.insert(name.clone(), value.clone());
+            // Made of visible ASCII only (the client's values that are text, and an address).
+            if let Ok(value) = HeaderValue::from_bytes(value) {
+                headers.insert(name.clone(), value);
+            }
         }
         if !self.trusted && self.forwarded_host.is_none() {
             headers.remove(&X_FORWARDED_HOST);
@@ -372,15 +379,18 @@ impl Added {
     }
 
     /// The headers set, each replacing the client's of that name.
-    pub fn fields(&self) -> impl Iterator<Item = (&HeaderName, &HeaderValue)> {
+    pub fn fields(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
+        fn value(v: &Option<HeaderValue>) -> Option<&[u8]> {
+            v.as_ref().map(HeaderValue::as_bytes)
+        }
         [
-            (&header::HOST, &self.host),
-            (&X_FORWARDED_FOR, &self.forwarded_for),
-            (&X_FORWARDED_PROTO, &self.proto),
-            (&X_FORWARDED_HOST, &self.forwarded_host),
+            (&header::HOST, value(&self.host)),
+            (&X_FORWARDED_FOR, Some(&self.forwarded_for[..])),
+            (&X_FORWARDED_PROTO, value(&self.proto)),
+            (&X_FORWARDED_HOST, value(&self.forwarded_host)),
         ]
         .into_iter()
-        .filter_map(|(name, value)| value.as_ref().map(|v| (name, v)))
+        .filter_map(|(name, value)| value.map(|v| (name, v)))
     }
 
     /// Whether the client's header `name` goes on (upgrades aside: those take the pooled
@@ -494,15 +504,14 @@ static HOP_BY_HOP: [&HeaderName; 8] = [
 ];
 
 /// Writes `peer` as std writes it (an IPv4-mapped address as IPv4).
-fn put_address(value: &mut bytes::BytesMut, peer: IpAddr) {
-    use bytes::BufMut;
-    use std::fmt::Write;
+fn put_address(value: &mut SmallVec<[u8; FORWARDED_FOR_INLINE]>, peer: IpAddr) {
+    use std::io::Write;
     match peer.to_canonical() {
         // core's formatting of an address costs ~1 000 instructions; this, a tenth of it.
         IpAddr::V4(v4) => {
             for (i, octet) in v4.octets().into_iter().enumerate() {
                 if i > 0 {
-                    value.put_u8(b'.');
+                    value.push(b'.');
                 }
                 put_decimal(value, octet);
             }
@@ -514,15 +523,14 @@ fn put_address(value: &mut bytes::BytesMut, peer: IpAddr) {
 }
 
 /// `n` in decimal, without leading zeros.
-fn put_decimal(out: &mut bytes::BytesMut, n: u8) {
-    use bytes::BufMut;
+fn put_decimal(out: &mut SmallVec<[u8; FORWARDED_FOR_INLINE]>, n: u8) {
     if n >= 100 {
-        out.put_u8(b'0' + n / 100);
+        out.push(b'0' + n / 100);
     }
     if n >= 10 {
-        out.put_u8(b'0' + n / 10 % 10);
+        out.push(b'0' + n / 10 % 10);
     }
-    out.put_u8(b'0' + n % 10);
+    out.push(b'0' + n % 10);
 }
 
 impl Failure {
@@ -647,14 +655,27 @@ mod tests {
         h.append(&X_FORWARDED_FOR, "1.1.1.1".parse().unwrap());
         h.append(&X_FORWARDED_FOR, "2.2.2.2".parse().unwrap());
         let a = added(&h, false);
-        assert_eq!(
-            a.forwarded_for.as_ref().unwrap(),
-            "1.1.1.1, 2.2.2.2, 10.0.0.1"
-        );
+        assert_eq!(&a.forwarded_for[..], b"1.1.1.1, 2.2.2.2, 10.0.0.1");
         assert!(
             !a.passes(&X_FORWARDED_FOR),
             "the client's lines are replaced"
         );
+    }
+
+    #[test]
+    fn a_forwarded_for_list_longer_than_kept_inline_is_whole() {
+        let long = (1..=12)
+            .map(|i| format!("10.0.{i}.{i}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        assert!(long.len() > FORWARDED_FOR_INLINE);
+        let mut h = HeaderMap::new();
+        h.append(&X_FORWARDED_FOR, long.parse().unwrap());
+        let a = added(&h, false);
+        assert_eq!(&a.forwarded_for[..], format!("{long}, 10.0.0.1").as_bytes());
+        let mut rewritten = h.clone();
+        a.apply(&mut rewritten, false);
+        assert_eq!(rewritten[&X_FORWARDED_FOR], format!("{long}, 10.0.0.1"));
     }
 
     /// The headers the upstream gets, as the pooled client sends them (rewritten in place)
@@ -668,16 +689,17 @@ mod tests {
         let written = h
             .iter()
             .filter(|(name, _)| a.passes(name))
+            .map(|(n, v)| (n, v.as_bytes()))
             .chain(a.fields());
-        let sorted = |it: &mut dyn Iterator<Item = (&HeaderName, &HeaderValue)>| {
+        let sorted = |it: &mut dyn Iterator<Item = (&HeaderName, &[u8])>| {
             let mut v: Vec<(String, String)> = it
-                .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_string()))
+                .map(|(n, v)| (n.to_string(), String::from_utf8(v.to_vec()).unwrap()))
                 .collect();
             v.sort();
             v
         };
         let (left, right) = (
-            sorted(&mut rewritten.iter()),
+            sorted(&mut rewritten.iter().map(|(n, v)| (n, v.as_bytes()))),
             sorted(&mut written.into_iter()),
         );
         assert_eq!(left, right, "rewritten vs written, from {h:?}");
@@ -789,12 +811,12 @@ mod tests {
             "::ffff:192.168.0.1",
         ] {
             let ip: IpAddr = peer.parse().unwrap();
-            let mut out = bytes::BytesMut::new();
+            let mut out = SmallVec::new();
             put_address(&mut out, ip);
             assert_eq!(&out[..], ip.to_canonical().to_string().as_bytes());
         }
         for n in 0..=255u8 {
-            let mut out = bytes::BytesMut::new();
+            let mut out = SmallVec::new();
             put_decimal(&mut out, n);
             assert_eq!(&out[..], n.to_string().as_bytes());
         }

@@ -223,8 +223,9 @@ fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added) {
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
     let passing = req.headers().iter().filter(|(name, _)| added.passes(name));
+    let passing = passing.map(|(name, value)| (name, value.as_bytes()));
     for (name, value) in passing.chain(added.fields()) {
-        super::inbound::field(out, name.as_str().as_bytes(), value.as_bytes());
+        super::inbound::field(out, name.as_str().as_bytes(), value);
     }
     out.extend_from_slice(b"\r\n");
 }
