@@ -106,19 +106,20 @@ pub async fn serve(stream: TcpStream, conn: Arc<Conn>, lane: Arc<Lane>) -> Resul
         buf: BytesMut::with_capacity(READ),
         out: Vec::with_capacity(512),
     };
+    // Where each request is made: it is borrowed by the request path (each move down its
+    // futures would copy it) and dropped before its response is written.
+    let mut slot = None;
     loop {
         let mut asked;
-        // The request is borrowed by the request path (each move down its futures would copy
-        // it) and dropped at this block's end, before the response is written.
         let mut resp = {
-            let mut req = match s.head(&lane, drained.as_mut()).await? {
+            let req = match s.head(&lane, drained.as_mut(), &mut slot).await? {
                 Next::Request(req) => req,
                 Next::Closed => return Ok(()),
                 Next::Hyper => return hand_off(s, conn, &lane, drained).await,
             };
-            asked = Asked::of(&req);
+            asked = Asked::of(req);
             let guard = AbandonGuard(Some(conn.clone()));
-            let answer = pin!(handle(&conn, &mut req));
+            let answer = pin!(handle(&conn, req));
             let Some(resp) = unless_left(&s.stream, answer).await else {
                 // The client left: the request's future is gone, `guard` counts it.
                 return Ok(());
@@ -126,6 +127,7 @@ pub async fn serve(stream: TcpStream, conn: Arc<Conn>, lane: Arc<Lane>) -> Resul
             guard.disarm();
             resp
         };
+        slot = None;
         asked.keep_alive &= !lane.draining.has_changed().unwrap_or(true);
         if !s.respond(&mut resp, asked).await? {
             let _ = s.stream.shutdown().await;
@@ -135,10 +137,9 @@ pub async fn serve(stream: TcpStream, conn: Arc<Conn>, lane: Arc<Lane>) -> Resul
 }
 
 /// What came in on a connection.
-// Unboxed: a box would be an allocation per request, for one move.
-#[allow(clippy::large_enum_variant)]
-enum Next {
-    Request(Request<ReqBody>),
+enum Next<'a> {
+    /// Made in the caller's slot (moved out through the futures, it would be copied at each).
+    Request(&'a mut Request<ReqBody>),
     /// Closed by the client, timed out in a head, or the worker drains.
     Closed,
     /// For hyper to serve from here on.
@@ -157,13 +158,18 @@ impl Served {
     /// Reads until the buffer holds a whole request head this side serves, within
     /// `timeouts.header_read` from the start of the wait (hyper's rule: it bounds an idle
     /// keep-alive connection too, so an idle client does not keep its connection slot).
-    async fn head(&mut self, lane: &Lane, mut drained: Pin<&mut impl Future>) -> io::Result<Next> {
+    async fn head<'a>(
+        &mut self,
+        lane: &Lane,
+        mut drained: Pin<&mut impl Future>,
+        slot: &'a mut Option<Request<ReqBody>>,
+    ) -> io::Result<Next<'a>> {
         // Armed (a slot in the worker's timers) only when a read has to wait.
         let mut deadline = Sleep::until(lane.timers.clone(), Timers::now() + lane.header_read);
         loop {
             if !self.buf.is_empty() {
                 match parse(&mut self.buf) {
-                    Parsed::Request(req) => return Ok(Next::Request(req)),
+                    Parsed::Request(req) => return Ok(Next::Request(slot.insert(req))),
                     Parsed::Other => return Ok(Next::Hyper),
                     // What of the body the socket holds now; the rest would be hyper's to
                     // wait for (no timeout of ours is put on a body).
