@@ -70,6 +70,20 @@ def children(pid):
     return out
 
 
+def pin(pids, cpu):
+    """Puts every thread of `pids` on CPU `cpu` (threads they start later inherit it)."""
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(int(tid), {cpu})
+            except OSError:
+                pass
+
+
 def cpu_seconds(pids):
     tick = os.sysconf("SC_CLK_TCK")
     total = 0
@@ -169,9 +183,11 @@ def start_spillway(yaml, port, extra_wait=0.0, binary=None):
     return proc
 
 
-def wrk(port, conns, seconds, script):
-    out = subprocess.run(["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s", "-s", script,
-                          f"http://127.0.0.1:{port}/api/x"], capture_output=True, text=True).stdout
+def wrk(port, conns, seconds, script, cpu=None):
+    """One wrk run; on CPU `cpu` alone when given (taskset)."""
+    pinned = ["taskset", "-c", str(cpu)] if cpu is not None else []
+    out = subprocess.run(pinned + ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "--timeout", "5s", "-s", script,
+                                   f"http://127.0.0.1:{port}/api/x"], capture_output=True, text=True).stdout
     m = re.search(r"RESULT (\d+) (\d+) (\d+) (\d+) (\d+) (\d+) (\d+)", out)
     if not m:
         raise RuntimeError(f"wrk said: {out}")
