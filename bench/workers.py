@@ -7,9 +7,9 @@ one 5 s wrk run like compare.py's, the 'rejecting ~half' limit given with --rate
 slow period of the machine hits a round rather than a variant; prints each round and the
 medians. Run after the README's set-up and `cargo build --release` (compare.sh installs wrk).
 
-With --pin, the proxy and the app share CPU 0 and wrk runs alone on CPU 1: a sidecar beside its
-app on one core, with the load generator out of their way (the default lets the scheduler put
-the three anywhere on the machine's cores).
+With --pin, the proxy and the app share one CPU and wrk runs alone on another (the first two
+this process may use): a sidecar beside its app on one core, with the load generator out of
+their way (the default lets the scheduler put the three anywhere on the machine's cores).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
 """
@@ -31,17 +31,19 @@ def main():
     ap.add_argument("--seconds", type=int, default=5)
     ap.add_argument("--rate", type=int, default=315, help="per-key limit (requests/s)")
     ap.add_argument("--pin", action="store_true",
-                    help="proxy and app on CPU 0, wrk alone on CPU 1")
+                    help="proxy and app on one CPU, wrk alone on another")
     args = ap.parse_args()
-    if args.pin and (os.cpu_count() or 1) < 2:
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) < 2:
         sys.exit("--pin needs two CPUs")
+    shared_cpu, wrk_cpu = (cpus[0], cpus[1]) if args.pin else (None, None)
     script = os.path.join(tempfile.mkdtemp(prefix="spillway-bench-"), "keys.lua")
     with open(script, "w") as f:
         f.write(C.WRK_SCRIPT)
 
     up_port, upstream = C.start_upstream()
     if args.pin:
-        C.pin(upstream.pids(), 0)
+        C.pin(upstream.pids(), shared_cpu)
     rule = C.rule(f"{args.rate}/s")
     variants = [
         ("spillway, 1 worker", lambda p: C.start_spillway("workers: 1\n" + C.spillway_yaml(p, up_port, rule), p)),
@@ -57,8 +59,8 @@ def main():
                 proc = start(port)
                 try:
                     if args.pin:
-                        C.pin(proc.pids(), 0)
-                    res = C.wrk(port, args.conns, args.seconds, script, cpu=1 if args.pin else None)
+                        C.pin(proc.pids(), shared_cpu)
+                    res = C.wrk(port, args.conns, args.seconds, script, cpu=wrk_cpu)
                 finally:
                     proc.stop()
                 results[name].append(res)
@@ -69,7 +71,7 @@ def main():
 
     print(f"\n{args.rounds} paired rounds x {args.seconds} s, {args.conns} connections, "
           f"limit {args.rate}/s per key over {C.KEYS} keys"
-          f"{'; proxy and app on CPU 0, wrk on CPU 1' if args.pin else ''}; medians.\n")
+          f"{f'; proxy and app on CPU {shared_cpu}, wrk on CPU {wrk_cpu}' if args.pin else ''}; medians.\n")
     print("| proxy | req/s | p50 ms | p99 ms | p99.9 ms |")
     print("|---|---|---|---|---|")
     for name, rs in results.items():
