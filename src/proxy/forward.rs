@@ -35,6 +35,11 @@ pub type UpstreamClient = Client<HttpConnector, ReqBody>;
 /// with its head (none, or a small body that came with it).
 pub type ReqBody = Either<Incoming, InHand>;
 
+/// What a borrowed request keeps when its body (or the whole request) is taken out of it.
+pub fn emptied() -> ReqBody {
+    Either::Right(InHand::default())
+}
+
 /// A request body read whole before the request was made, given as one frame.
 #[derive(Debug, Default)]
 pub struct InHand(Option<Bytes>);
@@ -174,8 +179,7 @@ impl Forward<'_> {
                     Ok(resp.map(Either::Right))
                 }
                 None => {
-                    let req =
-                        std::mem::replace(req, Request::new(Either::Right(InHand::default())));
+                    let req = std::mem::replace(req, Request::new(emptied()));
                     let resp = self.client.request(req).await.map_err(Failure::Pooled)?;
                     Ok::<_, Failure>(resp.map(Either::Left))
                 }

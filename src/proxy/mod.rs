@@ -655,9 +655,8 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
             // connection stays usable and the client reads our answer; a large or slow one
             // closes the connection instead (nginx's lingering close, bounded). A body in
             // hand was read with the head.
-            let emptied = http_body_util::Either::Right(forward::InHand::default());
-            let http_body_util::Either::Left(body) = std::mem::replace(req.body_mut(), emptied)
-            else {
+            let taken = std::mem::replace(req.body_mut(), forward::emptied());
+            let http_body_util::Either::Left(body) = taken else {
                 return resp;
             };
             // Boxed: the rare path (a body to read) keeps the common future small.
