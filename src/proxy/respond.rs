@@ -133,6 +133,9 @@ pub fn refused(refusal: &Refusal, grpc: bool) -> Response<Body> {
 /// (hyper's) or a change to the map: a kept 429's, or those an upstream response of our own
 /// connection passes as the upstream wrote them ([`h1::Passed`](super::h1::Passed)). Fields
 /// already in the map (a `Connection: close`) stay, after a 429's and before an upstream's.
+///
+/// Once the fields are in the map the body no longer brings them, so a second call adds
+/// nothing: a kept 429 becomes a plain document, upstream lines are taken out.
 pub fn whole(resp: &mut Response<Body>) {
     match resp.body_mut() {
         Either::Right(Own::Canned(canned)) => {
@@ -141,8 +144,10 @@ pub fn whole(resp: &mut Response<Body>) {
                 headers.remove(&RATELIMIT);
                 headers.remove(&RATELIMIT_POLICY);
             }
+            let doc = Own::Doc(canned.body.clone());
             headers.extend(std::mem::take(resp.headers_mut()));
             *resp.headers_mut() = headers;
+            *resp.body_mut() = Either::Right(doc);
         }
         Either::Left(permit) => {
             let passed = match permit.inner_mut() {
@@ -579,6 +584,10 @@ mod tests {
         assert_eq!(resp.headers()[http::header::CONNECTION], "close");
         assert_eq!(resp.headers()[RETRY_AFTER], "7");
         assert_eq!(resp.headers().len(), 5);
+        // The fields are in the map now, not in the body: once more adds nothing.
+        whole(&mut resp);
+        assert_eq!(resp.headers().len(), 5);
+        assert!(matches!(resp.body(), Either::Right(Own::Doc(_))));
     }
 
     #[tokio::test]
