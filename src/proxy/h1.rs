@@ -532,12 +532,13 @@ impl Passed {
                 let Some(colon) = line.iter().position(|&c| c == b':') else {
                     continue;
                 };
-                let value = line[colon + 1..].trim_ascii();
-                let from = start + colon + 1 + line[colon + 1..].len()
-                    - line[colon + 1..].trim_ascii_start().len();
+                let rest = &line[colon + 1..];
+                let leading = rest.len() - rest.trim_ascii_start().len();
+                let from = start + colon + 1 + leading;
                 let name = HeaderName::from_bytes(&line[..colon]);
-                let value =
-                    HeaderValue::from_maybe_shared(self.head.slice(from..from + value.len()));
+                let value = HeaderValue::from_maybe_shared(
+                    self.head.slice(from..from + rest.trim_ascii().len()),
+                );
                 if let (Ok(name), Ok(value)) = (name, value) {
                     headers.append(name, value);
                 }
