@@ -1,5 +1,5 @@
-//! A client connection: HTTP/1.1 requests without a body (or with a small one that came with
-//! the head) served here, written by hand; the rest of the connection handed to hyper's server.
+//! A client connection: HTTP/1.1 requests without a body (or with a small one) served here,
+//! written by hand; the rest of the connection handed to hyper's server.
 //!
 //! hyper's server side was most of our user-space instructions (BENCHMARKS.md): a dispatch
 //! loop and connection future per connection, its own read and write buffers, a read after
@@ -11,12 +11,12 @@
 //!
 //! What is served here, per RFC 9112: a complete request head of HTTP/1.0 or 1.1 in origin
 //! form, without `Transfer-Encoding`, `Expect` or `Upgrade`, not `CONNECT`, and either without
-//! a body or with one `Content-Length` of at most [`IN_HAND`] whose body the socket already
-//! holds (what it holds is read at once, never waited for): the body goes upstream in the
-//! head's `write`. Anything else (a larger body, one still coming or chunked, an upgrade, an
-//! HTTP/2 preface, a head too large or malformed) hands the connection, with the bytes read so
-//! far, to hyper's server for the rest of its life, which answers it as before (400, 431, the
-//! upload streamed to the app, the WebSocket spliced). The response is delimited by its
+//! a body or with one `Content-Length` of at most [`IN_HAND`], whose body is read whole before
+//! the request goes on (as nginx buffers a small body) and goes upstream in the head's `write`.
+//! Anything else (a larger body, a small one still coming when the head's deadline passes, a
+//! chunked one, an upgrade, an HTTP/2 preface, a head too large or malformed) hands the
+//! connection, with the bytes read so far, to hyper's server for the rest of its life, which
+//! answers it as before (400, 431, the upload streamed to the app, the WebSocket spliced). The response is delimited by its
 //! `Content-Length`, a known body size, chunks (HTTP/1.1) or the close (HTTP/1.0); `HEAD`,
 //! 204 and 304 get no body; trailers are not sent (nor did hyper send them to HTTP/1 clients).
 //! The connection stays open after a response unless the client asked otherwise (HTTP/1.1
@@ -29,6 +29,7 @@
 //! head, the first included, must arrive whole within `timeouts.header_read` of the start of
 //! the wait for it (hyper's rule: an idle keep-alive connection is closed after it too, so an
 //! idle client does not keep a connection slot); between requests a drain closes it at once.
+//! A small body not whole by then is hyper's to stream (a slow upload is served, not cut off).
 //!
 //! Cost per request: one `recv` for the head (nothing when the last one read it already),
 //! httparse, the `HeaderMap` (a heap allocation per header name outside the standard ones, as
@@ -74,9 +75,10 @@ const MAX_HEADERS: usize = 100;
 const READ: usize = 2 * 1024;
 /// A first body piece up to this size is copied behind the head and written with it.
 pub const COALESCE: usize = 16 * 1024;
-/// A request body of up to this many bytes (with a `Content-Length`) that came with its head
-/// is read with it and sent upstream in the same `write` (nginx's `client_body_buffer_size`
-/// on 64-bit systems); a larger one, or one still coming, goes to hyper.
+/// A request body of up to this many bytes (with a `Content-Length`) is read whole, within
+/// the head's deadline, and sent upstream in the head's `write` (nginx's
+/// `client_body_buffer_size` on 64-bit systems); a larger one, or one still coming at the
+/// deadline, goes to hyper.
 pub const IN_HAND: usize = 16 * 1024;
 
 /// What a worker's connections share.
@@ -155,9 +157,10 @@ struct Served {
 }
 
 impl Served {
-    /// Reads until the buffer holds a whole request head this side serves, within
-    /// `timeouts.header_read` from the start of the wait (hyper's rule: it bounds an idle
-    /// keep-alive connection too, so an idle client does not keep its connection slot).
+    /// Reads until the buffer holds a whole request head this side serves, and its small
+    /// body, within `timeouts.header_read` from the start of the wait (hyper's rule: it bounds
+    /// an idle keep-alive connection too, so an idle client does not keep its connection
+    /// slot).
     async fn head<'a>(
         &mut self,
         lane: &Lane,
@@ -166,16 +169,21 @@ impl Served {
     ) -> io::Result<Next<'a>> {
         // Armed (a slot in the worker's timers) only when a read has to wait.
         let mut deadline = Sleep::until(lane.timers.clone(), Timers::now() + lane.header_read);
+        // Bytes the buffer must hold before the head is parsed again: a whole head's and its
+        // small body's, once the body is known to be short of them.
+        let mut need = 1;
         loop {
-            if !self.buf.is_empty() {
+            if self.buf.len() >= need {
                 match parse(&mut self.buf) {
                     Parsed::Request(req) => return Ok(Next::Request(slot.insert(req))),
                     Parsed::Other => return Ok(Next::Hyper),
-                    // What of the body the socket holds now; the rest would be hyper's to
-                    // wait for (no timeout of ours is put on a body).
-                    Parsed::Short(need) => match self.read_now(need)? {
+                    // What of the body the socket holds now; the rest is waited for here
+                    // within the head's deadline, as nginx buffers a small body before it
+                    // forwards. A body that comes apart from its head (a client's second
+                    // write, a second TCP segment) keeps the connection on this side.
+                    Parsed::Short(whole) => match self.read_now(whole)? {
                         true => continue,
-                        false => return Ok(Next::Hyper),
+                        false => need = whole,
                     },
                     Parsed::Partial if self.buf.len() >= lane.max_head => return Ok(Next::Hyper),
                     Parsed::Partial => {}
@@ -190,7 +198,9 @@ impl Served {
             let n = tokio::select! {
                 biased;
                 n = self.stream.read_buf(&mut self.buf) => n,
-                _ = &mut deadline => return Ok(Next::Closed),
+                // A whole head whose small body is still coming is hyper's to stream from
+                // here (a slow upload is served, not cut off); anything else ends.
+                _ = &mut deadline => return Ok(if need > 1 { Next::Hyper } else { Next::Closed }),
                 _ = drained.as_mut(), if idle => return Ok(Next::Closed),
             };
             match n {
