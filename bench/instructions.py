@@ -7,9 +7,11 @@ nearly deterministic: this runs each proxy under valgrind's callgrind with one w
 warm-up, zeroes the counters, sends N requests with h2load (HTTP/1.1, 16 keep-alive
 connections, one key), dumps the counters and divides. Four paths: every request forwarded (no
 limit reached), every request refused (a limit of 1/s), every request forwarded from an HTTP/2
-client (h2c with prior knowledge, 10 streams per connection), and every request a POST with a
-1 KiB body, forwarded. Kernel time is not
-counted: it is the same syscalls for both proxies (see BENCHMARKS.md).
+client (h2c with prior knowledge, 10 streams per connection), every request a POST with a
+1 KiB body, forwarded, and the same POST with its body written 0.3 ms after its head (by a
+small client here: h2load writes the two together), as a client's second write or a second TCP
+segment brings it. Kernel time is not counted: it is the same syscalls for both proxies (see
+BENCHMARKS.md).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
 """
@@ -17,17 +19,21 @@ Everything listens on 127.0.0.1 and every process started here is stopped by its
 import argparse
 import glob
 import os
+import re
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare as C  # noqa: E402
 
 CALLGRIND = ["valgrind", "--tool=callgrind", "--compress-strings=no", "--compress-pos=no"]
-# (path, per-key limit, HTTP/2 client, request body bytes)
+# (path, per-key limit, HTTP/2 client, request body bytes): the paths h2load drives (cpu.py too)
 PATHS = [("forwarded", None, False, 0), ("refused (429)", 1, False, 0),
          ("forwarded, HTTP/2", None, True, 0), ("forwarded, 1 KiB POST", None, False, 1024)]
+SPLIT = "forwarded, 1 KiB POST, body after head"
 
 
 def h2load(port, conns, h2, body=None):
@@ -49,17 +55,53 @@ def body_file(d, size):
     return path
 
 
-def counted(cmd, port, out_dir, requests, conns, h2=False, body=None):
-    """Runs `cmd` under callgrind and returns its instructions per request and h2load's status line."""
+def split_posts(port, requests, conns, size=1024, gap=0.0003):
+    """`requests` POSTs of `size` bytes over `conns` keep-alive connections in turn, one at a
+    time, each body written `gap` seconds after its head; a status line like h2load's."""
+    head = (f"POST /api/x HTTP/1.1\r\nhost: app\r\nx-client: c1\r\n"
+            f"content-length: {size}\r\n\r\n").encode()
+    body = b"x" * size
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(conns)]
+    pending = [b""] * conns
+    ok = 0
+    try:
+        for s in socks:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for i in range(requests):
+            k = i % conns
+            socks[k].sendall(head)
+            time.sleep(gap)
+            socks[k].sendall(body)
+            buf = pending[k]
+            while True:
+                end = buf.find(b"\r\n\r\n")
+                if end >= 0:
+                    m = re.search(rb"\r\ncontent-length: *(\d+)", buf[:end], re.I)
+                    whole = end + 4 + int(m.group(1))
+                    if len(buf) >= whole:
+                        ok += buf.startswith(b"HTTP/1.1 200 ")
+                        pending[k] = buf[whole:]
+                        break
+                more = socks[k].recv(65536)
+                if not more:
+                    raise RuntimeError("the proxy closed a connection")
+                buf += more
+    finally:
+        for s in socks:
+            s.close()
+    return f"status codes: {ok} 2xx of {requests}"
+
+
+def counted(cmd, port, out_dir, requests, load):
+    """Runs `cmd` under callgrind and returns its instructions per request and the load's
+    status line; `load(n)` sends n requests and returns that line."""
     proc = subprocess.Popen(CALLGRIND + [f"--callgrind-out-file={out_dir}/cg.%p"] + cmd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         C.wait_port(port, timeout=120)
-        load = h2load(port, conns, h2, body)
-        subprocess.run(load + ["-n", "2000"], capture_output=True, check=True)
+        load(2000)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], capture_output=True, check=True)
-        out = subprocess.run(load + ["-n", str(requests)], capture_output=True, text=True,
-                             check=True).stdout
+        out = load(requests)
         subprocess.run(["callgrind_control", "-d", str(proc.pid)], capture_output=True, check=True)
     finally:
         C.stop(proc, 60)
@@ -119,20 +161,28 @@ def main():
     up_port, upstream = C.start_upstream()
     rows = []
     try:
-        for path_name, limit, h2, size in PATHS:
+        for path_name, limit, h2, size in PATHS + [(SPLIT, None, False, 1024)]:
             for name, binary in proxies(args.baseline):
                 d = tempfile.mkdtemp(prefix="spillway-bench-cg-")
                 port = C.free_port()
                 cmd = proxy_cmd(binary, port, up_port, limit, d, h2)
-                per, status = counted(cmd, port, d, args.requests, args.conns, h2,
-                                      body_file(d, size))
+                if path_name == SPLIT:
+                    def load(n, port=port):
+                        return split_posts(port, n, args.conns)
+                else:
+                    def load(n, port=port, d=d, h2=h2, size=size):
+                        return subprocess.run(
+                            h2load(port, args.conns, h2, body_file(d, size)) + ["-n", str(n)],
+                            capture_output=True, text=True, check=True).stdout
+                per, status = counted(cmd, port, d, args.requests, load)
                 print(f"{name}, {path_name}: {per:.0f} instructions per request ({status})",
                       file=sys.stderr, flush=True)
                 rows.append((name, path_name, per))
     finally:
         upstream.stop()
 
-    print(f"\n{args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10), one key, one worker; "
+    print(f"\n{args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10; body after head: "
+          f"{args.conns} connections, one request at a time), one key, one worker; "
           "user-space instructions of the proxy's process per request (callgrind).\n")
     print("| proxy | path | instructions per request | vs nginx |")
     print("|---|---|---|---|")
