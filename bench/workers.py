@@ -11,6 +11,12 @@ With --pin, the proxy and the app share one CPU and wrk runs alone on another (t
 this process may use): a sidecar beside its app on one core, with the load generator out of
 their way (the default lets the scheduler put the three anywhere on the machine's cores).
 
+With --placement, each run also says how often the proxy's busiest thread had a CPU to itself:
+every 50 ms from the second second on, the CPU each thread of the proxy, the app and wrk last
+ran on (/proc/PID/task/TID/stat), and the share of those looks in which neither wrk nor the
+app's busiest thread was on the busiest proxy thread's CPU. On two cores shared by the three,
+where the scheduler puts a busy worker sets much of a round's figure.
+
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
 """
 
@@ -19,9 +25,74 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare as C  # noqa: E402
+
+
+def threads(pids):
+    """{tid: (CPU it last ran on, CPU ticks used)} of every thread of `pids`."""
+    out = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            out[tid] = (int(fields[36]), int(fields[11]) + int(fields[12]))
+    return out
+
+
+class Placement(threading.Thread):
+    """Samples where the proxy's, the app's and wrk's threads run while wrk does (--placement)."""
+
+    def __init__(self, proxy, app):
+        super().__init__(daemon=True)
+        self.groups = {"proxy": proxy, "app": app}
+        self.done = threading.Event()
+        self.looks = []
+
+    def run(self):
+        if self.done.wait(1.0):
+            return
+        wrk = []
+        while not self.done.wait(0.05):
+            # wrk is this process's child (taskset execs it); looked for until found.
+            wrk = wrk or [p for p in os.listdir("/proc") if p.isdigit() and self.is_wrk(p)]
+            self.looks.append({g: threads(p) for g, p in dict(self.groups, wrk=wrk).items()})
+
+    @staticmethod
+    def is_wrk(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                name, rest = f.read().rsplit(")", 1)
+        except OSError:
+            return False
+        return name.endswith("(wrk") and int(rest.split()[1]) == os.getpid()
+
+    def alone(self):
+        """The share of looks in which the busiest proxy thread had its CPU to itself."""
+        if len(self.looks) < 2:
+            return float("nan")
+        first, last = self.looks[0], self.looks[-1]
+
+        def busiest(g):
+            used = {t: v[1] - first[g].get(t, (0, v[1]))[1] for t, v in last[g].items()}
+            return max(used, key=used.get) if used else None
+
+        top = {g: busiest(g) for g in ("proxy", "app", "wrk")}
+        alone = 0
+        for look in self.looks:
+            cpu = look["proxy"].get(top["proxy"], (None,))[0]
+            others = {look[g].get(top[g], (None,))[0] for g in ("app", "wrk")}
+            alone += cpu is not None and cpu not in others
+        return alone / len(self.looks)
 
 
 def main():
@@ -32,6 +103,8 @@ def main():
     ap.add_argument("--rate", type=int, default=315, help="per-key limit (requests/s)")
     ap.add_argument("--pin", action="store_true",
                     help="proxy and app on one CPU, wrk alone on another")
+    ap.add_argument("--placement", action="store_true",
+                    help="say how often the proxy's busiest thread had a CPU to itself")
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if args.pin and len(cpus) < 2:
@@ -57,14 +130,22 @@ def main():
             for name, start in variants:
                 port = C.free_port()
                 proc = start(port)
+                looks = Placement(proc.pids(), upstream.pids()) if args.placement else None
                 try:
                     if args.pin:
                         C.pin(proc.pids(), shared_cpu)
+                    if looks:
+                        looks.start()
                     res = C.wrk(port, args.conns, args.seconds, script, cpu=wrk_cpu)
                 finally:
+                    if looks:
+                        looks.done.set()
+                        looks.join()
                     proc.stop()
+                res["alone"] = looks.alone() if looks else float("nan")
                 results[name].append(res)
-                line.append(f"{name}: {res['rps']:.0f} req/s p99 {res['p99']:.2f}")
+                alone = f" alone {res['alone']:.2f}" if looks else ""
+                line.append(f"{name}: {res['rps']:.0f} req/s p99 {res['p99']:.2f}{alone}")
             print(f"round {r + 1}: " + "; ".join(line), file=sys.stderr, flush=True)
     finally:
         upstream.stop()
@@ -86,6 +167,17 @@ def main():
         faster = sum(a["rps"] > b["rps"] for a, b in zip(rs, nginx))
         lower = sum(a["p99"] < b["p99"] for a, b in zip(rs, nginx))
         print(f"{name} against nginx: more req/s in {faster}, lower p99 in {lower} of {args.rounds} rounds.")
+    if args.placement:
+        print("\nThe busiest proxy thread with a CPU to itself (share of looks), and the median req/s of")
+        print("the rounds where it was for at least 0.8 of them and of the others:\n")
+        print("| proxy | share, each round | req/s, alone >= 0.8 | req/s, others |")
+        print("|---|---|---|---|")
+        for name, rs in results.items():
+            hi = [x["rps"] for x in rs if x["alone"] >= 0.8]
+            lo = [x["rps"] for x in rs if not x["alone"] >= 0.8]
+            cell = lambda v: f"{statistics.median(v):.0f} ({len(v)})" if v else "-"
+            shares = " ".join(f"{x['alone']:.2f}" for x in rs)
+            print(f"| {name} | {shares} | {cell(hi)} | {cell(lo)} |")
 
 
 if __name__ == "__main__":
