@@ -375,6 +375,64 @@ async fn every_framing_arrives_whole_and_the_connection_is_reused_after_it() {
     sc.wait().await;
 }
 
+/// Segments with data the kernel has received on `s` (`TCP_INFO`'s `tcpi_data_segs_in`):
+/// on loopback, one per `write` of the proxy's (a small one; pure ACKs are not counted).
+fn data_segments_in(s: &TcpStream) -> u32 {
+    use std::os::fd::AsRawFd;
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    let got = unsafe {
+        libc::getsockopt(
+            s.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            (&mut info as *mut libc::tcp_info).cast(),
+            &mut len,
+        )
+    };
+    assert_eq!(got, 0, "TCP_INFO: {}", std::io::Error::last_os_error());
+    info.tcpi_data_segs_in
+}
+
+/// Reads from `s` until what came ends with `end`.
+async fn read_until(s: &mut TcpStream, end: &[u8]) -> Vec<u8> {
+    let mut got = Vec::new();
+    while !got.ends_with(end) {
+        let mut chunk = [0u8; 4096];
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "closed after {:?}", String::from_utf8_lossy(&got));
+        got.extend_from_slice(&chunk[..n]);
+    }
+    got
+}
+
+#[tokio::test]
+async fn chunks_the_upstream_sent_together_reach_the_client_in_one_write() {
+    let up = scripted().await;
+    let sc = proxy(&up).await;
+    let mut c = TcpStream::connect(sc.addr()).await.unwrap();
+    // The first request borrows a connection, the second keeps one.
+    for _ in 0..2 {
+        c.write_all(b"GET /plain HTTP/1.1\r\nhost: app\r\n\r\n")
+            .await
+            .unwrap();
+        read_until(&mut c, b"\r\n\r\nok").await;
+    }
+    // The upstream writes the head, two chunks, the last chunk and a trailer at once.
+    let before = data_segments_in(&c);
+    c.write_all(b"GET /chunked HTTP/1.1\r\nhost: app\r\n\r\n")
+        .await
+        .unwrap();
+    let got = read_until(&mut c, b"0\r\n\r\n").await;
+    let text = String::from_utf8_lossy(&got);
+    let body = &got[text.find("\r\n\r\n").unwrap() + 4..];
+    assert_eq!(dechunk(body), "abcdefg", "{text}");
+    // A write per chunk and one for the end would be four.
+    assert_eq!(data_segments_in(&c) - before, 1, "{text}");
+    sc.shutdown();
+    sc.wait().await;
+}
+
 #[tokio::test]
 async fn a_response_that_ends_its_connection_is_read_to_the_end_and_not_reused() {
     let up = scripted().await;

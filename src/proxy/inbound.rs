@@ -34,8 +34,9 @@
 //! Cost per request: one `recv` for the head (nothing when the last one read it already),
 //! httparse, the `HeaderMap` (a heap allocation per header name outside the standard ones, as
 //! with hyper), the head's values shared with the buffer, a slot of the worker's `coarse`
-//! timers while the read waits, one `write` for the response head and a body piece of up to
-//! [`COALESCE`]; no allocation for the buffer while the previous request's head is gone by the
+//! timers while the read waits, one `write` for the response head and what of its body is
+//! there already, up to [`COALESCE`] (for a chunked body, every chunk there and the end); no
+//! allocation for the buffer while the previous request's head is gone by the
 //! next read. The response head is its map's fields (none, for an upstream response of our
 //! own connection or a 429 its rule keeps) and then the lines the response brings written
 //! (`Lines`: the upstream's own, or the 429's), copied as they are.
@@ -73,7 +74,8 @@ const MAX_HEADERS: usize = 100;
 /// The buffer's first size, and its least room for a read: most request heads are a few
 /// hundred bytes (nginx starts with 1 KiB). A larger head doubles it as it comes.
 const READ: usize = 2 * 1024;
-/// A first body piece up to this size is copied behind the head and written with it.
+/// Body pieces up to this size are copied behind the head (or, in chunks, behind the chunks
+/// before them) and written with it; a larger one is written on its own.
 pub const COALESCE: usize = 16 * 1024;
 /// A request body of up to this many bytes (with a `Content-Length`) is read whole, within
 /// the head's deadline, and sent upstream in the head's `write` (nginx's
@@ -277,22 +279,19 @@ impl Served {
             Framing::Length(n) => n,
             _ => u64::MAX,
         };
-        let mut first = true;
         while left > 0 {
-            let frame = if first {
-                first = false;
-                // The first piece goes with the head when it is there already; a body that
-                // is not (a slow app, a stream of events) gets its head at once.
+            // What is there already goes in the same write as what is queued: the head and
+            // the first piece; in chunks, the chunks the upstream sent together and the chunked
+            // end. Before waiting for more (a slow app, a stream of events) what is queued is
+            // written, so that nothing waits behind a piece still to come.
+            let frame =
                 match std::future::poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx))).await {
                     Poll::Ready(f) => f,
                     Poll::Pending => {
                         self.flush().await?;
                         std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await
                     }
-                }
-            } else {
-                std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await
-            };
+                };
             let mut data = match frame {
                 None => break,
                 Some(Ok(f)) => match f.into_data() {
@@ -318,7 +317,9 @@ impl Served {
                 continue;
             }
             self.put(&data, &framing).await?;
-            if left > 0 && !body.is_end_stream() {
+            // The rest of a body of known length or read to the close comes with the
+            // upstream's next read: written now, not after a read that would only find nothing.
+            if !matches!(framing, Framing::Chunked) || self.out.len() >= COALESCE {
                 self.flush().await?;
             }
         }
