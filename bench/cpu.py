@@ -6,7 +6,9 @@ spent in all (`/proc/PID/stat` utime and stime): each proxy with one worker, h2l
 requests over 16 keep-alive HTTP/1.1 connections with one key after a warm-up, rounds
 alternating the proxies, medians. The paths of instructions.py: every request forwarded, every
 request refused, every request forwarded from an HTTP/2 client, every request a 1 KiB POST
-forwarded. With `--syscalls`, one more run
+forwarded; and every request forwarded to an app that answers in chunks (three chunks and the
+end, written at once, by a small threaded server here instead of the nginx upstream: it is
+slower, so that path runs at a lower rate). With `--syscalls`, one more run
 per proxy and path under `strace -c` counts the system calls per request (strace slows the
 proxy; only the counts are used).
 
@@ -17,16 +19,52 @@ import argparse
 import os
 import shutil
 import signal
+import socket
+import socketserver
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare as C  # noqa: E402
 import instructions as I  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
+CHUNKED = "forwarded, chunked response"
+CHUNKED_RESPONSE = (b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+                    b"5\r\nhello\r\n6\r\n world\r\n2\r\n!\n\r\n0\r\n\r\n")
+
+
+class ChunkedApp(socketserver.ThreadingTCPServer):
+    """An app on 127.0.0.1 that answers every request on a keep-alive connection with
+    CHUNKED_RESPONSE in one write."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), ChunkedApp.Handler)
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+    class Handler(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            buf = b""
+            while True:
+                more = self.request.recv(65536)
+                if not more:
+                    return
+                buf += more
+                while b"\r\n\r\n" in buf:
+                    _, buf = buf.split(b"\r\n\r\n", 1)
+                    self.request.sendall(CHUNKED_RESPONSE)
+
+    def stop(self):
+        self.shutdown()
+        self.server_close()
 
 
 def cpu_seconds(pid):
@@ -89,15 +127,17 @@ def main():
 
     proxies = I.proxies(args.baseline)
     up_port, upstream = C.start_upstream()
+    chunked = ChunkedApp()
     results = {}
     calls = {}
     try:
-        for path_name, limit, h2, size in I.PATHS:
+        for path_name, limit, h2, size in I.PATHS + [(CHUNKED, None, False, 0)]:
+            app = chunked.port if path_name == CHUNKED else up_port
             for r in range(args.rounds):
                 for name, binary in proxies:
                     d = tempfile.mkdtemp(prefix="spillway-bench-cpu-")
                     port = C.free_port()
-                    cmd = I.proxy_cmd(binary, port, up_port, limit, d, h2)
+                    cmd = I.proxy_cmd(binary, port, app, limit, d, h2)
                     user, kernel = measured(cmd, port, args.requests, args.conns, h2,
                                             I.body_file(d, size))
                     results.setdefault((name, path_name), []).append((user, kernel))
@@ -107,13 +147,14 @@ def main():
                 for name, binary in proxies:
                     d = tempfile.mkdtemp(prefix="spillway-bench-cpu-")
                     port = C.free_port()
-                    cmd = I.proxy_cmd(binary, port, up_port, limit, d, h2)
+                    cmd = I.proxy_cmd(binary, port, app, limit, d, h2)
                     out = os.path.join(d, "strace.txt")
                     measured(cmd, port, args.requests // 5, args.conns, h2, I.body_file(d, size),
                              syscalls_to=out)
                     calls[(name, path_name)] = syscalls_per_request(out, args.requests // 5)
     finally:
         upstream.stop()
+        chunked.stop()
 
     print(f"\n{args.rounds} rounds x {args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10), one key, "
           "one worker; CPU of the proxy's process per request (medians).\n")
