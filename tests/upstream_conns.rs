@@ -270,3 +270,97 @@ async fn a_closed_client_connection_leaves_its_upstream_connection_to_the_next_o
     sc.shutdown();
     sc.wait().await;
 }
+
+/// An HTTP/2 connection to the sidecar, driven in the background (h2's own client, so that a
+/// request's frames can be written together or apart).
+async fn h2_conn(sc: &spillway::proxy::Sidecar) -> h2::client::SendRequest<bytes::Bytes> {
+    let tcp = TcpStream::connect(sc.addr()).await.unwrap();
+    let (h2, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    h2.ready().await.unwrap()
+}
+
+/// What a request waits for before its second DATA frame, and that frame.
+type Then<'a> = (
+    std::pin::Pin<Box<dyn std::future::Future<Output = ()> + 'a>>,
+    &'static [u8],
+);
+
+/// Sends `body` to `path` on `h2` in one DATA frame (with the head, as nothing is written
+/// between them) or, with `then`, that frame and, once `then` is ready, a second one; returns
+/// the response's body.
+async fn h2_post(
+    h2: &mut h2::client::SendRequest<bytes::Bytes>,
+    addr: SocketAddr,
+    path: &str,
+    body: &'static [u8],
+    then: Option<Then<'_>>,
+) -> String {
+    let length = body.len() + then.as_ref().map_or(0, |(_, more)| more.len());
+    let req = http::Request::post(format!("http://{addr}{path}"))
+        .header("content-length", length)
+        .body(())
+        .unwrap();
+    let (resp, mut stream) = h2.send_request(req, false).unwrap();
+    stream
+        .send_data(bytes::Bytes::from_static(body), then.is_none())
+        .unwrap();
+    if let Some((ready, more)) = then {
+        ready.await;
+        stream
+            .send_data(bytes::Bytes::from_static(more), true)
+            .unwrap();
+    }
+    let resp = resp.await.unwrap();
+    assert_eq!(resp.status(), http::StatusCode::OK);
+    let mut body = resp.into_body();
+    let mut text = Vec::new();
+    while let Some(piece) = body.data().await {
+        let piece = piece.unwrap();
+        body.flow_control().release_capacity(piece.len()).unwrap();
+        text.extend_from_slice(&piece);
+    }
+    String::from_utf8(text).unwrap()
+}
+
+#[tokio::test]
+async fn an_http2_streams_small_body_that_came_with_its_head_borrows_a_workers_connection() {
+    let (sc, up) = sidecar("workers: 1\nrules: []").await;
+    let mut h2 = h2_conn(&sc).await;
+    let (_, _, first) = send(&h2_client(), sc.addr(), "GET", "/echo", &[]).await;
+    let borrowed: serde_json::Value = serde_json::from_str(&first).unwrap();
+    let echo = h2_post(&mut h2, sc.addr(), "/echo", b"hello", None).await;
+    let echo: serde_json::Value = serde_json::from_str(&echo).unwrap();
+    assert_eq!(echo["body"], "hello", "{echo}");
+    assert_eq!(echo["headers"]["content-length"], "5", "{echo}");
+    // The connection the GET borrowed and gave back: hyper's pool would have used its own.
+    assert_eq!(echo["peer"], borrowed["peer"], "{echo}");
+    drop(up);
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn an_http2_streams_small_body_still_coming_is_streamed_whole() {
+    let (sc, up) = sidecar("workers: 1\nrules: []").await;
+    let mut h2 = h2_conn(&sc).await;
+    // The first frame is read (it reaches the app) before the second is sent: what the proxy
+    // read of the body goes upstream ahead of the rest.
+    let first_bytes = up.signals.first_bytes.notified();
+    let at_app = Box::pin(async move {
+        tokio::time::timeout(std::time::Duration::from_secs(10), first_bytes)
+            .await
+            .expect("the first piece reached the app");
+    });
+    let count = h2_post(
+        &mut h2,
+        sc.addr(),
+        "/upload",
+        b"hello",
+        Some((at_app, b" world")),
+    )
+    .await;
+    assert_eq!(count, "11");
+    sc.shutdown();
+    sc.wait().await;
+}

@@ -16,7 +16,8 @@
 //! closed it, or after [`Upstream::idle`] unused.
 //!
 //! Used for requests without an upgrade to an HTTP/1 upstream whose body is none or in hand
-//! (read with the head by `inbound`); requests whose body is still coming, upgrades and
+//! (read with the head by `inbound`, or a small one of hyper's that was all there, see
+//! `forward`); requests whose body is still coming, upgrades and
 //! `h2c://` upstreams keep the pooled client. A client connection's first exchange
 //! only borrows a connection from the worker's [`Idle`] list (or a new one): at the body's end
 //! it goes back there, for whichever request comes next, so a client that sends one request

@@ -2,8 +2,10 @@
 //!
 //! Owns what a reverse proxy must do to a request and a response in transit (RFC 9110 §7.6:
 //! hop-by-hop headers, `X-Forwarded-*`), the mapping of upstream failures to 502/504, and the
-//! splice of upgraded connections (WebSocket). Bodies are never buffered: the client's body is
-//! streamed upstream as it comes, and the upstream's body (hyper's `Incoming` from the pooled
+//! splice of upgraded connections (WebSocket). Bodies are never buffered whole, except a small
+//! client body (up to `inbound::IN_HAND`, with one `Content-Length`) that is all there when the
+//! request goes on: it is written with the head. Otherwise the client's body is streamed
+//! upstream as it comes, and the upstream's body (hyper's `Incoming` from the pooled
 //! client, or `h1::RawBody` from the client connection's own upstream connection) is streamed
 //! back as it comes.
 
@@ -15,6 +17,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body::{Body as _, Frame};
 use http_body_util::Either;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -31,9 +34,99 @@ use crate::metrics::{Metrics, UpstreamError};
 
 pub type UpstreamClient = Client<HttpConnector, ReqBody>;
 
-/// A client request's body: hyper's, or one our own HTTP/1 server side (`inbound`) read whole
-/// with its head (none, or a small body that came with it).
-pub type ReqBody = Either<Incoming, InHand>;
+/// A client request's body: hyper's, or one read whole before it goes on (by our own HTTP/1
+/// server side, `inbound`, with its head; or a small one of hyper's that was all there).
+pub type ReqBody = Either<Streamed, InHand>;
+
+/// hyper's body of a request, behind the frames of it already read (see [`in_hand`]).
+#[derive(Debug)]
+pub struct Streamed {
+    ahead: std::collections::VecDeque<Frame<Bytes>>,
+    rest: Incoming,
+}
+
+impl Streamed {
+    pub fn new(rest: Incoming) -> Self {
+        Self {
+            ahead: std::collections::VecDeque::new(),
+            rest,
+        }
+    }
+}
+
+impl http_body::Body for Streamed {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.ahead.pop_front() {
+            Some(frame) => std::task::Poll::Ready(Some(Ok(frame))),
+            None => std::pin::Pin::new(&mut self.rest).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ahead.is_empty() && self.rest.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        let ahead: u64 = self
+            .ahead
+            .iter()
+            .filter_map(|f| f.data_ref())
+            .map(|d| d.len() as u64)
+            .sum();
+        let rest = self.rest.size_hint();
+        let mut hint = http_body::SizeHint::new();
+        hint.set_lower(rest.lower() + ahead);
+        if let Some(upper) = rest.upper() {
+            hint.set_upper(upper + ahead);
+        }
+        hint
+    }
+}
+
+/// Reads what of hyper's `body` is there already, without waiting; the whole body when that
+/// was all of it and it is `length` bytes of data. Otherwise what was read stays ahead of the
+/// rest, for the pooled client to stream. An error is the client's (a malformed or cut body).
+async fn in_hand(body: &mut Streamed, length: usize) -> Result<Option<Bytes>, hyper::Error> {
+    let whole = std::future::poll_fn(|cx| {
+        let mut read = 0;
+        while !body.rest.is_end_stream() && read <= length {
+            match std::pin::Pin::new(&mut body.rest).poll_frame(cx) {
+                std::task::Poll::Ready(Some(Ok(frame))) => {
+                    read += frame.data_ref().map_or(0, |d| d.len());
+                    body.ahead.push_back(frame);
+                }
+                std::task::Poll::Ready(Some(Err(e))) => return std::task::Poll::Ready(Err(e)),
+                std::task::Poll::Ready(None) => break,
+                std::task::Poll::Pending => return std::task::Poll::Ready(Ok(false)),
+            }
+        }
+        std::task::Poll::Ready(Ok(body.rest.is_end_stream()
+            && read == length
+            && body.ahead.iter().all(Frame::is_data)))
+    })
+    .await?;
+    if !whole {
+        return Ok(None);
+    }
+    let mut data = body.ahead.drain(..).filter_map(|f| f.into_data().ok());
+    Ok(Some(match (data.next(), data.next()) {
+        (None, _) => Bytes::new(),
+        (Some(one), None) => one,
+        (Some(first), Some(second)) => {
+            let mut all = bytes::BytesMut::with_capacity(length);
+            for piece in [first, second].into_iter().chain(data) {
+                all.extend_from_slice(&piece);
+            }
+            all.freeze()
+        }
+    }))
+}
 
 /// What a borrowed request keeps when its body (or the whole request) is taken out of it.
 pub fn emptied() -> ReqBody {
@@ -142,10 +235,29 @@ impl Forward<'_> {
         // HTTP/1.1 upgrades only: an HTTP/2 upstream has no Upgrade.
         let upgrade =
             (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut *req));
+        // A small body of hyper's (an HTTP/2 stream's, which usually comes in the frame after
+        // its head) that is all there already goes on like one read with its head; its one
+        // `Content-Length` frames it upstream. One still coming is streamed through the pool.
+        if let (Some(_), None, Either::Left(body)) = (self.affine, &upgrade, req.body()) {
+            let length = (!body.is_end_stream())
+                .then(|| one_length(req.headers()))
+                .flatten()
+                .filter(|n| *n <= super::inbound::IN_HAND as u64);
+            if let Some(length) = length {
+                let Either::Left(body) = req.body_mut() else {
+                    unreachable!("matched above")
+                };
+                match in_hand(body, length as usize).await {
+                    Ok(Some(whole)) => *req.body_mut() = Either::Right(InHand::new(whole)),
+                    Ok(None) => {}
+                    Err(_) => return self.bad_body(),
+                }
+            }
+        }
         // The client connection's own upstream connection takes what one connection in
         // sequence can: requests without an upgrade (CONNECT has none to give) and without a
-        // body still to come, HTTP/2 streams included; a body read whole with its head is
-        // written with it. A body still coming goes through hyper's pool, whose client hands
+        // body still to come, HTTP/2 streams included; a body in hand is written with the
+        // head. A body still coming goes through hyper's pool, whose client hands
         // back a response that comes while the body is still being sent (an early 413 or 401
         // to an upload).
         let affine = self.affine.filter(|_| {
@@ -192,15 +304,9 @@ impl Forward<'_> {
                 permits.iter_mut().for_each(Permit::responded);
                 resp
             }
-            Some(Err(e)) if e.client_body_failed() => {
-                // The client's own body was malformed (a bad chunk) or cut off: its fault, not
-                // the upstream's.
-                self.metrics.bad_body.inc();
-                return respond::error(
-                    StatusCode::BAD_REQUEST,
-                    "the request body was malformed or ended early",
-                );
-            }
+            // The client's own body was malformed (a bad chunk) or cut off: its fault, not the
+            // upstream's.
+            Some(Err(e)) if e.client_body_failed() => return self.bad_body(),
             Some(Err(e)) => return self.failed(e.classify()),
             None => return self.failed(UpstreamError::ResponseTimeout),
         };
@@ -217,6 +323,14 @@ impl Forward<'_> {
             strip_hop_by_hop(resp.headers_mut(), false);
         }
         resp.map(|b| Either::Left(PermitBody::new(b, permits)))
+    }
+
+    fn bad_body(&self) -> Response<Body> {
+        self.metrics.bad_body.inc();
+        respond::error(
+            StatusCode::BAD_REQUEST,
+            "the request body was malformed or ended early",
+        )
     }
 
     fn failed(&self, kind: UpstreamError) -> Response<Body> {
@@ -415,6 +529,15 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
             .get_all(header::CONNECTION)
             .iter()
             .any(|v| has_token(v.as_bytes(), b"upgrade"))
+}
+
+/// The request's body length when one `Content-Length` field gives it.
+fn one_length(headers: &HeaderMap) -> Option<u64> {
+    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
+    match (lengths.next(), lengths.next()) {
+        (Some(v), None) => super::h1::parse_length(v.as_bytes()),
+        _ => None,
+    }
 }
 
 /// Whether the comma-separated `list` (a header value) holds `token`, whatever its case.

@@ -63,7 +63,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use super::coarse::{Sleep, Timers};
-use super::forward::{has_token, InHand, ReqBody};
+use super::forward::{has_token, InHand, ReqBody, Streamed};
 use super::h1::{keeps_alive, parse_length};
 use super::respond::{self, Body, Own};
 use super::{handle, AbandonGuard, Conn};
@@ -677,7 +677,7 @@ async fn hand_off(
         // HTTP/2 stream reset at once) counts as abandoned too.
         let guard = AbandonGuard(Some(conn.clone()));
         async move {
-            let mut req = req.map(Either::Left);
+            let mut req = req.map(|b| Either::Left(Streamed::new(b)));
             let mut resp = handle(guard.conn(), &mut req).await;
             guard.disarm();
             respond::whole(&mut resp);

@@ -705,7 +705,7 @@ const DRAIN_TIME: Duration = Duration::from_millis(500);
 
 /// Reads and drops `body` if it ends within [`DRAIN_BYTES`] and [`DRAIN_TIME`]; false when it
 /// did not (the connection should then close). A body that is already over costs nothing.
-async fn drained(mut body: hyper::body::Incoming) -> bool {
+async fn drained(mut body: forward::Streamed) -> bool {
     use http_body_util::BodyExt;
     let mut read = 0usize;
     let drain = async {
