@@ -8,7 +8,7 @@ warm-up, zeroes the counters, sends N requests with h2load (HTTP/1.1, 16 keep-al
 connections, one key), dumps the counters and divides. Four paths: every request forwarded (no
 limit reached), every request refused (a limit of 1/s), every request forwarded from an HTTP/2
 client (h2c with prior knowledge, 10 streams per connection), every request a POST with a
-1 KiB body, forwarded, and the same POST with its body written 0.3 ms after its head (by a
+1 KiB body, forwarded, from an HTTP/1.1 client and from an HTTP/2 one, and the same POST with its body written 0.3 ms after its head (by a
 small client here: h2load writes the two together), as a client's second write or a second TCP
 segment brings it. Kernel time is not counted: it is the same syscalls for both proxies (see
 BENCHMARKS.md).
@@ -32,7 +32,8 @@ import compare as C  # noqa: E402
 CALLGRIND = ["valgrind", "--tool=callgrind", "--compress-strings=no", "--compress-pos=no"]
 # (path, per-key limit, HTTP/2 client, request body bytes): the paths h2load drives (cpu.py too)
 PATHS = [("forwarded", None, False, 0), ("refused (429)", 1, False, 0),
-         ("forwarded, HTTP/2", None, True, 0), ("forwarded, 1 KiB POST", None, False, 1024)]
+         ("forwarded, HTTP/2", None, True, 0), ("forwarded, 1 KiB POST", None, False, 1024),
+         ("forwarded, HTTP/2 1 KiB POST", None, True, 1024)]
 SPLIT = "forwarded, 1 KiB POST, body after head"
 
 
