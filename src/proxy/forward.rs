@@ -41,16 +41,18 @@ pub type ReqBody = Either<Streamed, InHand>;
 /// hyper's body of a request, behind the frames of it already read (see [`in_hand`]).
 #[derive(Debug)]
 pub struct Streamed {
-    ahead: std::collections::VecDeque<Frame<Bytes>>,
+    /// Boxed: rarely any, and every request (kept in its connection's slot) would carry the room.
+    ahead: Option<Box<Ahead>>,
     rest: Incoming,
 }
 
+/// The frames of a body read before the body went on, in order.
+#[derive(Debug)]
+struct Ahead(std::collections::VecDeque<Frame<Bytes>>);
+
 impl Streamed {
     pub fn new(rest: Incoming) -> Self {
-        Self {
-            ahead: std::collections::VecDeque::new(),
-            rest,
-        }
+        Self { ahead: None, rest }
     }
 }
 
@@ -62,20 +64,19 @@ impl http_body::Body for Streamed {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        match self.ahead.pop_front() {
+        match self.ahead.as_mut().and_then(|ahead| ahead.0.pop_front()) {
             Some(frame) => std::task::Poll::Ready(Some(Ok(frame))),
             None => std::pin::Pin::new(&mut self.rest).poll_frame(cx),
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ahead.is_empty() && self.rest.is_end_stream()
+        self.ahead.as_ref().is_none_or(|ahead| ahead.0.is_empty()) && self.rest.is_end_stream()
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        let ahead: u64 = self
-            .ahead
-            .iter()
+        let ahead = self.ahead.iter().flat_map(|ahead| ahead.0.iter());
+        let ahead: u64 = ahead
             .filter_map(|f| f.data_ref())
             .map(|d| d.len() as u64)
             .sum();
@@ -92,14 +93,17 @@ impl http_body::Body for Streamed {
 /// Reads what of hyper's `body` is there already, without waiting; the whole body when that
 /// was all of it and it is `length` bytes of data. Otherwise what was read stays ahead of the
 /// rest, for the pooled client to stream. An error is the client's (a malformed or cut body).
+/// Called once per request, before anything else reads the body.
 async fn in_hand(body: &mut Streamed, length: usize) -> Result<Option<Bytes>, hyper::Error> {
+    // Most small bodies are one frame: no allocation for it.
+    let mut frames: SmallVec<[Frame<Bytes>; 1]> = SmallVec::new();
     let whole = std::future::poll_fn(|cx| {
         let mut read = 0;
         while !body.rest.is_end_stream() && read <= length {
             match std::pin::Pin::new(&mut body.rest).poll_frame(cx) {
                 std::task::Poll::Ready(Some(Ok(frame))) => {
                     read += frame.data_ref().map_or(0, |d| d.len());
-                    body.ahead.push_back(frame);
+                    frames.push(frame);
                 }
                 std::task::Poll::Ready(Some(Err(e))) => return std::task::Poll::Ready(Err(e)),
                 std::task::Poll::Ready(None) => break,
@@ -108,13 +112,16 @@ async fn in_hand(body: &mut Streamed, length: usize) -> Result<Option<Bytes>, hy
         }
         std::task::Poll::Ready(Ok(body.rest.is_end_stream()
             && read == length
-            && body.ahead.iter().all(Frame::is_data)))
+            && frames.iter().all(Frame::is_data)))
     })
     .await?;
     if !whole {
+        if !frames.is_empty() {
+            body.ahead = Some(Box::new(Ahead(frames.into_iter().collect())));
+        }
         return Ok(None);
     }
-    let mut data = body.ahead.drain(..).filter_map(|f| f.into_data().ok());
+    let mut data = frames.into_iter().filter_map(|f| f.into_data().ok());
     Ok(Some(match (data.next(), data.next()) {
         (None, _) => Bytes::new(),
         (Some(one), None) => one,
