@@ -4,14 +4,14 @@
 Wall-clock figures on a shared 2-core VM move by 10-15 % between runs of the same build, so a
 change worth 3 % cannot be seen in them. Instructions executed in the proxy's own process are
 nearly deterministic: this runs each proxy under valgrind's callgrind with one worker, sends a
-warm-up, zeroes the counters, sends N requests with h2load (HTTP/1.1, 16 keep-alive
-connections, one key), dumps the counters and divides. Four paths: every request forwarded (no
-limit reached), every request refused (a limit of 1/s), every request forwarded from an HTTP/2
-client (h2c with prior knowledge, 10 streams per connection), every request a POST with a
-1 KiB body, forwarded, from an HTTP/1.1 client and from an HTTP/2 one, and the same POST with its body written 0.3 ms after its head (by a
-small client here: h2load writes the two together), as a client's second write or a second TCP
-segment brings it. Kernel time is not counted: it is the same syscalls for both proxies (see
-BENCHMARKS.md).
+warm-up, zeroes the counters, sends N requests with h2load (HTTP/1.1, 16 keep-alive connections,
+one key), dumps the counters and divides. Six paths: every request forwarded (no limit
+reached), every request refused (a limit of 1/s), every request forwarded from an HTTP/2 client
+(h2c with prior knowledge, 10 streams per connection), every request a POST with a 1 KiB body,
+forwarded, from an HTTP/1.1 client and from an HTTP/2 one, and the same POST with its body
+written 0.3 ms after its head (by a small client here: h2load writes the two together), as a
+client's second write or a second TCP segment brings it. Kernel time is not counted: it is the
+same syscalls for both proxies (see BENCHMARKS.md).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
 """

@@ -16,9 +16,10 @@
 //! Anything else (a larger body, a small one still coming when the head's deadline passes, a
 //! chunked one, an upgrade, an HTTP/2 preface, a head too large or malformed) hands the
 //! connection, with the bytes read so far, to hyper's server for the rest of its life, which
-//! answers it as before (400, 431, the upload streamed to the app, the WebSocket spliced). The response is delimited by its
-//! `Content-Length`, a known body size, chunks (HTTP/1.1) or the close (HTTP/1.0); `HEAD`,
-//! 204 and 304 get no body; trailers are not sent (nor did hyper send them to HTTP/1 clients).
+//! answers it as before (400, 431, the upload streamed to the app, the WebSocket spliced).
+//! The response is delimited by its `Content-Length`, a known body size, chunks (HTTP/1.1) or
+//! the close (HTTP/1.0); `HEAD`, 204 and 304 get no body; trailers are not sent (nor did hyper
+//! send them to HTTP/1 clients).
 //! The connection stays open after a response unless the client asked otherwise (HTTP/1.1
 //! `close`, HTTP/1.0 without `keep-alive`), the response says `close`, its body was cut short,
 //! or the worker is draining.
@@ -36,10 +37,10 @@
 //! with hyper), the head's values shared with the buffer, a slot of the worker's `coarse`
 //! timers while the read waits, one `write` for the response head and what of its body is
 //! there already, up to [`COALESCE`] (for a chunked body, every chunk there and the end); no
-//! allocation for the buffer while the previous request's head is gone by the
-//! next read. The response head is its map's fields (none, for an upstream response of our
-//! own connection or a 429 its rule keeps) and then the lines the response brings written
-//! (`Lines`: the upstream's own, or the 429's), copied as they are.
+//! allocation for the buffer while the previous request's head is gone by the next read. The
+//! response head is its map's fields (none, for an upstream response of our own connection or
+//! a 429 its rule keeps) and then the lines the response brings written (`Lines`: the
+//! upstream's own, or the 429's), copied as they are.
 
 use std::future::Future;
 use std::io;
