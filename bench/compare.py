@@ -70,18 +70,24 @@ def children(pid):
     return out
 
 
-def pin(pids, cpu):
-    """Puts every thread of `pids` on CPU `cpu` (threads they start later inherit it)."""
+def tasks(pids):
+    """(pid, tid) of every thread of `pids` that still runs."""
     for pid in pids:
         try:
             tids = os.listdir(f"/proc/{pid}/task")
         except FileNotFoundError:
             continue
         for tid in tids:
-            try:
-                os.sched_setaffinity(int(tid), {cpu})
-            except OSError:
-                pass
+            yield pid, tid
+
+
+def pin(pids, cpu):
+    """Puts every thread of `pids` on CPU `cpu` (threads they start later inherit it)."""
+    for _, tid in tasks(pids):
+        try:
+            os.sched_setaffinity(int(tid), {cpu})
+        except OSError:
+            pass
 
 
 def cpu_seconds(pids):

@@ -34,18 +34,13 @@ import compare as C  # noqa: E402
 def threads(pids):
     """{tid: (CPU it last ran on, CPU ticks used)} of every thread of `pids`."""
     out = {}
-    for pid in pids:
+    for pid, tid in C.tasks(pids):
         try:
-            tids = os.listdir(f"/proc/{pid}/task")
-        except FileNotFoundError:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
             continue
-        for tid in tids:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            out[tid] = (int(fields[36]), int(fields[11]) + int(fields[12]))
+        out[tid] = (int(fields[36]), int(fields[11]) + int(fields[12]))
     return out
 
 
