@@ -325,7 +325,7 @@ async fn h2_post(
 
 #[tokio::test]
 async fn an_http2_streams_small_body_that_came_with_its_head_borrows_a_workers_connection() {
-    let (sc, up) = sidecar("workers: 1\nrules: []").await;
+    let (sc, _up) = sidecar("workers: 1\nrules: []").await;
     let mut h2 = h2_conn(&sc).await;
     let (_, _, first) = send(&h2_client(), sc.addr(), "GET", "/echo", &[]).await;
     let borrowed: serde_json::Value = serde_json::from_str(&first).unwrap();
@@ -335,7 +335,6 @@ async fn an_http2_streams_small_body_that_came_with_its_head_borrows_a_workers_c
     assert_eq!(echo["headers"]["content-length"], "5", "{echo}");
     // The connection the GET borrowed and gave back: hyper's pool would have used its own.
     assert_eq!(echo["peer"], borrowed["peer"], "{echo}");
-    drop(up);
     sc.shutdown();
     sc.wait().await;
 }
