@@ -121,18 +121,15 @@ async fn in_hand(body: &mut Streamed, length: usize) -> Result<Option<Bytes>, hy
         }
         return Ok(None);
     }
-    let mut data = frames.into_iter().filter_map(|f| f.into_data().ok());
-    Ok(Some(match (data.next(), data.next()) {
-        (None, _) => Bytes::new(),
-        (Some(one), None) => one,
-        (Some(first), Some(second)) => {
-            let mut all = bytes::BytesMut::with_capacity(length);
-            for piece in [first, second].into_iter().chain(data) {
-                all.extend_from_slice(&piece);
-            }
-            all.freeze()
-        }
-    }))
+    // Every frame is data (`whole`). One is the body as it came; more are joined.
+    if frames.len() == 1 {
+        return Ok(frames.pop().and_then(|f| f.into_data().ok()));
+    }
+    let mut all = bytes::BytesMut::with_capacity(length);
+    for data in frames.into_iter().filter_map(|f| f.into_data().ok()) {
+        all.extend_from_slice(&data);
+    }
+    Ok(Some(all.freeze()))
 }
 
 /// What a borrowed request keeps when its body (or the whole request) is taken out of it.
@@ -245,20 +242,16 @@ impl Forward<'_> {
         // A small body of hyper's (an HTTP/2 stream's, which usually comes in the frame after
         // its head) that is all there already goes on like one read with its head; its one
         // `Content-Length` frames it upstream. One still coming is streamed through the pool.
-        if let (Some(_), None, Either::Left(body)) = (self.affine, &upgrade, req.body()) {
-            let length = (!body.is_end_stream())
-                .then(|| one_length(req.headers()))
-                .flatten()
-                .filter(|n| *n <= super::inbound::IN_HAND as u64);
-            if let Some(length) = length {
-                let Either::Left(body) = req.body_mut() else {
-                    unreachable!("matched above")
-                };
-                match in_hand(body, length as usize).await {
-                    Ok(Some(whole)) => *req.body_mut() = Either::Right(InHand::new(whole)),
-                    Ok(None) => {}
-                    Err(_) => return self.bad_body(),
-                }
+        let coming = matches!(req.body(), Either::Left(body) if !body.is_end_stream());
+        let length = (coming && self.affine.is_some() && upgrade.is_none())
+            .then(|| one_length(req.headers()))
+            .flatten()
+            .filter(|n| *n <= super::inbound::IN_HAND as u64);
+        if let (Some(length), Either::Left(body)) = (length, req.body_mut()) {
+            match in_hand(body, length as usize).await {
+                Ok(Some(whole)) => *req.body_mut() = Either::Right(InHand::new(whole)),
+                Ok(None) => {}
+                Err(_) => return self.bad_body(),
             }
         }
         // The client connection's own upstream connection takes what one connection in
