@@ -171,9 +171,11 @@ def main():
                     def load(n, port=port):
                         return split_posts(port, n, args.conns)
                 else:
-                    def load(n, port=port, d=d, h2=h2, size=size):
+                    body = body_file(d, size)
+
+                    def load(n, port=port, h2=h2, body=body):
                         return subprocess.run(
-                            h2load(port, args.conns, h2, body_file(d, size)) + ["-n", str(n)],
+                            h2load(port, args.conns, h2, body) + ["-n", str(n)],
                             capture_output=True, text=True, check=True).stdout
                 per, status = counted(cmd, port, d, args.requests, load)
                 print(f"{name}, {path_name}: {per:.0f} instructions per request ({status})",
