@@ -326,13 +326,21 @@ def start_global(port, up_port, per_key, script):
     return proxy, [ctl]
 
 
-def nginx_proxy(port, up_port, per_key, h2=False):
+def nginx_proxy(port, up_port, per_key, h2=False, forwarded=True):
     limit_zone = f"limit_req_zone $http_x_client zone=per:10m rate={per_key}r/s;" if per_key else ""
     # Refusals are logged at `info`, below the error log's level: nginx would otherwise write
     # a line per refused request (its default is `error`), which Spillway does not do.
     limit = (f"limit_req zone=per burst={per_key} nodelay; limit_req_status 429; "
              "limit_req_log_level info;") if per_key else ""
     listen = f"listen 127.0.0.1:{port} http2;" if h2 else f"listen 127.0.0.1:{port};"
+    # What Spillway does to every request it forwards (README, "What the proxy does to forwarded
+    # requests"): the client's Host kept, X-Forwarded-For/-Proto/-Host set. Without these nginx
+    # sends the app `Host: app` and the client's fields only, a shorter request to write and for
+    # the app to parse (47 bytes against 155 for wrk's GET).
+    fwd = ("proxy_set_header Host $http_host; "
+           "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for; "
+           "proxy_set_header X-Forwarded-Proto $scheme; "
+           "proxy_set_header X-Forwarded-Host $http_host;") if forwarded else ""
     # Idle upstream connections kept per worker: 256, as Spillway keeps (affine.rs MAX_IDLE).
     # With 64, nginx closed and reopened one upstream connection per five HTTP/2 requests
     # (160 streams at once) and would under 128 HTTP/1 connections on one worker.
@@ -346,6 +354,7 @@ def nginx_proxy(port, up_port, per_key, h2=False):
       proxy_pass http://app;
       proxy_http_version 1.1;
       proxy_set_header Connection "";
+      {fwd}
     }}
   }}"""
 

@@ -100,6 +100,8 @@ def main():
                     help="proxy and app on one CPU, wrk alone on another")
     ap.add_argument("--placement", action="store_true",
                     help="say how often the proxy's busiest thread had a CPU to itself")
+    ap.add_argument("--plain-nginx", action="store_true",
+                    help="also run nginx without the X-Forwarded headers Spillway sets (the harness before 2026-12-01)")
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if args.pin and len(cpus) < 2:
@@ -118,6 +120,9 @@ def main():
         ("spillway, 2 workers", lambda p: C.start_spillway("workers: 2\n" + C.spillway_yaml(p, up_port, rule), p)),
         ("nginx, 2 workers", lambda p: C.start_nginx(C.nginx_proxy(p, up_port, args.rate), 2, p)),
     ]
+    if args.plain_nginx:
+        variants.append(("nginx, 2 workers, plain",
+                         lambda p: C.start_nginx(C.nginx_proxy(p, up_port, args.rate, forwarded=False), 2, p)))
     results = {name: [] for name, _ in variants}
     try:
         for r in range(args.rounds):
@@ -156,12 +161,13 @@ def main():
     one, two = results["spillway, 1 worker"], results["spillway, 2 workers"]
     lower = sum(a["p99"] < b["p99"] for a, b in zip(one, two))
     print(f"\np99 lower with 1 worker than with 2 in {lower} of {args.rounds} rounds.")
-    nginx = results["nginx, 2 workers"]
-    for name in ("spillway, 1 worker", "spillway, 2 workers"):
-        rs = results[name]
-        faster = sum(a["rps"] > b["rps"] for a, b in zip(rs, nginx))
-        lower = sum(a["p99"] < b["p99"] for a, b in zip(rs, nginx))
-        print(f"{name} against nginx: more req/s in {faster}, lower p99 in {lower} of {args.rounds} rounds.")
+    for other in [n for n in results if n.startswith("nginx")]:
+        against = "nginx" if other == "nginx, 2 workers" else other
+        for name in ("spillway, 1 worker", "spillway, 2 workers"):
+            rs, nginx = results[name], results[other]
+            faster = sum(a["rps"] > b["rps"] for a, b in zip(rs, nginx))
+            lower = sum(a["p99"] < b["p99"] for a, b in zip(rs, nginx))
+            print(f"{name} against {against}: more req/s in {faster}, lower p99 in {lower} of {args.rounds} rounds.")
     if args.placement:
         print("\nThe busiest proxy thread with a CPU to itself (share of looks), and the median req/s of")
         print("the rounds where it was for at least 0.8 of them and of the others:\n")
