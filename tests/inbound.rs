@@ -9,7 +9,7 @@ mod common;
 use std::time::Duration;
 
 use common::*;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
 async fn connect(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
@@ -167,23 +167,85 @@ async fn read_by_proxy(client: &TcpStream) {
     panic!("the proxy never read what the client sent");
 }
 
+/// A POST to `/echo` whose body, `hello`, is sent only once the proxy has read its head alone
+/// (a client's second write, or a second TCP segment). This side waits for the body and sends
+/// it with the head on the connection's own upstream connection; hyper's server would hand the
+/// head on at once and the body after it through the pooled client, on a connection of its own.
+async fn post_body_after_head(c: &mut BufReader<TcpStream>) -> Answer {
+    let head = "POST /echo HTTP/1.1\r\nhost: app\r\ncontent-length: 5\r\n\r\n";
+    c.get_mut().write_all(head.as_bytes()).await.unwrap();
+    read_by_proxy(c.get_ref()).await;
+    let a = ask(c, "hello").await;
+    assert_eq!(a.status, "HTTP/1.1 200 OK");
+    assert_eq!(echoed(&a)["body"], "hello");
+    a
+}
+
 #[tokio::test]
 async fn a_small_body_that_comes_after_its_head_is_waited_for_and_sent_with_it() {
     let (sc, _up) = sidecar("rules: []").await;
     let mut c = connect(&sc).await;
     ask(&mut c, &get_echo(1)).await;
     let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);
-    let head = "POST /echo HTTP/1.1\r\nhost: app\r\ncontent-length: 5\r\n\r\n";
-    c.get_mut().write_all(head.as_bytes()).await.unwrap();
-    // The head alone has been read when the body is sent (a client's second write, or a
-    // second TCP segment).
-    read_by_proxy(c.get_ref()).await;
-    let a = ask(&mut c, "hello").await;
-    assert_eq!(a.status, "HTTP/1.1 200 OK");
-    assert_eq!(echoed(&a)["body"], "hello");
+    let a = post_body_after_head(&mut c).await;
     // Still on this side: hyper's pooled client would have used a connection of its own.
     assert_eq!(echoed_peer(&a), own);
     assert_eq!(echoed_peer(&ask(&mut c, &get_echo(3)).await), own);
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn after_a_request_whose_body_hyper_streamed_the_connection_is_this_sides_again() {
+    let (sc, _up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    ask(&mut c, &get_echo(1)).await;
+    let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);
+    let chunked = "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
+                   5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n";
+    let large = "x".repeat(20_000);
+    let long = format!("POST /echo HTTP/1.1\r\nhost: app\r\ncontent-length: 20000\r\n\r\n{large}");
+    for (req, body) in [(chunked, "hello world"), (long.as_str(), large.as_str())] {
+        let a = ask(&mut c, req).await;
+        assert_eq!(a.status, "HTTP/1.1 200 OK");
+        assert_eq!(echoed(&a)["body"], body);
+        // This side's again (it fails while hyper keeps the connection), on its own upstream
+        // connection still.
+        assert_eq!(echoed_peer(&post_body_after_head(&mut c).await), own);
+    }
+    // A body that waits for `100 Continue`, which hyper sends when the body is first read.
+    let expect = "POST /echo HTTP/1.1\r\nhost: app\r\nexpect: 100-continue\r\n\
+                  content-length: 5\r\n\r\n";
+    c.get_mut().write_all(expect.as_bytes()).await.unwrap();
+    let mut line = String::new();
+    c.read_line(&mut line).await.unwrap();
+    assert_eq!(line, "HTTP/1.1 100 Continue\r\n");
+    line.clear();
+    c.read_line(&mut line).await.unwrap();
+    assert_eq!(line, "\r\n");
+    assert_eq!(echoed(&ask(&mut c, "hello").await)["body"], "hello");
+    assert_eq!(echoed_peer(&post_body_after_head(&mut c).await), own);
+    // Pipelined behind a streamed body: hyper has read the next request, so it answers it
+    // (and keeps the connection), each in its turn.
+    let two = format!("{chunked}{}", get_echo(7));
+    c.get_mut().write_all(two.as_bytes()).await.unwrap();
+    assert_eq!(echoed(&read_answer(&mut c).await)["body"], "hello world");
+    assert_eq!(echoed_n(&read_answer(&mut c).await), "7");
+    assert_eq!(echoed_n(&ask(&mut c, &get_echo(8)).await), "8");
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn a_streamed_request_that_asks_to_close_is_answered_and_closed() {
+    let (sc, _up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    let req = "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\
+               connection: close\r\n\r\n2\r\nhi\r\n0\r\n\r\n";
+    let a = ask(&mut c, req).await;
+    assert_eq!(echoed(&a)["body"], "hi");
+    assert!(a.head.contains("connection: close\r\n"), "{}", a.head);
+    assert!(at_end(&mut c).await, "closed after the answer");
     sc.shutdown();
     sc.wait().await;
 }

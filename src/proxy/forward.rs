@@ -46,13 +46,54 @@ pub struct Streamed {
     rest: Incoming,
 }
 
-/// The frames of a body read before the body went on, in order.
-#[derive(Debug)]
-struct Ahead(std::collections::VecDeque<Frame<Bytes>>);
+/// The frames of a body read before the body went on, in order; and who is told when the body
+/// has been read to its end.
+#[derive(Debug, Default)]
+struct Ahead {
+    frames: std::collections::VecDeque<Frame<Bytes>>,
+    ended: Option<Arc<Ended>>,
+}
+
+/// Set once a body has been read to its end: how `inbound` knows that hyper's server has read
+/// the whole of a request it served, and may give its connection back.
+#[derive(Debug, Default)]
+pub struct Ended(std::sync::atomic::AtomicBool);
+
+impl Ended {
+    pub fn set(&self) {
+        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
 
 impl Streamed {
     pub fn new(rest: Incoming) -> Self {
         Self { ahead: None, rest }
+    }
+
+    /// A body that sets `ended` once it has been read to its end.
+    pub fn watched(rest: Incoming, ended: Arc<Ended>) -> Self {
+        let ahead = Ahead {
+            frames: Default::default(),
+            ended: Some(ended),
+        };
+        Self {
+            ahead: Some(Box::new(ahead)),
+            rest,
+        }
+    }
+
+    /// Tells whoever watches this body that hyper's part of it is over, when `over`.
+    fn over(&self, over: bool) -> bool {
+        if over {
+            if let Some(ended) = self.ahead.as_ref().and_then(|a| a.ended.as_ref()) {
+                ended.set();
+            }
+        }
+        over
     }
 }
 
@@ -64,18 +105,31 @@ impl http_body::Body for Streamed {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        match self.ahead.as_mut().and_then(|ahead| ahead.0.pop_front()) {
-            Some(frame) => std::task::Poll::Ready(Some(Ok(frame))),
-            None => std::pin::Pin::new(&mut self.rest).poll_frame(cx),
+        if let Some(frame) = self
+            .ahead
+            .as_mut()
+            .and_then(|ahead| ahead.frames.pop_front())
+        {
+            return std::task::Poll::Ready(Some(Ok(frame)));
         }
+        let polled = std::pin::Pin::new(&mut self.rest).poll_frame(cx);
+        match &polled {
+            std::task::Poll::Ready(None) => self.over(true),
+            std::task::Poll::Ready(Some(Ok(_))) => self.over(self.rest.is_end_stream()),
+            _ => false,
+        };
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ahead.as_ref().is_none_or(|ahead| ahead.0.is_empty()) && self.rest.is_end_stream()
+        self.ahead
+            .as_ref()
+            .is_none_or(|ahead| ahead.frames.is_empty())
+            && self.over(self.rest.is_end_stream())
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        let ahead = self.ahead.iter().flat_map(|ahead| ahead.0.iter());
+        let ahead = self.ahead.iter().flat_map(|ahead| ahead.frames.iter());
         let ahead: u64 = ahead
             .filter_map(|f| f.data_ref())
             .map(|d| d.len() as u64)
@@ -106,7 +160,10 @@ async fn in_hand(body: &mut Streamed, length: usize) -> Result<Option<Bytes>, hy
                     frames.push(frame);
                 }
                 std::task::Poll::Ready(Some(Err(e))) => return std::task::Poll::Ready(Err(e)),
-                std::task::Poll::Ready(None) => break,
+                std::task::Poll::Ready(None) => {
+                    body.over(true);
+                    break;
+                }
                 std::task::Poll::Pending => return std::task::Poll::Ready(Ok(false)),
             }
         }
@@ -115,9 +172,11 @@ async fn in_hand(body: &mut Streamed, length: usize) -> Result<Option<Bytes>, hy
             && frames.iter().all(Frame::is_data)))
     })
     .await?;
+    body.over(body.rest.is_end_stream());
     if !whole {
         if !frames.is_empty() {
-            body.ahead = Some(Box::new(Ahead(frames.into_iter().collect())));
+            let ahead = body.ahead.get_or_insert_with(Default::default);
+            ahead.frames.extend(frames);
         }
         return Ok(None);
     }

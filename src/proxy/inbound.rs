@@ -1,5 +1,6 @@
 //! A client connection: HTTP/1.1 requests without a body (or with a small one) served here,
-//! written by hand; the rest of the connection handed to hyper's server.
+//! written by hand; one whose body is streamed lent to hyper's server; the rest of the
+//! connection handed to hyper's server after anything else.
 //!
 //! hyper's server side was most of our user-space instructions (BENCHMARKS.md): a dispatch
 //! loop and connection future per connection, its own read and write buffers, a read after
@@ -13,10 +14,12 @@
 //! form, without `Transfer-Encoding`, `Expect` or `Upgrade`, not `CONNECT`, and either without
 //! a body or with one `Content-Length` of at most [`IN_HAND`], whose body is read whole before
 //! the request goes on (as nginx buffers a small body) and goes upstream in the head's `write`.
-//! Anything else (a larger body, a small one still coming when the head's deadline passes, a
-//! chunked one, an upgrade, an HTTP/2 preface, a head too large or malformed) hands the
-//! connection, with the bytes read so far, to hyper's server for the rest of its life, which
-//! answers it as before (400, 431, the upload streamed to the app, the WebSocket spliced).
+//! A request whose body is streamed (a larger one, a small one still coming when the head's
+//! deadline passes, a chunked one, one expecting `100 Continue`) is served by hyper's HTTP/1
+//! server, with the bytes read so far, and the connection taken back once hyper is between
+//! requests with it kept alive ([`by_hyper_once`]). Anything else (an upgrade, an HTTP/2
+//! preface, a head too large or malformed) hands the connection to hyper's server for the rest
+//! of its life, which answers it as before (400, 431, the WebSocket spliced).
 //! The response is delimited by its `Content-Length`, a known body size, chunks (HTTP/1.1) or
 //! the close (HTTP/1.0); `HEAD`, 204 and 304 get no body; trailers are not sent (nor did hyper
 //! send them to HTTP/1 clients).
@@ -46,6 +49,7 @@ use std::future::Future;
 use std::io;
 use std::mem::MaybeUninit;
 use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -53,7 +57,7 @@ use std::time::Duration;
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
-use http_body::Body as _;
+use http_body::{Body as _, Frame};
 use http_body_util::Either;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
@@ -64,7 +68,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use super::coarse::{Sleep, Timers};
-use super::forward::{has_token, InHand, ReqBody, Streamed};
+use super::forward::{has_token, Ended, InHand, ReqBody, Streamed};
 use super::h1::{keeps_alive, parse_length};
 use super::respond::{self, Body, Own};
 use super::{handle, AbandonGuard, Conn};
@@ -88,6 +92,8 @@ pub const IN_HAND: usize = 16 * 1024;
 pub struct Lane {
     /// hyper's server, for the connections handed to it.
     pub hyper: auto::Builder<TokioExecutor>,
+    /// hyper's HTTP/1 server, configured as `hyper`'s, for a request whose body it streams.
+    pub h1: hyper::server::conn::http1::Builder,
     /// A partial head at least this long is handed to hyper (which answers 431).
     pub max_head: usize,
     pub header_read: Duration,
@@ -120,7 +126,16 @@ pub async fn serve(stream: TcpStream, conn: Arc<Conn>, lane: Arc<Lane>) -> Resul
             let req = match s.head(&lane, drained.as_mut(), &mut slot).await? {
                 Next::Request(req) => req,
                 Next::Closed => return Ok(()),
-                Next::Hyper => return hand_off(s, conn, &lane, drained).await,
+                Next::Hyper { back: false } => return hand_off(s, conn, &lane, drained).await,
+                Next::Hyper { back: true } => {
+                    match by_hyper_once(s, &conn, &lane, drained.as_mut()).await? {
+                        Some(back) => {
+                            s = back;
+                            continue;
+                        }
+                        None => return Ok(()),
+                    }
+                }
             };
             asked = Asked::of(req);
             let guard = AbandonGuard(Some(conn.clone()));
@@ -147,8 +162,9 @@ enum Next<'a> {
     Request(&'a mut Request<ReqBody>),
     /// Closed by the client, timed out in a head, or the worker drains.
     Closed,
-    /// For hyper to serve from here on.
-    Hyper,
+    /// For hyper to serve: from here on, or (`back`) a request whose body it streams, after
+    /// which the connection may come back.
+    Hyper { back: bool },
 }
 
 struct Served {
@@ -179,7 +195,8 @@ impl Served {
             if self.buf.len() >= need {
                 match parse(&mut self.buf) {
                     Parsed::Request(req) => return Ok(Next::Request(slot.insert(req))),
-                    Parsed::Other => return Ok(Next::Hyper),
+                    Parsed::Other => return Ok(Next::Hyper { back: false }),
+                    Parsed::Streamed => return Ok(Next::Hyper { back: true }),
                     // What of the body the socket holds now; the rest is waited for here
                     // within the head's deadline, as nginx buffers a small body before it
                     // forwards. A body that comes apart from its head (a client's second
@@ -188,7 +205,9 @@ impl Served {
                         true => continue,
                         false => need = whole,
                     },
-                    Parsed::Partial if self.buf.len() >= lane.max_head => return Ok(Next::Hyper),
+                    Parsed::Partial if self.buf.len() >= lane.max_head => {
+                        return Ok(Next::Hyper { back: false })
+                    }
                     Parsed::Partial => {}
                 }
             }
@@ -203,7 +222,9 @@ impl Served {
                 n = self.stream.read_buf(&mut self.buf) => n,
                 // A whole head whose small body is still coming is hyper's to stream from
                 // here (a slow upload is served, not cut off); anything else ends.
-                _ = &mut deadline => return Ok(if need > 1 { Next::Hyper } else { Next::Closed }),
+                _ = &mut deadline => {
+                    return Ok(if need > 1 { Next::Hyper { back: true } } else { Next::Closed })
+                }
                 _ = drained.as_mut(), if idle => return Ok(Next::Closed),
             };
             match n {
@@ -528,6 +549,9 @@ enum Parsed {
     Short(usize),
     /// Not for this side: hyper's to serve (or refuse).
     Other,
+    /// A head whose body hyper streams (a larger or chunked one, or one expecting `100
+    /// Continue`): hyper's to serve, and the connection's after it.
+    Streamed,
 }
 
 /// Takes a whole request head this side serves out of `buf`, as the request.
@@ -566,6 +590,7 @@ fn parse(buf: &mut BytesMut) -> Parsed {
     let mut named: smallvec::SmallVec<[(HeaderName, std::ops::Range<usize>); 16]> =
         smallvec::SmallVec::new();
     let mut length = None;
+    let mut streamed = false;
     for f in parsed.headers.iter() {
         let Ok(name) = HeaderName::from_bytes(f.name.as_bytes()) else {
             return Parsed::Other;
@@ -575,16 +600,20 @@ fn parse(buf: &mut BytesMut) -> Parsed {
             // or a larger body: hyper's (which streams it, or answers 400).
             match parse_length(f.value) {
                 Some(n) if n <= IN_HAND as u64 && length.is_none() => length = Some(n as usize),
-                _ => return Parsed::Other,
+                _ => streamed = true,
             }
         }
-        // A body in chunks, an upgrade or an expectation: hyper's.
-        let other =
-            name == header::TRANSFER_ENCODING || name == header::UPGRADE || name == header::EXPECT;
-        if other {
+        // An upgrade: hyper's for good. A body in chunks or an expectation: hyper's to stream.
+        if name == header::UPGRADE {
             return Parsed::Other;
         }
-        named.push((name, at(f.value)));
+        streamed |= name == header::TRANSFER_ENCODING || name == header::EXPECT;
+        if !streamed {
+            named.push((name, at(f.value)));
+        }
+    }
+    if streamed {
+        return Parsed::Streamed;
     }
     let length = length.unwrap_or(0);
     if buf.len() < len + length {
@@ -672,6 +701,7 @@ async fn hand_off(
     let io = TokioIo::new(Rewind {
         read: s.buf.freeze(),
         stream: s.stream,
+        once: None,
     });
     let service = service_fn(move |req: Request<hyper::body::Incoming>| {
         // Made with the request's future, so that one dropped before its first poll (an
@@ -696,10 +726,179 @@ async fn hand_off(
     }
 }
 
+/// Serves one request whose body is streamed (a larger or chunked one, one still coming at
+/// the head's deadline, one expecting `100 Continue`) with hyper's HTTP/1 server, and takes the
+/// connection back when hyper is done with it and would keep it: the client's later requests
+/// are this side's again, instead of hyper's for the rest of the connection. `None` when the
+/// connection ended with hyper.
+///
+/// Back only when hyper is between requests with nothing left of this one: its body read to
+/// the end (by the request path; one it left unread hyper drains or closes on), the response's
+/// written to the end and out of hyper's buffer, and neither side asked to close. A second
+/// request hyper read meanwhile (pipelined) leaves the connection with hyper.
+async fn by_hyper_once(
+    s: Served,
+    conn: &Arc<Conn>,
+    lane: &Lane,
+    mut drained: Pin<&mut impl Future>,
+) -> Result<Option<Served>, Error> {
+    let Served { stream, buf, out } = s;
+    let once = Arc::new(Once::default());
+    let io = TokioIo::new(Rewind {
+        read: buf.freeze(),
+        stream,
+        once: Some(once.clone()),
+    });
+    let service = {
+        let (conn, once) = (conn.clone(), once.clone());
+        service_fn(move |req: Request<hyper::body::Incoming>| {
+            let guard = AbandonGuard(Some(conn.clone()));
+            let once = once.clone();
+            // Boxed: hyper polls the connection by `&mut` only with an `Unpin` future.
+            Box::pin(async move {
+                let first = once.requests.fetch_add(1, Ordering::Relaxed) == 0;
+                let keep = req.version() == Version::HTTP_11 && !asks_close(req.headers());
+                let mut req = req.map(|b| {
+                    Either::Left(match first {
+                        true => Streamed::watched(b, once.read.clone()),
+                        false => Streamed::new(b),
+                    })
+                });
+                let mut resp = handle(guard.conn(), &mut req).await;
+                guard.disarm();
+                respond::whole(&mut resp);
+                if first && keep && !asks_close(resp.headers()) {
+                    once.keep.store(true, Ordering::Relaxed);
+                }
+                let once = first.then_some(once);
+                Ok::<_, std::convert::Infallible>(resp.map(|body| Answered { body, once }))
+            })
+        })
+    };
+    let mut served = lane.h1.serve_connection(io, service);
+    // Set when this side asked hyper to finish: because the exchange is over, or the worker drains.
+    let (mut over, mut draining) = (false, false);
+    let ended = std::future::poll_fn(|cx| loop {
+        if let Poll::Ready(r) = served.poll_without_shutdown(cx) {
+            return Poll::Ready(r);
+        }
+        if !over && !draining && once.over() {
+            over = true;
+        } else if !draining && drained.as_mut().poll(cx).is_ready() {
+            draining = true;
+        } else {
+            return Poll::Pending;
+        }
+        // Between requests, this ends the connection at once, giving back its parts.
+        Pin::new(&mut served).graceful_shutdown();
+    })
+    .await;
+    let back = ended.is_ok() && over && !draining && once.over();
+    let parts = served.into_parts();
+    let Rewind {
+        read, mut stream, ..
+    } = parts.io.into_inner();
+    if !back {
+        let _ = stream.shutdown().await;
+        return ended.map(|()| None).map_err(Into::into);
+    }
+    // What hyper read of the next request, then what it had not yet taken of ours.
+    let mut buf = BytesMut::with_capacity(READ.max(parts.read_buf.len() + read.len()));
+    buf.extend_from_slice(&parts.read_buf);
+    buf.extend_from_slice(&read);
+    Ok(Some(Served { stream, buf, out }))
+}
+
+/// How the one exchange of [`by_hyper_once`] went.
+#[derive(Default)]
+struct Once {
+    /// Requests hyper has handed to the request path.
+    requests: AtomicU32,
+    /// The first one's body was read to its end.
+    read: Arc<Ended>,
+    /// Its response's body was written to its end.
+    answered: AtomicBool,
+    /// Neither it nor its response asked to close (and it is HTTP/1.1).
+    keep: AtomicBool,
+    /// hyper's last write did not take all it was given: bytes may wait in its buffer.
+    blocked: AtomicBool,
+}
+
+impl Once {
+    /// hyper is between requests, with nothing of the first left.
+    fn over(&self) -> bool {
+        self.requests.load(Ordering::Relaxed) == 1
+            && self.read.is_set()
+            && self.answered.load(Ordering::Relaxed)
+            && self.keep.load(Ordering::Relaxed)
+            && !self.blocked.load(Ordering::Relaxed)
+    }
+}
+
+fn asks_close(headers: &HeaderMap) -> bool {
+    let connection = headers.get_all(header::CONNECTION);
+    connection.iter().any(|v| has_token(v.as_bytes(), b"close"))
+}
+
+pin_project_lite::pin_project! {
+    /// A response body that says when hyper has read it to its end.
+    struct Answered {
+        #[pin]
+        body: Body,
+        once: Option<Arc<Once>>,
+    }
+}
+
+impl Answered {
+    fn over(&self, over: bool) -> bool {
+        if let (true, Some(once)) = (over, &self.once) {
+            once.answered.store(true, Ordering::Relaxed);
+        }
+        over
+    }
+}
+
+impl http_body::Body for Answered {
+    type Data = <Body as http_body::Body>::Data;
+    type Error = <Body as http_body::Body>::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = self.as_mut().project().body.poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => self.over(true),
+            Poll::Ready(Some(Ok(_))) => self.over(self.body.is_end_stream()),
+            _ => false,
+        };
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.over(self.body.is_end_stream())
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// A connection with bytes already read from it in front.
 struct Rewind {
     read: Bytes,
     stream: TcpStream,
+    /// Told whether each write took everything (see [`by_hyper_once`]).
+    once: Option<Arc<Once>>,
+}
+
+impl Rewind {
+    fn wrote<T>(&self, polled: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
+        if let Some(once) = &self.once {
+            once.blocked.store(polled.is_pending(), Ordering::Relaxed);
+        }
+        polled
+    }
 }
 
 impl AsyncRead for Rewind {
@@ -725,7 +924,9 @@ impl AsyncWrite for Rewind {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_write(cx, buf);
+        this.wrote(polled)
     }
 
     fn poll_write_vectored(
@@ -733,7 +934,9 @@ impl AsyncWrite for Rewind {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        let polled = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        this.wrote(polled)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -840,20 +1043,35 @@ mod tests {
     }
 
     #[test]
-    fn bodies_upgrades_other_targets_and_garbage_go_to_hyper_with_every_byte() {
+    fn streamed_bodies_upgrades_other_targets_and_garbage_go_to_hyper_with_every_byte() {
         let large = format!(
             "POST /u HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
             IN_HAND + 1
         );
-        let others: &[&[u8]] = &[
+        // Bodies hyper streams (or, for the bad lengths, answers 400 and closes on): the
+        // connection may come back after them.
+        let streamed: &[&[u8]] = &[
             large.as_bytes(),
             b"POST /u HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello",
             b"POST /u HTTP/1.1\r\nContent-Length: -5\r\n\r\nhello",
+            b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            b"PUT /u HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n",
+        ];
+        for text in streamed {
+            let (p, rest) = parsed(text);
+            assert!(
+                matches!(p, Parsed::Streamed),
+                "{:?}",
+                String::from_utf8_lossy(text)
+            );
+            assert_eq!(&rest[..], *text, "bytes kept for hyper");
+        }
+        let others: &[&[u8]] = &[
             // A target no URI: hyper answers 400; the body goes back with the head.
             b"POST /a<b> HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
-            b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
             b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
-            b"PUT /u HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n",
+            // An upgrade is hyper's for good, whatever comes before it.
+            b"POST /ws HTTP/1.1\r\nTransfer-Encoding: chunked\r\nUpgrade: x\r\n\r\n0\r\n\r\n",
             b"CONNECT app:443 HTTP/1.1\r\n\r\n",
             b"OPTIONS * HTTP/1.1\r\n\r\n",
             b"GET http://app/x HTTP/1.1\r\n\r\n",

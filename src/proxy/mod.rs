@@ -446,6 +446,10 @@ async fn worker(
         .timer(coarse::HyperTimer(timers.clone()))
         .header_read_timeout(config.timeouts.header_read.0)
         .max_buf_size(max_head);
+    let mut h1 = hyper::server::conn::http1::Builder::new();
+    h1.timer(coarse::HyperTimer(timers.clone()))
+        .header_read_timeout(config.timeouts.header_read.0)
+        .max_buf_size(max_head);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -459,6 +463,7 @@ async fn worker(
     let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
     let lane = Arc::new(inbound::Lane {
         hyper: builder,
+        h1,
         max_head,
         header_read: config.timeouts.header_read.0,
         timers: timers.clone(),
