@@ -10,7 +10,8 @@ reached), every request refused (a limit of 1/s), every request forwarded from a
 (h2c with prior knowledge, 10 streams per connection), every request a POST with a 1 KiB body,
 forwarded, from an HTTP/1.1 client and from an HTTP/2 one, and the same POST with its body
 written 0.3 ms after its head (by a small client here: h2load writes the two together), as a
-client's second write or a second TCP segment brings it. Kernel time is not counted: it is the
+client's second write or a second TCP segment brings it; and GETs on connections that each
+began with a POST whose body came in chunks (which the proxy streams). Kernel time is not counted: it is the
 same syscalls for both proxies (see BENCHMARKS.md).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
@@ -35,6 +36,7 @@ PATHS = [("forwarded", None, False, 0), ("refused (429)", 1, False, 0),
          ("forwarded, HTTP/2", None, True, 0), ("forwarded, 1 KiB POST", None, False, 1024),
          ("forwarded, HTTP/2 1 KiB POST", None, True, 1024)]
 SPLIT = "forwarded, 1 KiB POST, body after head"
+AFTER = "forwarded, after a chunked POST"
 
 
 def h2load(port, conns, h2, body=None):
@@ -56,41 +58,81 @@ def body_file(d, size):
     return path
 
 
+class Serial:
+    """`conns` keep-alive connections to `port`, a request at a time: each sent on the next
+    connection in turn and its answer read before the next."""
+
+    def __init__(self, port, conns):
+        self.socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(conns)]
+        self.pending = [b""] * conns
+        self.sent = 0
+        for s in self.socks:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def ask(self, *parts, gap=0.0):
+        """Sends a request in `parts`, `gap` seconds apart; whether its answer was a 200."""
+        k = self.sent % len(self.socks)
+        self.sent += 1
+        for i, part in enumerate(parts):
+            if i:
+                time.sleep(gap)
+            self.socks[k].sendall(part)
+        buf = self.pending[k]
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end >= 0:
+                m = re.search(rb"\r\ncontent-length: *(\d+)", buf[:end], re.I)
+                whole = end + 4 + int(m.group(1))
+                if len(buf) >= whole:
+                    self.pending[k] = buf[whole:]
+                    return buf.startswith(b"HTTP/1.1 200 ")
+            more = self.socks[k].recv(65536)
+            if not more:
+                raise RuntimeError("the proxy closed a connection")
+            buf += more
+
+    def close(self):
+        for s in self.socks:
+            s.close()
+
+
 def split_posts(port, requests, conns, size=1024, gap=0.0003):
     """`requests` POSTs of `size` bytes over `conns` keep-alive connections in turn, one at a
     time, each body written `gap` seconds after its head; a status line like h2load's."""
     head = (f"POST /api/x HTTP/1.1\r\nhost: app\r\nx-client: c1\r\n"
             f"content-length: {size}\r\n\r\n").encode()
     body = b"x" * size
-    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(conns)]
-    pending = [b""] * conns
-    ok = 0
+    serial = Serial(port, conns)
     try:
-        for s in socks:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        for i in range(requests):
-            k = i % conns
-            socks[k].sendall(head)
-            time.sleep(gap)
-            socks[k].sendall(body)
-            buf = pending[k]
-            while True:
-                end = buf.find(b"\r\n\r\n")
-                if end >= 0:
-                    m = re.search(rb"\r\ncontent-length: *(\d+)", buf[:end], re.I)
-                    whole = end + 4 + int(m.group(1))
-                    if len(buf) >= whole:
-                        ok += buf.startswith(b"HTTP/1.1 200 ")
-                        pending[k] = buf[whole:]
-                        break
-                more = socks[k].recv(65536)
-                if not more:
-                    raise RuntimeError("the proxy closed a connection")
-                buf += more
+        ok = sum(serial.ask(head, body, gap=gap) for _ in range(requests))
     finally:
-        for s in socks:
-            s.close()
+        serial.close()
     return f"status codes: {ok} 2xx of {requests}"
+
+
+class AfterChunked:
+    """GETs over `conns` keep-alive connections in turn, one at a time, each connection having
+    begun with a POST whose body came in chunks: the warm-up sends those, the measured load
+    GETs only, on the same connections."""
+
+    POST = (b"POST /api/x HTTP/1.1\r\nhost: app\r\nx-client: c1\r\ntransfer-encoding: chunked\r\n\r\n"
+            b"400\r\n" + b"x" * 1024 + b"\r\n0\r\n\r\n")
+    GET = b"GET /api/x HTTP/1.1\r\nhost: app\r\nx-client: c1\r\n\r\n"
+
+    def __init__(self, port, conns):
+        self.port, self.conns, self.serial = port, conns, None
+
+    def __call__(self, requests):
+        if self.serial is None:
+            self.serial = Serial(self.port, self.conns)
+            if not all(self.serial.ask(self.POST) for _ in range(self.conns)):
+                raise RuntimeError("a chunked POST was not answered 200")
+        ok = sum(self.serial.ask(self.GET) for _ in range(requests))
+        return f"status codes: {ok} 2xx of {requests}"
+
+    def close(self):
+        if self.serial:
+            self.serial.close()
 
 
 def counted(cmd, port, out_dir, requests, load):
@@ -162,12 +204,15 @@ def main():
     up_port, upstream = C.start_upstream()
     rows = []
     try:
-        for path_name, limit, h2, size in PATHS + [(SPLIT, None, False, 1024)]:
+        for path_name, limit, h2, size in PATHS + [(SPLIT, None, False, 1024), (AFTER, None, False, 0)]:
             for name, binary in proxies(args.baseline):
                 d = tempfile.mkdtemp(prefix="spillway-bench-cg-")
                 port = C.free_port()
                 cmd = proxy_cmd(binary, port, up_port, limit, d, h2)
-                if path_name == SPLIT:
+                after = AfterChunked(port, args.conns) if path_name == AFTER else None
+                if after:
+                    load = after
+                elif path_name == SPLIT:
                     def load(n, port=port):
                         return split_posts(port, n, args.conns)
                 else:
@@ -177,15 +222,19 @@ def main():
                         return subprocess.run(
                             h2load(port, args.conns, h2, body) + ["-n", str(n)],
                             capture_output=True, text=True, check=True).stdout
-                per, status = counted(cmd, port, d, args.requests, load)
+                try:
+                    per, status = counted(cmd, port, d, args.requests, load)
+                finally:
+                    if after:
+                        after.close()
                 print(f"{name}, {path_name}: {per:.0f} instructions per request ({status})",
                       file=sys.stderr, flush=True)
                 rows.append((name, path_name, per))
     finally:
         upstream.stop()
 
-    print(f"\n{args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10; body after head: "
-          f"{args.conns} connections, one request at a time), one key, one worker; "
+    print(f"\n{args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10; body after head, after a "
+          f"chunked POST: {args.conns} connections, one request at a time), one key, one worker; "
           "user-space instructions of the proxy's process per request (callgrind).\n")
     print("| proxy | path | instructions per request | vs nginx |")
     print("|---|---|---|---|")
