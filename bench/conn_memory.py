@@ -4,9 +4,9 @@
 Opens N connections to the proxy at once, sends R requests on each (all connections' first
 requests, then all second ones...), keeps them open, and divides the growth of the proxy's RSS
 (all its processes) by N. A warm-up of 50 connections comes first so that one-time allocations
-are not counted. Three Spillway cases: every request refused (no upstream involved), and R = 1
-or 2 forwarded requests (a connection's first request goes through the worker's pool; later
-ones through its own upstream connection). Run after `cargo build --release`:
+are not counted. Four Spillway cases: every request refused (no upstream involved), and R = 1,
+2 or 20 forwarded requests (a connection's first request goes through the worker's pool; later
+ones through its own upstream connection); nginx with R = 2 and 20. Run after `cargo build --release`:
 
     python3 bench/conn_memory.py [--conns 1000]
 
@@ -75,6 +75,7 @@ def main():
             ("spillway, every request refused", "1/s", 2),
             ("spillway, 1 request forwarded", None, 1),
             ("spillway, 2 requests forwarded", None, 2),
+            ("spillway, 20 requests forwarded", None, 20),
         ]
         for name, rate, requests in cases:
             port = C.free_port()
@@ -82,10 +83,11 @@ def main():
             # Refused: one key for all, over its limit after the warm-up's first request.
             rows.append((name, measure(lambda: C.start_spillway(yaml, port), port, args.conns,
                                        requests, one_key=rate is not None)))
-        port = C.free_port()
-        rows.append(("nginx, 2 requests forwarded",
-                     measure(lambda: C.start_nginx(C.nginx_proxy(port, up, None), 2, port), port,
-                             args.conns, 2)))
+        for requests in (2, 20):
+            port = C.free_port()
+            rows.append((f"nginx, {requests} requests forwarded",
+                         measure(lambda: C.start_nginx(C.nginx_proxy(port, up, None), 2, port), port,
+                                 args.conns, requests)))
     finally:
         upstream.stop()
     print(f"\n{args.conns} keep-alive client connections opened at once, growth of the proxy's RSS.\n")

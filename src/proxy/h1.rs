@@ -58,6 +58,12 @@ const MAX_HEADERS: usize = 100;
 /// A chunk-size line longer than this is refused.
 const MAX_CHUNK_LINE: usize = 1024;
 
+/// The room a read of a response gets: most responses (a head and a small body) fit the
+/// first, which each upstream connection keeps between exchanges (nginx's
+/// `proxy_buffer_size` is a page too); one that fills it is read in larger pieces (fewer
+/// syscalls for a large body).
+const ROOM: [usize; 3] = [4 * 1024, 16 * 1024, 64 * 1024];
+
 /// An upstream connection between exchanges. Boxed once, when connected: it moves between the
 /// worker's idle list, an exchange and the response body it reads, and a response moves by
 /// value through the request path's futures.
@@ -84,8 +90,9 @@ pub struct Upstream {
     buf: BytesMut,
     /// The request head being written, kept for the next one.
     out: Vec<u8>,
-    /// A read filled its room: the body is large, read in larger pieces.
-    large: bool,
+    /// How many reads of this exchange filled their room: a larger response is read in larger
+    /// pieces ([`ROOM`]).
+    filled: u8,
 }
 
 /// Where a connection goes when the body that holds it has been read to its end.
@@ -110,7 +117,7 @@ impl Raw {
             stream,
             buf: BytesMut::new(),
             out: Vec::new(),
-            large: false,
+            filled: 0,
         }))
     }
 
@@ -133,11 +140,11 @@ impl Raw {
 
     /// Reads more into `buf`; `Ok(0)` at the end of the stream. Through tokio's `AsyncRead`,
     /// which forgets the socket's readiness after a short read: the next read then waits for
-    /// the reactor instead of trying (and failing) a `recv` first. Reads are 8 KiB, and 64 KiB
-    /// once one filled its room (a large body: fewer syscalls).
+    /// the reactor instead of trying (and failing) a `recv` first. Reads get the room of
+    /// [`ROOM`] for how many of the exchange's reads filled theirs.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < 1024 {
-            let want = if self.large { 64 * 1024 } else { 8 * 1024 };
+            let want = ROOM[(self.filled as usize).min(ROOM.len() - 1)];
             self.buf.reserve(want);
         }
         let room = self.buf.capacity() - self.buf.len();
@@ -148,7 +155,7 @@ impl Raw {
         ));
         let polled = read.poll(cx);
         if let Poll::Ready(Ok(n)) = polled {
-            self.large |= n == room;
+            self.filled = self.filled.saturating_add((n == room) as u8);
         }
         polled
     }
@@ -661,7 +668,7 @@ impl RawBody {
         self.framing = Framing::Done;
         if let (Some(mut raw), Some(home)) = (self.raw.take(), self.home.take()) {
             if raw.buf.is_empty() {
-                raw.large = false;
+                raw.filled = 0;
                 home.put(raw, self.since);
             }
         }
@@ -1083,5 +1090,35 @@ mod tests {
             "POST /a?b=c HTTP/1.1\r\nhost: app\r\nx-many: 1\r\nx-many: 2\r\n\
              x-forwarded-for: 192.0.2.7\r\nx-forwarded-proto: http\r\nx-forwarded-host: app\r\n\r\n"
         );
+    }
+
+    #[tokio::test]
+    async fn reads_take_a_page_and_grow_only_for_a_response_that_fills_them() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let (app, ours) = tokio::join!(
+            TcpStream::connect(listener.local_addr().unwrap()),
+            listener.accept()
+        );
+        let (mut app, mut raw) = (app.unwrap(), Raw::new(ours.unwrap().0));
+        // A small response: one page of room, which the connection keeps.
+        app.write_all(&[b'x'; 300]).await.unwrap();
+        assert_eq!(raw.fill().await.unwrap(), 300);
+        assert!(raw.buf.capacity() < ROOM[1], "{}", raw.buf.capacity());
+        raw.buf.clear();
+        raw.filled = 0;
+        // A large one (on loopback the whole of it is in our socket once written): each read
+        // that fills its room gets more room for the next.
+        let large = 60 * 1024;
+        app.write_all(&vec![b'y'; large]).await.unwrap();
+        let mut reads = Vec::new();
+        while reads.iter().sum::<usize>() < large {
+            let before = raw.buf.len();
+            raw.fill().await.unwrap();
+            reads.push(raw.buf.len() - before);
+        }
+        assert!(reads[0] <= ROOM[0], "{reads:?}");
+        assert!(reads.iter().all(|n| *n <= ROOM[2]), "{reads:?}");
+        assert!(reads.len() <= 3, "{reads:?}");
+        assert!(raw.buf.capacity() >= ROOM[1], "{}", raw.buf.capacity());
     }
 }
