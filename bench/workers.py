@@ -17,6 +17,10 @@ ran on (/proc/PID/task/TID/stat), and the share of those looks in which neither 
 app's busiest thread was on the busiest proxy thread's CPU. On two cores shared by the three,
 where the scheduler puts a busy worker sets much of a round's figure.
 
+With --baseline BINARY, another Spillway build (two workers) runs in every round too: an A/B of
+a change in paired rounds, beside nginx. With --plain-nginx, nginx also runs without the
+X-Forwarded headers that Spillway sets (the harness's nginx before 2026-12-01).
+
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
 """
 
@@ -102,6 +106,7 @@ def main():
                     help="say how often the proxy's busiest thread had a CPU to itself")
     ap.add_argument("--plain-nginx", action="store_true",
                     help="also run nginx without the X-Forwarded headers Spillway sets (the harness before 2026-12-01)")
+    ap.add_argument("--baseline", help="another spillway binary, run with 2 workers in every round too")
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
     if args.pin and len(cpus) < 2:
@@ -120,6 +125,10 @@ def main():
         ("spillway, 2 workers", lambda p: C.start_spillway("workers: 2\n" + C.spillway_yaml(p, up_port, rule), p)),
         ("nginx, 2 workers", lambda p: C.start_nginx(C.nginx_proxy(p, up_port, args.rate), 2, p)),
     ]
+    if args.baseline:
+        binary = os.path.abspath(args.baseline)
+        variants.append(("baseline, 2 workers", lambda p: C.start_spillway(
+            "workers: 2\n" + C.spillway_yaml(p, up_port, rule), p, binary=binary)))
     if args.plain_nginx:
         variants.append(("nginx, 2 workers, plain",
                          lambda p: C.start_nginx(C.nginx_proxy(p, up_port, args.rate, forwarded=False), 2, p)))
@@ -161,9 +170,15 @@ def main():
     one, two = results["spillway, 1 worker"], results["spillway, 2 workers"]
     lower = sum(a["p99"] < b["p99"] for a, b in zip(one, two))
     print(f"\np99 lower with 1 worker than with 2 in {lower} of {args.rounds} rounds.")
+    if args.baseline:
+        base = results["baseline, 2 workers"]
+        faster = sum(a["rps"] > b["rps"] for a, b in zip(two, base))
+        lower = sum(a["p99"] < b["p99"] for a, b in zip(two, base))
+        print(f"spillway, 2 workers against baseline: more req/s in {faster}, lower p99 in {lower} "
+              f"of {args.rounds} rounds.")
     for other in [n for n in results if n.startswith("nginx")]:
         against = "nginx" if other == "nginx, 2 workers" else other
-        for name in ("spillway, 1 worker", "spillway, 2 workers"):
+        for name in [n for n in results if not n.startswith("nginx")]:
             rs, nginx = results[name], results[other]
             faster = sum(a["rps"] > b["rps"] for a, b in zip(rs, nginx))
             lower = sum(a["p99"] < b["p99"] for a, b in zip(rs, nginx))
