@@ -237,6 +237,25 @@ async fn after_a_request_whose_body_hyper_streamed_the_connection_is_this_sides_
 }
 
 #[tokio::test]
+async fn a_client_that_streams_body_after_body_is_left_to_hyper() {
+    let (sc, _up) = sidecar("rules: []").await;
+    let mut c = connect(&sc).await;
+    ask(&mut c, &get_echo(1)).await;
+    let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);
+    let chunked = "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
+                   2\r\nhi\r\n0\r\n\r\n";
+    for _ in 0..2 {
+        assert_eq!(echoed(&ask(&mut c, chunked).await)["body"], "hi");
+    }
+    // Two in a row: hyper's from here on, which sends a body that comes after its head
+    // through its pooled client.
+    assert_ne!(echoed_peer(&post_body_after_head(&mut c).await), own);
+    assert_eq!(echoed_n(&ask(&mut c, &get_echo(3)).await), "3");
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
 async fn a_streamed_request_that_asks_to_close_is_answered_and_closed() {
     let (sc, _up) = sidecar("rules: []").await;
     let mut c = connect(&sc).await;

@@ -17,7 +17,8 @@
 //! A request whose body is streamed (a larger one, a small one still coming when the head's
 //! deadline passes, a chunked one, one expecting `100 Continue`) is served by hyper's HTTP/1
 //! server, with the bytes read so far, and the connection taken back once hyper is between
-//! requests with it kept alive ([`by_hyper_once`]). Anything else (an upgrade, an HTTP/2
+//! requests with it kept alive ([`by_hyper_once`]; a client that streams two bodies in a row
+//! is left to hyper). Anything else (an upgrade, an HTTP/2
 //! preface, a head too large or malformed) hands the connection to hyper's server for the rest
 //! of its life, which answers it as before (400, 431, the WebSocket spliced).
 //! The response is delimited by its `Content-Length`, a known body size, chunks (HTTP/1.1) or
@@ -120,23 +121,31 @@ pub async fn serve(stream: TcpStream, conn: Arc<Conn>, lane: Arc<Lane>) -> Resul
     // Where each request is made: it is borrowed by the request path (each move down its
     // futures would copy it) and dropped before its response is written.
     let mut slot = None;
+    // The last request was lent to hyper: a client whose requests all stream their bodies
+    // (uploads only) is left to hyper from its second such request on, rather than paying for
+    // a hyper connection made for each request and each head parsed twice (here and by hyper).
+    let mut lent = false;
     loop {
         let mut asked;
         let mut resp = {
             let req = match s.head(&lane, drained.as_mut(), &mut slot).await? {
                 Next::Request(req) => req,
                 Next::Closed => return Ok(()),
-                Next::Hyper { back: false } => return hand_off(s, conn, &lane, drained).await,
-                Next::Hyper { back: true } => {
+                Next::Hyper { back } if !back || lent => {
+                    return hand_off(s, conn, &lane, drained).await
+                }
+                Next::Hyper { .. } => {
                     match by_hyper_once(s, &conn, &lane, drained.as_mut()).await? {
                         Some(back) => {
                             s = back;
+                            lent = true;
                             continue;
                         }
                         None => return Ok(()),
                     }
                 }
             };
+            lent = false;
             asked = Asked::of(req);
             let guard = AbandonGuard(Some(conn.clone()));
             let answer = pin!(handle(&conn, req));
@@ -735,7 +744,8 @@ async fn hand_off(
 /// Back only when hyper is between requests with nothing left of this one: its body read to
 /// the end (by the request path; one it left unread hyper drains or closes on), the response's
 /// written to the end and out of hyper's buffer, and neither side asked to close. A second
-/// request hyper read meanwhile (pipelined) leaves the connection with hyper.
+/// request hyper read meanwhile (pipelined) leaves the connection with hyper, and so does a
+/// second such request right after the first ([`serve`]).
 async fn by_hyper_once(
     s: Served,
     conn: &Arc<Conn>,
