@@ -6,7 +6,8 @@ spent in all (`/proc/PID/stat` utime and stime): each proxy with one worker, h2l
 requests over 16 keep-alive HTTP/1.1 connections with one key after a warm-up, rounds
 alternating the proxies, medians. The paths of instructions.py: every request forwarded, every
 request refused, every request forwarded from an HTTP/2 client, every request a 1 KiB POST
-forwarded (from HTTP/1.1 and from HTTP/2 clients); and every request forwarded to an app that
+forwarded (from HTTP/1.1 and from HTTP/2 clients), every request a 64 KiB POST forwarded (a
+body the proxy streams); and every request forwarded to an app that
 answers in chunks (three chunks and the end, written at once, by a small threaded server here
 instead of the nginx upstream: it is slower, so that path runs at a lower rate). With
 `--syscalls`, one more run per proxy and path under `strace -c` counts the system calls per

@@ -5,10 +5,11 @@ Wall-clock figures on a shared 2-core VM move by 10-15 % between runs of the sam
 change worth 3 % cannot be seen in them. Instructions executed in the proxy's own process are
 nearly deterministic: this runs each proxy under valgrind's callgrind with one worker, sends a
 warm-up, zeroes the counters, sends N requests with h2load (HTTP/1.1, 16 keep-alive connections,
-one key), dumps the counters and divides. Six paths: every request forwarded (no limit
+one key), dumps the counters and divides. Eight paths: every request forwarded (no limit
 reached), every request refused (a limit of 1/s), every request forwarded from an HTTP/2 client
 (h2c with prior knowledge, 10 streams per connection), every request a POST with a 1 KiB body,
-forwarded, from an HTTP/1.1 client and from an HTTP/2 one, and the same POST with its body
+forwarded, from an HTTP/1.1 client and from an HTTP/2 one, a POST with a 64 KiB body (one the
+proxy streams, over HTTP/1.1), the 1 KiB POST with its body
 written 0.3 ms after its head (by a small client here: h2load writes the two together), as a
 client's second write or a second TCP segment brings it; and GETs on connections that each
 began with a POST whose body came in chunks (which the proxy streams). Kernel time is not counted: it is the
@@ -34,7 +35,7 @@ CALLGRIND = ["valgrind", "--tool=callgrind", "--compress-strings=no", "--compres
 # (path, per-key limit, HTTP/2 client, request body bytes): the paths h2load drives (cpu.py too)
 PATHS = [("forwarded", None, False, 0), ("refused (429)", 1, False, 0),
          ("forwarded, HTTP/2", None, True, 0), ("forwarded, 1 KiB POST", None, False, 1024),
-         ("forwarded, HTTP/2 1 KiB POST", None, True, 1024)]
+         ("forwarded, HTTP/2 1 KiB POST", None, True, 1024), ("forwarded, 64 KiB POST", None, False, 65536)]
 SPLIT = "forwarded, 1 KiB POST, body after head"
 AFTER = "forwarded, after a chunked POST"
 
