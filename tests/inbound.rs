@@ -81,6 +81,15 @@ fn echoed_peer(a: &Answer) -> String {
     echoed(a)["peer"].as_str().unwrap().to_string()
 }
 
+/// A client connection that keeps an upstream connection of its own, and that connection's
+/// `peer`: a client's first exchange borrows one from the worker's list, its second keeps one.
+async fn with_own_upstream(sc: &spillway::proxy::Sidecar) -> (BufReader<TcpStream>, String) {
+    let mut c = connect(sc).await;
+    ask(&mut c, &get_echo(1)).await;
+    let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);
+    (c, own)
+}
+
 #[tokio::test]
 async fn a_small_body_sent_with_its_head_goes_on_the_connections_own_upstream_connection() {
     let (sc, _up) = sidecar("rules: []").await;
@@ -184,9 +193,7 @@ async fn post_body_after_head(c: &mut BufReader<TcpStream>) -> Answer {
 #[tokio::test]
 async fn a_small_body_that_comes_after_its_head_is_waited_for_and_sent_with_it() {
     let (sc, _up) = sidecar("rules: []").await;
-    let mut c = connect(&sc).await;
-    ask(&mut c, &get_echo(1)).await;
-    let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);
+    let (mut c, own) = with_own_upstream(&sc).await;
     let a = post_body_after_head(&mut c).await;
     // Still on this side: hyper's pooled client would have used a connection of its own.
     assert_eq!(echoed_peer(&a), own);
@@ -198,9 +205,7 @@ async fn a_small_body_that_comes_after_its_head_is_waited_for_and_sent_with_it()
 #[tokio::test]
 async fn after_a_request_whose_body_hyper_streamed_the_connection_is_this_sides_again() {
     let (sc, _up) = sidecar("rules: []").await;
-    let mut c = connect(&sc).await;
-    ask(&mut c, &get_echo(1)).await;
-    let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);
+    let (mut c, own) = with_own_upstream(&sc).await;
     let chunked = "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
                    5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n";
     let large = "x".repeat(20_000);
@@ -239,9 +244,7 @@ async fn after_a_request_whose_body_hyper_streamed_the_connection_is_this_sides_
 #[tokio::test]
 async fn a_client_that_streams_body_after_body_is_left_to_hyper() {
     let (sc, _up) = sidecar("rules: []").await;
-    let mut c = connect(&sc).await;
-    ask(&mut c, &get_echo(1)).await;
-    let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);
+    let (mut c, own) = with_own_upstream(&sc).await;
     let chunked = "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
                    2\r\nhi\r\n0\r\n\r\n";
     for _ in 0..2 {
