@@ -19,7 +19,7 @@ where the scheduler puts a busy worker sets much of a round's figure.
 
 With --baseline BINARY, another Spillway build (two workers) runs in every round too: an A/B of
 a change in paired rounds, beside nginx. With --plain-nginx, nginx also runs without the
-X-Forwarded headers that Spillway sets (the harness's nginx before 2026-12-01).
+X-Forwarded headers that Spillway sets (the harness's nginx before commit 5420b8c).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
 """
@@ -105,7 +105,7 @@ def main():
     ap.add_argument("--placement", action="store_true",
                     help="say how often the proxy's busiest thread had a CPU to itself")
     ap.add_argument("--plain-nginx", action="store_true",
-                    help="also run nginx without the X-Forwarded headers Spillway sets (the harness before 2026-12-01)")
+                    help="also run nginx without the X-Forwarded headers Spillway sets (the harness before 5420b8c)")
     ap.add_argument("--baseline", help="another spillway binary, run with 2 workers in every round too")
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
