@@ -264,12 +264,7 @@ impl Served {
     /// caller has it: moved into this future, a response (264 bytes) would be copied again.
     async fn respond(&mut self, resp: &mut Response<Body>, asked: Asked) -> io::Result<bool> {
         let status = resp.status();
-        let closes = resp
-            .headers()
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| has_token(v.as_bytes(), b"close"));
-        let mut stay = asked.keep_alive && !closes;
+        let mut stay = asked.keep_alive && !asks_close(resp.headers());
         let given = resp
             .headers()
             .get(header::CONTENT_LENGTH)
@@ -716,13 +711,8 @@ async fn hand_off(
         // Made with the request's future, so that one dropped before its first poll (an
         // HTTP/2 stream reset at once) counts as abandoned too.
         let guard = AbandonGuard(Some(conn.clone()));
-        async move {
-            let mut req = req.map(|b| Either::Left(Streamed::new(b)));
-            let mut resp = handle(guard.conn(), &mut req).await;
-            guard.disarm();
-            respond::whole(&mut resp);
-            Ok::<_, std::convert::Infallible>(resp)
-        }
+        let req = req.map(|b| Either::Left(Streamed::new(b)));
+        async move { Ok::<_, std::convert::Infallible>(answer(guard, req).await) }
     });
     let mut served = pin!(lane.hyper.serve_connection_with_upgrades(io, service));
     tokio::select! {
@@ -733,6 +723,16 @@ async fn hand_off(
             served.await
         }
     }
+}
+
+/// A request of hyper's server through the request path, and its answer with the map filled
+/// in (hyper's server writes from it). `guard` is made with the request's future, so that one
+/// dropped before its first poll (an HTTP/2 stream reset at once) counts as abandoned too.
+async fn answer(guard: AbandonGuard, mut req: Request<ReqBody>) -> Response<Body> {
+    let mut resp = handle(guard.conn(), &mut req).await;
+    guard.disarm();
+    respond::whole(&mut resp);
+    resp
 }
 
 /// Serves one request whose body is streamed (a larger or chunked one, one still coming at
@@ -768,15 +768,13 @@ async fn by_hyper_once(
             Box::pin(async move {
                 let first = once.requests.fetch_add(1, Ordering::Relaxed) == 0;
                 let keep = req.version() == Version::HTTP_11 && !asks_close(req.headers());
-                let mut req = req.map(|b| {
+                let req = req.map(|b| {
                     Either::Left(match first {
                         true => Streamed::watched(b, once.read.clone()),
                         false => Streamed::new(b),
                     })
                 });
-                let mut resp = handle(guard.conn(), &mut req).await;
-                guard.disarm();
-                respond::whole(&mut resp);
+                let resp = answer(guard, req).await;
                 if first && keep && !asks_close(resp.headers()) {
                     once.keep.store(true, Ordering::Relaxed);
                 }
@@ -845,6 +843,7 @@ impl Once {
     }
 }
 
+/// Whether a request's or a response's `Connection` says `close`.
 fn asks_close(headers: &HeaderMap) -> bool {
     let connection = headers.get_all(header::CONNECTION);
     connection.iter().any(|v| has_token(v.as_bytes(), b"close"))

@@ -446,6 +446,7 @@ async fn worker(
         .timer(coarse::HyperTimer(timers.clone()))
         .header_read_timeout(config.timeouts.header_read.0)
         .max_buf_size(max_head);
+    // The same settings as the auto builder's HTTP/1 side above (a streamed body's request).
     let mut h1 = hyper::server::conn::http1::Builder::new();
     h1.timer(coarse::HyperTimer(timers.clone()))
         .header_read_timeout(config.timeouts.header_read.0)
