@@ -6,9 +6,10 @@
 //! queue per request (each behind every other ready connection), plus the pool's lock and
 //! checkout. An HTTP/1 client connection sends its requests one at a time, so it can keep one
 //! upstream connection of its own and do its I/O from its own task: the request is written
-//! upstream in the poll that read it, and the response ([`h1`], written by hand) is read and
-//! written back in the poll that saw it arrive, as nginx's event loop does. Measured in
-//! BENCHMARKS.md.
+//! upstream in the worker's turn that read it (after the other connections ready in that turn
+//! were read: [`h1::exchange`] writes them together), and the response ([`h1`], written by
+//! hand) is read and written back in the poll that saw it arrive, as nginx's event loop does.
+//! Measured in BENCHMARKS.md.
 //!
 //! Cost per request: two uncontended locks (take the connection, and the response body puts
 //! it back at its end), a readiness check that the upstream has not closed it (no syscall).
