@@ -177,14 +177,19 @@ pub async fn exchange(
     home: Arc<dyn Home>,
     now: u64,
 ) -> Result<Response<RawBody>, Failed> {
-    // The write waits until the other connections that became ready with this one have had
-    // their turn: tokio runs a yielded task again after its next look at the reactor, so the
-    // worker's requests of one turn go upstream together, the app wakes once for them instead
-    // of once each, and their responses come back together (the client side wakes less too).
-    // It costs a poll of this request's futures, ~950 instructions, and a lone request an
-    // `epoll_wait` that returns at once; at 128 connections it gave ~5-12 % more requests a
-    // second (BENCHMARKS.md, "Upstream writes in batches").
-    tokio::task::yield_now().await;
+    // An HTTP/2 client's stream is answered by hyper's server, which writes from the map.
+    let mapped = req.version() == Version::HTTP_2;
+    // An HTTP/1 client's request is written once the other connections that became ready with
+    // it have had their turn: tokio runs a yielded task again after its next look at the
+    // reactor, so the worker's requests of one turn go upstream together, the app wakes once
+    // for them instead of once each, and their responses come back together (the client side
+    // wakes less too). It costs a poll of the request's futures, ~950 instructions, and a lone
+    // request an `epoll_wait` that returns at once; at 128 connections it gave ~5-12 % more
+    // requests a second (BENCHMARKS.md, "Upstream writes in batches"). Not for an HTTP/2
+    // client's streams: each is a task of hyper's already, and there it cost 2-8 %.
+    if !mapped {
+        tokio::task::yield_now().await;
+    }
     let mut head = std::mem::take(&mut raw.out);
     head.clear();
     write_head(&mut head, req, added);
@@ -200,8 +205,6 @@ pub async fn exchange(
         return Err(Failed::Unsent(e));
     }
     let head_only = req.method() == Method::HEAD;
-    // An HTTP/2 client's stream is answered by hyper's server, which writes from the map.
-    let mapped = req.version() == Version::HTTP_2;
     loop {
         // Parsed where it is used, never held across an await: a `Head` is 440 bytes, and
         // each future it passed through would copy it.
