@@ -21,19 +21,20 @@
 //!
 //! Cost per request: one `write` for the head (made once the worker's other ready connections
 //! have had their turn, so that the app wakes once for a turn's requests), one `read` per
-//! response in the common case (the head and a small body arrive together), httparse, no allocation for the head's text (it
-//! stays in the connection's buffer). The hop's changes cost no map operations: the client's
-//! headers are written as they pass (`forward::Added`). The response's field names are sorted
-//! by their length (`Named`), its hop-by-hop fields read where they lie, and the other lines
-//! passed on as the upstream wrote them ([`Passed`]: up to three runs of the head, copied by
-//! `inbound` into the client's head): no `HeaderMap` is built for an HTTP/1 client. That took a
-//! forwarded request from 24 600 to 22 000 user-space instructions; the map, the `Connection`
-//! names parsed once and httparse's fields left uninitialised, from 29 900 to 27 000 before
-//! (callgrind, see BENCHMARKS.md). The request is borrowed down the request path (`handle`,
-//! `forward`, `affine`, here) instead of moved, the response borrowed by the writer, and the
-//! response head (440 bytes) read where it was parsed: every future a value moves through
-//! copies it, and those copies (`memcpy`) were the largest single item, 3 100 instructions of
-//! a forwarded request. Now 1 300, and the request 20 750 -> 19 300 in all.
+//! response in the common case (the head and a small body arrive together), httparse, no
+//! allocation for the head's text (it stays in the connection's buffer). The hop's changes cost
+//! no map operations: the client's headers are written as they pass (`forward::Added`). The
+//! response's field names are sorted by their length (`Named`), its hop-by-hop fields read
+//! where they lie, and the other lines passed on as the upstream wrote them ([`Passed`]: up to
+//! three runs of the head, copied by `inbound` into the client's head): no `HeaderMap` is built
+//! for an HTTP/1 client. That took a forwarded request from 24 600 to 22 000 user-space
+//! instructions; the map, the `Connection` names parsed once and httparse's fields left
+//! uninitialised, from 29 900 to 27 000 before (callgrind, see BENCHMARKS.md). The request is
+//! borrowed down the request path (`handle`, `forward`, `affine`, here) instead of moved, the
+//! response borrowed by the writer, and the response head (440 bytes) read where it was parsed:
+//! every future a value moves through copies it, and those copies (`memcpy`) were the largest
+//! single item, 3 100 instructions of a forwarded request. Now 1 300, and the request 20 750 ->
+//! 19 300 in all.
 
 use std::future::Future;
 use std::io;
@@ -184,9 +185,10 @@ pub async fn exchange(
     // reactor, so the worker's requests of one turn go upstream together, the app wakes once
     // for them instead of once each, and their responses come back together (the client side
     // wakes less too). It costs a poll of the request's futures, ~950 instructions, and a lone
-    // request an `epoll_wait` that returns at once; at 128 connections it gave ~5-12 % more
-    // requests a second (BENCHMARKS.md, "Upstream writes in batches"). Not for an HTTP/2
-    // client's streams: each is a task of hyper's already, and there it cost 2-8 %.
+    // request an `epoll_wait` that returns at once; at 128 connections with a rule refusing
+    // some, it gave more requests a second in 53 of 75 paired rounds (BENCHMARKS.md,
+    // "Upstream writes in batches"). Not for an HTTP/2 client's streams: each is a task of
+    // hyper's already, and there it cost 2-8 %.
     if !mapped {
         tokio::task::yield_now().await;
     }
