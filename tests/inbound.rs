@@ -242,6 +242,28 @@ async fn after_a_request_whose_body_hyper_streamed_the_connection_is_this_sides_
 }
 
 #[tokio::test]
+async fn a_streamed_body_that_ends_after_its_answer_still_gives_the_connection_back() {
+    let (sc, up) = sidecar("rules: []").await;
+    let (mut c, own) = with_own_upstream(&sc).await;
+    // The app answers after the head and the first chunk; the body's end comes after that.
+    let head = "POST /early HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
+                5\r\nhello\r\n";
+    c.get_mut().write_all(head.as_bytes()).await.unwrap();
+    let a = read_answer(&mut c).await;
+    assert_eq!(
+        (a.status.as_str(), a.body.as_str()),
+        ("HTTP/1.1 200 OK", "early")
+    );
+    c.get_mut().write_all(b"0\r\n\r\n").await.unwrap();
+    up.signals.drained.notified().await;
+    // This side's again, though the body's end was read after the answer was written, and by
+    // the task that sent it upstream, not the connection's.
+    assert_eq!(echoed_peer(&post_body_after_head(&mut c).await), own);
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
 async fn a_client_that_streams_body_after_body_is_left_to_hyper() {
     let (sc, _up) = sidecar("rules: []").await;
     let (mut c, own) = with_own_upstream(&sc).await;

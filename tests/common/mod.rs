@@ -31,6 +31,8 @@ pub struct Signals {
     pub first_bytes: Notify,
     /// `/upload` reports here when a request's head has arrived.
     pub upload_head: Notify,
+    /// `/early` reports here when it has read a request's body to its end.
+    pub drained: Notify,
 }
 
 /// An app on loopback:
@@ -39,6 +41,7 @@ pub struct Signals {
 /// - `/slow`: answers after 10 s;
 /// - `/hold`: answers when the test releases it;
 /// - `/upload`: streams the body and answers with the byte count;
+/// - `/early`: answers "early" at once, then reads the body to its end;
 /// - `/ws`: accepts an upgrade and echoes bytes;
 /// - anything else: 200 "ok".
 pub struct Upstream {
@@ -117,6 +120,14 @@ async fn app(
                 }
             }
             n.to_string()
+        }
+        "/early" => {
+            let mut body = req.into_body();
+            tokio::spawn(async move {
+                while let Some(Ok(_)) = body.frame().await {}
+                signals.drained.notify_one();
+            });
+            "early".into()
         }
         "/ws" => {
             let on_upgrade = hyper::upgrade::on(&mut req);
