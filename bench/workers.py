@@ -17,6 +17,10 @@ ran on (/proc/PID/task/TID/stat), and the share of those looks in which neither 
 app's busiest thread was on the busiest proxy thread's CPU. On two cores shared by the three,
 where the scheduler puts a busy worker sets much of a round's figure.
 
+With --costs, each run also counts what every process spent per request: the proxy's and the
+app's CPU (/proc/PID/stat) and sleeps (voluntary context switches, /proc/PID/task/*/status), and
+wrk's CPU and sleeps (getrusage of this process's children): how often each woke for its work.
+
 With --baseline BINARY, another Spillway build (two workers) runs in every round too: an A/B of
 a change in paired rounds, beside nginx. With --plain-nginx, nginx also runs without the
 X-Forwarded headers that Spillway sets (the harness's nginx before commit 5420b8c).
@@ -26,6 +30,7 @@ Everything listens on 127.0.0.1 and every process started here is stopped by its
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -46,6 +51,38 @@ def threads(pids):
             continue
         out[tid] = (int(fields[36]), int(fields[11]) + int(fields[12]))
     return out
+
+
+def sleeps(pids):
+    """Voluntary context switches of every thread of `pids` so far."""
+    n = 0
+    for pid, tid in C.tasks(pids):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                n += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except OSError:
+            continue
+    return n
+
+
+class Costs:
+    """CPU and sleeps of the proxy, the app and wrk over one run (--costs)."""
+
+    def __init__(self, proxy, app):
+        self.groups = {"proxy": proxy, "app": app}
+        self.before = self.look()
+
+    def look(self):
+        kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+        seen = {g: (C.cpu_seconds(p), sleeps(p)) for g, p in self.groups.items()}
+        seen["wrk"] = (kids.ru_utime + kids.ru_stime, kids.ru_nvcsw)
+        return seen
+
+    def per_request(self, requests):
+        """{process: (CPU us per request, sleeps per 1 000 requests)}."""
+        after = self.look()
+        return {g: ((after[g][0] - self.before[g][0]) / requests * 1e6,
+                    (after[g][1] - self.before[g][1]) / requests * 1000) for g in after}
 
 
 class Placement(threading.Thread):
@@ -106,6 +143,8 @@ def main():
                     help="say how often the proxy's busiest thread had a CPU to itself")
     ap.add_argument("--plain-nginx", action="store_true",
                     help="also run nginx without the X-Forwarded headers Spillway sets (the harness before 5420b8c)")
+    ap.add_argument("--costs", action="store_true",
+                    help="say each process's CPU per request and how often it slept")
     ap.add_argument("--baseline", help="another spillway binary, run with 2 workers in every round too")
     args = ap.parse_args()
     cpus = sorted(os.sched_getaffinity(0))
@@ -145,7 +184,10 @@ def main():
                         C.pin(proc.pids(), shared_cpu)
                     if looks:
                         looks.start()
+                    costs = Costs(proc.pids(), upstream.pids()) if args.costs else None
                     res = C.wrk(port, args.conns, args.seconds, script, cpu=wrk_cpu)
+                    if costs:
+                        res["costs"] = costs.per_request(res["requests"])
                 finally:
                     if looks:
                         looks.done.set()
@@ -183,6 +225,15 @@ def main():
             faster = sum(a["rps"] > b["rps"] for a, b in zip(rs, nginx))
             lower = sum(a["p99"] < b["p99"] for a, b in zip(rs, nginx))
             print(f"{name} against {against}: more req/s in {faster}, lower p99 in {lower} of {args.rounds} rounds.")
+    if args.costs:
+        print("\nWhat each process spent per request (medians): CPU in us, and sleeps (voluntary")
+        print("context switches) per 1 000 requests:\n")
+        print("| proxy | proxy CPU | proxy sleeps | app CPU | app sleeps | wrk CPU | wrk sleeps |")
+        print("|---|---|---|---|---|---|---|")
+        for name, rs in results.items():
+            cell = lambda g, i: statistics.median(x["costs"][g][i] for x in rs)
+            print(f"| {name} | " + " | ".join(f"{cell(g, 0):.2f} | {cell(g, 1):.0f}"
+                                              for g in ("proxy", "app", "wrk")) + " |")
     if args.placement:
         print("\nThe busiest proxy thread with a CPU to itself (share of looks), and the median req/s of")
         print("the rounds where it was for at least 0.8 of them and of the others:\n")

@@ -186,7 +186,7 @@ pub async fn exchange(
     // for them instead of once each, and their responses come back together (the client side
     // wakes less too). It costs a poll of the request's futures, ~950 instructions, and a lone
     // request an `epoll_wait` that returns at once; at 128 connections with a rule refusing
-    // some, it gave more requests a second in 53 of 75 paired rounds (BENCHMARKS.md,
+    // some, it gave more requests a second in 58 of 81 paired rounds (BENCHMARKS.md,
     // "Upstream writes in batches"). Not for an HTTP/2 client's streams: each is a task of
     // hyper's already, and there it cost 2-8 %.
     if !mapped {
