@@ -226,25 +226,31 @@ def main():
             lower = sum(a["p99"] < b["p99"] for a, b in zip(rs, nginx))
             print(f"{name} against {against}: more req/s in {faster}, lower p99 in {lower} of {args.rounds} rounds.")
     if args.costs:
-        print("\nWhat each process spent per request (medians): CPU in us, and sleeps (voluntary")
-        print("context switches) per 1 000 requests:\n")
-        print("| proxy | proxy CPU | proxy sleeps | app CPU | app sleeps | wrk CPU | wrk sleeps |")
-        print("|---|---|---|---|---|---|---|")
-        for name, rs in results.items():
+        def costs(rs):
             cell = lambda g, i: statistics.median(x["costs"][g][i] for x in rs)
-            print(f"| {name} | " + " | ".join(f"{cell(g, 0):.2f} | {cell(g, 1):.0f}"
-                                              for g in ("proxy", "app", "wrk")) + " |")
+            return [f"{cell(g, 0):.2f} | {cell(g, 1):.0f}" for g in ("proxy", "app", "wrk")]
+        table(results, costs, ["proxy CPU | proxy sleeps", "app CPU | app sleeps", "wrk CPU | wrk sleeps"],
+              "What each process spent per request (medians): CPU in us, and sleeps (voluntary\n"
+              "context switches) per 1 000 requests:")
     if args.placement:
-        print("\nThe busiest proxy thread with a CPU to itself (share of looks), and the median req/s of")
-        print("the rounds where it was for at least 0.8 of them and of the others:\n")
-        print("| proxy | share, each round | req/s, alone >= 0.8 | req/s, others |")
-        print("|---|---|---|---|")
-        for name, rs in results.items():
+        def placement(rs):
             hi = [x["rps"] for x in rs if x["alone"] >= 0.8]
             lo = [x["rps"] for x in rs if not x["alone"] >= 0.8]
             cell = lambda v: f"{statistics.median(v):.0f} ({len(v)})" if v else "-"
-            shares = " ".join(f"{x['alone']:.2f}" for x in rs)
-            print(f"| {name} | {shares} | {cell(hi)} | {cell(lo)} |")
+            return [" ".join(f"{x['alone']:.2f}" for x in rs), cell(hi), cell(lo)]
+        table(results, placement, ["share, each round", "req/s, alone >= 0.8", "req/s, others"],
+              "The busiest proxy thread with a CPU to itself (share of looks), and the median req/s of\n"
+              "the rounds where it was for at least 0.8 of them and of the others:")
+
+
+def table(results, cells, columns, intro):
+    """A Markdown table after `intro`: a row per variant, its `cells(rounds)` under `columns`."""
+    print(f"\n{intro}\n")
+    head = " | ".join(columns)
+    print(f"| proxy | {head} |")
+    print("|---" * (head.count("|") + 2) + "|")
+    for name, rs in results.items():
+        print(f"| {name} | " + " | ".join(cells(rs)) + " |")
 
 
 if __name__ == "__main__":
