@@ -19,23 +19,23 @@
 //! HTTP/1.0 with `keep-alive`, delimited by length or chunks, read to its end); a body dropped
 //! before its end drops the connection.
 //!
-//! Cost per request: one `write` for the head (made once the worker's other ready connections
-//! have had their turn, so that the app wakes once for a turn's requests), one `read` per
-//! response in the common case (the head and a small body arrive together), httparse, no
-//! allocation for the head's text (it stays in the connection's buffer). The hop's changes cost
-//! no map operations: the client's headers are written as they pass (`forward::Added`). The
-//! response's field names are sorted by their length (`Named`), its hop-by-hop fields read
-//! where they lie, and the other lines passed on as the upstream wrote them ([`Passed`]: up to
-//! three runs of the head, copied by `inbound` into the client's head): no `HeaderMap` is built
-//! for an HTTP/1 client. That took a forwarded request from 24 600 to 22 000 user-space
-//! instructions; the map, the `Connection` names parsed once and httparse's fields left
-//! uninitialised, from 29 900 to 27 000 before (callgrind, see BENCHMARKS.md). The request is
-//! borrowed down the request path (`handle`, `forward`, `affine`, here) instead of moved, the
-//! response borrowed by the writer, and the response head (440 bytes) read where it was parsed:
-//! every future a value moves through copies it, and those copies (`memcpy`) were the largest
-//! single item, 3 100 instructions of a forwarded request. Now 1 300, and the request 20 750 ->
-//! 19 300 in all.
+//! Cost per request: one `write` for the head (on a busy worker made once the other connections
+//! ready with it have had their turn, so that the app wakes once for a turn's requests), one `read`
+//! per response in the common case (the head and a small body arrive together), httparse, no
+//! allocation for the head's text (it stays in the connection's buffer). The hop's changes cost no
+//! map operations: the client's headers are written as they pass (`forward::Added`). The response's
+//! field names are sorted by their length (`Named`), its hop-by-hop fields read where they lie, and
+//! the other lines passed on as the upstream wrote them ([`Passed`]: up to three runs of the head,
+//! copied by `inbound` into the client's head): no `HeaderMap` is built for an HTTP/1 client. That
+//! took a forwarded request from 24 600 to 22 000 user-space instructions; the map, the
+//! `Connection` names parsed once and httparse's fields left uninitialised, from 29 900 to 27 000
+//! before (callgrind, see BENCHMARKS.md). The request is borrowed down the request path (`handle`,
+//! `forward`, `affine`, here) instead of moved, the response borrowed by the writer, and the
+//! response head (440 bytes) read where it was parsed: every future a value moves through copies
+//! it, and those copies (`memcpy`) were the largest single item, 3 100 instructions of a forwarded
+//! request. Now 1 300, and the request 20 750 -> 19 300 in all.
 
+use std::cell::Cell;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
@@ -52,6 +52,20 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use super::forward::{has_token, listed, Added, ReqBody};
+
+thread_local! {
+    /// Set when this thread's runtime woke from waiting for events ([`woke`]); cleared by the
+    /// first exchange after that.
+    static WOKE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The worker runtimes' `on_thread_unpark` hook: the worker had nothing left to run and waited
+/// for events, so the first request it sends upstream after this one is not in a batch
+/// ([`exchange`]). tokio calls it only after such a wait, not at its looks at the reactor
+/// between two runs of ready tasks.
+pub fn woke() {
+    WOKE.set(true);
+}
 
 /// Response heads (and chunked trailers) larger than this are refused (502).
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -188,8 +202,10 @@ pub async fn exchange(
     // request an `epoll_wait` that returns at once; at 128 connections with a rule refusing
     // some, it gave more requests a second in 58 of 81 paired rounds (BENCHMARKS.md,
     // "Upstream writes in batches"). Not for an HTTP/2 client's streams: each is a task of
-    // hyper's already, and there it cost 2-8 %.
-    if !mapped {
+    // hyper's already, and there it cost 2-8 %. Not for the first request after the worker
+    // waited for events ([`woke`]) either: a worker that waits is not busy, and its requests
+    // mostly come alone, which the yield only delays.
+    if !mapped && !WOKE.replace(false) {
         tokio::task::yield_now().await;
     }
     let mut head = std::mem::take(&mut raw.out);
@@ -1142,59 +1158,121 @@ mod tests {
         fn put(&self, _: Raw, _: u64) {}
     }
 
-    /// On a worker's runtime (one thread), a request goes upstream only after the tasks that
-    /// were ready with it have run: task `b`, queued behind the exchange, looks at the app's
-    /// socket before anything was written to it (without the yield, the exchange writes in its
-    /// first poll, before `b` runs, and `b` sees the request).
+    /// A connection to a listening "app", and our end of it.
+    async fn app_and_raw() -> (std::net::TcpStream, Raw) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let app = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        app.set_nonblocking(true).unwrap();
+        (app, Raw::new(listener.accept().await.unwrap().0))
+    }
+
+    /// A GET exchanged on `raw`: the response's status.
+    async fn exchanged(raw: Raw) -> Result<StatusCode, ()> {
+        let req = Request::get("/x")
+            .header("host", "app")
+            .body(Either::Right(super::super::forward::InHand::new(
+                Bytes::new(),
+            )))
+            .unwrap();
+        let peer = "192.0.2.7".parse().unwrap();
+        let added = Added::of(req.headers(), None, None, peer, false);
+        let resp = exchange(raw, &req, &added, Arc::new(Dropped), 0).await;
+        resp.map(|r| r.status()).map_err(|_| ())
+    }
+
+    /// What a real `recv` on the app's side finds now (std's, not tokio's readiness-gated
+    /// `try_read`): a byte, or `WouldBlock` when nothing was written yet.
+    fn first_byte(app: &std::net::TcpStream) -> Result<usize, io::ErrorKind> {
+        app.peek(&mut [0u8; 1]).map_err(|e| e.kind())
+    }
+
+    /// The same, waiting up to `limit` for a byte: a blocking `recv` (the whole runtime's thread
+    /// waits, so only for bytes already sent: loopback may hand them over a little later).
+    fn first_byte_within(
+        app: &std::net::TcpStream,
+        limit: std::time::Duration,
+    ) -> Result<usize, io::ErrorKind> {
+        app.set_nonblocking(false).unwrap();
+        app.set_read_timeout(Some(limit)).unwrap();
+        let seen = first_byte(app);
+        app.set_nonblocking(true).unwrap();
+        seen
+    }
+
+    /// The app reads the request whole and answers 204.
+    async fn answered(app: std::net::TcpStream) {
+        let mut app = TcpStream::from_std(app).unwrap();
+        let mut got = Vec::new();
+        while !got.ends_with(b"\r\n\r\n") {
+            let mut piece = [0u8; 512];
+            let n = tokio::io::AsyncReadExt::read(&mut app, &mut piece)
+                .await
+                .unwrap();
+            assert!(n > 0, "closed after {got:?}");
+            got.extend_from_slice(&piece[..n]);
+        }
+        assert!(
+            got.starts_with(b"GET /x HTTP/1.1\r\nhost: app\r\n"),
+            "{got:?}"
+        );
+        app.write_all(b"HTTP/1.1 204 No Content\r\n\r\n")
+            .await
+            .unwrap();
+    }
+
+    /// On a busy worker's runtime (one thread, which has not waited for events since its last
+    /// exchange), a request goes upstream only after the tasks that were ready with it have run:
+    /// task `b`, queued behind the exchange, looks at the app's socket before anything was
+    /// written to it (without the yield, the exchange writes in its first poll, before `b` runs,
+    /// and `b` sees the request).
     #[test]
     fn a_request_goes_upstream_after_the_tasks_ready_with_it() {
+        // No unpark hook: this runtime never says it woke.
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .unwrap();
+        WOKE.set(false);
         rt.block_on(async {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            let app = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
-            app.set_nonblocking(true).unwrap();
-            let raw = Raw::new(listener.accept().await.unwrap().0);
-            let req = Request::get("/x")
-                .header("host", "app")
-                .body(Either::Right(super::super::forward::InHand::new(
-                    Bytes::new(),
-                )))
-                .unwrap();
-            let peer = "192.0.2.7".parse().unwrap();
-            let added = Added::of(req.headers(), None, None, peer, false);
-            let a = tokio::spawn(async move {
-                let resp = exchange(raw, &req, &added, Arc::new(Dropped), 0).await;
-                resp.map(|r| r.status()).map_err(|_| ())
-            });
+            let (app, raw) = app_and_raw().await;
+            let a = tokio::spawn(exchanged(raw));
             let b = tokio::spawn(async move {
-                // A real `recv` (std's, not tokio's readiness-gated `try_read`).
-                let seen = app.peek(&mut [0u8; 1]);
-                (app, seen.map_err(|e| e.kind()))
+                let seen = first_byte(&app);
+                (app, seen)
             });
             let (app, seen) = b.await.unwrap();
             assert_eq!(seen, Err(io::ErrorKind::WouldBlock));
             // Then the request is written whole, and the exchange ends with the response.
-            let mut app = TcpStream::from_std(app).unwrap();
-            let mut got = Vec::new();
-            while !got.ends_with(b"\r\n\r\n") {
-                let mut piece = [0u8; 512];
-                let n = tokio::io::AsyncReadExt::read(&mut app, &mut piece)
-                    .await
-                    .unwrap();
-                assert!(n > 0, "closed after {got:?}");
-                got.extend_from_slice(&piece[..n]);
-            }
-            assert!(
-                got.starts_with(b"GET /x HTTP/1.1\r\nhost: app\r\n"),
-                "{got:?}"
-            );
-            app.write_all(b"HTTP/1.1 204 No Content\r\n\r\n")
-                .await
-                .unwrap();
+            answered(app).await;
             assert_eq!(a.await.unwrap(), Ok(StatusCode::NO_CONTENT));
+        });
+    }
+
+    /// On a worker's runtime that waited for events (here a timer, with nothing else to run),
+    /// the first request it sends upstream after the wait goes at once, in its exchange's first
+    /// poll; the next one of the same turn only after the tasks ready with it: task `look`,
+    /// queued behind both exchanges, finds the first request at its app and not the second.
+    /// (Without the hook both would wait; without the yield both would be there.)
+    #[test]
+    fn after_a_wait_the_first_request_goes_upstream_at_once_and_the_turns_others_after_it() {
+        let rt = super::super::worker_runtime().unwrap();
+        rt.block_on(async {
+            let (app1, raw1) = app_and_raw().await;
+            let (app2, raw2) = app_and_raw().await;
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            let a = tokio::spawn(exchanged(raw1));
+            let b = tokio::spawn(exchanged(raw2));
+            let look = tokio::spawn(async move {
+                let first = first_byte_within(&app1, std::time::Duration::from_secs(10));
+                let seen = (first, first_byte(&app2));
+                (app1, app2, seen)
+            });
+            let (app1, app2, seen) = look.await.unwrap();
+            assert_eq!(seen, (Ok(1), Err(io::ErrorKind::WouldBlock)));
+            answered(app1).await;
+            answered(app2).await;
+            assert_eq!(a.await.unwrap(), Ok(StatusCode::NO_CONTENT));
+            assert_eq!(b.await.unwrap(), Ok(StatusCode::NO_CONTENT));
         });
     }
 }

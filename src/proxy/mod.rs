@@ -374,10 +374,7 @@ async fn serve(
         let spawned = std::thread::Builder::new()
             .name(format!("spillway-worker-{i}"))
             .spawn(move || {
-                match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
+                match worker_runtime() {
                     Ok(rt) => {
                         rt.block_on(worker(i, listener, shared, stop, slots, closed_tx, first))
                     }
@@ -410,6 +407,15 @@ async fn serve(
     }
     let _ = admin_stop_tx.send(true);
     let _ = admin_task.await;
+}
+
+/// A data-plane worker's runtime: one thread, told when it wakes from waiting for events
+/// ([`h1::woke`]).
+pub(crate) fn worker_runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .on_thread_unpark(h1::woke)
+        .build()
 }
 
 /// One data-plane worker: accepts on its own listener until `stop`, then drains.
