@@ -60,9 +60,9 @@ thread_local! {
 }
 
 /// The worker runtimes' `on_thread_unpark` hook: the worker had nothing left to run and waited
-/// for events, so the first request it sends upstream after this one is not in a batch
-/// ([`exchange`]). tokio calls it only after such a wait, not at its looks at the reactor
-/// between two runs of ready tasks.
+/// for events, so the first request it sends upstream after the wait goes at once, without
+/// waiting for a batch ([`exchange`]). tokio calls it only after such a wait, not at its looks
+/// at the reactor between two runs of ready tasks.
 pub fn woke() {
     WOKE.set(true);
 }
@@ -198,13 +198,13 @@ pub async fn exchange(
     // it have had their turn: tokio runs a yielded task again after its next look at the
     // reactor, so the worker's requests of one turn go upstream together, the app wakes once
     // for them instead of once each, and their responses come back together (the client side
-    // wakes less too). It costs a poll of the request's futures, ~950 instructions, and a lone
-    // request an `epoll_wait` that returns at once; at 128 connections with a rule refusing
-    // some, it gave more requests a second in 58 of 81 paired rounds (BENCHMARKS.md,
-    // "Upstream writes in batches"). Not for an HTTP/2 client's streams: each is a task of
-    // hyper's already, and there it cost 2-8 %. Not for the first request after the worker
-    // waited for events ([`woke`]) either: a worker that waits is not busy, and its requests
-    // mostly come alone, which the yield only delays.
+    // wakes less too). It costs a poll of the request's futures, ~950 instructions; at 128
+    // connections with a rule refusing some, it gave more requests a second in 58 of 81 paired
+    // rounds (BENCHMARKS.md, "Upstream writes in batches"). Not for an HTTP/2 client's streams:
+    // each is a task of hyper's already, and there it cost 2-8 %. Not for the first request
+    // after the worker waited for events ([`woke`]) either: a worker that waits is not busy,
+    // and the request it woke for mostly comes alone, which the yield would only delay (~1 900
+    // instructions and an `epoll_wait` that returns at once).
     if !mapped && !WOKE.replace(false) {
         tokio::task::yield_now().await;
     }
@@ -1259,6 +1259,8 @@ mod tests {
         rt.block_on(async {
             let (app1, raw1) = app_and_raw().await;
             let (app2, raw2) = app_and_raw().await;
+            // Not a wait for readiness: with nothing else to run, the runtime parks until the
+            // timer fires, and its unpark hook runs.
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
             let a = tokio::spawn(exchanged(raw1));
             let b = tokio::spawn(exchanged(raw2));
