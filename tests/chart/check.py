@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -220,22 +221,35 @@ rules:
 """)
         proxy, proxy_addr, proxy_admin = start(["proxy", "--config", config])
         procs.append(proxy)
-        # Traffic, so that the control plane has per-rule figures; bounded: 10 s.
-        names = set()
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            for _ in range(3):
+        # Traffic from a few threads while the metrics are read, so that the control plane
+        # keeps per-rule figures: the controller shows a rule only while a report with its
+        # counts is fresh (three of the aggregator's 200 ms intervals), and a request here can
+        # take the 1 s upstream timeout. Reading only between sequential requests missed them
+        # on a loaded machine. A name counts once any read showed it; bounded: 30 s.
+        done = threading.Event()
+
+        def send():
+            while not done.is_set():
                 req = urllib.request.Request(f"http://{proxy_addr}/", headers={"x-api-key": "k"})
                 try:
                     urllib.request.urlopen(req, timeout=2).read()
                 except Exception:
                     pass
-            names = set()
-            for admin in (proxy_admin, agg_admin, ctl_admin):
-                names |= metrics(admin)[0]
-            if "spillway_controller_offered_rps" in names:
-                break
-            time.sleep(0.1)
+
+        senders = [threading.Thread(target=send) for _ in range(4)]
+        for t in senders:
+            t.start()
+        names = set()
+        try:
+            deadline = time.time() + 30
+            while time.time() < deadline and not wanted <= names:
+                for admin in (proxy_admin, agg_admin, ctl_admin):
+                    names |= metrics(admin)[0]
+                time.sleep(0.1)
+        finally:
+            done.set()
+            for t in senders:
+                t.join()
         missing = sorted(wanted - names)
         check(not missing, f"every metric the dashboard queries is exported {missing or ''}")
     finally:
