@@ -1124,12 +1124,8 @@ mod tests {
 
     #[tokio::test]
     async fn reads_take_a_page_and_grow_only_for_a_response_that_fills_them() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let (app, ours) = tokio::join!(
-            TcpStream::connect(listener.local_addr().unwrap()),
-            listener.accept()
-        );
-        let (mut app, mut raw) = (app.unwrap(), Raw::new(ours.unwrap().0));
+        let (app, mut raw) = app_and_raw().await;
+        let mut app = TcpStream::from_std(app).unwrap();
         // A small response: one page of room, which the connection keeps.
         app.write_all(&[b'x'; 300]).await.unwrap();
         assert_eq!(raw.fill().await.unwrap(), 300);
