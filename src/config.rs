@@ -34,6 +34,20 @@ pub struct Config {
     pub admin: SocketAddr,
     #[serde(default)]
     pub client_ip: ClientIp,
+    /// Normalise each request's path (escapes, dot segments, repeated slashes) before rules
+    /// see it and forward the normalised one; `false` keeps the raw target (signed URLs).
+    #[serde(default = "yes")]
+    pub normalize_path: bool,
+    /// What an encoded `/` or `\` (`%2F`, `%5C`) in a path gets: kept, or 400.
+    #[serde(default)]
+    pub path_escapes: PathEscapes,
+    /// How rules compare paths: `lenient` (no case, no `;params`, no trailing slash) or
+    /// `strict` (as written).
+    #[serde(default)]
+    pub path_match: PathMatch,
+    /// The `Upgrade` protocols forwarded (`h2c` never is).
+    #[serde(default = "default_upgrades")]
+    pub upgrades: Vec<UpgradeProtocol>,
     #[serde(default)]
     pub timeouts: Timeouts,
     #[serde(default)]
@@ -236,13 +250,156 @@ fn default_admin() -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9901))
 }
 
+fn yes() -> bool {
+    true
+}
+
+/// What an encoded path separator gets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PathEscapes {
+    #[default]
+    Keep,
+    Reject,
+}
+
+/// How rules compare paths.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PathMatch {
+    #[default]
+    Lenient,
+    Strict,
+}
+
+/// An `Upgrade` protocol that may be forwarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UpgradeProtocol {
+    Websocket,
+}
+
+impl UpgradeProtocol {
+    /// The protocol's token in `Upgrade` (compared without case).
+    pub fn token(self) -> &'static str {
+        match self {
+            UpgradeProtocol::Websocket => "websocket",
+        }
+    }
+}
+
+fn default_upgrades() -> Vec<UpgradeProtocol> {
+    vec![UpgradeProtocol::Websocket]
+}
+
 /// How the client address is found.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(try_from = "RawClientIp", into = "RawClientIp")]
 pub struct ClientIp {
-    /// `X-Forwarded-For` entries to trust, counted from the right; 0 = the socket peer.
+    /// The proxies (CIDR blocks) whose `X-Forwarded-For`, `X-Forwarded-Host`/`-Proto` and
+    /// cost headers are believed; empty: the socket peer is the client.
+    pub trusted_proxies: Vec<crate::key::Cidr>,
+    /// `X-Forwarded-For` entries walked at most; `None`: until an address outside the list.
+    pub trusted_hops: Option<u8>,
+    /// Public IPv4 clients are keyed by this prefix (default 32, the address).
+    pub ipv4_prefix: u8,
+    /// Public IPv6 clients are keyed by this prefix (default 64: one host's whole block).
+    pub ipv6_prefix: u8,
+}
+
+impl Default for ClientIp {
+    fn default() -> Self {
+        ClientIp {
+            trusted_proxies: Vec::new(),
+            trusted_hops: None,
+            ipv4_prefix: 32,
+            ipv6_prefix: 64,
+        }
+    }
+}
+
+impl ClientIp {
+    /// The key module's policy for this section.
+    pub fn policy(&self) -> crate::key::ClientIpPolicy {
+        crate::key::ClientIpPolicy {
+            proxies: self.trusted_proxies.clone(),
+            max_hops: self.trusted_hops.map_or(usize::MAX, usize::from),
+            ipv4_prefix: self.ipv4_prefix,
+            ipv6_prefix: self.ipv6_prefix,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClientIp {
     #[serde(default)]
-    pub trusted_hops: u8,
+    trusted_proxies: Vec<CidrStr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    trusted_hops: Option<u8>,
+    #[serde(default = "default_v4_prefix")]
+    ipv4_prefix: u8,
+    #[serde(default = "default_v6_prefix")]
+    ipv6_prefix: u8,
+}
+
+fn default_v4_prefix() -> u8 {
+    32
+}
+
+fn default_v6_prefix() -> u8 {
+    64
+}
+
+impl TryFrom<RawClientIp> for ClientIp {
+    type Error = String;
+    fn try_from(r: RawClientIp) -> Result<Self, String> {
+        if r.trusted_proxies.is_empty() && r.trusted_hops.is_some_and(|h| h > 0) {
+            return Err(format!(
+                "trusted_hops: {} reads X-Forwarded-For, which any client can write; list the proxies that add it (trusted_proxies: [10.0.0.0/8], your ingress's addresses) or remove trusted_hops",
+                r.trusted_hops.unwrap_or(0)
+            ));
+        }
+        if !(1..=32).contains(&r.ipv4_prefix) {
+            return Err(format!("ipv4_prefix: {}: must be 1 to 32", r.ipv4_prefix));
+        }
+        if !(1..=128).contains(&r.ipv6_prefix) {
+            return Err(format!("ipv6_prefix: {}: must be 1 to 128", r.ipv6_prefix));
+        }
+        Ok(ClientIp {
+            trusted_proxies: r.trusted_proxies.into_iter().map(|c| c.0).collect(),
+            trusted_hops: r.trusted_hops,
+            ipv4_prefix: r.ipv4_prefix,
+            ipv6_prefix: r.ipv6_prefix,
+        })
+    }
+}
+
+impl From<ClientIp> for RawClientIp {
+    fn from(c: ClientIp) -> Self {
+        RawClientIp {
+            trusted_proxies: c.trusted_proxies.into_iter().map(CidrStr).collect(),
+            trusted_hops: c.trusted_hops,
+            ipv4_prefix: c.ipv4_prefix,
+            ipv6_prefix: c.ipv6_prefix,
+        }
+    }
+}
+
+/// A CIDR block as written in YAML.
+struct CidrStr(crate::key::Cidr);
+
+impl<'de> Deserialize<'de> for CidrStr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map(CidrStr).map_err(de::Error::custom)
+    }
+}
+
+impl Serialize for CidrStr {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&self.0)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -325,8 +482,28 @@ pub struct Rule {
     /// For `scope: global`: a local limit that applies while the control plane is stale.
     pub fallback: Option<Limit>,
     pub mode: Mode,
-    /// Keys tracked at most; past it new keys share one overflow bucket.
+    /// Keys tracked at most; past it, keys that find no idle state to replace are decided by
+    /// the rule's count-min sketch (rate limits).
     pub max_keys: NonZeroU32,
+    /// The size of that sketch.
+    pub sketch: SketchSize,
+}
+
+/// A count-min sketch's shape: `depth` rows of `width` counters, for each of two windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SketchSize {
+    pub width: NonZeroU32,
+    pub depth: NonZeroU32,
+}
+
+impl Default for SketchSize {
+    fn default() -> Self {
+        SketchSize {
+            width: NonZeroU32::new(4096).expect("non-zero"),
+            depth: NonZeroU32::new(4).expect("non-zero"),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -353,6 +530,8 @@ struct RawRule {
     mode: Mode,
     #[serde(default = "default_max_keys")]
     max_keys: NonZeroU32,
+    #[serde(default)]
+    sketch: SketchSize,
 }
 
 fn default_max_keys() -> NonZeroU32 {
@@ -388,12 +567,16 @@ impl TryFrom<RawRule> for Rule {
             fallback: r.fallback,
             mode: r.mode,
             max_keys: r.max_keys,
+            sketch: r.sketch,
         })
     }
 }
 
 /// What one field of a rule cannot tell alone: how its limit, cost and delay fit together.
 fn check_rule(r: &RawRule) -> Result<(), String> {
+    if u64::from(r.sketch.width.get()) * u64::from(r.sketch.depth.get()) > 1 << 24 {
+        return Err("sketch: width x depth must be at most 16777216 counters".into());
+    }
     if let Limit::Adaptive(_) = r.limit {
         if r.scope != Scope::Local {
             return Err("an adaptive limit is local: it follows this proxy's upstream".into());
@@ -515,6 +698,7 @@ impl From<Rule> for RawRule {
             fallback: r.fallback,
             mode: r.mode,
             max_keys: r.max_keys,
+            sketch: r.sketch,
         }
     }
 }
@@ -536,11 +720,25 @@ pub enum Cost {
     Fixed(u32),
     Header {
         header: http::HeaderName,
-        /// When the header is absent.
+        /// When the header is absent or not honoured (>= 1).
         default: u32,
         /// Larger values count as this.
         max: u32,
+        /// Whose header is honoured.
+        from: CostFrom,
     },
+}
+
+/// Whose cost header a rule honours.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CostFrom {
+    /// Only a peer in `client_ip.trusted_proxies` (a gateway that computed it); from anyone
+    /// else the header is ignored and `default` applies.
+    #[default]
+    Trusted,
+    /// Anyone: a client then names its own price, up to `max`.
+    Any,
 }
 
 #[derive(Deserialize, Serialize)]
@@ -548,12 +746,14 @@ pub enum Cost {
 struct RawCostHeader {
     header: HeaderNameStr,
     #[serde(default = "one")]
-    default: u32,
+    default: NonZeroU32,
     max: NonZeroU32,
+    #[serde(default)]
+    from: CostFrom,
 }
 
-fn one() -> u32 {
-    1
+fn one() -> NonZeroU32 {
+    NonZeroU32::MIN
 }
 
 impl<'de> Deserialize<'de> for Cost {
@@ -575,7 +775,7 @@ impl<'de> Deserialize<'de> for Cost {
             }
             fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Cost, A::Error> {
                 let raw = RawCostHeader::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                if raw.default > raw.max.get() {
+                if raw.default > raw.max {
                     return Err(de::Error::custom(format!(
                         "default {} exceeds max {}",
                         raw.default, raw.max
@@ -583,8 +783,9 @@ impl<'de> Deserialize<'de> for Cost {
                 }
                 Ok(Cost::Header {
                     header: raw.header.0,
-                    default: raw.default,
+                    default: raw.default.get(),
                     max: raw.max.get(),
+                    from: raw.from,
                 })
             }
         }
@@ -600,10 +801,12 @@ impl Serialize for Cost {
                 header,
                 default,
                 max,
+                from,
             } => RawCostHeader {
                 header: HeaderNameStr(header.clone()),
-                default: *default,
+                default: NonZeroU32::new(*default).unwrap_or(NonZeroU32::MIN),
                 max: NonZeroU32::new(*max).unwrap_or(NonZeroU32::MIN),
+                from: *from,
             }
             .serialize(s),
         }

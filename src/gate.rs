@@ -35,8 +35,8 @@ use crate::rules::{Admit, Denial, RuleSet, Verdict};
 pub enum Refusal {
     /// A rule refused it: 429.
     Limited(Denial),
-    /// Its cost header is not a number: 400.
-    BadCost(http::HeaderName),
+    /// A rule cannot decide it as sent (its cost, a keyed field twice): 400.
+    BadRequest(crate::rules::BadRequest),
 }
 
 /// Decides `req`, waiting when a rule says so: the leaky bucket's shaping wait, or, for a
@@ -78,7 +78,7 @@ pub async fn admit(
                 }
                 return Ok(admit);
             }
-            Verdict::BadCost(h) => return Err(Refusal::BadCost(h)),
+            Verdict::BadRequest(bad) => return Err(Refusal::BadRequest(bad)),
             Verdict::Remote(_) => unreachable!("resolve answers Allow or Deny"),
             Verdict::Deny(denial) => {
                 let (Some(delay), Some(retry)) = (&denial.delay, denial.retry_after) else {
@@ -206,7 +206,7 @@ struct LayerShared {
     rules: ArcSwap<RuleSet>,
     clock: AnyClock,
     metrics: Arc<Metrics>,
-    trusted_hops: u8,
+    client_ip: key::ClientIpPolicy,
 }
 
 impl RateLimitLayer {
@@ -232,7 +232,7 @@ impl RateLimitLayer {
                 rules: ArcSwap::from_pointee(rules),
                 clock: AnyClock::default(),
                 metrics,
-                trusted_hops: policy.client_ip.trusted_hops,
+                client_ip: policy.client_ip.policy(),
             }),
         })
     }
@@ -278,7 +278,7 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+    fn call(&mut self, mut req: Request<ReqB>) -> Self::Future {
         // The clone that was driven to readiness serves this request (tower's usual dance).
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
@@ -291,11 +291,23 @@ where
                 .or_else(|| req.extensions().get::<SocketAddr>().copied())
                 .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip());
             let grpc = respond::is_grpc(req.headers());
-            let client_ip = key::client_ip(req.headers(), peer, shared.trusted_hops);
+            // The inner service is given the path the rules saw.
+            match crate::target::canonical_uri(req.uri(), false) {
+                Ok(Some(uri)) => *req.uri_mut() = uri,
+                Ok(None) => {}
+                Err(e) => {
+                    return Ok(respond::error(
+                        http::StatusCode::BAD_REQUEST,
+                        &e.to_string(),
+                    ));
+                }
+            }
+            let client_ip = shared.client_ip.client(req.headers(), peer);
+            let trusted = shared.client_ip.trusts(peer);
             let admitted = admit(
                 &shared.rules,
                 &shared.clock,
-                &RequestView::of(&req, client_ip),
+                &RequestView::of(&req, client_ip).trusted(trusted),
             )
             .await;
             let mut admit = match admitted {

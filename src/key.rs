@@ -1,13 +1,18 @@
 //! Key extraction: which bucket a request belongs to under a rule, and who the client is.
 //!
-//! Owns the key parts a rule can count by and the `X-Forwarded-For` walk. A key is written
-//! into a caller-provided stack buffer ([`KeyBuf`]) with each part length-framed, so that a
-//! tuple key (`[client_ip, method]`) cannot collide with another tuple whose parts concatenate
-//! to the same bytes. Must never: allocate for keys under 128 bytes, trust the leftmost
-//! `X-Forwarded-For` entry, or fail a request (a missing part means "rule does not apply").
+//! Owns the key parts a rule can count by, the client address (`X-Forwarded-For` read only
+//! from listed proxies, public IPv6 keyed by prefix) and the bounded forms a key is kept in.
+//! A key is written into a caller-provided stack buffer ([`KeyBuf`]) with each part
+//! length-framed, so that a tuple key cannot collide with another whose parts concatenate to
+//! the same bytes. A local key past [`INLINE_KEY`] bytes becomes a keyed 128-bit hash
+//! ([`bound_local`]); a global key, a fleet-stable digest ([`canonical_text`]). Must never:
+//! allocate for keys under 128 bytes, read `X-Forwarded-For` from a peer that is not a listed
+//! proxy, or pick one of several values of a keyed field (that is [`Extract::Repeated`]).
 
+use std::borrow::Cow;
 use std::fmt;
-use std::net::IpAddr;
+use std::hash::Hasher;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::str::FromStr;
 use std::sync::OnceLock;
 
@@ -24,9 +29,9 @@ pub enum KeyPart {
     ClientIp,
     /// A request header's value; absent header = rule does not apply.
     Header(HeaderName),
-    /// A query parameter's raw (still percent-encoded) value.
+    /// A query parameter's value, percent-decoded (`%XX` and `+`).
     Query(String),
-    /// The request path, without the query.
+    /// The request path, without the query, in its match form (see [`RequestView::path`]).
     Path,
     Method,
     /// The host, lower case, without port.
@@ -82,8 +87,13 @@ pub struct RequestView<'a> {
     pub uri: &'a Uri,
     pub headers: &'a HeaderMap,
     pub client_ip: IpAddr,
+    /// The socket peer is a listed trusted proxy: its cost headers are honoured.
+    pub trusted_peer: bool,
+    /// `path_match: strict`: paths compare as written, case and `;params` included.
+    pub strict_path: bool,
     /// Worked out on the first rule that asks (most never do), then kept for the others.
     host: OnceLock<Option<&'a str>>,
+    path: OnceLock<Cow<'a, str>>,
 }
 
 impl<'a> RequestView<'a> {
@@ -104,8 +114,36 @@ impl<'a> RequestView<'a> {
             uri,
             headers,
             client_ip,
+            trusted_peer: false,
+            strict_path: false,
             host: OnceLock::new(),
+            path: OnceLock::new(),
         }
+    }
+
+    /// The same view, its peer a trusted proxy (or not).
+    pub fn trusted(mut self, yes: bool) -> Self {
+        self.trusted_peer = yes;
+        self
+    }
+
+    /// The same view, comparing paths as written (`path_match: strict`).
+    pub fn strict(mut self, yes: bool) -> Self {
+        self.strict_path = yes;
+        self
+    }
+
+    /// The path rules match and key by: as written under `path_match: strict`, else without
+    /// `;params` and one trailing slash (compared without case). Frameworks differ in what they
+    /// route alike; counting these together over-counts rather than under-counts.
+    pub fn path(&self) -> &str {
+        self.path.get_or_init(|| {
+            if self.strict_path {
+                Cow::Borrowed(self.uri.path())
+            } else {
+                crate::target::match_form(self.uri.path())
+            }
+        })
     }
 
     /// The host without port, when the request names one: worked out once, when a rule first
@@ -137,71 +175,176 @@ fn strip_port(hostport: &str) -> &str {
     }
 }
 
-/// Writes the key of `parts` for `req` into `out`. Returns false when a part is missing, which
-/// means the rule does not apply to this request.
-pub fn extract(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> bool {
-    out.clear();
-    for part in parts {
+/// What extracting a key found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Extract {
+    Found,
+    /// A part is absent: the rule does not apply to this request.
+    Missing,
+    /// A keyed header or query parameter appears more than once: frameworks disagree on which
+    /// one wins, so the request is refused (400) rather than counted under either.
+    Repeated,
+}
+
+/// The value of each part of `parts` for `req`, handed to `put` (with the part's index).
+fn each_part(
+    parts: &[KeyPart],
+    req: &RequestView<'_>,
+    mut put: impl FnMut(usize, Value<'_>),
+) -> Extract {
+    for (i, part) in parts.iter().enumerate() {
         match part {
-            KeyPart::ClientIp => match req.client_ip.to_canonical() {
-                IpAddr::V4(v4) => push(out, &v4.octets()),
-                IpAddr::V6(v6) => push(out, &v6.octets()),
-            },
-            KeyPart::Header(name) => match req.headers.get(name) {
-                Some(v) => push(out, v.as_bytes()),
-                None => return false,
-            },
-            KeyPart::Query(name) => match query_param(req.uri.query(), name) {
-                Some(v) => push(out, v.as_bytes()),
-                None => return false,
-            },
-            KeyPart::Path => push(out, req.uri.path().as_bytes()),
-            KeyPart::Method => push(out, req.method.as_str().as_bytes()),
-            KeyPart::Host => match req.host() {
-                Some(h) => {
-                    out.extend_from_slice(&(h.len() as u32).to_le_bytes());
-                    out.extend(h.bytes().map(|b| b.to_ascii_lowercase()));
+            KeyPart::ClientIp => put(i, Value::Ip(req.client_ip)),
+            KeyPart::Header(name) => {
+                let mut values = req.headers.get_all(name).iter();
+                match (values.next(), values.next()) {
+                    (None, _) => return Extract::Missing,
+                    (Some(v), None) => put(i, Value::Bytes(v.as_bytes())),
+                    (Some(_), Some(_)) => return Extract::Repeated,
                 }
-                None => return false,
+            }
+            KeyPart::Query(name) => match query_param(req.uri.query(), name) {
+                Param::Missing => return Extract::Missing,
+                Param::Repeated => return Extract::Repeated,
+                Param::One(v) => put(i, Value::Bytes(&crate::target::decode_query(v))),
+            },
+            KeyPart::Path => put(
+                i,
+                if req.strict_path {
+                    Value::Bytes(req.path().as_bytes())
+                } else {
+                    Value::Folded(req.path().as_bytes())
+                },
+            ),
+            KeyPart::Method => put(i, Value::Bytes(req.method.as_str().as_bytes())),
+            KeyPart::Host => match req.host() {
+                Some(h) => put(i, Value::Folded(h.as_bytes())),
+                None => return Extract::Missing,
             },
         }
     }
-    true
+    Extract::Found
 }
 
-/// Writes the text form of the key of `parts` for `req` into `out`: what global rules report
-/// and look their ratios up by. Parts are separated by U+001F, which no header value, query or
-/// path can hold, so tuples stay unambiguous. Returns false when a part is missing.
-pub fn extract_text(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> bool {
+/// One part's value: bytes as they are, bytes compared without case, or an address.
+enum Value<'a> {
+    Bytes(&'a [u8]),
+    Folded(&'a [u8]),
+    Ip(IpAddr),
+}
+
+/// Writes the key of `parts` for `req` into `out` (each part length-framed).
+pub fn extract(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> Extract {
+    out.clear();
+    each_part(parts, req, |_, v| match v {
+        Value::Bytes(b) => push(out, b),
+        Value::Folded(b) => {
+            out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+            out.extend(b.iter().map(u8::to_ascii_lowercase));
+        }
+        Value::Ip(IpAddr::V4(v4)) => push(out, &v4.octets()),
+        Value::Ip(IpAddr::V6(v6)) => push(out, &v6.octets()),
+    })
+}
+
+/// Writes the text form of the key of `parts` for `req` into `out`: what global and redis
+/// rules report and look up by. Parts are separated by U+001F, which no header value, path
+/// or address holds (a decoded query value could: it is then one more part, still counted).
+/// Bounded by [`canonical_text`] before use.
+pub fn extract_text(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> Extract {
     use std::io::Write;
     out.clear();
-    for (i, part) in parts.iter().enumerate() {
+    each_part(parts, req, |i, v| {
         if i > 0 {
             out.push(0x1f);
         }
-        match part {
+        match v {
+            Value::Bytes(b) => out.extend_from_slice(b),
+            Value::Folded(b) => out.extend(b.iter().map(u8::to_ascii_lowercase)),
             // Formatting into the stack buffer: no allocation.
-            KeyPart::ClientIp => {
-                let _ = write!(out, "{}", req.client_ip.to_canonical());
+            Value::Ip(ip) => {
+                let _ = write!(out, "{ip}");
             }
-            KeyPart::Header(name) => match req.headers.get(name) {
-                Some(v) => out.extend_from_slice(v.as_bytes()),
-                None => return false,
-            },
-            KeyPart::Query(name) => match query_param(req.uri.query(), name) {
-                Some(v) => out.extend_from_slice(v.as_bytes()),
-                None => return false,
-            },
-            KeyPart::Path => out.extend_from_slice(req.uri.path().as_bytes()),
-            KeyPart::Method => out.extend_from_slice(req.method.as_str().as_bytes()),
-            KeyPart::Host => match req.host() {
-                Some(h) => out.extend(h.bytes().map(|b| b.to_ascii_lowercase())),
-                None => return false,
-            },
         }
-    }
-    true
+    })
 }
+
+/// Keys of a local rule up to this many bytes are kept as they are.
+pub const INLINE_KEY: usize = 64;
+
+/// Marks a hashed local key: a framed key of 17 bytes starts with a part length below 17.
+const HASHED: u8 = 0xff;
+
+/// Bounds a local key: past [`INLINE_KEY`] bytes it becomes [`HASHED`] and a 128-bit SipHash
+/// of it under this process's random secret, so that a flood of long keys costs 17 bytes each
+/// and no client can aim two keys at one hash without knowing the secret.
+#[inline]
+pub fn bound_local(key: &mut KeyBuf) {
+    if key.len() <= INLINE_KEY {
+        return;
+    }
+    let (k0, k1) = *secret();
+    let mut h = siphasher::sip128::SipHasher13::new_with_keys(k0, k1);
+    h.write(key);
+    let digest = siphasher::sip128::Hasher128::finish128(&h).as_bytes();
+    key.clear();
+    key.push(HASHED);
+    key.extend_from_slice(&digest);
+}
+
+/// This process's secret for [`bound_local`], drawn once.
+fn secret() -> &'static (u64, u64) {
+    static SECRET: OnceLock<(u64, u64)> = OnceLock::new();
+    SECRET.get_or_init(|| {
+        // Seeded from the OS by std's RandomState (no extra dependency): two independent draws.
+        use std::hash::{BuildHasher, RandomState};
+        let draw = || RandomState::new().build_hasher().finish();
+        (draw(), draw())
+    })
+}
+
+/// The one form a global or redis key takes in every proxy and in the control plane: UTF-8
+/// of up to [`INLINE_KEY`] bytes as it is; anything longer, or not UTF-8, `sha256:` and the
+/// hex digest of its bytes (the same in every process, unlike [`bound_local`]).
+#[inline]
+pub fn canonical_text(key: &mut KeyBuf) {
+    if key.len() <= INLINE_KEY && std::str::from_utf8(key).is_ok() {
+        return;
+    }
+    let digest = sha2::Sha256::digest(&key[..]);
+    key.clear();
+    key.extend_from_slice(b"sha256:");
+    push_hex(key, &digest);
+}
+
+/// [`canonical_text`] of a key received as text (a report of another proxy's).
+pub fn canonical_key(key: &str) -> Cow<'_, str> {
+    if key.len() <= INLINE_KEY {
+        return Cow::Borrowed(key);
+    }
+    if key.len() == 71
+        && key.starts_with("sha256:")
+        && key[7..]
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    {
+        return Cow::Borrowed(key);
+    }
+    let mut buf = KeyBuf::from_slice(key.as_bytes());
+    canonical_text(&mut buf);
+    Cow::Owned(String::from_utf8_lossy(&buf).into_owned())
+}
+
+/// Appends `bytes` in lower-case hex.
+pub fn push_hex(out: &mut KeyBuf, bytes: &[u8]) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    for b in bytes {
+        out.push(HEX[usize::from(b >> 4)]);
+        out.push(HEX[usize::from(b & 15)]);
+    }
+}
+
+use sha2::Digest as _;
 
 #[inline]
 fn push(out: &mut KeyBuf, bytes: &[u8]) {
@@ -209,38 +352,202 @@ fn push(out: &mut KeyBuf, bytes: &[u8]) {
     out.extend_from_slice(bytes);
 }
 
-/// The raw value of the first `name=` parameter in a query string.
-pub fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
-    query?.split('&').find_map(|pair| {
-        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        (k == name).then_some(v)
-    })
+/// A query parameter's raw value, if it appears once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Param<'a> {
+    Missing,
+    One(&'a str),
+    Repeated,
 }
 
-/// The client address: the socket peer when `trusted_hops` is 0, else the `X-Forwarded-For`
-/// entry `trusted_hops` from the right (each trusted proxy appended the address it saw).
-/// When the header has fewer entries than that, or the entry is not an address, the peer is
-/// used: entries left of the trusted ones are whatever the client wrote and are never used.
-pub fn client_ip(headers: &HeaderMap, peer: IpAddr, trusted_hops: u8) -> IpAddr {
-    if trusted_hops == 0 {
-        return peer;
-    }
-    let mut seen = 0u16;
-    // Several X-Forwarded-For lines form one list in order; walk it from the right.
-    let values: SmallVec<[&[u8]; 4]> = headers
-        .get_all(http::header::HeaderName::from_static("x-forwarded-for"))
-        .iter()
-        .map(|v| v.as_bytes())
-        .collect();
-    for value in values.iter().rev() {
-        for entry in value.rsplit(|&b| b == b',') {
-            seen += 1;
-            if seen == u16::from(trusted_hops) {
-                return parse_forwarded_ip(entry).unwrap_or(peer);
+/// The raw value of the `name` parameter in a query string; names compare decoded.
+pub fn query_param<'a>(query: Option<&'a str>, name: &str) -> Param<'a> {
+    let Some(query) = query else {
+        return Param::Missing;
+    };
+    let mut found = Param::Missing;
+    for pair in query.split('&') {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if k == name || *crate::target::decode_query(k) == *name.as_bytes() {
+            if found != Param::Missing {
+                return Param::Repeated;
             }
+            found = Param::One(v);
         }
     }
-    peer
+    found
+}
+
+/// An address block: `10.0.0.0/8`, `2001:db8::/32`, or one address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cidr {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl Cidr {
+    /// Whether `ip` (canonical: IPv4-mapped IPv6 as IPv4) is in the block.
+    pub fn contains(&self, ip: IpAddr) -> bool {
+        match (self.addr, ip.to_canonical()) {
+            (IpAddr::V4(net), IpAddr::V4(ip)) => mask_v4(ip, self.prefix) == net,
+            (IpAddr::V6(net), IpAddr::V6(ip)) => mask_v6(ip, self.prefix) == net,
+            _ => false,
+        }
+    }
+}
+
+impl FromStr for Cidr {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (addr, prefix) = match s.split_once('/') {
+            Some((a, p)) => (a, Some(p)),
+            None => (s, None),
+        };
+        let addr: IpAddr = addr
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?}: not an address or CIDR block (10.0.0.0/8, fd00::/8)"))?;
+        let addr = addr.to_canonical();
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        let prefix = match prefix {
+            None => max,
+            Some(p) => match p.trim().parse::<u8>() {
+                Ok(p) if p <= max => p,
+                _ => return Err(format!("{s:?}: the prefix length must be 0 to {max}")),
+            },
+        };
+        let net = match addr {
+            IpAddr::V4(v4) => IpAddr::V4(mask_v4(v4, prefix)),
+            IpAddr::V6(v6) => IpAddr::V6(mask_v6(v6, prefix)),
+        };
+        if net != addr {
+            return Err(format!(
+                "{s:?}: has bits set past its prefix; did you mean {net}/{prefix}?"
+            ));
+        }
+        Ok(Cidr { addr, prefix })
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+fn mask_v4(ip: Ipv4Addr, prefix: u8) -> Ipv4Addr {
+    let bits = u32::from(ip);
+    let mask = u32::MAX
+        .checked_shl(32 - u32::from(prefix.min(32)))
+        .unwrap_or(0);
+    Ipv4Addr::from(bits & mask)
+}
+
+fn mask_v6(ip: Ipv6Addr, prefix: u8) -> Ipv6Addr {
+    let bits = u128::from(ip);
+    let mask = u128::MAX
+        .checked_shl(128 - u32::from(prefix.min(128)))
+        .unwrap_or(0);
+    Ipv6Addr::from(bits & mask)
+}
+
+/// Who the client is: the socket peer, or, when the peer is a listed proxy, the first
+/// `X-Forwarded-For` entry from the right that is not (nginx's `set_real_ip_from` with
+/// `real_ip_recursive on`), walking at most `max_hops` entries. Then keyed by prefix: public
+/// IPv6 by its /`ipv6_prefix` (a host has a /64 to pick from), IPv4 by /`ipv4_prefix`;
+/// private, unique-local, link-local and loopback addresses (callers in the cluster) whole.
+#[derive(Debug, Clone)]
+pub struct ClientIpPolicy {
+    pub proxies: Vec<Cidr>,
+    pub max_hops: usize,
+    pub ipv4_prefix: u8,
+    pub ipv6_prefix: u8,
+}
+
+impl Default for ClientIpPolicy {
+    fn default() -> Self {
+        ClientIpPolicy {
+            proxies: Vec::new(),
+            max_hops: usize::MAX,
+            ipv4_prefix: 32,
+            ipv6_prefix: 64,
+        }
+    }
+}
+
+impl ClientIpPolicy {
+    /// Whether the socket peer is a listed proxy (whose forwarded fields and costs count).
+    #[inline]
+    pub fn trusts(&self, peer: IpAddr) -> bool {
+        !self.proxies.is_empty() && self.proxies.iter().any(|c| c.contains(peer))
+    }
+
+    /// The client's address as rules key it.
+    pub fn client(&self, headers: &HeaderMap, peer: IpAddr) -> IpAddr {
+        let mut client = peer.to_canonical();
+        if self.trusts(client) && self.max_hops > 0 {
+            client = self.walk(headers, client);
+        }
+        self.keyed(client)
+    }
+
+    /// The first untrusted address from the right of `X-Forwarded-For`; an entry that is not
+    /// an address ends the walk at the last trusted one.
+    fn walk(&self, headers: &HeaderMap, peer: IpAddr) -> IpAddr {
+        let mut client = peer;
+        let mut walked = 0usize;
+        // Several X-Forwarded-For lines form one list in order; walk it from the right.
+        let values: SmallVec<[&[u8]; 4]> = headers
+            .get_all(http::header::HeaderName::from_static("x-forwarded-for"))
+            .iter()
+            .map(|v| v.as_bytes())
+            .collect();
+        for value in values.iter().rev() {
+            for entry in value.rsplit(|&b| b == b',') {
+                if walked == self.max_hops {
+                    return client;
+                }
+                walked += 1;
+                let Some(ip) = parse_forwarded_ip(entry) else {
+                    return client;
+                };
+                client = ip.to_canonical();
+                if !self.trusts(client) {
+                    return client;
+                }
+            }
+        }
+        client
+    }
+
+    /// `ip` cut to the prefix it is keyed by.
+    pub fn keyed(&self, ip: IpAddr) -> IpAddr {
+        match ip {
+            IpAddr::V4(v4) if !private_v4(v4) => IpAddr::V4(mask_v4(v4, self.ipv4_prefix)),
+            IpAddr::V6(v6) if !private_v6(v6) => IpAddr::V6(mask_v6(v6, self.ipv6_prefix)),
+            other => other,
+        }
+    }
+}
+
+fn private_v4(ip: Ipv4Addr) -> bool {
+    ip.is_private() || ip.is_loopback() || ip.is_link_local() || ip.is_unspecified()
+        // 100.64.0.0/10, shared address space (carrier NAT, some clusters' pod ranges).
+        || (ip.octets()[0] == 100 && ip.octets()[1] & 0xc0 == 64)
+}
+
+fn private_v6(ip: Ipv6Addr) -> bool {
+    let first = ip.segments()[0];
+    ip.is_loopback()
+        || ip.is_unspecified()
+        || first & 0xfe00 == 0xfc00 // unique local, fc00::/7
+        || first & 0xffc0 == 0xfe80 // link local, fe80::/10
+}
+
+/// The client address of a proxy with `trusted_hops` and no listed proxies: the peer. Kept
+/// for callers of the old rule (the tower layer without a policy).
+pub fn client_ip(headers: &HeaderMap, peer: IpAddr, policy: &ClientIpPolicy) -> IpAddr {
+    policy.client(headers, peer)
 }
 
 /// One `X-Forwarded-For` entry: an address, optionally with a port (`1.2.3.4:80`, `[::1]:80`).
@@ -276,36 +583,90 @@ pub(crate) mod tests {
 
     const PEER: IpAddr = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 9));
 
-    #[test]
-    fn without_trusted_hops_the_peer_is_the_client_whatever_the_header_says() {
-        let h = headers(&[("x-forwarded-for", "1.1.1.1")]);
-        assert_eq!(client_ip(&h, PEER, 0), PEER);
+    fn behind(proxies: &[&str]) -> ClientIpPolicy {
+        ClientIpPolicy {
+            proxies: proxies.iter().map(|c| c.parse().unwrap()).collect(),
+            ..ClientIpPolicy::default()
+        }
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
     }
 
     #[test]
-    fn one_trusted_hop_takes_the_rightmost_entry_not_the_spoofable_leftmost() {
-        let h = headers(&[("x-forwarded-for", "6.6.6.6, 2.2.2.2")]);
-        assert_eq!(client_ip(&h, PEER, 1), "2.2.2.2".parse::<IpAddr>().unwrap());
-        assert_eq!(client_ip(&h, PEER, 2), "6.6.6.6".parse::<IpAddr>().unwrap());
+    fn without_listed_proxies_the_peer_is_the_client_whatever_the_header_says() {
+        let h = headers(&[("x-forwarded-for", "1.1.1.1")]);
+        assert_eq!(ClientIpPolicy::default().client(&h, PEER), PEER);
+        // A listed block that does not hold the peer: the same.
+        assert_eq!(behind(&["192.168.0.0/16"]).client(&h, PEER), PEER);
+    }
+
+    #[test]
+    fn a_listed_proxy_s_entries_are_walked_from_the_right_past_listed_addresses() {
+        let h = headers(&[("x-forwarded-for", "6.6.6.6, 2.2.2.2, 10.0.0.7")]);
+        assert_eq!(behind(&["10.0.0.0/8"]).client(&h, PEER), ip("2.2.2.2"));
+        let mut two = behind(&["10.0.0.0/8"]);
+        two.max_hops = 1;
+        assert_eq!(two.client(&h, PEER), ip("10.0.0.7"));
     }
 
     #[test]
     fn several_header_lines_form_one_list() {
         let h = headers(&[
             ("x-forwarded-for", "6.6.6.6"),
-            ("x-forwarded-for", "3.3.3.3, 2.2.2.2"),
+            ("x-forwarded-for", "3.3.3.3, 10.1.1.1"),
         ]);
-        assert_eq!(client_ip(&h, PEER, 2), "3.3.3.3".parse::<IpAddr>().unwrap());
-        assert_eq!(client_ip(&h, PEER, 3), "6.6.6.6".parse::<IpAddr>().unwrap());
+        assert_eq!(behind(&["10.0.0.0/8"]).client(&h, PEER), ip("3.3.3.3"));
     }
 
     #[test]
-    fn too_few_entries_or_garbage_fall_back_to_the_peer() {
-        let h = headers(&[("x-forwarded-for", "2.2.2.2")]);
-        assert_eq!(client_ip(&h, PEER, 2), PEER);
-        let h = headers(&[("x-forwarded-for", "nonsense")]);
-        assert_eq!(client_ip(&h, PEER, 1), PEER);
-        assert_eq!(client_ip(&HeaderMap::new(), PEER, 1), PEER);
+    fn garbage_stops_the_walk_at_the_last_listed_address() {
+        let h = headers(&[("x-forwarded-for", "nonsense, 10.0.0.3")]);
+        assert_eq!(behind(&["10.0.0.0/8"]).client(&h, PEER), ip("10.0.0.3"));
+        assert_eq!(
+            behind(&["10.0.0.0/8"]).client(&HeaderMap::new(), PEER),
+            PEER
+        );
+    }
+
+    #[test]
+    fn ipv4_mapped_addresses_are_tested_as_ipv4() {
+        let h = headers(&[("x-forwarded-for", "::ffff:2.2.2.2")]);
+        let mapped = ip("::ffff:10.0.0.9");
+        assert_eq!(behind(&["10.0.0.0/8"]).client(&h, mapped), ip("2.2.2.2"));
+    }
+
+    #[test]
+    fn public_ipv6_is_keyed_by_its_64_and_private_addresses_whole() {
+        let p = ClientIpPolicy::default();
+        assert_eq!(p.keyed(ip("2001:db8:1:2:aaaa::1")), ip("2001:db8:1:2::"));
+        assert_eq!(p.keyed(ip("fd00::1:2")), ip("fd00::1:2"));
+        assert_eq!(p.keyed(ip("fe80::1")), ip("fe80::1"));
+        assert_eq!(p.keyed(ip("8.8.4.4")), ip("8.8.4.4"));
+        let p24 = ClientIpPolicy {
+            ipv4_prefix: 24,
+            ..ClientIpPolicy::default()
+        };
+        assert_eq!(p24.keyed(ip("8.8.4.4")), ip("8.8.4.0"));
+        assert_eq!(p24.keyed(ip("10.1.2.3")), ip("10.1.2.3"));
+    }
+
+    #[test]
+    fn cidr_blocks_parse_and_refuse_host_bits() {
+        assert!("10.0.0.0/8"
+            .parse::<Cidr>()
+            .unwrap()
+            .contains(ip("10.9.9.9")));
+        assert!(!"10.0.0.0/8"
+            .parse::<Cidr>()
+            .unwrap()
+            .contains(ip("11.0.0.1")));
+        assert!("::1".parse::<Cidr>().unwrap().contains(ip("::1")));
+        assert!("0.0.0.0/0".parse::<Cidr>().unwrap().contains(ip("1.2.3.4")));
+        assert!("10.0.0.1/8".parse::<Cidr>().is_err());
+        assert!("10.0.0.0/33".parse::<Cidr>().is_err());
+        assert!("example".parse::<Cidr>().is_err());
     }
 
     #[test]
@@ -338,8 +699,8 @@ pub(crate) mod tests {
         let h1 = headers(&[("a", "xy"), ("b", "z")]);
         let h2 = headers(&[("a", "x"), ("b", "yz")]);
         let (mut k1, mut k2) = (KeyBuf::new(), KeyBuf::new());
-        assert!(extract(&parts, &view(&m, &u, &h1), &mut k1));
-        assert!(extract(&parts, &view(&m, &u, &h2), &mut k2));
+        assert_eq!(extract(&parts, &view(&m, &u, &h1), &mut k1), Extract::Found);
+        assert_eq!(extract(&parts, &view(&m, &u, &h2), &mut k2), Extract::Found);
         assert_ne!(k1, k2);
     }
 
@@ -349,9 +710,9 @@ pub(crate) mod tests {
         let (m, h) = (Method::GET, HeaderMap::new());
         let u = Uri::from_static("/x?a=1&user=bob");
         let mut k = KeyBuf::new();
-        assert!(extract(&parts, &view(&m, &u, &h), &mut k));
+        assert_eq!(extract(&parts, &view(&m, &u, &h), &mut k), Extract::Found);
         let u = Uri::from_static("/x?a=1");
-        assert!(!extract(&parts, &view(&m, &u, &h), &mut k));
+        assert_eq!(extract(&parts, &view(&m, &u, &h), &mut k), Extract::Missing);
     }
 
     #[test]
@@ -363,13 +724,15 @@ pub(crate) mod tests {
         let (m, u) = (Method::GET, Uri::from_static("/"));
         let h = headers(&[("k", "abc")]);
         let mut k = KeyBuf::new();
-        assert!(extract_text(&parts, &view(&m, &u, &h), &mut k));
+        assert_eq!(
+            extract_text(&parts, &view(&m, &u, &h), &mut k),
+            Extract::Found
+        );
         assert_eq!(&k[..], b"10.0.0.9\x1fabc");
-        assert!(!extract_text(
-            &parts,
-            &view(&m, &u, &HeaderMap::new()),
-            &mut k
-        ));
+        assert_eq!(
+            extract_text(&parts, &view(&m, &u, &HeaderMap::new()), &mut k),
+            Extract::Missing
+        );
     }
 
     #[test]
@@ -379,10 +742,83 @@ pub(crate) mod tests {
         assert_eq!(request_host(&u, &h), Some("API.Example.com"));
         let mut k = KeyBuf::new();
         let m = Method::GET;
-        assert!(extract(&[KeyPart::Host], &view(&m, &u, &h), &mut k));
+        assert_eq!(
+            extract(&[KeyPart::Host], &view(&m, &u, &h), &mut k),
+            Extract::Found
+        );
         assert_eq!(&k[4..], b"api.example.com");
         let u2 = Uri::from_static("http://[::1]:80/");
         assert_eq!(request_host(&u2, &HeaderMap::new()), Some("::1"));
+    }
+
+    #[test]
+    fn query_keys_are_decoded_and_a_repeated_keyed_field_is_refused() {
+        let parts = vec![KeyPart::Query("user".into())];
+        let (m, h) = (Method::GET, HeaderMap::new());
+        let (mut a, mut b) = (KeyBuf::new(), KeyBuf::new());
+        let u1 = Uri::from_static("/x?user=bob");
+        let u2 = Uri::from_static("/x?%75ser=b%6Fb");
+        assert_eq!(extract(&parts, &view(&m, &u1, &h), &mut a), Extract::Found);
+        assert_eq!(extract(&parts, &view(&m, &u2, &h), &mut b), Extract::Found);
+        assert_eq!(a, b);
+        let twice = Uri::from_static("/x?user=a&user=b");
+        assert_eq!(
+            extract(&parts, &view(&m, &twice, &h), &mut a),
+            Extract::Repeated
+        );
+        let hp = vec![KeyPart::Header(HeaderName::from_static("x-k"))];
+        let h2 = headers(&[("x-k", "a"), ("x-k", "b")]);
+        assert_eq!(extract(&hp, &view(&m, &u1, &h2), &mut a), Extract::Repeated);
+    }
+
+    #[test]
+    fn path_keys_fold_case_params_and_a_trailing_slash_unless_strict() {
+        let parts = vec![KeyPart::Path];
+        let (m, h) = (Method::GET, HeaderMap::new());
+        let (mut a, mut b) = (KeyBuf::new(), KeyBuf::new());
+        let u1 = Uri::from_static("/Login;jsessionid=1/");
+        let u2 = Uri::from_static("/login");
+        extract(&parts, &view(&m, &u1, &h), &mut a);
+        extract(&parts, &view(&m, &u2, &h), &mut b);
+        assert_eq!(a, b);
+        extract(&parts, &view(&m, &u1, &h).strict(true), &mut a);
+        assert_ne!(a, b);
+    }
+
+    #[test]
+    fn long_local_keys_are_hashed_to_a_fixed_size_and_short_ones_kept() {
+        let mut short = KeyBuf::from_slice(&[7u8; INLINE_KEY]);
+        bound_local(&mut short);
+        assert_eq!(&short[..], &[7u8; INLINE_KEY][..]);
+        let mut long = KeyBuf::from_slice(&[7u8; 16 * 1024]);
+        let mut other = KeyBuf::from_slice(&[8u8; 16 * 1024]);
+        bound_local(&mut long);
+        bound_local(&mut other);
+        assert_eq!(long.len(), 17);
+        assert_eq!(long[0], HASHED);
+        assert_ne!(long, other);
+        let mut again = KeyBuf::from_slice(&[7u8; 16 * 1024]);
+        bound_local(&mut again);
+        assert_eq!(long, again);
+    }
+
+    #[test]
+    fn global_keys_have_one_canonical_text_in_every_process() {
+        let mut k = KeyBuf::from_slice(b"alice");
+        canonical_text(&mut k);
+        assert_eq!(&k[..], b"alice");
+        let mut bad = KeyBuf::from_slice(b"caf\xe9");
+        canonical_text(&mut bad);
+        assert!(bad.starts_with(b"sha256:") && bad.len() == 71);
+        let long = "x".repeat(2000);
+        let mut k = KeyBuf::from_slice(long.as_bytes());
+        canonical_text(&mut k);
+        assert_eq!(canonical_key(&long), std::str::from_utf8(&k).unwrap());
+        // Canonical already: unchanged.
+        assert_eq!(
+            canonical_key(std::str::from_utf8(&k).unwrap()),
+            std::str::from_utf8(&k).unwrap()
+        );
     }
 
     #[test]

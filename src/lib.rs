@@ -4,7 +4,8 @@
 //!
 //! - [`limit`]: the limiter cores, pure, clock injected: one module per algorithm.
 //! - [`config`]: the YAML schema, parsed and validated with file/line/field errors.
-//! - [`key`]: which bucket a request belongs to; the client address.
+//! - [`key`]: which bucket a request belongs to; the client address; bounded key forms.
+//! - [`target`]: the canonical request path, and the form rules match it in.
 //! - [`rules`]: compiled rules and the synchronous in-path decision.
 //! - [`gate`]: waiting (delay, shaping), concurrency slots, and the embeddable tower layer.
 //! - [`control`]: reporter, aggregator, controller and the drop-ratio math (fleet limits).
@@ -28,6 +29,7 @@ pub mod limit;
 pub mod metrics;
 pub mod proxy;
 pub mod rules;
+pub mod target;
 pub mod tune;
 pub mod ui;
 pub mod watch;

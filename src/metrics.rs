@@ -46,21 +46,26 @@ pub enum RedisError {
     Timeout,
     /// No connection, or it broke during the call.
     Connection,
-    /// Redis answered with an error.
+    /// Redis answered with an error about its state (OOM, READONLY, BUSY, LOADING, ...).
     Server,
+    /// A script or its arguments failed, or its answer was not understood: a bug to report,
+    /// never a sign that Redis is down (it does not count toward the breaker).
+    Script,
 }
 
 impl RedisError {
-    pub const ALL: [RedisError; 3] = [
+    pub const ALL: [RedisError; 4] = [
         RedisError::Timeout,
         RedisError::Connection,
         RedisError::Server,
+        RedisError::Script,
     ];
     pub fn label(self) -> &'static str {
         match self {
             RedisError::Timeout => "timeout",
             RedisError::Connection => "connection",
             RedisError::Server => "server",
+            RedisError::Script => "script",
         }
     }
 }
@@ -69,7 +74,7 @@ impl RedisError {
 #[derive(Clone)]
 pub struct RedisMetrics {
     pub duration: Histogram,
-    errors: [IntCounter; 3],
+    errors: [IntCounter; 4],
     /// 0 closed, 1 open, 2 half-open (one probe in flight).
     pub breaker_state: IntGauge,
     pub breaker_opened: IntCounter,
@@ -179,6 +184,7 @@ pub struct Metrics {
     pub keys: IntGaugeVec,
     pub evicted: IntCounterVec,
     pub overflow: IntCounterVec,
+    pub sketch_refused: IntCounterVec,
     pub delay_queue: IntGaugeVec,
     pub delayed: IntCounterVec,
     durations: [Histogram; 3],
@@ -236,7 +242,15 @@ impl Metrics {
         let overflow = IntCounterVec::new(
             Opts::new(
                 "spillway_overflow_total",
-                "Decisions made on a rule's shared overflow bucket because max_keys was reached.",
+                "Decisions of keys that found no place in a rule's store (max_keys reached, none idle): by its sketch or shared overflow state.",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
+        let sketch_refused = IntCounterVec::new(
+            Opts::new(
+                "spillway_sketch_refused_total",
+                "Requests of untracked keys (the rule's store full) refused by its count-min sketch.",
             ),
             &["rule"],
         )
@@ -318,6 +332,7 @@ impl Metrics {
             Box::new(keys.clone()),
             Box::new(evicted.clone()),
             Box::new(overflow.clone()),
+            Box::new(sketch_refused.clone()),
             Box::new(delay_queue.clone()),
             Box::new(delayed.clone()),
             Box::new(duration.clone()),
@@ -391,6 +406,7 @@ impl Metrics {
             keys,
             evicted,
             overflow,
+            sketch_refused,
             delay_queue,
             delayed,
             durations,

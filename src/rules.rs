@@ -8,8 +8,11 @@
 //! Cost of `check` per matching rule: a few string compares for the match, the key written
 //! into a stack buffer, one hash of it, one sharded read lock + lookup by borrowed bytes, the
 //! algorithm's CAS (a per-key lock for the sliding log), one relaxed counter add. A new key
-//! costs a shard write lock (and a heap copy of the key past 24 bytes); past `max_keys`, new keys share one
-//! overflow state per rule. Measured in `benches/decision.rs`.
+//! costs a shard write lock (and a heap copy of the key past 24 bytes; keys past 64 bytes are
+//! kept as a 17-byte keyed hash). A full store first replaces states indistinguishable from
+//! fresh (a sweep, at most every 100 ms); keys that still find no place are decided by the
+//! rule's count-min sketch (rate limits) or share one overflow state (the others).
+//! Measured in `benches/decision.rs`.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -22,14 +25,18 @@ use smallvec::SmallVec;
 
 use crate::config::OnError;
 use crate::config::{
-    Config, Cost, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rule, Scope,
+    Config, Cost, CostFrom, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rule, Scope,
+    SketchSize,
 };
 use crate::control::{DropRatios, Staleness};
 use crate::exact::{self, Exact};
-use crate::key::{extract, extract_text, KeyBuf, KeyPart, RequestView};
+use crate::key::{
+    bound_local, canonical_text, extract, extract_text, Extract, KeyBuf, KeyPart, RequestView,
+};
 use crate::limit::{
     ceil_secs, Adaptive, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter,
-    Nanos, Permit, Quota, SlidingWindowCounter, SlidingWindowLog, TokenBucket, NANOS_PER_SEC,
+    Nanos, Permit, Quota, Sketch, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
+    NANOS_PER_SEC,
 };
 use crate::metrics::Metrics;
 use crate::proxy::respond::Answers;
@@ -72,15 +79,15 @@ enum Kind {
     Rate {
         quota: Quota,
         store: RateStore,
+        /// Decides the keys that find no place in `store`.
+        overflow: Overflow,
     },
     Concurrency {
         max: u32,
         store: Store<Arc<Concurrency>>,
     },
     /// In flight at once for the whole rule, a limit that follows the upstream's latency.
-    Adaptive {
-        limiter: Arc<Adaptive>,
-    },
+    Adaptive { limiter: Arc<Adaptive> },
     /// Decided by a script in Redis, after the local rules; see [`RuleSet::resolve`].
     Redis {
         algorithm: Algorithm,
@@ -165,6 +172,25 @@ pub struct GlobalCounts {
     pub other: (u64, u64, u64),
 }
 
+/// The count-min sketch of a rate rule's untracked keys, made when the store first fills.
+struct Overflow {
+    sketch: std::sync::OnceLock<Sketch>,
+    size: SketchSize,
+    /// Refusals the sketch made (conservative: its estimates only over-count).
+    refused: IntCounter,
+}
+
+impl Overflow {
+    fn sketch(&self) -> &Sketch {
+        self.sketch.get_or_init(|| {
+            Sketch::new(
+                self.size.width.get() as usize,
+                self.size.depth.get() as usize,
+            )
+        })
+    }
+}
+
 /// One store per algorithm, so that each key costs only its own algorithm's state.
 enum RateStore {
     TokenBucket(Store<TokenBucket>),
@@ -201,11 +227,45 @@ impl RateStore {
     }
 
     #[inline]
-    fn check(&self, key: &[u8], quota: &Quota, now: Nanos, cost: u32) -> (Decision, Slot) {
-        each_store!(self, s => s.with(key, |st| st.check(quota, now, cost)))
+    fn check(
+        &self,
+        key: &[u8],
+        quota: &Quota,
+        now: Nanos,
+        cost: u32,
+        overflow: &Overflow,
+    ) -> (Decision, Slot) {
+        let tracked = each_store!(self, s => s.try_with(
+            key,
+            now,
+            |st| st.is_idle(quota, now),
+            |st| st.check(quota, now, cost),
+        ));
+        match tracked {
+            Some(decision) => (decision, Slot::Keyed),
+            None => {
+                let decision = overflow.sketch().check(key, quota, now, cost);
+                if !decision.is_allowed() {
+                    overflow.refused.inc();
+                }
+                (decision, Slot::Sketch)
+            }
+        }
     }
 
-    fn refund(&self, key: &[u8], slot: Slot, quota: &Quota, now: Nanos, cost: u32) {
+    fn refund(
+        &self,
+        key: &[u8],
+        slot: Slot,
+        quota: &Quota,
+        now: Nanos,
+        cost: u32,
+        overflow: &Overflow,
+    ) {
+        if slot == Slot::Sketch {
+            overflow.sketch().refund(key, quota, now, cost);
+            return;
+        }
         each_store!(self, s => s.with_slot(key, slot, |st| st.refund(quota, now, cost)))
     }
 
@@ -222,7 +282,10 @@ impl RateStore {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Slot {
     Keyed,
+    /// The store's one shared overflow state.
     Overflow,
+    /// A rate rule's sketch.
+    Sketch,
 }
 
 struct StoreParts {
@@ -246,11 +309,17 @@ struct Store<S> {
     // Counted apart because DashMap::len visits every shard. Relaxed: only a bound.
     len: AtomicUsize,
     max_keys: usize,
-    /// Shared by every key that arrives while the store is full: conservative, since all of
-    /// them drain one state, so an abuser cannot earn fresh buckets by flooding keys.
+    /// Shared by every key that finds no place while the store is full (rate rules use their
+    /// sketch instead): conservative, since all of them drain one state.
     overflow: S,
     parts: StoreParts,
+    // When the store last looked for idle states to replace (clock nanoseconds). Relaxed +
+    // CAS: it only picks which caller sweeps, at most one per interval.
+    reclaimed_at: AtomicU64,
 }
+
+/// A full store looks for states to replace at most this often (a sweep visits every key).
+const RECLAIM_EVERY: Nanos = NANOS_PER_SEC / 10;
 
 impl<S: Default + Send + Sync + 'static> Store<S> {
     fn new(parts: StoreParts) -> Self {
@@ -260,18 +329,46 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
             max_keys: parts.max_keys,
             overflow: S::default(),
             parts,
+            reclaimed_at: AtomicU64::new(0),
         }
     }
 
-    /// Runs `f` on the state of `key`, creating it when there is room.
+    /// Runs `f` on the state of `key`, creating it when there is room (made, if need be, by
+    /// forgetting states that `idle` says are fresh); else on the shared overflow state.
     #[inline]
-    fn with<R>(&self, key: &[u8], f: impl FnOnce(&S) -> R) -> (R, Slot) {
-        if let Some(r) = self.map.get(key) {
-            return (f(r.value()), Slot::Keyed);
+    fn with<R>(
+        &self,
+        key: &[u8],
+        now: Nanos,
+        idle: impl Fn(&S) -> bool,
+        f: impl FnOnce(&S) -> R,
+    ) -> (R, Slot) {
+        let mut f = Some(f);
+        match self.try_with(key, now, idle, |s| (f.take().expect("called once"))(s)) {
+            Some(r) => (r, Slot::Keyed),
+            None => (
+                (f.take().expect("not called"))(&self.overflow),
+                Slot::Overflow,
+            ),
         }
-        if self.len.load(Ordering::Relaxed) >= self.max_keys {
+    }
+
+    /// Runs `f` on the state of `key`, creating it when there is room; `None` (and `f` not
+    /// run) when the store is full of states that are not idle.
+    #[inline]
+    fn try_with<R>(
+        &self,
+        key: &[u8],
+        now: Nanos,
+        idle: impl Fn(&S) -> bool,
+        f: impl FnOnce(&S) -> R,
+    ) -> Option<R> {
+        if let Some(r) = self.map.get(key) {
+            return Some(f(r.value()));
+        }
+        if self.len.load(Ordering::Relaxed) >= self.max_keys && self.reclaim(now, idle) == 0 {
             self.parts.overflowed.inc();
-            return (f(&self.overflow), Slot::Overflow);
+            return None;
         }
         let entry = self.map.entry(StoredKey::from_slice(key));
         let inserted = matches!(entry, dashmap::Entry::Vacant(_));
@@ -280,13 +377,32 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
             self.len.fetch_add(1, Ordering::Relaxed);
             self.parts.keys.inc();
         }
-        (f(r.value()), Slot::Keyed)
+        Some(f(r.value()))
+    }
+
+    /// Forgets idle states so that new keys can take their place: nothing is lost, since an
+    /// idle state is indistinguishable from a fresh one. At most once per [`RECLAIM_EVERY`].
+    #[cold]
+    fn reclaim(&self, now: Nanos, idle: impl Fn(&S) -> bool) -> usize {
+        let last = self.reclaimed_at.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < RECLAIM_EVERY && last != 0 {
+            return 0;
+        }
+        if self
+            .reclaimed_at
+            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return 0;
+        }
+        self.sweep(idle)
     }
 
     /// Runs `f` on the state a decision used, if it still exists.
     fn with_slot(&self, key: &[u8], slot: Slot, f: impl FnOnce(&S)) {
         match slot {
             Slot::Overflow => f(&self.overflow),
+            Slot::Sketch => {}
             Slot::Keyed => {
                 if let Some(r) = self.map.get(key) {
                     f(r.value())
@@ -374,12 +490,21 @@ pub enum Verdict {
     Allow(Admit),
     /// Answer 429 (or wait, when the denial carries a [`Delay`]).
     Deny(Denial),
-    /// The request's cost header is not a number: answer 400.
-    BadCost(http::HeaderName),
+    /// The request is malformed for a rule (its cost, a keyed field sent twice): answer 400.
+    BadRequest(BadRequest),
     /// Local rules admit it; `scope: redis` rules still must: call [`RuleSet::resolve`].
     /// Boxed: it is the rare, network-bound case, and it would triple the size of every
     /// verdict returned on the hot path.
     Remote(Box<Remote>),
+}
+
+/// Why a rule cannot decide a request: answered 400, naming the rule.
+#[derive(Debug, Clone)]
+pub struct BadRequest {
+    pub rule: Arc<str>,
+    /// The `spillway_bad_requests_total` reason.
+    pub reason: &'static str,
+    pub detail: String,
 }
 
 /// An admitted request.
@@ -533,24 +658,28 @@ impl RuleSet {
             if !rule.matcher.matches(req) {
                 continue;
             }
-            let found = if matches!(*rule.kind, Kind::Global { .. } | Kind::Redis { .. }) {
-                extract_text(&rule.key, req, &mut key)
-            } else {
-                extract(&rule.key, req, &mut key)
-            };
-            if !found {
-                continue;
+            match rule.key_of(req, &mut key) {
+                Extract::Found => {}
+                Extract::Missing => continue,
+                Extract::Repeated => {
+                    self.refund(req, &taken, now);
+                    return Verdict::BadRequest(rule.repeated_key(req));
+                }
             }
-            let Some(cost) = rule.cost_of(req) else {
-                self.refund(req, &taken, now);
-                let Cost::Header { header, .. } = &rule.cost else {
-                    unreachable!("only a header cost can be malformed")
-                };
-                return Verdict::BadCost(header.clone());
+            let cost = match rule.cost_of(req) {
+                Ok(cost) => cost,
+                Err(bad) => {
+                    self.refund(req, &taken, now);
+                    return Verdict::BadRequest(bad);
+                }
             };
             let decision = match &*rule.kind {
-                Kind::Rate { quota, store } => {
-                    let (decision, slot) = store.check(&key, quota, now, cost);
+                Kind::Rate {
+                    quota,
+                    store,
+                    overflow,
+                } => {
+                    let (decision, slot) = store.check(&key, quota, now, cost, overflow);
                     if decision.is_allowed() {
                         taken.push((i, Taken::Rate(slot, cost)));
                     }
@@ -582,7 +711,8 @@ impl RuleSet {
                     }
                 },
                 Kind::Concurrency { max, store } => {
-                    let (permit, _) = store.with(&key, |c| c.try_acquire(*max));
+                    let (permit, _) =
+                        store.with(&key, now, concurrency_idle, |c| c.try_acquire(*max));
                     slot(permit, *max, i, &mut admit, &mut taken)
                 }
                 Kind::Global {
@@ -590,7 +720,7 @@ impl RuleSet {
                     store,
                     fallback,
                 } => {
-                    let (counters, _) = store.with(&key, Arc::clone);
+                    let (counters, _) = store.with(&key, now, global_idle, Arc::clone);
                     counters.offered.fetch_add(1, Ordering::Relaxed);
                     // One snapshot load per request, however many global rules match.
                     let ratios = ratios.get_or_insert_with(|| self.ratios.load());
@@ -598,7 +728,12 @@ impl RuleSet {
                     let (factor, stale) = self.staleness.factor(age);
                     let (decision, slot) = match fallback {
                         Some((quota, bucket)) if stale => {
-                            let (d, slot) = bucket.with(&key, |b| b.check(quota, now, 1));
+                            let (d, slot) = bucket.with(
+                                &key,
+                                now,
+                                |b| b.is_idle(quota, now),
+                                |b| b.check(quota, now, 1),
+                            );
                             (d, Some(slot))
                         }
                         _ => {
@@ -734,9 +869,12 @@ impl RuleSet {
                 Ok(a) => {
                     let cache = self.exact.as_ref().is_some_and(|e| e.cache_refusals());
                     if let (Some(retry), true) = (a.retry_after, cache) {
-                        refused.with(&call.key, |r| {
-                            r.remember(now.saturating_add(retry), call.cost)
-                        });
+                        refused.with(
+                            &call.key,
+                            now,
+                            |r| r.until.load(Ordering::Relaxed) <= now,
+                            |r| r.remember(now.saturating_add(retry), call.cost),
+                        );
                     }
                     (
                         Decision::Deny {
@@ -787,7 +925,12 @@ impl RuleSet {
         match (exact.on_error(), fallback) {
             (OnError::Fallback, Some((quota, bucket))) => {
                 metrics.on_error_fallback.inc();
-                let (d, slot) = bucket.with(&call.key, |b| b.check(quota, now, call.cost));
+                let (d, slot) = bucket.with(
+                    &call.key,
+                    now,
+                    |b| b.is_idle(quota, now),
+                    |b| b.check(quota, now, call.cost),
+                );
                 (d, Some(slot))
             }
             (OnError::Deny, _) => {
@@ -819,11 +962,19 @@ impl RuleSet {
         let mut key = KeyBuf::new();
         for (i, t) in taken {
             let rule = &self.rules[*i];
+            if rule.key_of(req, &mut key) != Extract::Found {
+                continue;
+            }
             match (&*rule.kind, t) {
-                (Kind::Rate { quota, store }, Taken::Rate(slot, cost))
-                    if extract(&rule.key, req, &mut key) =>
-                {
-                    store.refund(&key, *slot, quota, now, *cost);
+                (
+                    Kind::Rate {
+                        quota,
+                        store,
+                        overflow,
+                    },
+                    Taken::Rate(slot, cost),
+                ) => {
+                    store.refund(&key, *slot, quota, now, *cost, overflow);
                 }
                 (
                     Kind::Global {
@@ -831,7 +982,7 @@ impl RuleSet {
                         ..
                     },
                     Taken::Global(_, Some(slot)),
-                ) if extract_text(&rule.key, req, &mut key) => {
+                ) => {
                     bucket.with_slot(&key, *slot, |b| b.refund(quota, now, 1));
                 }
                 (
@@ -840,7 +991,7 @@ impl RuleSet {
                         ..
                     },
                     Taken::Redis(Some(slot)),
-                ) if extract_text(&rule.key, req, &mut key) => {
+                ) => {
                     bucket.with_slot(&key, *slot, |b| b.refund(quota, now, 1));
                 }
                 _ => {}
@@ -891,10 +1042,8 @@ impl RuleSet {
         self.rules
             .iter()
             .map(|r| match &*r.kind {
-                Kind::Rate { quota, store } => store.sweep(quota, now),
-                Kind::Concurrency { store, .. } => {
-                    store.sweep(|c| c.in_flight() == 0 && Arc::strong_count(c) == 1)
-                }
+                Kind::Rate { quota, store, .. } => store.sweep(quota, now),
+                Kind::Concurrency { store, .. } => store.sweep(concurrency_idle),
                 Kind::Adaptive { .. } => 0,
                 Kind::Redis {
                     refused, fallback, ..
@@ -907,9 +1056,7 @@ impl RuleSet {
                 Kind::Global {
                     store, fallback, ..
                 } => {
-                    let counters = store.sweep(|c| {
-                        c.offered.load(Ordering::Relaxed) == 0 && Arc::strong_count(c) == 1
-                    });
+                    let counters = store.sweep(global_idle);
                     counters
                         + fallback
                             .as_ref()
@@ -1011,6 +1158,11 @@ fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
         } => Kind::Rate {
             quota: *quota,
             store: RateStore::new(*algorithm, parts),
+            overflow: Overflow {
+                sketch: std::sync::OnceLock::new(),
+                size: r.sketch,
+                refused: metrics.sketch_refused.with_label_values(&[label]),
+            },
         },
         Limit::Concurrency(n) => Kind::Concurrency {
             max: n.get(),
@@ -1116,39 +1268,119 @@ impl CompiledRule {
         }
     }
 
-    /// The request's cost under this rule; `None` when its cost header is not a number.
+    /// Writes the rule's key for `req` into `key`, bounded: a global or redis rule's in its
+    /// fleet-wide text form, a local rule's as bytes (hashed past 64).
     #[inline]
-    fn cost_of(&self, req: &RequestView<'_>) -> Option<u32> {
+    fn key_of(&self, req: &RequestView<'_>, key: &mut KeyBuf) -> Extract {
+        if matches!(*self.kind, Kind::Global { .. } | Kind::Redis { .. }) {
+            let found = extract_text(&self.key, req, key);
+            if found == Extract::Found {
+                canonical_text(key);
+            }
+            found
+        } else {
+            let found = extract(&self.key, req, key);
+            if found == Extract::Found {
+                bound_local(key);
+            }
+            found
+        }
+    }
+
+    /// The 400 for a request that sends a keyed field more than once.
+    #[cold]
+    fn repeated_key(&self, req: &RequestView<'_>) -> BadRequest {
+        let part = self
+            .key
+            .iter()
+            .find(|p| {
+                let mut k = KeyBuf::new();
+                extract(std::slice::from_ref(*p), req, &mut k) == Extract::Repeated
+            })
+            .map_or_else(|| "a key part".to_string(), ToString::to_string);
+        BadRequest {
+            rule: self.name.clone(),
+            reason: "repeated_key",
+            detail: format!(
+                "rule {} keys requests by {part}, which this request sends more than once",
+                self.name
+            ),
+        }
+    }
+
+    /// The request's cost under this rule, at least 1. A cost header is read only from a
+    /// trusted proxy (unless the rule says `from: any`); one it reads must be a whole number
+    /// of at least 1, sent once.
+    #[inline]
+    fn cost_of(&self, req: &RequestView<'_>) -> Result<u32, BadRequest> {
         match &self.cost {
-            Cost::Fixed(n) => Some(*n),
+            Cost::Fixed(n) => Ok(*n),
             Cost::Header {
                 header,
                 default,
                 max,
-            } => match req.headers.get(header) {
-                None => Some(*default),
-                Some(v) => parse_cost(v.as_bytes()).map(|n| n.min(*max)),
-            },
+                from,
+            } => {
+                if *from == CostFrom::Trusted && !req.trusted_peer {
+                    return Ok(*default);
+                }
+                let mut values = req.headers.get_all(header).iter();
+                match (values.next(), values.next()) {
+                    (None, _) => Ok(*default),
+                    (Some(v), None) => match parse_cost(v.as_bytes()) {
+                        Some(n) => Ok(n.min(*max)),
+                        None => Err(self.bad_cost(header)),
+                    },
+                    (Some(_), Some(_)) => Err(self.bad_cost(header)),
+                }
+            }
+        }
+    }
+
+    #[cold]
+    fn bad_cost(&self, header: &http::HeaderName) -> BadRequest {
+        BadRequest {
+            rule: self.name.clone(),
+            reason: "cost",
+            detail: format!(
+                "rule {} reads the cost from {header}, which must be sent once, as a whole number of at least 1",
+                self.name
+            ),
         }
     }
 }
 
-/// A whole number; values past `u32::MAX` saturate (they are capped at `max` anyway).
+/// A whole number of at least 1; values past `u32::MAX` saturate (they are capped at `max`).
 fn parse_cost(bytes: &[u8]) -> Option<u32> {
     let bytes = bytes.trim_ascii();
     if bytes.is_empty() || !bytes.iter().all(u8::is_ascii_digit) {
         return None;
     }
-    Some(bytes.iter().fold(0u32, |n, d| {
+    let n = bytes.iter().fold(0u32, |n, d| {
         n.saturating_mul(10).saturating_add(u32::from(d - b'0'))
-    }))
+    });
+    (n >= 1).then_some(n)
+}
+
+/// A concurrency state nobody holds a slot of (nor a reference to) is as good as new.
+fn concurrency_idle(c: &Arc<Concurrency>) -> bool {
+    c.in_flight() == 0 && Arc::strong_count(c) == 1
+}
+
+/// Global counters with nothing to report (and no decision holding them) are as good as new.
+fn global_idle(c: &Arc<GlobalCounters>) -> bool {
+    c.offered.load(Ordering::Relaxed) == 0 && Arc::strong_count(c) == 1
 }
 
 /// A compiled `match:` block; an absent condition always holds.
 struct Matcher {
     path: Option<String>,
+    /// `path` in its match form (see [`RequestView::path`]).
+    path_lenient: Option<String>,
     path_prefix: Option<String>,
     path_regex: Option<regex::Regex>,
+    /// The same, matching without case.
+    path_regex_lenient: Option<regex::Regex>,
     host: Option<HostPattern>,
     methods: Vec<http::Method>,
     headers: Vec<(http::HeaderName, HeaderValue)>,
@@ -1160,8 +1392,18 @@ impl From<&Match> for Matcher {
     fn from(m: &Match) -> Self {
         Matcher {
             path: m.path.clone(),
+            path_lenient: m
+                .path
+                .as_deref()
+                .map(|p| crate::target::match_form(p).into_owned()),
             path_prefix: m.path_prefix.clone(),
             path_regex: m.path_regex.as_ref().map(|r| r.0.clone()),
+            path_regex_lenient: m.path_regex.as_ref().map(|r| {
+                regex::RegexBuilder::new(r.0.as_str())
+                    .case_insensitive(true)
+                    .build()
+                    .unwrap_or_else(|_| r.0.clone())
+            }),
             host: m.host.clone(),
             methods: m.methods.iter().map(|m| m.0.clone()).collect(),
             headers: m.headers.0.clone(),
@@ -1174,14 +1416,35 @@ impl From<&Match> for Matcher {
 impl Matcher {
     #[inline]
     fn matches(&self, req: &RequestView<'_>) -> bool {
-        let path = req.uri.path();
-        if let Some(p) = &self.path {
-            if path != p {
-                return false;
-            }
-        }
-        if let Some(p) = &self.path_prefix {
-            if !path.starts_with(p.as_str()) {
+        let strict = req.strict_path;
+        if self.path.is_some() || self.path_prefix.is_some() || self.path_regex.is_some() {
+            let path = req.path();
+            if strict {
+                if self.path.as_ref().is_some_and(|p| path != p)
+                    || self
+                        .path_prefix
+                        .as_ref()
+                        .is_some_and(|p| !path.starts_with(p.as_str()))
+                    || self
+                        .path_regex
+                        .as_ref()
+                        .is_some_and(|re| !re.is_match(path))
+                {
+                    return false;
+                }
+            } else if self
+                .path_lenient
+                .as_ref()
+                .is_some_and(|p| !path.eq_ignore_ascii_case(p))
+                || self.path_prefix.as_ref().is_some_and(|p| {
+                    !(path.len() >= p.len()
+                        && path.as_bytes()[..p.len()].eq_ignore_ascii_case(p.as_bytes()))
+                })
+                || self
+                    .path_regex_lenient
+                    .as_ref()
+                    .is_some_and(|re| !re.is_match(path))
+            {
                 return false;
             }
         }
@@ -1205,11 +1468,6 @@ impl Matcher {
             .all(|(name, want)| req.headers.get_all(name).iter().any(|v| v == want))
         {
             return false;
-        }
-        if let Some(re) = &self.path_regex {
-            if !re.is_match(path) {
-                return false;
-            }
         }
         true
     }

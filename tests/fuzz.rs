@@ -12,7 +12,10 @@ use http::{HeaderMap, HeaderValue, Method, Request};
 use proptest::prelude::*;
 use spillway::config::{parse_duration, Config, Rate};
 use spillway::control::Report;
-use spillway::key::{client_ip, extract, extract_text, KeyBuf, KeyPart, RequestView};
+use spillway::key::{
+    bound_local, canonical_key, canonical_text, extract, extract_text, ClientIpPolicy, KeyBuf,
+    KeyPart, RequestView, INLINE_KEY,
+};
 
 const VALID: &str = "service: shop
 listen: 127.0.0.1:8080
@@ -114,7 +117,13 @@ proptest! {
                 headers.append("x-forwarded-for", v);
             }
         }
-        let ip = client_ip(&headers, peer, hops);
+        let policy = ClientIpPolicy {
+            proxies: vec!["10.0.0.0/8".parse().unwrap()],
+            max_hops: usize::from(hops),
+            ipv4_prefix: 32,
+            ipv6_prefix: 128,
+        };
+        let ip = policy.client(&headers, peer);
         if ip != peer {
             let listed = headers
                 .get_all("x-forwarded-for")
@@ -122,6 +131,41 @@ proptest! {
                 .flat_map(|v| v.to_str().unwrap_or("").split(',').map(|s| s.trim().to_string()).collect::<Vec<_>>())
                 .any(|s| s.parse::<IpAddr>().ok() == Some(ip) || s.trim_matches(|c| c == '[' || c == ']').parse::<IpAddr>().ok() == Some(ip));
             prop_assert!(listed, "{ip} is neither the peer nor in the header");
+        }
+        // Without listed proxies the header is never read.
+        prop_assert_eq!(ClientIpPolicy::default().client(&headers, peer), peer);
+    }
+
+    #[test]
+    fn any_byte_string_as_a_key_takes_a_bounded_form(key in proptest::collection::vec(any::<u8>(), 0..400)) {
+        let mut local = KeyBuf::from_slice(&key);
+        bound_local(&mut local);
+        prop_assert!(local.len() <= INLINE_KEY);
+        if key.len() <= INLINE_KEY {
+            prop_assert_eq!(&local[..], &key[..]);
+        }
+        let mut text = KeyBuf::from_slice(&key);
+        canonical_text(&mut text);
+        let text = std::str::from_utf8(&text).expect("canonical keys are UTF-8").to_string();
+        prop_assert!(text.len() <= 71);
+        // The control plane's canonical form of it is itself.
+        prop_assert_eq!(canonical_key(&text).into_owned(), text);
+    }
+
+    #[test]
+    fn any_request_target_normalises_idempotently_or_is_refused(target in "[!-~]{0,80}") {
+        let Ok(uri) = http::Uri::from_str(&target) else { return Ok(()) };
+        for reject in [false, true] {
+            if let Ok(n) = spillway::target::canonical_uri(&uri, reject) {
+                let once = n.unwrap_or_else(|| uri.clone());
+                prop_assert_eq!(spillway::target::canonical_uri(&once, reject), Ok(None));
+                prop_assert_eq!(once.query(), uri.query());
+                if once.path().starts_with('/') {
+                    for seg in once.path().split('/') {
+                        prop_assert!(seg != "." && seg != "..");
+                    }
+                }
+            }
         }
     }
 

@@ -354,7 +354,8 @@ fn a_header_cost_parses_with_its_default() {
         Cost::Header {
             header: http::HeaderName::from_static("x-request-cost"),
             default: 1,
-            max: 100
+            max: 100,
+            from: CostFrom::Trusted,
         }
     );
     assert_eq!(
@@ -364,6 +365,44 @@ fn a_header_cost_parses_with_its_default() {
     let json = serde_json::to_value(&c).unwrap();
     assert_eq!(json["rules"][0]["cost"]["header"], "x-request-cost");
     assert_eq!(json["rules"][0]["on_limit"], "delay");
+}
+
+#[test]
+fn a_cost_default_below_one_is_a_config_error() {
+    let e = err(&with_rule(
+        "  - name: a\n    key: path\n    limit: { rate: 10/s }\n    cost: { header: x-cost, default: 0, max: 10 }\n",
+    ));
+    assert!(e.contains("default"), "{e}");
+    let e = err(&with_rule(
+        "  - name: a\n    key: path\n    limit: { rate: 10/s }\n    cost: { header: x-cost, max: 0 }\n",
+    ));
+    assert!(e.contains("max"), "{e}");
+    let c = Config::from_yaml(
+        &with_rule("  - name: a\n    key: path\n    limit: { rate: 10/s }\n    cost: { header: x-cost, max: 5, from: any }\n"),
+        "t",
+    )
+    .unwrap();
+    assert!(matches!(
+        c.rules[0].cost,
+        Cost::Header {
+            from: CostFrom::Any,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn trusted_hops_without_listed_proxies_is_an_error_that_names_the_fix() {
+    let e = err("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nclient_ip:\n  trusted_hops: 1\n");
+    assert!(e.contains("trusted_proxies"), "{e}");
+    let c = Config::from_yaml(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nclient_ip:\n  trusted_proxies: [10.0.0.0/8, \"fd00::/8\"]\n  trusted_hops: 2\n",
+        "t",
+    )
+    .unwrap();
+    assert_eq!(c.client_ip.trusted_proxies.len(), 2);
+    let e = err("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nclient_ip:\n  trusted_proxies: [10.0.0.1/8]\n");
+    assert!(e.contains("10.0.0.0/8"), "{e}");
 }
 
 #[test]

@@ -148,7 +148,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     let reports = IntCounterVec::new(
         Opts::new(
             "spillway_aggregator_reports_total",
-            "Host reports received, by result (ok, unauthorized, malformed, invalid).",
+            "Host reports received, by result (ok, unauthorized, malformed, invalid); entries_dropped counts invalid entries dropped from reports that were kept.",
         ),
         &["result"],
     )

@@ -190,7 +190,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     let reports = IntCounterVec::new(
         Opts::new(
             "spillway_controller_reports_total",
-            "Reports received, by result (ok, unauthorized, malformed, invalid).",
+            "Reports received, by result (ok, unauthorized, malformed, invalid); entries_dropped counts invalid entries dropped from reports that were kept.",
         ),
         &["result"],
     )

@@ -122,30 +122,52 @@ impl Report {
             return Err(ReportError::Interval);
         }
         for (i, e) in self.entries.iter().enumerate() {
-            let bad = |what| Err(ReportError::Entry(i, what));
-            if e.service.is_empty()
-                || e.rule.is_empty()
-                || e.service.len() > 64
-                || e.rule.len() > 64
-            {
-                return bad("service and rule are 1 to 64 characters");
-            }
-            if e.key.as_ref().is_some_and(|k| k.len() > 1024) {
-                return bad("key longer than 1024 bytes");
-            }
-            if e.offered > MAX_COUNT || e.admitted > e.offered {
-                return bad("counts must satisfy 0 <= admitted <= offered <= 10^12");
-            }
-            // Absurd rates are refused rather than clamped: a clamped lie still moves ratios.
-            if e.offered as f64 * 1000.0 / self.interval_ms as f64 > MAX_RATE {
-                return bad("offered more than 10^8 requests/s for one key from one source");
-            }
-            if e.limit.count == 0 || e.limit.period_ms == 0 || e.limit.period_ms > 86_400_000 * 365
-            {
-                return bad("limit needs count > 0 and a period between 1 ms and 365 d");
+            if let Some(what) = self.problem(e) {
+                return Err(ReportError::Entry(i, what));
             }
         }
         Ok(())
+    }
+
+    /// Puts every key in its canonical form ([`crate::key::canonical_key`]: what proxies of
+    /// every release look ratios up by) and drops the entries [`validate`](Self::validate)
+    /// would refuse, so that one bad entry never costs a whole report; returns how many.
+    pub fn drop_invalid(&mut self) -> usize {
+        for e in &mut self.entries {
+            if let Some(k) = &e.key {
+                if let std::borrow::Cow::Owned(c) = crate::key::canonical_key(k) {
+                    e.key = Some(c);
+                }
+            }
+        }
+        let before = self.entries.len();
+        let entries = std::mem::take(&mut self.entries);
+        self.entries = entries
+            .into_iter()
+            .filter(|e| self.problem(e).is_none())
+            .collect();
+        before - self.entries.len()
+    }
+
+    /// What is wrong with one entry, if anything.
+    fn problem(&self, e: &Entry) -> Option<&'static str> {
+        if e.service.is_empty() || e.rule.is_empty() || e.service.len() > 64 || e.rule.len() > 64 {
+            return Some("service and rule are 1 to 64 characters");
+        }
+        if e.key.as_ref().is_some_and(|k| k.len() > 1024) {
+            return Some("key longer than 1024 bytes");
+        }
+        if e.offered > MAX_COUNT || e.admitted > e.offered {
+            return Some("counts must satisfy 0 <= admitted <= offered <= 10^12");
+        }
+        // Absurd rates are refused rather than clamped: a clamped lie still moves ratios.
+        if e.offered as f64 * 1000.0 / self.interval_ms.max(1) as f64 > MAX_RATE {
+            return Some("offered more than 10^8 requests/s for one key from one source");
+        }
+        if e.limit.count == 0 || e.limit.period_ms == 0 || e.limit.period_ms > 86_400_000 * 365 {
+            return Some("limit needs count > 0 and a period between 1 ms and 365 d");
+        }
+        None
     }
 }
 

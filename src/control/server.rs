@@ -296,10 +296,17 @@ pub async fn receive_report(
     if let Err(resp) = check_token(&req, token.get().as_deref().map(Vec::as_slice)) {
         return refuse("unauthorized", resp);
     }
-    let report: super::Report = match read_json(req).await {
+    let mut report: super::Report = match read_json(req).await {
         Ok(r) => r,
         Err(resp) => return refuse("malformed", resp),
     };
+    // One bad entry (a proxy's odd key) must not switch off every rule of the report.
+    let dropped = report.drop_invalid();
+    if dropped > 0 {
+        reports
+            .with_label_values(&["entries_dropped"])
+            .inc_by(dropped as u64);
+    }
     if let Err(e) = report.validate() {
         return refuse("invalid", error(StatusCode::BAD_REQUEST, &e.to_string()));
     }

@@ -58,9 +58,26 @@ pub enum Failure {
     Timeout,
     /// The connection broke during the call.
     Connection,
-    /// Redis answered with an error (out of memory, a wrong type, a script error...).
+    /// Redis answered with an error about its own state (out of memory, read-only, busy,
+    /// loading, cluster down): it counts toward the breaker.
     Server,
+    /// A script or its arguments failed, or its answer was not understood: Redis is up, so
+    /// this never opens the breaker; `on_error` still decides the request.
+    Script,
 }
+
+/// Error codes that say Redis itself cannot serve now (as opposed to a script's mistake).
+const SERVER_STATE: [&str; 9] = [
+    "OOM",
+    "READONLY",
+    "BUSY",
+    "LOADING",
+    "CLUSTERDOWN",
+    "MASTERDOWN",
+    "TRYAGAIN",
+    "NOREPLICAS",
+    "MISCONF",
+];
 
 #[derive(Clone)]
 enum Conn {
@@ -276,8 +293,8 @@ impl Exact {
                     Ok(answer)
                 }
                 None => {
-                    self.failed(Failure::Server, probe);
-                    Err(Failure::Server)
+                    self.failed(Failure::Script, probe);
+                    Err(Failure::Script)
                 }
             },
             Ok(Err(e)) => {
@@ -296,9 +313,12 @@ impl Exact {
                     Failure::Connection
                 } else if e.is_timeout() {
                     Failure::Timeout
-                } else {
-                    tracing::debug!(error = %e, "redis answered with an error");
+                } else if e.code().is_some_and(|c| SERVER_STATE.contains(&c)) {
+                    tracing::debug!(error = %e, "redis cannot serve now");
                     Failure::Server
+                } else {
+                    tracing::warn!(error = %e, "a redis script failed");
+                    Failure::Script
                 };
                 self.failed(kind, probe);
                 Err(kind)
@@ -353,6 +373,12 @@ impl Exact {
             Failure::NotConnected | Failure::Connection => RedisError::Connection,
             Failure::Timeout => RedisError::Timeout,
             Failure::Server => RedisError::Server,
+            Failure::Script => {
+                // Redis answered: it is up, whatever the script did.
+                self.metrics.error(RedisError::Script).inc();
+                self.succeeded();
+                return;
+            }
         };
         self.metrics.error(label).inc();
         if self.breaker.failure(self.clock.now(), probe) {
@@ -423,18 +449,22 @@ async fn connector(exact: Weak<Exact>) {
     }
 }
 
-/// `{service:rule:key}`: the braces make the whole name the hash tag, so every key a script
-/// derives from it (`:log`, `:fw:<window>`...) lives on the same cluster node.
+/// `{service:rule:<digest>}`: the braces make the whole name the hash tag, so every key a
+/// script derives from it (`:log`, `:fw:<window>`...) lives on the same cluster node. The
+/// client's part is the hex SHA-256 of its key: every Redis key has one size whatever the
+/// client sent, and no `{` or `}` of a client's can move the tag (service and rule names
+/// hold neither).
 pub fn redis_key(service: &str, rule: &str, key: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(service.len() + rule.len() + key.len() + 4);
+    use sha2::Digest as _;
+    let mut out = crate::key::KeyBuf::new();
     out.push(b'{');
     out.extend_from_slice(service.as_bytes());
     out.push(b':');
     out.extend_from_slice(rule.as_bytes());
     out.push(b':');
-    out.extend_from_slice(key);
+    crate::key::push_hex(&mut out, &sha2::Sha256::digest(key));
     out.push(b'}');
-    out
+    out.to_vec()
 }
 
 fn parse_answer(v: &[i64]) -> Option<Answer> {

@@ -28,6 +28,7 @@ use smallvec::SmallVec;
 use super::affine::{Affine, Upstream};
 use super::coarse::{timeout, Sleep, Timers};
 use super::respond::{self, Body};
+use crate::config::UpgradeProtocol;
 use crate::gate::PermitBody;
 use crate::limit::Permit;
 use crate::metrics::{Metrics, UpstreamError};
@@ -282,6 +283,8 @@ pub struct Forward<'a> {
     pub affine: Option<(&'a Affine, &'a Upstream)>,
     /// The request's start (the clock's nanoseconds).
     pub now: u64,
+    /// The `Upgrade` protocols that may be forwarded.
+    pub upgrades: &'a [UpgradeProtocol],
 }
 
 impl Forward<'_> {
@@ -295,9 +298,13 @@ impl Forward<'_> {
         req: &mut Request<ReqBody>,
         mut permits: SmallVec<[Permit; 1]>,
     ) -> Response<Body> {
-        // HTTP/1.1 upgrades only: an HTTP/2 upstream has no Upgrade.
-        let upgrade =
-            (!self.h2 && is_upgrade(req.headers())).then(|| hyper::upgrade::on(&mut *req));
+        // HTTP/1.1 upgrades only (an HTTP/2 upstream has no Upgrade), and only to a listed
+        // protocol: any other `Upgrade` (h2c, whose tunnel no rule would see) is dropped with
+        // the hop's fields, and the request goes on as a plain one.
+        let asked = (!self.h2)
+            .then(|| upgrade_asked(req.headers(), self.upgrades))
+            .flatten();
+        let upgrade = asked.map(|_| hyper::upgrade::on(&mut *req));
         // A small body of hyper's (an HTTP/2 stream's, which usually comes in the frame after
         // its head) that is all there already goes on like one read with its head; its one
         // `Content-Length` frames it upstream. One still coming is streamed through the pool.
@@ -370,11 +377,32 @@ impl Forward<'_> {
             None => return self.failed(UpstreamError::ResponseTimeout),
         };
         if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-            if let Some(client_side) = upgrade {
-                let upstream_side = hyper::upgrade::on(&mut resp);
-                // The tunnel, not the empty 101 body, holds the concurrency slots.
-                tokio::spawn(splice(client_side, upstream_side, permits));
-                return resp.map(|b| Either::Left(PermitBody::new(b, SmallVec::new())));
+            let answered = resp
+                .headers()
+                .get(header::UPGRADE)
+                .map(|v| v.as_bytes().trim_ascii());
+            match (upgrade, asked) {
+                (Some(client_side), Some(token))
+                    if answered.is_some_and(|a| a.eq_ignore_ascii_case(token.as_bytes())) =>
+                {
+                    let upstream_side = hyper::upgrade::on(&mut resp);
+                    // The tunnel, not the empty 101 body, holds the concurrency slots.
+                    tokio::spawn(splice(client_side, upstream_side, permits));
+                    return resp.map(|b| Either::Left(PermitBody::new(b, SmallVec::new())));
+                }
+                // A switch nobody asked for, or to another protocol: the connection would carry
+                // what no rule sees. Dropping `resp` closes the upstream connection.
+                _ => {
+                    self.metrics.upstream_error(UpstreamError::Protocol).inc();
+                    let mut answer = respond::error(
+                        StatusCode::BAD_GATEWAY,
+                        "upstream switched to a protocol that was not asked for",
+                    );
+                    answer
+                        .headers_mut()
+                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+                    return answer;
+                }
             }
         }
         // The own connection's response comes without them (`h1` leaves them out).
@@ -581,13 +609,23 @@ impl Added {
     }
 }
 
-/// True for an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade: ...`).
-fn is_upgrade(headers: &HeaderMap) -> bool {
-    headers.contains_key(header::UPGRADE)
-        && headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .any(|v| has_token(v.as_bytes(), b"upgrade"))
+/// The listed protocol an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade: ...`)
+/// asks for: its one `Upgrade` value must be a protocol of `allowed` (a version suffix such
+/// as `websocket/13` is not one: WebSocket is asked for as `websocket`).
+fn upgrade_asked(headers: &HeaderMap, allowed: &[UpgradeProtocol]) -> Option<&'static str> {
+    let mut values = headers.get_all(header::UPGRADE).iter();
+    let (Some(value), None) = (values.next(), values.next()) else {
+        return None;
+    };
+    let asks = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .any(|v| has_token(v.as_bytes(), b"upgrade"));
+    let value = value.as_bytes().trim_ascii();
+    allowed
+        .iter()
+        .map(|p| p.token())
+        .find(|t| asks && value.eq_ignore_ascii_case(t.as_bytes()))
 }
 
 /// The request's body length when one `Content-Length` field gives it.
@@ -825,10 +863,34 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(header::CONNECTION, "Upgrade".parse().unwrap());
         h.insert(header::UPGRADE, "websocket".parse().unwrap());
-        assert!(is_upgrade(&h));
+        assert_eq!(
+            upgrade_asked(&h, &[UpgradeProtocol::Websocket]),
+            Some("websocket")
+        );
+        assert_eq!(upgrade_asked(&h, &[]), None);
         strip_hop_by_hop(&mut h, true);
         assert_eq!(h.get(header::UPGRADE).unwrap(), "websocket");
         assert_eq!(h.get(header::CONNECTION).unwrap(), "upgrade");
+    }
+
+    #[test]
+    fn only_a_listed_protocol_is_an_upgrade() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            "Upgrade, HTTP2-Settings".parse().unwrap(),
+        );
+        h.insert(header::UPGRADE, "h2c".parse().unwrap());
+        assert_eq!(upgrade_asked(&h, &[UpgradeProtocol::Websocket]), None);
+        h.insert(header::UPGRADE, "websocket, h2c".parse().unwrap());
+        assert_eq!(upgrade_asked(&h, &[UpgradeProtocol::Websocket]), None);
+        h.insert(header::UPGRADE, "WebSocket".parse().unwrap());
+        assert_eq!(
+            upgrade_asked(&h, &[UpgradeProtocol::Websocket]),
+            Some("websocket")
+        );
+        h.append(header::UPGRADE, "h2c".parse().unwrap());
+        assert_eq!(upgrade_asked(&h, &[UpgradeProtocol::Websocket]), None);
     }
 
     fn added(h: &HeaderMap, trust: bool) -> Added {

@@ -70,7 +70,10 @@ pub struct Shared {
     upstream_h2: bool,
     pub clock: AnyClock,
     pub metrics: Arc<Metrics>,
-    trusted_hops: u8,
+    /// Who the client is, and whose forwarded fields and costs are believed.
+    client_ip: key::ClientIpPolicy,
+    /// What is done to a request's target and headers before the rules see it.
+    hygiene: Hygiene,
     max_header_bytes: usize,
     response_timeout: Duration,
     // Relaxed: a flag read by /readyz; nothing else is published through it.
@@ -175,7 +178,8 @@ impl Sidecar {
             upstream_h2: config.upstream.h2,
             clock,
             metrics,
-            trusted_hops: config.client_ip.trusted_hops,
+            client_ip: config.client_ip.policy(),
+            hygiene: Hygiene::of(&config),
             max_header_bytes: config.limits.max_header_bytes.0,
             response_timeout: t.upstream_response.0,
             draining: AtomicBool::new(false),
@@ -648,18 +652,37 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
             "request headers are larger than this proxy accepts",
         );
     }
+    if let Err((reason, detail)) = shared.hygiene.apply(req) {
+        metrics.bad_requests.with_label_values(&[reason]).inc();
+        metrics
+            .duration(Outcome::Error)
+            .observe(elapsed(shared, start));
+        let mut resp = respond::error(StatusCode::BAD_REQUEST, &detail);
+        // What follows on the connection may be as malformed: nginx closes after a 400 too.
+        resp.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+        return resp;
+    }
     let grpc = respond::is_grpc(req.headers());
     // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
     // and never holds the rule snapshot across that wait.
-    let client_ip = key::client_ip(req.headers(), peer.ip(), shared.trusted_hops);
-    let view = RequestView::of(req, client_ip);
+    let trusted = shared.client_ip.trusts(peer.ip());
+    let client_ip = shared.client_ip.client(req.headers(), peer.ip());
+    let view = RequestView::of(req, client_ip)
+        .trusted(trusted)
+        .strict(shared.hygiene.strict_path);
     let admitted = gate::admit(&shared.rules, &shared.clock, &view).await;
     let admit = match admitted {
         Ok(admit) => admit,
         Err(refusal) => {
-            let outcome = match refusal {
+            let outcome = match &refusal {
                 gate::Refusal::Limited(_) => Outcome::Rejected,
-                gate::Refusal::BadCost(_) => Outcome::Error,
+                gate::Refusal::BadRequest(bad) => {
+                    metrics.bad_requests.with_label_values(&[bad.reason]).inc();
+                    Outcome::Error
+                }
             };
             metrics.duration(outcome).observe(elapsed(shared, start));
             let mut resp = respond::refused(&refusal, grpc);
@@ -686,13 +709,14 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
         client: &conn.client,
         upstream: &shared.upstream,
         peer: peer.ip(),
-        trust_forwarded: shared.trusted_hops > 0,
+        trust_forwarded: trusted,
         response_timeout: shared.response_timeout,
         timers: &conn.timers,
         metrics,
         h2: shared.upstream_h2,
         affine: (!shared.upstream_h2).then_some((&conn.affine, &shared.affine_upstream)),
         now: start,
+        upgrades: &shared.hygiene.upgrades,
     };
     let mut resp = fwd.send(req, admit.permits).await;
     let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
@@ -708,6 +732,67 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     }
     metrics.duration(outcome).observe(elapsed(shared, start));
     resp
+}
+
+/// What is checked and rewritten in a request before any rule sees it: one `Host`, one
+/// canonical path, no client-written identity fields the app might believe.
+struct Hygiene {
+    normalize_path: bool,
+    reject_separators: bool,
+    strict_path: bool,
+    upgrades: Vec<crate::config::UpgradeProtocol>,
+}
+
+static X_REAL_IP: http::HeaderName = http::HeaderName::from_static("x-real-ip");
+
+impl Hygiene {
+    fn of(config: &Config) -> Self {
+        Hygiene {
+            normalize_path: config.normalize_path,
+            reject_separators: config.path_escapes == crate::config::PathEscapes::Reject,
+            strict_path: config.path_match == crate::config::PathMatch::Strict,
+            upgrades: config.upgrades.clone(),
+        }
+    }
+
+    /// Refuses what is ambiguous (a missing or repeated `Host`, a path that cannot be
+    /// normalised) with the `bad_requests` reason and a detail; rewrites the path to its
+    /// canonical spelling; drops `Forwarded`, `X-Real-IP` and names with `_` (which CGI-style
+    /// servers read as their `-` twins: `X_Forwarded_For`). Allocates only when it rewrites.
+    fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
+        let mut hosts = req.headers().get_all(http::header::HOST).iter();
+        match (hosts.next(), hosts.next()) {
+            (_, Some(_)) => {
+                return Err(("host", "the request has more than one Host header".into()));
+            }
+            (None, _) if req.version() == http::Version::HTTP_11 => {
+                return Err(("host", "an HTTP/1.1 request must have a Host header".into()));
+            }
+            _ => {}
+        }
+        if self.normalize_path {
+            match crate::target::canonical_uri(req.uri(), self.reject_separators) {
+                Ok(Some(uri)) => *req.uri_mut() = uri,
+                Ok(None) => {}
+                Err(e) => return Err(("target", e.to_string())),
+            }
+        }
+        let suspect = |n: &http::HeaderName| {
+            n == http::header::FORWARDED || n == X_REAL_IP || n.as_str().contains('_')
+        };
+        if req.headers().keys().any(suspect) {
+            let names: Vec<http::HeaderName> = req
+                .headers()
+                .keys()
+                .filter(|n| suspect(n))
+                .cloned()
+                .collect();
+            for name in names {
+                req.headers_mut().remove(name);
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A refused request's body is read and dropped up to this many bytes...

@@ -3,7 +3,7 @@
 //!
 //! Owns what a reload may change while running (the rules, `headers`, the `redis` section)
 //! and what it reports as needing a restart (listeners, upstream, workers, timeouts, limits,
-//! client_ip, control_plane, service). Must never: change anything when the new file is bad,
+//! client_ip, the request hygiene fields, control_plane, service). Must never: change anything when the new file is bad,
 //! or run two reloads at once.
 
 use std::path::{Path, PathBuf};
@@ -176,6 +176,10 @@ fn restart_fields(old: &Config, new: &Config) -> Vec<&'static str> {
     check("upstream", !same(&old.upstream, &new.upstream));
     check("admin", old.admin != new.admin);
     check("client_ip", !same(&old.client_ip, &new.client_ip));
+    check("normalize_path", old.normalize_path != new.normalize_path);
+    check("path_escapes", old.path_escapes != new.path_escapes);
+    check("path_match", old.path_match != new.path_match);
+    check("upgrades", old.upgrades != new.upgrades);
     check("timeouts", !same(&old.timeouts, &new.timeouts));
     check("limits", !same(&old.limits, &new.limits));
     check("workers", old.workers != new.workers);

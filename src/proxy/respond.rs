@@ -54,10 +54,14 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
 pub fn refusal<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: bool) -> Ours<L, R> {
     match refusal {
         Refusal::Limited(denial) => too_many_requests(denial, grpc),
-        Refusal::BadCost(header) => error(
-            StatusCode::BAD_REQUEST,
-            &format!("the {header} header must be a whole number"),
-        ),
+        Refusal::BadRequest(bad) => {
+            let body = format!(
+                "{{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\"detail\":{},\"rule\":{}}}\n",
+                serde_json::Value::from(bad.detail.as_str()),
+                serde_json::Value::from(&*bad.rule)
+            );
+            problem(StatusCode::BAD_REQUEST, Bytes::from(body))
+        }
     }
 }
 

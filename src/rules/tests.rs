@@ -253,18 +253,43 @@ fn with_headers_always_allowed_requests_carry_each_rules_state() {
 }
 
 #[test]
-fn past_max_keys_new_keys_share_one_overflow_bucket() {
+fn past_max_keys_each_new_key_is_limited_by_the_sketch_not_one_shared_bucket() {
     let (rules, m) = ruleset(
         "  - name: r\n    key: client_ip\n    limit: { rate: 1/h, burst: 1 }\n    max_keys: 2\n",
         "on_reject",
     );
     assert!(req("GET", "/", &[]).from("10.0.0.1").allowed(&rules, T0));
     assert!(req("GET", "/", &[]).from("10.0.0.2").allowed(&rules, T0));
-    // The store is full: the next new keys all drain the one overflow bucket.
+    // The store is full of states still refilling: newcomers are each admitted once...
     assert!(req("GET", "/", &[]).from("10.0.0.3").allowed(&rules, T0));
-    assert!(!req("GET", "/", &[]).from("10.0.0.4").allowed(&rules, T0));
+    assert!(req("GET", "/", &[]).from("10.0.0.4").allowed(&rules, T0));
+    // ...and each limited on its own.
+    assert!(!req("GET", "/", &[]).from("10.0.0.3").allowed(&rules, T0));
     assert_eq!(rules.tracked_keys("r"), Some(2));
-    assert_eq!(m.overflow.with_label_values(&["r"]).get(), 2);
+    assert_eq!(m.overflow.with_label_values(&["r"]).get(), 3);
+    assert_eq!(m.sketch_refused.with_label_values(&["r"]).get(), 1);
+    // Tracked keys keep their own state.
+    assert!(!req("GET", "/", &[]).from("10.0.0.1").allowed(&rules, T0));
+}
+
+#[test]
+fn a_full_store_gives_an_idle_state_s_place_to_a_new_key() {
+    let (rules, m) = ruleset(
+        "  - name: r\n    key: client_ip\n    limit: { rate: 1/s, burst: 1 }\n    max_keys: 2\n",
+        "on_reject",
+    );
+    assert!(req("GET", "/", &[]).from("10.0.0.1").allowed(&rules, T0));
+    assert!(req("GET", "/", &[])
+        .from("10.0.0.2")
+        .allowed(&rules, T0 + NANOS_PER_SEC / 2));
+    // 10.0.0.1's bucket is whole again a second later (indistinguishable from fresh);
+    // 10.0.0.2's is not: the newcomer takes 10.0.0.1's place, and 10.0.0.2 keeps its state.
+    let later = T0 + NANOS_PER_SEC;
+    assert!(req("GET", "/", &[]).from("10.0.0.3").allowed(&rules, later));
+    assert_eq!(rules.tracked_keys("r"), Some(2));
+    assert_eq!(m.evicted.with_label_values(&["r", "idle"]).get(), 1);
+    assert_eq!(m.overflow.with_label_values(&["r"]).get(), 0);
+    assert!(!req("GET", "/", &[]).from("10.0.0.2").allowed(&rules, later));
 }
 
 #[test]

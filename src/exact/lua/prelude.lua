@@ -6,6 +6,7 @@
 if redis.replicate_commands then pcall(redis.replicate_commands) end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cost = tonumber(ARGV[1])
+-- Never nil, never below 1: a script must not fail whatever the cost argument holds.
+local cost = math.max(1, math.floor(tonumber(ARGV[1]) or 1))
 local function ms(us) return math.floor(us / 1000) + 1 end
 local function id(n) return string.format('%.0f', n) end

@@ -10,7 +10,8 @@ if used + cost > limit then
   -- The request fits once the (used + cost - limit)th oldest unit has left the window.
   local n = used + cost - limit - 1
   local e = redis.call('ZRANGE', log, n, n, 'WITHSCORES')
-  local retry = tonumber(e[2]) + window - now
+  local retry = window
+  if e[2] then retry = tonumber(e[2]) + window - now end
   return {0, math.max(0, limit - used), retry, retry}
 end
 local last = redis.call('INCRBY', seq, cost)
@@ -27,4 +28,6 @@ end
 redis.call('PEXPIRE', log, ms(window))
 redis.call('PEXPIRE', seq, ms(window))
 local oldest = redis.call('ZRANGE', log, 0, 0, 'WITHSCORES')
-return {1, limit - used - cost, 0, tonumber(oldest[2]) + window - now}
+local reset = window
+if oldest[2] then reset = tonumber(oldest[2]) + window - now end
+return {1, limit - used - cost, 0, reset}
