@@ -105,7 +105,7 @@ impl RedisMetrics {
         let errors = IntCounterVec::new(
             Opts::new(
                 "spillway_redis_errors_total",
-                "Redis decisions that failed, by kind (timeout, connection, server).",
+                "Redis decisions that failed, by kind (timeout, connection, server; script: a script or its answer failed, which never opens the breaker).",
             ),
             &["kind"],
         )

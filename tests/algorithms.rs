@@ -74,7 +74,7 @@ async fn the_leaky_bucket_queues_its_burst_and_refuses_past_it() {
 async fn a_header_cost_takes_that_many_units_and_a_bad_one_gets_400() {
     let (sc, _up, _clock) = sidecar_with_clock(&rule(
         "{ rate: 1/h, burst: 10 }",
-        "    cost: { header: x-cost, default: 1, max: 100 }\n",
+        "    cost: { header: x-cost, default: 1, max: 100, from: any }\n",
     ))
     .await;
     let with_cost = |c: &'static str| [("x-client", "a"), ("x-cost", c)];
@@ -87,7 +87,7 @@ async fn a_header_cost_takes_that_many_units_and_a_bad_one_gets_400() {
     let (status, _, body) = get(sc.addr(), "/", &with_cost("lots")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(
-        body.contains("x-cost header must be a whole number"),
+        body.contains("x-cost, which must be sent once, as a whole number of at least 1"),
         "{body}"
     );
 }
@@ -96,7 +96,7 @@ async fn a_header_cost_takes_that_many_units_and_a_bad_one_gets_400() {
 async fn a_cost_above_the_burst_is_refused_and_never_admitted() {
     let (sc, _up, clock) = sidecar_with_clock(&rule(
         "{ rate: 10/s, burst: 10 }",
-        "    cost: { header: x-cost, max: 100 }\n",
+        "    cost: { header: x-cost, max: 100, from: any }\n",
     ))
     .await;
     let h = [("x-client", "a"), ("x-cost", "50")];
@@ -197,22 +197,32 @@ async fn concurrency_limits_requests_in_flight_and_frees_the_slot_when_the_body_
 }
 
 #[tokio::test]
-async fn past_max_keys_new_keys_share_the_overflow_bucket() {
+async fn past_max_keys_each_new_key_is_estimated_on_its_own() {
     let (sc, _up, _clock) =
         sidecar_with_clock(&rule("{ rate: 1/h, burst: 1 }", "    max_keys: 2\n")).await;
     for k in ["a", "b", "c", "d"] {
-        get(sc.addr(), "/", &[("x-client", k)]).await;
+        assert_eq!(
+            get(sc.addr(), "/", &[("x-client", k)]).await.0,
+            StatusCode::OK
+        );
     }
-    // a and b own buckets; c took the overflow bucket's only token, d found it empty.
-    assert_eq!(
-        get(sc.addr(), "/", &[("x-client", "e")]).await.0,
-        StatusCode::TOO_MANY_REQUESTS
-    );
+    // a and b own buckets; c and d are counted by the sketch, each on its own.
+    for k in ["a", "c", "d"] {
+        assert_eq!(
+            get(sc.addr(), "/", &[("x-client", k)]).await.0,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{k}"
+        );
+    }
     let (_, text) = admin(&sc, "/metrics").await;
     assert_eq!(metric(&text, "spillway_keys{rule=\"r\"}"), Some(2.0));
     assert_eq!(
         metric(&text, "spillway_overflow_total{rule=\"r\"}"),
-        Some(3.0)
+        Some(4.0)
+    );
+    assert_eq!(
+        metric(&text, "spillway_sketch_refused_total{rule=\"r\"}"),
+        Some(2.0)
     );
 }
 

@@ -270,9 +270,16 @@ async fn reports_need_the_token_and_must_be_well_formed() {
     assert_eq!(status, StatusCode::OK, "{body}");
     let reply: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert!((reply["ratios"][0]["ratio"].as_f64().unwrap() - 2.0 / 3.0).abs() < 1e-9);
+    // An invalid entry is dropped and counted; the report is not refused for it.
+    let (status, body) = post(
+        Some("Bearer s3cret"),
+        report.replace("\"admitted\":30", "\"admitted\":31"),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("\"ratios\":[]"), "{body}");
     for bad in [
         "not json".to_string(),
-        report.replace("\"admitted\":30", "\"admitted\":31"),
         report.replace("\"version\":1", "\"version\":9"),
         report.replace("\"offered\":30", "\"offered\":-1"),
     ] {

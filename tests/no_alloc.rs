@@ -93,6 +93,58 @@ fn a_known_key_is_decided_without_allocating_for_every_algorithm() {
 }
 
 #[test]
+fn a_canonical_request_passes_hygiene_and_the_hostile_client_checks_without_allocating() {
+    let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nclient_ip: { trusted_proxies: [10.0.0.0/8, 192.168.0.0/16] }\nrules:\n  - name: paths\n    match: { path_prefix: /API/, path_regex: '^/api/[a-z]+$' }\n    key: [client_ip, path, query:user]\n    limit: { rate: 5/s }\n    cost: { header: x-cost, max: 3 }\n  - name: exact\n    match: { path: /api/orders }\n    key: [header:x-api-key]\n    limit: { rate: 5/s }\n    max_keys: 1\n";
+    let config = Config::from_yaml(yaml, "t").unwrap();
+    let rules = RuleSet::build(&config, &Metrics::new());
+    let hygiene = spillway::proxy::Hygiene::of(&config);
+    let policy = config.client_ip.policy();
+    let peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2));
+    let mut req = http::Request::get("/api/orders?user=bob")
+        .header("host", "app")
+        .header("x-forwarded-for", "203.0.113.9, 192.168.1.1")
+        .header("x-cost", "2")
+        .header("x-api-key", "k")
+        .body(())
+        .unwrap();
+    let decide = |req: &mut http::Request<()>, now: u64| {
+        hygiene.apply(req).unwrap();
+        let client = policy.client(req.headers(), peer);
+        let view = RequestView::of(req, client).trusted(policy.trusts(peer));
+        matches!(rules.check(&view, now), Verdict::Allow(_))
+    };
+    // Warm: the keys are inserted, the second rule's store is full at one key.
+    for i in 0..10 {
+        decide(&mut req, 1_000_000_000 + i);
+    }
+    // Both rules matched (the prefix and regex without case) and keyed the request.
+    assert_eq!(rules.tracked_keys("paths"), Some(1));
+    assert_eq!(rules.tracked_keys("exact"), Some(1));
+    let n = allocations_during(|| {
+        for i in 0..1000 {
+            decide(&mut req, 2_000_000_000 + i * 1_000_000);
+        }
+    });
+    assert_eq!(n, 0, "{n} allocations in 1000 decisions");
+    // An untracked key (the store full) is decided by the sketch, also without allocating
+    // once the sketch exists.
+    let mut other = http::Request::get("/api/orders?user=bob")
+        .header("host", "app")
+        .header("x-api-key", "untracked")
+        .body(())
+        .unwrap();
+    for i in 0..10 {
+        decide(&mut other, 3_000_000_000 + i);
+    }
+    let n = allocations_during(|| {
+        for i in 0..1000 {
+            decide(&mut other, 4_000_000_000 + i * 1_000_000);
+        }
+    });
+    assert_eq!(n, 0, "{n} allocations in 1000 sketch decisions");
+}
+
+#[test]
 fn the_drop_ratio_path_does_not_allocate() {
     let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1' }\nrules:\n  - name: g\n    key: client_ip\n    limit: { rate: 5/s }\n    scope: global\n";
     let config = Config::from_yaml(yaml, "t").unwrap();

@@ -178,9 +178,9 @@ async fn tuple_keys_limit_each_combination() {
 }
 
 #[tokio::test]
-async fn with_trusted_hops_the_key_is_the_trusted_entry_not_the_spoofable_left() {
+async fn behind_a_listed_proxy_the_key_is_the_trusted_entry_not_the_spoofable_left() {
     let (sc, _up) = sidecar(
-        "client_ip: { trusted_hops: 1 }\nrules:\n  - name: r\n    key: client_ip\n    limit: { rate: 1/h, burst: 1 }\n",
+        "client_ip: { trusted_proxies: [127.0.0.1], trusted_hops: 1 }\nrules:\n  - name: r\n    key: client_ip\n    limit: { rate: 1/h, burst: 1 }\n",
     )
     .await;
     let xff = |v: &'static str| [("x-forwarded-for", v)];

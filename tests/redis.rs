@@ -28,6 +28,12 @@ fn yaml(redis: &RedisServer, section: &str, limit: &str, extra: &str) -> String 
     )
 }
 
+/// The Redis key of rule `r` of service `test` for client key `key`, then `suffix`.
+fn rkey(key: &str, suffix: &str) -> String {
+    let base = spillway::exact::redis_key("test", "r", key.as_bytes());
+    format!("{}{suffix}", String::from_utf8(base).unwrap())
+}
+
 async fn start(up: SocketAddr, yaml: &str) -> Sidecar {
     Sidecar::start(config(up, yaml)).await.unwrap()
 }
@@ -174,7 +180,7 @@ async fn a_cost_above_the_limit_is_refused_without_a_retry_time() {
                 &redis,
                 "",
                 &format!("{{ rate: 3/m, algorithm: {algorithm} }}"),
-                "    cost: { header: x-cost, default: 1, max: 100 }\n",
+                "    cost: { header: x-cost, default: 1, max: 100, from: any }\n",
             ),
         )
         .await;
@@ -208,7 +214,7 @@ async fn sliding_log_members_are_unique_so_simultaneous_requests_all_count() {
     assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
     let mut conn = redis.conn().await;
     let members: u64 = redis::cmd("ZCARD")
-        .arg("{test:r:same}:log")
+        .arg(rkey("same", ":log"))
         .query_async(&mut conn)
         .await
         .unwrap();
@@ -233,7 +239,7 @@ async fn every_key_carries_a_ttl_no_longer_than_its_window_needs() {
         get(sc.addr(), "/", &[("x-client", algorithm)]).await;
         let mut conn = redis.conn().await;
         let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("{{test:r:{algorithm}}}*"))
+            .arg(rkey(algorithm, "*"))
             .query_async(&mut conn)
             .await
             .unwrap();
@@ -272,9 +278,9 @@ async fn keys_are_gone_once_their_window_has_passed() {
     .await;
     get(sc.addr(), "/", &[("x-client", "gone")]).await;
     let mut conn = redis.conn().await;
-    let pattern = "{test:r:gone}*";
+    let pattern = rkey("gone", "*");
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg(pattern)
+        .arg(&pattern)
         .query_async(&mut conn)
         .await
         .unwrap();
@@ -283,7 +289,7 @@ async fn keys_are_gone_once_their_window_has_passed() {
     let mut left = keys.len();
     for _ in 0..100 {
         let keys: Vec<String> = redis::cmd("KEYS")
-            .arg(pattern)
+            .arg(&pattern)
             .query_async(&mut conn)
             .await
             .unwrap();
@@ -534,8 +540,8 @@ async fn redis_restarted_decisions_resume_and_the_scripts_are_loaded_again() {
         // Start b afresh for the next try.
         let mut conn = redis.conn().await;
         let _: () = redis::cmd("DEL")
-            .arg("{test:r:b}:log")
-            .arg("{test:r:b}:seq")
+            .arg(rkey("b", ":log"))
+            .arg(rkey("b", ":seq"))
             .query_async(&mut conn)
             .await
             .unwrap();
@@ -678,4 +684,98 @@ async fn clear_of_hour_edge_by_local_clock() {
     if 3600 - into < 30 {
         tokio::time::sleep(Duration::from_secs(3600 - into + 1)).await;
     }
+}
+
+#[tokio::test]
+async fn a_client_s_key_never_sizes_or_moves_a_redis_key() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &yaml(
+            &redis,
+            "",
+            "{ rate: 5/m, algorithm: sliding_window_log }",
+            "",
+        ),
+    )
+    .await;
+    let long = format!("a}}b{{{}", "x".repeat(8000));
+    for key in ["plain", "}{", "a}b{c}", long.as_str()] {
+        let (status, ..) = get(sc.addr(), "/", &[("x-client", key)]).await;
+        assert_eq!(status, StatusCode::OK, "{key:.20}");
+    }
+    let mut conn = redis.conn().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys.len(), 2 * 4, "{keys:?}");
+    let base = "{test:r:".len() + 64 + 1;
+    for k in &keys {
+        // The tag is the service, the rule and a digest: no brace of a client's inside.
+        assert!(k.starts_with("{test:r:"), "{k}");
+        assert_eq!(k.find('}'), Some(base - 1), "{k}");
+        assert!(k.len() <= base + ":log".len(), "{k}");
+    }
+}
+
+#[test]
+fn scripts_never_fail_on_any_cost_or_key() {
+    use proptest::prelude::*;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let redis = RedisServer::start();
+    let config = spillway::Config::from_yaml(
+        &format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nredis: {{ url: {}, timeout: 2s, on_error: deny }}\n",
+            redis.url()
+        ),
+        "t",
+    )
+    .unwrap();
+    let metrics = spillway::metrics::Metrics::new();
+    let exact = spillway::exact::Exact::new(
+        config.redis.as_ref().unwrap(),
+        "s",
+        metrics.redis.clone(),
+        AnyClock::default(),
+    )
+    .unwrap();
+    rt.block_on(exact.start());
+    assert!(exact.is_connected());
+    let algorithms = [
+        spillway::limit::Algorithm::FixedWindow,
+        spillway::limit::Algorithm::SlidingWindowLog,
+        spillway::limit::Algorithm::SlidingWindowCounter,
+        spillway::limit::Algorithm::Gcra,
+    ];
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(64));
+    runner
+        .run(
+            &(
+                proptest::collection::vec(any::<u8>(), 0..200),
+                prop_oneof![Just(0u32), 1u32..5, Just(u32::MAX), any::<u32>()],
+                1u32..1000,
+            ),
+            |(key, cost, burst)| {
+                let quota = spillway::limit::Quota::new(
+                    std::num::NonZeroU32::new(burst).unwrap(),
+                    Duration::from_secs(60),
+                    std::num::NonZeroU32::new(burst).unwrap(),
+                )
+                .unwrap();
+                for algorithm in algorithms {
+                    let answer = rt.block_on(exact.decide("r", &key, algorithm, &quota, cost));
+                    prop_assert!(answer.is_ok(), "{algorithm:?} cost {cost}: {answer:?}");
+                }
+                Ok(())
+            },
+        )
+        .unwrap();
+    let text = String::from_utf8(metrics.render()).unwrap();
+    assert_eq!(
+        count(&text, "spillway_redis_errors_total{kind=\"script\"}"),
+        0.0
+    );
 }

@@ -736,7 +736,7 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
 
 /// What is checked and rewritten in a request before any rule sees it: one `Host`, one
 /// canonical path, no client-written identity fields the app might believe.
-struct Hygiene {
+pub struct Hygiene {
     normalize_path: bool,
     reject_separators: bool,
     strict_path: bool,
@@ -746,7 +746,7 @@ struct Hygiene {
 static X_REAL_IP: http::HeaderName = http::HeaderName::from_static("x-real-ip");
 
 impl Hygiene {
-    fn of(config: &Config) -> Self {
+    pub fn of(config: &Config) -> Self {
         Hygiene {
             normalize_path: config.normalize_path,
             reject_separators: config.path_escapes == crate::config::PathEscapes::Reject,
@@ -759,7 +759,7 @@ impl Hygiene {
     /// normalised) with the `bad_requests` reason and a detail; rewrites the path to its
     /// canonical spelling; drops `Forwarded`, `X-Real-IP` and names with `_` (which CGI-style
     /// servers read as their `-` twins: `X_Forwarded_For`). Allocates only when it rewrites.
-    fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
+    pub fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
         let mut hosts = req.headers().get_all(http::header::HOST).iter();
         match (hosts.next(), hosts.next()) {
             (_, Some(_)) => {
