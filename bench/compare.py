@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Spillway against nginx and against no proxy, on loopback, with the same upstream.
+"""Spillway against nginx, HAProxy and no proxy, on loopback, with the same upstream.
 
 Each scenario runs wrk (HTTP/1.1, keep-alive) for a few seconds per connection count; rounds
 alternate the scenarios (A B C ... A B C ...) and the table reports medians, since the machine is
@@ -22,6 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPILLWAY = os.path.join(ROOT, "target", "release", "spillway")
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 KEYS = 100  # distinct x-client values the load spreads over
 
 # The end of every wrk script here: one RESULT line that `wrk()` below parses.
@@ -242,6 +243,8 @@ def main():
             ("spillway, global rule (drop ratio)", "global"),
             ("nginx proxy_pass, keep-alive", lambda p: start_nginx(nginx_proxy(p, up_port, None), 2, p)),
             ("nginx limit_req rejecting ~half", lambda p: start_nginx(nginx_proxy(p, up_port, half_per_key), 2, p)),
+            ("haproxy, keep-alive", lambda p: start_haproxy(p, up_port, None)),
+            ("haproxy stick-table rejecting ~half", lambda p: start_haproxy(p, up_port, half_per_key)),
         ]
         if args.baseline:
             base = os.path.abspath(args.baseline)
@@ -359,6 +362,43 @@ def nginx_proxy(port, up_port, per_key, h2=False, forwarded=True):
   }}"""
 
 
+def start_haproxy(port, up_port, per_key):
+    """HAProxy (Debian's 2.6) with two threads, as nginx has two workers. The limit counts
+    admitted requests per x-client in a stick table (gpc0 rate over 1 s), so that, as with
+    nginx and Spillway, about `per_key`/s of each key pass and the rest get 429."""
+    d = tempfile.mkdtemp(prefix="spillway-bench-haproxy-")
+    limit = (f"""  stick-table type string len 64 size 100k expire 10s store gpc0_rate(1s)
+  http-request track-sc0 req.hdr(x-client)
+  http-request deny deny_status 429 if {{ sc_gpc0_rate(0) ge {per_key} }}
+  http-request sc-inc-gpc0(0)
+""" if per_key else "")
+    conf = f"""global
+  nbthread 2
+  maxconn 20000
+defaults
+  mode http
+  timeout connect 5s
+  timeout client 30s
+  timeout server 30s
+  option http-keep-alive
+  http-reuse always
+frontend fe
+  bind 127.0.0.1:{port}
+{limit}  default_backend app
+backend app
+  option forwardfor
+  http-request set-header X-Forwarded-Proto http
+  http-request set-header X-Forwarded-Host %[req.hdr(host)]
+  server app 127.0.0.1:{up_port}
+"""
+    path = os.path.join(d, "haproxy.cfg")
+    with open(path, "w") as f:
+        f.write(conf)
+    proc = Proc([HAPROXY, "-db", "-f", path])
+    wait_port(port)
+    return proc
+
+
 def med(rs, k):
     return statistics.median(r[k] for r in rs)
 
@@ -366,17 +406,18 @@ def med(rs, k):
 def report(results, scenarios, conns, h2, per_key, args):
     print(f"\n{args.rounds} rounds x {args.seconds} s per run, medians; wrk -t1, keep-alive, "
           f"{KEYS} x-client keys; 'rejecting ~half' limits each key to {per_key}/s.\n")
-    print("| scenario | conns | req/s | 2xx/s | p50 ms | p99 ms | p99.9 ms | CPU s / 100k req | peak RSS MiB | vs nginx | vs direct |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| scenario | conns | req/s | 2xx/s | p50 ms | p99 ms | p99.9 ms | CPU s / 100k req | peak RSS MiB | vs nginx | vs haproxy | vs direct |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in conns:
         nginx = med(results.get(("nginx proxy_pass, keep-alive", c)) or [{"rps": float("nan")}], "rps")
         direct = med(results.get(("direct (no proxy)", c)) or [{"rps": float("nan")}], "rps")
+        haproxy = med(results.get(("haproxy, keep-alive", c)) or [{"rps": float("nan")}], "rps")
         for name, _ in scenarios:
             rs = results[(name, c)]
             rps = med(rs, "rps")
             print(f"| {name} | {c} | {rps:.0f} | {med(rs, 'ok_rps'):.0f} | {med(rs, 'p50'):.2f} | {med(rs, 'p99'):.2f} | "
                   f"{med(rs, 'p999'):.2f} | {med(rs, 'cpu_per_100k'):.2f} | {med(rs, 'rss'):.1f} | "
-                  f"{rps / nginx:.2f}x | {rps / direct:.2f}x |")
+                  f"{rps / nginx:.2f}x | {rps / haproxy:.2f}x | {rps / direct:.2f}x |")
     if not h2:
         return
     print("\nHTTP/2 (h2load -m 10, prior knowledge, one key, no limiting; median and each round):\n")

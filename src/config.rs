@@ -323,7 +323,10 @@ impl ClientIp {
     pub fn policy(&self) -> crate::key::ClientIpPolicy {
         crate::key::ClientIpPolicy {
             proxies: self.trusted_proxies.clone(),
-            max_hops: self.trusted_hops.map_or(usize::MAX, usize::from),
+            max_hops: self
+                .trusted_hops
+                .filter(|h| *h > 0)
+                .map_or(usize::MAX, usize::from),
             ipv4_prefix: self.ipv4_prefix,
             ipv6_prefix: self.ipv6_prefix,
         }
