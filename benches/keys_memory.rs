@@ -1,5 +1,6 @@
 //! Memory per tracked key, and RSS when 1 M distinct keys are offered to a rule capped at
-//! `max_keys: 100000`.
+//! `max_keys: 100000`: client addresses for every algorithm, then header keys of 60 bytes (the
+//! longest kept as they are, framed) and of 16 KiB (kept as a 17-byte hash).
 //!
 //! `cargo bench --bench keys_memory`. Each algorithm runs in a fresh child process, so that
 //! one's freed memory does not flatter the next. RSS is read from /proc/self/statm (Linux).
@@ -23,16 +24,27 @@ fn rss_bytes() -> u64 {
     pages * 4096
 }
 
-fn one(limit: &str) {
+/// `key`: `client_ip`, or `header:x-k=N`: an `x-k` header of N bytes, distinct per request.
+fn one(limit: &str, key: &str) {
+    let (part, len) = match key.split_once('=') {
+        Some((part, n)) => (part, n.parse::<usize>().unwrap()),
+        None => (key, 0),
+    };
     let yaml = format!(
-        "service: m\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: r\n    key: client_ip\n    limit: {limit}\n    max_keys: {CAP}\n"
+        "service: m\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: r\n    key: {part}\n    limit: {limit}\n    max_keys: {CAP}\n"
     );
     let config = Config::from_yaml(&yaml, "bench").unwrap();
     let metrics = Metrics::new();
     let rules = RuleSet::build(&config, &metrics);
-    let (uri, headers) = (Uri::from_static("/"), HeaderMap::new());
-    let offer = |from: u32, to: u32| {
+    let uri = Uri::from_static("/");
+    let mut value = vec![b'k'; len];
+    let offer = |from: u32, to: u32, value: &mut Vec<u8>| {
+        let mut headers = HeaderMap::new();
         for i in from..to {
+            if len > 0 {
+                value[..8.min(len)].copy_from_slice(&format!("{i:08}").as_bytes()[..8.min(len)]);
+                headers.insert("x-k", http::HeaderValue::from_bytes(value).unwrap());
+            }
             let view = RequestView::new(
                 &Method::GET,
                 &uri,
@@ -42,13 +54,15 @@ fn one(limit: &str) {
             std::hint::black_box(rules.check(&view, 1_000_000_000));
         }
     };
+    // The header map's own first allocation, and the transient value, before measuring.
+    offer(OFFERED, OFFERED + 1, &mut value);
     let before = rss_bytes();
-    offer(0, CAP);
+    offer(0, CAP, &mut value);
     let at_cap = rss_bytes();
-    offer(CAP, OFFERED);
+    offer(CAP, OFFERED, &mut value);
     let after = rss_bytes();
     println!(
-        "| {limit} | {} | {:.1} MiB | {:.1} MiB | {} |",
+        "| {limit} | {key} | {} | {:.1} MiB | {:.1} MiB | {} |",
         (at_cap - before) / u64::from(CAP),
         at_cap as f64 / (1 << 20) as f64,
         after as f64 / (1 << 20) as f64,
@@ -59,19 +73,30 @@ fn one(limit: &str) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     if let Some(i) = args.iter().position(|a| a == "--one") {
-        one(&args[i + 1]);
+        one(&args[i + 1], &args[i + 2]);
         return;
     }
-    println!("| limit | bytes per tracked key | RSS at 100k keys | RSS after 1M offered | keys tracked |");
-    println!("|---|---|---|---|---|");
-    let mut limits: Vec<String> = Algorithm::ALL
+    println!("| limit | key | bytes per tracked key | RSS at 100k keys | RSS after 1M offered | keys tracked |");
+    println!("|---|---|---|---|---|---|");
+    let mut runs: Vec<(String, &str)> = Algorithm::ALL
         .iter()
-        .map(|a| format!("{{ rate: 10/s, algorithm: {} }}", a.name()))
+        .map(|a| {
+            (
+                format!("{{ rate: 10/s, algorithm: {} }}", a.name()),
+                "client_ip",
+            )
+        })
         .collect();
-    limits.push("{ concurrency: 4 }".into());
+    runs.push(("{ concurrency: 4 }".into(), "client_ip"));
+    // Keys as long as a local key is kept (64 B: heap past 24) and far longer (hashed).
+    runs.push(("{ rate: 10/s }".into(), "header:x-k=60"));
+    runs.push(("{ rate: 10/s }".into(), "header:x-k=16384"));
     let exe = std::env::current_exe().unwrap();
-    for limit in limits {
-        let status = Command::new(&exe).args(["--one", &limit]).status().unwrap();
+    for (limit, key) in runs {
+        let status = Command::new(&exe)
+            .args(["--one", &limit, key])
+            .status()
+            .unwrap();
         assert!(status.success());
     }
 }

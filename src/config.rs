@@ -577,6 +577,24 @@ impl TryFrom<RawRule> for Rule {
 
 /// What one field of a rule cannot tell alone: how its limit, cost and delay fit together.
 fn check_rule(r: &RawRule) -> Result<(), String> {
+    // A field the proxy removes from every request would never be there to match or key by.
+    let removed = r
+        .key
+        .0
+        .iter()
+        .filter_map(|p| match p {
+            KeyPart::Header(h) => Some(h),
+            _ => None,
+        })
+        .chain(r.matcher.headers.0.iter().map(|(h, _)| h))
+        .chain(r.matcher.headers_present.iter().map(|h| &h.0))
+        .chain(r.matcher.headers_absent.iter().map(|h| &h.0))
+        .find(|h| crate::key::is_client_claim(h.as_str()));
+    if let Some(h) = removed {
+        return Err(format!(
+            "{h}: the proxy removes this field from every request (a client can write it and the app might believe it), so no rule can match or key by it"
+        ));
+    }
     if u64::from(r.sketch.width.get()) * u64::from(r.sketch.depth.get()) > 1 << 24 {
         return Err("sketch: width x depth must be at most 16777216 counters".into());
     }

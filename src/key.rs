@@ -155,13 +155,93 @@ impl<'a> RequestView<'a> {
     }
 }
 
-/// The request's host: the `Host` header, else the URI authority (HTTP/2), without port.
+/// The request's host: the `Host` header, else the URI authority (HTTP/2), without port and
+/// without the trailing dot of a fully qualified name (`api.example.com.` is the same host).
 pub fn request_host<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> Option<&'a str> {
     let raw = match headers.get(http::header::HOST) {
         Some(v) => v.to_str().ok()?,
         None => uri.authority()?.as_str(),
     };
-    Some(strip_port(raw))
+    let host = strip_port(raw);
+    Some(match host.strip_suffix('.') {
+        Some(h) if !h.is_empty() => h,
+        _ => host,
+    })
+}
+
+/// Whether `value` is a `Host` as RFC 9110 §7.2 allows: a registered name or an IPv4
+/// address, or an IPv6 literal in brackets, then an optional port of digits.
+pub fn valid_host(value: &[u8]) -> bool {
+    let (host, port) = if value.first() == Some(&b'[') {
+        let Some(end) = value.iter().position(|&b| b == b']') else {
+            return false;
+        };
+        let inner = &value[1..end];
+        if inner.is_empty()
+            || !inner
+                .iter()
+                .all(|b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.'))
+        {
+            return false;
+        }
+        (&value[..=end], &value[end + 1..])
+    } else {
+        match value.iter().position(|&b| b == b':') {
+            Some(i) => (&value[..i], &value[i..]),
+            None => (value, &value[value.len()..]),
+        }
+    };
+    let name_ok = host.first() == Some(&b'[')
+        || host.iter().all(|&b| {
+            b.is_ascii_alphanumeric()
+                || matches!(
+                    b,
+                    b'-' | b'.'
+                        | b'_'
+                        | b'~'
+                        | b'%'
+                        | b'!'
+                        | b'$'
+                        | b'&'
+                        | b'\''
+                        | b'('
+                        | b')'
+                        | b'*'
+                        | b'+'
+                        | b','
+                        | b';'
+                        | b'='
+                )
+        });
+    let port_ok = match port.split_first() {
+        None => true,
+        Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
+        Some(_) => false,
+    };
+    name_ok && port_ok
+}
+
+/// Request fields that say who the client is, where it came from or what it asked for, which
+/// a client can write and some app or framework believes (`X-Real-IP`, `X-Original-URL`,
+/// `X-HTTP-Method-Override`...), and every name with a `_` (CGI-style servers read
+/// `X_Forwarded_For` as `X-Forwarded-For`): removed from every request before the rules see
+/// it. `X-Forwarded-*` are not here: the proxy sets those itself.
+pub fn is_client_claim(name: &str) -> bool {
+    matches!(
+        name,
+        "forwarded"
+            | "x-real-ip"
+            | "true-client-ip"
+            | "cf-connecting-ip"
+            | "fastly-client-ip"
+            | "x-client-ip"
+            | "x-cluster-client-ip"
+            | "x-original-url"
+            | "x-rewrite-url"
+            | "x-http-method-override"
+            | "x-http-method"
+            | "x-method-override"
+    ) || name.contains('_')
 }
 
 fn strip_port(hostport: &str) -> &str {
@@ -217,10 +297,9 @@ fn each_part(
                 },
             ),
             KeyPart::Method => put(i, Value::Bytes(req.method.as_str().as_bytes())),
-            KeyPart::Host => match req.host() {
-                Some(h) => put(i, Value::Folded(h.as_bytes())),
-                None => return Extract::Missing,
-            },
+            // No host (HTTP/1.0): the app serves it all the same, so it is keyed as the empty
+            // host rather than let past the rule.
+            KeyPart::Host => put(i, Value::Folded(req.host().unwrap_or("").as_bytes())),
         }
     }
     Extract::Found
@@ -360,15 +439,16 @@ pub enum Param<'a> {
     Repeated,
 }
 
-/// The raw value of the `name` parameter in a query string; names compare decoded.
+/// The raw value of the `name` parameter in a query string; names compare decoded. Pairs are
+/// split at `&` and at `;` (which some frameworks also split at), so `?x=1;user=a` keys `a`.
 pub fn query_param<'a>(query: Option<&'a str>, name: &str) -> Param<'a> {
     let Some(query) = query else {
         return Param::Missing;
     };
     let mut found = Param::Missing;
-    for pair in query.split('&') {
+    for pair in query.split(['&', ';']) {
         let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-        if k == name || *crate::target::decode_query(k) == *name.as_bytes() {
+        if k == name || crate::target::decodes_to(k, name.as_bytes()) {
             if found != Param::Missing {
                 return Param::Repeated;
             }

@@ -313,13 +313,17 @@ struct Store<S> {
     /// sketch instead): conservative, since all of them drain one state.
     overflow: S,
     parts: StoreParts,
-    // When the store last looked for idle states to replace (clock nanoseconds). Relaxed +
-    // CAS: it only picks which caller sweeps, at most one per interval.
+    // When the store last looked for idle states to replace (clock nanoseconds), and how long
+    // until it looks again: doubled, up to the background sweep's period, while a look frees
+    // nothing. Relaxed + CAS: they only pick which caller sweeps, at most one per interval.
     reclaimed_at: AtomicU64,
+    reclaim_every: AtomicU64,
 }
 
-/// A full store looks for states to replace at most this often (a sweep visits every key).
+/// A full store looks for states to replace at most this often (a sweep visits every key)...
 const RECLAIM_EVERY: Nanos = NANOS_PER_SEC / 10;
+/// ...and, while its looks free nothing, backs off to this.
+const RECLAIM_AT_MOST: Nanos = 5 * NANOS_PER_SEC;
 
 impl<S: Default + Send + Sync + 'static> Store<S> {
     fn new(parts: StoreParts) -> Self {
@@ -330,6 +334,7 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
             overflow: S::default(),
             parts,
             reclaimed_at: AtomicU64::new(0),
+            reclaim_every: AtomicU64::new(RECLAIM_EVERY),
         }
     }
 
@@ -381,11 +386,13 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
     }
 
     /// Forgets idle states so that new keys can take their place: nothing is lost, since an
-    /// idle state is indistinguishable from a fresh one. At most once per [`RECLAIM_EVERY`].
+    /// idle state is indistinguishable from a fresh one. At most once per [`RECLAIM_EVERY`],
+    /// backing off to [`RECLAIM_AT_MOST`] while nothing is freed.
     #[cold]
     fn reclaim(&self, now: Nanos, idle: impl Fn(&S) -> bool) -> usize {
         let last = self.reclaimed_at.load(Ordering::Relaxed);
-        if now.saturating_sub(last) < RECLAIM_EVERY && last != 0 {
+        let every = self.reclaim_every.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < every && last != 0 {
             return 0;
         }
         if self
@@ -395,7 +402,14 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
         {
             return 0;
         }
-        self.sweep(idle)
+        let freed = self.sweep(idle);
+        let next = if freed == 0 {
+            (every * 2).min(RECLAIM_AT_MOST)
+        } else {
+            RECLAIM_EVERY
+        };
+        self.reclaim_every.store(next, Ordering::Relaxed);
+        freed
     }
 
     /// Runs `f` on the state a decision used, if it still exists.
@@ -1448,7 +1462,11 @@ impl Matcher {
                 return false;
             }
         }
-        if !self.methods.is_empty() && !self.methods.contains(req.method) {
+        // HEAD runs the GET handler in most frameworks: a rule on GET counts it too.
+        let method_ok = self.methods.is_empty()
+            || self.methods.contains(req.method)
+            || (req.method == http::Method::HEAD && self.methods.contains(&http::Method::GET));
+        if !method_ok {
             return false;
         }
         if let Some(h) = &self.host {
@@ -1473,9 +1491,10 @@ impl Matcher {
     }
 }
 
-/// `pattern` is lower case: `api.example.com` or `*.example.com` (subdomains only).
+/// `pattern` is lower case: `api.example.com` or `*.example.com` (subdomains only). A request
+/// without a host (HTTP/1.0) reaches the one app all the same: every host rule applies to it.
 fn host_matches(pattern: &str, host: Option<&str>) -> bool {
-    let Some(host) = host else { return false };
+    let Some(host) = host else { return true };
     match pattern.strip_prefix('*') {
         Some(suffix) => {
             host.len() > suffix.len()

@@ -117,6 +117,30 @@ pub fn canonical_uri(
 /// dropped and one trailing slash ignored (as Tomcat and Spring route). Borrowed when that
 /// changes nothing.
 pub fn match_form(path: &str) -> Cow<'_, str> {
+    // An encoded or back slash is a separator to some servers (PATH_INFO decoding, Windows
+    // paths): the rules count it as one, over-counting rather than under-counting.
+    let escaped_separator = |p: &str| {
+        p.as_bytes().windows(3).any(|w| {
+            w[0] == b'%'
+                && ((w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'f'))
+                    || (w[1] == b'5' && w[2].eq_ignore_ascii_case(&b'c')))
+        })
+    };
+    if path.contains('\\') || escaped_separator(path) {
+        let slashed = path
+            .replace("%2F", "/")
+            .replace("%2f", "/")
+            .replace("%5C", "/")
+            .replace("%5c", "/")
+            .replace('\\', "/");
+        if slashed != path {
+            let merged = match normalize(&slashed, false) {
+                Ok(Some(p)) => p,
+                _ => slashed,
+            };
+            return Cow::Owned(match_form(&merged).into_owned());
+        }
+    }
     let trimmed = match path.strip_suffix('/') {
         Some(t) if !t.is_empty() => t,
         _ => path,
@@ -169,6 +193,39 @@ pub fn decode_query(raw: &str) -> Cow<'_, [u8]> {
         }
     }
     Cow::Owned(out)
+}
+
+/// Whether `raw` percent-decodes (`%XX`, `+`) to exactly `want`, without allocating.
+pub fn decodes_to(raw: &str, want: &[u8]) -> bool {
+    let bytes = raw.as_bytes();
+    let (mut i, mut j) = (0, 0);
+    while i < bytes.len() {
+        let b = match bytes[i] {
+            b'+' => {
+                i += 1;
+                b' '
+            }
+            b'%' => match escape_at(bytes, i) {
+                Ok(v) => {
+                    i += 3;
+                    v
+                }
+                Err(_) => {
+                    i += 1;
+                    b'%'
+                }
+            },
+            b => {
+                i += 1;
+                b
+            }
+        };
+        if want.get(j) != Some(&b) {
+            return false;
+        }
+        j += 1;
+    }
+    j == want.len()
 }
 
 const HEX: &[u8; 16] = b"0123456789ABCDEF";
@@ -327,6 +384,22 @@ mod tests {
         assert_eq!(match_form("/login;jsessionid=x"), "/login");
         assert_eq!(match_form("/a;x/b;y/"), "/a/b");
         assert!(matches!(match_form("/a/b"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn encoded_and_back_slashes_are_separators_in_the_match_form() {
+        assert_eq!(match_form("/api%2Flogin"), "/api/login");
+        assert_eq!(match_form("/api\\login"), "/api/login");
+        assert_eq!(match_form("/x%2F..%2Fapi/login"), "/api/login");
+        assert_eq!(match_form("/a%20b"), "/a%20b");
+    }
+
+    #[test]
+    fn a_name_is_compared_decoded_without_allocating() {
+        assert!(decodes_to("%75ser", b"user"));
+        assert!(decodes_to("a+b", b"a b"));
+        assert!(!decodes_to("%75se", b"user"));
+        assert!(!decodes_to("users", b"user"));
     }
 
     #[test]

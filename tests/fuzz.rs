@@ -153,6 +153,30 @@ proptest! {
     }
 
     #[test]
+    fn any_cost_header_is_a_cost_of_at_least_one_or_a_400(value in proptest::collection::vec(any::<u8>(), 0..24)) {
+        let Ok(v) = HeaderValue::from_bytes(&value) else { return Ok(()) };
+        let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nheaders: always\nrules:\n  - name: r\n    key: []\n    limit: { rate: 1000/s, burst: 1000 }\n    cost: { header: x-cost, max: 100, from: any }\n";
+        let config = Config::from_yaml(yaml, "t").unwrap();
+        let rules = spillway::rules::RuleSet::build(&config, &spillway::metrics::Metrics::new());
+        let req = Request::get("/").header("x-cost", v).body(()).unwrap();
+        let view = RequestView::of(&req, IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let text = String::from_utf8_lossy(&value).trim_matches(|c: char| c.is_ascii_whitespace()).to_string();
+        let whole = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
+        let expected = whole.then(|| text.parse::<u64>().map_or(100, |n| n.min(100))).filter(|n| *n >= 1);
+        match rules.check(&view, 1_000_000_000) {
+            spillway::rules::Verdict::Allow(admit) => {
+                let n = expected.expect("admitted only a whole cost of at least 1");
+                prop_assert_eq!(u64::from(admit.states[0].remaining), 1000 - n);
+            }
+            spillway::rules::Verdict::BadRequest(bad) => {
+                prop_assert!(expected.is_none(), "{:?} refused", text);
+                prop_assert_eq!(&*bad.rule, "r");
+            }
+            other => prop_assert!(false, "{:?}", other),
+        }
+    }
+
+    #[test]
     fn any_request_target_normalises_idempotently_or_is_refused(target in "[!-~]{0,80}") {
         let Ok(uri) = http::Uri::from_str(&target) else { return Ok(()) };
         for reject in [false, true] {

@@ -477,3 +477,171 @@ async fn a_cost_header_from_a_client_is_ignored_unless_the_rule_opts_in() {
     }
     assert_eq!(status(&raw(sc.addr(), &get_line("/", cheap)).await), 429);
 }
+
+// The next attacker: what an independent review of the fixes above found.
+
+#[tokio::test]
+async fn connection_cannot_drop_the_framing_and_smuggle_a_second_request() {
+    let (sc, _up) = sidecar(
+        "rules:\n  - name: login\n    match: { path: /login }\n    key: []\n    limit: { rate: 1/h, burst: 1 }\n",
+    )
+    .await;
+    let inner = "GET /login HTTP/1.1\r\nHost: app\r\n\r\n";
+    // (`Transfer-Encoding` is hop-by-hop already: named or not, it never goes on alone.)
+    for named in [
+        "content-length",
+        "Content-Length, close",
+        "host",
+        "close, HOST",
+    ] {
+        let text = format!(
+            "POST /echo HTTP/1.1\r\nHost: app\r\nConnection: {named}\r\nContent-Length: {}\r\n\r\n{inner}",
+            inner.len()
+        );
+        let a = raw(sc.addr(), text).await;
+        assert_eq!(
+            status(&a),
+            400,
+            "Connection: {named}: {} {}",
+            a.status,
+            a.body
+        );
+    }
+    // The limit on /login was never touched by the smuggled requests.
+    assert_eq!(status(&raw(sc.addr(), get_line("/login", "")).await), 200);
+}
+
+#[tokio::test]
+async fn a_field_named_in_connection_is_gone_before_the_rules_see_it() {
+    let (sc, _up) = sidecar(
+        "rules:\n  - name: anonymous\n    match: { headers_absent: [authorization] }\n    key: []\n    limit: { rate: 1/h, burst: 1 }\n",
+    )
+    .await;
+    assert_eq!(status(&raw(sc.addr(), get_line("/", "")).await), 200);
+    // The app would never see this Authorization: the request is anonymous to it, and to us.
+    let hidden = "Authorization: Bearer x\r\nConnection: authorization\r\n";
+    assert_eq!(status(&raw(sc.addr(), get_line("/", hidden)).await), 429);
+}
+
+#[tokio::test]
+async fn semicolons_head_and_method_overrides_do_not_slip_past_a_rule() {
+    let (sc, _up) = sidecar(
+        "rules:\n  - name: per-user\n    match: { path: /q }\n    key: [query:user]\n    limit: { rate: 1/h, burst: 1 }\n  - name: reads\n    match: { path: /r, methods: [GET] }\n    key: []\n    limit: { rate: 1/h, burst: 1 }\n",
+    )
+    .await;
+    assert_eq!(
+        status(&raw(sc.addr(), get_line("/q?user=alice", "")).await),
+        200
+    );
+    for t in ["/q?x=1;user=alice", "/q?user=alice;n=2"] {
+        assert_eq!(status(&raw(sc.addr(), get_line(t, "")).await), 429, "{t}");
+    }
+    assert_eq!(status(&raw(sc.addr(), get_line("/r", "")).await), 200);
+    // A HEAD answer has no body whatever its Content-Length: read its status line only.
+    let mut s = tokio::net::TcpStream::connect(sc.addr()).await.unwrap();
+    s.write_all(b"HEAD /r HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    let mut line = String::new();
+    tokio::io::AsyncBufReadExt::read_line(&mut BufReader::new(s), &mut line)
+        .await
+        .unwrap();
+    assert!(line.starts_with("HTTP/1.1 429"), "{line}");
+    let a = raw(
+        sc.addr(),
+        "POST /echo HTTP/1.1\r\nHost: app\r\nContent-Length: 0\r\nX-HTTP-Method-Override: DELETE\r\nX-Method-Override: DELETE\r\nX-HTTP-Method: DELETE\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status(&a), 200);
+    assert!(
+        !a.body.to_ascii_lowercase().contains("delete"),
+        "{}",
+        a.body
+    );
+}
+
+#[tokio::test]
+async fn an_encoded_or_back_slash_is_a_slash_to_the_rules() {
+    let (sc, _up) = sidecar(
+        "rules:\n  - name: login\n    match: { path: /api/login }\n    key: []\n    limit: { rate: 1/h, burst: 1 }\n",
+    )
+    .await;
+    assert_eq!(
+        status(&raw(sc.addr(), get_line("/api/login", "")).await),
+        200
+    );
+    for t in [
+        "/api%2Flogin",
+        "/api%2flogin",
+        "/api%5Clogin",
+        "/x%2F..%2Fapi/login",
+    ] {
+        assert_eq!(status(&raw(sc.addr(), get_line(t, "")).await), 429, "{t}");
+    }
+}
+
+#[tokio::test]
+async fn host_rules_see_the_host_the_app_gets() {
+    let (sc, _up) = sidecar(
+        "rules:\n  - name: api\n    match: { host: api.example.com }\n    key: []\n    limit: { rate: 1/h, burst: 1 }\n",
+    )
+    .await;
+    let host = |h: &str| format!("GET / HTTP/1.1\r\nHost: {h}\r\n\r\n");
+    assert_eq!(status(&raw(sc.addr(), host("api.example.com")).await), 200);
+    assert_eq!(status(&raw(sc.addr(), host("api.example.com.")).await), 429);
+    assert_eq!(
+        status(&raw(sc.addr(), host("API.example.com:80")).await),
+        429
+    );
+    // An HTTP/1.0 request without Host is served by the one app too: the rule applies.
+    assert_eq!(status(&raw(sc.addr(), "GET / HTTP/1.0\r\n\r\n").await), 429);
+    for bad in ["api.example.com/x", "a b", "api.example.com:x", "[::1"] {
+        assert_eq!(status(&raw(sc.addr(), host(bad)).await), 400, "{bad}");
+    }
+}
+
+#[tokio::test]
+async fn identity_fields_of_an_untrusted_client_never_reach_the_app() {
+    let (sc, _up) = sidecar("rules: []\n").await;
+    let a = raw(
+        sc.addr(),
+        get_line(
+            "/echo",
+            "X-Forwarded-For: 1.2.3.4\r\nTrue-Client-IP: 1.2.3.4\r\nCF-Connecting-IP: 1.2.3.4\r\nX-Client-IP: 1.2.3.4\r\nX-Cluster-Client-IP: 1.2.3.4\r\nX-Original-URL: /admin\r\nX-Rewrite-URL: /admin\r\n",
+        ),
+    )
+    .await;
+    assert_eq!(status(&a), 200);
+    let echoed: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    let headers = echoed["headers"].as_object().unwrap();
+    // The client's own X-Forwarded-For is replaced by its address, not appended to.
+    assert_eq!(headers["x-forwarded-for"], "127.0.0.1");
+    for gone in [
+        "true-client-ip",
+        "cf-connecting-ip",
+        "x-client-ip",
+        "x-cluster-client-ip",
+        "x-original-url",
+        "x-rewrite-url",
+    ] {
+        assert!(!headers.contains_key(gone), "{gone} reached the app");
+    }
+}
+
+#[test]
+fn a_rule_on_a_field_that_never_reaches_the_app_is_a_config_error() {
+    for rule in [
+        "key: [header:x_user]",
+        "key: [header:x-real-ip]",
+        "match: { headers_absent: [forwarded] }\n    key: []",
+        "match: { headers: { x_plan: free } }\n    key: []",
+    ] {
+        let yaml = format!(
+            "service: t\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: r\n    {rule}\n    limit: {{ rate: 1/s }}\n"
+        );
+        let e = spillway::Config::from_yaml(&yaml, "t.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("removes"), "{rule}: {e}");
+    }
+}

@@ -721,6 +721,44 @@ async fn a_client_s_key_never_sizes_or_moves_a_redis_key() {
     }
 }
 
+#[tokio::test]
+async fn a_script_error_is_counted_apart_and_never_opens_the_breaker() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &yaml(
+            &redis,
+            "  breaker: { failures: 3, cooldown: 1m }\n  on_error: deny\n",
+            "{ rate: 5/m, algorithm: gcra }",
+            "",
+        ),
+    )
+    .await;
+    // The key the script reads holds a list: every call fails with WRONGTYPE, a script error.
+    let mut conn = redis.conn().await;
+    let _: () = redis::cmd("RPUSH")
+        .arg(rkey("broken", ":tat"))
+        .arg("x")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for _ in 0..6 {
+        let (status, ..) = get(sc.addr(), "/", &[("x-client", "broken")]).await;
+        // on_error decides that one request.
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    }
+    let text = metrics(&sc).await;
+    assert_eq!(
+        count(&text, "spillway_redis_errors_total{kind=\"script\"}"),
+        6.0
+    );
+    assert_eq!(count(&text, "spillway_redis_breaker_opened_total"), 0.0);
+    // Other keys are still decided by Redis.
+    let (status, ..) = get(sc.addr(), "/", &[("x-client", "fine")]).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
 #[test]
 fn scripts_never_fail_on_any_cost_or_key() {
     use proptest::prelude::*;

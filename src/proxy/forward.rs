@@ -548,6 +548,11 @@ impl Added {
             proto &= !named(&X_FORWARDED_PROTO);
             forwarded_host &= !named(&X_FORWARDED_HOST);
         }
+        // A client's own list would be believed by an app that reads its leftmost entry: only a
+        // listed proxy's is kept; anyone else's is replaced by the address it came from.
+        if !trust_forwarded {
+            forwarded_for.clear();
+        }
         put_address(&mut forwarded_for, peer);
         let added_host = match host {
             Some(_) => None,
@@ -902,8 +907,10 @@ mod tests {
         let mut h = HeaderMap::new();
         h.append(&X_FORWARDED_FOR, "1.1.1.1".parse().unwrap());
         h.append(&X_FORWARDED_FOR, "2.2.2.2".parse().unwrap());
-        let a = added(&h, false);
+        let a = added(&h, true);
         assert_eq!(&a.forwarded_for[..], b"1.1.1.1, 2.2.2.2, 10.0.0.1");
+        // From a peer that is not a listed proxy, the list is the peer alone.
+        assert_eq!(&added(&h, false).forwarded_for[..], b"10.0.0.1");
         assert!(
             !a.passes(&X_FORWARDED_FOR),
             "the client's lines are replaced"
@@ -919,7 +926,7 @@ mod tests {
         assert!(long.len() > FORWARDED_FOR_INLINE);
         let mut h = HeaderMap::new();
         h.append(&X_FORWARDED_FOR, long.parse().unwrap());
-        let a = added(&h, false);
+        let a = added(&h, true);
         assert_eq!(&a.forwarded_for[..], format!("{long}, 10.0.0.1").as_bytes());
         let mut rewritten = h.clone();
         a.apply(&mut rewritten, false);
@@ -981,9 +988,14 @@ mod tests {
             let sent = both_ways(&busy, Some("app:8080"), trust);
             let proto = if trust { "https" } else { "http" };
             let fhost = if trust { "front" } else { "app:8080" };
+            let xff = if trust {
+                "1.1.1.1, 2.2.2.2, 3.3.3.3, 192.0.2.7"
+            } else {
+                "192.0.2.7"
+            };
             let mut want: Vec<(String, String)> = [
                 ("host", "app:8080"),
-                ("x-forwarded-for", "1.1.1.1, 2.2.2.2, 3.3.3.3, 192.0.2.7"),
+                ("x-forwarded-for", xff),
                 ("x-forwarded-proto", proto),
                 ("x-forwarded-host", fhost),
                 ("x-kept", "a"),

@@ -734,16 +734,14 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     resp
 }
 
-/// What is checked and rewritten in a request before any rule sees it: one `Host`, one
-/// canonical path, no client-written identity fields the app might believe.
+/// What is checked and rewritten in a request before any rule sees it: one valid `Host`, one
+/// canonical path, no field the app will not get, no client-written claim the app might believe.
 pub struct Hygiene {
     normalize_path: bool,
     reject_separators: bool,
     strict_path: bool,
     upgrades: Vec<crate::config::UpgradeProtocol>,
 }
-
-static X_REAL_IP: http::HeaderName = http::HeaderName::from_static("x-real-ip");
 
 impl Hygiene {
     pub fn of(config: &Config) -> Self {
@@ -755,10 +753,12 @@ impl Hygiene {
         }
     }
 
-    /// Refuses what is ambiguous (a missing or repeated `Host`, a path that cannot be
-    /// normalised) with the `bad_requests` reason and a detail; rewrites the path to its
-    /// canonical spelling; drops `Forwarded`, `X-Real-IP` and names with `_` (which CGI-style
-    /// servers read as their `-` twins: `X_Forwarded_For`). Allocates only when it rewrites.
+    /// Refuses what is ambiguous (a missing, repeated or malformed `Host`; a `Connection` that
+    /// names the message's framing or `Host`; a path that cannot be normalised) with the
+    /// `bad_requests` reason and a detail; rewrites the path to its canonical spelling; removes
+    /// the fields the client's `Connection` names (the app would not get them: the rules must
+    /// not see them either) and the client's claims ([`key::is_client_claim`]). Allocates only
+    /// when it rewrites or refuses.
     pub fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
         let mut hosts = req.headers().get_all(http::header::HOST).iter();
         match (hosts.next(), hosts.next()) {
@@ -767,6 +767,9 @@ impl Hygiene {
             }
             (None, _) if req.version() == http::Version::HTTP_11 => {
                 return Err(("host", "an HTTP/1.1 request must have a Host header".into()));
+            }
+            (Some(h), None) if !key::valid_host(h.as_bytes()) => {
+                return Err(("host", "the Host header is not a host and port".into()));
             }
             _ => {}
         }
@@ -777,14 +780,18 @@ impl Hygiene {
                 Err(e) => return Err(("target", e.to_string())),
             }
         }
-        let suspect = |n: &http::HeaderName| {
-            n == http::header::FORWARDED || n == X_REAL_IP || n.as_str().contains('_')
-        };
-        if req.headers().keys().any(suspect) {
+        if req.headers().contains_key(http::header::CONNECTION) {
+            drop_listed(req.headers_mut())?;
+        }
+        if req
+            .headers()
+            .keys()
+            .any(|n| key::is_client_claim(n.as_str()))
+        {
             let names: Vec<http::HeaderName> = req
                 .headers()
                 .keys()
-                .filter(|n| suspect(n))
+                .filter(|n| key::is_client_claim(n.as_str()))
                 .cloned()
                 .collect();
             for name in names {
@@ -793,6 +800,32 @@ impl Hygiene {
         }
         Ok(())
     }
+}
+
+/// Removes the fields `Connection` lists (beyond the hop-by-hop ones, which the hop removes
+/// anyway); refuses a list that names the framing or `Host`, which would leave the app to
+/// frame the body itself (a request smuggled inside it) or to guess the host.
+fn drop_listed(headers: &mut http::HeaderMap) -> Result<(), (&'static str, String)> {
+    let values: smallvec::SmallVec<[http::HeaderValue; 2]> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .cloned()
+        .collect();
+    for token in forward::listed(values.iter().map(http::HeaderValue::as_bytes)) {
+        if [&b"content-length"[..], b"transfer-encoding", b"host"]
+            .iter()
+            .any(|f| token.eq_ignore_ascii_case(f))
+        {
+            return Err((
+                "connection",
+                "the Connection header names a field the request cannot go without".into(),
+            ));
+        }
+        if let Ok(name) = std::str::from_utf8(token) {
+            headers.remove(name);
+        }
+    }
+    Ok(())
 }
 
 /// A refused request's body is read and dropped up to this many bytes...
