@@ -207,6 +207,7 @@ struct LayerShared {
     clock: AnyClock,
     metrics: Arc<Metrics>,
     client_ip: key::ClientIpPolicy,
+    hygiene: crate::proxy::Hygiene,
 }
 
 impl RateLimitLayer {
@@ -233,6 +234,7 @@ impl RateLimitLayer {
                 clock: AnyClock::default(),
                 metrics,
                 client_ip: policy.client_ip.policy(),
+                hygiene: crate::proxy::Hygiene::default(),
             }),
         })
     }
@@ -291,16 +293,10 @@ where
                 .or_else(|| req.extensions().get::<SocketAddr>().copied())
                 .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip());
             let grpc = respond::is_grpc(req.headers());
-            // The inner service is given the path the rules saw.
-            match crate::target::canonical_uri(req.uri(), false) {
-                Ok(Some(uri)) => *req.uri_mut() = uri,
-                Ok(None) => {}
-                Err(e) => {
-                    return Ok(respond::error(
-                        http::StatusCode::BAD_REQUEST,
-                        &e.to_string(),
-                    ));
-                }
+            // The inner service is given what the rules saw: the sidecar's request hygiene,
+            // with its defaults.
+            if let Err((_, detail)) = shared.hygiene.apply(&mut req) {
+                return Ok(respond::error(http::StatusCode::BAD_REQUEST, &detail));
             }
             let client_ip = shared.client_ip.client(req.headers(), peer);
             let trusted = shared.client_ip.trusts(peer);

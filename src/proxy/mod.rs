@@ -737,15 +737,32 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
 /// What is checked and rewritten in a request before any rule sees it: one valid `Host`, one
 /// canonical path, no field the app will not get, no client-written claim the app might believe.
 pub struct Hygiene {
+    /// HTTP/1.1 needs its one `Host` (the sidecar; an embedding server frames its own).
+    require_host: bool,
     normalize_path: bool,
     reject_separators: bool,
     strict_path: bool,
     upgrades: Vec<crate::config::UpgradeProtocol>,
 }
 
+impl Default for Hygiene {
+    /// The defaults of a configuration that says nothing, for the tower layer: the server
+    /// that embeds it owns the framing, so a request without `Host` is its business.
+    fn default() -> Self {
+        Hygiene {
+            require_host: false,
+            normalize_path: true,
+            reject_separators: false,
+            strict_path: false,
+            upgrades: vec![crate::config::UpgradeProtocol::Websocket],
+        }
+    }
+}
+
 impl Hygiene {
     pub fn of(config: &Config) -> Self {
         Hygiene {
+            require_host: true,
             normalize_path: config.normalize_path,
             reject_separators: config.path_escapes == crate::config::PathEscapes::Reject,
             strict_path: config.path_match == crate::config::PathMatch::Strict,
@@ -765,7 +782,7 @@ impl Hygiene {
             (_, Some(_)) => {
                 return Err(("host", "the request has more than one Host header".into()));
             }
-            (None, _) if req.version() == http::Version::HTTP_11 => {
+            (None, _) if self.require_host && req.version() == http::Version::HTTP_11 => {
                 return Err(("host", "an HTTP/1.1 request must have a Host header".into()));
             }
             (Some(h), None) if !key::valid_host(h.as_bytes()) => {
