@@ -93,7 +93,9 @@ pub struct RequestView<'a> {
     pub strict_path: bool,
     /// Worked out on the first rule that asks (most never do), then kept for the others.
     host: OnceLock<Option<&'a str>>,
-    path: OnceLock<Cow<'a, str>>,
+    /// The path as rules see it; worked out at once (one pass over a canonical path, which
+    /// costs less than a `OnceLock` would).
+    path: Cow<'a, str>,
 }
 
 impl<'a> RequestView<'a> {
@@ -117,7 +119,7 @@ impl<'a> RequestView<'a> {
             trusted_peer: false,
             strict_path: false,
             host: OnceLock::new(),
-            path: OnceLock::new(),
+            path: crate::target::match_form(uri.path()),
         }
     }
 
@@ -130,6 +132,11 @@ impl<'a> RequestView<'a> {
     /// The same view, comparing paths as written (`path_match: strict`).
     pub fn strict(mut self, yes: bool) -> Self {
         self.strict_path = yes;
+        self.path = if yes {
+            Cow::Borrowed(self.uri.path())
+        } else {
+            crate::target::match_form(self.uri.path())
+        };
         self
     }
 
@@ -137,13 +144,7 @@ impl<'a> RequestView<'a> {
     /// `;params` and one trailing slash (compared without case). Frameworks differ in what they
     /// route alike; counting these together over-counts rather than under-counts.
     pub fn path(&self) -> &str {
-        self.path.get_or_init(|| {
-            if self.strict_path {
-                Cow::Borrowed(self.uri.path())
-            } else {
-                crate::target::match_form(self.uri.path())
-            }
-        })
+        &self.path
     }
 
     /// The host without port, when the request names one: worked out once, when a rule first
@@ -321,8 +322,10 @@ pub fn extract(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> Ex
             out.extend_from_slice(&(b.len() as u32).to_le_bytes());
             out.extend(b.iter().map(u8::to_ascii_lowercase));
         }
-        Value::Ip(IpAddr::V4(v4)) => push(out, &v4.octets()),
-        Value::Ip(IpAddr::V6(v6)) => push(out, &v6.octets()),
+        Value::Ip(ip) => match ip.to_canonical() {
+            IpAddr::V4(v4) => push(out, &v4.octets()),
+            IpAddr::V6(v6) => push(out, &v6.octets()),
+        },
     })
 }
 

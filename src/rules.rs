@@ -1449,10 +1449,12 @@ impl Matcher {
             } else if self
                 .path_lenient
                 .as_ref()
-                .is_some_and(|p| !path.eq_ignore_ascii_case(p))
+                .is_some_and(|p| !(path == p || path.eq_ignore_ascii_case(p)))
                 || self.path_prefix.as_ref().is_some_and(|p| {
-                    !(path.len() >= p.len()
-                        && path.as_bytes()[..p.len()].eq_ignore_ascii_case(p.as_bytes()))
+                    // As written first: the common case, and a plain compare.
+                    !(path.starts_with(p.as_str())
+                        || (path.len() >= p.len()
+                            && path.as_bytes()[..p.len()].eq_ignore_ascii_case(p.as_bytes())))
                 })
                 || self
                     .path_regex_lenient

@@ -117,6 +117,13 @@ pub fn canonical_uri(
 /// dropped and one trailing slash ignored (as Tomcat and Spring route). Borrowed when that
 /// changes nothing.
 pub fn match_form(path: &str) -> Cow<'_, str> {
+    // The common case in one pass: nothing to drop or map, at most a trailing slash.
+    if !path.bytes().any(|b| matches!(b, b';' | b'%' | b'\\')) {
+        return Cow::Borrowed(match path.strip_suffix('/') {
+            Some(t) if !t.is_empty() => t,
+            _ => path,
+        });
+    }
     // An encoded or back slash is a separator to some servers (PATH_INFO decoding, Windows
     // paths): the rules count it as one, over-counting rather than under-counting.
     let escaped_separator = |p: &str| {
