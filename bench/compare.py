@@ -374,7 +374,7 @@ def start_haproxy(port, up_port, per_key):
 """ if per_key else "")
     conf = f"""global
   nbthread 2
-  maxconn 20000
+  maxconn 8000
 defaults
   mode http
   timeout connect 5s

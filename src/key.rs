@@ -192,28 +192,7 @@ pub fn valid_host(value: &[u8]) -> bool {
             None => (value, &value[value.len()..]),
         }
     };
-    let name_ok = host.first() == Some(&b'[')
-        || host.iter().all(|&b| {
-            b.is_ascii_alphanumeric()
-                || matches!(
-                    b,
-                    b'-' | b'.'
-                        | b'_'
-                        | b'~'
-                        | b'%'
-                        | b'!'
-                        | b'$'
-                        | b'&'
-                        | b'\''
-                        | b'('
-                        | b')'
-                        | b'*'
-                        | b'+'
-                        | b','
-                        | b';'
-                        | b'='
-                )
-        });
+    let name_ok = host.first() == Some(&b'[') || host.iter().all(|&b| REG_NAME[usize::from(b)]);
     let port_ok = match port.split_first() {
         None => true,
         Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
@@ -221,6 +200,37 @@ pub fn valid_host(value: &[u8]) -> bool {
     };
     name_ok && port_ok
 }
+
+/// The bytes of a registered name or IPv4 address (RFC 3986 `reg-name`: unreserved,
+/// pct-encoded, sub-delims), as a table: one load per byte.
+static REG_NAME: [bool; 256] = {
+    let mut t = [false; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        t[b] = c.is_ascii_alphanumeric()
+            || matches!(
+                c,
+                b'-' | b'.'
+                    | b'_'
+                    | b'~'
+                    | b'%'
+                    | b'!'
+                    | b'$'
+                    | b'&'
+                    | b'\''
+                    | b'('
+                    | b')'
+                    | b'*'
+                    | b'+'
+                    | b','
+                    | b';'
+                    | b'='
+            );
+        b += 1;
+    }
+    t
+};
 
 /// Request fields that say who the client is, where it came from or what it asked for, which
 /// a client can write and some app or framework believes (`X-Real-IP`, `X-Original-URL`,

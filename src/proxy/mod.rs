@@ -777,15 +777,26 @@ impl Hygiene {
     /// not see them either) and the client's claims ([`key::is_client_claim`]). Allocates only
     /// when it rewrites or refuses.
     pub fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
-        let mut hosts = req.headers().get_all(http::header::HOST).iter();
-        match (hosts.next(), hosts.next()) {
-            (_, Some(_)) => {
+        // One pass over the fields (standard names compare as enums), not a lookup for each.
+        let (mut host, mut hosts, mut connection, mut claims) = (None, 0u32, false, false);
+        for (name, value) in req.headers() {
+            if name == http::header::HOST {
+                host = Some(value);
+                hosts += 1;
+            } else if name == http::header::CONNECTION {
+                connection = true;
+            } else if key::is_client_claim(name.as_str()) {
+                claims = true;
+            }
+        }
+        match host {
+            _ if hosts > 1 => {
                 return Err(("host", "the request has more than one Host header".into()));
             }
-            (None, _) if self.require_host && req.version() == http::Version::HTTP_11 => {
+            None if self.require_host && req.version() == http::Version::HTTP_11 => {
                 return Err(("host", "an HTTP/1.1 request must have a Host header".into()));
             }
-            (Some(h), None) if !key::valid_host(h.as_bytes()) => {
+            Some(h) if !key::valid_host(h.as_bytes()) => {
                 return Err(("host", "the Host header is not a host and port".into()));
             }
             _ => {}
@@ -797,14 +808,10 @@ impl Hygiene {
                 Err(e) => return Err(("target", e.to_string())),
             }
         }
-        if req.headers().contains_key(http::header::CONNECTION) {
+        if connection {
             drop_listed(req.headers_mut())?;
         }
-        if req
-            .headers()
-            .keys()
-            .any(|n| key::is_client_claim(n.as_str()))
-        {
+        if claims {
             let names: Vec<http::HeaderName> = req
                 .headers()
                 .keys()
