@@ -123,6 +123,31 @@ impl<'a> RequestView<'a> {
         }
     }
 
+    /// The view the proxy decides by: `client_ip` behind a `trusted` peer or not, paths
+    /// compared as written when `strict` (one construction, no builder moves).
+    pub fn for_proxy<B>(
+        req: &'a http::Request<B>,
+        client_ip: IpAddr,
+        trusted: bool,
+        strict: bool,
+    ) -> Self {
+        let path = req.uri().path();
+        RequestView {
+            method: req.method(),
+            uri: req.uri(),
+            headers: req.headers(),
+            client_ip,
+            trusted_peer: trusted,
+            strict_path: strict,
+            host: OnceLock::new(),
+            path: if strict {
+                Cow::Borrowed(path)
+            } else {
+                crate::target::match_form(path)
+            },
+        }
+    }
+
     /// The same view, its peer a trusted proxy (or not).
     pub fn trusted(mut self, yes: bool) -> Self {
         self.trusted_peer = yes;
@@ -131,12 +156,14 @@ impl<'a> RequestView<'a> {
 
     /// The same view, comparing paths as written (`path_match: strict`).
     pub fn strict(mut self, yes: bool) -> Self {
-        self.strict_path = yes;
-        self.path = if yes {
-            Cow::Borrowed(self.uri.path())
-        } else {
-            crate::target::match_form(self.uri.path())
-        };
+        if yes != self.strict_path {
+            self.strict_path = yes;
+            self.path = if yes {
+                Cow::Borrowed(self.uri.path())
+            } else {
+                crate::target::match_form(self.uri.path())
+            };
+        }
         self
     }
 
@@ -173,37 +200,44 @@ pub fn request_host<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> Option<&'a str>
 /// Whether `value` is a `Host` as RFC 9110 §7.2 allows: a registered name or an IPv4
 /// address, or an IPv6 literal in brackets, then an optional port of digits.
 pub fn valid_host(value: &[u8]) -> bool {
-    let (host, port) = if value.first() == Some(&b'[') {
+    if value.first() == Some(&b'[') {
         let Some(end) = value.iter().position(|&b| b == b']') else {
             return false;
         };
         let inner = &value[1..end];
-        if inner.is_empty()
-            || !inner
+        return !inner.is_empty()
+            && inner
                 .iter()
                 .all(|b| b.is_ascii_hexdigit() || matches!(b, b':' | b'.'))
-        {
+            && valid_port(&value[end + 1..]);
+    }
+    // One pass: name bytes, then at the first ':' the port's shape.
+    let mut i = 0;
+    while i < value.len() {
+        let b = value[i];
+        if b == b':' {
+            return valid_port(&value[i..]);
+        }
+        if !HOST_BYTE[usize::from(b)] {
             return false;
         }
-        (&value[..=end], &value[end + 1..])
-    } else {
-        match value.iter().position(|&b| b == b':') {
-            Some(i) => (&value[..i], &value[i..]),
-            None => (value, &value[value.len()..]),
-        }
-    };
-    let name_ok = host.first() == Some(&b'[') || host.iter().all(|&b| REG_NAME[usize::from(b)]);
-    let port_ok = match port.split_first() {
+        i += 1;
+    }
+    true
+}
+
+/// Nothing, or `:` and up to five digits.
+fn valid_port(port: &[u8]) -> bool {
+    match port.split_first() {
         None => true,
         Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
         Some(_) => false,
-    };
-    name_ok && port_ok
+    }
 }
 
-/// The bytes of a registered name or IPv4 address (RFC 3986 `reg-name`: unreserved,
-/// pct-encoded, sub-delims), as a table: one load per byte.
-static REG_NAME: [bool; 256] = {
+/// The bytes of a `Host` outside brackets: a registered name or IPv4 address (RFC 3986
+/// `reg-name`: unreserved, pct-encoded, sub-delims) and the port's `:` and digits, as a table.
+static HOST_BYTE: [bool; 256] = {
     let mut t = [false; 256];
     let mut b = 0;
     while b < 256 {
@@ -226,6 +260,7 @@ static REG_NAME: [bool; 256] = {
                     | b','
                     | b';'
                     | b'='
+                    | b':'
             );
         b += 1;
     }
@@ -238,21 +273,25 @@ static REG_NAME: [bool; 256] = {
 /// `X_Forwarded_For` as `X-Forwarded-For`): removed from every request before the rules see
 /// it. `X-Forwarded-*` are not here: the proxy sets those itself.
 pub fn is_client_claim(name: &str) -> bool {
-    matches!(
-        name,
-        "forwarded"
-            | "x-real-ip"
-            | "true-client-ip"
-            | "cf-connecting-ip"
-            | "fastly-client-ip"
-            | "x-client-ip"
-            | "x-cluster-client-ip"
-            | "x-original-url"
-            | "x-rewrite-url"
-            | "x-http-method-override"
-            | "x-http-method"
-            | "x-method-override"
-    ) || name.contains('_')
+    // A plain loop: names are short, and memchr's set-up costs more than it saves here. The
+    // listed names all start with one of four letters: most fields are ruled out by that.
+    name.bytes().any(|b| b == b'_')
+        || matches!(name.as_bytes().first(), Some(b'c' | b'f' | b't' | b'x'))
+            && matches!(
+                name,
+                "forwarded"
+                    | "x-real-ip"
+                    | "true-client-ip"
+                    | "cf-connecting-ip"
+                    | "fastly-client-ip"
+                    | "x-client-ip"
+                    | "x-cluster-client-ip"
+                    | "x-original-url"
+                    | "x-rewrite-url"
+                    | "x-http-method-override"
+                    | "x-http-method"
+                    | "x-method-override"
+            )
 }
 
 fn strip_port(hostport: &str) -> &str {

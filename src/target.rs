@@ -30,7 +30,18 @@ pub fn normalize(path: &str, reject_separators: bool) -> Result<Option<String>, 
     if bytes.first() != Some(&b'/') {
         return Ok(None);
     }
-    if is_canonical(bytes, reject_separators)? {
+    // Most paths: no escape, no segment that starts with a dot or is empty. One pass.
+    let mut plain = true;
+    let mut i = 1;
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b == b'%' || (bytes[i - 1] == b'/' && (b == b'/' || b == b'.')) {
+            plain = false;
+            break;
+        }
+        i += 1;
+    }
+    if plain || is_canonical(bytes, reject_separators)? {
         return Ok(None);
     }
     // Escapes first, so that `%2E%2E` is a dot segment like `..`.

@@ -670,9 +670,7 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     // and never holds the rule snapshot across that wait.
     let trusted = shared.client_ip.trusts(peer.ip());
     let client_ip = shared.client_ip.client(req.headers(), peer.ip());
-    let view = RequestView::of(req, client_ip)
-        .trusted(trusted)
-        .strict(shared.hygiene.strict_path);
+    let view = RequestView::for_proxy(req, client_ip, trusted, shared.hygiene.strict_path);
     let admitted = gate::admit(&shared.rules, &shared.clock, &view).await;
     let admit = match admitted {
         Ok(admit) => admit,
