@@ -74,7 +74,6 @@ pub struct Shared {
     client_ip: key::ClientIpPolicy,
     /// What is done to a request's target and headers before the rules see it.
     hygiene: Hygiene,
-    max_header_bytes: usize,
     response_timeout: Duration,
     // Relaxed: a flag read by /readyz; nothing else is published through it.
     pub draining: AtomicBool,
@@ -180,7 +179,6 @@ impl Sidecar {
             metrics,
             client_ip: config.client_ip.policy(),
             hygiene: Hygiene::of(&config),
-            max_header_bytes: config.limits.max_header_bytes.0,
             response_timeout: t.upstream_response.0,
             draining: AtomicBool::new(false),
             exact: arc_swap::ArcSwapOption::new(exact),
@@ -642,17 +640,14 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     let (shared, peer) = (&*conn.shared, conn.peer);
     let start = shared.clock.now();
     let metrics = &shared.metrics;
-    if header_bytes(req) > shared.max_header_bytes {
-        metrics.header_too_large.inc();
-        metrics
-            .duration(Outcome::Error)
-            .observe(elapsed(shared, start));
-        return respond::error(
-            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            "request headers are larger than this proxy accepts",
-        );
-    }
     if let Err((reason, detail)) = shared.hygiene.apply(req) {
+        if reason == TOO_LARGE {
+            metrics.header_too_large.inc();
+            metrics
+                .duration(Outcome::Error)
+                .observe(elapsed(shared, start));
+            return respond::error(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, &detail);
+        }
         metrics.bad_requests.with_label_values(&[reason]).inc();
         metrics
             .duration(Outcome::Error)
@@ -735,6 +730,8 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
 /// What is checked and rewritten in a request before any rule sees it: one valid `Host`, one
 /// canonical path, no field the app will not get, no client-written claim the app might believe.
 pub struct Hygiene {
+    /// Larger request heads (fields and target) are refused with 431 ([`TOO_LARGE`]).
+    max_header_bytes: usize,
     /// HTTP/1.1 needs its one `Host` (the sidecar; an embedding server frames its own).
     require_host: bool,
     normalize_path: bool,
@@ -748,6 +745,7 @@ impl Default for Hygiene {
     /// that embeds it owns the framing, so a request without `Host` is its business.
     fn default() -> Self {
         Hygiene {
+            max_header_bytes: usize::MAX,
             require_host: false,
             normalize_path: true,
             reject_separators: false,
@@ -760,6 +758,7 @@ impl Default for Hygiene {
 impl Hygiene {
     pub fn of(config: &Config) -> Self {
         Hygiene {
+            max_header_bytes: config.limits.max_header_bytes.0,
             require_host: true,
             normalize_path: config.normalize_path,
             reject_separators: config.path_escapes == crate::config::PathEscapes::Reject,
@@ -768,16 +767,19 @@ impl Hygiene {
         }
     }
 
-    /// Refuses what is ambiguous (a missing, repeated or malformed `Host`; a `Connection` that
-    /// names the message's framing or `Host`; a path that cannot be normalised) with the
-    /// `bad_requests` reason and a detail; rewrites the path to its canonical spelling; removes
+    /// Refuses a head over `max_header_bytes` ([`TOO_LARGE`]: 431) and what is ambiguous (a
+    /// missing, repeated or malformed `Host`; a `Connection` that names the message's framing
+    /// or `Host`; a path that cannot be normalised) with the `bad_requests` reason and a detail; rewrites the path to its canonical spelling; removes
     /// the fields the client's `Connection` names (the app would not get them: the rules must
     /// not see them either) and the client's claims ([`key::is_client_claim`]). Allocates only
     /// when it rewrites or refuses.
     pub fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
-        // One pass over the fields (standard names compare as enums), not a lookup for each.
+        // One pass over the fields (standard names compare as enums), not a lookup for each;
+        // it also sums the head's bytes as sent (name, ": ", value, CRLF per field).
         let (mut host, mut hosts, mut connection, mut claims) = (None, 0u32, false, false);
+        let mut bytes = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
         for (name, value) in req.headers() {
+            bytes += name.as_str().len() + value.len() + 4;
             if name == http::header::HOST {
                 host = Some(value);
                 hosts += 1;
@@ -786,6 +788,12 @@ impl Hygiene {
             } else if key::is_client_claim(name.as_str()) {
                 claims = true;
             }
+        }
+        if bytes > self.max_header_bytes {
+            return Err((
+                TOO_LARGE,
+                "request headers are larger than this proxy accepts".into(),
+            ));
         }
         match host {
             _ if hosts > 1 => {
@@ -823,6 +831,9 @@ impl Hygiene {
         Ok(())
     }
 }
+
+/// The reason [`Hygiene::apply`] gives a head over `limits.max_header_bytes` (answered 431).
+const TOO_LARGE: &str = "header_too_large";
 
 /// Removes the fields `Connection` lists (beyond the hop-by-hop ones, which the hop removes
 /// anyway); refuses a list that names the framing or `Host`, which would leave the app to
@@ -881,15 +892,6 @@ async fn drained(mut body: forward::Streamed) -> bool {
 
 fn elapsed(shared: &Shared, start: u64) -> f64 {
     shared.clock.now().saturating_sub(start) as f64 / 1e9
-}
-
-/// Bytes of the request head as sent (name, ": ", value, CRLF per header).
-fn header_bytes<B>(req: &Request<B>) -> usize {
-    req.headers()
-        .iter()
-        .map(|(k, v)| k.as_str().len() + v.len() + 4)
-        .sum::<usize>()
-        + req.uri().path_and_query().map_or(0, |p| p.as_str().len())
 }
 
 /// Forgets idle keys in the background. The sweep locks one shard at a time.
