@@ -153,13 +153,7 @@ fn nothing_lost(seen: &Seen, name: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_faults_lose_nothing_and_cause_no_5xx() {
     let up = upstream().await;
-    let ctl = Proc::spawn(&[
-        "controller",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-    ]);
+    let ctl = controller();
     let ctl_addr = ctl.addr;
     let agg_args = |ctl: SocketAddr| {
         vec![

@@ -328,13 +328,7 @@ async fn a_thousand_16_kib_keys_do_not_cost_16_mib() {
 // 6. Global rules switched off by one request.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_long_or_non_utf8_key_does_not_switch_off_a_global_rule() {
-    let ctl = Proc::spawn(&[
-        "controller",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-    ]);
+    let ctl = controller();
     let up = upstream().await;
     let sc = spillway::Sidecar::start(config(
         up.addr,

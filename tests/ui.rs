@@ -71,13 +71,7 @@ fn row(dom: &str, first: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_pages_show_rules_rates_keys_and_who_reports() {
-    let ctl = Proc::spawn(&[
-        "controller",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-    ]);
+    let ctl = controller();
     let up = upstream().await;
     let yaml = format!(
         "service: shop\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{}\n{}{}",

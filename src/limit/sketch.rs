@@ -161,24 +161,30 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_flood_below_width_times_rate_leaves_room_for_a_newcomer() {
-        let s = Sketch::new(4096, 4);
+    /// `keys` flooding keys each spend their whole burst of 10 in one window; then how many of
+    /// 100 first-time keys are admitted.
+    fn newcomers_after_a_flood(s: &Sketch, keys: u32) -> usize {
         let q = quota(10, Duration::from_secs(1), 10);
-        // 512 flooding keys, each spending its whole burst in one window: a key at its limit
-        // fills a counter alone, so a newcomer is refused only where all four rows collide
-        // with a flooding key, (1 - e^(-512/4096))^4, about 1 in 5 000.
-        for i in 0u32..512 {
+        for i in 0..keys {
             for _ in 0..10 {
                 let _ = s.check(&i.to_le_bytes(), &q, 5 * SEC, 1);
             }
         }
-        let admitted = (0u32..100)
+        (0u32..100)
             .filter(|i| {
                 s.check(&(1_000_000 + i).to_be_bytes(), &q, 5 * SEC, 1)
                     .is_allowed()
             })
-            .count();
+            .count()
+    }
+
+    #[test]
+    fn a_flood_below_width_times_rate_leaves_room_for_a_newcomer() {
+        let s = Sketch::new(4096, 4);
+        let q = quota(10, Duration::from_secs(1), 10);
+        // A key at its limit fills a counter alone, so a newcomer is refused only where all
+        // four rows collide with a flooding key: (1 - e^(-512/4096))^4, about 1 in 5 000.
+        let admitted = newcomers_after_a_flood(&s, 512);
         assert!(admitted >= 95, "{admitted} of 100 newcomers admitted");
         // A flooding key stays limited.
         assert!(!s.check(&7u32.to_le_bytes(), &q, 5 * SEC, 1).is_allowed());
@@ -187,18 +193,7 @@ mod tests {
     #[test]
     fn a_flood_far_above_width_times_rate_refuses_newcomers_conservatively() {
         let s = Sketch::new(256, 4);
-        let q = quota(10, Duration::from_secs(1), 10);
-        for i in 0u32..(256 * 8) {
-            for _ in 0..10 {
-                let _ = s.check(&i.to_le_bytes(), &q, 5 * SEC, 1);
-            }
-        }
-        let admitted = (0u32..100)
-            .filter(|i| {
-                s.check(&(1_000_000 + i).to_be_bytes(), &q, 5 * SEC, 1)
-                    .is_allowed()
-            })
-            .count();
+        let admitted = newcomers_after_a_flood(&s, 256 * 8);
         assert!(admitted <= 5, "{admitted} of 100 newcomers admitted");
     }
 }

@@ -337,6 +337,17 @@ impl Proc {
     }
 }
 
+/// A controller process on loopback ports of its own choosing, no token.
+pub fn controller() -> Proc {
+    Proc::spawn(&[
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+    ])
+}
+
 impl Drop for Proc {
     fn drop(&mut self) {
         self.kill();
