@@ -27,14 +27,14 @@ pub type KeyBuf = SmallVec<[u8; 128]>;
 pub enum KeyPart {
     /// The client address (see [`client_ip`]).
     ClientIp,
-    /// A request header's value; absent header = rule does not apply.
+    /// A request header's value; absent header = rule does not apply; sent twice = 400.
     Header(HeaderName),
     /// A query parameter's value, percent-decoded (`%XX` and `+`).
     Query(String),
     /// The request path, without the query, in its match form (see [`RequestView::path`]).
     Path,
     Method,
-    /// The host, lower case, without port.
+    /// The host, lower case, without port or trailing dot; none (HTTP/1.0) = the empty host.
     Host,
 }
 
@@ -674,12 +674,6 @@ fn private_v6(ip: Ipv6Addr) -> bool {
         || ip.is_unspecified()
         || first & 0xfe00 == 0xfc00 // unique local, fc00::/7
         || first & 0xffc0 == 0xfe80 // link local, fe80::/10
-}
-
-/// The client address of a proxy with `trusted_hops` and no listed proxies: the peer. Kept
-/// for callers of the old rule (the tower layer without a policy).
-pub fn client_ip(headers: &HeaderMap, peer: IpAddr, policy: &ClientIpPolicy) -> IpAddr {
-    policy.client(headers, peer)
 }
 
 /// One `X-Forwarded-For` entry: an address, optionally with a port (`1.2.3.4:80`, `[::1]:80`).

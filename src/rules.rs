@@ -10,9 +10,9 @@
 //! algorithm's CAS (a per-key lock for the sliding log), one relaxed counter add. A new key
 //! costs a shard write lock (and a heap copy of the key past 24 bytes; keys past 64 bytes are
 //! kept as a 17-byte keyed hash). A full store first replaces states indistinguishable from
-//! fresh (a sweep, at most every 100 ms); keys that still find no place are decided by the
-//! rule's count-min sketch (rate limits) or share one overflow state (the others).
-//! Measured in `benches/decision.rs`.
+//! fresh (a sweep, at most every 100 ms, backing off to 5 s while none frees); keys that still
+//! find no place are decided by the rule's count-min sketch (rate limits) or share one
+//! overflow state (the others). Measured in `benches/decision.rs`.
 
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;

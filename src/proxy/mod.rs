@@ -9,9 +9,10 @@
 //! read with its head), log per request above debug.
 //!
 //! Cost of the request path beyond the server side's own work (`inbound`'s, or hyper's): one
-//! header-size sum, the client-IP walk, one `ArcSwap` load, [`RuleSet::check`] (see its cost),
-//! the header rewrite for the hop (one allocation for `X-Forwarded-For`), two clock reads and
-//! one histogram observation; for an HTTP/1 client, the hand-over to its own upstream
+//! pass over the request's fields (`Hygiene`: head size, `Host`, client claims) and one over
+//! its path (already canonical: no allocation), the client address by policy, one `ArcSwap`
+//! load, [`RuleSet::check`] (see its cost), the header rewrite for the hop (one allocation for
+//! `X-Forwarded-For`), two clock reads and one histogram observation; for an HTTP/1 client, the hand-over to its own upstream
 //! connection in the same task (`affine`: two uncontended locks, no trip through the runtime's
 //! queue); the header-read and response deadlines as slots of the worker's `coarse` timers (an
 //! uncontended lock to arm and one to disarm each, not tokio's timer wheel).
