@@ -652,8 +652,16 @@ impl ClientIpPolicy {
         client
     }
 
-    /// `ip` cut to the prefix it is keyed by.
+    /// `ip` cut to the prefix it is keyed by. A NAT64 address (`64:ff9b::/96`) is its IPv4
+    /// client: all of a gateway's clients share its /64.
     pub fn keyed(&self, ip: IpAddr) -> IpAddr {
+        let ip = match ip {
+            IpAddr::V6(v6) if v6.segments()[..6] == [0x64, 0xff9b, 0, 0, 0, 0] => {
+                let [.., a, b, c, d] = v6.octets();
+                IpAddr::V4(Ipv4Addr::new(a, b, c, d))
+            }
+            other => other,
+        };
         match ip {
             IpAddr::V4(v4) if !private_v4(v4) => IpAddr::V4(mask_v4(v4, self.ipv4_prefix)),
             IpAddr::V6(v6) if !private_v6(v6) => IpAddr::V6(mask_v6(v6, self.ipv6_prefix)),
@@ -770,6 +778,9 @@ pub(crate) mod tests {
         assert_eq!(p.keyed(ip("fd00::1:2")), ip("fd00::1:2"));
         assert_eq!(p.keyed(ip("fe80::1")), ip("fe80::1"));
         assert_eq!(p.keyed(ip("8.8.4.4")), ip("8.8.4.4"));
+        // NAT64: the IPv4 client inside, not the gateway's /64.
+        assert_eq!(p.keyed(ip("64:ff9b::808:404")), ip("8.8.4.4"));
+        assert_eq!(p.keyed(ip("64:ff9b::101:101")), ip("1.1.1.1"));
         let p24 = ClientIpPolicy {
             ipv4_prefix: 24,
             ..ClientIpPolicy::default()
