@@ -3,9 +3,10 @@
 //!
 //! Owns path normalisation (RFC 3986: unreserved escapes decoded, remaining escapes in upper
 //! case, dot segments removed, repeated slashes merged) and the lenient "match form" that rules
-//! compare against (no `;params`, no trailing slash; case is folded by the comparisons). Must
-//! never: allocate for a path that is already canonical, accept a `..` above the root or a
-//! broken escape, or panic on any input.
+//! compare against (no `;params`, no trailing slash, `%2F`, `%5C` and `\` as `/`; case is
+//! folded by the comparisons), and query decoding for keys. Must never: allocate for a path
+//! that is already canonical, accept a `..` above the root or a broken escape, or panic on any
+//! input.
 
 use std::borrow::Cow;
 
@@ -125,8 +126,8 @@ pub fn canonical_uri(
 }
 
 /// The form rules match `path` by, unless `path_match: strict`: every segment's `;params`
-/// dropped and one trailing slash ignored (as Tomcat and Spring route). Borrowed when that
-/// changes nothing.
+/// dropped and one trailing slash ignored (as Tomcat and Spring route), encoded and back
+/// slashes taken as `/`. Borrowed when that changes nothing.
 pub fn match_form(path: &str) -> Cow<'_, str> {
     // The common case in one pass: nothing to drop or map, at most a trailing slash.
     if !path.bytes().any(|b| matches!(b, b';' | b'%' | b'\\')) {
