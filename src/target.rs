@@ -187,64 +187,28 @@ pub fn decode_query(raw: &str) -> Cow<'_, [u8]> {
     if !bytes.iter().any(|&b| b == b'%' || b == b'+') {
         return Cow::Borrowed(bytes);
     }
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        match bytes[i] {
-            b'+' => {
-                out.push(b' ');
-                i += 1;
-            }
-            b'%' => match escape_at(bytes, i) {
-                Ok(v) => {
-                    out.push(v);
-                    i += 3;
-                }
-                Err(_) => {
-                    out.push(b'%');
-                    i += 1;
-                }
-            },
-            b => {
-                out.push(b);
-                i += 1;
-            }
-        }
-    }
-    Cow::Owned(out)
+    Cow::Owned(query_bytes(bytes).collect())
 }
 
 /// Whether `raw` percent-decodes (`%XX`, `+`) to exactly `want`, without allocating.
 pub fn decodes_to(raw: &str, want: &[u8]) -> bool {
-    let bytes = raw.as_bytes();
-    let (mut i, mut j) = (0, 0);
-    while i < bytes.len() {
-        let b = match bytes[i] {
-            b'+' => {
-                i += 1;
-                b' '
-            }
-            b'%' => match escape_at(bytes, i) {
-                Ok(v) => {
-                    i += 3;
-                    v
-                }
-                Err(_) => {
-                    i += 1;
-                    b'%'
-                }
-            },
-            b => {
-                i += 1;
-                b
-            }
+    query_bytes(raw.as_bytes()).eq(want.iter().copied())
+}
+
+/// The bytes `raw` decodes to as a query part: `+` a space, `%XX` its byte, a broken escape
+/// as it is written.
+fn query_bytes(raw: &[u8]) -> impl Iterator<Item = u8> + '_ {
+    let mut i = 0;
+    std::iter::from_fn(move || {
+        let b = *raw.get(i)?;
+        let (out, step) = match b {
+            b'+' => (b' ', 1),
+            b'%' => escape_at(raw, i).map_or((b'%', 1), |v| (v, 3)),
+            b => (b, 1),
         };
-        if want.get(j) != Some(&b) {
-            return false;
-        }
-        j += 1;
-    }
-    j == want.len()
+        i += step;
+        Some(out)
+    })
 }
 
 const HEX: &[u8; 16] = b"0123456789ABCDEF";
