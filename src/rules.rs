@@ -235,12 +235,9 @@ impl RateStore {
         cost: u32,
         overflow: &Overflow,
     ) -> (Decision, Slot) {
-        let tracked = each_store!(self, s => s.try_with(
-            key,
-            now,
-            |st| st.is_idle(quota, now),
-            |st| st.check(quota, now, cost),
-        ));
+        let tracked = each_store!(self, s => s
+            .tracked(key, now, |st| st.is_idle(quota, now))
+            .map(|st| st.check(quota, now, cost)));
         match tracked {
             Some(decision) => (decision, Slot::Keyed),
             None => {
@@ -348,28 +345,23 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
         idle: impl Fn(&S) -> bool,
         f: impl FnOnce(&S) -> R,
     ) -> (R, Slot) {
-        let mut f = Some(f);
-        match self.try_with(key, now, idle, |s| (f.take().expect("called once"))(s)) {
-            Some(r) => (r, Slot::Keyed),
-            None => (
-                (f.take().expect("not called"))(&self.overflow),
-                Slot::Overflow,
-            ),
+        match self.tracked(key, now, idle) {
+            Some(state) => (f(&state), Slot::Keyed),
+            None => (f(&self.overflow), Slot::Overflow),
         }
     }
 
-    /// Runs `f` on the state of `key`, creating it when there is room; `None` (and `f` not
-    /// run) when the store is full of states that are not idle.
+    /// The state of `key`, created when there is room; `None` when the store is full of
+    /// states that are not idle.
     #[inline]
-    fn try_with<R>(
+    fn tracked(
         &self,
         key: &[u8],
         now: Nanos,
         idle: impl Fn(&S) -> bool,
-        f: impl FnOnce(&S) -> R,
-    ) -> Option<R> {
+    ) -> Option<dashmap::mapref::one::Ref<'_, StoredKey, S>> {
         if let Some(r) = self.map.get(key) {
-            return Some(f(r.value()));
+            return Some(r);
         }
         if self.len.load(Ordering::Relaxed) >= self.max_keys && self.reclaim(now, idle) == 0 {
             self.parts.overflowed.inc();
@@ -382,7 +374,7 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
             self.len.fetch_add(1, Ordering::Relaxed);
             self.parts.keys.inc();
         }
-        Some(f(r.value()))
+        Some(r)
     }
 
     /// Forgets idle states so that new keys can take their place: nothing is lost, since an
