@@ -288,7 +288,7 @@ impl UpgradeProtocol {
     }
 }
 
-fn default_upgrades() -> Vec<UpgradeProtocol> {
+pub(crate) fn default_upgrades() -> Vec<UpgradeProtocol> {
     vec![UpgradeProtocol::Websocket]
 }
 

@@ -119,7 +119,7 @@ impl<'a> RequestView<'a> {
             trusted_peer: false,
             strict_path: false,
             host: OnceLock::new(),
-            path: crate::target::match_form(uri.path()),
+            path: path_form(uri, false),
         }
     }
 
@@ -131,7 +131,6 @@ impl<'a> RequestView<'a> {
         trusted: bool,
         strict: bool,
     ) -> Self {
-        let path = req.uri().path();
         RequestView {
             method: req.method(),
             uri: req.uri(),
@@ -140,11 +139,7 @@ impl<'a> RequestView<'a> {
             trusted_peer: trusted,
             strict_path: strict,
             host: OnceLock::new(),
-            path: if strict {
-                Cow::Borrowed(path)
-            } else {
-                crate::target::match_form(path)
-            },
+            path: path_form(req.uri(), strict),
         }
     }
 
@@ -158,11 +153,7 @@ impl<'a> RequestView<'a> {
     pub fn strict(mut self, yes: bool) -> Self {
         if yes != self.strict_path {
             self.strict_path = yes;
-            self.path = if yes {
-                Cow::Borrowed(self.uri.path())
-            } else {
-                crate::target::match_form(self.uri.path())
-            };
+            self.path = path_form(self.uri, yes);
         }
         self
     }
@@ -180,6 +171,15 @@ impl<'a> RequestView<'a> {
         *self
             .host
             .get_or_init(|| request_host(self.uri, self.headers))
+    }
+}
+
+/// The path rules see: as written when `strict`, else its match form.
+fn path_form(uri: &Uri, strict: bool) -> Cow<'_, str> {
+    if strict {
+        Cow::Borrowed(uri.path())
+    } else {
+        crate::target::match_form(uri.path())
     }
 }
 

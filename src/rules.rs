@@ -129,6 +129,11 @@ impl Refused {
         self.cost.store(cost, Ordering::Relaxed);
     }
 
+    /// Past its retry time: as good as no entry.
+    fn expired(&self, now: Nanos) -> bool {
+        self.until.load(Ordering::Relaxed) <= now
+    }
+
     fn refused(&self, now: Nanos, cost: u32) -> Option<Nanos> {
         let until = self.until.load(Ordering::Relaxed);
         (until > now && cost >= self.cost.load(Ordering::Relaxed)).then(|| until - now)
@@ -878,7 +883,7 @@ impl RuleSet {
                         refused.with(
                             &call.key,
                             now,
-                            |r| r.until.load(Ordering::Relaxed) <= now,
+                            |r| r.expired(now),
                             |r| r.remember(now.saturating_add(retry), call.cost),
                         );
                     }
@@ -1054,7 +1059,7 @@ impl RuleSet {
                 Kind::Redis {
                     refused, fallback, ..
                 } => {
-                    refused.sweep(|r| r.until.load(Ordering::Relaxed) <= now)
+                    refused.sweep(|r| r.expired(now))
                         + fallback
                             .as_ref()
                             .map_or(0, |(q, b)| b.sweep(|st| st.is_idle(q, now)))

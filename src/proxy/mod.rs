@@ -12,9 +12,9 @@
 //! pass over the request's fields (`Hygiene`: head size, `Host`, client claims) and one over
 //! its path (already canonical: no allocation), the client address by policy, one `ArcSwap`
 //! load, [`RuleSet::check`] (see its cost), the header rewrite for the hop (one allocation for
-//! `X-Forwarded-For`), two clock reads and one histogram observation; for an HTTP/1 client, the hand-over to its own upstream
-//! connection in the same task (`affine`: two uncontended locks, no trip through the runtime's
-//! queue); the header-read and response deadlines as slots of the worker's `coarse` timers (an
+//! `X-Forwarded-For`), two clock reads and one histogram observation; for an HTTP/1 client,
+//! the hand-over to its own upstream connection in the same task (`affine`: two uncontended
+//! locks, no trip through the runtime's queue); the header-read and response deadlines as slots of the worker's `coarse` timers (an
 //! uncontended lock to arm and one to disarm each, not tokio's timer wheel).
 
 mod accept;
@@ -642,17 +642,14 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     let start = shared.clock.now();
     let metrics = &shared.metrics;
     if let Err((reason, detail)) = shared.hygiene.apply(req) {
-        if reason == TOO_LARGE {
-            metrics.header_too_large.inc();
-            metrics
-                .duration(Outcome::Error)
-                .observe(elapsed(shared, start));
-            return respond::error(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, &detail);
-        }
-        metrics.bad_requests.with_label_values(&[reason]).inc();
         metrics
             .duration(Outcome::Error)
             .observe(elapsed(shared, start));
+        if reason == TOO_LARGE {
+            metrics.header_too_large.inc();
+            return respond::error(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, &detail);
+        }
+        metrics.bad_requests.with_label_values(&[reason]).inc();
         let mut resp = respond::error(StatusCode::BAD_REQUEST, &detail);
         // What follows on the connection may be as malformed: nginx closes after a 400 too.
         resp.headers_mut().insert(
@@ -751,7 +748,7 @@ impl Default for Hygiene {
             normalize_path: true,
             reject_separators: false,
             strict_path: false,
-            upgrades: vec![crate::config::UpgradeProtocol::Websocket],
+            upgrades: crate::config::default_upgrades(),
         }
     }
 }
@@ -769,11 +766,12 @@ impl Hygiene {
     }
 
     /// Refuses a head over `max_header_bytes` ([`TOO_LARGE`]: 431) and what is ambiguous (a
-    /// missing, repeated or malformed `Host`; a `Connection` that names the message's framing
-    /// or `Host`; a path that cannot be normalised) with the `bad_requests` reason and a detail; rewrites the path to its canonical spelling; removes
-    /// the fields the client's `Connection` names (the app would not get them: the rules must
-    /// not see them either) and the client's claims ([`key::is_client_claim`]). Allocates only
-    /// when it rewrites or refuses.
+    /// missing, repeated or malformed `Host`; a `Connection` that names the body's length or
+    /// `Host`; a path that cannot be normalised) with the `bad_requests` reason and a detail;
+    /// rewrites the path to its canonical spelling; removes the fields the client's
+    /// `Connection` names (the app would not get them: the rules must not see them either) and
+    /// the client's claims ([`key::is_client_claim`]). Allocates only when it rewrites or
+    /// refuses.
     pub fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
         // One pass over the fields (standard names compare as enums), not a lookup for each;
         // it also sums the head's bytes as sent (name, ": ", value, CRLF per field).
@@ -836,9 +834,10 @@ impl Hygiene {
 /// The reason [`Hygiene::apply`] gives a head over `limits.max_header_bytes` (answered 431).
 const TOO_LARGE: &str = "header_too_large";
 
-/// Removes the fields `Connection` lists (beyond the hop-by-hop ones, which the hop removes
-/// anyway); refuses a list that names the framing or `Host`, which would leave the app to
-/// frame the body itself (a request smuggled inside it) or to guess the host.
+/// Removes the fields `Connection` lists (beyond the hop-by-hop ones, `Transfer-Encoding`
+/// among them, which [`forward::listed`] leaves out and the hop removes anyway); refuses a
+/// list that names `Content-Length` or `Host`, which would leave the app to frame the body
+/// itself (a request smuggled inside it) or to guess the host.
 fn drop_listed(headers: &mut http::HeaderMap) -> Result<(), (&'static str, String)> {
     let values: smallvec::SmallVec<[http::HeaderValue; 2]> = headers
         .get_all(http::header::CONNECTION)
@@ -846,10 +845,7 @@ fn drop_listed(headers: &mut http::HeaderMap) -> Result<(), (&'static str, Strin
         .cloned()
         .collect();
     for token in forward::listed(values.iter().map(http::HeaderValue::as_bytes)) {
-        if [&b"content-length"[..], b"transfer-encoding", b"host"]
-            .iter()
-            .any(|f| token.eq_ignore_ascii_case(f))
-        {
+        if token.eq_ignore_ascii_case(b"content-length") || token.eq_ignore_ascii_case(b"host") {
             return Err((
                 "connection",
                 "the Connection header names a field the request cannot go without".into(),
