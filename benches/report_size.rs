@@ -39,6 +39,7 @@ fn main() {
             "eu-1",
             std::time::Duration::from_secs(1),
             100,
+            1,
         );
         let bytes = serde_json::to_vec(&report).unwrap().len();
         println!("| {n} | {} | {bytes} |", report.entries.len());

@@ -209,8 +209,13 @@ impl Serialize for RedisUrls {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControlPlane {
-    /// The zone's aggregator (or a controller, for small fleets): `http://host:port`.
-    pub url: Upstream,
+    /// The zone's aggregators (or a controller, for small fleets): `http://host:port` or
+    /// `https://host:port`.
+    pub url: ControlUrl,
+    /// With `https://`: a PEM file of the CA that signed the control plane's certificate,
+    /// instead of the system's trust store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<std::path::PathBuf>,
     /// How often counts are reported (at least 100ms).
     #[serde(default = "default_report_interval")]
     pub report_interval: Dur,
@@ -1296,6 +1301,42 @@ impl Serialize for Upstream {
     }
 }
 
+/// The control plane's base URL: `http://host:port` or `https://host:port`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ControlUrl(pub http::Uri);
+
+impl ControlUrl {
+    pub fn tls(&self) -> bool {
+        self.0.scheme_str() == Some("https")
+    }
+}
+
+impl<'de> Deserialize<'de> for ControlUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parse_str(d, |s: &str| {
+            let uri: http::Uri = s
+                .parse()
+                .map_err(|e| err(format!("{s:?}: not a URL: {e}")))?;
+            if !matches!(uri.scheme_str(), Some("http" | "https")) {
+                return Err(err(format!(
+                    "{s:?}: the control plane speaks http:// or https://"
+                )));
+            }
+            if uri.authority().is_none() || !matches!(uri.path(), "" | "/") || uri.query().is_some()
+            {
+                return Err(err(format!("{s:?}: expected http(s)://host:port")));
+            }
+            Ok(ControlUrl(uri))
+        })
+    }
+}
+
+impl Serialize for ControlUrl {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&self.0)
+    }
+}
+
 /// A header-size limit in bytes, at least 1 KiB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(transparent)]
@@ -1524,6 +1565,20 @@ impl Config {
     /// Parses and validates YAML text; `file` names it in errors.
     pub fn from_yaml(text: &str, file: &str) -> Result<Config, ConfigError> {
         let config: Config = parse_yaml(text, file)?;
+        if config.service.0.starts_with(['_', '.']) {
+            return Err(ConfigError::Invalid {
+                file: file.to_string(),
+                line: text
+                    .lines()
+                    .position(|l| l.starts_with("service:"))
+                    .map(|i| i + 1),
+                column: None,
+                message: format!(
+                    "service: {:?}: names starting with _ or . are reserved (the control plane's token files _aggregators and _admin, a Secret's ..data)",
+                    config.service.0
+                ),
+            });
+        }
         check_rule_names(&config.rules, text, file)?;
         config.check_control_plane(text, file)?;
         config.check_redis(text, file)?;
@@ -1573,10 +1628,10 @@ impl Config {
                 .lines()
                 .position(|l| l.starts_with("control_plane:"))
                 .map(|i| i + 1);
-            if cp.url.h2 {
+            if cp.ca_file.is_some() && !cp.url.tls() {
                 return Err(invalid(
                     line,
-                    "control_plane.url: the control plane speaks http://, not h2c://".into(),
+                    "control_plane.ca_file: only used with an https:// url".into(),
                 ));
             }
             if cp.report_interval.0 < Duration::from_millis(100) {

@@ -197,6 +197,47 @@ pub(crate) async fn offer(
     while inflight.join_next().await.is_some() {}
 }
 
+/// Closed-loop load: `conns` clients, each sending its next request as soon as it has the
+/// answer to the last, until `deadline` (what real clients, and retry loops, do).
+pub(crate) async fn offer_closed(
+    client: Client<HttpConnector, Empty<Bytes>>,
+    uri: http::Uri,
+    headers: Vec<(&'static str, String)>,
+    conns: usize,
+    tally: Arc<Tally>,
+    deadline: tokio::time::Instant,
+) {
+    let mut clients = tokio::task::JoinSet::new();
+    for _ in 0..conns {
+        let (client, uri, headers, tally) =
+            (client.clone(), uri.clone(), headers.clone(), tally.clone());
+        clients.spawn(async move {
+            while tokio::time::Instant::now() < deadline {
+                let mut req = Request::get(uri.clone());
+                for (k, v) in &headers {
+                    req = req.header(*k, v.as_str());
+                }
+                let req = req.body(Empty::new()).expect("a valid request");
+                tally.offered.fetch_add(1, Ordering::Relaxed);
+                let counter = match client.request(req).await {
+                    Ok(resp) => {
+                        let status = resp.status();
+                        let _ = resp.into_body().collect().await;
+                        match status.as_u16() {
+                            200 => &tally.allowed,
+                            429 => &tally.rejected,
+                            _ => &tally.other,
+                        }
+                    }
+                    Err(_) => &tally.other,
+                };
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+    }
+    while clients.join_next().await.is_some() {}
+}
+
 async fn show_one_rejection(
     client: &Client<HttpConnector, Empty<Bytes>>,
     proxy: std::net::SocketAddr,

@@ -34,33 +34,41 @@ enum Command {
         /// Where aggregators (or proxies, for small fleets) report.
         #[arg(long, env = "SPILLWAY_LISTEN", default_value = "0.0.0.0:7000")]
         listen: std::net::SocketAddr,
-        /// /metrics /healthz /readyz.
+        /// /metrics /healthz /readyz, and /ui (its state needs a token).
         #[arg(long, env = "SPILLWAY_ADMIN", default_value = "0.0.0.0:9902")]
         admin: std::net::SocketAddr,
-        /// A file holding the bearer token reports must carry.
-        #[arg(long, env = "SPILLWAY_TOKEN_FILE")]
-        token_file: Option<PathBuf>,
+        #[command(flatten)]
+        security: Security,
+        /// Time constant of the smoothing of the fleet's sums, e.g. 1s.
+        #[arg(long, env = "SPILLWAY_SMOOTHING", default_value = "1s", value_parser = parse_duration)]
+        smoothing: std::time::Duration,
     },
     /// Run a zone aggregator: sums its proxies' reports and relays the controller's ratios.
     Aggregator {
         /// Where the zone's proxies report.
         #[arg(long, env = "SPILLWAY_LISTEN", default_value = "0.0.0.0:7001")]
         listen: std::net::SocketAddr,
-        /// The controller, http://host:port.
+        /// The controller, http://host:port or https://host:port.
         #[arg(long, env = "SPILLWAY_CONTROLLER")]
         controller: http::Uri,
+        /// With an https:// controller: a PEM file of the CA that signed its certificate
+        /// (default: the system's trust store).
+        #[arg(long, env = "SPILLWAY_CA_FILE")]
+        ca_file: Option<PathBuf>,
         /// This aggregator's zone.
         #[arg(long, env = "SPILLWAY_ZONE")]
         zone: String,
+        /// This replica's name, unique in its zone (default: $HOSTNAME and a random suffix).
+        #[arg(long, env = "SPILLWAY_REPLICA")]
+        replica: Option<String>,
         /// /metrics /healthz /readyz.
         #[arg(long, env = "SPILLWAY_ADMIN", default_value = "0.0.0.0:9903")]
         admin: std::net::SocketAddr,
         /// How often the zone's sums go to the controller, e.g. 1s or 250ms.
         #[arg(long, env = "SPILLWAY_INTERVAL", default_value = "1s", value_parser = parse_duration)]
         interval: std::time::Duration,
-        /// A file holding the shared bearer token (checked on reports, sent to the controller).
-        #[arg(long, env = "SPILLWAY_TOKEN_FILE")]
-        token_file: Option<PathBuf>,
+        #[command(flatten)]
+        security: Security,
     },
     /// Propose limits from Prometheus history (peak offered rate + margin), new ones in shadow
     /// mode first; or, with --promote, switch shadow rules that would rarely have rejected to
@@ -90,25 +98,71 @@ enum Command {
     },
 }
 
-fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    spillway::config::parse_duration(s)
+/// Who may talk to a controller or aggregator, and over what.
+#[derive(clap::Args)]
+struct Security {
+    /// A directory of tokens (a mounted Secret): a file per service holding its proxies'
+    /// token, `_aggregators` for the aggregators' zone sums, `_admin` to read all state.
+    #[arg(long, env = "SPILLWAY_TOKENS", conflicts_with = "token_file")]
+    tokens: Option<PathBuf>,
+    /// Instead: one shared bearer token for every service (and, on an aggregator, the token it
+    /// presents to the controller).
+    #[arg(long, env = "SPILLWAY_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+    /// A file holding a token that may read every service's state (and report nothing).
+    #[arg(long, env = "SPILLWAY_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<PathBuf>,
+    /// Serve HTTPS with this PEM certificate chain (re-read when it changes).
+    #[arg(long, env = "SPILLWAY_TLS_CERT", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, env = "SPILLWAY_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Listen beyond loopback with no token anyway (anyone who reaches it can change every
+    /// service's limits and read their keys); logged, and shown in a metric.
+    #[arg(long)]
+    insecure: bool,
 }
 
-/// The bearer token of `--token-file`, re-read when the file changes or on SIGHUP (a rotated
-/// Secret needs no restart), for as long as the returned sender is kept.
-fn token(
-    path: Option<PathBuf>,
-) -> anyhow::Result<(
-    spillway::control::server::Token,
-    tokio::sync::watch::Sender<bool>,
-)> {
-    let (watching, stop) = tokio::sync::watch::channel(false);
-    let Some(p) = path else {
-        return Ok((Default::default(), watching));
-    };
-    let token = spillway::control::server::Token::from_file(p.clone(), stop)
-        .map_err(|e| anyhow::anyhow!("--token-file {}: {e}", p.display()))?;
-    Ok((token, watching))
+impl Security {
+    /// The credentials and TLS they describe, reloaded when their files change for as long as
+    /// the returned sender is kept.
+    #[allow(clippy::type_complexity)]
+    fn load(
+        self,
+    ) -> anyhow::Result<(
+        spillway::control::auth::Credentials,
+        Option<spillway::control::tls::ServerTls>,
+        tokio::sync::watch::Sender<bool>,
+    )> {
+        use spillway::control::auth::{Credentials, TokenSource};
+        let (watching, stop) = tokio::sync::watch::channel(false);
+        let (source, what) = match (self.tokens, self.token_file) {
+            (Some(d), _) => (
+                TokenSource::Dir(d.clone()),
+                format!("--tokens {}", d.display()),
+            ),
+            (None, Some(f)) => (
+                TokenSource::File(f.clone()),
+                format!("--token-file {}", f.display()),
+            ),
+            (None, None) => (TokenSource::None, String::new()),
+        };
+        let creds = Credentials::load(source, self.admin_token_file, stop.clone())
+            .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        let tls = match (self.tls_cert, self.tls_key) {
+            (Some(c), Some(k)) => Some(
+                spillway::control::tls::ServerTls::load(c, k, stop)
+                    .map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key: {e}"))?,
+            ),
+            _ => None,
+        };
+        Ok((creds, tls, watching))
+    }
+}
+
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    spillway::config::parse_duration(s)
 }
 
 fn main() -> ExitCode {
@@ -179,32 +233,49 @@ fn main() -> ExitCode {
         Command::Controller {
             listen,
             admin,
-            token_file,
+            security,
+            smoothing,
         } => run(async move {
-            let (token, _watching) = token(token_file)?;
+            let insecure = security.insecure;
+            let (credentials, tls, _watching) = security.load()?;
             let options = spillway::control::controller::ControllerOptions {
                 listen,
                 admin,
-                token,
+                credentials,
+                tls,
+                insecure,
+                smoothing,
             };
             serve_role("controller", spillway::control::controller::start(options)).await
         }),
         Command::Aggregator {
             listen,
             controller,
+            ca_file,
             zone,
+            replica,
             admin,
             interval,
-            token_file,
+            security,
         } => run(async move {
-            let (token, _watching) = token(token_file)?;
+            let insecure = security.insecure;
+            let (credentials, tls, _watching) = security.load()?;
+            if credentials.outgoing().is_none() && !credentials.is_open() {
+                anyhow::bail!(
+                    "--tokens: no _aggregators file: the aggregator needs its token to report to the controller"
+                );
+            }
             let options = spillway::control::aggregator::AggregatorOptions {
                 listen,
                 admin,
                 controller,
                 zone,
+                replica,
                 interval,
-                token,
+                credentials,
+                tls,
+                ca_file,
+                insecure,
             };
             serve_role("aggregator", spillway::control::aggregator::start(options)).await
         }),

@@ -23,19 +23,26 @@ fn controller(listen: &str, extra: &[&str]) -> Proc {
 }
 
 fn aggregator(controller: SocketAddr, zone: &str) -> Proc {
-    Proc::spawn(&[
+    aggregator_with(controller, zone, &[])
+}
+
+fn aggregator_with(controller: SocketAddr, zone: &str, extra: &[&str]) -> Proc {
+    let url = format!("http://{controller}");
+    let mut args = vec![
         "aggregator",
         "--listen",
         "127.0.0.1:0",
         "--admin",
         "127.0.0.1:0",
         "--controller",
-        &format!("http://{controller}"),
+        &url,
         "--zone",
         zone,
         "--interval",
         "100ms",
-    ])
+    ];
+    args.extend_from_slice(extra);
+    Proc::spawn(&args)
 }
 
 const LIMIT: u64 = 100;
@@ -124,11 +131,91 @@ async fn offer_all(
 }
 
 fn assert_near_limit(admitted: u64, secs: f64, what: &str) {
+    assert_within(admitted, secs, 0.3, what);
+}
+
+/// The fleet's admitted rate is within `share` of [`LIMIT`] either way.
+fn assert_within(admitted: u64, secs: f64, share: f64, what: &str) {
     let rate = admitted as f64 / secs;
+    let limit = LIMIT as f64;
     assert!(
-        (0.7 * LIMIT as f64..=1.3 * LIMIT as f64).contains(&rate),
+        ((1.0 - share) * limit..=(1.0 + share) * limit).contains(&rate),
         "{what}: the fleet admitted {rate:.0}/s against a limit of {LIMIT}/s"
     );
+}
+
+/// Three proxies in front of one app, reporting to `control`, offered 6:2:1 at 3x the limit.
+const UNEVEN: [u64; 3] = [200, 67, 33];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_aggregator_replicas_in_one_zone_count_every_host_once() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let up = upstream().await;
+    let ctl = controller("127.0.0.1:0", &[]);
+    // The chart's default: two replicas of the zone's aggregator. Two proxies report to one,
+    // the third to the other (a Service keeps each proxy's connection on one replica).
+    let a = aggregator(ctl.addr, "z1");
+    let b = aggregator(ctl.addr, "z1");
+    let p = [
+        proxy("p1", up.addr, a.addr, ""),
+        proxy("p2", up.addr, a.addr, ""),
+        proxy("p3", up.addr, b.addr, ""),
+    ];
+    let refs: Vec<&Proc> = p.iter().collect();
+    offer_all(&refs, "hot", &UNEVEN, 3.0).await;
+    let (ok, limited, other) = offer_all(&refs, "hot", &UNEVEN, 4.0).await;
+    assert_eq!(other, 0);
+    assert!(limited > 0);
+    assert_within(ok, 4.0, 0.15, "two replicas, each with part of the zone");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxies_moving_between_three_replicas_every_report_are_counted_once() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let up = upstream().await;
+    let ctl = controller("127.0.0.1:0", &[]);
+    let replicas: Vec<Proc> = (0..3).map(|_| aggregator(ctl.addr, "z1")).collect();
+    // Per-request balancing (a mesh): each report of a proxy lands on the next replica.
+    let lb = Balancer::start(replicas.iter().map(|r| r.addr).collect()).await;
+    let p: Vec<Proc> = (1..=3)
+        .map(|i| proxy(&format!("p{i}"), up.addr, lb.addr, ""))
+        .collect();
+    let refs: Vec<&Proc> = p.iter().collect();
+    offer_all(&refs, "hot", &UNEVEN, 3.0).await;
+    let (ok, limited, other) = offer_all(&refs, "hot", &UNEVEN, 4.0).await;
+    assert_eq!(other, 0);
+    assert!(limited > 0);
+    assert_within(ok, 4.0, 0.15, "three replicas, hosts moving every report");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_killed_and_a_new_one_added_under_load_keep_the_fleet_at_its_limit() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let up = upstream().await;
+    let ctl = controller("127.0.0.1:0", &[]);
+    let mut a = aggregator(ctl.addr, "z1");
+    let b = aggregator(ctl.addr, "z1");
+    let lb = Balancer::start(vec![a.addr, b.addr]).await;
+    let p: Vec<Proc> = (1..=3)
+        .map(|i| proxy(&format!("p{i}"), up.addr, lb.addr, ""))
+        .collect();
+    let refs: Vec<&Proc> = p.iter().collect();
+    offer_all(&refs, "hot", &UNEVEN, 3.0).await;
+    let (ok, _, _) = offer_all(&refs, "hot", &UNEVEN, 2.0).await;
+    assert_within(ok, 2.0, 0.15, "two replicas");
+    // One replica dies: the balancer skips it, its last sums age out.
+    a.kill();
+    let (ok, limited, other) = offer_all(&refs, "hot", &UNEVEN, 3.0).await;
+    assert_eq!(other, 0);
+    assert!(limited > 0);
+    assert_within(ok, 3.0, 0.15, "one replica killed");
+    // A new replica joins.
+    let c = aggregator(ctl.addr, "z1");
+    lb.set(vec![b.addr, c.addr]);
+    let (ok, limited, other) = offer_all(&refs, "hot", &UNEVEN, 3.0).await;
+    assert_eq!(other, 0);
+    assert!(limited > 0);
+    assert_within(ok, 3.0, 0.15, "a replica added");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -273,7 +360,9 @@ async fn reports_need_the_token_and_must_be_well_formed() {
     // An invalid entry is dropped and counted; the report is not refused for it.
     let (status, body) = post(
         Some("Bearer s3cret"),
-        report.replace("\"admitted\":30", "\"admitted\":31"),
+        report
+            .replace("\"admitted\":30", "\"admitted\":31")
+            .replace("\"h\"", "\"h2\""),
     )
     .await;
     assert_eq!(status, StatusCode::OK, "{body}");
@@ -292,10 +381,17 @@ async fn reports_need_the_token_and_must_be_well_formed() {
         StatusCode::PAYLOAD_TOO_LARGE
     );
     // The refused reports changed nothing: one entry, from the good report.
-    let (_, _, body) = get(ctl.addr, "/v1/state", &[]).await;
+    let (status, _, _) = get(ctl.addr, "/v1/state", &[]).await;
+    assert_eq!(
+        status,
+        StatusCode::UNAUTHORIZED,
+        "state holds keys: it needs the token"
+    );
+    let (_, _, body) = get(ctl.addr, "/v1/state", &[("authorization", "Bearer s3cret")]).await;
     let doc: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(doc["keys"].as_array().unwrap().len(), 1);
-    assert_eq!(doc["keys"][0]["offered_rps"], 30.0);
+    let offered = doc["keys"][0]["offered_rps"].as_f64().unwrap();
+    assert!((29.0..=30.0).contains(&offered), "{offered}");
 
     // A rotated Secret: the new token works without a restart, the old one no longer does.
     // Polled (bounded: 10 s), since the file watcher's reload is the signal.
@@ -352,14 +448,11 @@ rules:
 #[tokio::test]
 async fn a_request_dropped_by_a_global_rule_gets_429_with_retry_after_and_ratelimit_headers() {
     let any = "127.0.0.1:0".parse().unwrap();
-    let ctl =
-        spillway::control::controller::start(spillway::control::controller::ControllerOptions {
-            listen: any,
-            admin: any,
-            token: Default::default(),
-        })
-        .await
-        .unwrap();
+    let ctl = spillway::control::controller::start(
+        spillway::control::controller::ControllerOptions::new(any, any),
+    )
+    .await
+    .unwrap();
     let (sc, _up) = sidecar(&format!(
         r#"control_plane: {{ url: "http://{}", report_interval: 100ms, stale_after: 5s }}
 rules:
@@ -392,4 +485,385 @@ rules:
     );
     assert!(body.contains("\"rule\":\"fleet-wide\""), "{body}");
     ctl.shutdown();
+}
+
+/// POSTs `body` to `addr`'s `/v1/report` with `Authorization: Bearer <token>`.
+async fn post_as(addr: SocketAddr, token: Option<&str>, body: String) -> (StatusCode, String) {
+    use http_body_util::BodyExt;
+    let mut req = http::Request::post(format!("http://{addr}/v1/report"));
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let body = http_body_util::Full::new(bytes::Bytes::from(body));
+    let resp = client()
+        .request(
+            req.body(body.map_err(|never| match never {}).boxed())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let status = resp.status();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+/// A report from `source` of one key of `service`, offered 30 against a limit of `limit` per
+/// second.
+fn one_key(source: &str, service: &str, key: &str, limit: u64) -> String {
+    format!(
+        r#"{{"version":1,"source":"{source}","zone":"z","interval_ms":1000,"entries":[
+        {{"service":"{service}","rule":"r","limit":{{"count":{limit},"period_ms":1000}},"key":"{key}","offered":30,"admitted":30}}]}}"#
+    )
+}
+
+/// The keys `/v1/state` shows to `token`.
+async fn state_keys(addr: SocketAddr, token: &str) -> (StatusCode, Vec<String>) {
+    let auth = format!("Bearer {token}");
+    let (status, _, body) = get(addr, "/v1/state", &[("authorization", &auth)]).await;
+    let keys = serde_json::from_str::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|d| d["keys"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .map(|k| {
+            format!(
+                "{}/{}",
+                k["service"].as_str().unwrap(),
+                k["key"].as_str().unwrap_or("-")
+            )
+        })
+        .collect();
+    (status, keys)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_services_token_reports_and_reads_only_that_service() {
+    let dir = std::env::temp_dir().join(format!("spillway-tokens-{}", std::process::id()));
+    std::fs::create_dir_all(dir.join("..data")).unwrap();
+    for (name, token) in [
+        ("shop", "shop-t"),
+        ("books", "books-t"),
+        ("_aggregators", "agg-t"),
+        ("_admin", "admin-t"),
+        (".hidden", "hidden-t"),
+    ] {
+        std::fs::write(dir.join(name), token).unwrap();
+    }
+    let ctl = controller("127.0.0.1:0", &["--tokens", dir.to_str().unwrap()]);
+    let metrics = || async { get(ctl.admin, "/metrics", &[]).await.2 };
+
+    // Books is over its limit; shop's reply must not carry books' key.
+    let (status, body) = post_as(
+        ctl.addr,
+        Some("books-t"),
+        one_key("b1", "books", "secret-books-key", 10),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("secret-books-key"), "its own ratio: {body}");
+    let (status, body) = post_as(
+        ctl.addr,
+        Some("shop-t"),
+        one_key("s1", "shop", "shop-key", 100),
+    )
+    .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(
+        !body.contains("books"),
+        "another service's keys leaked: {body}"
+    );
+
+    // The attacks of the issue: shop's token reporting a tiny limit for books, as a host or as
+    // a zone; a dot entry's token; no token at all.
+    let forged = one_key("s1", "books", "secret-books-key", 1);
+    assert_eq!(
+        post_as(ctl.addr, Some("shop-t"), forged).await.0,
+        StatusCode::FORBIDDEN
+    );
+    let zone = one_key("zone:z/x", "shop", "shop-key", 100);
+    assert_eq!(
+        post_as(ctl.addr, Some("shop-t"), zone.clone()).await.0,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        post_as(ctl.addr, Some("hidden-t"), zone.clone()).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        post_as(ctl.addr, Some("admin-t"), zone.clone()).await.0,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        post_as(ctl.addr, Some("agg-t"), zone).await.0,
+        StatusCode::OK
+    );
+    let text = metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            "spillway_controller_reports_total{result=\"forbidden\"}"
+        ),
+        Some(3.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "spillway_controller_reports_total{result=\"unauthorized\"}"
+        ),
+        Some(1.0)
+    );
+
+    // State: nothing without a token, a service sees itself, aggregators and admin see all.
+    assert_eq!(
+        get(ctl.addr, "/v1/state", &[]).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        get(ctl.admin, "/ui/state.json", &[]).await.0,
+        StatusCode::UNAUTHORIZED
+    );
+    let (_, shop) = state_keys(ctl.addr, "shop-t").await;
+    assert_eq!(shop, ["shop/shop-key"]);
+    let (_, all) = state_keys(ctl.addr, "admin-t").await;
+    assert_eq!(all.len(), 2, "{all:?}");
+    let (_, all) = state_keys(ctl.addr, "agg-t").await;
+    assert_eq!(all.len(), 2, "{all:?}");
+    let (_, _, ui) = get(
+        ctl.admin,
+        "/ui/state.json",
+        &[("authorization", "Bearer shop-t")],
+    )
+    .await;
+    assert!(ui.contains("shop-key") && !ui.contains("books"), "{ui}");
+
+    // A rotated service token: polled (bounded: 10 s), since the watcher's reload is the signal.
+    std::fs::write(dir.join("shop"), "shop-t2\n").unwrap();
+    let mut rotated = false;
+    for _ in 0..500 {
+        if post_as(
+            ctl.addr,
+            Some("shop-t2"),
+            one_key("s1", "shop", "shop-key", 100),
+        )
+        .await
+        .0 == StatusCode::OK
+        {
+            rotated = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(rotated, "the rotated token was never accepted");
+    assert_eq!(
+        post_as(
+            ctl.addr,
+            Some("shop-t"),
+            one_key("s1", "shop", "shop-key", 100)
+        )
+        .await
+        .0,
+        StatusCode::UNAUTHORIZED
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_names_and_keys_are_refused_without_growing_the_controller() {
+    let ctl = controller("127.0.0.1:0", &[]);
+    let long_source = one_key(&"s".repeat(10_000), "shop", "k", 10);
+    let (status, body) = post_as(ctl.addr, None, long_source).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    // An entry with a huge key is dropped (counted); the rest of the report stands.
+    let huge_key = format!(
+        r#"{{"version":1,"source":"h","interval_ms":1000,"entries":[
+        {{"service":"shop","rule":"r","limit":{{"count":10,"period_ms":1000}},"key":"{}","offered":30,"admitted":30}},
+        {{"service":"shop","rule":"r","limit":{{"count":10,"period_ms":1000}},"key":"small","offered":30,"admitted":30}}]}}"#,
+        "k".repeat(100_000)
+    );
+    let (status, body) = post_as(ctl.addr, None, huge_key).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("small") && !body.contains("kkkk"), "{body}");
+    let text = get(ctl.admin, "/metrics", &[]).await.2;
+    assert_eq!(
+        metric(
+            &text,
+            "spillway_controller_reports_total{result=\"entries_dropped\"}"
+        ),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "spillway_controller_reports_total{result=\"invalid\"}"
+        ),
+        Some(1.0)
+    );
+}
+
+#[test]
+fn a_control_plane_beyond_loopback_needs_a_token_or_says_it_is_insecure() {
+    for role in [
+        &["controller"][..],
+        &[
+            "aggregator",
+            "--controller",
+            "http://127.0.0.1:9",
+            "--zone",
+            "z",
+        ][..],
+    ] {
+        let out = std::process::Command::new(BIN)
+            .args(role)
+            .args(["--listen", "0.0.0.0:0", "--admin", "127.0.0.1:0"])
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{role:?} started with no token");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--tokens DIR") && err.contains("--insecure"),
+            "{err}"
+        );
+    }
+    // With --insecure it starts, and says so in a metric.
+    let ctl = Proc::spawn(&[
+        "controller",
+        "--listen",
+        "0.0.0.0:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--insecure",
+    ]);
+    let text = std::thread::spawn(move || {
+        tokio::runtime::Runtime::new()
+            .unwrap()
+            .block_on(async move { get(ctl.admin, "/metrics", &[]).await.2 })
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        metric(&text, "spillway_controller_insecure"),
+        Some(1.0),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_tls_with_per_service_tokens_the_fleet_limits_and_refuses_plain_text() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let ca = test_ca("fleet");
+    let file = |n: &str| ca.join(n).to_str().unwrap().to_string();
+    let tokens = std::env::temp_dir().join(format!("spillway-tls-tokens-{}", std::process::id()));
+    std::fs::create_dir_all(&tokens).unwrap();
+    for (name, token) in [
+        ("shop", "shop-t"),
+        ("books", "books-t"),
+        ("_aggregators", "agg-t"),
+    ] {
+        std::fs::write(tokens.join(name), token).unwrap();
+    }
+    let tokens = tokens.to_str().unwrap();
+    let tls = [
+        "--tls-cert",
+        &file("server.crt"),
+        "--tls-key",
+        &file("server.key"),
+    ];
+    let mut args = vec!["--tokens", tokens];
+    args.extend_from_slice(&tls);
+    let ctl = controller("127.0.0.1:0", &args);
+    let url = format!("https://{}", ctl.addr);
+    let ca_file = file("ca.crt");
+    let mut args = vec!["--tokens", tokens, "--ca-file", &ca_file];
+    args.extend_from_slice(&tls);
+    let agg = {
+        let mut a = vec![
+            "aggregator",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+            "--controller",
+            &url,
+            "--zone",
+            "z1",
+            "--interval",
+            "100ms",
+        ];
+        a.extend_from_slice(&args);
+        Proc::spawn(&a)
+    };
+    let up = upstream().await;
+    let shop_token = temp_file("shop-token", "shop-t\n");
+    let yaml = format!(
+        r#"service: shop
+listen: 127.0.0.1:0
+admin: 127.0.0.1:0
+upstream: http://{}
+control_plane:
+  url: https://{}
+  ca_file: {}
+  token_file: {}
+  report_interval: 100ms
+  stale_after: 1s
+  host: tls-1
+rules:
+  - name: per-key
+    key: [header:x-api-key]
+    limit: {{ rate: {LIMIT}/s }}
+    scope: global
+"#,
+        up.addr,
+        agg.addr,
+        file("ca.crt"),
+        shop_token.display()
+    );
+    let path = temp_file("tls-proxy.yaml", &yaml);
+    let p = Proc::spawn(&["proxy", "--config", path.to_str().unwrap()]);
+    offer_all(&[&p], "k", &[300], 2.0).await;
+    let (ok, limited, other) = offer_all(&[&p], "k", &[300], 2.0).await;
+    assert_eq!(other, 0);
+    assert!(limited > 0, "limiting over TLS ({ok} admitted)");
+    assert_near_limit(ok, 2.0, "over TLS");
+
+    // The aggregator holds shop's token for shop only.
+    let c = reqwest_like_tls(&file("ca.crt"));
+    let forged = one_key("h", "books", "k", 1);
+    let status = c(agg.addr, "shop-t", forged).await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    // Plain text to a TLS port gets no answer.
+    let plain = tokio::time::timeout(
+        Duration::from_secs(5),
+        client().request(
+            http::Request::get(format!("http://{}/v1/state", ctl.addr))
+                .body(empty())
+                .unwrap(),
+        ),
+    )
+    .await
+    .expect("the TLS port closes on plain text");
+    assert!(plain.is_err() || plain.unwrap().status() != StatusCode::OK);
+}
+
+/// Posts a report over HTTPS, trusting `ca`; returns the status.
+#[allow(clippy::type_complexity)]
+fn reqwest_like_tls(
+    ca: &str,
+) -> impl Fn(
+    SocketAddr,
+    &'static str,
+    String,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = StatusCode> + Send>> {
+    let tls = spillway::control::tls::client_config(Some(std::path::Path::new(ca))).unwrap();
+    let c = spillway::control::reporter::json_client(Some(tls)).unwrap();
+    move |addr, token, body| {
+        let c = c.clone();
+        Box::pin(async move {
+            let req = http::Request::post(format!("https://{addr}/v1/report"))
+                .header("authorization", format!("Bearer {token}"))
+                .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+                .unwrap();
+            c.request(req).await.unwrap().status()
+        })
+    }
 }

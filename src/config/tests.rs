@@ -495,7 +495,10 @@ fn an_h2c_upstream_is_http2_and_prints_back() {
         "h2c://127.0.0.1:50051"
     );
     let e = err("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'h2c://127.0.0.1:7001' }\n");
-    assert!(e.contains("control plane speaks http://"), "{e}");
+    assert!(
+        e.contains("control plane speaks http:// or https://"),
+        "{e}"
+    );
 }
 
 const BASE: &str = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n";
@@ -605,4 +608,14 @@ fn adaptive_limits_parse_and_their_mistakes_are_named() {
         e("  - name: a\n    key: []\n    limit: { adaptive: { max: 4 }, rate: 1/s }\n")
             .contains("adaptive takes no rate")
     );
+}
+
+#[test]
+fn a_service_name_reserved_for_token_files_is_refused() {
+    for name in ["_aggregators", "_x", ".hidden"] {
+        let e = err(&format!(
+            "service: {name}\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n"
+        ));
+        assert!(e.contains("are reserved"), "{name}: {e}");
+    }
 }

@@ -1,10 +1,13 @@
-//! The zone aggregator: sums its hosts' reports per (service, rule, key), forwards the zone's
-//! sums to the controller every interval, and answers hosts with the controller's last ratios.
+//! A zone aggregator replica: adds up the counts its hosts reported since its last forward,
+//! hands them to the controller every interval as this replica's (`zone:<zone>/<replica>`),
+//! and answers hosts with the controller's last ratios for their own services.
 //!
-//! It keeps only soft state (hosts silent for three of their intervals are forgotten) and can
-//! restart at any time. Its replies say how old the relayed ratios are, so a dead controller
-//! makes the proxies stale (and fail open) even while the aggregator itself answers. The
-//! accumulator's mutex is taken once per report and once per forward, never across an await.
+//! Any number of replicas may serve a zone behind one Service, a host's reports landing on any
+//! of them: a replica keeps no rate of a host past its next forward, so each host interval is
+//! counted once, and the controller smooths after summing (see [`super::sum`]). Soft state
+//! only: a replica can restart at any time. Replies say how old the relayed ratios are, so a
+//! dead controller makes the proxies stale (and fail open) even while the replica answers.
+//! The sums' mutex is taken once per report and once per forward, never across an await.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -16,22 +19,50 @@ use hyper::body::Incoming;
 use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::sync::watch;
 
+use super::auth::Credentials;
 use super::reporter::{json_client, post_report, JsonClient};
 use super::server::{self, Body, Running};
-use super::{Reply, Report, SharedAccumulator, VERSION};
+use super::{Reply, Report, Shared, SourceRefusal, ZoneSums, VERSION};
 
 /// How to run an aggregator.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct AggregatorOptions {
     pub listen: SocketAddr,
     pub admin: SocketAddr,
-    /// The controller's base URL, `http://host:port`.
+    /// The controller's base URL, `http://host:port` or `https://host:port`.
     pub controller: Uri,
     pub zone: String,
+    /// This replica's name in its zone (unique among the zone's replicas; default: the host
+    /// name and a random suffix, so that a restart is a new replica).
+    pub replica: Option<String>,
     /// How often the zone's sums are forwarded.
     pub interval: Duration,
-    /// Hosts must present it, and it is presented to the controller, when set.
-    pub token: server::Token,
+    /// Who may report; the aggregators' (or shared) token is presented to the controller.
+    pub credentials: Credentials,
+    /// Serve HTTPS with this certificate.
+    pub tls: Option<super::tls::ServerTls>,
+    /// Trust these CA certificates for an `https://` controller (default: the system's).
+    pub ca_file: Option<std::path::PathBuf>,
+    /// Serve a non-loopback address without a token anyway.
+    pub insecure: bool,
+}
+
+impl AggregatorOptions {
+    /// Loopback-style defaults: no token, no TLS, 1 s interval.
+    pub fn new(listen: SocketAddr, admin: SocketAddr, controller: Uri, zone: &str) -> Self {
+        AggregatorOptions {
+            listen,
+            admin,
+            controller,
+            zone: zone.to_string(),
+            replica: None,
+            interval: Duration::from_secs(1),
+            credentials: Credentials::open(),
+            tls: None,
+            ca_file: None,
+            insecure: false,
+        }
+    }
 }
 
 /// The controller's last reply and when it came.
@@ -41,9 +72,13 @@ struct Relayed {
 }
 
 struct State {
-    acc: SharedAccumulator,
+    sums: Shared<ZoneSums>,
     relayed: ArcSwap<Relayed>,
     opts: AggregatorOptions,
+    /// `zone:<zone>/<replica>`.
+    source: String,
+    /// Increases with every forward (starting from the wall clock, so across restarts too).
+    seq: std::sync::atomic::AtomicU64,
     url: Uri,
     client: JsonClient,
     registry: Registry,
@@ -55,19 +90,32 @@ struct State {
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
-        let report = match server::receive_report(req, &self.opts.token, &self.reports).await {
-            Ok(r) => r,
-            Err(resp) => return resp,
-        };
-        if let Err(resp) = server::record(self.acc.lock(), &report, self.acc.now(), &self.reports) {
-            return resp;
+        let (report, principal) =
+            match server::receive_report(req, &self.opts.credentials, &self.reports).await {
+                Ok(r) => r,
+                Err(resp) => return resp,
+            };
+        if report.source.starts_with("zone:") {
+            return server::error(
+                StatusCode::BAD_REQUEST,
+                "an aggregator takes host reports; zone sums go to the controller",
+            );
         }
+        let recorded = self.sums.lock().record(&report, self.sums.now());
+        match recorded {
+            Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
+            Err(SourceRefusal::Duplicate(_)) => {
+                self.reports.with_label_values(&["duplicate"]).inc()
+            }
+            Err(refusal) => return server::source_refused(&refusal, &self.reports),
+        }
+        let services = server::reply_services(&report, &principal).unwrap_or_default();
         let relayed = self.relayed.load();
         let ratios = relayed
             .reply
             .ratios
             .iter()
-            .filter(|r| report.entries.iter().any(|e| e.service == r.service))
+            .filter(|r| services.contains(&r.service.as_str()))
             .cloned()
             .collect();
         let reply = Reply {
@@ -87,26 +135,25 @@ impl State {
                 _ = tick.tick() => {}
                 _ = stop.changed() => return,
             }
-            let interval_ms = self.opts.interval.as_millis() as u64;
-            let (entries, hosts) = {
-                let mut acc = self.acc.lock();
-                acc.expire(self.acc.now());
-                (acc.as_entries(interval_ms), acc.sources())
+            let ((entries, interval_ms), hosts) = {
+                let mut sums = self.sums.lock();
+                (sums.take(self.sums.now()), sums.hosts())
             };
             self.hosts.set(hosts as i64);
             let report = Report {
                 version: VERSION,
-                source: format!("zone:{}", self.opts.zone),
+                source: self.source.clone(),
                 zone: self.opts.zone.clone(),
                 interval_ms,
+                seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 entries,
             };
             let started = tokio::time::Instant::now();
-            let token = self.opts.token.get();
+            let token = self.opts.credentials.outgoing();
             match post_report(
                 &self.client,
                 &self.url,
-                token.as_deref().map(Vec::as_slice),
+                token.as_deref(),
                 &report,
                 self.opts.interval,
             )
@@ -129,26 +176,41 @@ impl State {
 
 /// Binds the listeners and starts serving and forwarding.
 pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
+    let insecure = server::check_exposure(
+        "aggregator",
+        &[opts.listen, opts.admin],
+        &opts.credentials,
+        opts.insecure,
+    )?;
+    if opts.zone.is_empty() || opts.zone.len() > super::MAX_ZONE {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("--zone: 1 to {} characters", super::MAX_ZONE),
+        ));
+    }
     let listener = server::bind(opts.listen, "aggregator").await?;
     let admin = server::bind(opts.admin, "admin").await?;
     let (addr, admin_addr) = (listener.local_addr()?, admin.local_addr()?);
-    let authority = opts.controller.authority().ok_or_else(|| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidInput,
-            format!(
-                "--controller {}: expected http://host:port",
-                opts.controller
-            ),
-        )
-    })?;
-    let url: Uri = format!("http://{authority}/v1/report")
-        .parse()
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{e}")))?;
+    let (url, tls) = super::reporter::report_url(&opts.controller, opts.ca_file.as_deref())
+        .map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("--controller {}: {e}", opts.controller),
+            )
+        })?;
+    let replica = opts.replica.clone().unwrap_or_else(|| {
+        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "aggregator".into());
+        format!("{host}-{:08x}", fastrand::u32(..))
+    });
+    let source: String = format!("zone:{}/{replica}", opts.zone)
+        .chars()
+        .take(super::MAX_SOURCE)
+        .collect();
     let registry = Registry::new();
     let reports = IntCounterVec::new(
         Opts::new(
             "spillway_aggregator_reports_total",
-            "Host reports received, by result (ok, unauthorized, malformed, invalid); entries_dropped counts invalid entries dropped from reports that were kept.",
+            "Host reports received, by result (ok, duplicate, unauthorized, forbidden, foreign, throttled, malformed, invalid); entries_dropped counts invalid entries dropped from reports that were kept.",
         ),
         &["result"],
     )
@@ -178,8 +240,18 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     registry
         .register(Box::new(forward_seconds.clone()))
         .expect("unique");
+    let insecure_gauge = IntGauge::new(
+        "spillway_aggregator_insecure",
+        "1 when serving beyond loopback with no token (--insecure).",
+    )
+    .expect("valid metric");
+    insecure_gauge.set(i64::from(insecure));
+    registry.register(Box::new(insecure_gauge)).expect("unique");
+    let start_seq = super::reporter::first_seq();
     let state = Arc::new(State {
-        acc: SharedAccumulator::default(),
+        sums: Shared::new(ZoneSums::new(0.0, super::sum::MAX_TRACKED)),
+        source,
+        seq: std::sync::atomic::AtomicU64::new(start_seq),
         relayed: ArcSwap::from_pointee(Relayed {
             reply: Reply {
                 version: VERSION,
@@ -190,7 +262,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         }),
         opts,
         url,
-        client: json_client(),
+        client: json_client(tls)?,
         registry,
         reports,
         hosts,
@@ -198,19 +270,25 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         forward_seconds,
     });
     let (stop, stopped) = watch::channel(false);
+    let tls_server = state.opts.tls.clone();
     let forward = tokio::spawn(state.clone().forward_loop(stopped.clone()));
     let s = state.clone();
-    let api = tokio::spawn(server::serve(listener, stopped.clone(), move |req| {
-        let s = s.clone();
-        async move {
-            match (req.method(), req.uri().path()) {
-                (&Method::POST, "/v1/report") => s.report(req).await,
-                _ => server::error(StatusCode::NOT_FOUND, "not found; try POST /v1/report"),
+    let api = tokio::spawn(server::serve(
+        listener,
+        stopped.clone(),
+        tls_server,
+        move |req| {
+            let s = s.clone();
+            async move {
+                match (req.method(), req.uri().path()) {
+                    (&Method::POST, "/v1/report") => s.report(req).await,
+                    _ => server::error(StatusCode::NOT_FOUND, "not found; try POST /v1/report"),
+                }
             }
-        }
-    }));
+        },
+    ));
     let s = state;
-    let admin_task = tokio::spawn(server::serve(admin, stopped, move |req| {
+    let admin_task = tokio::spawn(server::serve(admin, stopped, None, move |req| {
         let s = s.clone();
         async move { server::admin_route(req.uri().path(), || server::render(&s.registry)) }
     }));

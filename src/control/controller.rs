@@ -1,9 +1,12 @@
-//! The controller (one per region): sums what zones (or hosts, for small fleets) report per
-//! (service, rule, key), and answers each report with the drop ratios of its services.
+//! The controller (one per region, or per service shard): sums what aggregator replicas (or
+//! hosts, for small fleets) report per (service, rule, key), smooths the sums, and answers each
+//! report with the drop ratios its sender may see.
 //!
 //! Soft state only: a restarted controller knows nothing, and the next round of reports
-//! rebuilds everything, with no operator. The accumulator sits behind one mutex: it is taken
-//! once per report (a few per second per zone), never on a request path, never across an await.
+//! rebuilds everything, with no operator. Its state (`/v1/state`, `/ui/state.json`) holds keys,
+//! often API keys and client addresses: it is shown only to a token that may see them. The
+//! accumulator sits behind one mutex: taken once per report, never on a request path, never
+//! across an await.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -13,24 +16,47 @@ use hyper::body::Incoming;
 use prometheus::{GaugeVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 use tokio::sync::watch;
 
+use super::auth::{Credentials, Principal};
 use super::server::{self, Body, Running};
-use super::SharedAccumulator;
+use super::{Accumulator, Reply, Shared, SourceRefusal, VERSION};
 
 /// How to run a controller.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ControllerOptions {
     pub listen: SocketAddr,
     pub admin: SocketAddr,
-    /// Reports must carry this bearer token when set.
-    pub token: server::Token,
+    /// Who may report and read state; open (no token) only on loopback or with `insecure`.
+    pub credentials: Credentials,
+    /// Serve HTTPS with this certificate.
+    pub tls: Option<super::tls::ServerTls>,
+    /// Serve a non-loopback address without a token anyway.
+    pub insecure: bool,
+    /// The time constant of the smoothing of the fleet's sums.
+    pub smoothing: std::time::Duration,
+}
+
+impl ControllerOptions {
+    /// Loopback-style defaults: no token, no TLS, 1 s smoothing.
+    pub fn new(listen: SocketAddr, admin: SocketAddr) -> Self {
+        ControllerOptions {
+            listen,
+            admin,
+            credentials: Credentials::open(),
+            tls: None,
+            insecure: false,
+            smoothing: std::time::Duration::from_secs(1),
+        }
+    }
 }
 
 struct State {
-    acc: SharedAccumulator,
-    token: server::Token,
+    acc: Shared<Accumulator>,
+    credentials: Credentials,
     registry: Registry,
     reports: IntCounterVec,
+    reads: IntCounterVec,
     sources: IntGauge,
+    tracked: IntGauge,
     conflicts: IntCounter,
     refused: IntCounter,
     offered: GaugeVec,
@@ -41,44 +67,82 @@ struct State {
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
-        let report = match server::receive_report(req, &self.token, &self.reports).await {
-            Ok(r) => r,
-            Err(resp) => return resp,
-        };
-        let mut services: Vec<&str> = report.entries.iter().map(|e| e.service.as_str()).collect();
-        services.sort_unstable();
-        services.dedup();
-        let now = self.acc.now();
-        let reply = {
-            let mut acc = self.acc.lock();
-            acc.expire(now);
-            match server::record(acc, &report, now, &self.reports) {
-                Ok(acc) => acc.reply(&services),
+        let (report, principal) =
+            match server::receive_report(req, &self.credentials, &self.reports).await {
+                Ok(r) => r,
                 Err(resp) => return resp,
+            };
+        let services = server::reply_services(&report, &principal);
+        let now = self.acc.now();
+        let ratios = {
+            let mut acc = self.acc.lock();
+            match acc.record(&report, now) {
+                Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
+                // Counted already: the sender (a retry, or a replay) gets the usual reply.
+                Err(SourceRefusal::Duplicate(_)) => {
+                    self.reports.with_label_values(&["duplicate"]).inc()
+                }
+                Err(refusal) => {
+                    drop(acc);
+                    return server::source_refused(&refusal, &self.reports);
+                }
             }
+            acc.ratios(services.as_deref(), now)
         };
-        server::json(StatusCode::OK, &reply)
+        server::json(
+            StatusCode::OK,
+            &Reply {
+                version: VERSION,
+                age_ms: 0,
+                ratios,
+            },
+        )
     }
 
-    fn state(&self) -> http::Response<Body> {
-        let mut view = {
-            let mut acc = self.acc.lock();
-            acc.expire(self.acc.now());
-            acc.view(None)
+    /// Who may read state: a service's token sees that service (`Some`), the aggregators',
+    /// admin or shared token everything; else the 401 to answer.
+    #[allow(clippy::result_large_err)]
+    fn reader<B>(&self, req: &Request<B>) -> Result<Option<String>, http::Response<Body>> {
+        let principal = server::authenticate(req, &self.credentials, &self.reads)?;
+        self.reads.with_label_values(&[principal.kind()]).inc();
+        Ok(match principal {
+            Principal::Service(s) => Some(s.to_string()),
+            _ => None,
+        })
+    }
+
+    fn view(&self, only: Option<&str>) -> (Vec<crate::control::KeyView>, Vec<(String, f64)>) {
+        let acc = self.acc.lock();
+        let now = self.acc.now();
+        let only = only.map(|s| [s]);
+        let view = acc.view(only.as_ref().map(|s| &s[..]), now);
+        // A service's token does not learn which other hosts report.
+        let sources = if only.is_some() {
+            Vec::new()
+        } else {
+            acc.source_ages(now)
         };
+        (view, sources)
+    }
+
+    fn state<B>(&self, req: &Request<B>) -> http::Response<Body> {
+        let only = match self.reader(req) {
+            Ok(o) => o,
+            Err(resp) => return resp,
+        };
+        let (mut view, _) = self.view(only.as_deref());
         view.sort_by(|a, b| (&a.service, &a.rule, &a.key).cmp(&(&b.service, &b.rule, &b.key)));
         server::json(StatusCode::OK, &serde_json::json!({ "keys": view }))
     }
 
     /// What the status page shows: per (service, rule) totals with the heaviest keys, and
     /// the sources reporting with the age of their last report.
-    fn ui_state(&self) -> http::Response<Body> {
-        let (view, sources) = {
-            let mut acc = self.acc.lock();
-            let now = self.acc.now();
-            acc.expire(now);
-            (acc.view(None), acc.source_ages(now))
+    fn ui_state<B>(&self, req: &Request<B>) -> http::Response<Body> {
+        let only = match self.reader(req) {
+            Ok(o) => o,
+            Err(resp) => return resp,
         };
+        let (view, sources) = self.view(only.as_deref());
         let mut rules: std::collections::BTreeMap<(String, String), Vec<&crate::control::KeyView>> =
             Default::default();
         for v in &view {
@@ -106,7 +170,7 @@ impl State {
                     .take(10)
                     .map(|k| {
                         serde_json::json!({
-                            "key": k.key, "offered_rps": k.offered_rps,
+                            "key": k.key.as_deref().map(shorten), "offered_rps": k.offered_rps,
                             "admitted_rps": k.admitted_rps, "ratio": k.ratio, "sources": k.sources,
                         })
                     })
@@ -132,12 +196,20 @@ impl State {
 
     /// Per-rule gauges (never per key), refreshed at scrape time.
     fn metrics(&self) -> Vec<u8> {
-        let (view, sources, conflicts, refused) = {
+        let (view, sources, conflicts, refused, tracked) = {
             let mut acc = self.acc.lock();
-            acc.expire(self.acc.now());
-            (acc.view(None), acc.sources(), acc.conflicts, acc.refused)
+            let now = self.acc.now();
+            acc.sweep(now);
+            (
+                acc.view(None, now),
+                acc.sources(),
+                acc.conflicts,
+                acc.refused,
+                acc.tracked(),
+            )
         };
         self.sources.set(sources as i64);
+        self.tracked.set(tracked as i64);
         self.conflicts
             .inc_by(conflicts.saturating_sub(self.conflicts.get()));
         self.refused
@@ -175,6 +247,16 @@ impl State {
     }
 }
 
+/// A key as the status page shows it: long ones cut, so that the page shows which key it is
+/// without handing the whole of an API key to whoever looks over a shoulder.
+fn shorten(key: &str) -> String {
+    if key.chars().count() <= 12 {
+        return key.to_string();
+    }
+    let head: String = key.chars().take(8).collect();
+    format!("{head}…")
+}
+
 fn gauge(registry: &Registry, name: &str, help: &str) -> GaugeVec {
     let g = GaugeVec::new(Opts::new(name, help), &["service", "rule"]).expect("valid metric");
     registry.register(Box::new(g.clone())).expect("unique");
@@ -183,6 +265,12 @@ fn gauge(registry: &Registry, name: &str, help: &str) -> GaugeVec {
 
 /// Binds the listeners and starts serving.
 pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
+    let insecure = server::check_exposure(
+        "controller",
+        &[opts.listen, opts.admin],
+        &opts.credentials,
+        opts.insecure,
+    )?;
     let listener = server::bind(opts.listen, "controller").await?;
     let admin = server::bind(opts.admin, "admin").await?;
     let (addr, admin_addr) = (listener.local_addr()?, admin.local_addr()?);
@@ -190,7 +278,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     let reports = IntCounterVec::new(
         Opts::new(
             "spillway_controller_reports_total",
-            "Reports received, by result (ok, unauthorized, malformed, invalid); entries_dropped counts invalid entries dropped from reports that were kept.",
+            "Reports received, by result (ok, duplicate, unauthorized, forbidden, foreign, throttled, malformed, invalid); entries_dropped counts invalid entries dropped from reports that were kept.",
         ),
         &["result"],
     )
@@ -211,6 +299,30 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     registry
         .register(Box::new(sources.clone()))
         .expect("unique");
+    let reads = IntCounterVec::new(
+        Opts::new(
+            "spillway_controller_state_reads_total",
+            "Reads of /v1/state and /ui/state.json, by who read (service, aggregator, admin, shared, open) or unauthorized.",
+        ),
+        &["by"],
+    )
+    .expect("valid metric");
+    registry.register(Box::new(reads.clone())).expect("unique");
+    let tracked = IntGauge::new(
+        "spillway_controller_tracked",
+        "(source, key) values held now.",
+    )
+    .expect("valid metric");
+    registry
+        .register(Box::new(tracked.clone()))
+        .expect("unique");
+    let insecure_gauge = IntGauge::new(
+        "spillway_controller_insecure",
+        "1 when serving beyond loopback with no token (--insecure).",
+    )
+    .expect("valid metric");
+    insecure_gauge.set(i64::from(insecure));
+    registry.register(Box::new(insecure_gauge)).expect("unique");
     let refused = IntCounter::new(
         "spillway_controller_entries_refused_total",
         "Report entries dropped because the controller holds its maximum of rates (a flood).",
@@ -223,8 +335,10 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
         .register(Box::new(refused.clone()))
         .expect("unique");
     let state = Arc::new(State {
-        acc: SharedAccumulator::default(),
-        token: opts.token,
+        acc: Shared::new(Accumulator::new(opts.smoothing.as_secs_f64())),
+        credentials: opts.credentials,
+        reads,
+        tracked,
         offered: gauge(
             &registry,
             "spillway_controller_offered_rps",
@@ -253,26 +367,32 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     });
     let (stop, stopped) = watch::channel(false);
     let s = state.clone();
-    let api = tokio::spawn(server::serve(listener, stopped.clone(), move |req| {
-        let s = s.clone();
-        async move {
-            match (req.method(), req.uri().path()) {
-                (&Method::POST, "/v1/report") => s.report(req).await,
-                (&Method::GET, "/v1/state") => s.state(),
-                _ => server::error(
-                    StatusCode::NOT_FOUND,
-                    "not found; try POST /v1/report or GET /v1/state",
-                ),
+    let api = tokio::spawn(server::serve(
+        listener,
+        stopped.clone(),
+        opts.tls.clone(),
+        move |req| {
+            let s = s.clone();
+            async move {
+                match (req.method(), req.uri().path()) {
+                    (&Method::POST, "/v1/report") => s.report(req).await,
+                    (&Method::GET, "/v1/state") => s.state(&req),
+                    _ => server::error(
+                        StatusCode::NOT_FOUND,
+                        "not found; try POST /v1/report or GET /v1/state",
+                    ),
+                }
             }
-        }
-    }));
+        },
+    ));
     let s = state.clone();
-    let admin_task = tokio::spawn(server::serve(admin, stopped, move |req| {
+    // The admin port stays plain HTTP, for Prometheus; the state it serves needs a token.
+    let admin_task = tokio::spawn(server::serve(admin, stopped, None, move |req| {
         let s = s.clone();
         async move {
             match req.uri().path() {
                 "/ui" => crate::ui::page(),
-                "/ui/state.json" => s.ui_state(),
+                "/ui/state.json" => s.ui_state(&req),
                 path => server::admin_route(path, || s.metrics()),
             }
         }

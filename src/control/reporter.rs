@@ -13,6 +13,7 @@ use bytes::Bytes;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use http::{Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
@@ -22,14 +23,66 @@ use crate::limit::{AnyClock, Clock, Nanos};
 use crate::metrics::Metrics;
 use crate::rules::RuleSet;
 
-/// A client for the control plane's JSON endpoints.
-pub type JsonClient = Client<HttpConnector, Full<Bytes>>;
+/// A client for the control plane's JSON endpoints, over HTTP or HTTPS.
+pub type JsonClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
 
-pub fn json_client() -> JsonClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(1)));
-    Client::builder(TokioExecutor::new()).build(connector)
+/// A client that speaks TLS with `tls` to `https://` URLs; without it, plain HTTP only (an
+/// `https://` URL then fails: nothing falls back to plain text).
+pub fn json_client(tls: Option<rustls::ClientConfig>) -> std::io::Result<JsonClient> {
+    let mut http = HttpConnector::new();
+    http.set_nodelay(true);
+    http.set_connect_timeout(Some(Duration::from_secs(1)));
+    http.enforce_http(false);
+    let builder = hyper_rustls::HttpsConnectorBuilder::new();
+    let connector = match tls {
+        Some(tls) => builder
+            .with_tls_config(tls)
+            .https_only()
+            .enable_http1()
+            .wrap_connector(http),
+        None => {
+            // Trusts nothing: only ever used for http:// URLs.
+            let none = rustls::ClientConfig::builder_with_provider(Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_safe_default_protocol_versions()
+            .map_err(std::io::Error::other)?
+            .with_root_certificates(rustls::RootCertStore::empty())
+            .with_no_client_auth();
+            builder
+                .with_tls_config(none)
+                .https_or_http()
+                .enable_http1()
+                .wrap_connector(http)
+        }
+    };
+    Ok(Client::builder(TokioExecutor::new()).build(connector))
+}
+
+/// `<base>/v1/report` for a control-plane base URL (`http://` or `https://`), and for
+/// `https://` the TLS configuration trusting `ca_file` (or the system's roots).
+pub fn report_url(
+    base: &Uri,
+    ca_file: Option<&std::path::Path>,
+) -> Result<(Uri, Option<rustls::ClientConfig>), String> {
+    let authority = base
+        .authority()
+        .ok_or("expected http://host:port or https://host:port")?;
+    let tls = match base.scheme_str() {
+        Some("http") => {
+            if ca_file.is_some() {
+                return Err("ca_file is given but the URL is http://; use https://".into());
+            }
+            None
+        }
+        Some("https") => Some(super::tls::client_config(ca_file).map_err(|e| e.to_string())?),
+        _ => return Err("expected http://host:port or https://host:port".into()),
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let url = format!("{scheme}://{authority}/v1/report")
+        .parse()
+        .map_err(|e| format!("{e}"))?;
+    Ok((url, tls))
 }
 
 /// Posts `report` to `url` (`.../v1/report`) and returns the reply, within `timeout`.
@@ -85,6 +138,9 @@ pub struct Reporter {
     pub zone: String,
     pub interval: Duration,
     pub top_k: usize,
+    /// The next report's sequence number (starting from the wall clock in milliseconds, so
+    /// that it keeps increasing across restarts).
+    pub seq: std::sync::atomic::AtomicU64,
     pub staleness: Staleness,
     pub ratios: Arc<ArcSwap<DropRatios>>,
     pub clock: AnyClock,
@@ -101,6 +157,7 @@ pub fn build_report(
     zone: &str,
     interval: Duration,
     top_k: usize,
+    seq: u64,
 ) -> Report {
     let mut entries = Vec::new();
     for counts in rules.drain_global(top_k) {
@@ -126,8 +183,17 @@ pub fn build_report(
         source: source.to_string(),
         zone: zone.to_string(),
         interval_ms: interval.as_millis() as u64,
+        seq,
         entries,
     }
+}
+
+/// A first sequence number that a restarted process has not used before: the wall clock in
+/// milliseconds (a source sends at most one report per 10 ms).
+pub fn first_seq() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(1, |d| d.as_millis() as u64)
 }
 
 impl Reporter {
@@ -140,6 +206,7 @@ impl Reporter {
             &self.zone,
             self.interval,
             self.top_k,
+            self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         )
     }
 

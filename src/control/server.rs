@@ -1,5 +1,6 @@
-//! HTTP plumbing shared by the aggregator and the controller: a small HTTP/1.1 server, JSON
-//! in and out with a size limit, and the bearer-token check.
+//! HTTP plumbing shared by the aggregator and the controller: a small HTTP/1.1 server (plain
+//! or TLS), JSON in and out with a size limit, taking a report in (who sent it, whether it may,
+//! its bounds), and the refusal to serve a non-loopback address without a token.
 
 // The errors here are the HTTP responses themselves, built once per refused request.
 #![allow(clippy::result_large_err)]
@@ -10,7 +11,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{AUTHORIZATION, CONTENT_TYPE};
+use http::header::CONTENT_TYPE;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
@@ -18,7 +19,8 @@ use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
-use subtle::ConstantTimeEq;
+
+use super::auth::{Credentials, Principal};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
@@ -26,10 +28,15 @@ use super::MAX_BODY;
 
 pub type Body = Full<Bytes>;
 
-/// Serves `handler` on `listener` until `stop` turns true. Each connection gets a header-read
-/// timeout, so a slow client cannot hold a task forever.
-pub async fn serve<H, F>(listener: TcpListener, mut stop: watch::Receiver<bool>, handler: H)
-where
+/// Serves `handler` on `listener` (over TLS with `tls`) until `stop` turns true. Each
+/// connection gets a handshake and a header-read timeout, so a slow client cannot hold a task
+/// forever.
+pub async fn serve<H, F>(
+    listener: TcpListener,
+    mut stop: watch::Receiver<bool>,
+    tls: Option<super::tls::ServerTls>,
+    handler: H,
+) where
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {
@@ -46,16 +53,33 @@ where
             },
         };
         let handler = handler.clone();
+        let acceptor = tls.as_ref().map(|t| t.acceptor());
         tokio::spawn(async move {
             let service = service_fn(move |req| {
                 let handler = handler.clone();
                 async move { Ok::<_, Infallible>(handler(req).await) }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(Duration::from_secs(10))
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            let mut http = hyper::server::conn::http1::Builder::new();
+            http.timer(TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10));
+            match acceptor {
+                None => {
+                    let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                }
+                Some(acceptor) => {
+                    let handshake = tokio::time::timeout(
+                        super::tls::HANDSHAKE_TIMEOUT,
+                        acceptor.accept(stream),
+                    );
+                    match handshake.await {
+                        Ok(Ok(tls)) => {
+                            let _ = http.serve_connection(TokioIo::new(tls), service).await;
+                        }
+                        Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
+                        Err(_) => tracing::debug!("TLS handshake timed out"),
+                    }
+                }
+            }
         });
     }
 }
@@ -98,25 +122,6 @@ pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T,
     };
     serde_json::from_slice(&bytes)
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("malformed body: {e}")))
-}
-
-/// With a token configured, the request must carry `Authorization: Bearer <token>` (compared in
-/// constant time); otherwise 401.
-pub fn check_token<B>(req: &Request<B>, token: Option<&[u8]>) -> Result<(), Response<Body>> {
-    let Some(want) = token else { return Ok(()) };
-    let given = req
-        .headers()
-        .get(AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-        .unwrap_or_default();
-    if given.ct_eq(want).into() {
-        Ok(())
-    } else {
-        Err(error(
-            StatusCode::UNAUTHORIZED,
-            "missing or wrong bearer token",
-        ))
-    }
 }
 
 /// A bearer token that its file can replace while running (a rotated Kubernetes Secret):
@@ -184,8 +189,9 @@ pub fn read_token(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
 }
 
 /// The answer to a report whose source was refused: 429 (a flood of new sources; retry) or
-/// 403 (a host reporting for a service that is not its own), counted by kind.
-fn source_refused(
+/// 403 (a host reporting for a service that is not its own), counted by kind. A duplicate is
+/// not answered here: its sender gets the usual reply.
+pub fn source_refused(
     refusal: &crate::control::SourceRefusal,
     reports: &prometheus::IntCounterVec,
 ) -> Response<Body> {
@@ -202,6 +208,10 @@ fn source_refused(
         crate::control::SourceRefusal::Foreign(..) => {
             reports.with_label_values(&["foreign"]).inc();
             error(StatusCode::FORBIDDEN, &refusal.to_string())
+        }
+        crate::control::SourceRefusal::Duplicate(_) => {
+            reports.with_label_values(&["duplicate"]).inc();
+            error(StatusCode::CONFLICT, &refusal.to_string())
         }
     }
 }
@@ -281,21 +291,31 @@ pub fn render(registry: &prometheus::Registry) -> Vec<u8> {
     out
 }
 
-/// Takes a report off `req`: the token, a JSON body within the size limit, and the checks JSON
-/// cannot make. A refusal is counted in `reports` (unauthorized, malformed, invalid) and is the
-/// response to send; an accepted report is counted by [`record`].
+/// Who sent `req`, or the 401 to answer (counted in `counter` as `unauthorized`).
+pub fn authenticate<B>(
+    req: &Request<B>,
+    creds: &Credentials,
+    counter: &prometheus::IntCounterVec,
+) -> Result<Principal, Response<Body>> {
+    creds.authenticate(req.headers()).ok_or_else(|| {
+        counter.with_label_values(&["unauthorized"]).inc();
+        error(StatusCode::UNAUTHORIZED, "missing or wrong bearer token")
+    })
+}
+
+/// Takes a report off `req`: who sent it, a JSON body within the size limit, the checks JSON
+/// cannot make, and whether the sender may report it. A refusal is counted in `reports`
+/// (unauthorized, malformed, invalid, forbidden) and is the response to send.
 pub async fn receive_report(
     req: Request<Incoming>,
-    token: &Token,
+    creds: &Credentials,
     reports: &prometheus::IntCounterVec,
-) -> Result<super::Report, Response<Body>> {
+) -> Result<(super::Report, Principal), Response<Body>> {
     let refuse = |result: &str, resp| {
         reports.with_label_values(&[result]).inc();
         Err(resp)
     };
-    if let Err(resp) = check_token(&req, token.get().as_deref().map(Vec::as_slice)) {
-        return refuse("unauthorized", resp);
-    }
+    let principal = authenticate(&req, creds, reports)?;
     let mut report: super::Report = match read_json(req).await {
         Ok(r) => r,
         Err(resp) => return refuse("malformed", resp),
@@ -310,24 +330,69 @@ pub async fn receive_report(
     if let Err(e) = report.validate() {
         return refuse("invalid", error(StatusCode::BAD_REQUEST, &e.to_string()));
     }
-    Ok(report)
+    if report.source.starts_with("zone:") && !principal.may_send_zone_sums() {
+        return refuse(
+            "forbidden",
+            error(
+                StatusCode::FORBIDDEN,
+                "only the aggregators' token may send zone sums",
+            ),
+        );
+    }
+    if let Some(e) = report
+        .entries
+        .iter()
+        .find(|e| !principal.may_report(&e.service))
+    {
+        let msg = format!("this token may not report for service {}", e.service);
+        return refuse("forbidden", error(StatusCode::FORBIDDEN, &msg));
+    }
+    Ok((report, principal))
 }
 
-/// Adds `report` to `acc` if its source may report now (see
-/// [`Accumulator::admit_source`](super::Accumulator::admit_source)), counting it in `reports`
-/// as ok, throttled or foreign. Gives the accumulator back still locked, so that a reply is
-/// computed from the state the report went into; a refusal is the response to send.
-pub fn record<'a>(
-    mut acc: std::sync::MutexGuard<'a, super::Accumulator>,
-    report: &super::Report,
-    now: f64,
-    reports: &prometheus::IntCounterVec,
-) -> Result<std::sync::MutexGuard<'a, super::Accumulator>, Response<Body>> {
-    if let Err(refusal) = acc.admit_source(report, now) {
-        drop(acc);
-        return Err(source_refused(&refusal, reports));
+/// The services whose ratios a reply to `report` from `principal` carries: a service token's
+/// own; everything, for an aggregator's zone sums (its hosts may be of any service, even ones
+/// absent from this forward); else the services the report names.
+pub fn reply_services<'a>(
+    report: &'a super::Report,
+    principal: &'a Principal,
+) -> Option<Vec<&'a str>> {
+    if let Some(s) = principal.service() {
+        return Some(vec![s]);
     }
-    acc.add(report, now);
-    reports.with_label_values(&["ok"]).inc();
-    Ok(acc)
+    if report.source.starts_with("zone:") {
+        return None;
+    }
+    let mut services: Vec<&str> = report.entries.iter().map(|e| e.service.as_str()).collect();
+    services.sort_unstable();
+    services.dedup();
+    Some(services)
+}
+
+/// Refuses to serve `addr` beyond loopback without a token, unless `insecure`; returns whether
+/// it is serving insecurely (to log and to show in a metric).
+pub fn check_exposure(
+    role: &str,
+    addrs: &[SocketAddr],
+    creds: &Credentials,
+    insecure: bool,
+) -> std::io::Result<bool> {
+    let exposed: Vec<&SocketAddr> = addrs.iter().filter(|a| !a.ip().is_loopback()).collect();
+    if exposed.is_empty() || !creds.is_open() {
+        return Ok(false);
+    }
+    if !insecure {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::PermissionDenied,
+            format!(
+                "the {role} would accept reports from anyone on {}: give --tokens DIR or --token-file FILE, listen on 127.0.0.1, or pass --insecure",
+                exposed[0]
+            ),
+        ));
+    }
+    tracing::warn!(
+        "INSECURE: the {role} listens on {} with no token: anyone who can reach it can change every service's limits and read their keys",
+        exposed[0]
+    );
+    Ok(true)
 }

@@ -21,8 +21,13 @@ fn report(source: &str, entries: Vec<Entry>) -> Report {
         source: source.into(),
         zone: "z".into(),
         interval_ms: 1000,
+        seq: 0,
         entries,
     }
+}
+
+fn key<'a>(view: &'a [KeyView], k: &str) -> &'a KeyView {
+    view.iter().find(|v| v.key.as_deref() == Some(k)).unwrap()
 }
 
 #[test]
@@ -37,76 +42,144 @@ fn a_fleet_at_one_and_a_half_times_its_limit_drops_one_third() {
 
 #[test]
 fn rates_from_several_sources_sum_per_key() {
-    let mut acc = Accumulator::default();
-    acc.add(&report("a", vec![entry(Some("k"), 90, 90)]), 0.0);
-    acc.add(&report("b", vec![entry(Some("k"), 30, 30)]), 0.0);
-    acc.add(
-        &report(
-            "c",
-            vec![entry(Some("k"), 30, 30), entry(Some("j"), 10, 10)],
-        ),
-        0.0,
-    );
-    let view = acc.view(None);
-    let k = view.iter().find(|v| v.key.as_deref() == Some("k")).unwrap();
+    let mut acc = Accumulator::new(1.0);
+    acc.record(&report("a", vec![entry(Some("k"), 90, 90)]), 0.0)
+        .unwrap();
+    acc.record(&report("b", vec![entry(Some("k"), 30, 30)]), 0.0)
+        .unwrap();
+    let both = vec![entry(Some("k"), 30, 30), entry(Some("j"), 10, 10)];
+    acc.record(&report("c", both), 0.0).unwrap();
+    let view = acc.view(None, 0.0);
+    let k = key(&view, "k");
     assert_eq!(k.offered_rps, 150.0);
     assert_eq!(k.sources, 3);
     assert!((k.ratio - 1.0 / 3.0).abs() < 1e-12);
-    let j = view.iter().find(|v| v.key.as_deref() == Some("j")).unwrap();
-    assert_eq!(j.ratio, 0.0, "keys are limited independently");
-    let reply = acc.reply(&["svc"]);
-    assert_eq!(reply.ratios.len(), 1, "only non-zero ratios travel");
-    assert!(acc.reply(&["other-service"]).ratios.is_empty());
+    assert_eq!(key(&view, "j").ratio, 0.0, "keys are limited independently");
+    let ratios = acc.ratios(Some(&["svc"]), 0.0);
+    assert_eq!(ratios.len(), 1, "only non-zero ratios travel");
+    assert!(acc.ratios(Some(&["other-service"]), 0.0).is_empty());
+    assert_eq!(acc.ratios(None, 0.0).len(), 1);
 }
 
 #[test]
-fn the_smoothed_rate_follows_a_step_within_a_few_intervals() {
-    let mut acc = Accumulator::default();
-    acc.add(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0);
+fn a_new_report_replaces_its_sources_values_and_the_sum_is_smoothed_over_time() {
+    let mut acc = Accumulator::new(1.0);
+    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0)
+        .unwrap();
     for t in 1..=4 {
-        acc.add(&report("a", vec![entry(Some("k"), 300, 100)]), f64::from(t));
+        acc.record(&report("a", vec![entry(Some("k"), 300, 100)]), f64::from(t))
+            .unwrap();
     }
-    let v = &acc.view(None)[0];
-    // 100 -> 300: after four intervals the estimate is within 5 % of 300.
-    assert!((v.offered_rps - 300.0).abs() < 15.0, "{}", v.offered_rps);
+    // Held at 300 since t = 1: 300 - 200 e^-3 at t = 4, within 5 % of 300.
+    let v = &acc.view(None, 4.0)[0];
+    assert!((v.offered_rps - (300.0 - 200.0 * (-3.0f64).exp())).abs() < 1e-9);
+    assert_eq!(v.sources, 1, "one source, however many reports");
+    // A key missing from the source's next report no longer counts for it.
+    acc.record(&report("a", vec![entry(Some("j"), 10, 10)]), 5.0)
+        .unwrap();
+    let v = acc.view(None, 5.0);
+    assert_eq!(key(&v, "k").sources, 0);
+    assert!(key(&v, "k").offered_rps < 300.0);
 }
 
 #[test]
-fn silent_sources_are_forgotten() {
-    let mut acc = Accumulator::default();
-    acc.add(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0);
-    acc.add(&report("b", vec![entry(Some("k"), 100, 100)]), 2.5);
-    // Three intervals of 1 s: a (last heard at 0) is gone at 3.5, b is not.
-    acc.expire(3.5);
-    let v = acc.view(None);
-    assert_eq!(v[0].sources, 1);
+fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
+    // One host at 300/s reporting every second, its reports landing on replica A and B in
+    // turn; each replica forwards what it got every second, half a second apart.
+    let mut a = ZoneSums::new(0.0, 1000);
+    let mut b = ZoneSums::new(0.0, 1000);
+    let mut acc = Accumulator::new(1.0);
+    let mut sent = 0;
+    let mut forwarded = 0;
+    let mut samples = Vec::new();
+    for tick in 0..400 {
+        let t = f64::from(tick) * 0.1;
+        if tick % 10 == 3 {
+            let mut r = report("host", vec![entry(Some("k"), 300, 100)]);
+            r.seq = tick as u64 + 1;
+            let to = if (tick / 10) % 2 == 0 { &mut a } else { &mut b };
+            to.record(&r, t).unwrap();
+            sent += 300;
+        }
+        for (name, z, phase) in [("zone:z/a", &mut a, 0), ("zone:z/b", &mut b, 5)] {
+            if tick % 10 == phase && tick > 0 {
+                let (entries, ms) = z.take(t);
+                forwarded += entries.iter().map(|e| e.offered).sum::<u64>();
+                let mut r = report(name, entries);
+                r.interval_ms = ms;
+                acc.record(&r, t).unwrap();
+            }
+        }
+        if t >= 10.0 {
+            samples.push(acc.view(None, t)[0].offered_rps);
+        }
+    }
+    let last: u64 = [&mut a, &mut b]
+        .into_iter()
+        .map(|z| z.take(40.0).0.iter().map(|e| e.offered).sum::<u64>())
+        .sum();
+    assert_eq!(
+        forwarded + last,
+        sent,
+        "every host interval is forwarded exactly once"
+    );
+    let mean = samples.iter().sum::<f64>() / samples.len() as f64;
+    assert!((mean - 300.0).abs() < 0.02 * 300.0, "mean {mean}");
+    // Per-source smoothing would have counted the host in both replicas: about 600.
+    assert!(
+        samples.iter().all(|s| (150.0..450.0).contains(s)),
+        "{samples:?}"
+    );
+}
+
+#[test]
+fn a_silent_sources_values_stand_for_two_intervals_and_it_is_forgotten_after_three() {
+    let mut acc = Accumulator::new(1.0);
+    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0)
+        .unwrap();
+    acc.record(&report("b", vec![entry(Some("k"), 100, 100)]), 1.5)
+        .unwrap();
+    acc.sweep(2.1);
+    assert_eq!(acc.view(None, 2.1)[0].sources, 1, "a's values are gone");
+    assert_eq!(acc.sources(), 2, "a is still known");
+    acc.sweep(3.2);
     assert_eq!(acc.sources(), 1);
-    acc.expire(10.0);
-    assert!(acc.view(None).is_empty());
+    assert_eq!(acc.tracked(), 1);
+    acc.sweep(20.0);
+    assert_eq!(acc.tracked(), 0);
+    assert_eq!(
+        acc.view(None, 20.0).len(),
+        1,
+        "kept while its history matters"
+    );
+    acc.sweep(23.1);
+    assert!(acc.view(None, 23.1).is_empty(), "the faded key is dropped");
 }
 
 #[test]
 fn disagreeing_limits_take_the_smallest_and_count_a_conflict() {
-    let mut acc = Accumulator::default();
-    acc.add(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0);
+    let mut acc = Accumulator::new(1.0);
+    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0)
+        .unwrap();
     let mut e = entry(Some("k"), 100, 100);
     e.limit.count = 50;
-    acc.add(&report("b", vec![e]), 0.0);
+    acc.record(&report("b", vec![e]), 0.0).unwrap();
     assert_eq!(acc.conflicts, 1);
-    assert_eq!(acc.view(None)[0].limit_rps, 50.0);
-    // When b goes silent, a's limit applies again.
-    acc.add(&report("a", vec![entry(Some("k"), 100, 100)]), 5.0);
-    acc.expire(5.0);
-    assert_eq!(acc.view(None)[0].limit_rps, 100.0);
+    assert_eq!(acc.view(None, 0.0)[0].limit_rps, 50.0);
+    // When b's values lapse, a's limit applies again.
+    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), 5.0)
+        .unwrap();
+    acc.sweep(5.0);
+    assert_eq!(acc.view(None, 5.0)[0].limit_rps, 100.0);
 }
 
 #[test]
 fn the_folded_tail_is_limited_as_many_keys() {
-    let mut acc = Accumulator::default();
+    let mut acc = Accumulator::new(1.0);
     let mut other = entry(None, 250, 250);
     other.keys_folded = 2;
-    acc.add(&report("a", vec![other]), 0.0);
-    let v = &acc.view(None)[0];
+    acc.record(&report("a", vec![other]), 0.0).unwrap();
+    let v = &acc.view(None, 0.0)[0];
     assert_eq!(v.limit_rps, 200.0);
     assert!((v.ratio - 0.2).abs() < 1e-12);
 }
@@ -122,6 +195,12 @@ fn absurd_or_inconsistent_reports_are_refused() {
     r.interval_ms = 0;
     assert_eq!(r.validate(), Err(ReportError::Interval));
     let mut r = ok.clone();
+    r.source = "x".repeat(MAX_SOURCE + 1);
+    assert_eq!(r.validate(), Err(ReportError::Name));
+    let mut r = ok.clone();
+    r.zone = "x".repeat(MAX_ZONE + 1);
+    assert_eq!(r.validate(), Err(ReportError::Name));
+    let mut r = ok.clone();
     r.entries[0].admitted = 11;
     assert!(r.validate().is_err());
     let mut r = ok.clone();
@@ -133,39 +212,51 @@ fn absurd_or_inconsistent_reports_are_refused() {
 }
 
 #[test]
-fn an_aggregator_forwards_its_zone_as_one_source() {
-    let mut zone = Accumulator::default();
-    zone.add(&report("a", vec![entry(Some("k"), 60, 60)]), 0.0);
-    zone.add(&report("b", vec![entry(Some("k"), 60, 60)]), 0.0);
-    let forwarded = report("zone:z", zone.as_entries(1000));
-    let mut region = Accumulator::default();
-    region.add(&forwarded, 0.0);
-    let v = &region.view(None)[0];
-    assert_eq!((v.offered_rps, v.sources), (120.0, 1));
-    assert!((v.ratio - 20.0 / 120.0).abs() < 1e-12);
+fn an_oversized_key_drops_its_entry_not_the_report() {
+    let long = "k".repeat(MAX_KEY + 1);
+    let mut r = report(
+        "a",
+        vec![entry(Some(&long), 10, 10), entry(Some("fine"), 10, 10)],
+    );
+    assert_eq!(r.drop_invalid(), 1);
+    assert_eq!(r.entries.len(), 1);
+    assert_eq!(r.entries[0].key.as_deref(), Some("fine"));
 }
 
 #[test]
 fn a_flood_of_sources_and_keys_is_bounded_and_counted() {
-    let mut acc = Accumulator::bounded(3);
+    let mut acc = Accumulator::bounded(1.0, 3);
     for i in 0..10 {
-        acc.add(
-            &report(
-                &format!("fake-{i}"),
-                vec![entry(Some(&format!("k{i}")), 1, 1)],
-            ),
-            0.0,
+        let r = report(
+            &format!("fake-{i}"),
+            vec![entry(Some(&format!("k{i}")), 1, 1)],
         );
+        acc.record(&r, 0.0).unwrap();
     }
-    assert_eq!(acc.view(None).len(), 3);
+    assert_eq!(acc.view(None, 0.0).len(), 3);
     assert_eq!(acc.refused, 7);
-    // Known (source, key) pairs keep updating at the bound.
-    acc.add(&report("fake-0", vec![entry(Some("k0"), 50, 50)]), 1.0);
+    // A source already holding values keeps updating them at the bound.
+    acc.record(&report("fake-0", vec![entry(Some("k0"), 50, 50)]), 1.0)
+        .unwrap();
     assert_eq!(acc.refused, 7);
     // Once the flood goes silent, room frees up.
-    acc.expire(10.0);
-    acc.add(&report("real", vec![entry(Some("k"), 1, 1)]), 10.0);
-    assert_eq!(acc.view(None).len(), 1);
+    acc.sweep(10.0);
+    acc.record(&report("real", vec![entry(Some("k"), 1, 1)]), 10.0)
+        .unwrap();
+    assert_eq!(acc.tracked(), 1);
+}
+
+#[test]
+fn one_source_holds_a_bounded_number_of_key_bytes() {
+    let mut acc = Accumulator::new(1.0);
+    let key = "k".repeat(1000);
+    let entries: Vec<Entry> = (0..5000)
+        .map(|i| entry(Some(&format!("{key}{i}")), 1, 1))
+        .collect();
+    acc.record(&report("big", entries), 0.0).unwrap();
+    let kept = acc.tracked();
+    assert!(kept * 1000 <= sum::MAX_HELD_BYTES, "{kept}");
+    assert_eq!(acc.refused as usize, 5000 - kept);
 }
 
 #[test]
@@ -178,41 +269,53 @@ fn an_absurd_rate_is_refused_not_clamped() {
 }
 
 #[test]
+fn a_report_already_counted_is_not_counted_again() {
+    let mut zone = ZoneSums::new(0.0, 100);
+    let mut r = report("h", vec![entry(Some("k"), 10, 10)]);
+    r.seq = 7;
+    zone.record(&r, 0.0).unwrap();
+    assert_eq!(zone.record(&r, 0.1), Err(SourceRefusal::Duplicate(7)));
+    r.seq = 6;
+    assert_eq!(zone.record(&r, 0.2), Err(SourceRefusal::Duplicate(6)));
+    assert_eq!(zone.refusals().2, 2);
+    r.seq = 8;
+    zone.record(&r, 0.3).unwrap();
+    let (entries, _) = zone.take(1.0);
+    assert_eq!(entries[0].offered, 20);
+}
+
+#[test]
 fn a_flood_of_new_hosts_is_throttled_per_second_and_known_hosts_still_report() {
-    let mut acc = Accumulator::default();
+    let mut zone = ZoneSums::new(0.0, 100);
     let known = report("known", vec![entry(Some("k"), 10, 10)]);
-    assert!(acc.admit_source(&known, 0.5).is_ok());
+    assert!(zone.record(&known, 0.5).is_ok());
     for i in 1..NEW_SOURCES_PER_SEC {
         let r = report(&format!("fake-{i}"), vec![]);
-        assert!(acc.admit_source(&r, 0.6).is_ok(), "source {i}");
+        assert!(zone.record(&r, 0.6).is_ok(), "source {i}");
     }
     let one_more = report("fake-x", vec![]);
-    assert_eq!(acc.admit_source(&one_more, 0.7), Err(SourceRefusal::Flood));
-    assert_eq!(acc.throttled, 1);
+    assert_eq!(zone.record(&one_more, 0.7), Err(SourceRefusal::Flood));
+    assert_eq!(zone.refusals().0, 1);
+    assert!(zone.record(&known, 0.8).is_ok(), "a known host is not new");
     assert!(
-        acc.admit_source(&known, 0.8).is_ok(),
-        "a known host is not new"
-    );
-    assert!(
-        acc.admit_source(&one_more, 1.1).is_ok(),
+        zone.record(&one_more, 1.1).is_ok(),
         "the next second has room again"
     );
-    // Silent sources are forgotten with their rates.
-    acc.expire(100.0);
-    assert_eq!(acc.source_ages(100.0).len(), 0);
+    // Silent hosts are forgotten.
+    zone.take(100.0);
+    assert_eq!(zone.hosts(), 0);
 }
 
 #[test]
 fn a_host_cannot_report_for_another_service_but_an_aggregator_can() {
-    let mut acc = Accumulator::default();
+    let mut acc = Accumulator::new(1.0);
     let mut own = entry(Some("k"), 10, 10);
     own.service = "shop".into();
     let mut other = entry(Some("k"), 1_000_000, 0);
     other.service = "payments".into();
-    assert!(acc
-        .admit_source(&report("pod-a", vec![own.clone()]), 1.0)
-        .is_ok());
-    let refused = acc.admit_source(&report("pod-a", vec![own.clone(), other.clone()]), 1.5);
+    acc.record(&report("pod-a", vec![own.clone()]), 1.0)
+        .unwrap();
+    let refused = acc.record(&report("pod-a", vec![own.clone(), other.clone()]), 1.5);
     assert_eq!(
         refused,
         Err(SourceRefusal::Foreign(
@@ -221,11 +324,11 @@ fn a_host_cannot_report_for_another_service_but_an_aggregator_can() {
             "shop".into()
         ))
     );
-    assert_eq!(acc.foreign, 1);
-    let zone = report("zone:eu-1", vec![own, other]);
-    assert!(acc.admit_source(&zone, 1.5).is_ok());
+    assert_eq!(acc.refusals().1, 1);
+    let zone = report("zone:eu-1/a", vec![own, other]);
+    assert!(acc.record(&zone, 1.5).is_ok());
     assert!(
-        acc.admit_source(&zone, 2.0).is_ok(),
+        acc.record(&zone, 2.0).is_ok(),
         "zones carry every service of their hosts"
     );
 }

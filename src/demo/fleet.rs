@@ -1,7 +1,7 @@
 //! `spillway demo --fleet`: the whole control plane on loopback.
 //!
-//! A controller, two zone aggregators, three proxies (two in zone eu-1, one in eu-2) in front of
-//! one app, and one API key offered unevenly across the proxies (6:2:1): at the limit for 10 s,
+//! A controller, three aggregators (two replicas for zone eu-1, one for eu-2), three proxies
+//! (two in eu-1, each reporting to its own replica, one in eu-2) in front of one app, and one API key offered unevenly across the proxies (6:2:1): at the limit for 10 s,
 //! then at three times the limit. Every second it prints what each proxy admitted and the
 //! fleet's total against the limit, with the controller's drop ratio.
 
@@ -15,7 +15,7 @@ use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 
 pub use super::Tally;
-use super::{offer, start_upstream};
+use super::{offer, offer_closed, start_upstream};
 use crate::control::server::Running;
 use crate::control::{aggregator, controller};
 use crate::{Config, Sidecar};
@@ -60,7 +60,8 @@ rules:
 /// A tally per proxy, and the load generators to await.
 pub type Load = (Vec<Arc<Tally>>, Vec<tokio::task::JoinHandle<()>>);
 
-/// A whole fleet on loopback: a controller, aggregators for zones eu-1 and eu-2, three proxies
+/// A whole fleet on loopback: a controller, aggregators for zones eu-1 (two replicas by default)
+/// and eu-2, three proxies
 /// (two in eu-1, one in eu-2) and one app. Reused by the convergence benchmark.
 pub struct Fleet {
     pub upstream: std::net::SocketAddr,
@@ -72,31 +73,40 @@ pub struct Fleet {
 impl Fleet {
     /// Starts it, with one global rule of `limit`/s per API key, reporting every `interval`.
     pub async fn start(limit: u64, interval: Duration) -> anyhow::Result<Fleet> {
+        Self::start_with(limit, interval, 2).await
+    }
+
+    /// Starts it with `replicas` aggregators in zone eu-1 (its two proxies report to them in
+    /// turn) and one in eu-2.
+    pub async fn start_with(
+        limit: u64,
+        interval: Duration,
+        replicas: usize,
+    ) -> anyhow::Result<Fleet> {
         let upstream = start_upstream().await?;
         let any = "127.0.0.1:0".parse()?;
-        let controller = controller::start(controller::ControllerOptions {
-            listen: any,
-            admin: any,
-            token: Default::default(),
-        })
-        .await?;
+        let controller = controller::start(controller::ControllerOptions::new(any, any)).await?;
         let mut aggregators = Vec::new();
-        for zone in ["eu-1", "eu-2"] {
-            aggregators.push(
-                aggregator::start(aggregator::AggregatorOptions {
-                    listen: any,
-                    admin: any,
-                    controller: format!("http://{}", controller.addr).parse()?,
-                    zone: zone.into(),
-                    interval,
-                    token: Default::default(),
-                })
-                .await?,
+        let zones = std::iter::repeat_n("eu-1", replicas.max(1)).chain(["eu-2"]);
+        for (i, zone) in zones.enumerate() {
+            let mut opts = aggregator::AggregatorOptions::new(
+                any,
+                any,
+                format!("http://{}", controller.addr).parse()?,
+                zone,
             );
+            opts.interval = interval;
+            opts.replica = Some(format!("{zone}-{i}"));
+            aggregators.push(aggregator::start(opts).await?);
         }
+        let eu2 = aggregators.len() - 1;
         let mut proxies = Vec::new();
         for n in 0..3 {
-            let agg = &aggregators[usize::from(n == 2)];
+            let agg = if n == 2 {
+                &aggregators[eu2]
+            } else {
+                &aggregators[n % eu2]
+            };
             let yaml = proxy_config(upstream, agg.addr, n + 1, limit, interval);
             let config = Config::from_yaml(&yaml, "<fleet>").context("the fleet's own config")?;
             proxies.push(Sidecar::start(config).await?);
@@ -107,6 +117,32 @@ impl Fleet {
             aggregators,
             proxies,
         })
+    }
+
+    /// Closed-loop load on one API key: `conns` clients per proxy, each sending its next
+    /// request as soon as it has an answer, until `deadline`.
+    pub fn load_closed(
+        &self,
+        conns: usize,
+        deadline: tokio::time::Instant,
+    ) -> anyhow::Result<Load> {
+        let client: Client<HttpConnector, Empty<Bytes>> =
+            Client::builder(TokioExecutor::new()).build_http();
+        let mut tallies = Vec::new();
+        let mut generators = Vec::new();
+        for p in &self.proxies {
+            let tally = Arc::new(Tally::default());
+            generators.push(tokio::spawn(offer_closed(
+                client.clone(),
+                format!("http://{}/api/orders", p.addr()).parse()?,
+                vec![("x-api-key", "team-a".to_string())],
+                conns,
+                tally.clone(),
+                deadline,
+            )));
+            tallies.push(tally);
+        }
+        Ok((tallies, generators))
     }
 
     /// Offers one API key across the proxies 6:2:1, `fleet_rate(elapsed)` requests/s in
@@ -158,11 +194,11 @@ pub async fn run() -> anyhow::Result<()> {
     let fleet = Fleet::start(LIMIT, Duration::from_millis(250)).await?;
     let (ctl, aggs, p) = (&fleet.controller, &fleet.aggregators, &fleet.proxies);
     println!(
-        "Spillway fleet demo: controller {}, aggregators eu-1 {} and eu-2 {},",
-        ctl.addr, aggs[0].addr, aggs[1].addr
+        "Spillway fleet demo: controller {}, two aggregator replicas for eu-1 ({} and {}), one for eu-2 ({}),",
+        ctl.addr, aggs[0].addr, aggs[1].addr, aggs[2].addr
     );
     println!(
-        "proxies {} and {} (eu-1) and {} (eu-2), one app on {}.",
+        "proxies {} and {} (eu-1, one per replica) and {} (eu-2), one app on {}.",
         p[0].addr(),
         p[1].addr(),
         p[2].addr(),

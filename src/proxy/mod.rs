@@ -288,12 +288,16 @@ fn reporter(
         }
         None => Default::default(),
     };
-    let url = format!("http://{}/v1/report", cp.url.authority)
-        .parse()
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, format!("{e}")))?;
+    let (url, tls) = crate::control::reporter::report_url(&cp.url.0, cp.ca_file.as_deref())
+        .map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("control_plane.url {}: {e}", cp.url.0),
+            )
+        })?;
     let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
     Ok(Reporter {
-        client: crate::control::reporter::json_client(),
+        client: crate::control::reporter::json_client(tls)?,
         url,
         token,
         service: config.service.0.clone(),
@@ -309,6 +313,7 @@ fn reporter(
             .unwrap_or_default(),
         interval: cp.report_interval.0,
         top_k: cp.top_k.get() as usize,
+        seq: crate::control::reporter::first_seq().into(),
         staleness: Staleness {
             stale_after: cp.stale_after.0.as_nanos() as u64,
             decay: cp.decay.0.as_nanos() as u64,

@@ -391,65 +391,7 @@ impl RedisServer {
     /// A Redis that speaks only TLS, with a certificate for 127.0.0.1 signed by a CA of its own
     /// (made with the `openssl` command); returns the server and the CA's PEM file.
     pub fn start_tls() -> (RedisServer, std::path::PathBuf) {
-        let dir = std::env::temp_dir().join(format!("spillway-tls-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let openssl = |args: &[&str]| {
-            let out = std::process::Command::new("openssl")
-                .current_dir(&dir)
-                .args(args)
-                .output()
-                .expect("openssl (scripts/test installs it)");
-            assert!(
-                out.status.success(),
-                "openssl {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
-        openssl(&[
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "2",
-            "-subj",
-            "/CN=spillway test CA",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-        ]);
-        openssl(&[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-        ]);
-        std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "san.ext",
-            "-out",
-            "server.crt",
-        ]);
+        let dir = test_ca("redis");
         let file = |name: &str| dir.join(name).to_str().unwrap().to_string();
         let server = RedisServer::start_with(&[
             "--tls-port",
@@ -662,4 +604,141 @@ pub async fn ask(c: &mut tokio::io::BufReader<tokio::net::TcpStream>, text: &str
     use tokio::io::AsyncWriteExt;
     c.get_mut().write_all(text.as_bytes()).await.unwrap();
     read_answer(c).await
+}
+
+/// A per-request round-robin HTTP/1 balancer on loopback in front of `backends`: what a mesh
+/// or an L7 Service does, so that consecutive reports of one proxy reach different replicas.
+/// A backend that refuses the connection is skipped; [`Balancer::set`] changes the set.
+pub struct Balancer {
+    pub addr: SocketAddr,
+    backends: Arc<arc_swap::ArcSwap<Vec<SocketAddr>>>,
+}
+
+impl Balancer {
+    pub async fn start(backends: Vec<SocketAddr>) -> Balancer {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let backends = Arc::new(arc_swap::ArcSwap::from_pointee(backends));
+        let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let client: Client<HttpConnector, Full<Bytes>> =
+            Client::builder(TokioExecutor::new()).build_http();
+        let b = backends.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let (b, next, client) = (b.clone(), next.clone(), client.clone());
+                tokio::spawn(async move {
+                    let service = service_fn(move |req: Request<Incoming>| {
+                        let (b, next, client) = (b.clone(), next.clone(), client.clone());
+                        async move {
+                            let (parts, body) = req.into_parts();
+                            let body = body.collect().await.unwrap().to_bytes();
+                            let all = b.load_full();
+                            for _ in 0..all.len().max(1) {
+                                let Some(to) = all.get(
+                                    next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+                                        % all.len().max(1),
+                                ) else {
+                                    break;
+                                };
+                                let mut out = Request::builder()
+                                    .method(parts.method.clone())
+                                    .uri(format!("http://{to}{}", parts.uri));
+                                for (k, v) in &parts.headers {
+                                    out = out.header(k, v);
+                                }
+                                let out = out.body(Full::new(body.clone())).unwrap();
+                                if let Ok(resp) = client.request(out).await {
+                                    let (p, body) = resp.into_parts();
+                                    let body = body.collect().await.unwrap().to_bytes();
+                                    return Ok::<_, Infallible>(Response::from_parts(
+                                        p,
+                                        Full::new(body),
+                                    ));
+                                }
+                            }
+                            let mut resp = Response::new(Full::new(Bytes::from("no backend")));
+                            *resp.status_mut() = StatusCode::BAD_GATEWAY;
+                            Ok(resp)
+                        }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        Balancer { addr, backends }
+    }
+
+    pub fn set(&self, backends: Vec<SocketAddr>) {
+        self.backends.store(Arc::new(backends));
+    }
+}
+
+/// A CA made by `openssl` for this test, and a server certificate it signed for 127.0.0.1:
+/// `ca.crt`, `server.crt` and `server.key` in the returned directory.
+pub fn test_ca(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("spillway-tls-{}-{name}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let openssl = |args: &[&str]| {
+        let out = std::process::Command::new("openssl")
+            .current_dir(&dir)
+            .args(args)
+            .output()
+            .expect("openssl (scripts/test installs it)");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=spillway test CA",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+    ]);
+    openssl(&[
+        "req",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-subj",
+        "/CN=127.0.0.1",
+        "-keyout",
+        "server.key",
+        "-out",
+        "server.csr",
+    ]);
+    std::fs::write(dir.join("san.ext"), "subjectAltName=IP:127.0.0.1\n").unwrap();
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "server.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+        "-out",
+        "server.crt",
+    ]);
+    dir
 }

@@ -1,0 +1,363 @@
+//! Whose bearer token may do what on the control plane.
+//!
+//! Owns the credentials of a controller or aggregator: none (a loopback development setup), one
+//! shared token (`--token-file`, standing for every service and for aggregators), or a
+//! directory of them (`--tokens DIR`, a mounted Secret): a file per service holding its
+//! proxies' token, `_aggregators` for the zone sums, `_admin` for reading all state. Entries
+//! starting with `.` (the Secret's `..data` links) are ignored. Files are re-read when they
+//! change; a bad set keeps the previous one. Tokens are compared in constant time, against
+//! every configured token. Must never: let a service's token report for, or read, another
+//! service, or log a token.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use http::header::AUTHORIZATION;
+use subtle::ConstantTimeEq;
+
+use super::server::read_token;
+
+/// Who presented a token (or that none is needed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Principal {
+    /// No token is configured: everything is allowed (loopback or `--insecure` only).
+    Open,
+    /// The shared token: every service, and zone sums.
+    Shared,
+    /// One service's proxies.
+    Service(Arc<str>),
+    /// The aggregators: zone sums for every service.
+    Aggregator,
+    /// Reads everything; reports nothing.
+    Admin,
+}
+
+impl Principal {
+    /// Whether it may send a report for `service`.
+    pub fn may_report(&self, service: &str) -> bool {
+        match self {
+            Principal::Open | Principal::Shared | Principal::Aggregator => true,
+            Principal::Service(s) => **s == *service,
+            Principal::Admin => false,
+        }
+    }
+
+    /// Whether it may send an aggregator's zone sums (a `zone:` source).
+    pub fn may_send_zone_sums(&self) -> bool {
+        matches!(
+            self,
+            Principal::Open | Principal::Shared | Principal::Aggregator
+        )
+    }
+
+    /// The one service it is limited to, if any.
+    pub fn service(&self) -> Option<&str> {
+        match self {
+            Principal::Service(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Its name in metrics and logs (never the token).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Principal::Open => "open",
+            Principal::Shared => "shared",
+            Principal::Service(_) => "service",
+            Principal::Aggregator => "aggregator",
+            Principal::Admin => "admin",
+        }
+    }
+}
+
+/// The tokens in force now.
+#[derive(Debug, Default, Clone)]
+pub struct TokenSet {
+    shared: Option<Vec<u8>>,
+    services: Vec<(Arc<str>, Vec<u8>)>,
+    aggregators: Option<Vec<u8>>,
+    admin: Option<Vec<u8>>,
+}
+
+impl TokenSet {
+    fn is_empty(&self) -> bool {
+        self.shared.is_none()
+            && self.services.is_empty()
+            && self.aggregators.is_none()
+            && self.admin.is_none()
+    }
+
+    /// Reads `--tokens DIR`. Fails on an unreadable or empty file, a name that cannot be a
+    /// service, or one token used for two names (it would be ambiguous).
+    pub fn from_dir(dir: &Path) -> std::io::Result<TokenSet> {
+        let bad = |msg: String| std::io::Error::new(std::io::ErrorKind::InvalidData, msg);
+        let mut set = TokenSet::default();
+        let mut names: Vec<(String, PathBuf)> = Vec::new();
+        for entry in std::fs::read_dir(dir)? {
+            let entry = entry?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                continue;
+            }
+            let path = entry.path();
+            // A mounted Secret's entries are links into `..data`: follow them.
+            if !std::fs::metadata(&path)?.is_file() {
+                continue;
+            }
+            names.push((name, path));
+        }
+        names.sort();
+        for (name, path) in names {
+            let token = read_token(&path)?;
+            match name.as_str() {
+                "_aggregators" => set.aggregators = Some(token),
+                "_admin" => set.admin = Some(token),
+                n if n.starts_with('_') => {
+                    return Err(bad(format!(
+                        "{}: names starting with _ are reserved (_aggregators, _admin)",
+                        path.display()
+                    )))
+                }
+                n if n.len() > 64 => {
+                    return Err(bad(format!(
+                        "{}: a service name is at most 64 characters",
+                        path.display()
+                    )))
+                }
+                n => set.services.push((n.into(), token)),
+            }
+        }
+        let mut all: Vec<&Vec<u8>> = set.services.iter().map(|(_, t)| t).collect();
+        all.extend(set.aggregators.iter());
+        all.extend(set.admin.iter());
+        let n = all.len();
+        all.sort();
+        all.dedup();
+        if all.len() != n {
+            return Err(bad(format!(
+                "{}: two files hold the same token; each service, _aggregators and _admin needs its own",
+                dir.display()
+            )));
+        }
+        if set.is_empty() {
+            return Err(bad(format!("{}: no token files", dir.display())));
+        }
+        Ok(set)
+    }
+
+    /// Who `given` belongs to, comparing it with every token in constant time.
+    fn principal(&self, given: &[u8]) -> Option<Principal> {
+        let mut found = None;
+        let mut check = |token: &Option<Vec<u8>>, p: Principal| {
+            if let Some(t) = token {
+                if bool::from(given.ct_eq(t)) {
+                    found = Some(p);
+                }
+            }
+        };
+        check(&self.shared, Principal::Shared);
+        check(&self.aggregators, Principal::Aggregator);
+        check(&self.admin, Principal::Admin);
+        for (service, t) in &self.services {
+            if bool::from(given.ct_eq(t)) {
+                found = Some(Principal::Service(service.clone()));
+            }
+        }
+        found
+    }
+}
+
+/// The credentials of a control-plane server, swapped whole when their files change.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials(Arc<ArcSwap<TokenSet>>);
+
+impl Credentials {
+    /// No tokens: everything is open.
+    pub fn open() -> Self {
+        Self::default()
+    }
+
+    /// One shared token.
+    pub fn shared(token: Vec<u8>) -> Self {
+        Self::with(TokenSet {
+            shared: Some(token),
+            ..Default::default()
+        })
+    }
+
+    pub fn with(set: TokenSet) -> Self {
+        Credentials(Arc::new(ArcSwap::from_pointee(set)))
+    }
+
+    /// Whether any token is configured.
+    pub fn is_open(&self) -> bool {
+        self.0.load().is_empty()
+    }
+
+    /// The token this process presents upstream (an aggregator to its controller): the
+    /// aggregators' token, or the shared one.
+    pub fn outgoing(&self) -> Option<Vec<u8>> {
+        let set = self.0.load();
+        set.aggregators.clone().or_else(|| set.shared.clone())
+    }
+
+    /// Adds an admin token (from `--admin-token-file`).
+    pub fn set_admin(&self, token: Vec<u8>) {
+        let mut set = (**self.0.load()).clone();
+        set.admin = Some(token);
+        self.0.store(Arc::new(set));
+    }
+
+    /// Who sent `headers` (`Authorization: Bearer <token>`); `None` when a token is configured
+    /// and the request does not carry a known one.
+    pub fn authenticate(&self, headers: &http::HeaderMap) -> Option<Principal> {
+        let set = self.0.load();
+        if set.is_empty() {
+            return Some(Principal::Open);
+        }
+        let given = headers
+            .get(AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))?;
+        set.principal(given)
+    }
+
+    /// Loads `--token-file` or `--tokens DIR` (an error stops start-up) and re-reads it when
+    /// it changes or on SIGHUP, until `stop`; a bad set keeps the old one. With
+    /// `admin`, that file's token is added as the admin token (and re-read with the rest).
+    pub fn load(
+        source: TokenSource,
+        admin: Option<PathBuf>,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> std::io::Result<Credentials> {
+        let read = {
+            let (source, admin) = (source.clone(), admin.clone());
+            move || -> std::io::Result<TokenSet> {
+                let mut set = match &source {
+                    TokenSource::None => TokenSet::default(),
+                    TokenSource::File(p) => TokenSet {
+                        shared: Some(read_token(p)?),
+                        ..Default::default()
+                    },
+                    TokenSource::Dir(d) => TokenSet::from_dir(d)?,
+                };
+                if let Some(a) = &admin {
+                    set.admin = Some(read_token(a)?);
+                }
+                Ok(set)
+            }
+        };
+        let creds = Credentials::with(read()?);
+        let mut watched: Vec<PathBuf> = match &source {
+            TokenSource::None => Vec::new(),
+            TokenSource::File(p) => vec![p.clone()],
+            // The watcher watches a path's directory: any entry of DIR stands for DIR.
+            TokenSource::Dir(d) => vec![d.join("..data")],
+        };
+        watched.extend(admin);
+        for path in watched {
+            let (c, read) = (creds.clone(), read.clone());
+            let watching = crate::watch::spawn(&path, stop.clone(), move |_| {
+                let (c, read) = (c.clone(), read.clone());
+                async move {
+                    match read() {
+                        Ok(set) => {
+                            c.0.store(Arc::new(set));
+                            tracing::info!("bearer tokens reloaded");
+                        }
+                        Err(e) => tracing::error!(
+                            "cannot reload the bearer tokens, the previous ones stay: {e}"
+                        ),
+                    }
+                }
+            });
+            // Without a watch (no inotify watches left, say) the tokens still work; they just
+            // do not rotate until a restart.
+            if let Err(e) = watching {
+                tracing::warn!("the bearer tokens will not reload: {e}");
+            }
+        }
+        Ok(creds)
+    }
+}
+
+/// Where a server's tokens come from.
+#[derive(Debug, Clone)]
+pub enum TokenSource {
+    None,
+    File(PathBuf),
+    Dir(PathBuf),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(token: &str) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        h.insert(AUTHORIZATION, format!("Bearer {token}").parse().unwrap());
+        h
+    }
+
+    fn dir(files: &[(&str, &str)]) -> PathBuf {
+        let d = std::env::temp_dir().join(format!(
+            "spillway-auth-{}-{}",
+            std::process::id(),
+            fastrand::u64(..)
+        ));
+        std::fs::create_dir_all(&d).unwrap();
+        for (name, text) in files {
+            std::fs::write(d.join(name), text).unwrap();
+        }
+        d
+    }
+
+    #[test]
+    fn a_directory_maps_each_token_to_its_service_and_ignores_dot_entries() {
+        let d = dir(&[
+            ("shop", "shop-token\n"),
+            ("books", "books-token"),
+            ("_aggregators", "agg-token"),
+            (".hidden", "ignored-token"),
+        ]);
+        std::fs::create_dir(d.join("..data")).unwrap();
+        let c = Credentials::with(TokenSet::from_dir(&d).unwrap());
+        assert_eq!(
+            c.authenticate(&headers("shop-token")),
+            Some(Principal::Service("shop".into()))
+        );
+        assert_eq!(
+            c.authenticate(&headers("agg-token")),
+            Some(Principal::Aggregator)
+        );
+        assert_eq!(c.authenticate(&headers("ignored-token")), None);
+        assert_eq!(c.authenticate(&http::HeaderMap::new()), None);
+        assert_eq!(c.outgoing().as_deref(), Some(&b"agg-token"[..]));
+        let shop = Principal::Service("shop".into());
+        assert!(shop.may_report("shop") && !shop.may_report("books"));
+        assert!(!shop.may_send_zone_sums());
+    }
+
+    #[test]
+    fn a_reserved_name_a_shared_token_or_an_empty_file_is_refused() {
+        for files in [
+            &[("_other", "x")][..],
+            &[("a", "same"), ("b", "same")][..],
+            &[("a", " \n")][..],
+            &[][..],
+        ] {
+            assert!(TokenSet::from_dir(&dir(files)).is_err(), "{files:?}");
+        }
+    }
+
+    #[test]
+    fn without_tokens_everything_is_open() {
+        assert_eq!(
+            Credentials::open().authenticate(&http::HeaderMap::new()),
+            Some(Principal::Open)
+        );
+        let shared = Credentials::shared(b"s".to_vec());
+        assert_eq!(shared.authenticate(&headers("s")), Some(Principal::Shared));
+        assert_eq!(shared.authenticate(&headers("t")), None);
+    }
+}

@@ -1,0 +1,170 @@
+//! Who may report now, for the aggregator and the controller alike.
+//!
+//! Owns one small record per live source (a proxy, or one aggregator replica): when it last
+//! reported, its interval, its sequence number and the services it reports for. From those it
+//! refuses a flood of new sources ([`NEW_SOURCES_PER_SEC`]), a host reporting for a service
+//! other than the one its first report named, and a report it has already counted (a retry or
+//! a replay: same or older `seq`). Must never: hold more than one record per source, keep one
+//! past three of its intervals, or count a report twice.
+
+use std::collections::HashMap;
+
+use super::{Report, NEW_SOURCES_PER_SEC};
+
+/// Why a report's source was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SourceRefusal {
+    #[error("too many new sources this second; retry")]
+    Flood,
+    #[error("source {0} reports for service {1}, but it is a source of {2}")]
+    Foreign(String, String, String),
+    /// Not an error for the sender: its counts are in already.
+    #[error("report {0} of this source was already counted")]
+    Duplicate(u64),
+}
+
+/// One live source.
+#[derive(Debug)]
+pub struct Source<T> {
+    /// Seconds on the owner's clock of the last report taken.
+    pub last: f64,
+    /// The source's own report interval, in seconds.
+    pub interval: f64,
+    seq: u64,
+    services: Vec<Box<str>>,
+    /// What the owner keeps per source.
+    pub data: T,
+}
+
+/// Every live source, with `T` kept beside each.
+#[derive(Debug)]
+pub struct Sources<T> {
+    index: HashMap<Box<str>, Source<T>>,
+    /// The second new sources are being counted in, and how many came in it.
+    new_sources: (u64, u32),
+    pub throttled: u64,
+    pub foreign: u64,
+    pub duplicates: u64,
+}
+
+impl<T> Default for Sources<T> {
+    fn default() -> Self {
+        Sources {
+            index: HashMap::new(),
+            new_sources: (0, 0),
+            throttled: 0,
+            foreign: 0,
+            duplicates: 0,
+        }
+    }
+}
+
+/// A source is forgotten after this many of its intervals without a report.
+const FORGET_AFTER: f64 = 3.0;
+
+impl<T: Default> Sources<T> {
+    /// Takes `report` from its source at `now` (seconds) if it may report: the source's data to
+    /// update, or why not. A host (any source not named `zone:...`) is pinned to the services
+    /// of its first non-empty report.
+    pub fn admit(&mut self, report: &Report, now: f64) -> Result<&mut Source<T>, SourceRefusal> {
+        let interval = report.interval_ms as f64 / 1000.0;
+        let pinned = !report.source.starts_with("zone:");
+        let live = self
+            .index
+            .get(report.source.as_str())
+            .is_some_and(|s| now - s.last <= FORGET_AFTER * s.interval);
+        if !live {
+            let second = now as u64;
+            if self.new_sources.0 != second {
+                self.new_sources = (second, 0);
+            }
+            if self.new_sources.1 >= NEW_SOURCES_PER_SEC {
+                self.throttled += 1;
+                return Err(SourceRefusal::Flood);
+            }
+            self.new_sources.1 += 1;
+            // A source that went silent and came back starts over.
+            self.index.insert(
+                report.source.as_str().into(),
+                Source {
+                    last: now,
+                    interval,
+                    seq: 0,
+                    services: Vec::new(),
+                    data: T::default(),
+                },
+            );
+        }
+        let s = self
+            .index
+            .get_mut(report.source.as_str())
+            .expect("inserted above");
+        if report.seq != 0 && report.seq <= s.seq {
+            self.duplicates += 1;
+            return Err(SourceRefusal::Duplicate(report.seq));
+        }
+        if pinned {
+            if s.services.is_empty() {
+                s.services = report
+                    .entries
+                    .iter()
+                    .map(|e| e.service.as_str().into())
+                    .collect();
+                s.services.sort_unstable();
+                s.services.dedup();
+            }
+            if let Some(e) = report
+                .entries
+                .iter()
+                .find(|e| !s.services.iter().any(|x| **x == *e.service))
+            {
+                self.foreign += 1;
+                return Err(SourceRefusal::Foreign(
+                    report.source.clone(),
+                    e.service.clone(),
+                    s.services.join(", "),
+                ));
+            }
+        }
+        s.last = now;
+        s.interval = interval;
+        s.seq = s.seq.max(report.seq);
+        Ok(s)
+    }
+
+    /// Forgets the sources silent for three of their intervals, handing each one's data to
+    /// `gone` first.
+    pub fn expire(&mut self, now: f64, mut gone: impl FnMut(&str, Source<T>)) {
+        let dead: Vec<Box<str>> = self
+            .index
+            .iter()
+            .filter(|(_, s)| now - s.last > FORGET_AFTER * s.interval)
+            .map(|(n, _)| n.clone())
+            .collect();
+        for name in dead {
+            if let Some(s) = self.index.remove(&name) {
+                gone(&name, s);
+            }
+        }
+    }
+
+    pub fn get_mut(&mut self, name: &str) -> Option<&mut Source<T>> {
+        self.index.get_mut(name)
+    }
+
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Source<T>)> {
+        self.index.iter().map(|(n, s)| (&**n, s))
+    }
+
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = (&str, &mut Source<T>)> {
+        self.index.iter_mut().map(|(n, s)| (&**n, s))
+    }
+}

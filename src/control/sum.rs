@@ -1,0 +1,683 @@
+//! The fleet's sums: what aggregators and the controller add up, and where smoothing happens.
+//!
+//! [`ZoneSums`] (an aggregator) adds up the counts its hosts reported since its last forward
+//! and hands them over once: it keeps nothing of a host past that, so a host whose reports
+//! land on any mix of replicas is counted exactly once. [`Accumulator`] (the controller) holds
+//! each source's latest report as rates until that source's next one (at most two of its
+//! intervals), sums them per (service, rule, key), and smooths the sum over time (an EWMA with
+//! time constant `tau`): smoothing after summing is what lets replicas share a zone's hosts in
+//! any pattern. Drop ratios come from the smoothed sums.
+//!
+//! Must never: copy a source's name per entry, hold more than [`MAX_TRACKED`] contributions or
+//! [`MAX_HELD_BYTES`] per source, or walk every key on each report (replies come from a
+//! snapshot rebuilt at most every [`SNAPSHOT_EVERY`]).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use serde::Serialize;
+
+use super::sources::{SourceRefusal, Sources};
+use super::{drop_ratio, Entry, Limit, Ratio, Report};
+
+/// The most (source, key) contributions one accumulator holds: a few dozen bytes each, so a
+/// flood of fake hosts or keys costs a bounded amount. Past it, new contributions are dropped
+/// (and counted) until old ones expire.
+pub const MAX_TRACKED: usize = 2_000_000;
+
+/// The most key bytes (plus a fixed cost per entry) held for one source; entries past it are
+/// dropped and counted.
+pub const MAX_HELD_BYTES: usize = 4 << 20;
+
+/// What one held entry costs against [`MAX_HELD_BYTES`] besides its key.
+const ENTRY_COST: usize = 48;
+
+/// Replies use ratios at most this old (seconds).
+pub const SNAPSHOT_EVERY: f64 = 0.1;
+
+/// Up to this many keys, the snapshot is rebuilt after every change.
+const SMALL: usize = 1024;
+
+/// A held value stands for at most this many of its source's intervals without a new report.
+const HOLD_FOR: f64 = 2.0;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Rate {
+    offered: f64,
+    admitted: f64,
+    folded: u64,
+}
+
+/// One source's latest report, as rates.
+#[derive(Debug, Default)]
+pub struct Held {
+    id: u64,
+    rules: Vec<HeldRule>,
+    entries: usize,
+}
+
+#[derive(Debug)]
+struct HeldRule {
+    service: Arc<str>,
+    rule: Arc<str>,
+    keys: Vec<(Option<Arc<str>>, Rate)>,
+}
+
+#[derive(Debug)]
+struct RuleAcc {
+    limit: Limit,
+    /// Which source (by id) said what limit: the smallest of those holding values applies.
+    limits: HashMap<u64, Limit>,
+    keys: HashMap<Arc<str>, KeySum>,
+    /// The folded tail ("other").
+    other: Option<KeySum>,
+}
+
+impl RuleAcc {
+    fn key_mut(&mut self, key: Option<&str>) -> Option<&mut KeySum> {
+        match key {
+            Some(k) => self.keys.get_mut(k),
+            None => self.other.as_mut(),
+        }
+    }
+}
+
+/// One (service, rule, key): the sum of the values held for it and its smoothed history.
+#[derive(Debug)]
+struct KeySum {
+    offered: f64,
+    admitted: f64,
+    smooth_offered: f64,
+    smooth_admitted: f64,
+    /// When the smoothed values were last brought up to date.
+    at: f64,
+    contributors: u32,
+    /// When the last contributor left (the key is dropped once its history has faded).
+    idle_since: f64,
+    fresh: bool,
+    /// For the folded tail: how many sources folded how many keys (the most applies).
+    folded: BTreeMap<u64, u32>,
+}
+
+impl KeySum {
+    fn new(now: f64) -> Self {
+        KeySum {
+            offered: 0.0,
+            admitted: 0.0,
+            smooth_offered: 0.0,
+            smooth_admitted: 0.0,
+            at: now,
+            contributors: 0,
+            idle_since: now,
+            fresh: true,
+            folded: BTreeMap::new(),
+        }
+    }
+
+    /// The smoothed (offered, admitted) at `now`, without changing anything.
+    fn smoothed(&self, now: f64, tau: f64) -> (f64, f64) {
+        let a = 1.0 - (-(now - self.at).max(0.0) / tau).exp();
+        (
+            self.smooth_offered + a * (self.offered - self.smooth_offered),
+            self.smooth_admitted + a * (self.admitted - self.smooth_admitted),
+        )
+    }
+
+    /// Brings the smoothed values to `now`: the held sum has stood since `at`.
+    fn advance(&mut self, now: f64, tau: f64) {
+        if now > self.at {
+            self.fresh = false;
+            (self.smooth_offered, self.smooth_admitted) = self.smoothed(now, tau);
+            self.at = now;
+        }
+    }
+
+    fn add(&mut self, r: Rate) {
+        self.offered += r.offered;
+        self.admitted += r.admitted;
+        self.contributors += 1;
+        if r.folded > 0 {
+            *self.folded.entry(r.folded).or_default() += 1;
+        }
+        if self.fresh {
+            // A key seen for the first time starts from its first sum (every source that
+            // reported it at that instant), not from zero, which would under-drop while the
+            // average climbs.
+            self.smooth_offered = self.offered;
+            self.smooth_admitted = self.admitted;
+        }
+    }
+
+    fn remove(&mut self, r: Rate, now: f64) {
+        self.contributors = self.contributors.saturating_sub(1);
+        if self.contributors == 0 {
+            // Exactly zero: no residue of floating-point additions and subtractions.
+            self.offered = 0.0;
+            self.admitted = 0.0;
+            self.idle_since = now;
+        } else {
+            self.offered = (self.offered - r.offered).max(0.0);
+            self.admitted = (self.admitted - r.admitted).max(0.0);
+        }
+        if r.folded > 0 {
+            if let Some(n) = self.folded.get_mut(&r.folded) {
+                *n -= 1;
+                if *n == 0 {
+                    self.folded.remove(&r.folded);
+                }
+            }
+        }
+    }
+
+    /// The limit (per second) of this key under a rule of `limit`: the folded tail holds at
+    /// least as many keys as the most any source folded, each with its own limit.
+    fn limit<K>(&self, key: Option<K>, limit: f64) -> f64 {
+        match key {
+            None => limit * self.folded.keys().next_back().copied().unwrap_or(0).max(1) as f64,
+            Some(_) => limit,
+        }
+    }
+}
+
+/// A (service, rule, key) as seen over all live sources.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct KeyView {
+    pub service: String,
+    pub rule: String,
+    pub key: Option<String>,
+    pub limit_rps: f64,
+    pub offered_rps: f64,
+    pub admitted_rps: f64,
+    pub ratio: f64,
+    pub sources: usize,
+}
+
+/// The controller's sums: see the module's documentation.
+#[derive(Debug)]
+pub struct Accumulator {
+    sources: Sources<Held>,
+    rules: HashMap<Arc<str>, HashMap<Arc<str>, RuleAcc>>,
+    /// The smoothing time constant, seconds.
+    tau: f64,
+    max_tracked: usize,
+    /// Contributions held now, over all sources.
+    tracked: usize,
+    next_id: u64,
+    /// Times reporters disagreed on a rule's limit.
+    pub conflicts: u64,
+    /// Entries dropped because a bound was reached.
+    pub refused: u64,
+    last_sweep: f64,
+    snapshot: Snapshot,
+}
+
+#[derive(Debug, Default)]
+struct Snapshot {
+    built: Option<f64>,
+    dirty: bool,
+    /// Keys visited to build it.
+    keys: usize,
+    by_service: HashMap<Arc<str>, Vec<Ratio>>,
+}
+
+impl Accumulator {
+    /// An accumulator smoothing with time constant `tau` seconds.
+    pub fn new(tau: f64) -> Self {
+        Self::bounded(tau, MAX_TRACKED)
+    }
+
+    /// One holding at most `max_tracked` contributions.
+    pub fn bounded(tau: f64, max_tracked: usize) -> Self {
+        Accumulator {
+            sources: Sources::default(),
+            rules: HashMap::new(),
+            tau: tau.max(1e-3),
+            max_tracked,
+            tracked: 0,
+            next_id: 0,
+            conflicts: 0,
+            refused: 0,
+            last_sweep: f64::NEG_INFINITY,
+            snapshot: Snapshot::default(),
+        }
+    }
+
+    /// Reports refused by kind: (throttled, foreign, duplicate).
+    pub fn refusals(&self) -> (u64, u64, u64) {
+        (
+            self.sources.throttled,
+            self.sources.foreign,
+            self.sources.duplicates,
+        )
+    }
+
+    /// Takes a validated report at `now` (seconds on the caller's clock): its values replace
+    /// the source's previous ones.
+    pub fn record(&mut self, report: &Report, now: f64) -> Result<(), SourceRefusal> {
+        self.sweep(now);
+        let tau = self.tau;
+        let src = self.sources.admit(report, now)?;
+        let held = &mut src.data;
+        if held.id == 0 {
+            self.next_id += 1;
+            held.id = self.next_id;
+        }
+        let id = held.id;
+        let old = std::mem::take(&mut held.rules);
+        self.tracked -= held.entries;
+        held.entries = 0;
+        for hr in &old {
+            let Some(rule) = self
+                .rules
+                .get_mut(&*hr.service)
+                .and_then(|r| r.get_mut(&*hr.rule))
+            else {
+                continue;
+            };
+            for (k, r) in &hr.keys {
+                if let Some(ks) = rule.key_mut(k.as_deref()) {
+                    ks.advance(now, tau);
+                    ks.remove(*r, now);
+                }
+            }
+        }
+        let secs = report.interval_ms as f64 / 1000.0;
+        let mut bytes = 0usize;
+        let mut new: Vec<HeldRule> = Vec::new();
+        for e in &report.entries {
+            bytes += ENTRY_COST + e.key.as_ref().map_or(0, String::len);
+            if bytes > MAX_HELD_BYTES || self.tracked >= self.max_tracked {
+                self.refused += 1;
+                continue;
+            }
+            // Entries come grouped by rule: the names are looked up once per group.
+            let same = new
+                .last()
+                .is_some_and(|g| *g.service == *e.service && *g.rule == *e.rule);
+            if !same {
+                let service = intern(&mut self.rules, &e.service);
+                let rules = self.rules.get_mut(&*service).expect("interned");
+                let rule = match rules.get_key_value(e.rule.as_str()) {
+                    Some((r, _)) => r.clone(),
+                    None => {
+                        let r: Arc<str> = e.rule.as_str().into();
+                        rules.insert(
+                            r.clone(),
+                            RuleAcc {
+                                limit: e.limit,
+                                limits: HashMap::new(),
+                                keys: HashMap::new(),
+                                other: None,
+                            },
+                        );
+                        r
+                    }
+                };
+                new.push(HeldRule {
+                    service,
+                    rule,
+                    keys: Vec::new(),
+                });
+            }
+            let group = new.last_mut().expect("pushed above");
+            let rule = self
+                .rules
+                .get_mut(&*group.service)
+                .and_then(|r| r.get_mut(&*group.rule))
+                .expect("interned");
+            match rule.limits.insert(id, e.limit) {
+                Some(l) if l == e.limit => {}
+                _ => {
+                    if rule.limits.values().any(|l| *l != e.limit) {
+                        self.conflicts += 1;
+                    }
+                    rule.limit = smallest(rule.limits.values());
+                }
+            }
+            let (key, ks) = match &e.key {
+                Some(k) => {
+                    let arc = match rule.keys.get_key_value(k.as_str()) {
+                        Some((a, _)) => a.clone(),
+                        None => {
+                            let a: Arc<str> = k.as_str().into();
+                            rule.keys.insert(a.clone(), KeySum::new(now));
+                            a
+                        }
+                    };
+                    let ks = rule.keys.get_mut(&*arc).expect("inserted");
+                    (Some(arc), ks)
+                }
+                None => (None, rule.other.get_or_insert_with(|| KeySum::new(now))),
+            };
+            let rate = Rate {
+                offered: e.offered as f64 / secs,
+                admitted: e.admitted as f64 / secs,
+                folded: e.keys_folded,
+            };
+            ks.advance(now, tau);
+            ks.add(rate);
+            group.keys.push((key, rate));
+            self.tracked += 1;
+        }
+        let src = self
+            .sources
+            .get_mut(&report.source)
+            .expect("admitted above");
+        src.data.entries = new.iter().map(|g| g.keys.len()).sum();
+        // Rules this source no longer reports: its limit no longer counts there.
+        for hr in &old {
+            if !new
+                .iter()
+                .any(|g| g.service == hr.service && g.rule == hr.rule)
+            {
+                if let Some(rule) = self
+                    .rules
+                    .get_mut(&*hr.service)
+                    .and_then(|r| r.get_mut(&*hr.rule))
+                {
+                    if rule.limits.remove(&id).is_some() && !rule.limits.is_empty() {
+                        rule.limit = smallest(rule.limits.values());
+                    }
+                }
+            }
+        }
+        src.data.rules = new;
+        self.snapshot.dirty = true;
+        Ok(())
+    }
+
+    /// Takes held values past their time away, forgets silent sources and faded keys, and
+    /// rebuilds the ratio snapshot; at most every [`SNAPSHOT_EVERY`].
+    pub fn sweep(&mut self, now: f64) {
+        if now - self.last_sweep < SNAPSHOT_EVERY {
+            return;
+        }
+        self.last_sweep = now;
+        let tau = self.tau;
+        let mut stale: Vec<(u64, Vec<HeldRule>)> = Vec::new();
+        for (_, s) in self.sources.iter_mut() {
+            if now - s.last > HOLD_FOR * s.interval && !s.data.rules.is_empty() {
+                stale.push((s.data.id, std::mem::take(&mut s.data.rules)));
+                self.tracked -= s.data.entries;
+                s.data.entries = 0;
+            }
+        }
+        let mut gone = 0;
+        self.sources.expire(now, |_, s| {
+            gone += s.data.entries;
+            stale.push((s.data.id, s.data.rules));
+        });
+        self.tracked -= gone;
+        for (id, rules) in stale {
+            for hr in rules {
+                let Some(rule) = self
+                    .rules
+                    .get_mut(&*hr.service)
+                    .and_then(|r| r.get_mut(&*hr.rule))
+                else {
+                    continue;
+                };
+                for (k, r) in &hr.keys {
+                    if let Some(ks) = rule.key_mut(k.as_deref()) {
+                        ks.advance(now, tau);
+                        ks.remove(*r, now);
+                    }
+                }
+                if rule.limits.remove(&id).is_some() && !rule.limits.is_empty() {
+                    rule.limit = smallest(rule.limits.values());
+                }
+            }
+        }
+        // A key nobody holds values for is kept while its smoothed history still matters.
+        let faded = |k: &KeySum| k.contributors == 0 && now - k.idle_since > 3.0 * tau;
+        for rules in self.rules.values_mut() {
+            rules.retain(|_, rule| {
+                rule.keys.retain(|_, k| !faded(k));
+                if rule.other.as_ref().is_some_and(faded) {
+                    rule.other = None;
+                }
+                !rule.keys.is_empty() || rule.other.is_some()
+            });
+        }
+        self.rules.retain(|_, r| !r.is_empty());
+        self.rebuild_snapshot(now);
+    }
+
+    fn rebuild_snapshot(&mut self, now: f64) {
+        let mut by_service: HashMap<Arc<str>, Vec<Ratio>> = HashMap::new();
+        let mut keys = 0;
+        for (service, rules) in &self.rules {
+            for (rule_name, rule) in rules {
+                let limit = rule.limit.per_second();
+                let all = rule
+                    .keys
+                    .iter()
+                    .map(|(k, s)| (Some(k), s))
+                    .chain(rule.other.iter().map(|s| (None, s)));
+                for (key, k) in all {
+                    keys += 1;
+                    let ratio = drop_ratio(k.smoothed(now, self.tau).0, k.limit(key, limit));
+                    if ratio > 0.0 {
+                        by_service.entry(service.clone()).or_default().push(Ratio {
+                            service: service.to_string(),
+                            rule: rule_name.to_string(),
+                            key: key.map(|k| k.to_string()),
+                            ratio,
+                        });
+                    }
+                }
+            }
+        }
+        self.snapshot = Snapshot {
+            built: Some(now),
+            dirty: false,
+            keys,
+            by_service,
+        };
+    }
+
+    /// The non-zero ratios of `services` (all, with `None`), from a snapshot at most
+    /// [`SNAPSHOT_EVERY`] old (rebuilt now if there is none yet).
+    pub fn ratios(&mut self, services: Option<&[&str]>, now: f64) -> Vec<Ratio> {
+        // A small fleet's snapshot costs little: it is rebuilt whenever anything changed, so
+        // that a reply reflects the report it answers.
+        let small = self.snapshot.keys <= SMALL;
+        if self.snapshot.built.is_none() || (self.snapshot.dirty && small) {
+            self.last_sweep = f64::NEG_INFINITY;
+        }
+        self.sweep(now);
+        match services {
+            None => self
+                .snapshot
+                .by_service
+                .values()
+                .flatten()
+                .cloned()
+                .collect(),
+            Some(s) => s
+                .iter()
+                .filter_map(|s| self.snapshot.by_service.get(*s))
+                .flatten()
+                .cloned()
+                .collect(),
+        }
+    }
+
+    /// Every (service, rule, key) with its smoothed rates and drop ratio at `now`, optionally
+    /// only for `services`.
+    pub fn view(&self, services: Option<&[&str]>, now: f64) -> Vec<KeyView> {
+        let mut out = Vec::new();
+        for (service, rules) in &self.rules {
+            if services.is_some_and(|s| !s.contains(&&**service)) {
+                continue;
+            }
+            for (rule_name, rule) in rules {
+                let limit = rule.limit.per_second();
+                let keys = rule
+                    .keys
+                    .iter()
+                    .map(|(k, s)| (Some(k), s))
+                    .chain(rule.other.iter().map(|s| (None, s)));
+                for (key, k) in keys {
+                    let (offered, admitted) = k.smoothed(now, self.tau);
+                    let limit_here = k.limit(key, limit);
+                    out.push(KeyView {
+                        service: service.to_string(),
+                        rule: rule_name.to_string(),
+                        key: key.map(|k| k.to_string()),
+                        limit_rps: limit_here,
+                        offered_rps: offered,
+                        admitted_rps: admitted,
+                        ratio: drop_ratio(offered, limit_here),
+                        sources: k.contributors as usize,
+                    });
+                }
+            }
+        }
+        out
+    }
+
+    /// Every live source with the seconds since its last report; most recent first.
+    pub fn source_ages(&self, now: f64) -> Vec<(String, f64)> {
+        let mut out: Vec<(String, f64)> = self
+            .sources
+            .iter()
+            .map(|(n, s)| (n.to_string(), (now - s.last).max(0.0)))
+            .collect();
+        out.sort_by(|a, b| a.1.total_cmp(&b.1).then_with(|| a.0.cmp(&b.0)));
+        out
+    }
+
+    /// Distinct sources still reporting.
+    pub fn sources(&self) -> usize {
+        self.sources.len()
+    }
+
+    /// Contributions held now.
+    pub fn tracked(&self) -> usize {
+        self.tracked
+    }
+}
+
+/// An aggregator's sums since its last forward: see the module's documentation.
+#[derive(Debug)]
+pub struct ZoneSums {
+    hosts: Sources<()>,
+    rules: HashMap<(String, String), PendingRule>,
+    keys: usize,
+    max_keys: usize,
+    /// When the counts now pending began (seconds on the owner's clock).
+    since: f64,
+    pub conflicts: u64,
+    pub refused: u64,
+}
+
+#[derive(Debug)]
+struct PendingRule {
+    limit: Limit,
+    keys: HashMap<Option<String>, (u64, u64, u64)>,
+}
+
+impl ZoneSums {
+    /// Sums starting at `now`, holding at most `max_keys` pending keys.
+    pub fn new(now: f64, max_keys: usize) -> Self {
+        ZoneSums {
+            hosts: Sources::default(),
+            rules: HashMap::new(),
+            keys: 0,
+            max_keys,
+            since: now,
+            conflicts: 0,
+            refused: 0,
+        }
+    }
+
+    /// Reports refused by kind: (throttled, foreign, duplicate).
+    pub fn refusals(&self) -> (u64, u64, u64) {
+        (
+            self.hosts.throttled,
+            self.hosts.foreign,
+            self.hosts.duplicates,
+        )
+    }
+
+    /// Adds a validated host report's counts.
+    pub fn record(&mut self, report: &Report, now: f64) -> Result<(), SourceRefusal> {
+        self.hosts.admit(report, now)?;
+        for e in &report.entries {
+            let rule = self
+                .rules
+                .entry((e.service.clone(), e.rule.clone()))
+                .or_insert_with(|| PendingRule {
+                    limit: e.limit,
+                    keys: HashMap::new(),
+                });
+            if rule.limit != e.limit {
+                self.conflicts += 1;
+                if e.limit.per_second() < rule.limit.per_second() {
+                    rule.limit = e.limit;
+                }
+            }
+            if !rule.keys.contains_key(&e.key) {
+                if self.keys >= self.max_keys {
+                    self.refused += 1;
+                    continue;
+                }
+                self.keys += 1;
+            }
+            let k = rule.keys.entry(e.key.clone()).or_default();
+            k.0 += e.offered;
+            k.1 += e.admitted;
+            k.2 = k.2.max(e.keys_folded);
+        }
+        Ok(())
+    }
+
+    /// Hands over everything pending as entries, with the milliseconds they cover, and starts
+    /// anew at `now`; forgets hosts silent for three of their intervals.
+    pub fn take(&mut self, now: f64) -> (Vec<Entry>, u64) {
+        let interval_ms = (((now - self.since) * 1000.0).round() as u64).clamp(10, 600_000);
+        self.since = now;
+        self.keys = 0;
+        self.hosts.expire(now, |_, _| {});
+        let mut out = Vec::new();
+        for ((service, rule), p) in std::mem::take(&mut self.rules) {
+            for (key, (offered, admitted, folded)) in p.keys {
+                out.push(Entry {
+                    service: service.clone(),
+                    rule: rule.clone(),
+                    limit: p.limit,
+                    key,
+                    keys_folded: folded,
+                    offered,
+                    admitted: admitted.min(offered),
+                });
+            }
+        }
+        (out, interval_ms)
+    }
+
+    /// Hosts reporting now.
+    pub fn hosts(&self) -> usize {
+        self.hosts.len()
+    }
+}
+
+/// The shared name of `service`, added if new.
+fn intern(rules: &mut HashMap<Arc<str>, HashMap<Arc<str>, RuleAcc>>, service: &str) -> Arc<str> {
+    match rules.get_key_value(service) {
+        Some((s, _)) => s.clone(),
+        None => {
+            let s: Arc<str> = service.into();
+            rules.insert(s.clone(), HashMap::new());
+            s
+        }
+    }
+}
+
+fn smallest<'a>(limits: impl Iterator<Item = &'a Limit>) -> Limit {
+    limits
+        .copied()
+        .min_by(|a, b| a.per_second().total_cmp(&b.per_second()))
+        .expect("at least one limit")
+}
