@@ -87,7 +87,11 @@ impl State {
                     return server::source_refused(&refusal, &self.reports);
                 }
             }
-            acc.ratios(services.as_deref(), now)
+            match services {
+                // Zone sums get every ratio: one serialization per snapshot, not per reply.
+                None => return server::json_bytes(StatusCode::OK, acc.reply_all(now)),
+                Some(s) => acc.ratios(Some(&s), now),
+            }
         };
         server::json(
             StatusCode::OK,

@@ -103,6 +103,17 @@ pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<Body> {
     resp
 }
 
+/// A response of JSON already serialized.
+pub fn json_bytes(status: StatusCode, body: Bytes) -> Response<Body> {
+    let mut resp = Response::new(Full::new(body));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
 /// A JSON error: `{"error": "..."}`.
 pub fn error(status: StatusCode, message: &str) -> Response<Body> {
     json(status, &serde_json::json!({ "error": message }))

@@ -215,6 +215,8 @@ pub struct Accumulator {
 struct Snapshot {
     built: Option<f64>,
     dirty: bool,
+    /// The reply carrying every ratio, serialized once per snapshot (aggregators get it).
+    all: Option<bytes::Bytes>,
     /// Keys visited to build it.
     keys: usize,
     by_service: HashMap<Arc<str>, Vec<Ratio>>,
@@ -316,7 +318,7 @@ impl Accumulator {
                 new.push(HeldRule {
                     service,
                     rule,
-                    keys: Vec::new(),
+                    keys: Vec::with_capacity(report.entries.len()),
                 });
             }
             let group = new.last_mut().expect("pushed above");
@@ -358,6 +360,9 @@ impl Accumulator {
             ks.add(rate);
             group.keys.push((key, rate));
             self.tracked += 1;
+        }
+        for g in &mut new {
+            g.keys.shrink_to_fit();
         }
         let src = self
             .sources
@@ -471,21 +476,26 @@ impl Accumulator {
         self.snapshot = Snapshot {
             built: Some(now),
             dirty: false,
+            all: None,
             keys,
             by_service,
         };
     }
 
-    /// The non-zero ratios of `services` (all, with `None`), from a snapshot at most
-    /// [`SNAPSHOT_EVERY`] old (rebuilt now if there is none yet).
-    pub fn ratios(&mut self, services: Option<&[&str]>, now: f64) -> Vec<Ratio> {
-        // A small fleet's snapshot costs little: it is rebuilt whenever anything changed, so
-        // that a reply reflects the report it answers.
+    /// Rebuilds the snapshot when due. A small fleet's costs little: it is rebuilt whenever
+    /// anything changed, so that a reply reflects the report it answers.
+    fn refresh(&mut self, now: f64) {
         let small = self.snapshot.keys <= SMALL;
         if self.snapshot.built.is_none() || (self.snapshot.dirty && small) {
             self.last_sweep = f64::NEG_INFINITY;
         }
         self.sweep(now);
+    }
+
+    /// The non-zero ratios of `services` (all, with `None`), from a snapshot at most
+    /// [`SNAPSHOT_EVERY`] old (rebuilt now if there is none yet).
+    pub fn ratios(&mut self, services: Option<&[&str]>, now: f64) -> Vec<Ratio> {
+        self.refresh(now);
         match services {
             None => self
                 .snapshot
@@ -501,6 +511,30 @@ impl Accumulator {
                 .cloned()
                 .collect(),
         }
+    }
+
+    /// The JSON reply with every non-zero ratio (what an aggregator's zone sums are answered
+    /// with), serialized once per snapshot.
+    pub fn reply_all(&mut self, now: f64) -> bytes::Bytes {
+        self.refresh(now);
+        if let Some(b) = &self.snapshot.all {
+            return b.clone();
+        }
+        let ratios = self
+            .snapshot
+            .by_service
+            .values()
+            .flatten()
+            .cloned()
+            .collect();
+        let reply = super::Reply {
+            version: super::VERSION,
+            age_ms: 0,
+            ratios,
+        };
+        let bytes = bytes::Bytes::from(serde_json::to_vec(&reply).unwrap_or_default());
+        self.snapshot.all = Some(bytes.clone());
+        bytes
     }
 
     /// Every (service, rule, key) with its smoothed rates and drop ratio at `now`, optionally

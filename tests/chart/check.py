@@ -52,6 +52,12 @@ VALUE_SETS = {
         ]},
         "example": {"enabled": True},
     },
+    "per-service tokens and TLS": {
+        "controlPlane": {"enabled": True, "tokens": {"existingSecret": "spillway-tokens"},
+                         "tls": {"existingSecret": "spillway-tls"}},
+        "limits": {"rules": [{"name": "per-key", "key": ["header:x-api-key"], "limit": {"rate": "100/s"}, "scope": "global"}]},
+        "example": {"enabled": True},
+    },
     "monitoring on": {
         "controlPlane": {"enabled": True},
         "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},

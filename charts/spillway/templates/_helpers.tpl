@@ -30,6 +30,42 @@ app.kubernetes.io/component: {{ .component }}
 {{ .image.repository }}:{{ .image.tag }}
 {{- end -}}
 
+{{/* The control-plane server flags and mounts for tokens and TLS (controller and aggregators). */}}
+{{- define "spillway.serverSecurityArgs" -}}
+{{- if .Values.controlPlane.tokens.existingSecret }}
+- --tokens=/var/run/secrets/spillway
+{{- else }}
+- --token-file=/var/run/secrets/spillway/token
+{{- end }}
+{{- if .Values.controlPlane.tls.existingSecret }}
+- --tls-cert=/var/run/secrets/spillway-tls/tls.crt
+- --tls-key=/var/run/secrets/spillway-tls/tls.key
+{{- end }}
+{{- end -}}
+
+{{- define "spillway.serverSecurityMounts" -}}
+- { name: token, mountPath: /var/run/secrets/spillway, readOnly: true }
+{{- if .Values.controlPlane.tls.existingSecret }}
+- { name: tls, mountPath: /var/run/secrets/spillway-tls, readOnly: true }
+{{- end }}
+{{- end -}}
+
+{{- define "spillway.serverSecurityVolumes" -}}
+- name: token
+  secret:
+    secretName: {{ .Values.controlPlane.tokens.existingSecret | default (include "spillway.tokenSecret" .) }}
+{{- with .Values.controlPlane.tls.existingSecret }}
+- name: tls
+  secret:
+    secretName: {{ . }}
+{{- end }}
+{{- end -}}
+
+{{/* http or https, as the control plane speaks. */}}
+{{- define "spillway.controlScheme" -}}
+{{- if .controlPlane.tls.existingSecret }}https{{ else }}http{{ end -}}
+{{- end -}}
+
 {{- define "spillway.tokenSecret" -}}
 {{- .Values.controlPlane.token.existingSecret | default (printf "%s-token" (include "spillway.fullname" .)) -}}
 {{- end -}}
@@ -104,6 +140,9 @@ pod `spillway.dev/sidecar: "true"` for the PodMonitor.
     - { name: spillway-config, mountPath: /etc/spillway, readOnly: true }
     {{- if $v.controlPlane.enabled }}
     - { name: spillway-token, mountPath: /var/run/secrets/spillway, readOnly: true }
+    {{- if $v.controlPlane.tls.existingSecret }}
+    - { name: spillway-tls, mountPath: /var/run/secrets/spillway-tls, readOnly: true }
+    {{- end }}
     {{- end }}
 {{- end -}}
 
@@ -114,7 +153,21 @@ pod `spillway.dev/sidecar: "true"` for the PodMonitor.
 {{- if .values.controlPlane.enabled }}
 - name: spillway-token
   secret:
+    {{- if .values.controlPlane.tokens.existingSecret }}
+    # Only this service's token, as the file `token`.
+    secretName: {{ .values.controlPlane.tokens.existingSecret }}
+    items:
+      - { key: {{ .values.service | quote }}, path: token }
+    {{- else }}
     secretName: {{ .values.controlPlane.token.existingSecret | default (printf "%s-token" .release) }}
+    {{- end }}
+{{- with .values.controlPlane.tls.existingSecret }}
+- name: spillway-tls
+  secret:
+    secretName: {{ . }}
+    items:
+      - { key: ca.crt, path: ca.crt }
+{{- end }}
 {{- end }}
 {{- end -}}
 
