@@ -176,25 +176,32 @@ pub(crate) async fn offer(
         }
         let req = req.body(Empty::new()).expect("a valid request");
         let (client, tally) = (client.clone(), tally.clone());
-        tally.offered.fetch_add(1, Ordering::Relaxed);
-        inflight.spawn(async move {
-            let counter = match client.request(req).await {
-                Ok(resp) => {
-                    let status = resp.status();
-                    let _ = resp.into_body().collect().await;
-                    match status.as_u16() {
-                        200 => &tally.allowed,
-                        429 => &tally.rejected,
-                        _ => &tally.other,
-                    }
-                }
-                Err(_) => &tally.other,
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
-        });
+        inflight.spawn(async move { send_counted(&client, req, &tally).await });
         while inflight.try_join_next().is_some() {}
     }
     while inflight.join_next().await.is_some() {}
+}
+
+/// Sends `req` and counts it as offered, then by its answer.
+async fn send_counted(
+    client: &Client<HttpConnector, Empty<Bytes>>,
+    req: Request<Empty<Bytes>>,
+    tally: &Tally,
+) {
+    tally.offered.fetch_add(1, Ordering::Relaxed);
+    let counter = match client.request(req).await {
+        Ok(resp) => {
+            let status = resp.status();
+            let _ = resp.into_body().collect().await;
+            match status.as_u16() {
+                200 => &tally.allowed,
+                429 => &tally.rejected,
+                _ => &tally.other,
+            }
+        }
+        Err(_) => &tally.other,
+    };
+    counter.fetch_add(1, Ordering::Relaxed);
 }
 
 /// Closed-loop load: `conns` clients, each sending its next request as soon as it has the
@@ -218,20 +225,7 @@ pub(crate) async fn offer_closed(
                     req = req.header(*k, v.as_str());
                 }
                 let req = req.body(Empty::new()).expect("a valid request");
-                tally.offered.fetch_add(1, Ordering::Relaxed);
-                let counter = match client.request(req).await {
-                    Ok(resp) => {
-                        let status = resp.status();
-                        let _ = resp.into_body().collect().await;
-                        match status.as_u16() {
-                            200 => &tally.allowed,
-                            429 => &tally.rejected,
-                            _ => &tally.other,
-                        }
-                    }
-                    Err(_) => &tally.other,
-                };
-                counter.fetch_add(1, Ordering::Relaxed);
+                send_counted(&client, req, &tally).await;
             }
         });
     }

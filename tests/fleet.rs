@@ -614,6 +614,32 @@ async fn a_services_token_reports_and_reads_only_that_service() {
         Some(1.0)
     );
 
+    // Shop's token cannot take over books' host name: an empty report with a huge sequence
+    // number under it lands in shop's own name space, and books' host keeps reporting.
+    let hijack =
+        r#"{"version":1,"source":"b1","interval_ms":1000,"seq":18446744073709551615,"entries":[]}"#;
+    assert_eq!(
+        post_as(ctl.addr, Some("shop-t"), hijack.into()).await.0,
+        StatusCode::OK
+    );
+    let again =
+        one_key("b1", "books", "secret-books-key", 10).replace("\"zone\"", "\"seq\":5,\"zone\"");
+    let (status, body) = post_as(ctl.addr, Some("books-t"), again).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(
+        body.contains("secret-books-key"),
+        "books' host still counted: {body}"
+    );
+    let text = metrics().await;
+    assert_eq!(
+        metric(
+            &text,
+            "spillway_controller_reports_total{result=\"duplicate\"}"
+        ),
+        None,
+        "{text}"
+    );
+
     // State: nothing without a token, a service sees itself, aggregators and admin see all.
     assert_eq!(
         get(ctl.addr, "/v1/state", &[]).await.0,

@@ -358,6 +358,12 @@ pub async fn receive_report(
         let msg = format!("this token may not report for service {}", e.service);
         return refuse("forbidden", error(StatusCode::FORBIDDEN, &msg));
     }
+    // A service's token names sources in its own space: it cannot take over another service's
+    // host name (an empty report under it would erase that host's counts, a huge `seq` would
+    // make its next reports look already counted).
+    if let Some(service) = principal.service() {
+        report.source = format!("{service}/{}", report.source);
+    }
     Ok((report, principal))
 }
 

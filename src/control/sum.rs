@@ -266,22 +266,10 @@ impl Accumulator {
         }
         let id = held.id;
         let old = std::mem::take(&mut held.rules);
-        self.tracked -= held.entries;
+        self.tracked = self.tracked.saturating_sub(held.entries);
         held.entries = 0;
         for hr in &old {
-            let Some(rule) = self
-                .rules
-                .get_mut(&*hr.service)
-                .and_then(|r| r.get_mut(&*hr.rule))
-            else {
-                continue;
-            };
-            for (k, r) in &hr.keys {
-                if let Some(ks) = rule.key_mut(k.as_deref()) {
-                    ks.advance(now, tau);
-                    ks.remove(*r, now);
-                }
-            }
+            withdraw(&mut self.rules, hr, now, tau);
         }
         let secs = report.interval_ms as f64 / 1000.0;
         let mut bytes = 0usize;
@@ -403,7 +391,7 @@ impl Accumulator {
         for (_, s) in self.sources.iter_mut() {
             if now - s.last > HOLD_FOR * s.interval && !s.data.rules.is_empty() {
                 stale.push((s.data.id, std::mem::take(&mut s.data.rules)));
-                self.tracked -= s.data.entries;
+                self.tracked = self.tracked.saturating_sub(s.data.entries);
                 s.data.entries = 0;
             }
         }
@@ -412,22 +400,12 @@ impl Accumulator {
             gone += s.data.entries;
             stale.push((s.data.id, s.data.rules));
         });
-        self.tracked -= gone;
+        self.tracked = self.tracked.saturating_sub(gone);
         for (id, rules) in stale {
             for hr in rules {
-                let Some(rule) = self
-                    .rules
-                    .get_mut(&*hr.service)
-                    .and_then(|r| r.get_mut(&*hr.rule))
-                else {
+                let Some(rule) = withdraw(&mut self.rules, &hr, now, tau) else {
                     continue;
                 };
-                for (k, r) in &hr.keys {
-                    if let Some(ks) = rule.key_mut(k.as_deref()) {
-                        ks.advance(now, tau);
-                        ks.remove(*r, now);
-                    }
-                }
                 if rule.limits.remove(&id).is_some() && !rule.limits.is_empty() {
                     rule.limit = smallest(rule.limits.values());
                 }
@@ -695,6 +673,24 @@ impl ZoneSums {
     pub fn hosts(&self) -> usize {
         self.hosts.len()
     }
+}
+
+/// Takes one source's held values of a rule out of the sums (bringing each key's smoothed
+/// history up to `now` first); the rule, if it is still there.
+fn withdraw<'a>(
+    rules: &'a mut HashMap<Arc<str>, HashMap<Arc<str>, RuleAcc>>,
+    held: &HeldRule,
+    now: f64,
+    tau: f64,
+) -> Option<&'a mut RuleAcc> {
+    let rule = rules.get_mut(&*held.service)?.get_mut(&*held.rule)?;
+    for (k, r) in &held.keys {
+        if let Some(ks) = rule.key_mut(k.as_deref()) {
+            ks.advance(now, tau);
+            ks.remove(*r, now);
+        }
+    }
+    Some(rule)
 }
 
 /// The shared name of `service`, added if new.
