@@ -215,9 +215,25 @@ pub struct Metrics {
     pub adaptive_latency: prometheus::GaugeVec,
 }
 
+/// The label every data-plane series carries: the configured service. Not `service`, which a
+/// ServiceMonitor sets to the Kubernetes Service scraped.
+pub const SERVICE_LABEL: &str = "spillway_service";
+
 impl Metrics {
+    /// Metrics with no service label (the tower layer, tests).
     pub fn new() -> Self {
-        let registry = Registry::new();
+        Self::with_registry(Registry::new())
+    }
+
+    /// A proxy's metrics: every series labelled with `service`, so that fleets and tools such
+    /// as `spillway tune` can tell services that share rule names apart.
+    pub fn for_service(service: &str) -> Self {
+        let labels =
+            std::collections::HashMap::from([(SERVICE_LABEL.to_string(), service.to_string())]);
+        Self::with_registry(Registry::new_custom(None, Some(labels)).expect("a valid label"))
+    }
+
+    fn with_registry(registry: Registry) -> Self {
         let requests = IntCounterVec::new(
             Opts::new(
                 "spillway_requests_total",

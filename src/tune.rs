@@ -7,7 +7,9 @@
 //! shadow rules whose would-be rejections stayed under a threshold to `mode: enforce`.
 //!
 //! Demand is offered requests: allowed + rejected + shadow_rejected, so limiting does not hide
-//! it. History is per rule (metrics never carry keys), so proposals are made for rules with one
+//! it. Only the config's service is read (the `spillway_service` label; `--selector` narrows
+//! further). A local rule's peak is the busiest replica's, a global or redis rule's the fleet's.
+//! History is per rule (metrics never carry keys), so proposals are made for rules with one
 //! bucket (`key: []`); keyed rules are listed as skipped, with their rule-wide peak. The config
 //! is edited as text (comments and layout survive) and the result is validated before it is
 //! written. Must never: raise a limit without saying so, or propose from too little history.
@@ -19,18 +21,27 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::Uri;
-use http_body_util::{BodyExt, Empty, Limited};
-use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::TokioExecutor;
+use http_body_util::{BodyExt, Limited};
 
-use crate::config::{format_duration, Config, Limit, Mode};
+use crate::config::{format_duration, Config, Limit, Mode, Scope};
 
 /// What `tune` and `--promote` read and how they judge it (also the command line's flags).
 #[derive(Debug, Clone, clap::Args)]
 pub struct Options {
-    /// Prometheus's HTTP API, http://host:port.
+    /// Prometheus's HTTP API, http://host:port or https://host:port.
     #[arg(long, env = "SPILLWAY_PROMETHEUS")]
     pub prometheus: String,
+    /// With https://: a PEM file of the CA that signed Prometheus's certificate (default: the
+    /// system's trust store).
+    #[arg(long)]
+    pub ca_file: Option<std::path::PathBuf>,
+    /// A file holding a bearer token to send to Prometheus (or the proxy in front of it).
+    #[arg(long)]
+    pub bearer_token_file: Option<std::path::PathBuf>,
+    /// More label matchers for every series read, e.g. `namespace="shop",cluster="eu-1"` (the
+    /// config's service is always matched, by the `spillway_service` label).
+    #[arg(long)]
+    pub selector: Option<String>,
     #[arg(long, default_value = "28d", value_parser = crate::config::parse_duration)]
     pub lookback: Duration,
     /// Proposed limit = observed peak x (1 + margin).
@@ -88,6 +99,8 @@ pub struct Row {
     pub current: String,
     /// Offered requests per second at the chosen quantile; `None` when there was no data.
     pub peak: Option<f64>,
+    /// Whether the peak is the busiest replica's (a local rule) rather than the fleet's.
+    pub per_replica: bool,
     pub history: Duration,
     pub proposal: Proposal,
 }
@@ -115,29 +128,39 @@ pub struct Tuned {
 /// Reads the history of every rule of `path` and proposes limits.
 pub async fn tune(path: &Path, opts: &Options) -> Result<Tuned, String> {
     let (mut text, config) = load(path)?;
-    let prom = Prometheus::new(&opts.prometheus)?;
-    let offered = offered_rate(opts);
+    let prom = Prometheus::new(opts)?;
+    let sel = selector(&config, opts);
     let window = format!(
         "{}:{}",
         prom_duration(opts.lookback),
         prom_duration(opts.step)
     );
-    let stat = match opts.quantile {
+    let stat = |offered: String| match opts.quantile {
         Quantile::Max => format!("max_over_time(({offered})[{window}])"),
         Quantile::P99 => format!("quantile_over_time(0.99, ({offered})[{window}])"),
     };
-    let peaks = prom.by_rule(&stat).await?;
-    let history = history(&prom, opts).await?;
+    // A local rule limits each replica on its own: its peak is the busiest replica's. A global
+    // or redis rule limits the fleet: its peak is the sum.
+    let fleet_peaks = prom.by_rule(&stat(offered_rate(opts, &sel))).await?;
+    let replica_peaks = prom.by_rule(&stat(offered_per_replica(opts, &sel))).await?;
+    let history = history(&prom, opts, &sel).await?;
     let mut rows = Vec::new();
     for rule in &config.rules {
         let name = rule.name.0.clone();
         let had = history.get(&name).copied().unwrap_or_default();
+        let per_replica = rule.scope == Scope::Local;
+        let peaks = if per_replica {
+            &replica_peaks
+        } else {
+            &fleet_peaks
+        };
         let peak = peaks.get(&name).copied();
         let Limit::Rate { rate, .. } = &rule.limit else {
             rows.push(Row {
                 rule: name,
                 current: "concurrency".into(),
                 peak,
+                per_replica,
                 history: had,
                 proposal: Proposal::Skipped("not a rate limit".into()),
             });
@@ -178,6 +201,7 @@ pub async fn tune(path: &Path, opts: &Options) -> Result<Tuned, String> {
             rule: name,
             current,
             peak,
+            per_replica,
             history: had,
             proposal,
         });
@@ -200,19 +224,20 @@ pub struct PromoteRow {
 /// Switches shadow rules whose would-be rejection ratio stayed under the threshold to enforce.
 pub async fn promote(path: &Path, opts: &Options) -> Result<(Vec<PromoteRow>, String), String> {
     let (mut text, config) = load(path)?;
-    let prom = Prometheus::new(&opts.prometheus)?;
+    let prom = Prometheus::new(opts)?;
+    let sel = selector(&config, opts);
     let range = prom_duration(opts.lookback);
     let shadow = prom
         .by_rule(&format!(
-            "sum by (rule) (increase(spillway_requests_total{{decision=\"shadow_rejected\"}}[{range}]))"
+            "sum by (rule) (increase(spillway_requests_total{{decision=\"shadow_rejected\"{sel}}}[{range}]))"
         ))
         .await?;
     let offered = prom
         .by_rule(&format!(
-            "sum by (rule) (increase(spillway_requests_total{{decision=~\"allowed|shadow_rejected\"}}[{range}]))"
+            "sum by (rule) (increase(spillway_requests_total{{decision=~\"allowed|shadow_rejected\"{sel}}}[{range}]))"
         ))
         .await?;
-    let history = history(&prom, opts).await?;
+    let history = history(&prom, opts, &sel).await?;
     let mut rows = Vec::new();
     for rule in config.rules.iter().filter(|r| r.mode == Mode::Shadow) {
         let name = rule.name.0.clone();
@@ -287,7 +312,8 @@ pub fn render(rows: &[Row], opts: &Options) -> String {
     let _ = writeln!(out, "|---|---|---|---|---|---|");
     let mut raised = Vec::new();
     for r in rows {
-        let peak = r.peak.map_or("-".to_string(), |p| format!("{p:.1}/s"));
+        let per = if r.per_replica { " per replica" } else { "" };
+        let peak = r.peak.map_or("-".to_string(), |p| format!("{p:.1}/s{per}"));
         let (proposed, change) = match &r.proposal {
             Proposal::Set {
                 rate,
@@ -359,18 +385,50 @@ pub fn render_promote(rows: &[PromoteRow], opts: &Options) -> String {
     out
 }
 
-fn offered_rate(opts: &Options) -> String {
+/// The extra label matchers of every selector: `,spillway_service="<service>"` and the user's.
+fn selector(config: &Config, opts: &Options) -> String {
+    let mut sel = format!(
+        ",{}=\"{}\"",
+        crate::metrics::SERVICE_LABEL,
+        config.service.0
+    );
+    if let Some(extra) = opts
+        .selector
+        .as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    {
+        sel.push(',');
+        sel.push_str(extra.trim_matches(|c| c == '{' || c == '}'));
+    }
+    sel
+}
+
+/// The fleet's offered requests/s per rule.
+fn offered_rate(opts: &Options, sel: &str) -> String {
     format!(
-        "sum by (rule) (rate(spillway_requests_total{{decision=~\"allowed|rejected|shadow_rejected\"}}[{}]))",
+        "sum by (rule) (rate(spillway_requests_total{{decision=~\"allowed|rejected|shadow_rejected\"{sel}}}[{}]))",
+        prom_duration(opts.step)
+    )
+}
+
+/// The busiest replica's offered requests/s per rule (`instance` is one scraped proxy).
+fn offered_per_replica(opts: &Options, sel: &str) -> String {
+    format!(
+        "max by (rule) (sum by (rule, instance) (rate(spillway_requests_total{{decision=~\"allowed|rejected|shadow_rejected\"{sel}}}[{}])))",
         prom_duration(opts.step)
     )
 }
 
 /// How much history each rule has in the lookback: steps with data x step.
-async fn history(prom: &Prometheus, opts: &Options) -> Result<BTreeMap<String, Duration>, String> {
+async fn history(
+    prom: &Prometheus,
+    opts: &Options,
+    sel: &str,
+) -> Result<BTreeMap<String, Duration>, String> {
     let q = format!(
         "count_over_time(({})[{}:{}])",
-        offered_rate(opts),
+        offered_rate(opts, sel),
         prom_duration(opts.lookback),
         prom_duration(opts.step)
     );
@@ -483,26 +541,46 @@ pub fn edit_rule(
     Ok(out)
 }
 
-/// Prometheus's HTTP API, instant queries.
+/// Prometheus's HTTP API, instant queries, over HTTP or HTTPS, with a bearer token if given.
 struct Prometheus {
     base: String,
-    client: Client<HttpConnector, Empty<Bytes>>,
+    client: crate::control::reporter::JsonClient,
+    token: Option<Vec<u8>>,
 }
 
 impl Prometheus {
-    fn new(base: &str) -> Result<Self, String> {
-        let base = base.trim_end_matches('/').to_string();
+    fn new(opts: &Options) -> Result<Self, String> {
+        let base = opts.prometheus.trim_end_matches('/').to_string();
         let uri: Uri = base
             .parse()
             .map_err(|e| format!("--prometheus {base}: not a URL: {e}"))?;
-        if uri.scheme_str() != Some("http") || uri.authority().is_none() {
-            return Err(format!("--prometheus {base}: expected http://host:port"));
+        if !matches!(uri.scheme_str(), Some("http" | "https")) || uri.authority().is_none() {
+            return Err(format!(
+                "--prometheus {base}: expected http://host:port or https://host:port"
+            ));
         }
-        let mut connector = HttpConnector::new();
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        let tls = match uri.scheme_str() {
+            Some("https") => Some(
+                crate::control::tls::client_config(opts.ca_file.as_deref())
+                    .map_err(|e| format!("--ca-file: {e}"))?,
+            ),
+            _ if opts.ca_file.is_some() => {
+                return Err("--ca-file is for an https:// Prometheus".into())
+            }
+            _ => None,
+        };
+        let token = match &opts.bearer_token_file {
+            Some(p) => Some(
+                crate::control::server::read_token(p)
+                    .map_err(|e| format!("--bearer-token-file {}: {e}", p.display()))?,
+            ),
+            None => None,
+        };
+        let client = crate::control::reporter::json_client(tls).map_err(|e| e.to_string())?;
         Ok(Prometheus {
             base,
-            client: Client::builder(TokioExecutor::new()).build(connector),
+            client,
+            token,
         })
     }
 
@@ -512,10 +590,19 @@ impl Prometheus {
         let uri: Uri = format!("{}/api/v1/query?query={encoded}", self.base)
             .parse()
             .map_err(|e| format!("bad query URL: {e}"))?;
+        let mut req = http::Request::get(uri);
+        if let Some(t) = &self.token {
+            let mut value = b"Bearer ".to_vec();
+            value.extend_from_slice(t);
+            req = req.header(http::header::AUTHORIZATION, value);
+        }
+        let req = req
+            .body(http_body_util::Full::new(Bytes::new()))
+            .map_err(|e| format!("bad query: {e}"))?;
         let exchange = async {
             let resp = self
                 .client
-                .get(uri)
+                .request(req)
                 .await
                 .map_err(|e| format!("cannot reach Prometheus at {}: {e}", self.base))?;
             let status = resp.status();

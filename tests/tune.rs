@@ -23,6 +23,11 @@ struct Prometheus {
 impl Prometheus {
     /// Loads `openmetrics` into a fresh database, then serves it.
     fn start(name: &str, openmetrics: &str) -> Prometheus {
+        Self::start_with(name, openmetrics, None)
+    }
+
+    /// The same, serving HTTPS with the certificate in `tls` (from [`test_ca`]).
+    fn start_with(name: &str, openmetrics: &str, tls: Option<&Path>) -> Prometheus {
         let dir = std::env::temp_dir().join(format!("spillway-prom-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(dir.join("data")).unwrap();
@@ -48,7 +53,24 @@ impl Prometheus {
             .local_addr()
             .unwrap()
             .port();
-        let child = std::process::Command::new("prometheus")
+        let mut cmd = std::process::Command::new("prometheus");
+        if let Some(tls) = tls {
+            std::fs::write(
+                dir.join("web.yml"),
+                format!(
+                    "tls_server_config:\n  cert_file: {}\n  key_file: {}\n",
+                    tls.join("server.crt").display(),
+                    tls.join("server.key").display()
+                ),
+            )
+            .unwrap();
+            cmd.arg(format!(
+                "--web.config.file={}",
+                dir.join("web.yml").display()
+            ));
+        }
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let child = cmd
             .arg(format!(
                 "--config.file={}",
                 dir.join("prometheus.yml").display()
@@ -65,7 +87,7 @@ impl Prometheus {
             .expect("prometheus (scripts/test installs it)");
         let prom = Prometheus {
             child,
-            url: format!("http://127.0.0.1:{port}"),
+            url: format!("{scheme}://127.0.0.1:{port}"),
             dir,
         };
         prom.wait_ready();
@@ -76,7 +98,7 @@ impl Prometheus {
     fn wait_ready(&self) {
         for _ in 0..600 {
             let ok = std::process::Command::new("curl")
-                .args(["-sf", &format!("{}/-/ready", self.url)])
+                .args(["-sfk", &format!("{}/-/ready", self.url)])
                 .output()
                 .map(|o| o.status.success())
                 .unwrap_or(false)
@@ -165,9 +187,22 @@ fn steady(_: u64) -> [(&'static str, f64); 3] {
     ]
 }
 
-/// OpenMetrics text: `spillway_requests_total{rule,decision}` counters, one sample a minute,
-/// for `days` days per rule, ending now.
+/// OpenMetrics text: `spillway_requests_total{rule,decision}` counters of service shop's one
+/// replica, one sample a minute, for `days` days per rule, ending now.
 fn history(rules: &[(&str, u64, Shape)]) -> String {
+    let series: Vec<Series> = rules
+        .iter()
+        .map(|&(rule, days, shape)| ("shop", "pod-a", rule, days, shape))
+        .collect();
+    history_of(&series)
+}
+
+/// (service, instance, rule, days, shape).
+type Series<'a> = (&'a str, &'a str, &'a str, u64, Shape);
+
+/// OpenMetrics text: `spillway_requests_total{spillway_service,instance,rule,decision}`
+/// counters, one sample a minute, for `days` days per series, ending now.
+fn history_of(series: &[Series]) -> String {
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
@@ -176,7 +211,7 @@ fn history(rules: &[(&str, u64, Shape)]) -> String {
     let mut out = String::from(
         "# HELP spillway_requests Rule decisions.\n# TYPE spillway_requests counter\n",
     );
-    for (rule, days, shape) in rules {
+    for (service, instance, rule, days, shape) in series {
         let begin = now - days * DAY;
         for decision in ["allowed", "rejected", "shadow_rejected"] {
             let mut total = 0.0;
@@ -189,7 +224,7 @@ fn history(rules: &[(&str, u64, Shape)]) -> String {
                 total += rate * STEP as f64;
                 let _ = writeln!(
                     out,
-                    "spillway_requests_total{{rule=\"{rule}\",decision=\"{decision}\"}} {total} {t}"
+                    "spillway_requests_total{{spillway_service=\"{service}\",instance=\"{instance}\",rule=\"{rule}\",decision=\"{decision}\"}} {total} {t}"
                 );
                 t += STEP;
             }
@@ -279,7 +314,10 @@ fn tune_proposes_from_weeks_of_history_in_shadow_and_promote_enforces_what_is_sa
     ]);
     assert!(ok, "{err}\n{table}");
     let checkout = row(&table, "checkout");
-    assert!(checkout.contains("| 90/s | 80.0/s |"), "{checkout}");
+    assert!(
+        checkout.contains("| 90/s | 80.0/s per replica |"),
+        "{checkout}"
+    );
     assert!(
         checkout.contains("| 100/s | RAISE +11 % (shadow first) |"),
         "{checkout}"
@@ -389,5 +427,149 @@ fn tune_says_what_is_wrong_when_prometheus_is_not_there() {
         "ftp://x",
     ]);
     assert!(!ok);
-    assert!(err.contains("expected http://host:port"), "{err}");
+    assert!(
+        err.contains("expected http://host:port or https://host:port"),
+        "{err}"
+    );
+}
+
+/// 50/s steady.
+fn fifty(_: u64) -> [(&'static str, f64); 3] {
+    [
+        ("allowed", 50.0),
+        ("rejected", 0.0),
+        ("shadow_rejected", 0.0),
+    ]
+}
+
+/// 500/s steady: another service's rule of the same name.
+fn busy(_: u64) -> [(&'static str, f64); 3] {
+    [
+        ("allowed", 500.0),
+        ("rejected", 0.0),
+        ("shadow_rejected", 0.0),
+    ]
+}
+
+const FLEET_CONFIG: &str = "service: shop
+listen: 127.0.0.1:0
+upstream: http://127.0.0.1:1
+control_plane: { url: 'http://127.0.0.1:1' }
+rules:
+  - name: checkout
+    key: []
+    limit: { rate: 200/s }
+  - name: fleet-checkout
+    key: []
+    limit: { rate: 200/s }
+    scope: global
+";
+
+#[test]
+fn tune_proposes_per_replica_for_local_rules_per_fleet_for_global_ones_and_per_service() {
+    // Two replicas of shop (one peaking at 80/s ten minutes every other day), and books, whose
+    // rules share shop's names, ten times busier. Prometheus serves HTTPS.
+    let ca = test_ca("prometheus");
+    let prom = Prometheus::start_with(
+        "replicas",
+        &history_of(&[
+            ("shop", "pod-a", "checkout", 21, checkout),
+            ("shop", "pod-b", "checkout", 21, fifty),
+            ("books", "pod-c", "checkout", 21, busy),
+            ("shop", "pod-a", "fleet-checkout", 21, fifty),
+            ("shop", "pod-b", "fleet-checkout", 21, fifty),
+            ("books", "pod-c", "fleet-checkout", 21, busy),
+        ]),
+        Some(&ca),
+    );
+    let config = file(&prom.dir, "fleet.yaml", FLEET_CONFIG);
+    let ca_file = ca.join("ca.crt");
+    let (ok, table, err) = tune(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--prometheus",
+        &prom.url,
+        "--ca-file",
+        ca_file.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}\n{table}");
+    // Local: the busiest replica's 80/s + 25 %, not the fleet's 130/s nor books' 500/s.
+    let local = row(&table, "checkout");
+    assert!(local.contains("| 80.0/s per replica |"), "{local}");
+    assert!(local.contains("| 100/s | lower -50 %"), "{local}");
+    // Global: the fleet's 100/s + 25 %, without books.
+    let global = row(&table, "fleet-checkout");
+    assert!(global.contains("| 100.0/s |"), "{global}");
+    assert!(global.contains("| 125/s |"), "{global}");
+
+    // --selector narrows further: no instance matches, so there is no traffic.
+    let (ok, table, err) = tune(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--prometheus",
+        &prom.url,
+        "--ca-file",
+        ca_file.to_str().unwrap(),
+        "--selector",
+        "instance=\"pod-z\"",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        row(&table, "checkout").contains("skipped: only 0m of history"),
+        "{table}"
+    );
+
+    // Without the CA, the certificate is not trusted: said, not ignored.
+    let (ok, _, err) = tune(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--prometheus",
+        &prom.url,
+    ]);
+    assert!(!ok);
+    assert!(err.contains("cannot reach Prometheus"), "{err}");
+}
+
+#[test]
+fn tune_sends_the_bearer_token_to_prometheus_or_the_proxy_in_front_of_it() {
+    use std::io::{Read, Write};
+    // What stands in front of Prometheus here refuses everyone and keeps what it was sent.
+    let front = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = front.local_addr().unwrap();
+    let seen = std::thread::spawn(move || {
+        let (mut s, _) = front.accept().unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut head = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = s.read(&mut buf).unwrap();
+            if n == 0 {
+                break;
+            }
+            head.extend_from_slice(&buf[..n]);
+        }
+        let body = r#"{"status":"error","error":"bad token"}"#;
+        let _ = write!(
+            s,
+            "HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        );
+        String::from_utf8_lossy(&head).to_lowercase()
+    });
+    let dir = std::env::temp_dir().join(format!("spillway-tune-token-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = file(&dir, "spillway.yaml", CONFIG);
+    let token = file(&dir, "token", "s3cret\n");
+    let (ok, _, err) = tune(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--prometheus",
+        &format!("http://{addr}"),
+        "--bearer-token-file",
+        token.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    assert!(err.contains("401") && err.contains("bad token"), "{err}");
+    let head = seen.join().unwrap();
+    assert!(head.contains("authorization: bearer s3cret\r\n"), "{head}");
 }

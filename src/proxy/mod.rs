@@ -129,7 +129,7 @@ impl Sidecar {
         }
         let addr = listeners[0].local_addr()?;
         let admin_addr = admin_listener.local_addr()?;
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(Metrics::for_service(&config.service.0));
         // Ratios count as fresh from start-up, so a control plane that never answers makes
         // the proxy stale (fail open, or the fallback limits) after `stale_after`.
         let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(clock.now())));

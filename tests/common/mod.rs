@@ -230,9 +230,31 @@ pub async fn admin(sc: &Sidecar, path: &str) -> (StatusCode, String) {
 
 /// The value of one sample in the Prometheus text, e.g.
 /// `spillway_requests_total{decision="allowed",rule="r"}`.
+///
+/// The proxy's `spillway_service` label (on every series) is left out of the comparison.
 pub fn metric(text: &str, sample: &str) -> Option<f64> {
     text.lines()
+        .map(without_service_label)
         .find_map(|l| l.strip_prefix(sample)?.trim().parse().ok())
+}
+
+/// A sample line without its `spillway_service="..."` label.
+pub fn without_service_label(line: &str) -> String {
+    let Some(at) = line.find("spillway_service=\"") else {
+        return line.to_string();
+    };
+    let end = at
+        + line[at + 18..]
+            .find('"')
+            .map_or(line.len() - at, |e| e + 19);
+    let (mut head, mut tail) = (line[..at].to_string(), line[end..].to_string());
+    if head.ends_with(',') {
+        head.pop();
+    } else if tail.starts_with(',') {
+        tail.remove(0);
+    }
+    let joined = format!("{head}{tail}");
+    joined.replace("{}", "")
 }
 
 /// A channel-fed request body.
