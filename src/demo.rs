@@ -292,8 +292,9 @@ pub(crate) async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
 
 pub mod fleet;
 
-/// `spillway demo --fleet`: a controller, two zone aggregators, three proxies and an uneven
-/// load (6:2:1 across the proxies, 1x the limit then 3x), with a table once a second.
+/// `spillway demo --fleet`: a controller, three aggregators (two replicas for one zone), three
+/// proxies and an uneven load (6:2:1 across the proxies, 1x the limit then 3x), with a table
+/// once a second.
 pub async fn fleet() -> anyhow::Result<()> {
     fleet::run().await
 }

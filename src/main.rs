@@ -43,7 +43,7 @@ enum Command {
         #[arg(long, env = "SPILLWAY_SMOOTHING", default_value = "1s", value_parser = parse_duration)]
         smoothing: std::time::Duration,
     },
-    /// Run a zone aggregator: sums its proxies' reports and relays the controller's ratios.
+    /// Run a zone aggregator replica: forwards its proxies' counts once and relays the ratios.
     Aggregator {
         /// Where the zone's proxies report.
         #[arg(long, env = "SPILLWAY_LISTEN", default_value = "0.0.0.0:7001")]
@@ -92,7 +92,8 @@ enum Command {
         /// How long to offer load, in seconds.
         #[arg(long, default_value_t = 15)]
         seconds: u64,
-        /// A whole fleet instead: a controller, two zone aggregators, three proxies.
+        /// A whole fleet instead: a controller, two aggregator replicas for one zone and one
+        /// for another, three proxies.
         #[arg(long)]
         fleet: bool,
     },

@@ -571,7 +571,7 @@ impl Prometheus {
         };
         let token = match &opts.bearer_token_file {
             Some(p) => Some(
-                crate::control::server::read_token(p)
+                crate::control::auth::read_token(p)
                     .map_err(|e| format!("--bearer-token-file {}: {e}", p.display()))?,
             ),
             None => None,

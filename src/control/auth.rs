@@ -7,7 +7,7 @@
 //! starting with `.` (the Secret's `..data` links) are ignored. Files are re-read when they
 //! change; a bad set keeps the previous one. Tokens are compared in constant time, against
 //! every configured token. Must never: let a service's token report for, or read, another
-//! service, or log a token.
+//! service, or log a token. Also the one token a proxy presents ([`Token`]), re-read likewise.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -15,8 +15,6 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 use http::header::AUTHORIZATION;
 use subtle::ConstantTimeEq;
-
-use super::server::read_token;
 
 /// Who presented a token (or that none is needed).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -287,6 +285,68 @@ pub enum TokenSource {
     None,
     File(PathBuf),
     Dir(PathBuf),
+}
+
+/// A bearer token that its file can replace while running (a rotated Kubernetes Secret):
+/// readers take the current one per request, a watcher swaps it.
+#[derive(Debug, Clone, Default)]
+pub struct Token(Arc<arc_swap::ArcSwapOption<Vec<u8>>>);
+
+impl Token {
+    pub fn new(token: Option<Vec<u8>>) -> Self {
+        Token(Arc::new(arc_swap::ArcSwapOption::new(token.map(Arc::new))))
+    }
+
+    /// The token now, if one is configured.
+    pub fn get(&self) -> Option<Arc<Vec<u8>>> {
+        self.0.load_full()
+    }
+
+    /// Reads `path` now (an error stops start-up), then re-reads it whenever it changes or
+    /// the process gets SIGHUP, until `stop`; a bad or empty file keeps the old token.
+    /// Must be called within a tokio runtime.
+    pub fn from_file(
+        path: std::path::PathBuf,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> std::io::Result<Token> {
+        let token = Token::new(Some(read_token(&path)?));
+        let t = token.clone();
+        let watching = crate::watch::spawn(&path.clone(), stop, move |_| {
+            let (t, path) = (t.clone(), path.clone());
+            async move {
+                match read_token(&path) {
+                    Ok(new) if t.get().as_deref() != Some(&new) => {
+                        t.0.store(Some(Arc::new(new)));
+                        tracing::info!(file = %path.display(), "bearer token reloaded");
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::error!(
+                        file = %path.display(),
+                        "cannot reload the bearer token, the previous one stays: {e}"
+                    ),
+                }
+            }
+        });
+        // Without a watch (no inotify watches left, say) the token still works; it just does
+        // not rotate until a restart.
+        if let Err(e) = watching {
+            tracing::warn!("the bearer token will not reload: cannot watch its file: {e}");
+        }
+        Ok(token)
+    }
+}
+
+/// Reads a token file: its content without surrounding white space.
+pub fn read_token(path: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    let text = std::fs::read(path)?;
+    let trimmed = text.trim_ascii();
+    if trimmed.is_empty() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{}: the token file is empty", path.display()),
+        ));
+    }
+    Ok(trimmed.to_vec())
 }
 
 #[cfg(test)]

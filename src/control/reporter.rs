@@ -132,7 +132,7 @@ pub struct Reporter {
     pub client: JsonClient,
     /// `<control plane>/v1/report`.
     pub url: Uri,
-    pub token: crate::control::server::Token,
+    pub token: crate::control::auth::Token,
     pub service: String,
     pub source: String,
     pub zone: String,

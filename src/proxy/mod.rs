@@ -278,14 +278,12 @@ fn reporter(
     stop: watch::Receiver<bool>,
 ) -> std::io::Result<Reporter> {
     let token = match &cp.token_file {
-        Some(path) => {
-            crate::control::server::Token::from_file(path.clone(), stop).map_err(|e| {
-                std::io::Error::new(
-                    e.kind(),
-                    format!("control_plane.token_file {}: {e}", path.display()),
-                )
-            })?
-        }
+        Some(path) => crate::control::auth::Token::from_file(path.clone(), stop).map_err(|e| {
+            std::io::Error::new(
+                e.kind(),
+                format!("control_plane.token_file {}: {e}", path.display()),
+            )
+        })?,
         None => Default::default(),
     };
     let (url, tls) = crate::control::reporter::report_url(&cp.url.0, cp.ca_file.as_deref())
