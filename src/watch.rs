@@ -43,7 +43,15 @@ where
     };
     let (tx, mut rx) = mpsc::channel::<()>(1);
     let mut watcher = notify::recommended_watcher(move |event: notify::Result<notify::Event>| {
-        if event.is_ok() {
+        // Reading a file is an event too (inotify's open and close-without-write): a reload
+        // that reads the files it watches would otherwise wake itself for ever.
+        let changed = event.is_ok_and(|e| {
+            !matches!(
+                e.kind,
+                notify::EventKind::Access(_) | notify::EventKind::Other
+            )
+        });
+        if changed {
             // Full means a change is already pending: nothing is lost by dropping this one.
             let _ = tx.try_send(());
         }
@@ -74,4 +82,41 @@ where
 pub fn version_of(text: &str) -> String {
     let digest = sha1_smol::Sha1::from(text).digest().to_string();
     digest[..16].to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    #[tokio::test]
+    async fn a_callback_that_reads_the_file_does_not_wake_itself() {
+        let dir = std::env::temp_dir().join(format!("spillway-watch-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        std::fs::write(&file, "one").unwrap();
+        let (stop_tx, stop) = watch::channel(false);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let (seen_tx, mut seen) = mpsc::channel::<()>(16);
+        let (c, f) = (calls.clone(), file.clone());
+        spawn(&file, stop, move |_| {
+            let (c, f, seen_tx) = (c.clone(), f.clone(), seen_tx.clone());
+            async move {
+                // What every reload does: read the file it watches.
+                let _ = std::fs::read(&f);
+                c.fetch_add(1, Ordering::SeqCst);
+                let _ = seen_tx.try_send(());
+            }
+        })
+        .unwrap();
+        std::fs::write(&file, "two").unwrap();
+        tokio::time::timeout(Duration::from_secs(10), seen.recv())
+            .await
+            .expect("the change was seen");
+        // Nothing signals "no more calls": give a loop ten debounce periods to show itself.
+        tokio::time::sleep(DEBOUNCE * 10).await;
+        assert_eq!(calls.load(Ordering::SeqCst), 1, "the callback woke itself");
+        let _ = stop_tx.send(true);
+    }
 }

@@ -101,7 +101,8 @@ impl State {
                 "an aggregator takes host reports; zone sums go to the controller",
             );
         }
-        let recorded = self.sums.lock().record(&report, self.sums.now());
+        let owner = principal.owner(&report.source);
+        let recorded = self.sums.lock().record(&report, owner, self.sums.now());
         match recorded {
             Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
             Err(SourceRefusal::Duplicate(_)) => {

@@ -57,6 +57,21 @@ impl Principal {
         }
     }
 
+    /// Whose budget (new sources, values held) a report from it counts against: its service,
+    /// or, for zone sums and the shared or no token, a name of its own (`_`: no service's).
+    pub fn owner<'a>(&'a self, source: &str) -> &'a str {
+        if source.starts_with("zone:") {
+            return "_zones";
+        }
+        match self {
+            Principal::Service(s) => s,
+            Principal::Open => "_open",
+            Principal::Shared => "_shared",
+            Principal::Aggregator => "_aggregators",
+            Principal::Admin => "_admin",
+        }
+    }
+
     /// Its name in metrics and logs (never the token).
     pub fn kind(&self) -> &'static str {
         match self {
@@ -70,7 +85,7 @@ impl Principal {
 }
 
 /// The tokens in force now.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq)]
 pub struct TokenSet {
     shared: Option<Vec<u8>>,
     services: Vec<(Arc<str>, Vec<u8>)>,
@@ -259,6 +274,7 @@ impl Credentials {
                 let (c, read) = (c.clone(), read.clone());
                 async move {
                     match read() {
+                        Ok(set) if set == **c.0.load() => {}
                         Ok(set) => {
                             c.0.store(Arc::new(set));
                             tracing::info!("bearer tokens reloaded");

@@ -76,7 +76,7 @@ impl State {
         let now = self.acc.now();
         let ratios = {
             let mut acc = self.acc.lock();
-            match acc.record(&report, now) {
+            match acc.record(&report, principal.owner(&report.source), now) {
                 Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
                 // Counted already: the sender (a retry, or a replay) gets the usual reply.
                 Err(SourceRefusal::Duplicate(_)) => {

@@ -45,6 +45,8 @@ pub const MAX_ZONE: usize = 64;
 /// Longest key as sent (proxies send their canonical keys, at most 71 bytes); an entry past it
 /// is dropped.
 pub const MAX_KEY: usize = 1024;
+/// Services one host's report may name (a sidecar reports for one).
+pub const MAX_HOST_SERVICES: usize = 16;
 /// Entries taken from one report; the rest are dropped and counted.
 pub const MAX_ENTRIES: usize = 200_000;
 
@@ -125,8 +127,10 @@ pub struct Ratio {
 pub enum ReportError {
     #[error("unsupported version {0}; this build speaks {VERSION}")]
     Version(u32),
-    #[error("interval_ms must be between 10 and 600000")]
+    #[error("interval_ms must be between 100 and 600000")]
     Interval,
+    #[error("a host reports for at most {MAX_HOST_SERVICES} services")]
+    Services,
     #[error("source must be 1 to {MAX_SOURCE} bytes and zone at most {MAX_ZONE}")]
     Name,
     #[error("entry {0}: {1}")]
@@ -139,8 +143,16 @@ impl Report {
         if self.version != VERSION {
             return Err(ReportError::Version(self.version));
         }
-        if !(10..=600_000).contains(&self.interval_ms) {
+        if !(100..=600_000).contains(&self.interval_ms) {
             return Err(ReportError::Interval);
+        }
+        if !self.source.starts_with("zone:") {
+            let mut services: Vec<&str> = self.entries.iter().map(|e| e.service.as_str()).collect();
+            services.sort_unstable();
+            services.dedup();
+            if services.len() > MAX_HOST_SERVICES {
+                return Err(ReportError::Services);
+            }
         }
         if self.source.is_empty() || self.source.len() > MAX_SOURCE || self.zone.len() > MAX_ZONE {
             return Err(ReportError::Name);

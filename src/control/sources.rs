@@ -1,15 +1,21 @@
 //! Who may report now, for the aggregator and the controller alike.
 //!
 //! Owns one small record per live source (a proxy, or one aggregator replica): when it last
-//! reported, its interval, its sequence number and the services it reports for. From those it
-//! refuses a flood of new sources ([`NEW_SOURCES_PER_SEC`]), a host reporting for a service
-//! other than the one its first report named, and a report it has already counted (a retry or
-//! a replay: same or older `seq`). Must never: hold more than one record per source, keep one
-//! past three of its intervals, or count a report twice.
+//! reported, its interval, its sequence number, the services it reports for and its owner (the
+//! service whose token sent it, or the aggregators, or the shared token). From those it refuses
+//! a flood of new sources ([`NEW_SOURCES_PER_SEC`] and [`MAX_SOURCES_PER_OWNER`], per owner, so
+//! that one service's token cannot crowd out another's hosts), a host reporting for a service
+//! other than those its first report named, and a report it has already counted (a retry or a
+//! replay to the same replica: same or older `seq`). Must never: hold more than one record per
+//! source, keep one past three of its intervals, drop a returning source's data unseen (its
+//! owner must take its values out first), or count a report twice.
 
 use std::collections::HashMap;
 
 use super::{Report, NEW_SOURCES_PER_SEC};
+
+/// Live sources one owner may have; past it, its new sources are refused like a flood.
+pub const MAX_SOURCES_PER_OWNER: usize = 50_000;
 
 /// Why a report's source was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -32,6 +38,7 @@ pub struct Source<T> {
     pub interval: f64,
     seq: u64,
     services: Vec<Box<str>>,
+    owner: Box<str>,
     /// What the owner keeps per source.
     pub data: T,
 }
@@ -40,8 +47,11 @@ pub struct Source<T> {
 #[derive(Debug)]
 pub struct Sources<T> {
     index: HashMap<Box<str>, Source<T>>,
-    /// The second new sources are being counted in, and how many came in it.
-    new_sources: (u64, u32),
+    /// The second new sources are being counted in, and how many each owner brought in it.
+    second: u64,
+    new_sources: HashMap<Box<str>, u32>,
+    /// Live sources per owner.
+    live: HashMap<Box<str>, usize>,
     pub throttled: u64,
     pub foreign: u64,
     pub duplicates: u64,
@@ -51,7 +61,9 @@ impl<T> Default for Sources<T> {
     fn default() -> Self {
         Sources {
             index: HashMap::new(),
-            new_sources: (0, 0),
+            second: 0,
+            new_sources: HashMap::new(),
+            live: HashMap::new(),
             throttled: 0,
             foreign: 0,
             duplicates: 0,
@@ -62,38 +74,61 @@ impl<T> Default for Sources<T> {
 /// A source is forgotten after this many of its intervals without a report.
 const FORGET_AFTER: f64 = 3.0;
 
+impl<T> Source<T> {
+    /// Whose budget it counts against.
+    pub fn owner(&self) -> &str {
+        &self.owner
+    }
+}
+
 impl<T: Default> Sources<T> {
-    /// Takes `report` from its source at `now` (seconds) if it may report: the source's data to
-    /// update, or why not. A host (any source not named `zone:...`) is pinned to the services
-    /// of its first non-empty report.
-    pub fn admit(&mut self, report: &Report, now: f64) -> Result<&mut Source<T>, SourceRefusal> {
+    /// Takes `report` from `owner`'s source at `now` (seconds) if it may report: the source's
+    /// data to update, or why not. A host (any source not named `zone:...`) is pinned to the
+    /// services of its first non-empty report. A source that went silent and comes back keeps
+    /// its data (the caller's to replace) but starts over otherwise.
+    pub fn admit(
+        &mut self,
+        report: &Report,
+        owner: &str,
+        now: f64,
+    ) -> Result<&mut Source<T>, SourceRefusal> {
         let interval = report.interval_ms as f64 / 1000.0;
         let pinned = !report.source.starts_with("zone:");
-        let live = self
-            .index
-            .get(report.source.as_str())
-            .is_some_and(|s| now - s.last <= FORGET_AFTER * s.interval);
+        let known = self.index.get(report.source.as_str());
+        let live = known.is_some_and(|s| now - s.last <= FORGET_AFTER * s.interval);
         if !live {
             let second = now as u64;
-            if self.new_sources.0 != second {
-                self.new_sources = (second, 0);
+            if self.second != second {
+                self.second = second;
+                self.new_sources.clear();
             }
-            if self.new_sources.1 >= NEW_SOURCES_PER_SEC {
+            let fresh = self.new_sources.get(owner).copied().unwrap_or(0);
+            let holds = self.live.get(owner).copied().unwrap_or(0);
+            if fresh >= NEW_SOURCES_PER_SEC || (known.is_none() && holds >= MAX_SOURCES_PER_OWNER) {
                 self.throttled += 1;
                 return Err(SourceRefusal::Flood);
             }
-            self.new_sources.1 += 1;
-            // A source that went silent and came back starts over.
-            self.index.insert(
-                report.source.as_str().into(),
-                Source {
-                    last: now,
-                    interval,
-                    seq: 0,
-                    services: Vec::new(),
-                    data: T::default(),
-                },
-            );
+            *self.new_sources.entry(owner.into()).or_default() += 1;
+            match self.index.get_mut(report.source.as_str()) {
+                Some(s) => {
+                    s.seq = 0;
+                    s.services.clear();
+                }
+                None => {
+                    *self.live.entry(owner.into()).or_default() += 1;
+                    self.index.insert(
+                        report.source.as_str().into(),
+                        Source {
+                            last: now,
+                            interval,
+                            seq: 0,
+                            services: Vec::new(),
+                            owner: owner.into(),
+                            data: T::default(),
+                        },
+                    );
+                }
+            }
         }
         let s = self
             .index
@@ -143,6 +178,12 @@ impl<T: Default> Sources<T> {
             .collect();
         for name in dead {
             if let Some(s) = self.index.remove(&name) {
+                if let Some(n) = self.live.get_mut(&s.owner) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.live.remove(&s.owner);
+                    }
+                }
                 gone(&name, s);
             }
         }

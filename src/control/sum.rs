@@ -200,8 +200,9 @@ pub struct Accumulator {
     /// The smoothing time constant, seconds.
     tau: f64,
     max_tracked: usize,
-    /// Contributions held now, over all sources.
+    /// Contributions held now, over all sources and per owner (at most half the bound each).
     tracked: usize,
+    tracked_by: HashMap<Box<str>, usize>,
     next_id: u64,
     /// Times reporters disagreed on a rule's limit.
     pub conflicts: u64,
@@ -236,6 +237,7 @@ impl Accumulator {
             tau: tau.max(1e-3),
             max_tracked,
             tracked: 0,
+            tracked_by: HashMap::new(),
             next_id: 0,
             conflicts: 0,
             refused: 0,
@@ -255,10 +257,11 @@ impl Accumulator {
 
     /// Takes a validated report at `now` (seconds on the caller's clock): its values replace
     /// the source's previous ones.
-    pub fn record(&mut self, report: &Report, now: f64) -> Result<(), SourceRefusal> {
+    /// `owner` is whose budget the source counts against (see [`Sources::admit`]).
+    pub fn record(&mut self, report: &Report, owner: &str, now: f64) -> Result<(), SourceRefusal> {
         self.sweep(now);
         let tau = self.tau;
-        let src = self.sources.admit(report, now)?;
+        let src = self.sources.admit(report, owner, now)?;
         let held = &mut src.data;
         if held.id == 0 {
             self.next_id += 1;
@@ -267,6 +270,8 @@ impl Accumulator {
         let id = held.id;
         let old = std::mem::take(&mut held.rules);
         self.tracked = self.tracked.saturating_sub(held.entries);
+        let owned = self.tracked_by.entry(owner.into()).or_default();
+        *owned = owned.saturating_sub(held.entries);
         held.entries = 0;
         for hr in &old {
             withdraw(&mut self.rules, hr, now, tau);
@@ -274,9 +279,14 @@ impl Accumulator {
         let secs = report.interval_ms as f64 / 1000.0;
         let mut bytes = 0usize;
         let mut new: Vec<HeldRule> = Vec::new();
+        let mut limits_set: HashMap<(Arc<str>, Arc<str>), Limit> = HashMap::new();
         for e in &report.entries {
             bytes += ENTRY_COST + e.key.as_ref().map_or(0, String::len);
-            if bytes > MAX_HELD_BYTES || self.tracked >= self.max_tracked {
+            let owned = self.tracked_by.get(owner).copied().unwrap_or(0);
+            if bytes > MAX_HELD_BYTES
+                || self.tracked >= self.max_tracked
+                || owned >= self.max_tracked / 2
+            {
                 self.refused += 1;
                 continue;
             }
@@ -315,13 +325,23 @@ impl Accumulator {
                 .get_mut(&*group.service)
                 .and_then(|r| r.get_mut(&*group.rule))
                 .expect("interned");
-            match rule.limits.insert(id, e.limit) {
-                Some(l) if l == e.limit => {}
-                _ => {
-                    if rule.limits.values().any(|l| *l != e.limit) {
-                        self.conflicts += 1;
+            // A source states one limit per rule and report: the first; another in the same
+            // report is a conflict, counted, and costs no walk over the rule's sources.
+            let named = (group.service.clone(), group.rule.clone());
+            match limits_set.get(&named) {
+                Some(l) if *l == e.limit => {}
+                Some(_) => self.conflicts += 1,
+                None => {
+                    limits_set.insert(named, e.limit);
+                    match rule.limits.insert(id, e.limit) {
+                        Some(l) if l == e.limit => {}
+                        _ => {
+                            if rule.limits.values().any(|l| *l != e.limit) {
+                                self.conflicts += 1;
+                            }
+                            rule.limit = smallest(rule.limits.values());
+                        }
                     }
-                    rule.limit = smallest(rule.limits.values());
                 }
             }
             let (key, ks) = match &e.key {
@@ -348,6 +368,7 @@ impl Accumulator {
             ks.add(rate);
             group.keys.push((key, rate));
             self.tracked += 1;
+            *self.tracked_by.entry(owner.into()).or_default() += 1;
         }
         for g in &mut new {
             g.keys.shrink_to_fit();
@@ -359,10 +380,7 @@ impl Accumulator {
         src.data.entries = new.iter().map(|g| g.keys.len()).sum();
         // Rules this source no longer reports: its limit no longer counts there.
         for hr in &old {
-            if !new
-                .iter()
-                .any(|g| g.service == hr.service && g.rule == hr.rule)
-            {
+            if !limits_set.contains_key(&(hr.service.clone(), hr.rule.clone())) {
                 if let Some(rule) = self
                     .rules
                     .get_mut(&*hr.service)
@@ -388,19 +406,27 @@ impl Accumulator {
         self.last_sweep = now;
         let tau = self.tau;
         let mut stale: Vec<(u64, Vec<HeldRule>)> = Vec::new();
+        let mut lapsed: Vec<(Box<str>, usize)> = Vec::new();
         for (_, s) in self.sources.iter_mut() {
             if now - s.last > HOLD_FOR * s.interval && !s.data.rules.is_empty() {
                 stale.push((s.data.id, std::mem::take(&mut s.data.rules)));
-                self.tracked = self.tracked.saturating_sub(s.data.entries);
+                lapsed.push((s.owner().into(), s.data.entries));
                 s.data.entries = 0;
             }
         }
-        let mut gone = 0;
         self.sources.expire(now, |_, s| {
-            gone += s.data.entries;
+            lapsed.push((s.owner().into(), s.data.entries));
             stale.push((s.data.id, s.data.rules));
         });
-        self.tracked = self.tracked.saturating_sub(gone);
+        for (owner, n) in lapsed {
+            self.tracked = self.tracked.saturating_sub(n);
+            if let Some(t) = self.tracked_by.get_mut(&owner) {
+                *t = t.saturating_sub(n);
+                if *t == 0 {
+                    self.tracked_by.remove(&owner);
+                }
+            }
+        }
         for (id, rules) in stale {
             for hr in rules {
                 let Some(rule) = withdraw(&mut self.rules, &hr, now, tau) else {
@@ -577,6 +603,7 @@ pub struct ZoneSums {
     hosts: Sources<()>,
     rules: HashMap<(String, String), PendingRule>,
     keys: usize,
+    keys_by: HashMap<Box<str>, usize>,
     max_keys: usize,
     /// When the counts now pending began (seconds on the owner's clock).
     since: f64,
@@ -597,6 +624,7 @@ impl ZoneSums {
             hosts: Sources::default(),
             rules: HashMap::new(),
             keys: 0,
+            keys_by: HashMap::new(),
             max_keys,
             since: now,
             conflicts: 0,
@@ -613,9 +641,9 @@ impl ZoneSums {
         )
     }
 
-    /// Adds a validated host report's counts.
-    pub fn record(&mut self, report: &Report, now: f64) -> Result<(), SourceRefusal> {
-        self.hosts.admit(report, now)?;
+    /// Adds a validated host report's counts; `owner` as in [`Sources::admit`].
+    pub fn record(&mut self, report: &Report, owner: &str, now: f64) -> Result<(), SourceRefusal> {
+        self.hosts.admit(report, owner, now)?;
         for e in &report.entries {
             let rule = self
                 .rules
@@ -631,11 +659,15 @@ impl ZoneSums {
                 }
             }
             if !rule.keys.contains_key(&e.key) {
-                if self.keys >= self.max_keys {
+                // One service's hosts may hold at most half the room: another service's keys
+                // always find some.
+                let owned = self.keys_by.get(owner).copied().unwrap_or(0);
+                if self.keys >= self.max_keys || owned >= self.max_keys / 2 {
                     self.refused += 1;
                     continue;
                 }
                 self.keys += 1;
+                *self.keys_by.entry(owner.into()).or_default() += 1;
             }
             let k = rule.keys.entry(e.key.clone()).or_default();
             k.0 += e.offered;
@@ -648,9 +680,10 @@ impl ZoneSums {
     /// Hands over everything pending as entries, with the milliseconds they cover, and starts
     /// anew at `now`; forgets hosts silent for three of their intervals.
     pub fn take(&mut self, now: f64) -> (Vec<Entry>, u64) {
-        let interval_ms = (((now - self.since) * 1000.0).round() as u64).clamp(10, 600_000);
+        let interval_ms = (((now - self.since) * 1000.0).round() as u64).clamp(100, 600_000);
         self.since = now;
         self.keys = 0;
+        self.keys_by.clear();
         self.hosts.expire(now, |_, _| {});
         let mut out = Vec::new();
         for ((service, rule), p) in std::mem::take(&mut self.rules) {

@@ -43,12 +43,12 @@ fn a_fleet_at_one_and_a_half_times_its_limit_drops_one_third() {
 #[test]
 fn rates_from_several_sources_sum_per_key() {
     let mut acc = Accumulator::new(1.0);
-    acc.record(&report("a", vec![entry(Some("k"), 90, 90)]), 0.0)
+    acc.record(&report("a", vec![entry(Some("k"), 90, 90)]), "t", 0.0)
         .unwrap();
-    acc.record(&report("b", vec![entry(Some("k"), 30, 30)]), 0.0)
+    acc.record(&report("b", vec![entry(Some("k"), 30, 30)]), "t", 0.0)
         .unwrap();
     let both = vec![entry(Some("k"), 30, 30), entry(Some("j"), 10, 10)];
-    acc.record(&report("c", both), 0.0).unwrap();
+    acc.record(&report("c", both), "t", 0.0).unwrap();
     let view = acc.view(None, 0.0);
     let k = key(&view, "k");
     assert_eq!(k.offered_rps, 150.0);
@@ -64,18 +64,22 @@ fn rates_from_several_sources_sum_per_key() {
 #[test]
 fn a_new_report_replaces_its_sources_values_and_the_sum_is_smoothed_over_time() {
     let mut acc = Accumulator::new(1.0);
-    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0)
+    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), "t", 0.0)
         .unwrap();
     for t in 1..=4 {
-        acc.record(&report("a", vec![entry(Some("k"), 300, 100)]), f64::from(t))
-            .unwrap();
+        acc.record(
+            &report("a", vec![entry(Some("k"), 300, 100)]),
+            "t",
+            f64::from(t),
+        )
+        .unwrap();
     }
     // Held at 300 since t = 1: 300 - 200 e^-3 at t = 4, within 5 % of 300.
     let v = &acc.view(None, 4.0)[0];
     assert!((v.offered_rps - (300.0 - 200.0 * (-3.0f64).exp())).abs() < 1e-9);
     assert_eq!(v.sources, 1, "one source, however many reports");
     // A key missing from the source's next report no longer counts for it.
-    acc.record(&report("a", vec![entry(Some("j"), 10, 10)]), 5.0)
+    acc.record(&report("a", vec![entry(Some("j"), 10, 10)]), "t", 5.0)
         .unwrap();
     let v = acc.view(None, 5.0);
     assert_eq!(key(&v, "k").sources, 0);
@@ -98,7 +102,7 @@ fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
             let mut r = report("host", vec![entry(Some("k"), 300, 100)]);
             r.seq = tick as u64 + 1;
             let to = if (tick / 10) % 2 == 0 { &mut a } else { &mut b };
-            to.record(&r, t).unwrap();
+            to.record(&r, "t", t).unwrap();
             sent += 300;
         }
         for (name, z, phase) in [("zone:z/a", &mut a, 0), ("zone:z/b", &mut b, 5)] {
@@ -107,7 +111,7 @@ fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
                 forwarded += entries.iter().map(|e| e.offered).sum::<u64>();
                 let mut r = report(name, entries);
                 r.interval_ms = ms;
-                acc.record(&r, t).unwrap();
+                acc.record(&r, "t", t).unwrap();
             }
         }
         if t >= 10.0 {
@@ -135,9 +139,9 @@ fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
 #[test]
 fn a_silent_sources_values_stand_for_two_intervals_and_it_is_forgotten_after_three() {
     let mut acc = Accumulator::new(1.0);
-    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0)
+    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), "t", 0.0)
         .unwrap();
-    acc.record(&report("b", vec![entry(Some("k"), 100, 100)]), 1.5)
+    acc.record(&report("b", vec![entry(Some("k"), 100, 100)]), "t", 1.5)
         .unwrap();
     acc.sweep(2.1);
     assert_eq!(acc.view(None, 2.1)[0].sources, 1, "a's values are gone");
@@ -159,15 +163,15 @@ fn a_silent_sources_values_stand_for_two_intervals_and_it_is_forgotten_after_thr
 #[test]
 fn disagreeing_limits_take_the_smallest_and_count_a_conflict() {
     let mut acc = Accumulator::new(1.0);
-    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), 0.0)
+    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), "t", 0.0)
         .unwrap();
     let mut e = entry(Some("k"), 100, 100);
     e.limit.count = 50;
-    acc.record(&report("b", vec![e]), 0.0).unwrap();
+    acc.record(&report("b", vec![e]), "t", 0.0).unwrap();
     assert_eq!(acc.conflicts, 1);
     assert_eq!(acc.view(None, 0.0)[0].limit_rps, 50.0);
     // When b's values lapse, a's limit applies again.
-    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), 5.0)
+    acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), "t", 5.0)
         .unwrap();
     acc.sweep(5.0);
     assert_eq!(acc.view(None, 5.0)[0].limit_rps, 100.0);
@@ -178,7 +182,7 @@ fn the_folded_tail_is_limited_as_many_keys() {
     let mut acc = Accumulator::new(1.0);
     let mut other = entry(None, 250, 250);
     other.keys_folded = 2;
-    acc.record(&report("a", vec![other]), 0.0).unwrap();
+    acc.record(&report("a", vec![other]), "t", 0.0).unwrap();
     let v = &acc.view(None, 0.0)[0];
     assert_eq!(v.limit_rps, 200.0);
     assert!((v.ratio - 0.2).abs() < 1e-12);
@@ -225,23 +229,28 @@ fn an_oversized_key_drops_its_entry_not_the_report() {
 
 #[test]
 fn a_flood_of_sources_and_keys_is_bounded_and_counted() {
+    // Every fake host with a token of its own: the overall bound still holds.
     let mut acc = Accumulator::bounded(1.0, 3);
     for i in 0..10 {
         let r = report(
             &format!("fake-{i}"),
             vec![entry(Some(&format!("k{i}")), 1, 1)],
         );
-        acc.record(&r, 0.0).unwrap();
+        acc.record(&r, &format!("owner-{i}"), 0.0).unwrap();
     }
     assert_eq!(acc.view(None, 0.0).len(), 3);
     assert_eq!(acc.refused, 7);
     // A source already holding values keeps updating them at the bound.
-    acc.record(&report("fake-0", vec![entry(Some("k0"), 50, 50)]), 1.0)
-        .unwrap();
+    acc.record(
+        &report("fake-0", vec![entry(Some("k0"), 50, 50)]),
+        "owner-0",
+        1.0,
+    )
+    .unwrap();
     assert_eq!(acc.refused, 7);
     // Once the flood goes silent, room frees up.
     acc.sweep(10.0);
-    acc.record(&report("real", vec![entry(Some("k"), 1, 1)]), 10.0)
+    acc.record(&report("real", vec![entry(Some("k"), 1, 1)]), "t", 10.0)
         .unwrap();
     assert_eq!(acc.tracked(), 1);
 }
@@ -253,7 +262,7 @@ fn one_source_holds_a_bounded_number_of_key_bytes() {
     let entries: Vec<Entry> = (0..5000)
         .map(|i| entry(Some(&format!("{key}{i}")), 1, 1))
         .collect();
-    acc.record(&report("big", entries), 0.0).unwrap();
+    acc.record(&report("big", entries), "t", 0.0).unwrap();
     let kept = acc.tracked();
     assert!(kept * 1000 <= sum::MAX_HELD_BYTES, "{kept}");
     assert_eq!(acc.refused as usize, 5000 - kept);
@@ -261,8 +270,8 @@ fn one_source_holds_a_bounded_number_of_key_bytes() {
 
 #[test]
 fn an_absurd_rate_is_refused_not_clamped() {
-    let mut r = report("h", vec![entry(Some("k"), 2_000_000, 0)]);
-    r.interval_ms = 10; // 2 * 10^6 in 10 ms: 2 * 10^8 requests/s
+    let mut r = report("h", vec![entry(Some("k"), 20_000_000, 0)]);
+    r.interval_ms = 100; // 2 * 10^7 in 100 ms: 2 * 10^8 requests/s
     assert!(matches!(r.validate(), Err(ReportError::Entry(0, _))));
     r.interval_ms = 1000;
     assert!(r.validate().is_ok());
@@ -273,13 +282,13 @@ fn a_report_already_counted_is_not_counted_again() {
     let mut zone = ZoneSums::new(0.0, 100);
     let mut r = report("h", vec![entry(Some("k"), 10, 10)]);
     r.seq = 7;
-    zone.record(&r, 0.0).unwrap();
-    assert_eq!(zone.record(&r, 0.1), Err(SourceRefusal::Duplicate(7)));
+    zone.record(&r, "t", 0.0).unwrap();
+    assert_eq!(zone.record(&r, "t", 0.1), Err(SourceRefusal::Duplicate(7)));
     r.seq = 6;
-    assert_eq!(zone.record(&r, 0.2), Err(SourceRefusal::Duplicate(6)));
+    assert_eq!(zone.record(&r, "t", 0.2), Err(SourceRefusal::Duplicate(6)));
     assert_eq!(zone.refusals().2, 2);
     r.seq = 8;
-    zone.record(&r, 0.3).unwrap();
+    zone.record(&r, "t", 0.3).unwrap();
     let (entries, _) = zone.take(1.0);
     assert_eq!(entries[0].offered, 20);
 }
@@ -288,17 +297,20 @@ fn a_report_already_counted_is_not_counted_again() {
 fn a_flood_of_new_hosts_is_throttled_per_second_and_known_hosts_still_report() {
     let mut zone = ZoneSums::new(0.0, 100);
     let known = report("known", vec![entry(Some("k"), 10, 10)]);
-    assert!(zone.record(&known, 0.5).is_ok());
+    assert!(zone.record(&known, "t", 0.5).is_ok());
     for i in 1..NEW_SOURCES_PER_SEC {
         let r = report(&format!("fake-{i}"), vec![]);
-        assert!(zone.record(&r, 0.6).is_ok(), "source {i}");
+        assert!(zone.record(&r, "t", 0.6).is_ok(), "source {i}");
     }
     let one_more = report("fake-x", vec![]);
-    assert_eq!(zone.record(&one_more, 0.7), Err(SourceRefusal::Flood));
+    assert_eq!(zone.record(&one_more, "t", 0.7), Err(SourceRefusal::Flood));
     assert_eq!(zone.refusals().0, 1);
-    assert!(zone.record(&known, 0.8).is_ok(), "a known host is not new");
     assert!(
-        zone.record(&one_more, 1.1).is_ok(),
+        zone.record(&known, "t", 0.8).is_ok(),
+        "a known host is not new"
+    );
+    assert!(
+        zone.record(&one_more, "t", 1.1).is_ok(),
         "the next second has room again"
     );
     // Silent hosts are forgotten.
@@ -313,9 +325,9 @@ fn a_host_cannot_report_for_another_service_but_an_aggregator_can() {
     own.service = "shop".into();
     let mut other = entry(Some("k"), 1_000_000, 0);
     other.service = "payments".into();
-    acc.record(&report("pod-a", vec![own.clone()]), 1.0)
+    acc.record(&report("pod-a", vec![own.clone()]), "t", 1.0)
         .unwrap();
-    let refused = acc.record(&report("pod-a", vec![own.clone(), other.clone()]), 1.5);
+    let refused = acc.record(&report("pod-a", vec![own.clone(), other.clone()]), "t", 1.5);
     assert_eq!(
         refused,
         Err(SourceRefusal::Foreign(
@@ -326,9 +338,95 @@ fn a_host_cannot_report_for_another_service_but_an_aggregator_can() {
     );
     assert_eq!(acc.refusals().1, 1);
     let zone = report("zone:eu-1/a", vec![own, other]);
-    assert!(acc.record(&zone, 1.5).is_ok());
+    assert!(acc.record(&zone, "t", 1.5).is_ok());
     assert!(
-        acc.record(&zone, 2.0).is_ok(),
+        acc.record(&zone, "t", 2.0).is_ok(),
         "zones carry every service of their hosts"
+    );
+}
+
+#[test]
+fn a_source_that_went_silent_and_returns_takes_its_old_values_out_first() {
+    // The review's attack: a 100 ms source reports, is silent past three intervals but not yet
+    // swept, and reports again: its first values must not stay in the sums for ever.
+    let mut acc = Accumulator::new(1.0);
+    let mut r = report("h", vec![entry(Some("k"), 10_000, 0)]);
+    r.interval_ms = 100;
+    acc.record(&r, "t", 0.0).unwrap();
+    acc.record(&r, "t", 0.35).unwrap();
+    assert_eq!(acc.tracked(), 1);
+    assert_eq!(acc.view(None, 0.35)[0].sources, 1);
+    acc.sweep(10.0);
+    assert_eq!(acc.tracked(), 0, "nothing left behind");
+}
+
+#[test]
+fn one_owner_cannot_take_all_the_room_or_all_the_new_sources() {
+    let mut acc = Accumulator::bounded(1.0, 10);
+    for i in 0..10 {
+        let r = report(&format!("a-{i}"), vec![entry(Some(&format!("k{i}")), 1, 1)]);
+        acc.record(&r, "a", 0.0).unwrap();
+    }
+    assert_eq!(acc.tracked(), 5, "an owner holds at most half");
+    acc.record(&report("b-0", vec![entry(Some("b"), 1, 1)]), "b", 0.0)
+        .unwrap();
+    assert_eq!(acc.tracked(), 6, "another owner still finds room");
+    let mut zone = ZoneSums::new(0.0, 100);
+    for i in 0..NEW_SOURCES_PER_SEC {
+        zone.record(&report(&format!("a-{i}"), vec![]), "a", 0.5)
+            .unwrap();
+    }
+    let more = report("a-x", vec![]);
+    assert_eq!(zone.record(&more, "a", 0.6), Err(SourceRefusal::Flood));
+    assert!(
+        zone.record(&report("b-1", vec![]), "b", 0.6).is_ok(),
+        "b's hosts are not crowded out"
+    );
+}
+
+#[test]
+fn a_report_alternating_limits_for_one_rule_costs_one_conflict_each_not_a_walk() {
+    let mut acc = Accumulator::new(1.0);
+    for i in 0..50 {
+        acc.record(
+            &report(&format!("s{i}"), vec![entry(Some("k"), 1, 1)]),
+            "t",
+            0.0,
+        )
+        .unwrap();
+    }
+    let entries: Vec<Entry> = (0..1000)
+        .map(|i| {
+            let mut e = entry(Some(&format!("k{i}")), 1, 1);
+            e.limit.count = 100 + (i % 2);
+            e
+        })
+        .collect();
+    let before = acc.conflicts;
+    acc.record(&report("x", entries), "t", 0.0).unwrap();
+    assert_eq!(
+        acc.conflicts - before,
+        500,
+        "the first limit stands, each other one counts"
+    );
+    assert_eq!(acc.view(None, 0.0)[0].limit_rps, 100.0);
+}
+
+#[test]
+fn a_host_naming_too_many_services_is_refused() {
+    let entries: Vec<Entry> = (0..=MAX_HOST_SERVICES)
+        .map(|i| {
+            let mut e = entry(Some("k"), 1, 1);
+            e.service = format!("s{i}");
+            e
+        })
+        .collect();
+    assert_eq!(
+        report("h", entries.clone()).validate(),
+        Err(ReportError::Services)
+    );
+    assert!(
+        report("zone:z/r", entries).validate().is_ok(),
+        "zone sums carry many"
     );
 }

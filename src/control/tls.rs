@@ -59,13 +59,20 @@ impl ServerTls {
         stop: tokio::sync::watch::Receiver<bool>,
     ) -> std::io::Result<ServerTls> {
         let tls = ServerTls(Arc::new(ArcSwap::new(server_config(&cert, &key)?)));
+        // What the files held when last loaded: an event that changed nothing reloads nothing.
+        let loaded = Arc::new(ArcSwap::from_pointee(contents(&cert, &key)));
         for path in [cert.clone(), key.clone()] {
-            let (t, cert, key) = (tls.clone(), cert.clone(), key.clone());
+            let (t, cert, key, loaded) = (tls.clone(), cert.clone(), key.clone(), loaded.clone());
             let watching = crate::watch::spawn(&path, stop.clone(), move |_| {
-                let (t, cert, key) = (t.clone(), cert.clone(), key.clone());
+                let (t, cert, key, loaded) = (t.clone(), cert.clone(), key.clone(), loaded.clone());
                 async move {
+                    let now = contents(&cert, &key);
+                    if now == **loaded.load() {
+                        return;
+                    }
                     match server_config(&cert, &key) {
                         Ok(c) => {
+                            loaded.store(Arc::new(now));
                             t.0.store(c);
                             tracing::info!(cert = %cert.display(), "TLS certificate reloaded");
                         }
@@ -86,6 +93,14 @@ impl ServerTls {
     pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
         tokio_rustls::TlsAcceptor::from(self.0.load_full())
     }
+}
+
+/// The bytes of a certificate and key file, to tell a real change from a touch.
+fn contents(cert: &Path, key: &Path) -> (Vec<u8>, Vec<u8>) {
+    (
+        std::fs::read(cert).unwrap_or_default(),
+        std::fs::read(key).unwrap_or_default(),
+    )
 }
 
 /// A client configuration trusting the CA certificates in `ca_file`, or the system's roots.
