@@ -893,3 +893,33 @@ fn reqwest_like_tls(
         })
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_that_never_arrives_is_cut_off_and_a_new_replica_hands_out_no_empty_ratios() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let agg = aggregator(nowhere, "z1");
+    // A report whose body stops after one byte: answered 408, the connection not held.
+    let mut s = tokio::net::TcpStream::connect(agg.addr).await.unwrap();
+    s.write_all(b"POST /v1/report HTTP/1.1\r\nhost: a\r\ncontent-length: 100\r\n\r\n{")
+        .await
+        .unwrap();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), s.read_to_end(&mut answer)).await;
+    assert!(read.is_ok(), "the stalled body still holds the connection");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    // With no answer from its controller yet, a replica counts a report but does not answer
+    // it with an empty set of ratios (a proxy would take that as fresh): 503.
+    let (status, body) = post_as(agg.addr, None, one_key("h", "shop", "k", 10)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    let text = get(agg.admin, "/metrics", &[]).await.2;
+    assert_eq!(
+        metric(&text, "spillway_aggregator_reports_total{result=\"ok\"}"),
+        Some(1.0),
+        "{text}"
+    );
+}

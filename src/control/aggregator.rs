@@ -22,7 +22,7 @@ use tokio::sync::watch;
 use super::auth::Credentials;
 use super::reporter::{json_client, post_report, JsonClient};
 use super::server::{self, Body, Running};
-use super::{Reply, Report, Shared, SourceRefusal, ZoneSums, VERSION};
+use super::{Entry, Reply, Report, Shared, SourceRefusal, ZoneSums, VERSION};
 
 /// How to run an aggregator.
 #[derive(Clone)]
@@ -73,7 +73,10 @@ struct Relayed {
 
 struct State {
     sums: Shared<ZoneSums>,
-    relayed: ArcSwap<Relayed>,
+    /// None until the controller first answers.
+    relayed: ArcSwap<Option<Relayed>>,
+    /// How many parts the last forward had.
+    parts: std::sync::atomic::AtomicUsize,
     opts: AggregatorOptions,
     /// `zone:<zone>/<replica>`.
     source: String,
@@ -112,6 +115,19 @@ impl State {
         }
         let services = server::reply_services(&report, &principal).unwrap_or_default();
         let relayed = self.relayed.load();
+        // Counted, but nothing to answer with yet: the proxy keeps the ratios it has (a new
+        // replica must not hand out an empty set as if it were fresh).
+        let Some(relayed) = relayed.as_ref() else {
+            let mut resp = server::error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no ratios from the controller yet",
+            );
+            resp.headers_mut().insert(
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from_static("1"),
+            );
+            return resp;
+        };
         let ratios = relayed
             .reply
             .ratios
@@ -127,27 +143,50 @@ impl State {
         server::json(StatusCode::OK, &reply)
     }
 
-    /// Forwards the zone's sums and keeps the controller's reply, every interval.
+    /// Forwards the zone's sums and keeps the controller's reply, every interval; once more,
+    /// marked last, when stopping.
     async fn forward_loop(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut tick = tokio::time::interval(self.opts.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tokio::select! {
-                _ = tick.tick() => {}
-                _ = stop.changed() => return,
-            }
-            let ((entries, interval_ms), hosts) = {
-                let mut sums = self.sums.lock();
-                (sums.take(self.sums.now()), sums.hosts())
+            let stopping = tokio::select! {
+                _ = tick.tick() => false,
+                _ = stop.changed() => true,
             };
-            self.hosts.set(hosts as i64);
+            self.forward(stopping).await;
+            if stopping {
+                return;
+            }
+        }
+    }
+
+    /// One forward: the sums since the last one, in parts small enough for the controller to
+    /// take, each part the source `<replica>` or `<replica>#<n>`. A part the previous forward
+    /// had and this one does not is sent empty, so that its values leave the controller now.
+    async fn forward(&self, last: bool) {
+        let ((entries, interval_ms), hosts) = {
+            let mut sums = self.sums.lock();
+            (sums.take(self.sums.now()), sums.hosts())
+        };
+        self.hosts.set(hosts as i64);
+        let parts = split(entries);
+        let before = self
+            .parts
+            .swap(parts.len(), std::sync::atomic::Ordering::Relaxed);
+        let mut parts = parts.into_iter();
+        for n in 0..before.max(1).max(parts.len()) {
+            let source = match n {
+                0 => self.source.clone(),
+                n => format!("{}#{n}", self.source),
+            };
             let report = Report {
                 version: VERSION,
-                source: self.source.clone(),
+                source,
                 zone: self.opts.zone.clone(),
                 interval_ms,
                 seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-                entries,
+                last,
+                entries: parts.next().unwrap_or_default(),
             };
             let started = tokio::time::Instant::now();
             let token = self.opts.credentials.outgoing();
@@ -164,7 +203,11 @@ impl State {
                     self.forward_seconds
                         .observe(started.elapsed().as_secs_f64());
                     self.forwards.with_label_values(&["ok"]).inc();
-                    self.relayed.store(Arc::new(Relayed { reply, at: started }));
+                    // Every part's reply carries every ratio: the first one is kept.
+                    if n == 0 {
+                        self.relayed
+                            .store(Arc::new(Some(Relayed { reply, at: started })));
+                    }
                 }
                 Err(e) => {
                     self.forwards.with_label_values(&["error"]).inc();
@@ -175,6 +218,26 @@ impl State {
     }
 }
 
+/// The most a part of a forward holds, by its estimated JSON size: well under [`super::MAX_BODY`]
+/// and under what the controller holds per source.
+const PART_BYTES: usize = 3 << 20;
+
+/// `entries` in parts of at most about [`PART_BYTES`] of JSON each.
+fn split(entries: Vec<Entry>) -> Vec<Vec<Entry>> {
+    let mut parts: Vec<Vec<Entry>> = Vec::new();
+    let mut size = usize::MAX;
+    for e in entries {
+        let cost = 160 + e.service.len() + e.rule.len() + e.key.as_ref().map_or(0, String::len);
+        if size.saturating_add(cost) > PART_BYTES {
+            parts.push(Vec::new());
+            size = 0;
+        }
+        size += cost;
+        parts.last_mut().expect("pushed above").push(e);
+    }
+    parts
+}
+
 /// Binds the listeners and starts serving and forwarding.
 pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     let insecure = server::check_exposure(
@@ -183,6 +246,24 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         &opts.credentials,
         opts.insecure,
     )?;
+    if !(Duration::from_millis(100)..=Duration::from_secs(600)).contains(&opts.interval) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "--interval: between 100ms and 600s",
+        ));
+    }
+    if let Some(r) = &opts.replica {
+        let ok = !r.is_empty()
+            && r.len() <= 128
+            && r.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        if !ok {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "--replica: 1 to 128 of A-Z a-z 0-9 . _ -",
+            ));
+        }
+    }
     if opts.zone.is_empty() || opts.zone.len() > super::MAX_ZONE {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidInput,
@@ -200,13 +281,16 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
             )
         })?;
     let replica = opts.replica.clone().unwrap_or_else(|| {
-        let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "aggregator".into());
+        let host: String = std::env::var("HOSTNAME")
+            .unwrap_or_else(|_| "aggregator".into())
+            .chars()
+            .filter(|c| c.is_ascii_alphanumeric() || "._-".contains(*c))
+            .take(100)
+            .collect();
         format!("{host}-{:08x}", fastrand::u32(..))
     });
-    let source: String = format!("zone:{}/{replica}", opts.zone)
-        .chars()
-        .take(super::MAX_SOURCE)
-        .collect();
+    // ASCII only, at most 64 + 128 bytes and a part number: within MAX_SOURCE.
+    let source = format!("zone:{}/{replica}", opts.zone);
     let registry = Registry::new();
     let reports = IntCounterVec::new(
         Opts::new(
@@ -253,14 +337,8 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         sums: Shared::new(ZoneSums::new(0.0, super::sum::MAX_TRACKED)),
         source,
         seq: std::sync::atomic::AtomicU64::new(start_seq),
-        relayed: ArcSwap::from_pointee(Relayed {
-            reply: Reply {
-                version: VERSION,
-                age_ms: 0,
-                ratios: Vec::new(),
-            },
-            at: tokio::time::Instant::now(),
-        }),
+        relayed: ArcSwap::from_pointee(None),
+        parts: std::sync::atomic::AtomicUsize::new(0),
         opts,
         url,
         client: json_client(tls)?,
@@ -299,4 +377,43 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         stop,
         vec![api, admin_task, forward],
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_large_forward_is_split_into_parts_the_controller_takes() {
+        let entry = |i: usize| Entry {
+            service: "s".repeat(64),
+            rule: "r".repeat(64),
+            limit: super::super::Limit {
+                count: 1,
+                period_ms: 1000,
+            },
+            key: Some(format!("{i:0>71}")),
+            keys_folded: 0,
+            offered: 1,
+            admitted: 1,
+        };
+        let entries: Vec<Entry> = (0..60_000).map(entry).collect();
+        let parts = split(entries);
+        assert!(parts.len() > 1);
+        assert_eq!(parts.iter().map(Vec::len).sum::<usize>(), 60_000);
+        for p in &parts {
+            let report = Report {
+                version: VERSION,
+                source: "zone:z/r#1".into(),
+                zone: "z".into(),
+                interval_ms: 1000,
+                seq: 1,
+                last: false,
+                entries: p.clone(),
+            };
+            let bytes = serde_json::to_vec(&report).unwrap().len();
+            assert!(bytes < super::super::MAX_BODY / 2, "{bytes}");
+        }
+        assert!(split(Vec::new()).is_empty());
+    }
 }

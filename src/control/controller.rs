@@ -57,6 +57,7 @@ struct State {
     reads: IntCounterVec,
     sources: IntGauge,
     tracked: IntGauge,
+    ratios_cut: IntCounter,
     conflicts: IntCounter,
     refused: IntCounter,
     offered: GaugeVec,
@@ -200,16 +201,18 @@ impl State {
 
     /// Per-rule gauges (never per key), refreshed at scrape time.
     fn metrics(&self) -> Vec<u8> {
-        let (view, sources, conflicts, refused, tracked) = {
+        // From the ratio snapshot's per-rule totals: a scrape never walks every key under the
+        // lock (the admin port needs no token).
+        let (totals, sources, conflicts, refused, tracked, cut) = {
             let mut acc = self.acc.lock();
             let now = self.acc.now();
-            acc.sweep(now);
             (
-                acc.view(None, now),
+                acc.rule_totals(now),
                 acc.sources(),
                 acc.conflicts,
                 acc.refused,
                 acc.tracked(),
+                acc.ratios_cut,
             )
         };
         self.sources.set(sources as i64);
@@ -218,30 +221,18 @@ impl State {
             .inc_by(conflicts.saturating_sub(self.conflicts.get()));
         self.refused
             .inc_by(refused.saturating_sub(self.refused.get()));
+        self.ratios_cut
+            .inc_by(cut.saturating_sub(self.ratios_cut.get()));
         for g in [&self.offered, &self.admitted, &self.limit, &self.ratio] {
             g.reset();
         }
-        let mut per_rule: std::collections::BTreeMap<(&str, &str), (f64, f64, f64, f64)> =
-            Default::default();
-        for v in &view {
-            let e = per_rule
-                .entry((&v.service, &v.rule))
-                .or_insert((0.0, 0.0, 0.0, 0.0));
-            e.0 += v.offered_rps;
-            e.1 += v.admitted_rps;
-            if v.key.is_some() {
-                e.2 = v.limit_rps;
-            }
-            // Expected dropped rate, to turn into the rule's overall drop ratio.
-            e.3 += v.offered_rps * v.ratio;
-        }
-        for ((service, rule), (offered, admitted, limit, dropped)) in per_rule {
-            let l = [service, rule];
-            self.offered.with_label_values(&l).set(offered);
-            self.admitted.with_label_values(&l).set(admitted);
-            self.limit.with_label_values(&l).set(limit);
-            let ratio = if offered > 0.0 {
-                dropped / offered
+        for t in &totals {
+            let l = [&*t.service, &*t.rule];
+            self.offered.with_label_values(&l).set(t.offered);
+            self.admitted.with_label_values(&l).set(t.admitted);
+            self.limit.with_label_values(&l).set(t.limit);
+            let ratio = if t.offered > 0.0 {
+                t.dropped / t.offered
             } else {
                 0.0
             };
@@ -320,6 +311,14 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     registry
         .register(Box::new(tracked.clone()))
         .expect("unique");
+    let ratios_cut = IntCounter::new(
+        "spillway_controller_ratios_cut_total",
+        "Drop ratios left out of replies because a service had more than 10 000 (the highest travel).",
+    )
+    .expect("valid metric");
+    registry
+        .register(Box::new(ratios_cut.clone()))
+        .expect("unique");
     let insecure_gauge = IntGauge::new(
         "spillway_controller_insecure",
         "1 when serving beyond loopback with no token (--insecure).",
@@ -343,6 +342,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
         credentials: opts.credentials,
         reads,
         tracked,
+        ratios_cut,
         offered: gauge(
             &registry,
             "spillway_controller_offered_rps",

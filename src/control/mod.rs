@@ -30,6 +30,9 @@ pub const VERSION: u32 = 1;
 
 /// Largest request body the control plane reads (413 past it).
 pub const MAX_BODY: usize = 8 << 20;
+/// Largest reply a reporter reads (a controller's answer to zone sums carries every service's
+/// ratios, at most [`sum::MAX_RATIOS_PER_SERVICE`] each).
+pub const MAX_REPLY: usize = 64 << 20;
 
 /// Counts above this per entry and interval are absurd (10^12 requests) and refused.
 pub const MAX_COUNT: u64 = 1_000_000_000_000;
@@ -65,6 +68,10 @@ pub struct Report {
     /// report whose number was already seen is not counted again.
     #[serde(default)]
     pub seq: u64,
+    /// The sender is stopping: this is its last report, and its values stand for this one
+    /// interval only (a stopped aggregator replica is not counted on beside its successors).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub last: bool,
     pub entries: Vec<Entry>,
 }
 

@@ -18,7 +18,7 @@ use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
-use super::{DropRatios, Entry, Reply, Report, Staleness, MAX_BODY, VERSION};
+use super::{DropRatios, Entry, Reply, Report, Staleness, MAX_REPLY, VERSION};
 use crate::limit::{AnyClock, Clock, Nanos};
 use crate::metrics::Metrics;
 use crate::rules::RuleSet;
@@ -107,7 +107,7 @@ pub async fn post_report(
     let exchange = async {
         let resp = client.request(req).await.map_err(|e| e.to_string())?;
         let status = resp.status();
-        let bytes = Limited::new(resp.into_body(), MAX_BODY)
+        let bytes = Limited::new(resp.into_body(), MAX_REPLY)
             .collect()
             .await
             .map_err(|e| e.to_string())?
@@ -184,6 +184,7 @@ pub fn build_report(
         zone: zone.to_string(),
         interval_ms: interval.as_millis() as u64,
         seq,
+        last: false,
         entries,
     }
 }

@@ -40,6 +40,7 @@ pub async fn serve<H, F>(
     H: Fn(Request<Incoming>) -> F + Clone + Send + Sync + 'static,
     F: Future<Output = Response<Body>> + Send + 'static,
 {
+    let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
         let stream = tokio::select! {
             _ = stop.changed() => return,
@@ -52,9 +53,15 @@ pub async fn serve<H, F>(
                 }
             },
         };
+        // Past the cap a connection is closed at once: each one may buffer a body.
+        let Ok(permit) = open.clone().try_acquire_owned() else {
+            drop(stream);
+            continue;
+        };
         let handler = handler.clone();
         let acceptor = tls.as_ref().map(|t| t.acceptor());
         tokio::spawn(async move {
+            let _permit = permit;
             let service = service_fn(move |req| {
                 let handler = handler.clone();
                 async move { Ok::<_, Infallible>(handler(req).await) }
@@ -83,6 +90,12 @@ pub async fn serve<H, F>(
         });
     }
 }
+
+/// Connections one control-plane listener holds at once.
+pub const MAX_CONNECTIONS: usize = 4096;
+
+/// The longest a request body may take to arrive.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Binds `addr` with a message that names it when that fails.
 pub async fn bind(addr: SocketAddr, what: &str) -> std::io::Result<TcpListener> {
@@ -121,7 +134,17 @@ pub fn error(status: StatusCode, message: &str) -> Response<Body> {
 
 /// Reads a JSON body of at most [`MAX_BODY`] bytes: 413 past it, 400 when it is not `T`.
 pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, Response<Body>> {
-    let bytes = match Limited::new(req.into_body(), MAX_BODY).collect().await {
+    let body = tokio::time::timeout(
+        BODY_TIMEOUT,
+        Limited::new(req.into_body(), MAX_BODY).collect(),
+    );
+    let Ok(collected) = body.await else {
+        return Err(error(
+            StatusCode::REQUEST_TIMEOUT,
+            "the body did not arrive within 10 s",
+        ));
+    };
+    let bytes = match collected {
         Ok(c) => c.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             return Err(error(

@@ -32,6 +32,10 @@ pub const MAX_HELD_BYTES: usize = 4 << 20;
 /// What one held entry costs against [`MAX_HELD_BYTES`] besides its key.
 const ENTRY_COST: usize = 48;
 
+/// Non-zero ratios of one service a reply carries (the highest): one service's flood of keys
+/// cannot make the replies to every zone too large to read.
+pub const MAX_RATIOS_PER_SERVICE: usize = 10_000;
+
 /// Replies use ratios at most this old (seconds).
 pub const SNAPSHOT_EVERY: f64 = 0.1;
 
@@ -54,6 +58,8 @@ pub struct Held {
     id: u64,
     rules: Vec<HeldRule>,
     entries: usize,
+    /// From its sender's last report: held for one interval, not [`HOLD_FOR`].
+    last: bool,
 }
 
 #[derive(Debug)]
@@ -192,6 +198,18 @@ pub struct KeyView {
     pub sources: usize,
 }
 
+/// One (service, rule) summed over its keys: smoothed offered and admitted requests/s, the
+/// limit per key, and the expected dropped rate (offered x ratio, per key).
+#[derive(Debug, Clone)]
+pub struct RuleTotal {
+    pub service: Arc<str>,
+    pub rule: Arc<str>,
+    pub limit: f64,
+    pub offered: f64,
+    pub admitted: f64,
+    pub dropped: f64,
+}
+
 /// The controller's sums: see the module's documentation.
 #[derive(Debug)]
 pub struct Accumulator {
@@ -208,12 +226,16 @@ pub struct Accumulator {
     pub conflicts: u64,
     /// Entries dropped because a bound was reached.
     pub refused: u64,
+    /// Ratios left out of replies past [`MAX_RATIOS_PER_SERVICE`] (counted per snapshot).
+    pub ratios_cut: u64,
     last_sweep: f64,
     snapshot: Snapshot,
 }
 
 #[derive(Debug, Default)]
 struct Snapshot {
+    /// Per (service, rule): the sums the metrics show.
+    totals: Vec<RuleTotal>,
     built: Option<f64>,
     dirty: bool,
     /// The reply carrying every ratio, serialized once per snapshot (aggregators get it).
@@ -241,6 +263,7 @@ impl Accumulator {
             next_id: 0,
             conflicts: 0,
             refused: 0,
+            ratios_cut: 0,
             last_sweep: f64::NEG_INFINITY,
             snapshot: Snapshot::default(),
         }
@@ -268,6 +291,7 @@ impl Accumulator {
             held.id = self.next_id;
         }
         let id = held.id;
+        held.last = report.last;
         let old = std::mem::take(&mut held.rules);
         self.tracked = self.tracked.saturating_sub(held.entries);
         let owned = self.tracked_by.entry(owner.into()).or_default();
@@ -408,7 +432,8 @@ impl Accumulator {
         let mut stale: Vec<(u64, Vec<HeldRule>)> = Vec::new();
         let mut lapsed: Vec<(Box<str>, usize)> = Vec::new();
         for (_, s) in self.sources.iter_mut() {
-            if now - s.last > HOLD_FOR * s.interval && !s.data.rules.is_empty() {
+            let hold = if s.data.last { 1.0 } else { HOLD_FOR };
+            if now - s.last > hold * s.interval && !s.data.rules.is_empty() {
                 stale.push((s.data.id, std::mem::take(&mut s.data.rules)));
                 lapsed.push((s.owner().into(), s.data.entries));
                 s.data.entries = 0;
@@ -454,10 +479,19 @@ impl Accumulator {
 
     fn rebuild_snapshot(&mut self, now: f64) {
         let mut by_service: HashMap<Arc<str>, Vec<Ratio>> = HashMap::new();
+        let mut totals = Vec::new();
         let mut keys = 0;
         for (service, rules) in &self.rules {
             for (rule_name, rule) in rules {
                 let limit = rule.limit.per_second();
+                let mut total = RuleTotal {
+                    service: service.clone(),
+                    rule: rule_name.clone(),
+                    limit,
+                    offered: 0.0,
+                    admitted: 0.0,
+                    dropped: 0.0,
+                };
                 let all = rule
                     .keys
                     .iter()
@@ -465,7 +499,11 @@ impl Accumulator {
                     .chain(rule.other.iter().map(|s| (None, s)));
                 for (key, k) in all {
                     keys += 1;
-                    let ratio = drop_ratio(k.smoothed(now, self.tau).0, k.limit(key, limit));
+                    let (offered, admitted) = k.smoothed(now, self.tau);
+                    let ratio = drop_ratio(offered, k.limit(key, limit));
+                    total.offered += offered;
+                    total.admitted += admitted;
+                    total.dropped += offered * ratio;
                     if ratio > 0.0 {
                         by_service.entry(service.clone()).or_default().push(Ratio {
                             service: service.to_string(),
@@ -475,9 +513,19 @@ impl Accumulator {
                         });
                     }
                 }
+                totals.push(total);
+            }
+        }
+        for ratios in by_service.values_mut() {
+            if ratios.len() > MAX_RATIOS_PER_SERVICE {
+                // The highest ratios travel; the rest of a flood of keys does not.
+                ratios.sort_unstable_by(|a, b| b.ratio.total_cmp(&a.ratio));
+                self.ratios_cut += (ratios.len() - MAX_RATIOS_PER_SERVICE) as u64;
+                ratios.truncate(MAX_RATIOS_PER_SERVICE);
             }
         }
         self.snapshot = Snapshot {
+            totals,
             built: Some(now),
             dirty: false,
             all: None,
@@ -515,6 +563,12 @@ impl Accumulator {
                 .cloned()
                 .collect(),
         }
+    }
+
+    /// Per (service, rule) sums from a snapshot at most [`SNAPSHOT_EVERY`] old.
+    pub fn rule_totals(&mut self, now: f64) -> Vec<RuleTotal> {
+        self.refresh(now);
+        self.snapshot.totals.clone()
     }
 
     /// The JSON reply with every non-zero ratio (what an aggregator's zone sums are answered

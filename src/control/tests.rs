@@ -22,6 +22,7 @@ fn report(source: &str, entries: Vec<Entry>) -> Report {
         zone: "z".into(),
         interval_ms: 1000,
         seq: 0,
+        last: false,
         entries,
     }
 }
@@ -428,5 +429,23 @@ fn a_host_naming_too_many_services_is_refused() {
     assert!(
         report("zone:z/r", entries).validate().is_ok(),
         "zone sums carry many"
+    );
+}
+
+#[test]
+fn a_senders_last_report_stands_for_one_interval_not_two() {
+    let mut acc = Accumulator::new(1.0);
+    let mut r = report("zone:z/old", vec![entry(Some("k"), 100, 100)]);
+    acc.record(&r, "t", 0.0).unwrap();
+    r.last = true;
+    r.seq = 2;
+    acc.record(&r, "t", 1.0).unwrap();
+    acc.sweep(1.5);
+    assert_eq!(acc.tracked(), 1, "its last interval counts");
+    acc.sweep(2.1);
+    assert_eq!(
+        acc.tracked(),
+        0,
+        "and then it is gone: a stopped replica is not counted on"
     );
 }
