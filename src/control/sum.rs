@@ -294,8 +294,14 @@ impl Accumulator {
         held.last = report.last;
         let old = std::mem::take(&mut held.rules);
         self.tracked = self.tracked.saturating_sub(held.entries);
-        let owned = self.tracked_by.entry(owner.into()).or_default();
-        *owned = owned.saturating_sub(held.entries);
+        let owned = match self.tracked_by.get_mut(owner) {
+            Some(n) => {
+                *n = n.saturating_sub(held.entries);
+                *n
+            }
+            None => 0,
+        };
+        let mut added = 0;
         held.entries = 0;
         for hr in &old {
             withdraw(&mut self.rules, hr, now, tau);
@@ -304,12 +310,12 @@ impl Accumulator {
         let mut bytes = 0usize;
         let mut new: Vec<HeldRule> = Vec::new();
         let mut limits_set: HashMap<(Arc<str>, Arc<str>), Limit> = HashMap::new();
+        let mut group_limit: Option<Limit> = None;
         for e in &report.entries {
             bytes += ENTRY_COST + e.key.as_ref().map_or(0, String::len);
-            let owned = self.tracked_by.get(owner).copied().unwrap_or(0);
             if bytes > MAX_HELD_BYTES
                 || self.tracked >= self.max_tracked
-                || owned >= self.max_tracked / 2
+                || owned + added >= self.max_tracked / 2
             {
                 self.refused += 1;
                 continue;
@@ -351,19 +357,30 @@ impl Accumulator {
                 .expect("interned");
             // A source states one limit per rule and report: the first; another in the same
             // report is a conflict, counted, and costs no walk over the rule's sources.
-            let named = (group.service.clone(), group.rule.clone());
-            match limits_set.get(&named) {
-                Some(l) if *l == e.limit => {}
-                Some(_) => self.conflicts += 1,
-                None => {
-                    limits_set.insert(named, e.limit);
-                    match rule.limits.insert(id, e.limit) {
-                        Some(l) if l == e.limit => {}
-                        _ => {
-                            if rule.limits.values().any(|l| *l != e.limit) {
-                                self.conflicts += 1;
+            if same {
+                if Some(e.limit) != group_limit {
+                    self.conflicts += 1;
+                }
+            } else {
+                let named = (group.service.clone(), group.rule.clone());
+                match limits_set.get(&named) {
+                    Some(l) => {
+                        if *l != e.limit {
+                            self.conflicts += 1;
+                        }
+                        group_limit = Some(*l);
+                    }
+                    None => {
+                        limits_set.insert(named, e.limit);
+                        group_limit = Some(e.limit);
+                        match rule.limits.insert(id, e.limit) {
+                            Some(l) if l == e.limit => {}
+                            _ => {
+                                if rule.limits.values().any(|l| *l != e.limit) {
+                                    self.conflicts += 1;
+                                }
+                                rule.limit = smallest(rule.limits.values());
                             }
-                            rule.limit = smallest(rule.limits.values());
                         }
                     }
                 }
@@ -392,7 +409,10 @@ impl Accumulator {
             ks.add(rate);
             group.keys.push((key, rate));
             self.tracked += 1;
-            *self.tracked_by.entry(owner.into()).or_default() += 1;
+            added += 1;
+        }
+        if added > 0 {
+            *self.tracked_by.entry(owner.into()).or_default() += added;
         }
         for g in &mut new {
             g.keys.shrink_to_fit();
