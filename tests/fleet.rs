@@ -147,6 +147,30 @@ fn assert_within(admitted: u64, secs: f64, share: f64, what: &str) {
 /// Three proxies in front of one app, reporting to `control`, offered 6:2:1 at 3x the limit.
 const UNEVEN: [u64; 3] = [200, 67, 33];
 
+/// Proxies p1, p2, ... in front of `up`, the n-th reporting to `to[n]`.
+fn proxies(up: SocketAddr, to: &[SocketAddr]) -> Vec<Proc> {
+    to.iter()
+        .enumerate()
+        .map(|(i, addr)| proxy(&format!("p{}", i + 1), up, *addr, ""))
+        .collect()
+}
+
+/// Offers [`UNEVEN`] for `secs`, for the control loop to settle.
+async fn settle(p: &[Proc], secs: f64) {
+    let refs: Vec<&Proc> = p.iter().collect();
+    offer_all(&refs, "hot", &UNEVEN, secs).await;
+}
+
+/// Offers [`UNEVEN`] for `secs` and checks that the fleet dropped some and admitted within
+/// 15 % of the limit, with no errors.
+async fn holds_the_limit(p: &[Proc], secs: f64, what: &str) {
+    let refs: Vec<&Proc> = p.iter().collect();
+    let (ok, limited, other) = offer_all(&refs, "hot", &UNEVEN, secs).await;
+    assert_eq!(other, 0, "{what}: errors from the proxies");
+    assert!(limited > 0, "{what}: nothing dropped");
+    assert_within(ok, secs, 0.15, what);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_aggregator_replicas_in_one_zone_count_every_host_once() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -156,17 +180,9 @@ async fn two_aggregator_replicas_in_one_zone_count_every_host_once() {
     // the third to the other (a Service keeps each proxy's connection on one replica).
     let a = aggregator(ctl.addr, "z1");
     let b = aggregator(ctl.addr, "z1");
-    let p = [
-        proxy("p1", up.addr, a.addr, ""),
-        proxy("p2", up.addr, a.addr, ""),
-        proxy("p3", up.addr, b.addr, ""),
-    ];
-    let refs: Vec<&Proc> = p.iter().collect();
-    offer_all(&refs, "hot", &UNEVEN, 3.0).await;
-    let (ok, limited, other) = offer_all(&refs, "hot", &UNEVEN, 4.0).await;
-    assert_eq!(other, 0);
-    assert!(limited > 0);
-    assert_within(ok, 4.0, 0.15, "two replicas, each with part of the zone");
+    let p = proxies(up.addr, &[a.addr, a.addr, b.addr]);
+    settle(&p, 3.0).await;
+    holds_the_limit(&p, 4.0, "two replicas, each with part of the zone").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -177,15 +193,9 @@ async fn proxies_moving_between_three_replicas_every_report_are_counted_once() {
     let replicas: Vec<Proc> = (0..3).map(|_| aggregator(ctl.addr, "z1")).collect();
     // Per-request balancing (a mesh): each report of a proxy lands on the next replica.
     let lb = Balancer::start(replicas.iter().map(|r| r.addr).collect()).await;
-    let p: Vec<Proc> = (1..=3)
-        .map(|i| proxy(&format!("p{i}"), up.addr, lb.addr, ""))
-        .collect();
-    let refs: Vec<&Proc> = p.iter().collect();
-    offer_all(&refs, "hot", &UNEVEN, 3.0).await;
-    let (ok, limited, other) = offer_all(&refs, "hot", &UNEVEN, 4.0).await;
-    assert_eq!(other, 0);
-    assert!(limited > 0);
-    assert_within(ok, 4.0, 0.15, "three replicas, hosts moving every report");
+    let p = proxies(up.addr, &[lb.addr; 3]);
+    settle(&p, 3.0).await;
+    holds_the_limit(&p, 4.0, "three replicas, hosts moving every report").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -196,26 +206,16 @@ async fn a_replica_killed_and_a_new_one_added_under_load_keep_the_fleet_at_its_l
     let mut a = aggregator(ctl.addr, "z1");
     let b = aggregator(ctl.addr, "z1");
     let lb = Balancer::start(vec![a.addr, b.addr]).await;
-    let p: Vec<Proc> = (1..=3)
-        .map(|i| proxy(&format!("p{i}"), up.addr, lb.addr, ""))
-        .collect();
-    let refs: Vec<&Proc> = p.iter().collect();
-    offer_all(&refs, "hot", &UNEVEN, 3.0).await;
-    let (ok, _, _) = offer_all(&refs, "hot", &UNEVEN, 2.0).await;
-    assert_within(ok, 2.0, 0.15, "two replicas");
+    let p = proxies(up.addr, &[lb.addr; 3]);
+    settle(&p, 3.0).await;
+    holds_the_limit(&p, 2.0, "two replicas").await;
     // One replica dies: the balancer skips it, its last sums age out.
     a.kill();
-    let (ok, limited, other) = offer_all(&refs, "hot", &UNEVEN, 3.0).await;
-    assert_eq!(other, 0);
-    assert!(limited > 0);
-    assert_within(ok, 3.0, 0.15, "one replica killed");
+    holds_the_limit(&p, 3.0, "one replica killed").await;
     // A new replica joins.
     let c = aggregator(ctl.addr, "z1");
     lb.set(vec![b.addr, c.addr]);
-    let (ok, limited, other) = offer_all(&refs, "hot", &UNEVEN, 3.0).await;
-    assert_eq!(other, 0);
-    assert!(limited > 0);
-    assert_within(ok, 3.0, 0.15, "a replica added");
+    holds_the_limit(&p, 3.0, "a replica added").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -180,11 +180,7 @@ fn login(_: u64) -> [(&'static str, f64); 3] {
 }
 
 fn steady(_: u64) -> [(&'static str, f64); 3] {
-    [
-        ("allowed", 5.0),
-        ("rejected", 0.0),
-        ("shadow_rejected", 0.0),
-    ]
+    allowed(5.0)
 }
 
 /// OpenMetrics text: `spillway_requests_total{rule,decision}` counters of service shop's one
@@ -435,17 +431,18 @@ fn tune_says_what_is_wrong_when_prometheus_is_not_there() {
 
 /// 50/s steady.
 fn fifty(_: u64) -> [(&'static str, f64); 3] {
-    [
-        ("allowed", 50.0),
-        ("rejected", 0.0),
-        ("shadow_rejected", 0.0),
-    ]
+    allowed(50.0)
 }
 
 /// 500/s steady: another service's rule of the same name.
 fn busy(_: u64) -> [(&'static str, f64); 3] {
+    allowed(500.0)
+}
+
+/// `rate` requests/s, all allowed.
+fn allowed(rate: f64) -> [(&'static str, f64); 3] {
     [
-        ("allowed", 500.0),
+        ("allowed", rate),
         ("rejected", 0.0),
         ("shadow_rejected", 0.0),
     ]

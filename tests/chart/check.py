@@ -183,6 +183,9 @@ def dashboard():
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
     wanted = set()
     for e in exprs:
+        # Label names (in `by (...)`, `without (...)` and `{...}` matchers) are not metrics.
+        e = re.sub(r"\b(by|without)\s*\([^)]*\)", "", e)
+        e = re.sub(r"\{[^}]*\}", "", e)
         for name in re.findall(r"\b(spillway_[a-z_]+)", e):
             wanted.add(re.sub(r"_(bucket|sum|count)$", "", name))
     check(len(dash["panels"]) >= 8, f"dashboard parses: {len(dash['panels'])} panels, {len(wanted)} metrics")
