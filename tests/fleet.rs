@@ -597,13 +597,20 @@ async fn a_services_token_reports_and_reads_only_that_service() {
         post_as(ctl.addr, Some("agg-t"), zone).await.0,
         StatusCode::OK
     );
+    // The admin token reads, and reports nothing; the aggregators' token sends zone sums only
+    // (either could otherwise blank a host of shop's under its own name).
+    let blank = r#"{"version":1,"source":"shop/s1","interval_ms":1000,"seq":4611686018427387904,"entries":[]}"#;
+    for token in ["admin-t", "agg-t"] {
+        let (status, body) = post_as(ctl.addr, Some(token), blank.into()).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{token}: {body}");
+    }
     let text = metrics().await;
     assert_eq!(
         metric(
             &text,
             "spillway_controller_reports_total{result=\"forbidden\"}"
         ),
-        Some(3.0),
+        Some(5.0),
         "{text}"
     );
     assert_eq!(
@@ -857,6 +864,21 @@ rules:
     let forged = one_key("h", "books", "k", 1);
     let status = c(agg.addr, "shop-t", forged).await;
     assert_eq!(status, StatusCode::FORBIDDEN);
+    // The status page and its state are on the TLS port too, so the token travels encrypted.
+    let tls =
+        spillway::control::tls::client_config(Some(std::path::Path::new(&file("ca.crt")))).unwrap();
+    let https = spillway::control::reporter::json_client(Some(tls)).unwrap();
+    for (path, token) in [("/ui", None), ("/ui/state.json", Some("Bearer agg-t"))] {
+        let mut req = http::Request::get(format!("https://{}{path}", ctl.addr));
+        if let Some(t) = token {
+            req = req.header("authorization", t);
+        }
+        let req = req
+            .body(http_body_util::Full::new(bytes::Bytes::new()))
+            .unwrap();
+        let status = https.request(req).await.unwrap().status();
+        assert_eq!(status, StatusCode::OK, "{path} over TLS");
+    }
     // Plain text to a TLS port gets no answer.
     let plain = tokio::time::timeout(
         Duration::from_secs(5),

@@ -65,10 +65,21 @@ impl AggregatorOptions {
     }
 }
 
-/// The controller's last reply and when it came.
+/// The controller's last reply, by service, and when it came.
 struct Relayed {
-    reply: Reply,
+    by_service: std::collections::HashMap<String, Vec<super::Ratio>>,
     at: tokio::time::Instant,
+}
+
+impl Relayed {
+    fn new(reply: Reply, at: tokio::time::Instant) -> Self {
+        let mut by_service: std::collections::HashMap<String, Vec<super::Ratio>> =
+            Default::default();
+        for r in reply.ratios {
+            by_service.entry(r.service.clone()).or_default().push(r);
+        }
+        Relayed { by_service, at }
+    }
 }
 
 struct State {
@@ -128,11 +139,10 @@ impl State {
             );
             return resp;
         };
-        let ratios = relayed
-            .reply
-            .ratios
+        let ratios = services
             .iter()
-            .filter(|r| services.contains(&r.service.as_str()))
+            .filter_map(|s| relayed.by_service.get(*s))
+            .flatten()
             .cloned()
             .collect();
         let reply = Reply {
@@ -169,12 +179,14 @@ impl State {
             (sums.take(self.sums.now()), sums.hosts())
         };
         self.hosts.set(hosts as i64);
-        let parts = split(entries);
-        let before = self
-            .parts
-            .swap(parts.len(), std::sync::atomic::Ordering::Relaxed);
+        // Never fewer parts than before: a key keeps its part from one forward to the next, so
+        // one part lost in transit loses its own keys and counts no other's twice.
+        let before = self.parts.load(std::sync::atomic::Ordering::Relaxed);
+        let parts = split(entries, before);
+        self.parts
+            .store(parts.len(), std::sync::atomic::Ordering::Relaxed);
         let mut parts = parts.into_iter();
-        for n in 0..before.max(1).max(parts.len()) {
+        for n in 0..parts.len() {
             let source = match n {
                 0 => self.source.clone(),
                 n => format!("{}#{n}", self.source),
@@ -203,10 +215,10 @@ impl State {
                     self.forward_seconds
                         .observe(started.elapsed().as_secs_f64());
                     self.forwards.with_label_values(&["ok"]).inc();
-                    // Every part's reply carries every ratio: the first one is kept.
+                    // Only the first part's reply carries the ratios.
                     if n == 0 {
                         self.relayed
-                            .store(Arc::new(Some(Relayed { reply, at: started })));
+                            .store(Arc::new(Some(Relayed::new(reply, started))));
                     }
                 }
                 Err(e) => {
@@ -222,18 +234,19 @@ impl State {
 /// and under what the controller holds per source.
 const PART_BYTES: usize = 3 << 20;
 
-/// `entries` in parts of at most about [`PART_BYTES`] of JSON each.
-fn split(entries: Vec<Entry>) -> Vec<Vec<Entry>> {
-    let mut parts: Vec<Vec<Entry>> = Vec::new();
-    let mut size = usize::MAX;
+/// `entries` in at least `at_least` (and at least one) parts of about [`PART_BYTES`] of JSON
+/// at most, each key in the part its hash picks, so that it stays there while the count does.
+fn split(entries: Vec<Entry>, at_least: usize) -> Vec<Vec<Entry>> {
+    let cost =
+        |e: &Entry| 160 + e.service.len() + e.rule.len() + e.key.as_ref().map_or(0, String::len);
+    let total: usize = entries.iter().map(cost).sum();
+    let n = total.div_ceil(PART_BYTES).max(at_least).max(1);
+    let mut parts: Vec<Vec<Entry>> = (0..n).map(|_| Vec::new()).collect();
     for e in entries {
-        let cost = 160 + e.service.len() + e.rule.len() + e.key.as_ref().map_or(0, String::len);
-        if size.saturating_add(cost) > PART_BYTES {
-            parts.push(Vec::new());
-            size = 0;
-        }
-        size += cost;
-        parts.last_mut().expect("pushed above").push(e);
+        let mut h = std::hash::DefaultHasher::new();
+        std::hash::Hash::hash(&(&e.service, &e.rule, &e.key), &mut h);
+        let i = (std::hash::Hasher::finish(&h) % n as u64) as usize;
+        parts[i].push(e);
     }
     parts
 }
@@ -398,8 +411,11 @@ mod tests {
             admitted: 1,
         };
         let entries: Vec<Entry> = (0..60_000).map(entry).collect();
-        let parts = split(entries);
+        let parts = split(entries.clone(), 0);
         assert!(parts.len() > 1);
+        // The same keys, asked for more parts: each key's part is its hash's.
+        let again = split(entries, parts.len());
+        assert_eq!(again, parts, "keys keep their parts");
         assert_eq!(parts.iter().map(Vec::len).sum::<usize>(), 60_000);
         for p in &parts {
             let report = Report {
@@ -414,6 +430,7 @@ mod tests {
             let bytes = serde_json::to_vec(&report).unwrap().len();
             assert!(bytes < super::super::MAX_BODY / 2, "{bytes}");
         }
-        assert!(split(Vec::new()).is_empty());
+        assert_eq!(split(Vec::new(), 0).len(), 1, "one part, sent empty");
+        assert_eq!(split(Vec::new(), 3).len(), 3, "no fewer than before");
     }
 }

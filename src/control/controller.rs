@@ -57,7 +57,7 @@ struct State {
     reads: IntCounterVec,
     sources: IntGauge,
     tracked: IntGauge,
-    ratios_cut: IntCounter,
+    ratios_cut: IntGauge,
     conflicts: IntCounter,
     refused: IntCounter,
     offered: GaugeVec,
@@ -221,8 +221,7 @@ impl State {
             .inc_by(conflicts.saturating_sub(self.conflicts.get()));
         self.refused
             .inc_by(refused.saturating_sub(self.refused.get()));
-        self.ratios_cut
-            .inc_by(cut.saturating_sub(self.ratios_cut.get()));
+        self.ratios_cut.set(cut as i64);
         for g in [&self.offered, &self.admitted, &self.limit, &self.ratio] {
             g.reset();
         }
@@ -311,9 +310,9 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     registry
         .register(Box::new(tracked.clone()))
         .expect("unique");
-    let ratios_cut = IntCounter::new(
-        "spillway_controller_ratios_cut_total",
-        "Drop ratios left out of replies because a service had more than 10 000 (the highest travel).",
+    let ratios_cut = IntGauge::new(
+        "spillway_controller_ratios_cut",
+        "Drop ratios left out of replies now: past 10 000 for one service or 100 000 in all (the highest travel).",
     )
     .expect("valid metric");
     registry
@@ -381,6 +380,9 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
                 match (req.method(), req.uri().path()) {
                     (&Method::POST, "/v1/report") => s.report(req).await,
                     (&Method::GET, "/v1/state") => s.state(&req),
+                    // Also here, so that with TLS the page's token travels encrypted.
+                    (&Method::GET, "/ui") => crate::ui::page(),
+                    (&Method::GET, "/ui/state.json") => s.ui_state(&req),
                     _ => server::error(
                         StatusCode::NOT_FOUND,
                         "not found; try POST /v1/report or GET /v1/state",

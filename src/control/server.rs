@@ -91,8 +91,13 @@ pub async fn serve<H, F>(
     }
 }
 
-/// Connections one control-plane listener holds at once.
-pub const MAX_CONNECTIONS: usize = 4096;
+/// Connections one control-plane listener holds at once (pooled proxy connections stay open:
+/// this is well above what one replica serves, and below the file-descriptor limit).
+pub const MAX_CONNECTIONS: usize = 32_768;
+
+/// Request bodies read at once, per process: each may be up to [`MAX_BODY`], so memory held
+/// for bodies stays bounded whatever the number of connections.
+static BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(32);
 
 /// The longest a request body may take to arrive.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
@@ -134,10 +139,11 @@ pub fn error(status: StatusCode, message: &str) -> Response<Body> {
 
 /// Reads a JSON body of at most [`MAX_BODY`] bytes: 413 past it, 400 when it is not `T`.
 pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, Response<Body>> {
-    let body = tokio::time::timeout(
-        BODY_TIMEOUT,
-        Limited::new(req.into_body(), MAX_BODY).collect(),
-    );
+    let body = tokio::time::timeout(BODY_TIMEOUT, async {
+        // Waiting for a turn counts against the same 10 s.
+        let _turn = BODIES.acquire().await;
+        Limited::new(req.into_body(), MAX_BODY).collect().await
+    });
     let Ok(collected) = body.await else {
         return Err(error(
             StatusCode::REQUEST_TIMEOUT,
@@ -300,6 +306,17 @@ pub async fn receive_report(
     if let Err(e) = report.validate() {
         return refuse("invalid", error(StatusCode::BAD_REQUEST, &e.to_string()));
     }
+    if matches!(principal, Principal::Admin)
+        || (matches!(principal, Principal::Aggregator) && !report.source.starts_with("zone:"))
+    {
+        return refuse(
+            "forbidden",
+            error(
+                StatusCode::FORBIDDEN,
+                "the admin token reports nothing; the aggregators' token sends zone sums only",
+            ),
+        );
+    }
     if report.source.starts_with("zone:") && !principal.may_send_zone_sums() {
         return refuse(
             "forbidden",
@@ -337,6 +354,10 @@ pub fn reply_services<'a>(
         return Some(vec![s]);
     }
     if report.source.starts_with("zone:") {
+        // Every part of a forward gets the same ratios: only the first part's reply has them.
+        if report.source.contains('#') {
+            return Some(Vec::new());
+        }
         return None;
     }
     let mut services: Vec<&str> = report.entries.iter().map(|e| e.service.as_str()).collect();

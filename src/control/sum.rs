@@ -25,6 +25,9 @@ use super::{drop_ratio, Entry, Limit, Ratio, Report};
 /// (and counted) until old ones expire.
 pub const MAX_TRACKED: usize = 2_000_000;
 
+/// One service holds at most this share (1/4) of [`MAX_TRACKED`].
+const PER_SERVICE_SHARE: usize = 4;
+
 /// The most key bytes (plus a fixed cost per entry) held for one source; entries past it are
 /// dropped and counted.
 pub const MAX_HELD_BYTES: usize = 4 << 20;
@@ -36,7 +39,11 @@ const ENTRY_COST: usize = 48;
 /// cannot make the replies to every zone too large to read.
 pub const MAX_RATIOS_PER_SERVICE: usize = 10_000;
 
-/// Replies use ratios at most this old (seconds).
+/// Non-zero ratios in all (the highest), so that a reply to zone sums stays well under what a
+/// reporter reads ([`super::MAX_REPLY`]) however many services are flooded.
+pub const MAX_RATIOS: usize = 100_000;
+
+/// Replies use ratios at most this old (seconds), or older when rebuilding takes long.
 pub const SNAPSHOT_EVERY: f64 = 0.1;
 
 /// Up to this many keys, the snapshot is rebuilt after every change.
@@ -218,16 +225,21 @@ pub struct Accumulator {
     /// The smoothing time constant, seconds.
     tau: f64,
     max_tracked: usize,
-    /// Contributions held now, over all sources and per owner (at most half the bound each).
+    /// Contributions held now, over all sources and per service (at most a quarter of the
+    /// bound each).
     tracked: usize,
-    tracked_by: HashMap<Box<str>, usize>,
+    tracked_by: HashMap<Arc<str>, usize>,
     next_id: u64,
     /// Times reporters disagreed on a rule's limit.
     pub conflicts: u64,
     /// Entries dropped because a bound was reached.
     pub refused: u64,
-    /// Ratios left out of replies past [`MAX_RATIOS_PER_SERVICE`] (counted per snapshot).
+    /// Ratios left out of the current snapshot's replies by [`MAX_RATIOS_PER_SERVICE`] and
+    /// [`MAX_RATIOS`].
     pub ratios_cut: u64,
+    /// How often the snapshot is rebuilt: [`SNAPSHOT_EVERY`], or ten times what the last
+    /// rebuild took, whichever is longer.
+    snapshot_every: f64,
     last_sweep: f64,
     snapshot: Snapshot,
 }
@@ -264,6 +276,7 @@ impl Accumulator {
             conflicts: 0,
             refused: 0,
             ratios_cut: 0,
+            snapshot_every: SNAPSHOT_EVERY,
             last_sweep: f64::NEG_INFINITY,
             snapshot: Snapshot::default(),
         }
@@ -294,18 +307,13 @@ impl Accumulator {
         held.last = report.last;
         let old = std::mem::take(&mut held.rules);
         self.tracked = self.tracked.saturating_sub(held.entries);
-        let owned = match self.tracked_by.get_mut(owner) {
-            Some(n) => {
-                *n = n.saturating_sub(held.entries);
-                *n
-            }
-            None => 0,
-        };
-        let mut added = 0;
         held.entries = 0;
         for hr in &old {
             withdraw(&mut self.rules, hr, now, tau);
+            uncount(&mut self.tracked_by, hr);
         }
+        // The service whose entries come now, and how many values it holds with them.
+        let mut service_held: Option<(Arc<str>, usize)> = None;
         let secs = report.interval_ms as f64 / 1000.0;
         let mut bytes = 0usize;
         let mut new: Vec<HeldRule> = Vec::new();
@@ -313,13 +321,26 @@ impl Accumulator {
         let mut group_limit: Option<Limit> = None;
         for e in &report.entries {
             bytes += ENTRY_COST + e.key.as_ref().map_or(0, String::len);
-            if bytes > MAX_HELD_BYTES
-                || self.tracked >= self.max_tracked
-                || owned + added >= self.max_tracked / 2
-            {
+            if bytes > MAX_HELD_BYTES || self.tracked >= self.max_tracked {
                 self.refused += 1;
                 continue;
             }
+            // Each service's values count against its own budget, whoever sends them (its
+            // proxies, or a zone's sums): one service's flood leaves room for the others.
+            if service_held.as_ref().is_none_or(|(s, _)| **s != *e.service) {
+                if let Some((s, n)) = service_held.take() {
+                    self.tracked_by.insert(s, n);
+                }
+                let s = intern(&mut self.rules, &e.service);
+                let n = self.tracked_by.get(&s).copied().unwrap_or(0);
+                service_held = Some((s, n));
+            }
+            let held_now = &mut service_held.as_mut().expect("set above").1;
+            if *held_now >= (self.max_tracked / PER_SERVICE_SHARE).max(1) {
+                self.refused += 1;
+                continue;
+            }
+            *held_now += 1;
             // Entries come grouped by rule: the names are looked up once per group.
             let same = new
                 .last()
@@ -409,10 +430,9 @@ impl Accumulator {
             ks.add(rate);
             group.keys.push((key, rate));
             self.tracked += 1;
-            added += 1;
         }
-        if added > 0 {
-            *self.tracked_by.entry(owner.into()).or_default() += added;
+        if let Some((s, n)) = service_held {
+            self.tracked_by.insert(s, n);
         }
         for g in &mut new {
             g.keys.shrink_to_fit();
@@ -444,36 +464,29 @@ impl Accumulator {
     /// Takes held values past their time away, forgets silent sources and faded keys, and
     /// rebuilds the ratio snapshot; at most every [`SNAPSHOT_EVERY`].
     pub fn sweep(&mut self, now: f64) {
-        if now - self.last_sweep < SNAPSHOT_EVERY {
+        if now - self.last_sweep < self.snapshot_every {
             return;
         }
         self.last_sweep = now;
         let tau = self.tau;
         let mut stale: Vec<(u64, Vec<HeldRule>)> = Vec::new();
-        let mut lapsed: Vec<(Box<str>, usize)> = Vec::new();
+        let mut lapsed = 0;
         for (_, s) in self.sources.iter_mut() {
             let hold = if s.data.last { 1.0 } else { HOLD_FOR };
             if now - s.last > hold * s.interval && !s.data.rules.is_empty() {
                 stale.push((s.data.id, std::mem::take(&mut s.data.rules)));
-                lapsed.push((s.owner().into(), s.data.entries));
+                lapsed += s.data.entries;
                 s.data.entries = 0;
             }
         }
         self.sources.expire(now, |_, s| {
-            lapsed.push((s.owner().into(), s.data.entries));
+            lapsed += s.data.entries;
             stale.push((s.data.id, s.data.rules));
         });
-        for (owner, n) in lapsed {
-            self.tracked = self.tracked.saturating_sub(n);
-            if let Some(t) = self.tracked_by.get_mut(&owner) {
-                *t = t.saturating_sub(n);
-                if *t == 0 {
-                    self.tracked_by.remove(&owner);
-                }
-            }
-        }
+        self.tracked = self.tracked.saturating_sub(lapsed);
         for (id, rules) in stale {
             for hr in rules {
+                uncount(&mut self.tracked_by, &hr);
                 let Some(rule) = withdraw(&mut self.rules, &hr, now, tau) else {
                     continue;
                 };
@@ -498,7 +511,10 @@ impl Accumulator {
     }
 
     fn rebuild_snapshot(&mut self, now: f64) {
-        let mut by_service: HashMap<Arc<str>, Vec<Ratio>> = HashMap::new();
+        let started = tokio::time::Instant::now();
+        // (ratio, service, rule, key): names are copied only for the ratios that travel.
+        type Candidate<'a> = (f64, &'a Arc<str>, &'a Arc<str>, Option<&'a Arc<str>>);
+        let mut candidates: HashMap<&Arc<str>, Vec<Candidate>> = HashMap::new();
         let mut totals = Vec::new();
         let mut keys = 0;
         for (service, rules) in &self.rules {
@@ -525,25 +541,45 @@ impl Accumulator {
                     total.admitted += admitted;
                     total.dropped += offered * ratio;
                     if ratio > 0.0 {
-                        by_service.entry(service.clone()).or_default().push(Ratio {
-                            service: service.to_string(),
-                            rule: rule_name.to_string(),
-                            key: key.map(|k| k.to_string()),
-                            ratio,
-                        });
+                        candidates
+                            .entry(service)
+                            .or_default()
+                            .push((ratio, service, rule_name, key));
                     }
                 }
                 totals.push(total);
             }
         }
-        for ratios in by_service.values_mut() {
-            if ratios.len() > MAX_RATIOS_PER_SERVICE {
-                // The highest ratios travel; the rest of a flood of keys does not.
-                ratios.sort_unstable_by(|a, b| b.ratio.total_cmp(&a.ratio));
-                self.ratios_cut += (ratios.len() - MAX_RATIOS_PER_SERVICE) as u64;
-                ratios.truncate(MAX_RATIOS_PER_SERVICE);
+        let by_ratio = |a: &Candidate, b: &Candidate| b.0.total_cmp(&a.0);
+        let mut cut = 0;
+        let mut all: Vec<Candidate> = Vec::new();
+        for (_, mut c) in candidates {
+            // The highest ratios of each service travel; the rest of a flood of keys does not.
+            if c.len() > MAX_RATIOS_PER_SERVICE {
+                c.select_nth_unstable_by(MAX_RATIOS_PER_SERVICE - 1, by_ratio);
+                cut += c.len() - MAX_RATIOS_PER_SERVICE;
+                c.truncate(MAX_RATIOS_PER_SERVICE);
             }
+            all.extend(c);
         }
+        // And a reply stays readable however many services are flooded at once.
+        if all.len() > MAX_RATIOS {
+            all.select_nth_unstable_by(MAX_RATIOS - 1, by_ratio);
+            cut += all.len() - MAX_RATIOS;
+            all.truncate(MAX_RATIOS);
+        }
+        let mut by_service: HashMap<Arc<str>, Vec<Ratio>> = HashMap::new();
+        for (ratio, service, rule, key) in all {
+            by_service.entry(service.clone()).or_default().push(Ratio {
+                service: service.to_string(),
+                rule: rule.to_string(),
+                key: key.map(|k| k.to_string()),
+                ratio,
+            });
+        }
+        self.ratios_cut = cut as u64;
+        // Rebuilding holds the lock: at most a tenth of the time goes to it.
+        self.snapshot_every = (started.elapsed().as_secs_f64() * 10.0).max(SNAPSHOT_EVERY);
         self.snapshot = Snapshot {
             totals,
             built: Some(now),
@@ -798,6 +834,16 @@ fn withdraw<'a>(
         }
     }
     Some(rule)
+}
+
+/// Takes one held rule's values off its service's count.
+fn uncount(tracked_by: &mut HashMap<Arc<str>, usize>, held: &HeldRule) {
+    if let Some(n) = tracked_by.get_mut(&*held.service) {
+        *n = n.saturating_sub(held.keys.len());
+        if *n == 0 {
+            tracked_by.remove(&*held.service);
+        }
+    }
 }
 
 /// The shared name of `service`, added if new.

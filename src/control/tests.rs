@@ -233,21 +233,18 @@ fn a_flood_of_sources_and_keys_is_bounded_and_counted() {
     // Every fake host with a token of its own: the overall bound still holds.
     let mut acc = Accumulator::bounded(1.0, 3);
     for i in 0..10 {
-        let r = report(
-            &format!("fake-{i}"),
-            vec![entry(Some(&format!("k{i}")), 1, 1)],
-        );
+        let mut e = entry(Some(&format!("k{i}")), 1, 1);
+        e.service = format!("service-{i}");
+        let r = report(&format!("fake-{i}"), vec![e]);
         acc.record(&r, &format!("owner-{i}"), 0.0).unwrap();
     }
     assert_eq!(acc.view(None, 0.0).len(), 3);
     assert_eq!(acc.refused, 7);
     // A source already holding values keeps updating them at the bound.
-    acc.record(
-        &report("fake-0", vec![entry(Some("k0"), 50, 50)]),
-        "owner-0",
-        1.0,
-    )
-    .unwrap();
+    let mut e = entry(Some("k0"), 50, 50);
+    e.service = "service-0".into();
+    acc.record(&report("fake-0", vec![e]), "owner-0", 1.0)
+        .unwrap();
     assert_eq!(acc.refused, 7);
     // Once the flood goes silent, room frees up.
     acc.sweep(10.0);
@@ -362,16 +359,24 @@ fn a_source_that_went_silent_and_returns_takes_its_old_values_out_first() {
 }
 
 #[test]
-fn one_owner_cannot_take_all_the_room_or_all_the_new_sources() {
-    let mut acc = Accumulator::bounded(1.0, 10);
+fn one_service_cannot_take_all_the_room_or_all_the_new_sources() {
+    let mut acc = Accumulator::bounded(1.0, 20);
+    let of = |service: &str, i: usize| {
+        let mut e = entry(Some(&format!("k{i}")), 1, 1);
+        e.service = service.into();
+        e
+    };
+    // Through its own hosts and through a zone's sums alike: a quarter of the room at most.
     for i in 0..10 {
-        let r = report(&format!("a-{i}"), vec![entry(Some(&format!("k{i}")), 1, 1)]);
-        acc.record(&r, "a", 0.0).unwrap();
+        acc.record(&report(&format!("a-{i}"), vec![of("a", i)]), "a", 0.0)
+            .unwrap();
     }
-    assert_eq!(acc.tracked(), 5, "an owner holds at most half");
-    acc.record(&report("b-0", vec![entry(Some("b"), 1, 1)]), "b", 0.0)
+    let zone = report("zone:z/r", (10..20).map(|i| of("a", i)).collect());
+    acc.record(&zone, "_zones", 0.0).unwrap();
+    assert_eq!(acc.tracked(), 5, "a service holds at most a quarter");
+    acc.record(&report("b-0", vec![of("b", 0)]), "b", 0.0)
         .unwrap();
-    assert_eq!(acc.tracked(), 6, "another owner still finds room");
+    assert_eq!(acc.tracked(), 6, "another service still finds room");
     let mut zone = ZoneSums::new(0.0, 100);
     for i in 0..NEW_SOURCES_PER_SEC {
         zone.record(&report(&format!("a-{i}"), vec![]), "a", 0.5)
