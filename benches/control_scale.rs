@@ -4,8 +4,8 @@
 //! release `spillway` binary pinned to CPU 0 (`taskset`); the simulated hosts are this process,
 //! pinned to CPU 1: 64 concurrent senders, each report pre-built, on loopback. Measured:
 //! - aggregator: host reports per second with 100 keys each (2 000 hosts over 1 000 keys);
-//! - controller: host reports per second with 100 keys each from 10 000 sources, then the
-//!   values it holds and its resident memory with all 10 000 x 100 live;
+//! - controller: host reports per second with 100 keys each from 10 000 sources of eight
+//!   services, then the values it holds and its resident memory with all 10 000 x 100 live;
 //! - controller: zone sums per second with 1 000 keys each (20 aggregator replicas).
 //!   Reports that the new-source guard turns away (429, 1 000 new sources a second) are
 //!   retried and not counted.
@@ -71,12 +71,12 @@ impl Drop for Server {
     }
 }
 
-/// The entries of a report: `n` keys of service `svc` starting at key `first` of `space`.
-fn entries(n: usize, first: usize, space: usize) -> String {
+/// The entries of a report: `n` keys of `service` starting at key `first` of `space`.
+fn entries(service: &str, n: usize, first: usize, space: usize) -> String {
     (0..n)
         .map(|i| {
             format!(
-                r#"{{"service":"svc","rule":"r","limit":{{"count":100,"period_ms":1000}},"key":"key-{}","offered":120,"admitted":100}}"#,
+                r#"{{"service":"{service}","rule":"r","limit":{{"count":100,"period_ms":1000}},"key":"key-{}","offered":120,"admitted":100}}"#,
                 (first + i * 7) % space
             )
         })
@@ -179,7 +179,7 @@ fn main() -> anyhow::Result<()> {
             .concat(),
         );
         let hosts: Vec<(String, String)> = (0..2000)
-            .map(|i| (format!("host-{i}"), entries(100, i, 1000)))
+            .map(|i| (format!("host-{i}"), entries("svc", 100, i, 1000)))
             .collect();
         let rate = blast(
             agg.addr,
@@ -199,7 +199,11 @@ fn main() -> anyhow::Result<()> {
         let ctl = Server::start(&[&["controller"][..], &loopback].concat());
         let idle = ctl.rss_mib();
         let sources: Vec<(String, String)> = (0..10_000)
-            .map(|i| (format!("host-{i}"), entries(100, i * 100, 1_000_000)))
+            // Eight services: one service may hold only a quarter of the controller's room.
+            .map(|i| {
+                let service = format!("svc-{}", i % 8);
+                (format!("host-{i}"), entries(&service, 100, i * 100, 1_000_000))
+            })
             .collect();
         // A long interval keeps all 10 000 live while they are sent round-robin.
         let rate = blast(
@@ -220,7 +224,10 @@ fn main() -> anyhow::Result<()> {
 
         let ctl = Server::start(&[&["controller"][..], &loopback].concat());
         let zones: Vec<(String, String)> = (0..20)
-            .map(|i| (format!("zone:z{}/r{i}", i / 2), entries(1000, i * 1000, 20_000)))
+            .map(|i| {
+                let source = format!("zone:z{}/r{i}", i / 2);
+                (source, entries("svc", 1000, i * 1000, 20_000))
+            })
             .collect();
         let rate = blast(
             ctl.addr,
