@@ -8,9 +8,11 @@
 //! time constant `tau`): smoothing after summing is what lets replicas share a zone's hosts in
 //! any pattern. Drop ratios come from the smoothed sums.
 //!
-//! Must never: copy a source's name per entry, hold more than [`MAX_TRACKED`] contributions or
-//! [`MAX_HELD_BYTES`] per source, or walk every key on each report (replies come from a
-//! snapshot rebuilt at most every [`SNAPSHOT_EVERY`]).
+//! Must never: copy a source's name per entry; hold more than [`MAX_TRACKED`] contributions, a
+//! quarter of them for one service, or [`MAX_HELD_BYTES`] per source; walk every key on each
+//! report (replies and metrics come from a snapshot rebuilt at most every [`SNAPSHOT_EVERY`],
+//! or ten times its own cost); or put more than [`MAX_RATIOS_PER_SERVICE`] of one service's
+//! ratios, or [`MAX_RATIOS`] in all, in a reply.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -20,8 +22,8 @@ use serde::Serialize;
 use super::sources::{SourceRefusal, Sources};
 use super::{drop_ratio, Entry, Limit, Ratio, Report};
 
-/// The most (source, key) contributions one accumulator holds: a few dozen bytes each, so a
-/// flood of fake hosts or keys costs a bounded amount. Past it, new contributions are dropped
+/// The most (source, key) contributions one accumulator holds: a few hundred bytes each with
+/// their sums, so a flood of fake hosts or keys costs a bounded amount. Past it, new contributions are dropped
 /// (and counted) until old ones expire.
 pub const MAX_TRACKED: usize = 2_000_000;
 
