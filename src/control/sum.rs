@@ -366,10 +366,11 @@ impl Accumulator {
                         r
                     }
                 };
+                // Grown as entries come: a report alternating rules makes many small groups.
                 new.push(HeldRule {
                     service,
                     rule,
-                    keys: Vec::with_capacity(report.entries.len()),
+                    keys: Vec::new(),
                 });
             }
             let group = new.last_mut().expect("pushed above");
@@ -713,7 +714,7 @@ impl Accumulator {
 #[derive(Debug)]
 pub struct ZoneSums {
     hosts: Sources<()>,
-    rules: HashMap<(String, String), PendingRule>,
+    rules: HashMap<String, HashMap<String, PendingRule>>,
     keys: usize,
     keys_by: HashMap<Box<str>, usize>,
     max_keys: usize,
@@ -757,13 +758,18 @@ impl ZoneSums {
     pub fn record(&mut self, report: &Report, owner: &str, now: f64) -> Result<(), SourceRefusal> {
         self.hosts.admit(report, owner, now)?;
         for e in &report.entries {
-            let rule = self
-                .rules
-                .entry((e.service.clone(), e.rule.clone()))
-                .or_insert_with(|| PendingRule {
+            // Looked up by reference: names are copied only for a rule new in this interval.
+            let rules = match self.rules.get_mut(e.service.as_str()) {
+                Some(r) => r,
+                None => self.rules.entry(e.service.clone()).or_default(),
+            };
+            let rule = match rules.get_mut(e.rule.as_str()) {
+                Some(r) => r,
+                None => rules.entry(e.rule.clone()).or_insert_with(|| PendingRule {
                     limit: e.limit,
                     keys: HashMap::new(),
-                });
+                }),
+            };
             if rule.limit != e.limit {
                 self.conflicts += 1;
                 if e.limit.per_second() < rule.limit.per_second() {
@@ -773,15 +779,24 @@ impl ZoneSums {
             if !rule.keys.contains_key(&e.key) {
                 // One service's hosts may hold at most half the room: another service's keys
                 // always find some.
-                let owned = self.keys_by.get(owner).copied().unwrap_or(0);
-                if self.keys >= self.max_keys || owned >= self.max_keys / 2 {
+                let owned = self.keys_by.get_mut(owner);
+                let n = owned.as_ref().map_or(0, |n| **n);
+                if self.keys >= self.max_keys || n >= self.max_keys / 2 {
                     self.refused += 1;
                     continue;
                 }
                 self.keys += 1;
-                *self.keys_by.entry(owner.into()).or_default() += 1;
+                match owned {
+                    Some(n) => *n += 1,
+                    None => {
+                        self.keys_by.insert(owner.into(), 1);
+                    }
+                }
             }
-            let k = rule.keys.entry(e.key.clone()).or_default();
+            let k = match rule.keys.get_mut(&e.key) {
+                Some(k) => k,
+                None => rule.keys.entry(e.key.clone()).or_default(),
+            };
             k.0 += e.offered;
             k.1 += e.admitted;
             k.2 = k.2.max(e.keys_folded);
@@ -798,7 +813,11 @@ impl ZoneSums {
         self.keys_by.clear();
         self.hosts.expire(now, |_, _| {});
         let mut out = Vec::new();
-        for ((service, rule), p) in std::mem::take(&mut self.rules) {
+        let pending = std::mem::take(&mut self.rules);
+        for (service, rule, p) in pending
+            .into_iter()
+            .flat_map(|(s, rules)| rules.into_iter().map(move |(r, p)| (s.clone(), r, p)))
+        {
             for (key, (offered, admitted, folded)) in p.keys {
                 out.push(Entry {
                     service: service.clone(),

@@ -454,3 +454,19 @@ fn a_senders_last_report_stands_for_one_interval_not_two() {
         "and then it is gone: a stopped replica is not counted on"
     );
 }
+
+#[test]
+fn a_report_alternating_rules_entry_by_entry_holds_each_once() {
+    // Every entry its own group: each group's room grows with it, not with the report.
+    let mut acc = Accumulator::new(1.0);
+    let entries: Vec<Entry> = (0..20_000)
+        .map(|i| {
+            let mut e = entry(Some(&format!("k{i}")), 1, 1);
+            e.rule = format!("r{}", i % 2);
+            e
+        })
+        .collect();
+    acc.record(&report("h", entries), "t", 0.0).unwrap();
+    assert_eq!(acc.tracked(), 20_000);
+    assert_eq!(acc.view(None, 0.0).len(), 20_000);
+}
