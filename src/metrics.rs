@@ -189,6 +189,8 @@ pub struct Metrics {
     pub delayed: IntCounterVec,
     durations: [Histogram; 3],
     upstream_errors: [IntCounter; 4],
+    /// `spillway_upstream_connections_discarded_total{reason}`, by `h1::Unusable`.
+    pub upstream_discards: [IntCounter; 3],
     pub bad_requests: IntCounterVec,
     /// `bad_requests{reason="header_too_large"}`, resolved once.
     pub header_too_large: IntCounter,
@@ -304,6 +306,14 @@ impl Metrics {
             &["kind"],
         )
         .expect("valid metric");
+        let discarded = IntCounterVec::new(
+            Opts::new(
+                "spillway_upstream_connections_discarded_total",
+                "Upstream connections closed instead of reused, by reason: leftover (bytes past the response's framing), unasked_bytes (the upstream sent while idle), closed.",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
         let bad_requests = IntCounterVec::new(
             Opts::new(
                 "spillway_bad_requests_total",
@@ -353,6 +363,7 @@ impl Metrics {
             Box::new(delayed.clone()),
             Box::new(duration.clone()),
             Box::new(upstream.clone()),
+            Box::new(discarded.clone()),
             Box::new(bad_requests.clone()),
             Box::new(connections.clone()),
             Box::new(draining.clone()),
@@ -416,6 +427,8 @@ impl Metrics {
             registry.register(c).expect("metric names are unique");
         }
         let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
+        let upstream_discards =
+            crate::proxy::h1::Unusable::ALL.map(|k| discarded.with_label_values(&[k.label()]));
         Self {
             registry,
             requests,
@@ -427,6 +440,7 @@ impl Metrics {
             delayed,
             durations,
             upstream_errors,
+            upstream_discards,
             header_too_large: bad_requests.with_label_values(&["header_too_large"]),
             rapid_reset: bad_requests.with_label_values(&["rapid_reset"]),
             bad_body: bad_requests.with_label_values(&["body"]),

@@ -47,7 +47,15 @@ use http::{Request, Response, Version};
 use tokio::net::TcpStream;
 
 use super::forward::{Added, Failure, ReqBody};
-use super::h1::{self, Raw, RawBody};
+use super::h1::{self, Raw, RawBody, Unusable};
+
+/// `spillway_upstream_connections_discarded_total{reason}`, by [`Unusable`].
+pub type Discards = [prometheus::IntCounter; 3];
+
+/// Counts `why` in `discards`.
+fn count(discards: &Discards, why: Unusable) {
+    discards[why as usize].inc();
+}
 
 /// Where and how to connect.
 pub struct Upstream {
@@ -69,12 +77,12 @@ pub struct Affine {
     idle: Arc<Idle>,
 }
 
-#[derive(Default)]
 struct Slot {
     // Locked only by the one task serving the client connection (its request path and its
     // response body), never across an await: never contended.
     #[allow(clippy::disallowed_types)]
     state: std::sync::Mutex<State>,
+    discards: Discards,
 }
 
 #[derive(Default)]
@@ -99,12 +107,19 @@ impl h1::Home for Slot {
         state.raw = Some(raw);
         state.last_used = since;
     }
+
+    fn discarded(&self, why: Unusable) {
+        count(&self.discards, why);
+    }
 }
 
 impl Affine {
     pub fn new(idle: Arc<Idle>) -> Self {
         Affine {
-            slot: Default::default(),
+            slot: Arc::new(Slot {
+                state: Default::default(),
+                discards: idle.discards.clone(),
+            }),
             wakes: Default::default(),
             idle,
         }
@@ -132,7 +147,7 @@ impl Affine {
             let first = !std::mem::replace(&mut state.served, true);
             (state.raw.take().filter(|_| fresh), first)
         };
-        let (raw, reused) = match cached.and_then(usable) {
+        let (raw, reused) = match cached.and_then(|raw| usable(raw, &self.idle.discards)) {
             Some(raw) => (raw, true),
             None => match self.idle.take(now, upstream.idle) {
                 Some(raw) => (raw, true),
@@ -180,9 +195,15 @@ impl Affine {
     }
 }
 
-/// `raw` if the upstream has not closed it since its last exchange.
-fn usable(mut raw: Raw) -> Option<Raw> {
-    raw.is_usable().then_some(raw)
+/// `raw` if nothing happened on it since its last exchange; else it is closed, and counted.
+fn usable(mut raw: Raw, discards: &Discards) -> Option<Raw> {
+    match raw.check() {
+        Ok(()) => Some(raw),
+        Err(why) => {
+            count(discards, why);
+            None
+        }
+    }
 }
 
 /// The first address of `address` that accepts a connection.
@@ -265,14 +286,14 @@ pub struct Idle {
     conns: std::sync::Mutex<std::collections::VecDeque<Parked>>,
     /// Turns to connect, [`MAX_CONNECTING`] at once.
     connects: tokio::sync::Semaphore,
+    discards: Discards,
 }
 
 impl Default for Idle {
+    /// With counters of its own (tests).
     fn default() -> Self {
-        Idle {
-            conns: Default::default(),
-            connects: tokio::sync::Semaphore::new(MAX_CONNECTING),
-        }
+        let c = || prometheus::IntCounter::new("discarded", "test").expect("valid");
+        Self::new([c(), c(), c()])
     }
 }
 
@@ -292,9 +313,22 @@ impl h1::Home for Idle {
     fn put(&self, raw: Raw, since: u64) {
         Idle::put(self, Parked { raw, since });
     }
+
+    fn discarded(&self, why: Unusable) {
+        count(&self.discards, why);
+    }
 }
 
 impl Idle {
+    /// An empty list counting what it closes in `discards`.
+    pub fn new(discards: Discards) -> Self {
+        Idle {
+            conns: Default::default(),
+            connects: tokio::sync::Semaphore::new(MAX_CONNECTING),
+            discards,
+        }
+    }
+
     fn conns(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Parked>> {
         self.conns.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -312,7 +346,7 @@ impl Idle {
         let mut conns = self.conns();
         while let Some(p) = conns.pop_back() {
             if now.saturating_sub(p.since) < idle {
-                if let Some(raw) = usable(p.raw) {
+                if let Some(raw) = usable(p.raw, &self.discards) {
                     return Some(raw);
                 }
             }
@@ -323,8 +357,18 @@ impl Idle {
     /// Closes the connections unused for `idle` nanoseconds or more, and those the upstream
     /// closed.
     pub fn prune(&self, now: u64, idle: u64) {
-        self.conns()
-            .retain_mut(|p| now.saturating_sub(p.since) < idle && p.raw.is_usable());
+        self.conns().retain_mut(|p| {
+            if now.saturating_sub(p.since) >= idle {
+                return false;
+            }
+            match p.raw.check() {
+                Ok(()) => true,
+                Err(why) => {
+                    count(&self.discards, why);
+                    false
+                }
+            }
+        });
     }
 
     #[cfg(test)]

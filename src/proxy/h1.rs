@@ -115,6 +115,31 @@ pub struct Upstream {
 pub trait Home: Send + Sync + 'static {
     /// `since`: when the exchange started (the clock's nanoseconds).
     fn put(&self, raw: Raw, since: u64);
+    /// A connection was closed instead of put back, for `why`.
+    fn discarded(&self, why: Unusable);
+}
+
+/// Why an upstream connection was closed instead of reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unusable {
+    /// Bytes were left after the response's framing.
+    Leftover = 0,
+    /// The upstream sent bytes while the connection was idle.
+    Readable = 1,
+    /// The upstream closed it (or it failed).
+    Closed = 2,
+}
+
+impl Unusable {
+    pub const ALL: [Unusable; 3] = [Unusable::Leftover, Unusable::Readable, Unusable::Closed];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Unusable::Leftover => "leftover",
+            Unusable::Readable => "unasked_bytes",
+            Unusable::Closed => "closed",
+        }
+    }
 }
 
 /// Why an exchange produced no response.
@@ -137,20 +162,25 @@ impl Raw {
         }))
     }
 
-    /// False when the upstream closed the connection since its last exchange (or it has
-    /// bytes left over). Costs no syscall: it reads the readiness the reactor recorded (an
-    /// upstream's close comes with `EPOLLRDHUP`). Bytes an upstream sends unasked without
-    /// closing are not seen here; the next exchange then fails with a 502.
-    pub fn is_usable(&mut self) -> bool {
+    /// Whether the connection may carry another exchange: not when bytes are left over from
+    /// the last one, nor when the upstream sent anything since (bytes no request asked for: a
+    /// body after a `HEAD` answer's head, a second response, more than its framing said) or
+    /// closed it. nginx's keepalive cache closes an idle connection that becomes readable, for
+    /// the same reason: those bytes would be read as the next client's answer. Costs no
+    /// syscall: it reads the readiness the reactor recorded. What arrives after that record,
+    /// or after the next request was written, cannot be told from that request's answer (the
+    /// residual race of HTTP/1 keep-alive).
+    pub fn check(&mut self) -> Result<(), Unusable> {
         if !self.buf.is_empty() {
-            return false;
+            return Err(Unusable::Leftover);
         }
         let mut cx = Context::from_waker(std::task::Waker::noop());
         let ready = std::pin::pin!(self.stream.ready(tokio::io::Interest::READABLE));
         match ready.poll(&mut cx) {
-            Poll::Pending => true,
-            Poll::Ready(Ok(r)) => !(r.is_read_closed() || r.is_error()),
-            Poll::Ready(Err(_)) => false,
+            Poll::Pending => Ok(()),
+            Poll::Ready(Ok(r)) if r.is_read_closed() || r.is_error() => Err(Unusable::Closed),
+            Poll::Ready(Ok(_)) => Err(Unusable::Readable),
+            Poll::Ready(Err(_)) => Err(Unusable::Closed),
         }
     }
 
@@ -697,9 +727,13 @@ impl RawBody {
     fn finish(&mut self) {
         self.framing = Framing::Done;
         if let (Some(mut raw), Some(home)) = (self.raw.take(), self.home.take()) {
+            // More than the response's framing said: never pooled. (Readiness is looked at
+            // when the connection is taken again: the read that ended this body left none.)
             if raw.buf.is_empty() {
                 raw.filled = 0;
                 home.put(raw, self.since);
+            } else {
+                home.discarded(Unusable::Leftover);
             }
         }
     }
@@ -1152,6 +1186,7 @@ mod tests {
 
     impl Home for Dropped {
         fn put(&self, _: Raw, _: u64) {}
+        fn discarded(&self, _: Unusable) {}
     }
 
     /// A connection to a listening "app", and our end of it.

@@ -22,7 +22,7 @@ mod affine;
 mod coarse;
 mod fds;
 pub mod forward;
-mod h1;
+pub(crate) mod h1;
 mod inbound;
 pub mod reload;
 pub mod respond;
@@ -482,7 +482,7 @@ async fn worker(
         timers: timers.clone(),
         draining,
     });
-    let idle = Arc::new(affine::Idle::default());
+    let idle = Arc::new(affine::Idle::new(shared.metrics.upstream_discards.clone()));
     // Ends with this worker's runtime.
     tokio::spawn(anchor_timer(
         anchor_period(&config.timeouts),

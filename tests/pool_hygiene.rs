@@ -1,0 +1,153 @@
+//! An upstream that writes more than its framing says must never make one client's bytes
+//! another's answer: a pooled connection with anything pending on it is closed, not reused
+//! (src/proxy/h1.rs, `Raw::check`). A raw-socket upstream answers each shape; the next client
+//! must get exactly its own answer, for HTTP/1 and HTTP/2 clients.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::*;
+use http::StatusCode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+
+/// A raw HTTP/1.1 upstream. `/echo/<x>` answers 200 with body `<x>`. `/bad/<shape>` answers
+/// with more bytes than its framing says, in one write; `HEAD /late` answers the head, then,
+/// when `late` is notified, writes a body nobody asked for on the same connection.
+async fn raw_upstream(late: Arc<Notify>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            let late = late.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    let mut chunk = [0u8; 4096];
+                    let Ok(n) = s.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                        buf.drain(..end + 4);
+                        let line = head.lines().next().unwrap_or_default().to_string();
+                        let mut parts = line.split(' ');
+                        let (method, path) =
+                            (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+                        let answer: Vec<u8> = if let Some(x) = path.strip_prefix("/echo/") {
+                            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{x}", x.len())
+                                .into_bytes()
+                        } else if path == "/late" && method == "HEAD" {
+                            let _ = s
+                                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 13\r\n\r\n")
+                                .await;
+                            late.notified().await;
+                            b"ATTACKER-BODY".to_vec()
+                        } else {
+                            match path {
+                                "/bad/head" => b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE".to_vec(),
+                                "/bad/204" => b"HTTP/1.1 204 No Content\r\n\r\nSTOLE".to_vec(),
+                                "/bad/short" => b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokSTOLE".to_vec(),
+                                "/bad/chunks" => b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nSTOLE".to_vec(),
+                                "/bad/two" => b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE".to_vec(),
+                                _ => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n".to_vec(),
+                            }
+                        };
+                        if s.write_all(&answer).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+async fn proxy_for(upstream: SocketAddr) -> spillway::Sidecar {
+    // One worker: every client's requests share one list of idle upstream connections.
+    let config = spillway::Config::from_yaml(
+        &format!(
+            "service: t\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{upstream}\nworkers: 1\nrules: []\n"
+        ),
+        "test",
+    )
+    .unwrap();
+    spillway::Sidecar::start(config).await.unwrap()
+}
+
+fn discarded(text: &str, reason: &str) -> f64 {
+    metric(
+        text,
+        &format!("spillway_upstream_connections_discarded_total{{reason=\"{reason}\"}}"),
+    )
+    .unwrap_or(0.0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_past_a_responses_framing_never_reach_the_next_client() {
+    let up = raw_upstream(Arc::new(Notify::new())).await;
+    let sc = proxy_for(up).await;
+    for (n, (method, shape)) in [
+        ("HEAD", "/bad/head"),
+        ("GET", "/bad/204"),
+        ("GET", "/bad/short"),
+        ("GET", "/bad/chunks"),
+        ("GET", "/bad/two"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for (kind, c) in [("http/1", client()), ("http/2", h2_client())] {
+            // The attacker's request, then other clients' on fresh client connections.
+            let _ = send(&c, sc.addr(), method, shape, &[]).await;
+            for who in ["alice", "bob"] {
+                let mine = format!("{who}-{n}");
+                let (status, _, body) =
+                    send(&client(), sc.addr(), "GET", &format!("/echo/{mine}"), &[]).await;
+                assert_eq!(
+                    (status, body.as_str()),
+                    (StatusCode::OK, mine.as_str()),
+                    "{kind} {method} {shape}: another client's bytes"
+                );
+            }
+        }
+    }
+    let text = admin(&sc, "/metrics").await.1;
+    assert!(discarded(&text, "leftover") >= 10.0, "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_an_upstream_sends_while_its_connection_is_idle_close_it() {
+    let late = Arc::new(Notify::new());
+    let up = raw_upstream(late.clone()).await;
+    let sc = proxy_for(up).await;
+    // The attacker's HEAD gets its head; the connection goes back to the pool.
+    let (status, _, _) = send(&client(), sc.addr(), "HEAD", "/late", &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    // Now the app writes a body nobody asked for, on the idle connection.
+    late.notify_one();
+    // The proxy's readiness signal: the connection is closed and counted (bounded: 10 s).
+    let mut seen = false;
+    for _ in 0..500 {
+        if discarded(&admin(&sc, "/metrics").await.1, "unasked_bytes") >= 1.0 {
+            seen = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(seen, "an idle connection with bytes pending was kept");
+    let (status, _, body) = send(&client(), sc.addr(), "GET", "/echo/alice", &[]).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "alice"));
+}
