@@ -17,7 +17,9 @@
 //! response is refused), or the close. Interim responses are skipped, an unasked 101 refused.
 //! The connection is reused only after a response that allows it (HTTP/1.1 without `close`,
 //! HTTP/1.0 with `keep-alive`, delimited by length or chunks, read to its end); a body dropped
-//! before its end drops the connection.
+//! before its end drops the connection, and so do bytes past a response's framing or sent
+//! while the connection was idle ([`Raw::check`]). Bytes that arrive after the next request
+//! was written cannot be told from its answer: that residual race is HTTP/1 keep-alive's own.
 //!
 //! Cost per request: one `write` for the head (on a busy worker made once the other connections
 //! ready with it have had their turn, so that the app wakes once for a turn's requests), one `read`
