@@ -338,13 +338,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     registry
         .register(Box::new(forward_seconds.clone()))
         .expect("unique");
-    let insecure_gauge = IntGauge::new(
-        "spillway_aggregator_insecure",
-        "1 when serving beyond loopback with no token (--insecure).",
-    )
-    .expect("valid metric");
-    insecure_gauge.set(i64::from(insecure));
-    registry.register(Box::new(insecure_gauge)).expect("unique");
+    server::insecure_gauge(&registry, "aggregator", insecure);
     let start_seq = super::reporter::first_seq();
     let state = Arc::new(State {
         sums: Shared::new(ZoneSums::new(0.0, super::sum::MAX_TRACKED)),

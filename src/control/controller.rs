@@ -318,13 +318,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     registry
         .register(Box::new(ratios_cut.clone()))
         .expect("unique");
-    let insecure_gauge = IntGauge::new(
-        "spillway_controller_insecure",
-        "1 when serving beyond loopback with no token (--insecure).",
-    )
-    .expect("valid metric");
-    insecure_gauge.set(i64::from(insecure));
-    registry.register(Box::new(insecure_gauge)).expect("unique");
+    server::insecure_gauge(&registry, "controller", insecure);
     let refused = IntCounter::new(
         "spillway_controller_entries_refused_total",
         "Report entries dropped because the controller holds its maximum of rates (a flood).",

@@ -190,7 +190,7 @@ pub fn build_report(
 }
 
 /// A first sequence number that a restarted process has not used before: the wall clock in
-/// milliseconds (a source sends at most one report per 10 ms).
+/// milliseconds (a source sends at most one report per 100 ms).
 pub fn first_seq() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)

@@ -366,6 +366,18 @@ pub fn reply_services<'a>(
     Some(services)
 }
 
+/// Registers `spillway_<role>_insecure` in `registry`: 1 when serving beyond loopback with no
+/// token ([`check_exposure`] said so).
+pub fn insecure_gauge(registry: &prometheus::Registry, role: &str, insecure: bool) {
+    let gauge = prometheus::IntGauge::new(
+        format!("spillway_{role}_insecure"),
+        "1 when serving beyond loopback with no token (--insecure).",
+    )
+    .expect("valid metric");
+    gauge.set(i64::from(insecure));
+    registry.register(Box::new(gauge)).expect("unique");
+}
+
 /// Refuses to serve `addr` beyond loopback without a token, unless `insecure`; returns whether
 /// it is serving insecurely (to log and to show in a metric).
 pub fn check_exposure(

@@ -95,6 +95,21 @@ impl RuleAcc {
             None => self.other.as_mut(),
         }
     }
+
+    /// Every key with its sums, the folded tail (`None`) last.
+    fn all_keys(&self) -> impl Iterator<Item = (Option<&Arc<str>>, &KeySum)> {
+        self.keys
+            .iter()
+            .map(|(k, s)| (Some(k), s))
+            .chain(self.other.iter().map(|s| (None, s)))
+    }
+
+    /// Source `id` no longer states a limit here: the smallest of the others applies.
+    fn forget_limit(&mut self, id: u64) {
+        if self.limits.remove(&id).is_some() && !self.limits.is_empty() {
+            self.limit = smallest(self.limits.values());
+        }
+    }
 }
 
 /// One (service, rule, key): the sum of the values held for it and its smoothed history.
@@ -311,8 +326,7 @@ impl Accumulator {
         self.tracked = self.tracked.saturating_sub(held.entries);
         held.entries = 0;
         for hr in &old {
-            withdraw(&mut self.rules, hr, now, tau);
-            uncount(&mut self.tracked_by, hr);
+            withdraw(&mut self.rules, &mut self.tracked_by, hr, now, tau);
         }
         // The service whose entries come now, and how many values it holds with them.
         let mut service_held: Option<(Arc<str>, usize)> = None;
@@ -453,9 +467,7 @@ impl Accumulator {
                     .get_mut(&*hr.service)
                     .and_then(|r| r.get_mut(&*hr.rule))
                 {
-                    if rule.limits.remove(&id).is_some() && !rule.limits.is_empty() {
-                        rule.limit = smallest(rule.limits.values());
-                    }
+                    rule.forget_limit(id);
                 }
             }
         }
@@ -489,13 +501,11 @@ impl Accumulator {
         self.tracked = self.tracked.saturating_sub(lapsed);
         for (id, rules) in stale {
             for hr in rules {
-                uncount(&mut self.tracked_by, &hr);
-                let Some(rule) = withdraw(&mut self.rules, &hr, now, tau) else {
+                let Some(rule) = withdraw(&mut self.rules, &mut self.tracked_by, &hr, now, tau)
+                else {
                     continue;
                 };
-                if rule.limits.remove(&id).is_some() && !rule.limits.is_empty() {
-                    rule.limit = smallest(rule.limits.values());
-                }
+                rule.forget_limit(id);
             }
         }
         // A key nobody holds values for is kept while its smoothed history still matters.
@@ -531,12 +541,7 @@ impl Accumulator {
                     admitted: 0.0,
                     dropped: 0.0,
                 };
-                let all = rule
-                    .keys
-                    .iter()
-                    .map(|(k, s)| (Some(k), s))
-                    .chain(rule.other.iter().map(|s| (None, s)));
-                for (key, k) in all {
+                for (key, k) in rule.all_keys() {
                     keys += 1;
                     let (offered, admitted) = k.smoothed(now, self.tau);
                     let ratio = drop_ratio(offered, k.limit(key, limit));
@@ -664,12 +669,7 @@ impl Accumulator {
             }
             for (rule_name, rule) in rules {
                 let limit = rule.limit.per_second();
-                let keys = rule
-                    .keys
-                    .iter()
-                    .map(|(k, s)| (Some(k), s))
-                    .chain(rule.other.iter().map(|s| (None, s)));
-                for (key, k) in keys {
+                for (key, k) in rule.all_keys() {
                     let (offered, admitted) = k.smoothed(now, self.tau);
                     let limit_here = k.limit(key, limit);
                     out.push(KeyView {
@@ -840,13 +840,20 @@ impl ZoneSums {
 }
 
 /// Takes one source's held values of a rule out of the sums (bringing each key's smoothed
-/// history up to `now` first); the rule, if it is still there.
+/// history up to `now` first) and off its service's count; the rule, if it is still there.
 fn withdraw<'a>(
     rules: &'a mut HashMap<Arc<str>, HashMap<Arc<str>, RuleAcc>>,
+    tracked_by: &mut HashMap<Arc<str>, usize>,
     held: &HeldRule,
     now: f64,
     tau: f64,
 ) -> Option<&'a mut RuleAcc> {
+    if let Some(n) = tracked_by.get_mut(&*held.service) {
+        *n = n.saturating_sub(held.keys.len());
+        if *n == 0 {
+            tracked_by.remove(&*held.service);
+        }
+    }
     let rule = rules.get_mut(&*held.service)?.get_mut(&*held.rule)?;
     for (k, r) in &held.keys {
         if let Some(ks) = rule.key_mut(k.as_deref()) {
@@ -855,16 +862,6 @@ fn withdraw<'a>(
         }
     }
     Some(rule)
-}
-
-/// Takes one held rule's values off its service's count.
-fn uncount(tracked_by: &mut HashMap<Arc<str>, usize>, held: &HeldRule) {
-    if let Some(n) = tracked_by.get_mut(&*held.service) {
-        *n = n.saturating_sub(held.keys.len());
-        if *n == 0 {
-            tracked_by.remove(&*held.service);
-        }
-    }
 }
 
 /// The shared name of `service`, added if new.
