@@ -45,6 +45,10 @@ pub struct Config {
     /// `strict` (as written).
     #[serde(default)]
     pub path_match: PathMatch,
+    /// What a `GET` or `HEAD` with a body gets: `forward` (on an upstream connection closed
+    /// after its answer, so an app that ignores the body cannot read it as a request) or 400.
+    #[serde(default)]
+    pub bodies_on_get: BodiesOnGet,
     /// The `Upgrade` protocols forwarded (`h2c` never is).
     #[serde(default = "default_upgrades")]
     pub upgrades: Vec<UpgradeProtocol>,
@@ -265,6 +269,18 @@ fn yes() -> bool {
 pub enum PathEscapes {
     #[default]
     Keep,
+    Reject,
+}
+
+/// What a `GET` or `HEAD` request with a body gets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BodiesOnGet {
+    /// Forwarded with `Connection: close`; its upstream connection is never reused (search
+    /// APIs send JSON bodies on GET).
+    #[default]
+    Forward,
+    /// Answered 400, the connection closed.
     Reject,
 }
 

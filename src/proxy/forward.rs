@@ -285,6 +285,9 @@ pub struct Forward<'a> {
     pub now: u64,
     /// The `Upgrade` protocols that may be forwarded.
     pub upgrades: &'a [UpgradeProtocol],
+    /// The upstream connection must not carry another request after this one (a body on a
+    /// GET, which the app may not read): `Connection: close` goes with it.
+    pub close: bool,
 }
 
 impl Forward<'_> {
@@ -337,13 +340,14 @@ impl Forward<'_> {
         });
         // The client connection's own upstream connection writes the client's headers as the
         // hop leaves them; the pooled client gets the request rewritten.
-        let added = Added::of(
+        let mut added = Added::of(
             req.headers(),
             req.uri().authority(),
             affine.map(|_| self.upstream),
             self.peer,
             self.trust_forwarded,
         );
+        added.close = self.close && !self.h2;
         if affine.is_none() {
             if let Err(resp) = self.rewrite(req, upgrade.is_some(), &added) {
                 return resp;
@@ -499,6 +503,8 @@ pub struct Added {
     listed: SmallVec<[HeaderName; 1]>,
     /// The client's `X-Forwarded-*` come from a trusted hop.
     trusted: bool,
+    /// `Connection: close` goes upstream, and the connection is not reused after the answer.
+    pub close: bool,
 }
 
 /// Bytes of `X-Forwarded-For` kept in [`Added`] without an allocation.
@@ -570,6 +576,7 @@ impl Added {
             forwarded_host,
             listed,
             trusted: trust_forwarded,
+            close: false,
         }
     }
 
@@ -598,6 +605,7 @@ impl Added {
             (&X_FORWARDED_FOR, Some(&self.forwarded_for[..])),
             (&X_FORWARDED_PROTO, value(&self.proto)),
             (&X_FORWARDED_HOST, value(&self.forwarded_host)),
+            (&header::CONNECTION, self.close.then_some(&b"close"[..])),
         ]
         .into_iter()
         .filter_map(|(name, value)| value.map(|v| (name, v)))

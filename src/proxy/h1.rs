@@ -275,6 +275,8 @@ pub async fn exchange(
                 if (100..200).contains(&head.status) {
                     continue;
                 }
+                // A connection asked to close is not reused, whatever the answer says.
+                let home = (!added.close).then(|| home.clone());
                 return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
             }
             Ok(None) => more(&mut raw).await.map_err(Failed::Upstream)?,
@@ -477,7 +479,7 @@ fn respond(
     head_only: bool,
     mapped: bool,
     raw: Raw,
-    home: Arc<dyn Home>,
+    home: Option<Arc<dyn Home>>,
     now: u64,
 ) -> io::Result<Response<RawBody>> {
     let status = StatusCode::from_u16(head.status)
@@ -516,7 +518,7 @@ fn respond(
     let mut body = RawBody {
         raw: Some(raw),
         framing,
-        home: reusable.then_some(home),
+        home: home.filter(|_| reusable),
         since: now,
         passed,
     };

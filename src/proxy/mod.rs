@@ -661,6 +661,36 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
         );
         return resp;
     }
+    // A body on a request whose method gives it no meaning (RFC 9110 §9.3), which many apps
+    // never read: left on a kept-alive upstream connection, it would be parsed as a request
+    // no rule saw. Forwarded on a connection closed after the answer, or (GET and HEAD,
+    // `bodies_on_get: reject`) refused.
+    let method = req.method();
+    let get_body = (method == http::Method::GET
+        || method == http::Method::HEAD
+        || method == http::Method::DELETE
+        || method == http::Method::OPTIONS
+        || method == http::Method::TRACE)
+        && !http_body::Body::is_end_stream(req.body());
+    let get_or_head = method == http::Method::GET || method == http::Method::HEAD;
+    if get_body && get_or_head && shared.hygiene.reject_get_bodies {
+        metrics
+            .bad_requests
+            .with_label_values(&["body_on_get"])
+            .inc();
+        metrics
+            .duration(Outcome::Error)
+            .observe(elapsed(shared, start));
+        let mut resp = respond::error(
+            StatusCode::BAD_REQUEST,
+            "a GET or HEAD request must not have a body here",
+        );
+        resp.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+        return resp;
+    }
     let grpc = respond::is_grpc(req.headers());
     // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
     // and never holds the rule snapshot across that wait.
@@ -711,6 +741,7 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
         affine: (!shared.upstream_h2).then_some((&conn.affine, &shared.affine_upstream)),
         now: start,
         upgrades: &shared.hygiene.upgrades,
+        close: get_body,
     };
     let mut resp = fwd.send(req, admit.permits).await;
     let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
@@ -739,6 +770,8 @@ pub struct Hygiene {
     reject_separators: bool,
     strict_path: bool,
     upgrades: Vec<crate::config::UpgradeProtocol>,
+    /// `bodies_on_get: reject`: a GET or HEAD with a body is answered 400.
+    reject_get_bodies: bool,
 }
 
 impl Default for Hygiene {
@@ -752,6 +785,7 @@ impl Default for Hygiene {
             reject_separators: false,
             strict_path: false,
             upgrades: crate::config::default_upgrades(),
+            reject_get_bodies: false,
         }
     }
 }
@@ -765,6 +799,7 @@ impl Hygiene {
             reject_separators: config.path_escapes == crate::config::PathEscapes::Reject,
             strict_path: config.path_match == crate::config::PathMatch::Strict,
             upgrades: config.upgrades.clone(),
+            reject_get_bodies: config.bodies_on_get == crate::config::BodiesOnGet::Reject,
         }
     }
 

@@ -179,6 +179,7 @@ fn restart_fields(old: &Config, new: &Config) -> Vec<&'static str> {
     check("normalize_path", old.normalize_path != new.normalize_path);
     check("path_escapes", old.path_escapes != new.path_escapes);
     check("path_match", old.path_match != new.path_match);
+    check("bodies_on_get", old.bodies_on_get != new.bodies_on_get);
     check("upgrades", old.upgrades != new.upgrades);
     check("timeouts", !same(&old.timeouts, &new.timeouts));
     check("limits", !same(&old.limits, &new.limits));
