@@ -255,12 +255,14 @@ pub async fn exchange(
         return Err(Failed::Unsent(e));
     }
     let head_only = req.method() == Method::HEAD;
+    let mut end = HeadEnd::default();
     loop {
         // Parsed where it is used, never held across an await: a `Head` is 440 bytes, and
-        // each future it passed through would copy it.
-        let taken = match raw.buf.is_empty() {
-            true => Ok(None),
-            false => take_head(&mut raw.buf),
+        // each future it passed through would copy it. Parsed again only once its end may
+        // have come.
+        let taken = match !raw.buf.is_empty() && end.may_end(&raw.buf) {
+            false => Ok(None),
+            true => take_head(&mut raw.buf),
         };
         match taken {
             // Borrowed where it was parsed into, not moved out (a copy).
@@ -273,6 +275,7 @@ pub async fn exchange(
                 }
                 // Interim responses (100 Continue, 103 Early Hints): the final one follows.
                 if (100..200).contains(&head.status) {
+                    end = HeadEnd::default();
                     continue;
                 }
                 // A connection asked to close is not reused, whatever the answer says.
@@ -389,8 +392,16 @@ async fn more(raw: &mut Raw) -> io::Result<()> {
     Ok(())
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Bytes handed to the parser on this thread: the parse work a test counts.
+    static PARSED: Cell<usize> = const { Cell::new(0) };
+}
+
 /// The response head at the start of `buf`, taken out of it; `None` while it is partial.
 fn take_head(buf: &mut BytesMut) -> io::Result<Option<Head>> {
+    #[cfg(test)]
+    PARSED.set(PARSED.get() + buf.len());
     // Uninitialised: filling 100 empty fields first would cost more than the parse.
     let mut fields = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
     let mut resp = httparse::Response::new(&mut []);
@@ -467,8 +478,8 @@ enum Chunk {
     Data(u64),
     /// After a chunk's data: its CRLF.
     DataEnd,
-    /// After the last chunk: trailer fields up to an empty line.
-    Trailers,
+    /// After the last chunk: trailer fields up to an empty line, searched for up to here.
+    Trailers(usize),
 }
 
 /// The response of `head`, its body reading the rest from `raw`. The head's hop-by-hop fields
@@ -776,7 +787,7 @@ impl RawBody {
                         };
                         raw.buf.advance(end + 1);
                         self.framing = Framing::Chunked(if size == 0 {
-                            Chunk::Trailers
+                            Chunk::Trailers(0)
                         } else {
                             Chunk::Data(size)
                         });
@@ -797,13 +808,17 @@ impl RawBody {
                     self.framing = Framing::Chunked(Chunk::Size);
                     continue;
                 }
-                Framing::Chunked(Chunk::Trailers) => {
+                Framing::Chunked(Chunk::Trailers(searched)) => {
                     if raw.buf.starts_with(b"\r\n") {
                         raw.buf.advance(2);
                         self.finish();
                         return Poll::Ready(None);
                     }
-                    match find(&raw.buf, b"\r\n\r\n") {
+                    // Searched once in all, not from the start at each read.
+                    let from = searched.saturating_sub(3);
+                    let found = find(&raw.buf[from..], b"\r\n\r\n").map(|at| from + at);
+                    self.framing = Framing::Chunked(Chunk::Trailers(raw.buf.len()));
+                    match found {
                         Some(end) => {
                             let trailers = match parse_trailers(&raw.buf[..end + 4]) {
                                 Ok(t) => t,
@@ -874,6 +889,41 @@ impl Body for RawBody {
     }
 }
 
+/// How far a growing buffer has been searched for the empty line that ends a message head, so
+/// that a head trickled a byte at a time is searched once in all rather than parsed from its
+/// start at every read (quadratic in its size).
+#[derive(Default)]
+pub(super) struct HeadEnd {
+    searched: usize,
+    looked: bool,
+}
+
+impl HeadEnd {
+    /// Whether `buf` (the same buffer as at the last call, grown at its end) may hold a whole
+    /// head now: at the first look (what is no head at all is refused at once), then only once
+    /// an empty line (`\n\n` or `\n\r\n`, RFC 9112 lets a bare LF end a line) has arrived.
+    pub fn may_end(&mut self, buf: &[u8]) -> bool {
+        let first = !std::mem::replace(&mut self.looked, true);
+        // The empty line may have begun in the bytes searched last time.
+        let from = self.searched.saturating_sub(2).min(buf.len());
+        self.searched = buf.len();
+        first || has_empty_line(&buf[from..])
+    }
+}
+
+/// Whether `bytes` hold `\n\n` or `\n\r\n`.
+fn has_empty_line(bytes: &[u8]) -> bool {
+    let mut at = 0;
+    while let Some(i) = bytes[at..].iter().position(|&b| b == b'\n') {
+        let rest = &bytes[at + i + 1..];
+        if rest.starts_with(b"\n") || rest.starts_with(b"\r\n") {
+            return true;
+        }
+        at += i + 1;
+    }
+    false
+}
+
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
@@ -915,6 +965,53 @@ fn parse_trailers(text: &[u8]) -> io::Result<HeaderMap> {
 mod tests {
     use super::*;
     use crate::key::tests::headers;
+
+    struct Nowhere;
+
+    impl Home for Nowhere {
+        fn put(&self, _: Raw, _: u64) {}
+        fn discarded(&self, _: Unusable) {}
+    }
+
+    /// A response head the upstream sends one byte per write: the parser is handed each byte
+    /// a bounded number of times.
+    #[tokio::test]
+    async fn a_trickled_response_head_costs_parse_work_linear_in_its_size() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let head = format!(
+            "HTTP/1.1 200 OK\r\n{}content-length: 2\r\n\r\nok",
+            "x-pad: 0123456789abcdef0123456789abcdef0123456789abcdef\r\n".repeat(60)
+        );
+        let n = head.len();
+        let app = std::thread::spawn(move || {
+            use std::io::{Read as _, Write as _};
+            let (mut s, _) = listener.accept().unwrap();
+            s.set_nodelay(true).unwrap();
+            let mut req = [0u8; 1024];
+            let _ = s.read(&mut req).unwrap();
+            for b in head.as_bytes() {
+                s.write_all(&[*b]).unwrap();
+                std::thread::sleep(std::time::Duration::from_micros(20));
+            }
+            s
+        });
+        let raw = Raw::new(TcpStream::connect(addr).await.unwrap());
+        let req = Request::get("/t")
+            .body(Either::Right(super::super::forward::InHand::default()))
+            .unwrap();
+        let added = Added::of(req.headers(), None, None, [127, 0, 0, 1].into(), false);
+        PARSED.set(0);
+        woke();
+        let resp = exchange(raw, &req, &added, Arc::new(Nowhere), 0)
+            .await
+            .map_err(|_| "failed")
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let work = PARSED.get();
+        assert!(work <= 3 * n, "{work} bytes parsed for a head of {n}");
+        drop(app.join().unwrap());
+    }
 
     fn framed(status: u16, head_only: bool, pairs: &[(&str, &str)]) -> io::Result<(String, bool)> {
         let status = StatusCode::from_u16(status).unwrap();

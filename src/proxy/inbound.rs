@@ -70,7 +70,7 @@ use tokio::sync::watch;
 
 use super::coarse::{Sleep, Timers};
 use super::forward::{has_token, Ended, InHand, ReqBody, Streamed};
-use super::h1::{keeps_alive, parse_length};
+use super::h1::{keeps_alive, parse_length, HeadEnd};
 use super::respond::{self, Body, Own};
 use super::{handle, AbandonGuard, Conn};
 
@@ -200,8 +200,11 @@ impl Served {
         // Bytes the buffer must hold before the head is parsed again: a whole head's and its
         // small body's, once the body is known to be short of them.
         let mut need = 1;
+        // A head trickled in is parsed again only once its end may have come: linear in its
+        // size, not quadratic.
+        let mut end = HeadEnd::default();
         loop {
-            if self.buf.len() >= need {
+            if self.buf.len() >= need && (need > 1 || end.may_end(&self.buf)) {
                 match parse(&mut self.buf) {
                     Parsed::Request(req) => return Ok(Next::Request(slot.insert(req))),
                     Parsed::Other => return Ok(Next::Hyper { back: false }),
@@ -210,15 +213,17 @@ impl Served {
                     // within the head's deadline, as nginx buffers a small body before it
                     // forwards. A body that comes apart from its head (a client's second
                     // write, a second TCP segment) keeps the connection on this side.
-                    Parsed::Short(whole) => match self.read_now(whole)? {
-                        true => continue,
-                        false => need = whole,
-                    },
-                    Parsed::Partial if self.buf.len() >= lane.max_head => {
-                        return Ok(Next::Hyper { back: false })
+                    Parsed::Short(whole) => {
+                        need = whole;
+                        if self.read_now(whole)? {
+                            continue;
+                        }
                     }
                     Parsed::Partial => {}
                 }
+            }
+            if need == 1 && self.buf.len() >= lane.max_head {
+                return Ok(Next::Hyper { back: false });
             }
             if self.buf.capacity() - self.buf.len() < 1024 {
                 // Reclaimed in place once the last request's head is gone; grown otherwise.
@@ -558,8 +563,16 @@ enum Parsed {
     Streamed,
 }
 
+#[cfg(test)]
+thread_local! {
+    /// Bytes handed to the parser on this thread: the parse work a test counts.
+    static PARSED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
 /// Takes a whole request head this side serves out of `buf`, as the request.
 fn parse(buf: &mut BytesMut) -> Parsed {
+    #[cfg(test)]
+    PARSED.set(PARSED.get() + buf.len());
     // Uninitialised: filling 100 empty fields first would cost more than the parse.
     let mut fields = [const { MaybeUninit::uninit() }; MAX_HEADERS];
     let mut parsed = httparse::Request::new(&mut []);
@@ -1093,6 +1106,72 @@ mod tests {
             assert_eq!(got, Some(is_streamed), "{text_lossy:?}");
             assert_eq!(&rest[..], text, "bytes kept for hyper");
         }
+    }
+
+    /// A request head sent one byte per write: the parser is handed each byte a bounded
+    /// number of times (it was handed the whole buffer at every read: quadratic).
+    #[tokio::test]
+    async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+        client.set_nodelay(true).unwrap();
+        let (server, _) = listener.accept().await.unwrap();
+        let head = format!(
+            "GET /t HTTP/1.1\r\nHost: x\r\n{}\r\n",
+            "X-Pad: 0123456789abcdef0123456789abcdef0123456789abcdef\r\n".repeat(60)
+        );
+        let n = head.len();
+        let (_drain, draining) = watch::channel(false);
+        let lane = Lane {
+            hyper: auto::Builder::new(TokioExecutor::new()),
+            h1: hyper::server::conn::http1::Builder::new(),
+            max_head: 64 * 1024,
+            header_read: Duration::from_secs(30),
+            timers: Arc::new(Timers::default()),
+            draining,
+        };
+        let mut s = Served {
+            stream: server,
+            buf: BytesMut::with_capacity(READ),
+            out: Vec::new(),
+        };
+        // On a thread of its own: each byte its own segment, most read on their own.
+        let writer = std::thread::spawn(move || {
+            use std::io::Write as _;
+            for b in head.as_bytes() {
+                client.write_all(&[*b]).unwrap();
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            client
+        });
+        let mut slot = None;
+        let never = std::pin::pin!(std::future::pending::<()>());
+        PARSED.set(0);
+        let next = s.head(&lane, never, &mut slot).await.unwrap();
+        assert!(
+            matches!(next, Next::Request(_)),
+            "a whole head is a request"
+        );
+        let work = PARSED.get();
+        assert!(work <= 3 * n, "{work} bytes parsed for a head of {n}");
+        drop(writer.join().unwrap());
+    }
+
+    #[test]
+    fn the_end_of_a_head_is_searched_once() {
+        let mut end = HeadEnd::default();
+        let text = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+        let mut ends = Vec::new();
+        for i in 1..=text.len() {
+            ends.push(end.may_end(&text[..i]));
+        }
+        // The first look, then only when the empty line is whole (split across calls too).
+        let at: Vec<usize> = (0..ends.len()).filter(|&i| ends[i]).collect();
+        assert_eq!(at, [0, text.len() - 1]);
+        let mut bare = HeadEnd::default();
+        assert!(bare.may_end(b"G"));
+        assert!(!bare.may_end(b"GET / HTTP/1.1\nHost: x\n"));
+        assert!(bare.may_end(b"GET / HTTP/1.1\nHost: x\n\n"));
     }
 
     #[test]
