@@ -437,6 +437,9 @@ pub struct Timeouts {
     pub upstream_connect: Dur,
     /// From the request sent upstream to the response head received.
     pub upstream_response: Dur,
+    /// A client that accepts no byte of a response for this long is disconnected (an HTTP/2
+    /// stream whose window stays shut: its response is dropped), freeing its slots.
+    pub send: Dur,
     /// An upstream connection idle this long is not used again.
     pub idle: Dur,
     /// On shutdown, in-flight requests get this long to finish.
@@ -449,6 +452,7 @@ impl Default for Timeouts {
             header_read: Dur(Duration::from_secs(10)),
             upstream_connect: Dur(Duration::from_secs(3)),
             upstream_response: Dur(Duration::from_secs(30)),
+            send: Dur(Duration::from_secs(60)),
             idle: Dur(Duration::from_secs(60)),
             drain: Dur(Duration::from_secs(25)),
         }

@@ -191,6 +191,8 @@ pub struct Metrics {
     upstream_errors: [IntCounter; 4],
     /// `spillway_upstream_connections_discarded_total{reason}`, by `h1::Unusable`.
     pub upstream_discards: [IntCounter; 3],
+    /// `spillway_client_send_timeouts_total`.
+    pub send_timeouts: IntCounter,
     pub bad_requests: IntCounterVec,
     /// `bad_requests{reason="header_too_large"}`, resolved once.
     pub header_too_large: IntCounter,
@@ -322,6 +324,11 @@ impl Metrics {
             &["reason"],
         )
         .expect("valid metric");
+        let send_timeouts = IntCounter::new(
+            "spillway_client_send_timeouts_total",
+            "Responses given up because the client took none of their bytes for timeouts.send (the HTTP/1 connection closed, the HTTP/2 stream's response dropped).",
+        )
+        .expect("valid metric");
         let connections = IntGauge::new("spillway_connections", "Client connections open now.")
             .expect("valid metric");
         let draining = IntGauge::new(
@@ -364,6 +371,7 @@ impl Metrics {
             Box::new(duration.clone()),
             Box::new(upstream.clone()),
             Box::new(discarded.clone()),
+            Box::new(send_timeouts.clone()),
             Box::new(bad_requests.clone()),
             Box::new(connections.clone()),
             Box::new(draining.clone()),
@@ -441,6 +449,7 @@ impl Metrics {
             durations,
             upstream_errors,
             upstream_discards,
+            send_timeouts,
             header_too_large: bad_requests.with_label_values(&["header_too_large"]),
             rapid_reset: bad_requests.with_label_values(&["rapid_reset"]),
             bad_body: bad_requests.with_label_values(&["body"]),

@@ -98,8 +98,12 @@ pub struct Lane {
     /// A partial head at least this long is handed to hyper (which answers 431).
     pub max_head: usize,
     pub header_read: Duration,
-    /// The worker's timers (the header-read deadline).
+    /// `timeouts.send`: a client that takes no byte of a response for this long is dropped.
+    pub send: Duration,
+    /// The worker's timers (the header-read and send deadlines).
     pub timers: Arc<Timers>,
+    /// The worker's HTTP/2 responses, watched for a window that stays shut.
+    pub stalls: Arc<Stalls>,
     /// Turns true when the worker drains.
     pub draining: watch::Receiver<bool>,
 }
@@ -117,6 +121,7 @@ pub async fn serve(stream: TcpStream, conn: Arc<Conn>, lane: Arc<Lane>) -> Resul
         stream,
         buf: BytesMut::with_capacity(READ),
         out: Vec::with_capacity(512),
+        clock: SendClock::new(&lane),
     };
     // Where each request is made: it is borrowed by the request path (each move down its
     // futures would copy it) and dropped before its response is written.
@@ -182,6 +187,223 @@ struct Served {
     buf: BytesMut,
     /// The response head being written, kept for the next one.
     out: Vec<u8>,
+    /// Bounds how long a write may wait for the client to take bytes.
+    clock: SendClock,
+}
+
+/// `timeouts.send` for a client's writes (nginx's `send_timeout`): a write that takes no byte
+/// for that long fails, and the connection with it (its request's slots are freed as the
+/// response is dropped). Armed only when a write has to wait: a client that keeps up costs
+/// nothing.
+pub(super) struct SendClock {
+    timers: Arc<Timers>,
+    limit: Duration,
+    wait: Option<Sleep>,
+    timeouts: prometheus::IntCounter,
+}
+
+impl SendClock {
+    fn new(lane: &Lane) -> Self {
+        SendClock {
+            timers: lane.timers.clone(),
+            limit: lane.send,
+            wait: None,
+            timeouts: lane.stalls.timeouts.clone(),
+        }
+    }
+
+    /// A write's outcome, `polled`, with the wait bounded: pending arms the deadline (once per
+    /// wait), past it the write fails; any progress disarms it.
+    fn bound<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.wait = None;
+            return polled;
+        }
+        let (timers, limit) = (&self.timers, self.limit);
+        let wait = self
+            .wait
+            .get_or_insert_with(|| Sleep::until(timers.clone(), Timers::now() + limit));
+        match Pin::new(wait).poll(cx) {
+            Poll::Ready(()) => {
+                self.timeouts.inc();
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client took no bytes within timeouts.send",
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+/// A response body hyper's server sends: as it is, or (an HTTP/2 stream's) shared with the
+/// worker's [`Stalls`]. hyper polls an HTTP/2 body only while the stream's window has room, so
+/// a client that never opens it would hold the response, its slots and its upstream connection
+/// for as long as it likes; the worker's tick drops such a response once it has waited
+/// `timeouts.send` on the client, and hyper resets the stream at its next look.
+pub enum Guarded {
+    Plain(Body),
+    Watched(Arc<Stall>),
+}
+
+/// An HTTP/2 stream's response body, and whether it waits on the client.
+pub struct Stall {
+    // Locked by the stream's task and the worker's tick, both on the worker's thread, never
+    // across an await: never contended.
+    #[allow(clippy::disallowed_types)]
+    state: std::sync::Mutex<Watch>,
+}
+
+struct Watch {
+    /// `None` once dropped for the client's stall.
+    body: Option<Body>,
+    /// When hyper last polled the body.
+    since: tokio::time::Instant,
+    /// The last poll found the body pending: the stream waits on the upstream, not the client.
+    ours: bool,
+}
+
+impl Stall {
+    fn state(&self) -> std::sync::MutexGuard<'_, Watch> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// One worker's HTTP/2 responses in flight (see [`Guarded`]).
+pub struct Stalls {
+    // Locked by the worker's own thread only, never across an await.
+    #[allow(clippy::disallowed_types)]
+    list: std::sync::Mutex<Vec<std::sync::Weak<Stall>>>,
+    limit: Duration,
+    timeouts: prometheus::IntCounter,
+}
+
+impl Stalls {
+    pub fn new(limit: Duration, timeouts: prometheus::IntCounter) -> Self {
+        Stalls {
+            list: Default::default(),
+            limit,
+            timeouts,
+        }
+    }
+
+    /// `body` for hyper's server; an HTTP/2 stream's watched.
+    fn guard(&self, body: Body, version: Version) -> Guarded {
+        if version != Version::HTTP_2 || body.is_end_stream() {
+            return Guarded::Plain(body);
+        }
+        let stall = Arc::new(Stall {
+            // See `Stall::state`.
+            #[allow(clippy::disallowed_types)]
+            state: std::sync::Mutex::new(Watch {
+                body: Some(body),
+                since: Timers::now(),
+                ours: false,
+            }),
+        });
+        self.list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::downgrade(&stall));
+        Guarded::Watched(stall)
+    }
+
+    /// At the worker's tick: drops each response that has waited on its client for the limit
+    /// (its slots and upstream connection are freed with it), and forgets the finished ones.
+    pub fn tick(&self, now: tokio::time::Instant) {
+        self.list
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|weak| {
+                let Some(stall) = weak.upgrade() else {
+                    return false;
+                };
+                let mut w = stall.state();
+                let Some(body) = &w.body else { return false };
+                if body.is_end_stream() {
+                    return false;
+                }
+                if !w.ours && now.saturating_duration_since(w.since) >= self.limit {
+                    w.body = None;
+                    self.timeouts.inc();
+                    return false;
+                }
+                true
+            });
+    }
+}
+
+impl http_body::Body for Guarded {
+    type Data = <Body as http_body::Body>::Data;
+    type Error = <Body as http_body::Body>::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        match self.get_mut() {
+            Guarded::Plain(body) => Pin::new(body).poll_frame(cx),
+            Guarded::Watched(stall) => {
+                let mut w = stall.state();
+                w.since = Timers::now();
+                let Some(body) = &mut w.body else {
+                    return Poll::Ready(Some(Err(
+                        "the client took no bytes within timeouts.send".into()
+                    )));
+                };
+                let polled = Pin::new(body).poll_frame(cx);
+                w.ours = polled.is_pending();
+                polled
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Guarded::Plain(body) => body.is_end_stream(),
+            Guarded::Watched(stall) => stall
+                .state()
+                .body
+                .as_ref()
+                .is_none_or(|b| b.is_end_stream()),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            Guarded::Plain(body) => body.size_hint(),
+            Guarded::Watched(stall) => stall
+                .state()
+                .body
+                .as_ref()
+                .map(|b| b.size_hint())
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// Writes all of `bytes` to the client, each wait for it bounded by `clock`.
+async fn send_all(
+    stream: &mut TcpStream,
+    clock: &mut SendClock,
+    mut bytes: &[u8],
+) -> io::Result<()> {
+    while !bytes.is_empty() {
+        let n = std::future::poll_fn(|cx| {
+            let polled = Pin::new(&mut *stream).poll_write(cx, bytes);
+            clock.bound(cx, polled)
+        })
+        .await?;
+        if n == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        bytes = &bytes[n..];
+    }
+    Ok(())
 }
 
 impl Served {
@@ -303,7 +525,7 @@ impl Served {
         drop(std::mem::take(resp.headers_mut()));
         let mut body = Pin::new(resp.body_mut());
         if let Framing::None = framing {
-            self.stream.write_all(&self.out).await?;
+            send_all(&mut self.stream, &mut self.clock, &self.out).await?;
             return Ok(stay);
         }
         let mut left = match framing {
@@ -375,7 +597,7 @@ impl Served {
             self.out.extend_from_slice(data);
         } else {
             self.flush().await?;
-            self.stream.write_all(data).await?;
+            send_all(&mut self.stream, &mut self.clock, data).await?;
         }
         if chunked {
             self.out.extend_from_slice(b"\r\n");
@@ -386,7 +608,7 @@ impl Served {
     /// Writes what is queued.
     async fn flush(&mut self) -> io::Result<()> {
         if !self.out.is_empty() {
-            self.stream.write_all(&self.out).await?;
+            send_all(&mut self.stream, &mut self.clock, &self.out).await?;
             self.out.clear();
         }
         Ok(())
@@ -719,13 +941,20 @@ async fn hand_off(
         read: s.buf.freeze(),
         stream: s.stream,
         once: None,
+        clock: s.clock,
     });
+    let stalls = lane.stalls.clone();
     let service = service_fn(move |req: Request<hyper::body::Incoming>| {
         // Made with the request's future, so that one dropped before its first poll (an
         // HTTP/2 stream reset at once) counts as abandoned too.
         let guard = AbandonGuard(Some(conn.clone()));
+        let version = req.version();
         let req = req.map(|b| Either::Left(Streamed::new(b)));
-        async move { Ok::<_, std::convert::Infallible>(answer(guard, req).await) }
+        let stalls = stalls.clone();
+        async move {
+            let resp = answer(guard, req).await;
+            Ok::<_, std::convert::Infallible>(resp.map(|b| stalls.guard(b, version)))
+        }
     });
     let mut served = pin!(lane.hyper.serve_connection_with_upgrades(io, service));
     tokio::select! {
@@ -765,12 +994,18 @@ async fn by_hyper_once(
     lane: &Lane,
     mut drained: Pin<&mut impl Future>,
 ) -> Result<Option<Served>, Error> {
-    let Served { stream, buf, out } = s;
+    let Served {
+        stream,
+        buf,
+        out,
+        clock,
+    } = s;
     let once = Arc::new(Once::default());
     let io = TokioIo::new(Rewind {
         read: buf.freeze(),
         stream,
         once: Some(once.clone()),
+        clock,
     });
     let service = {
         let (conn, once) = (conn.clone(), once.clone());
@@ -817,7 +1052,10 @@ async fn by_hyper_once(
     let back = ended.is_ok() && over && !draining && once.over();
     let parts = served.into_parts();
     let Rewind {
-        read, mut stream, ..
+        read,
+        mut stream,
+        clock,
+        ..
     } = parts.io.into_inner();
     if !back {
         let _ = stream.shutdown().await;
@@ -827,7 +1065,12 @@ async fn by_hyper_once(
     let mut buf = BytesMut::with_capacity(READ.max(parts.read_buf.len() + read.len()));
     buf.extend_from_slice(&parts.read_buf);
     buf.extend_from_slice(&read);
-    Ok(Some(Served { stream, buf, out }))
+    Ok(Some(Served {
+        stream,
+        buf,
+        out,
+        clock,
+    }))
 }
 
 /// How the one exchange of [`by_hyper_once`] went.
@@ -912,6 +1155,8 @@ struct Rewind {
     stream: TcpStream,
     /// Told whether each write took everything (see [`by_hyper_once`]).
     once: Option<Arc<Once>>,
+    /// hyper's writes are bounded by `timeouts.send` too.
+    clock: SendClock,
 }
 
 impl Rewind {
@@ -948,6 +1193,7 @@ impl AsyncWrite for Rewind {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.stream).poll_write(cx, buf);
+        let polled = this.clock.bound(cx, polled);
         this.wrote(polled)
     }
 
@@ -958,6 +1204,7 @@ impl AsyncWrite for Rewind {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        let polled = this.clock.bound(cx, polled);
         this.wrote(polled)
     }
 
@@ -1127,13 +1374,19 @@ mod tests {
             h1: hyper::server::conn::http1::Builder::new(),
             max_head: 64 * 1024,
             header_read: Duration::from_secs(30),
+            send: Duration::from_secs(30),
             timers: Arc::new(Timers::default()),
+            stalls: Arc::new(Stalls::new(
+                Duration::from_secs(30),
+                prometheus::IntCounter::new("t", "t").unwrap(),
+            )),
             draining,
         };
         let mut s = Served {
             stream: server,
             buf: BytesMut::with_capacity(READ),
             out: Vec::new(),
+            clock: SendClock::new(&lane),
         };
         // On a thread of its own: each byte its own segment, most read on their own.
         let writer = std::thread::spawn(move || {

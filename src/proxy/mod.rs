@@ -339,6 +339,10 @@ fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpL
         tokio::net::TcpSocket::new_v6()?
     };
     socket.set_reuseaddr(true)?;
+    // Set once here, inherited by every accepted connection: a client that vanished without a
+    // FIN (a node gone, a NAT that forgot it) is found out within about two minutes, instead
+    // of holding its connection slot until a timeout of ours notices.
+    socket2::SockRef::from(&socket).set_tcp_keepalive(&client_keepalive())?;
     socket.bind(addr)?;
     let first = socket.listen(4096)?.into_std()?;
     let mut out = Vec::with_capacity(n.max(1));
@@ -347,6 +351,15 @@ fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpL
     }
     out.insert(0, first);
     Ok(out)
+}
+
+/// TCP keepalive on client connections: first probe after a minute of silence, then every
+/// 10 s, given up after 6 unanswered.
+fn client_keepalive() -> socket2::TcpKeepalive {
+    socket2::TcpKeepalive::new()
+        .with_time(Duration::from_secs(60))
+        .with_interval(Duration::from_secs(10))
+        .with_retries(6)
 }
 
 async fn serve(
@@ -474,12 +487,18 @@ async fn worker(
     // Tells this worker's connections that it drains; each holds `alive` until it ends.
     let (drain_tx, draining) = watch::channel(false);
     let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
+    let stalls = Arc::new(inbound::Stalls::new(
+        config.timeouts.send.0,
+        shared.metrics.send_timeouts.clone(),
+    ));
     let lane = Arc::new(inbound::Lane {
         hyper: builder,
         h1,
         max_head,
         header_read: config.timeouts.header_read.0,
+        send: config.timeouts.send.0,
         timers: timers.clone(),
+        stalls: stalls.clone(),
         draining,
     });
     let idle = Arc::new(affine::Idle::new(shared.metrics.upstream_discards.clone()));
@@ -487,6 +506,7 @@ async fn worker(
     tokio::spawn(anchor_timer(
         anchor_period(&config.timeouts),
         idle.clone(),
+        stalls,
         timers.clone(),
         shared.clone(),
         (index == 0).then(|| accept::Sampler::new(first)),
@@ -551,8 +571,9 @@ async fn worker(
     }
 }
 
-/// The worker's tick: fires its [`coarse::Timers`] (each request's header-read and upstream
-/// response deadlines) and closes its idle upstream connections unused for `timeouts.idle` or
+/// The worker's tick: fires its [`coarse::Timers`] (each request's header-read, upstream
+/// response and send deadlines), drops the HTTP/2 responses whose client has left their
+/// window shut for `timeouts.send` ([`inbound::Stalls`]), and closes its idle upstream connections unused for `timeouts.idle` or
 /// closed by the upstream meanwhile. On the first worker, also measures its load for the
 /// others' accept loops ([`accept::Sampler`]).
 ///
@@ -565,6 +586,7 @@ async fn worker(
 async fn anchor_timer(
     period: Duration,
     idle: Arc<affine::Idle>,
+    stalls: Arc<inbound::Stalls>,
     timers: Arc<coarse::Timers>,
     shared: Arc<Shared>,
     mut load: Option<accept::Sampler>,
@@ -572,6 +594,7 @@ async fn anchor_timer(
     loop {
         tokio::time::sleep(period).await;
         timers.fire(coarse::Timers::now());
+        stalls.tick(coarse::Timers::now());
         idle.prune(shared.clock.now(), shared.affine_upstream.idle);
         if let Some(load) = &mut load {
             load.sample(tokio::time::Instant::now());
@@ -581,7 +604,7 @@ async fn anchor_timer(
 
 /// Half the shortest per-request timer, at most a second.
 fn anchor_period(t: &crate::config::Timeouts) -> Duration {
-    (t.header_read.0.min(t.upstream_response.0) / 2)
+    (t.header_read.0.min(t.upstream_response.0).min(t.send.0) / 2)
         .clamp(Duration::from_millis(1), Duration::from_secs(1))
 }
 
@@ -959,4 +982,25 @@ pub fn config_json(config: &Config, loaded: &reload::Loaded) -> Bytes {
 /// A stable text of `config`, for the version of a configuration that came from no file.
 fn config_json_text(config: &Config) -> String {
     serde_json::to_string(config).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn accepted_client_connections_inherit_tcp_keepalive() {
+        let listeners = bind_shared("127.0.0.1:0".parse().unwrap(), 1).unwrap();
+        let addr = listeners[0].local_addr().unwrap();
+        let _client = std::net::TcpStream::connect(addr).unwrap();
+        let (accepted, _) = listeners[0].accept().unwrap();
+        let sock = socket2::SockRef::from(&accepted);
+        assert!(sock.keepalive().unwrap());
+        assert_eq!(sock.tcp_keepalive_time().unwrap(), Duration::from_secs(60));
+        assert_eq!(
+            sock.tcp_keepalive_interval().unwrap(),
+            Duration::from_secs(10)
+        );
+        assert_eq!(sock.tcp_keepalive_retries().unwrap(), 6);
+    }
 }

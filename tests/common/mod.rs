@@ -97,6 +97,8 @@ async fn app(
             })
             .to_string()
         }
+        // Larger than any socket buffer: a client that never reads holds the response.
+        "/big" => return Ok(Response::new(Full::new(Bytes::from(vec![b'x'; 32 << 20])))),
         "/slow" => {
             tokio::time::sleep(Duration::from_secs(10)).await;
             "slow".into()
