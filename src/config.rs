@@ -469,6 +469,21 @@ pub struct Limits {
     pub max_connections: NonZeroU32,
     /// Concurrent streams per HTTP/2 connection.
     pub max_h2_streams: NonZeroU32,
+    /// Upstream connections open at once, idle ones included (default: `max_connections`, so
+    /// that the descriptor budget is two per client connection).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_upstream_connections: Option<NonZeroU32>,
+    /// Upstream connections one client connection uses at once (its HTTP/2 streams).
+    pub max_upstream_per_client: NonZeroU32,
+}
+
+impl Limits {
+    /// `max_upstream_connections`, or its default.
+    pub fn upstream_connections(&self) -> u32 {
+        self.max_upstream_connections
+            .unwrap_or(self.max_connections)
+            .get()
+    }
 }
 
 impl Default for Limits {
@@ -477,6 +492,8 @@ impl Default for Limits {
             max_header_bytes: HeaderBytes(16 * 1024),
             max_connections: NonZeroU32::new(10_000).expect("non-zero"),
             max_h2_streams: NonZeroU32::new(256).expect("non-zero"),
+            max_upstream_connections: None,
+            max_upstream_per_client: NonZeroU32::new(32).expect("non-zero"),
         }
     }
 }

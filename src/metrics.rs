@@ -20,14 +20,18 @@ pub enum UpstreamError {
     ResponseTimeout,
     /// The upstream broke the protocol or closed mid-request (502).
     Protocol,
+    /// No upstream connection came free within `timeouts.upstream_connect` under
+    /// `limits.max_upstream_connections` or `max_upstream_per_client` (503).
+    Saturated,
 }
 
 impl UpstreamError {
-    pub const ALL: [UpstreamError; 4] = [
+    pub const ALL: [UpstreamError; 5] = [
         UpstreamError::Connect,
         UpstreamError::ConnectTimeout,
         UpstreamError::ResponseTimeout,
         UpstreamError::Protocol,
+        UpstreamError::Saturated,
     ];
     pub fn label(self) -> &'static str {
         match self {
@@ -35,6 +39,7 @@ impl UpstreamError {
             UpstreamError::ConnectTimeout => "connect_timeout",
             UpstreamError::ResponseTimeout => "response_timeout",
             UpstreamError::Protocol => "protocol",
+            UpstreamError::Saturated => "saturated",
         }
     }
 }
@@ -188,7 +193,7 @@ pub struct Metrics {
     pub delay_queue: IntGaugeVec,
     pub delayed: IntCounterVec,
     durations: [Histogram; 3],
-    upstream_errors: [IntCounter; 4],
+    upstream_errors: [IntCounter; 5],
     /// `spillway_upstream_connections_discarded_total{reason}`, by `h1::Unusable`.
     pub upstream_discards: [IntCounter; 3],
     /// `spillway_client_send_timeouts_total`.

@@ -34,9 +34,8 @@ fn table_size() -> u64 {
 #[tokio::test]
 async fn a_low_soft_open_files_limit_is_raised_for_the_connection_cap() {
     let before = nofile();
-    // 1 000 connections on one worker: 2 000 for clients and their upstream connections, 256
-    // idle upstream connections, 256 others.
-    let needed = 2512;
+    // 1 000 client connections, 1 500 upstream connections (idle ones included), 256 others.
+    let needed = 2756;
     assert!(
         before.rlim_max >= needed,
         "this test needs a hard open-files limit of {needed}, not {}",
@@ -46,7 +45,7 @@ async fn a_low_soft_open_files_limit_is_raised_for_the_connection_cap() {
     let up = upstream().await;
     let sc = spillway::proxy::Sidecar::start(config(
         up.addr,
-        "workers: 1\nlimits: { max_connections: 1000 }\nrules: []",
+        "workers: 1\nlimits: { max_connections: 1000, max_upstream_connections: 1500 }\nrules: []",
     ))
     .await
     .unwrap();

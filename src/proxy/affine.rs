@@ -57,6 +57,51 @@ fn count(discards: &Discards, why: Unusable) {
     discards[why as usize].inc();
 }
 
+/// The proxy's upstream connections open at once at most (`limits.max_upstream_connections`):
+/// each holds a permit from here while it is open, idle ones included, so that the descriptor
+/// budget holds whatever clients do. A request that needs a new connection at the cap first
+/// closes one of its worker's idle ones, else waits (at most `timeouts.upstream_connect`);
+/// while any request waits, connections that come back are closed instead of kept idle, so
+/// that their permits go to the waiters.
+pub struct Cap {
+    permits: Arc<tokio::sync::Semaphore>,
+    waiting: std::sync::atomic::AtomicUsize,
+}
+
+impl Cap {
+    pub fn new(connections: usize) -> Arc<Cap> {
+        Arc::new(Cap {
+            permits: Arc::new(tokio::sync::Semaphore::new(connections)),
+            waiting: Default::default(),
+        })
+    }
+
+    /// Some request waits for a permit.
+    fn wanted(&self) -> bool {
+        self.waiting.load(Ordering::Relaxed) > 0
+    }
+
+    /// A permit for a new connection of the pooled client, at once or within `wait`; `None`
+    /// when the cap stayed full.
+    pub async fn permit(&self, wait: Duration) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        if let Ok(p) = self.permits.clone().try_acquire_owned() {
+            return Some(p);
+        }
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let got = tokio::time::timeout(wait, self.permits.clone().acquire_owned()).await;
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        got.ok().and_then(Result::ok)
+    }
+}
+
+/// What a request at the cap got.
+enum Got {
+    /// A permit for a new connection.
+    Permit(tokio::sync::OwnedSemaphorePermit),
+    /// A connection of its worker's that came back meanwhile.
+    Back(Raw),
+}
+
 /// Where and how to connect.
 pub struct Upstream {
     /// `host:port` (port 80 when the configuration gave none).
@@ -83,6 +128,8 @@ struct Slot {
     #[allow(clippy::disallowed_types)]
     state: std::sync::Mutex<State>,
     discards: Discards,
+    /// The worker's list, which takes the connection when a request waits for one.
+    idle: Arc<Idle>,
 }
 
 #[derive(Default)]
@@ -103,6 +150,11 @@ impl Slot {
 
 impl h1::Home for Slot {
     fn put(&self, raw: Raw, since: u64) {
+        // A request waits for a connection: the worker's list gives it this one.
+        if self.idle.cap.wanted() {
+            h1::Home::put(&*self.idle, raw, since);
+            return;
+        }
         let mut state = self.state();
         state.raw = Some(raw);
         state.last_used = since;
@@ -119,6 +171,7 @@ impl Affine {
             slot: Arc::new(Slot {
                 state: Default::default(),
                 discards: idle.discards.clone(),
+                idle: idle.clone(),
             }),
             wakes: Default::default(),
             idle,
@@ -180,6 +233,11 @@ impl Affine {
     /// A connection to the upstream, once it is this request's turn to connect: one that came
     /// back to the worker's list meanwhile (`true`: reused), or a new one.
     async fn connect(&self, upstream: &Upstream, now: u64) -> Result<(Raw, bool), Failure> {
+        let permit = match self.idle.permit(now, upstream).await {
+            Some(Got::Permit(p)) => p,
+            Some(Got::Back(raw)) => return Ok((raw, true)),
+            None => return Err(Failure::Saturated),
+        };
         // A burst of new client connections must not become a burst of SYNs larger than the
         // app's accept backlog (128 for a tokio listener). The semaphore is never closed.
         let _turn = self.idle.connects.acquire().await;
@@ -191,7 +249,7 @@ impl Affine {
             .map_err(|_| Failure::ConnectTimeout)?
             .map_err(Failure::Connect)?;
         let _ = stream.set_nodelay(true);
-        Ok((Raw::new(stream), false))
+        Ok((Raw::new(stream, Some(permit)), false))
     }
 }
 
@@ -287,13 +345,18 @@ pub struct Idle {
     /// Turns to connect, [`MAX_CONNECTING`] at once.
     connects: tokio::sync::Semaphore,
     discards: Discards,
+    cap: Arc<Cap>,
+    /// This worker's requests waiting at the cap, and their wake-up when a connection comes
+    /// back.
+    waiting: std::sync::atomic::AtomicUsize,
+    back: tokio::sync::Notify,
 }
 
 impl Default for Idle {
-    /// With counters of its own (tests).
+    /// With counters of its own and no cap to speak of (tests).
     fn default() -> Self {
         let c = || prometheus::IntCounter::new("discarded", "test").expect("valid");
-        Self::new([c(), c(), c()])
+        Self::new([c(), c(), c()], Cap::new(1 << 20))
     }
 }
 
@@ -311,6 +374,16 @@ const MAX_IDLE: usize = 256;
 
 impl h1::Home for Idle {
     fn put(&self, raw: Raw, since: u64) {
+        if self.cap.wanted() {
+            // A request of this worker waits: it takes this one. Else one of another
+            // worker's: closed, to give it this one's permit.
+            if self.waiting.load(Ordering::Relaxed) == 0 {
+                return;
+            }
+            Idle::put(self, Parked { raw, since });
+            self.back.notify_one();
+            return;
+        }
         Idle::put(self, Parked { raw, since });
     }
 
@@ -321,12 +394,60 @@ impl h1::Home for Idle {
 
 impl Idle {
     /// An empty list counting what it closes in `discards`.
-    pub fn new(discards: Discards) -> Self {
+    pub fn new(discards: Discards, cap: Arc<Cap>) -> Self {
         Idle {
             conns: Default::default(),
             connects: tokio::sync::Semaphore::new(MAX_CONNECTING),
             discards,
+            cap,
+            waiting: Default::default(),
+            back: tokio::sync::Notify::new(),
         }
+    }
+
+    /// Closes the least recently used connection; whether there was one.
+    fn close_oldest(&self) -> bool {
+        self.conns().pop_front().is_some()
+    }
+
+    /// A permit of the cap for a new connection, or a connection of this worker's that came
+    /// back while the request waited; `None` once `upstream.connect_timeout` has passed with
+    /// neither. At the cap, an idle connection of this worker's is closed for its permit
+    /// first (the caller found none usable).
+    async fn permit(&self, now: u64, upstream: &Upstream) -> Option<Got> {
+        let cap = &self.cap;
+        loop {
+            if let Ok(p) = cap.permits.clone().try_acquire_owned() {
+                return Some(Got::Permit(p));
+            }
+            if !self.close_oldest() {
+                break;
+            }
+        }
+        let deadline = tokio::time::Instant::now() + upstream.connect_timeout;
+        cap.waiting.fetch_add(1, Ordering::Relaxed);
+        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let got = loop {
+            let waited = tokio::time::timeout_at(deadline, async {
+                tokio::select! {
+                    p = cap.permits.clone().acquire_owned() => p.ok().map(Got::Permit),
+                    _ = self.back.notified() => None,
+                }
+            })
+            .await;
+            match waited {
+                Ok(Some(got)) => break Some(got),
+                Ok(None) => {
+                    if let Some(raw) = self.take(now, upstream.idle) {
+                        break Some(Got::Back(raw));
+                    }
+                }
+                Err(_) => break None,
+            }
+        };
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        cap.waiting.fetch_sub(1, Ordering::Relaxed);
+        got
     }
 
     fn conns(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Parked>> {
@@ -357,6 +478,10 @@ impl Idle {
     /// Closes the connections unused for `idle` nanoseconds or more, and those the upstream
     /// closed.
     pub fn prune(&self, now: u64, idle: u64) {
+        // Requests of another worker wait for a permit: this worker's idle ones give theirs.
+        if self.cap.wanted() && self.waiting.load(Ordering::Relaxed) == 0 {
+            self.conns().clear();
+        }
         self.conns().retain_mut(|p| {
             if now.saturating_sub(p.since) >= idle {
                 return false;
@@ -403,7 +528,7 @@ mod tests {
         let (app_side, _) = listener.accept().await.unwrap();
         let idle = Idle::default();
         idle.put(Parked {
-            raw: Raw::new(stream),
+            raw: Raw::new(stream, None),
             since: 0,
         });
         for _ in 0..100 {

@@ -33,11 +33,11 @@ pub struct Room {
     pub limit: u64,
 }
 
-/// Descriptors `max_connections` client connections may use at once on `workers` workers: each
-/// client connection and an upstream connection of its own, the upstream connections a worker
-/// keeps idle, and some for listeners, the control plane and Redis.
-pub fn needed(max_connections: u32, workers: usize) -> u64 {
-    2 * u64::from(max_connections) + 256 * workers as u64 + 256
+/// Descriptors the proxy may use at once: `max_connections` client connections,
+/// `max_upstream` upstream connections (idle ones included: `limits.max_upstream_connections`
+/// counts them all), and some for listeners, the control plane and Redis.
+pub fn needed(max_connections: u32, max_upstream: u32) -> u64 {
+    u64::from(max_connections) + u64::from(max_upstream) + 256
 }
 
 /// Raises the soft open-files limit towards `needed` and grows the descriptor table to the
@@ -98,8 +98,8 @@ mod tests {
     #[test]
     fn the_table_is_grown_to_the_need_within_the_limit() {
         let file = std::fs::File::open("/proc/self/status").unwrap();
-        let room = prepare(needed(1000, 2), file.as_fd()).unwrap();
-        assert_eq!(room.needed, 2000 + 512 + 256);
+        let room = prepare(needed(1000, 1000), file.as_fd()).unwrap();
+        assert_eq!(room.needed, 2000 + 256);
         let want = room.needed.min(room.limit);
         assert!(
             table_size() >= want,

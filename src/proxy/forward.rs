@@ -25,7 +25,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use smallvec::SmallVec;
 
-use super::affine::{Affine, Upstream};
+use super::affine::{Affine, Cap, Upstream};
 use super::coarse::{timeout, Sleep, Timers};
 use super::respond::{self, Body};
 use crate::config::UpgradeProtocol;
@@ -33,7 +33,7 @@ use crate::gate::PermitBody;
 use crate::limit::Permit;
 use crate::metrics::{Metrics, UpstreamError};
 
-pub type UpstreamClient = Client<HttpConnector, ReqBody>;
+pub type UpstreamClient = Client<Capped, ReqBody>;
 
 /// A client request's body: hyper's, or one read whole before it goes on (by our own HTTP/1
 /// server side, `inbound`, with its head; or a small one of hyper's that was all there).
@@ -242,16 +242,139 @@ static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
 /// Builds the pooled upstream client: HTTP/1.1, or HTTP/2 with prior knowledge when `h2`.
-pub fn client(connect_timeout: Duration, idle: Duration, h2: bool) -> UpstreamClient {
+/// Each connection it opens holds a permit of `cap` while open.
+pub fn client(
+    connect_timeout: Duration,
+    idle: Duration,
+    h2: bool,
+    cap: Arc<Cap>,
+) -> UpstreamClient {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(connect_timeout));
     connector.set_nodelay(true);
     connector.enforce_http(true);
+    let connector = Capped {
+        inner: connector,
+        cap,
+        wait: connect_timeout,
+    };
     Client::builder(TokioExecutor::new())
         .pool_timer(TokioTimer::new())
         .pool_idle_timeout(idle)
+        // Idle pooled connections hold permits of the cap too: few are kept.
+        .pool_max_idle_per_host(MAX_POOLED_IDLE)
         .http2_only(h2)
         .build(connector)
+}
+
+/// Idle connections the pooled client keeps, per worker.
+const MAX_POOLED_IDLE: usize = 32;
+
+/// The pooled client's connector: each connection holds a permit of the proxy's [`Cap`]
+/// while it is open (an upgraded one, a WebSocket, until the tunnel closes).
+#[derive(Clone)]
+pub struct Capped {
+    inner: HttpConnector,
+    cap: Arc<Cap>,
+    wait: Duration,
+}
+
+/// No upstream connection came free within `timeouts.upstream_connect`.
+#[derive(Debug)]
+pub struct Saturated;
+
+impl std::fmt::Display for Saturated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("no upstream connection came free in time")
+    }
+}
+
+impl std::error::Error for Saturated {}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+impl tower::Service<Uri> for Capped {
+    type Response = CappedIo;
+    type Error = BoxError;
+    type Future =
+        std::pin::Pin<Box<dyn std::future::Future<Output = Result<CappedIo, BoxError>> + Send>>;
+
+    fn poll_ready(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), BoxError>> {
+        tower::Service::poll_ready(&mut self.inner, cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let (mut inner, cap, wait) = (self.inner.clone(), self.cap.clone(), self.wait);
+        Box::pin(async move {
+            let permit = cap.permit(wait).await.ok_or(Saturated)?;
+            let io = tower::Service::call(&mut inner, uri).await?;
+            Ok(CappedIo {
+                io,
+                _permit: permit,
+            })
+        })
+    }
+}
+
+/// A pooled upstream connection and its permit.
+pub struct CappedIo {
+    io: TokioIo<tokio::net::TcpStream>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl hyper::rt::Read for CappedIo {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl hyper::rt::Write for CappedIo {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+}
+
+impl hyper_util::client::legacy::connect::Connection for CappedIo {
+    fn connected(&self) -> hyper_util::client::legacy::connect::Connected {
+        self.io.connected()
+    }
 }
 
 /// Why a request got no response from the upstream.
@@ -263,6 +386,8 @@ pub enum Failure {
     Raw(std::io::Error),
     /// The pooled client failed.
     Pooled(hyper_util::client::legacy::Error),
+    /// No upstream connection came free in time under the caps.
+    Saturated,
 }
 
 /// What the request path knows when it forwards.
@@ -300,6 +425,7 @@ impl Forward<'_> {
         &self,
         req: &mut Request<ReqBody>,
         mut permits: SmallVec<[Permit; 1]>,
+        stream_slot: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Response<Body> {
         // HTTP/1.1 upgrades only (an HTTP/2 upstream has no Upgrade), and only to a listed
         // protocol: any other `Upgrade` (h2c, whose tunnel no rule would see) is dropped with
@@ -413,7 +539,7 @@ impl Forward<'_> {
         if matches!(resp.body(), Either::Left(_)) {
             strip_hop_by_hop(resp.headers_mut(), false);
         }
-        resp.map(|b| Either::Left(PermitBody::new(b, permits)))
+        resp.map(|b| Either::Left(PermitBody::new(b, permits).holding(stream_slot)))
     }
 
     fn bad_body(&self) -> Response<Body> {
@@ -440,8 +566,17 @@ impl Forward<'_> {
                 StatusCode::BAD_GATEWAY,
                 "upstream closed the connection or sent an invalid response",
             ),
+            UpstreamError::Saturated => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no upstream connection came free in time",
+            ),
         };
-        respond::error(status, detail)
+        let mut resp = respond::error(status, detail);
+        if kind == UpstreamError::Saturated {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
     }
 
     /// Points the request at the upstream (absolute form, for the pooled client) and rewrites
@@ -777,7 +912,10 @@ impl Failure {
     fn client_body_failed(&self) -> bool {
         let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
             Failure::Pooled(e) => Some(e),
-            Failure::Raw(_) | Failure::Connect(_) | Failure::ConnectTimeout => None,
+            Failure::Raw(_)
+            | Failure::Connect(_)
+            | Failure::ConnectTimeout
+            | Failure::Saturated => None,
         };
         while let Some(s) = source {
             if let Some(h) = s.downcast_ref::<hyper::Error>() {
@@ -794,11 +932,15 @@ impl Failure {
         match self {
             Failure::Connect(_) => UpstreamError::Connect,
             Failure::ConnectTimeout => UpstreamError::ConnectTimeout,
+            Failure::Saturated => UpstreamError::Saturated,
             Failure::Raw(_) => UpstreamError::Protocol,
             Failure::Pooled(e) if !e.is_connect() => UpstreamError::Protocol,
             Failure::Pooled(e) => {
                 let mut source = std::error::Error::source(e);
                 while let Some(s) = source {
+                    if s.is::<Saturated>() {
+                        return UpstreamError::Saturated;
+                    }
                     if let Some(io) = s.downcast_ref::<std::io::Error>() {
                         if io.kind() == std::io::ErrorKind::TimedOut {
                             return UpstreamError::ConnectTimeout;

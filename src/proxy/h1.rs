@@ -111,6 +111,8 @@ pub struct Upstream {
     /// How many reads of this exchange filled their room: a larger response is read in larger
     /// pieces ([`ROOM`]).
     filled: u8,
+    /// Its place under `limits.max_upstream_connections`, held while it is open.
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 /// Where a connection goes when the body that holds it has been read to its end.
@@ -155,12 +157,14 @@ pub enum Failed {
 }
 
 impl Raw {
-    pub fn new(stream: TcpStream) -> Self {
+    /// `stream`, holding `permit` while it is open.
+    pub fn new(stream: TcpStream, permit: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
         Raw(Box::new(Upstream {
             stream,
             buf: BytesMut::new(),
             out: Vec::new(),
             filled: 0,
+            _permit: permit,
         }))
     }
 
@@ -996,7 +1000,7 @@ mod tests {
             }
             s
         });
-        let raw = Raw::new(TcpStream::connect(addr).await.unwrap());
+        let raw = Raw::new(TcpStream::connect(addr).await.unwrap(), None);
         let req = Request::get("/t")
             .body(Either::Right(super::super::forward::InHand::default()))
             .unwrap();
@@ -1295,7 +1299,7 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let app = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
         app.set_nonblocking(true).unwrap();
-        (app, Raw::new(listener.accept().await.unwrap().0))
+        (app, Raw::new(listener.accept().await.unwrap().0, None))
     }
 
     /// A GET exchanged on `raw`: the response's status.

@@ -69,6 +69,10 @@ pub struct Shared {
     /// The same with its connect and idle timeouts, for every upstream connection.
     affine_upstream: affine::Upstream,
     upstream_h2: bool,
+    /// `limits.max_upstream_connections`, shared by every worker.
+    upstream_cap: Arc<affine::Cap>,
+    /// `limits.max_upstream_per_client`.
+    upstream_per_client: usize,
     pub clock: AnyClock,
     pub metrics: Arc<Metrics>,
     /// Who the client is, and whose forwarded fields and costs are believed.
@@ -116,13 +120,16 @@ impl Sidecar {
                 format!("cannot listen on admin {}: {e}", config.admin),
             )
         })?;
-        let needed = fds::needed(config.limits.max_connections.get(), workers);
+        let needed = fds::needed(
+            config.limits.max_connections.get(),
+            config.limits.upstream_connections(),
+        );
         match fds::prepare(needed, std::os::fd::AsFd::as_fd(&listeners[0])) {
             Ok(room) if room.limit < room.needed => tracing::warn!(
                 limit = room.limit,
                 needed = room.needed,
-                "the open-files limit is below what limits.max_connections needs: raise it \
-                 (ulimit -n) or lower limits.max_connections"
+                "the open-files limit is below what limits.max_connections and \
+                 max_upstream_connections need: raise it (ulimit -n) or lower them"
             ),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
@@ -176,6 +183,8 @@ impl Sidecar {
                 idle: t.idle.0.as_nanos() as u64,
             },
             upstream_h2: config.upstream.h2,
+            upstream_cap: affine::Cap::new(config.limits.upstream_connections() as usize),
+            upstream_per_client: config.limits.max_upstream_per_client.get() as usize,
             clock,
             metrics,
             client_ip: config.client_ip.policy(),
@@ -459,6 +468,7 @@ async fn worker(
         up.connect_timeout,
         Duration::from_nanos(up.idle),
         shared.upstream_h2,
+        shared.upstream_cap.clone(),
     ));
     let config = shared.config.load_full();
     let timers = Arc::new(coarse::Timers::default());
@@ -501,7 +511,10 @@ async fn worker(
         stalls: stalls.clone(),
         draining,
     });
-    let idle = Arc::new(affine::Idle::new(shared.metrics.upstream_discards.clone()));
+    let idle = Arc::new(affine::Idle::new(
+        shared.metrics.upstream_discards.clone(),
+        shared.upstream_cap.clone(),
+    ));
     // Ends with this worker's runtime.
     tokio::spawn(anchor_timer(
         anchor_period(&config.timeouts),
@@ -537,6 +550,7 @@ async fn worker(
             shared: shared.clone(),
             client: client.clone(),
             affine: affine::Affine::new(idle.clone()),
+            streams: std::sync::OnceLock::new(),
             timers: timers.clone(),
             peer,
         });
@@ -628,6 +642,9 @@ struct Conn {
     client: Arc<forward::UpstreamClient>,
     /// This connection's own upstream connection (HTTP/1 only).
     affine: affine::Affine,
+    /// Upstream connections its HTTP/2 streams use at once (`limits.max_upstream_per_client`);
+    /// made at its first stream. An HTTP/1 connection has one request in flight at a time.
+    streams: std::sync::OnceLock<Arc<Semaphore>>,
     /// The worker's request deadlines.
     timers: Arc<coarse::Timers>,
     abandoned: Abandoned,
@@ -752,6 +769,44 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
         }
     };
 
+    // An HTTP/2 client's streams take at most `max_upstream_per_client` upstream connections
+    // at once: the others wait for one of them, at most `upstream_connect`, then get 503.
+    let stream_slot = match req.version() == http::Version::HTTP_2 {
+        false => None,
+        true => {
+            let slots = conn
+                .streams
+                .get_or_init(|| Arc::new(Semaphore::new(shared.upstream_per_client)));
+            let slot = match slots.clone().try_acquire_owned() {
+                Ok(p) => Some(p),
+                Err(_) => {
+                    let wait = shared.affine_upstream.connect_timeout;
+                    tokio::time::timeout(wait, slots.clone().acquire_owned())
+                        .await
+                        .ok()
+                        .and_then(Result::ok)
+                }
+            };
+            if slot.is_none() {
+                metrics
+                    .upstream_error(crate::metrics::UpstreamError::Saturated)
+                    .inc();
+                metrics
+                    .duration(Outcome::Error)
+                    .observe(elapsed(shared, start));
+                let mut resp = respond::error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "no upstream connection came free in time",
+                );
+                resp.headers_mut().insert(
+                    http::header::RETRY_AFTER,
+                    http::HeaderValue::from_static("1"),
+                );
+                return resp;
+            }
+            slot
+        }
+    };
     let fwd = forward::Forward {
         client: &conn.client,
         upstream: &shared.upstream,
@@ -766,7 +821,7 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
         upgrades: &shared.hygiene.upgrades,
         close: get_body,
     };
-    let mut resp = fwd.send(req, admit.permits).await;
+    let mut resp = fwd.send(req, admit.permits, stream_slot).await;
     let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
         Outcome::Upstream
     } else {
