@@ -151,3 +151,105 @@ async fn bytes_an_upstream_sends_while_its_connection_is_idle_close_it() {
     let (status, _, body) = send(&client(), sc.addr(), "GET", "/echo/alice", &[]).await;
     assert_eq!((status, body.as_str()), (StatusCode::OK, "alice"));
 }
+
+/// A raw upstream that reads bodies by their `Content-Length`. `/early` answers 413 before it
+/// reads the body, then, once it has read it, writes a second response nobody asked for and
+/// notifies `wrote`; `/echo/<x>` answers `<x>` after reading its body.
+async fn early_upstream(wrote: Arc<Notify>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            let wrote = wrote.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        let mut chunk = [0u8; 65536];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    buf.drain(..end + 4);
+                    let path = head.split(' ').nth(1).unwrap_or("").to_string();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    let early = path == "/early";
+                    if early {
+                        let _ = s
+                            .write_all(
+                                b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n\r\n",
+                            )
+                            .await;
+                    }
+                    while buf.len() < length {
+                        let mut chunk = [0u8; 65536];
+                        match s.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..length);
+                    let answer = match path.strip_prefix("/echo/") {
+                        Some(x) => {
+                            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{x}", x.len())
+                        }
+                        None => "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE".to_string(),
+                    };
+                    if s.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    if early {
+                        wrote.notify_one();
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Sends a request with a `Content-Length` body of `n` bytes on a raw connection and reads
+/// the answer.
+async fn post(addr: SocketAddr, path: &str, n: usize) -> Answer {
+    let mut c = tokio::io::BufReader::new(tokio::net::TcpStream::connect(addr).await.unwrap());
+    let head = format!("POST {path} HTTP/1.1\r\nHost: app\r\nContent-Length: {n}\r\n\r\n");
+    c.get_mut().write_all(head.as_bytes()).await.unwrap();
+    // The app reads every body (after its early answer, for `/early`): the write ends.
+    c.get_mut().write_all(&vec![b'b'; n]).await.unwrap();
+    read_answer(&mut c).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_early_response_while_the_body_streams_leaves_nothing_for_the_next_client() {
+    let wrote = Arc::new(Notify::new());
+    let up = early_upstream(wrote.clone()).await;
+    let sc = proxy_for(up).await;
+    for (n, size) in [(0, 100), (1, 100_000), (2, 100_000)] {
+        // The early answer; the app then writes a second one after reading the body.
+        let answer = post(sc.addr(), "/early", size).await;
+        assert!(answer.status.contains(" 413 "), "{}", answer.status);
+        wrote.notified().await;
+        // The next clients' requests, small and streamed bodies, and without a body.
+        for (who, size) in [("alice", 10), ("bob", 20_000)] {
+            let mine = format!("{who}-{n}");
+            let answer = post(sc.addr(), &format!("/echo/{mine}"), size).await;
+            assert_eq!(
+                answer.body, mine,
+                "{who} after early {n}: another request's bytes"
+            );
+        }
+        let mine = format!("carol-{n}");
+        let (status, _, body) =
+            send(&client(), sc.addr(), "GET", &format!("/echo/{mine}"), &[]).await;
+        assert_eq!((status, body), (StatusCode::OK, mine));
+    }
+}

@@ -53,6 +53,8 @@ pub struct Streamed {
 struct Ahead {
     frames: std::collections::VecDeque<Frame<Bytes>>,
     ended: Option<Arc<Ended>>,
+    /// Also told: the pooled client's exchange, to know whether its response came first.
+    sent: Option<Arc<Ended>>,
 }
 
 /// Set once a body has been read to its end: how `inbound` knows that hyper's server has read
@@ -80,6 +82,7 @@ impl Streamed {
         let ahead = Ahead {
             frames: Default::default(),
             ended: Some(ended),
+            sent: None,
         };
         Self {
             ahead: Some(Box::new(ahead)),
@@ -90,11 +93,22 @@ impl Streamed {
     /// Tells whoever watches this body that hyper's part of it is over, when `over`.
     fn over(&self, over: bool) -> bool {
         if over {
-            if let Some(ended) = self.ahead.as_ref().and_then(|a| a.ended.as_ref()) {
-                ended.set();
+            if let Some(ahead) = &self.ahead {
+                ahead.ended.iter().chain(&ahead.sent).for_each(|e| e.set());
             }
         }
         over
+    }
+
+    /// A flag set once this body has been read to its end.
+    fn sent(&mut self) -> Arc<Ended> {
+        let sent = Arc::new(Ended::default());
+        if self.rest.is_end_stream() && self.ahead.as_ref().is_none_or(|a| a.frames.is_empty()) {
+            sent.set();
+        }
+        let ahead = self.ahead.get_or_insert_with(Default::default);
+        ahead.sent = Some(sent.clone());
+        sent
     }
 }
 
@@ -487,8 +501,30 @@ impl Forward<'_> {
                     Ok(resp.map(Either::Right))
                 }
                 None => {
-                    let req = std::mem::replace(req, Request::new(emptied()));
+                    let mut req = std::mem::replace(req, Request::new(emptied()));
+                    // A response that comes while the body is still being sent, or refuses
+                    // the request (an early 413 or 401, which an app sends before it reads the
+                    // body) leaves the app free to read the rest of the body as it likes, and
+                    // to answer it: that connection is never reused.
+                    let sent = match req.body_mut() {
+                        Either::Left(body) if !self.h2 && !body.is_end_stream() => {
+                            Some(body.sent())
+                        }
+                        _ => None,
+                    };
+                    let captured = sent
+                        .is_some()
+                        .then(|| hyper_util::client::legacy::connect::capture_connection(&mut req));
                     let resp = self.client.request(req).await.map_err(Failure::Pooled)?;
+                    if let (Some(sent), Some(captured)) = (sent, captured) {
+                        let refused =
+                            resp.status().is_client_error() || resp.status().is_server_error();
+                        if !sent.is_set() || refused {
+                            if let Some(connected) = captured.connection_metadata().as_ref() {
+                                connected.poison();
+                            }
+                        }
+                    }
                     Ok::<_, Failure>(resp.map(Either::Left))
                 }
             }

@@ -249,9 +249,11 @@ pub async fn exchange(
     write_head(&mut head, req, added);
     // A body in hand (small: `inbound` reads it with its head) goes in the same write; its
     // `Content-Length` passed on with the client's fields.
-    if let Either::Right(body) = req.body() {
-        head.extend_from_slice(body.bytes());
-    }
+    let body_sent = match req.body() {
+        Either::Right(body) => body.bytes(),
+        Either::Left(_) => &[],
+    };
+    head.extend_from_slice(body_sent);
     let written = raw.stream.write_all(&head).await;
     raw.out = head;
     if let Err(e) = written {
@@ -282,8 +284,11 @@ pub async fn exchange(
                     end = HeadEnd::default();
                     continue;
                 }
-                // A connection asked to close is not reused, whatever the answer says.
-                let home = (!added.close).then(|| home.clone());
+                // A connection asked to close is not reused, whatever the answer says; nor
+                // one whose request body was refused (an app that answers 413 or 401 before
+                // it reads the body may read it afterwards as it likes, and answer it).
+                let refused = head.status >= 400 && !body_sent.is_empty();
+                let home = (!added.close && !refused).then(|| home.clone());
                 return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
             }
             Ok(None) => more(&mut raw).await.map_err(Failed::Upstream)?,
