@@ -440,8 +440,8 @@ impl Metrics {
             registry.register(c).expect("metric names are unique");
         }
         let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
-        let upstream_discards =
-            crate::proxy::h1::Unusable::ALL.map(|k| discarded.with_label_values(&[k.label()]));
+        let upstream_discards = crate::proxy::http1::client::Unusable::ALL
+            .map(|k| discarded.with_label_values(&[k.label()]));
         Self {
             registry,
             requests,

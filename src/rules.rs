@@ -305,7 +305,7 @@ type StoredKey = SmallVec<[u8; 24]>;
 struct Store<S> {
     // DashMap shards its table behind per-shard RwLocks: a lookup of a known key takes one
     // shard's read lock for the length of a CAS, never a global lock. foldhash's quality
-    // variant, seeded per store, is ~3x cheaper than SipHash on short keys, and the random
+    // variant, seeded per store, is much cheaper than SipHash on short keys, and the random
     // seed keeps clients from choosing colliding keys blind.
     map: DashMap<StoredKey, S, foldhash::quality::RandomState>,
     // Counted apart because DashMap::len visits every shard. Relaxed: only a bound.

@@ -7,17 +7,13 @@
 //! every new connection, and whichever tries first wins: a burst of 16 connections split about
 //! evenly. Split, both workers wake and sleep for every few requests, and on this 2-core
 //! machine they compete with the load generator and the app for the cores; on one worker, the
-//! other core is left to them. Measured before concentrating (`wrk -c16`, limiting rule, two
-//! runs each): `workers: 1` gave 72-77k req/s at p99 0.6-0.7 ms where two randomly split
-//! workers gave 63-66k at 0.9-1.2 ms; the A/Bs are in BENCHMARKS.md. nginx concentrates the
-//! same way (`EPOLLEXCLUSIVE` wakes one waiting worker: 15 or 16 of 16 connections on one
-//! worker in our runs); at 128 connections its split varied from 57/71 to 121/7.
+//! other core is left to them (docs/measurements.md, "Concentrating new connections"). nginx
+//! concentrates the same way (`EPOLLEXCLUSIVE` wakes one waiting worker).
 //!
 //! The first worker's load decides, not how long one connection waited: a grace of 1 ms (the
 //! rule before) let the second worker take a share of every connect burst whenever one round of
 //! the first over its connections happened to take longer, which fixed the split of wrk's 128
-//! connections by chance, and that share set the p99 (one worker had a lower p99 than two in 10
-//! of 10 paired rounds). Load comes from tokio's busy time of the first worker's runtime,
+//! connections by chance, and that share set the p99. Load comes from tokio's busy time of the first worker's runtime,
 //! which it publishes on its tick ([`Sampler`]); the grace is now only the fallback for a first
 //! worker that is stuck (a long poll, the OS not running it) before its load shows.
 //!

@@ -47,7 +47,7 @@ use http::{Request, Response, Version};
 use tokio::net::TcpStream;
 
 use super::forward::{Added, Failure, ReqBody};
-use super::h1::{self, Raw, RawBody, Unusable};
+use super::http1::client::{self as h1, Raw, RawBody, Unusable};
 
 /// `spillway_upstream_connections_discarded_total{reason}`, by [`Unusable`].
 pub type Discards = [prometheus::IntCounter; 3];

@@ -5,9 +5,8 @@
 //! registered under the time driver's lock on first poll and deregistered on drop. Here a timer
 //! is a slot in the worker's [`Timers`]: arming takes a slot and clones the waker under a lock
 //! only the worker's own thread takes, disarming frees it, and the worker's anchor tick wakes
-//! those due. No clock read beyond the one that computes the deadline. Measured with
-//! `bench/instructions.sh`: ~300 instructions per request for the slots, ~500 fewer per
-//! forwarded request and ~400 fewer per refused one than with tokio's timers.
+//! those due. No clock read beyond the one that computes the deadline (docs/measurements.md,
+//! "Coarse timers").
 //!
 //! They fire up to one tick late: the tick is half the shorter of the two timeouts, at most a
 //! second (`anchor_period` in `proxy/mod.rs`). Must never: be the only thing that bounds a
@@ -198,8 +197,8 @@ pub fn timeout<F: Future>(sleep: Sleep, fut: F) -> Timeout<F> {
 pin_project_lite::pin_project! {
     /// [`timeout`]'s future: `fut` and `sleep` side by side. A struct, not an `async fn`: the
     /// compiler keeps an `async fn`'s argument and the local it is pinned in as two fields,
-    /// which held the forwarding future twice (3 688 bytes instead of ~1 830). A request's
-    /// future (6 032 -> 4 168 bytes) lives as long as its connection in hyper's dispatcher.
+    /// which held the forwarding future twice; a request's future lives as long as its
+    /// connection in hyper's dispatcher.
     pub struct Timeout<F> {
         #[pin]
         fut: F,

@@ -10,13 +10,10 @@
 //!   doubling when a new descriptor does not fit (64, 128, 256, ...), and in a process with more
 //!   than one thread each growth first waits for an RCU grace period (`expand_fdtable` calls
 //!   `synchronize_rcu`): the worker that accepted a client or connected upstream sleeps, with
-//!   every connection it serves. Measured here (`perf sched`, 128 new keep-alive clients on one
-//!   worker): the worker asleep 12 ms in `expand_files`; 256 requests took 31-37 ms against
-//!   nginx's 15-20, with the slowest request at 21-28 ms; with the table grown at start-up,
-//!   20-24 ms and 10-14 ms. nginx's workers are single-threaded processes, which skip the wait.
+//!   every connection it serves (docs/measurements.md, "The descriptor table grown at
+//!   start-up"). nginx's workers are single-threaded processes, which skip the wait.
 //!
-//! Cost: a table of 8 bytes per descriptor in kernel memory (256 KiB for the default 10 000
-//! connections), nothing per request.
+//! Cost: a table of 8 bytes per descriptor in kernel memory, nothing per request.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};

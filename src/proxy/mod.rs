@@ -22,8 +22,7 @@ mod affine;
 mod coarse;
 mod fds;
 pub mod forward;
-pub(crate) mod h1;
-mod inbound;
+pub(crate) mod http1;
 pub mod reload;
 pub mod respond;
 
@@ -337,10 +336,9 @@ fn reporter(
 /// ([`accept`]), so a busy worker never queues connections an idle one could take, and a light
 /// load stays on one worker.
 ///
-/// Measured against one `SO_REUSEPORT` listener per worker (the kernel hashing each connection
-/// to a worker, whatever its load), same run, 3 rounds of `wrk -c16`: p99 0.61-0.65 ms against
-/// 0.62-3.55 ms and 54-59k against 50-54k req/s; at 128 connections, equal throughput and a
-/// lower p99. A port already in use fails with "address in use", never shares silently.
+/// Rather than one `SO_REUSEPORT` listener per worker, which hashes connections to workers
+/// whatever their load (docs/measurements.md, "One shared listener"). A port already in use
+/// fails with "address in use", never shares silently.
 fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
     let socket = if addr.is_ipv4() {
         tokio::net::TcpSocket::new_v4()?
@@ -438,11 +436,11 @@ async fn serve(
 }
 
 /// A data-plane worker's runtime: one thread, told when it wakes from waiting for events
-/// ([`h1::woke`]).
+/// ([`http1::client::woke`]).
 pub(crate) fn worker_runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
-        .on_thread_unpark(h1::woke)
+        .on_thread_unpark(http1::client::woke)
         .build()
 }
 
@@ -497,11 +495,11 @@ async fn worker(
     // Tells this worker's connections that it drains; each holds `alive` until it ends.
     let (drain_tx, draining) = watch::channel(false);
     let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
-    let stalls = Arc::new(inbound::Stalls::new(
+    let stalls = Arc::new(http1::server::Stalls::new(
         config.timeouts.send.0,
         shared.metrics.send_timeouts.clone(),
     ));
-    let lane = Arc::new(inbound::Lane {
+    let lane = Arc::new(http1::server::Lane {
         hyper: builder,
         h1,
         max_head,
@@ -559,7 +557,7 @@ async fn worker(
         metrics.connections.inc();
         tokio::spawn(async move {
             let _alive = alive;
-            let served = std::pin::pin!(inbound::serve(stream, conn.clone(), lane));
+            let served = std::pin::pin!(http1::server::serve(stream, conn.clone(), lane));
             match affine::drive(served, &conn.affine).await {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
@@ -587,7 +585,7 @@ async fn worker(
 
 /// The worker's tick: fires its [`coarse::Timers`] (each request's header-read, upstream
 /// response and send deadlines), drops the HTTP/2 responses whose client has left their
-/// window shut for `timeouts.send` ([`inbound::Stalls`]), and closes its idle upstream connections unused for `timeouts.idle` or
+/// window shut for `timeouts.send` ([`http1::server::Stalls`]), and closes its idle upstream connections unused for `timeouts.idle` or
 /// closed by the upstream meanwhile. On the first worker, also measures its load for the
 /// others' accept loops ([`accept::Sampler`]).
 ///
@@ -600,7 +598,7 @@ async fn worker(
 async fn anchor_timer(
     period: Duration,
     idle: Arc<affine::Idle>,
-    stalls: Arc<inbound::Stalls>,
+    stalls: Arc<http1::server::Stalls>,
     timers: Arc<coarse::Timers>,
     shared: Arc<Shared>,
     mut load: Option<accept::Sampler>,

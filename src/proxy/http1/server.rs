@@ -1,50 +1,17 @@
-//! A client connection: HTTP/1.1 requests without a body (or with a small one) served here,
-//! written by hand; one whose body is streamed lent to hyper's server; the rest of the
-//! connection handed to hyper's server after anything else.
+//! The server side: one task per client connection reads a request head into the
+//! connection's buffer, parses it (httparse) into the request the request path takes, and
+//! writes the response head and what of its body is there in one `write`.
 //!
-//! hyper's server side was most of our user-space instructions (BENCHMARKS.md): a dispatch
-//! loop and connection future per connection, its own read and write buffers, a read after
-//! every request to notice a client that leaves (which reallocated the 8 KiB read buffer for
-//! most requests, the request's head still holding the old one), and the response encoded
-//! through its buffer queue. Here one task reads a request head into the connection's buffer,
-//! parses it with httparse into the request the request path takes, and writes the response
-//! head and (for a small first piece) its body in one `write`.
-//!
-//! What is served here, per RFC 9112: a complete request head of HTTP/1.0 or 1.1 in origin
-//! form, without `Transfer-Encoding`, `Expect` or `Upgrade`, not `CONNECT`, and either without
-//! a body or with one `Content-Length` of at most [`IN_HAND`], whose body is read whole before
-//! the request goes on (as nginx buffers a small body) and goes upstream in the head's `write`.
-//! A request whose body is streamed (a larger one, a small one still coming when the head's
-//! deadline passes, a chunked one, one expecting `100 Continue`) is served by hyper's HTTP/1
-//! server, with the bytes read so far, and the connection taken back once hyper is between
-//! requests with it kept alive ([`by_hyper_once`]; a client that streams two bodies in a row
-//! is left to hyper). Anything else (an upgrade, an HTTP/2
-//! preface, a head too large or malformed) hands the connection to hyper's server for the rest
-//! of its life, which answers it as before (400, 431, the WebSocket spliced).
-//! The response is delimited by its `Content-Length`, a known body size, chunks (HTTP/1.1) or
-//! the close (HTTP/1.0); `HEAD`, 204 and 304 get no body; trailers are not sent (nor did hyper
-//! send them to HTTP/1 clients).
-//! The connection stays open after a response unless the client asked otherwise (HTTP/1.1
-//! `close`, HTTP/1.0 without `keep-alive`), the response says `close`, its body was cut short,
-//! or the worker is draining.
-//!
-//! While a request is in flight its client's socket is watched with a one-byte `MSG_PEEK`
-//! only when the reactor says it is readable: an end of stream abandons the request (the
-//! connection closes, as hyper did); a pipelined request is left where it is. Each request
-//! head, the first included, must arrive whole within `timeouts.header_read` of the start of
-//! the wait for it (hyper's rule: an idle keep-alive connection is closed after it too, so an
-//! idle client does not keep a connection slot); between requests a drain closes it at once.
-//! A small body not whole by then is hyper's to stream (a slow upload is served, not cut off).
-//!
-//! Cost per request: one `recv` for the head (nothing when the last one read it already),
-//! httparse, the `HeaderMap` (a heap allocation per header name outside the standard ones, as
-//! with hyper), the head's values shared with the buffer, a slot of the worker's `coarse`
-//! timers while the read waits, one `write` for the response head and what of its body is
-//! there already, up to [`COALESCE`] (for a chunked body, every chunk there and the end); no
-//! allocation for the buffer while the previous request's head is gone by the next read. The
-//! response head is its map's fields (none, for an upstream response of our own connection or
-//! a 429 its rule keeps) and then the lines the response brings written (`Lines`: the
-//! upstream's own, or the 429's), copied as they are.
+//! Serves what [`super`] says; a small body (one `Content-Length` up to [`IN_HAND`]) is read
+//! whole within the head's deadline and goes upstream in the head's `write`. A streamed body
+//! is served by hyper's HTTP/1 server for that one request ([`by_hyper_once`]), and the
+//! connection comes back once hyper is between requests; anything else is hyper's for good.
+//! Each head must be whole within `timeouts.header_read`, parsed again only once its end may
+//! have come ([`HeadEnd`]); each write must take a byte within `timeouts.send`. The connection
+//! stays open unless the client or the response says `close`, the body was cut short, or the
+//! worker drains. While a request is in flight the socket is peeked only when readable: an end
+//! of stream abandons the request. Must never: allocate a buffer per request, or hold the
+//! request or response where a move through futures would copy it.
 
 use std::future::Future;
 use std::io;
@@ -68,11 +35,11 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use super::coarse::{Sleep, Timers};
-use super::forward::{has_token, Ended, InHand, ReqBody, Streamed};
-use super::h1::{keeps_alive, parse_length, HeadEnd};
-use super::respond::{self, Body, Own};
-use super::{handle, AbandonGuard, Conn};
+use super::framing::{field, keeps_alive, parse_length, HeadEnd};
+use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::forward::{has_token, Ended, InHand, ReqBody, Streamed};
+use crate::proxy::respond::{self, Body, Own};
+use crate::proxy::{handle, AbandonGuard, Conn};
 
 /// Header fields in a request head at most (hyper's limit too); more hands the connection to
 /// hyper, which answers 431.
@@ -111,7 +78,11 @@ pub struct Lane {
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
 /// Serves the client connection `stream` until it ends.
-pub async fn serve(stream: TcpStream, conn: Arc<Conn>, lane: Arc<Lane>) -> Result<(), Error> {
+pub(in crate::proxy) async fn serve(
+    stream: TcpStream,
+    conn: Arc<Conn>,
+    lane: Arc<Lane>,
+) -> Result<(), Error> {
     let mut draining = lane.draining.clone();
     // Made once per connection: waiting on it costs nothing per request.
     let mut drained = pin!(async move {
@@ -735,14 +706,6 @@ fn write_head(
     } else if asked.http10 {
         field(out, b"connection", b"keep-alive");
     }
-    out.extend_from_slice(b"\r\n");
-}
-
-/// Writes one header field as a line of an HTTP/1 head: `name: value\r\n`.
-pub(super) fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
-    out.extend_from_slice(name);
-    out.extend_from_slice(b": ");
-    out.extend_from_slice(value);
     out.extend_from_slice(b"\r\n");
 }
 

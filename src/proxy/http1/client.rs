@@ -1,41 +1,15 @@
-//! One HTTP/1.1 exchange on an upstream connection of our own, written by hand.
+//! The client side: one HTTP/1.1 exchange on an upstream connection of our own, done in the
+//! client connection's task. The request head is written straight from the request (the hop's
+//! fields as they pass, [`Added`]), the response head parsed (httparse) where it lies in the
+//! connection's buffer, its end-to-end lines passed on as the upstream wrote them ([`Passed`])
+//! or, for a server that writes its own heads, as a map; the body is read from the socket by
+//! the body itself ([`RawBody`]).
 //!
-//! hyper's client runs each connection behind a dispatch channel, parses the response into its
-//! own types and drives the body from a connection future of its own; under callgrind that was
-//! ~14 000 of the 35 000 user-space instructions of a forwarded request (nginx forwards in
-//! ~21 000 in all). Here the request head is written straight from the request, the response
-//! head is parsed with httparse into the response the server side sends on, and the body is
-//! read from the same socket by the body itself, in the client connection's task. hyper's
-//! client is kept for HTTP/2 upstreams, bodies and upgrades (the server side of our own is
-//! `inbound`).
-//!
-//! What it does, per RFC 9112: requests without a body, or with a small one read whole with
-//! its head (`inbound`), written in the same `write` (a body still coming goes through hyper's
-//! pool, whose client hands back a response that comes while the body is still being sent); a
-//! response's body is delimited by `HEAD`, 1xx/204/304 (none), `Transfer-Encoding`
-//! (chunked, or up to the close for any other), a `Content-Length` (all values equal, or the
-//! response is refused), or the close. Interim responses are skipped, an unasked 101 refused.
-//! The connection is reused only after a response that allows it (HTTP/1.1 without `close`,
-//! HTTP/1.0 with `keep-alive`, delimited by length or chunks, read to its end); a body dropped
-//! before its end drops the connection, and so do bytes past a response's framing or sent
-//! while the connection was idle ([`Raw::check`]). Bytes that arrive after the next request
-//! was written cannot be told from its answer: that residual race is HTTP/1 keep-alive's own.
-//!
-//! Cost per request: one `write` for the head (on a busy worker made once the other connections
-//! ready with it have had their turn, so that the app wakes once for a turn's requests), one `read`
-//! per response in the common case (the head and a small body arrive together), httparse, no
-//! allocation for the head's text (it stays in the connection's buffer). The hop's changes cost no
-//! map operations: the client's headers are written as they pass (`forward::Added`). The response's
-//! field names are sorted by their length (`Named`), its hop-by-hop fields read where they lie, and
-//! the other lines passed on as the upstream wrote them ([`Passed`]: up to three runs of the head,
-//! copied by `inbound` into the client's head): no `HeaderMap` is built for an HTTP/1 client. That
-//! took a forwarded request from 24 600 to 22 000 user-space instructions; the map, the
-//! `Connection` names parsed once and httparse's fields left uninitialised, from 29 900 to 27 000
-//! before (callgrind, see BENCHMARKS.md). The request is borrowed down the request path (`handle`,
-//! `forward`, `affine`, here) instead of moved, the response borrowed by the writer, and the
-//! response head (440 bytes) read where it was parsed: every future a value moves through copies
-//! it, and those copies (`memcpy`) were the largest single item, 3 100 instructions of a forwarded
-//! request. Now 1 300, and the request 20 750 -> 19 300 in all.
+//! Takes requests without a body or with one in hand (hyper's pooled client takes streamed
+//! bodies and upgrades). Framing per RFC 9112 §6.3 ([`framing`]); interim responses skipped,
+//! an unasked 101 refused. Reuse as [`super`] states, checked by [`Raw::check`] without a
+//! syscall (the reactor's recorded readiness). Must never: parse a head from its start at each
+//! read, build a header map for an HTTP/1 client, or put back a connection with bytes pending.
 
 use std::cell::Cell;
 use std::future::Future;
@@ -53,7 +27,8 @@ use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::forward::{has_token, listed, Added, ReqBody};
+use super::framing::{field, keeps_alive, parse_length, HeadEnd};
+use crate::proxy::forward::{listed, Added, ReqBody};
 
 thread_local! {
     /// Set when this thread's runtime woke from waiting for events ([`woke`]); cleared by the
@@ -233,14 +208,10 @@ pub async fn exchange(
     // An HTTP/1 client's request is written once the other connections that became ready with
     // it have had their turn: tokio runs a yielded task again after its next look at the
     // reactor, so the worker's requests of one turn go upstream together, the app wakes once
-    // for them instead of once each, and their responses come back together (the client side
-    // wakes less too). It costs a poll of the request's futures, ~950 instructions; at 128
-    // connections with a rule refusing some, it gave more requests a second in 58 of 81 paired
-    // rounds (BENCHMARKS.md, "Upstream writes in batches"). Not for an HTTP/2 client's streams:
-    // each is a task of hyper's already, and there it cost 2-8 %. Not for the first request
-    // after the worker waited for events ([`woke`]) either: a worker that waits is not busy,
-    // and the request it woke for mostly comes alone, which the yield would only delay (~1 900
-    // instructions and an `epoll_wait` that returns at once).
+    // for them instead of once each, and their responses come back together (BENCHMARKS.md,
+    // "Upstream writes in batches"). Not for an HTTP/2 client's streams (each is a task of
+    // hyper's already), nor for the first request after the worker waited for events
+    // ([`woke`]): a worker that waits is not busy, and the yield would only delay it.
     if !mapped && !WOKE.replace(false) {
         tokio::task::yield_now().await;
     }
@@ -308,7 +279,7 @@ fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added) {
     let passing = req.headers().iter().filter(|(name, _)| added.passes(name));
     let passing = passing.map(|(name, value)| (name, value.as_bytes()));
     for (name, value) in passing.chain(added.fields()) {
-        super::inbound::field(out, name.as_str().as_bytes(), value);
+        field(out, name.as_str().as_bytes(), value);
     }
     out.extend_from_slice(b"\r\n");
 }
@@ -705,25 +676,6 @@ fn framing(
     })
 }
 
-/// A decimal length of at most 19 digits.
-pub(super) fn parse_length(digits: &[u8]) -> Option<u64> {
-    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    Some(digits.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
-}
-
-/// Whether a message of `version` with these `Connection` values leaves its connection open
-/// for another exchange (RFC 9112 §9.3): the upstream's response, or the client's request.
-pub(super) fn keeps_alive(version: Version, connection: &[&[u8]]) -> bool {
-    let has = |token: &[u8]| connection.iter().any(|v| has_token(v, token));
-    if version == Version::HTTP_10 {
-        has(b"keep-alive")
-    } else {
-        !has(b"close")
-    }
-}
-
 /// A response body read from the upstream connection by the client connection's task.
 pub struct RawBody {
     /// The connection, until the body's end.
@@ -898,41 +850,6 @@ impl Body for RawBody {
     }
 }
 
-/// How far a growing buffer has been searched for the empty line that ends a message head, so
-/// that a head trickled a byte at a time is searched once in all rather than parsed from its
-/// start at every read (quadratic in its size).
-#[derive(Default)]
-pub(super) struct HeadEnd {
-    searched: usize,
-    looked: bool,
-}
-
-impl HeadEnd {
-    /// Whether `buf` (the same buffer as at the last call, grown at its end) may hold a whole
-    /// head now: at the first look (what is no head at all is refused at once), then only once
-    /// an empty line (`\n\n` or `\n\r\n`, RFC 9112 lets a bare LF end a line) has arrived.
-    pub fn may_end(&mut self, buf: &[u8]) -> bool {
-        let first = !std::mem::replace(&mut self.looked, true);
-        // The empty line may have begun in the bytes searched last time.
-        let from = self.searched.saturating_sub(2).min(buf.len());
-        self.searched = buf.len();
-        first || has_empty_line(&buf[from..])
-    }
-}
-
-/// Whether `bytes` hold `\n\n` or `\n\r\n`.
-fn has_empty_line(bytes: &[u8]) -> bool {
-    let mut at = 0;
-    while let Some(i) = bytes[at..].iter().position(|&b| b == b'\n') {
-        let rest = &bytes[at + i + 1..];
-        if rest.starts_with(b"\n") || rest.starts_with(b"\r\n") {
-            return true;
-        }
-        at += i + 1;
-    }
-    false
-}
-
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
@@ -1007,7 +924,7 @@ mod tests {
         });
         let raw = Raw::new(TcpStream::connect(addr).await.unwrap(), None);
         let req = Request::get("/t")
-            .body(Either::Right(super::super::forward::InHand::default()))
+            .body(Either::Right(crate::proxy::forward::InHand::default()))
             .unwrap();
         let added = Added::of(req.headers(), None, None, [127, 0, 0, 1].into(), false);
         PARSED.set(0);
@@ -1201,7 +1118,7 @@ mod tests {
         ];
         for name in names {
             let by_map = HeaderName::from_bytes(name.as_bytes())
-                .is_ok_and(|n| super::super::forward::hop_by_hop(&n));
+                .is_ok_and(|n| crate::proxy::forward::hop_by_hop(&n));
             assert_eq!(Named::of(name.as_bytes()).hop_by_hop(), by_map, "{name}");
         }
         assert_eq!(Named::of(b"Date"), Named::Date);
@@ -1311,7 +1228,7 @@ mod tests {
     async fn exchanged(raw: Raw) -> Result<StatusCode, ()> {
         let req = Request::get("/x")
             .header("host", "app")
-            .body(Either::Right(super::super::forward::InHand::new(
+            .body(Either::Right(crate::proxy::forward::InHand::new(
                 Bytes::new(),
             )))
             .unwrap();
@@ -1396,7 +1313,7 @@ mod tests {
     /// (Without the hook both would wait; without the yield both would be there.)
     #[test]
     fn after_a_wait_the_first_request_goes_upstream_at_once_and_the_turns_others_after_it() {
-        let rt = super::super::worker_runtime().unwrap();
+        let rt = crate::proxy::worker_runtime().unwrap();
         rt.block_on(async {
             let (app1, raw1) = app_and_raw().await;
             let (app2, raw2) = app_and_raw().await;

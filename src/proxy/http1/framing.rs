@@ -1,0 +1,68 @@
+//! What the server side and the client side share: the end of a head, lengths, whether a
+//! message keeps its connection, and how a header line is written.
+
+use http::Version;
+
+use crate::proxy::forward::has_token;
+
+/// Writes one header field as a line of an HTTP/1 head: `name: value\r\n`.
+pub(crate) fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.extend_from_slice(name);
+    out.extend_from_slice(b": ");
+    out.extend_from_slice(value);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// A decimal length of at most 19 digits.
+pub(crate) fn parse_length(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    Some(digits.iter().fold(0, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+/// Whether a message of `version` with these `Connection` values leaves its connection open
+/// for another exchange (RFC 9112 §9.3): the upstream's response, or the client's request.
+pub(crate) fn keeps_alive(version: Version, connection: &[&[u8]]) -> bool {
+    let has = |token: &[u8]| connection.iter().any(|v| has_token(v, token));
+    if version == Version::HTTP_10 {
+        has(b"keep-alive")
+    } else {
+        !has(b"close")
+    }
+}
+
+/// How far a growing buffer has been searched for the empty line that ends a message head, so
+/// that a head trickled a byte at a time is searched once in all rather than parsed from its
+/// start at every read (quadratic in its size).
+#[derive(Default)]
+pub(crate) struct HeadEnd {
+    searched: usize,
+    looked: bool,
+}
+
+impl HeadEnd {
+    /// Whether `buf` (the same buffer as at the last call, grown at its end) may hold a whole
+    /// head now: at the first look (what is no head at all is refused at once), then only once
+    /// an empty line (`\n\n` or `\n\r\n`, RFC 9112 lets a bare LF end a line) has arrived.
+    pub fn may_end(&mut self, buf: &[u8]) -> bool {
+        let first = !std::mem::replace(&mut self.looked, true);
+        // The empty line may have begun in the bytes searched last time.
+        let from = self.searched.saturating_sub(2).min(buf.len());
+        self.searched = buf.len();
+        first || has_empty_line(&buf[from..])
+    }
+}
+
+/// Whether `bytes` hold `\n\n` or `\n\r\n`.
+fn has_empty_line(bytes: &[u8]) -> bool {
+    let mut at = 0;
+    while let Some(i) = bytes[at..].iter().position(|&b| b == b'\n') {
+        let rest = &bytes[at + i + 1..];
+        if rest.starts_with(b"\n") || rest.starts_with(b"\r\n") {
+            return true;
+        }
+        at += i + 1;
+    }
+    false
+}
