@@ -4,6 +4,11 @@
 //! `proptest-regressions/`, which is committed, so a crash found once stays a regression test.
 //!
 //! The property everywhere: no panic, and the answer is one of the documented ones.
+//!
+//! The hand-written HTTP/1 parsers (request heads and small bodies, response heads, chunked
+//! bodies and trailers) are fuzzed against hyper instead, which is a stronger property than "no
+//! panic": `src/proxy/http1/tests.rs` (`cargo test --lib http1::tests`, and
+//! `bench/differential.sh` for a longer run).
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::str::FromStr;

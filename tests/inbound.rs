@@ -1,4 +1,4 @@
-//! The proxy's own HTTP/1 server side (src/proxy/inbound.rs) as a client sees it on the wire:
+//! The proxy's own HTTP/1 server side (src/proxy/http1/server.rs) as a client sees it on the wire:
 //! pipelined requests answered in order, HTTP/1.0 keep-alive and close, a small body forwarded
 //! with its head on the connection's own upstream connection (also when it comes after the
 //! head), a larger body or one still coming at the head's deadline handed to hyper in the middle

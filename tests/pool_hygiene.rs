@@ -1,6 +1,6 @@
 //! An upstream that writes more than its framing says must never make one client's bytes
 //! another's answer: a pooled connection with anything pending on it is closed, not reused
-//! (src/proxy/h1.rs, `Raw::check`). A raw-socket upstream answers each shape; the next client
+//! (src/proxy/http1/client.rs, `Raw::check`). A raw-socket upstream answers each shape; the next client
 //! must get exactly its own answer, for HTTP/1 and HTTP/2 clients.
 
 mod common;

@@ -1,5 +1,5 @@
 //! Responses of every framing through a client connection's own upstream connection
-//! (src/proxy/h1.rs, the hand-written HTTP/1.1 exchange): each body arrives whole, and the
+//! (src/proxy/http1/client.rs, the hand-written HTTP/1.1 exchange): each body arrives whole, and the
 //! connection is reused after a response only when that response allows it. Requests with a
 //! body go through hyper's pool instead (src/proxy/forward.rs); they are checked here too.
 //!

@@ -135,7 +135,7 @@ pub fn refused(refusal: &Refusal, grpc: bool) -> Response<Body> {
 
 /// Puts all of `resp`'s header fields in its map, for a server that writes its own heads
 /// (hyper's) or a change to the map: a kept 429's, or those an upstream response of our own
-/// connection passes as the upstream wrote them ([`h1::Passed`](super::http1::client::Passed)). Fields
+/// connection passes as the upstream wrote them (`http1::client::Passed`). Fields
 /// already in the map (a `Connection: close`) stay, after a 429's and before an upstream's.
 ///
 /// Once the fields are in the map the body no longer brings them, so a second call adds

@@ -270,7 +270,7 @@ pub async fn exchange(
 
 /// Writes the request line (origin form) and headers: the client's that go on, then those the
 /// hop sets.
-fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added) {
+pub(super) fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added) {
     out.extend_from_slice(req.method().as_str().as_bytes());
     out.push(b' ');
     let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
@@ -478,7 +478,7 @@ fn respond(
     let text = &head.bytes[..];
     let fields = head.fields.iter().map(|f| (f.named, f.value(text)));
     let delimiters = Delimiters::of(fields);
-    let (framing, mut reusable) = framing(status, head_only, &delimiters)?;
+    let (framing, mut reusable) = framing(status, head_only, head.version, &delimiters)?;
     reusable &= keeps_alive(head.version, &delimiters.connection);
     // A Content-Length beside a Transfer-Encoding must not be passed on (RFC 9112 §6.3): the
     // client is told the decoded length, or gets it chunked.
@@ -638,6 +638,7 @@ impl<'a> Delimiters<'a> {
 fn framing(
     status: StatusCode,
     head_only: bool,
+    version: Version,
     delimiters: &Delimiters,
 ) -> io::Result<(Framing, bool)> {
     if head_only
@@ -646,6 +647,13 @@ fn framing(
         || status == StatusCode::NOT_MODIFIED
     {
         return Ok((Framing::Done, true));
+    }
+    // Transfer-Encoding came with HTTP/1.1: in an HTTP/1.0 message the framing is faulty
+    // (RFC 9112 §6.1), and guessing it is how one answer becomes two.
+    if version == Version::HTTP_10 && !delimiters.codings.is_empty() {
+        return Err(protocol(
+            "upstream sent Transfer-Encoding in an HTTP/1.0 response",
+        ));
     }
     if let Some(codings) = delimiters.codings.last() {
         let last = codings
@@ -943,7 +951,7 @@ mod tests {
         let status = StatusCode::from_u16(status).unwrap();
         let h = headers(pairs);
         let d = delimiters(&h);
-        framing(status, head_only, &d).map(|(f, reuse)| {
+        framing(status, head_only, Version::HTTP_11, &d).map(|(f, reuse)| {
             let f = match f {
                 Framing::Done => "done".to_string(),
                 Framing::Length(n) => format!("length {n}"),

@@ -25,8 +25,9 @@ pub(crate) fn parse_length(digits: &[u8]) -> Option<u64> {
 /// for another exchange (RFC 9112 §9.3): the upstream's response, or the client's request.
 pub(crate) fn keeps_alive(version: Version, connection: &[&[u8]]) -> bool {
     let has = |token: &[u8]| connection.iter().any(|v| has_token(v, token));
+    // `close` wins whatever else is said.
     if version == Version::HTTP_10 {
-        has(b"keep-alive")
+        has(b"keep-alive") && !has(b"close")
     } else {
         !has(b"close")
     }

@@ -734,7 +734,7 @@ fn is_gone(e: &io::Error) -> bool {
 
 /// What a look at the buffer found.
 #[allow(clippy::large_enum_variant)]
-enum Parsed {
+pub(super) enum Parsed {
     Request(Request<ReqBody>),
     /// Not whole yet.
     Partial,
@@ -755,7 +755,7 @@ thread_local! {
 }
 
 /// Takes a whole request head this side serves out of `buf`, as the request.
-fn parse(buf: &mut BytesMut) -> Parsed {
+pub(super) fn parse(buf: &mut BytesMut) -> Parsed {
     #[cfg(test)]
     PARSED.set(PARSED.get() + buf.len());
     // Uninitialised: filling 100 empty fields first would cost more than the parse.
