@@ -198,6 +198,8 @@ pub struct Metrics {
     pub upstream_discards: [IntCounter; 3],
     /// `spillway_client_send_timeouts_total`.
     pub send_timeouts: IntCounter,
+    /// `spillway_upstream_connection_waiters`.
+    pub upstream_waiters: IntGauge,
     pub bad_requests: IntCounterVec,
     /// `bad_requests{reason="header_too_large"}`, resolved once.
     pub header_too_large: IntCounter,
@@ -334,6 +336,11 @@ impl Metrics {
             "Responses given up because the client took none of their bytes for timeouts.send (the HTTP/1 connection closed, the HTTP/2 stream's response dropped).",
         )
         .expect("valid metric");
+        let upstream_waiters = IntGauge::new(
+            "spillway_upstream_connection_waiters",
+            "Requests waiting now for an upstream connection under limits.max_upstream_connections.",
+        )
+        .expect("valid metric");
         let connections = IntGauge::new("spillway_connections", "Client connections open now.")
             .expect("valid metric");
         let draining = IntGauge::new(
@@ -377,6 +384,7 @@ impl Metrics {
             Box::new(upstream.clone()),
             Box::new(discarded.clone()),
             Box::new(send_timeouts.clone()),
+            Box::new(upstream_waiters.clone()),
             Box::new(bad_requests.clone()),
             Box::new(connections.clone()),
             Box::new(draining.clone()),
@@ -455,6 +463,7 @@ impl Metrics {
             upstream_errors,
             upstream_discards,
             send_timeouts,
+            upstream_waiters,
             header_too_large: bad_requests.with_label_values(&["header_too_large"]),
             rapid_reset: bad_requests.with_label_values(&["rapid_reset"]),
             bad_body: bad_requests.with_label_values(&["body"]),

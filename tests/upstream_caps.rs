@@ -25,6 +25,8 @@ use tokio::sync::Notify;
 struct Open {
     now: AtomicUsize,
     most: AtomicUsize,
+    /// Accepted in all.
+    total: AtomicUsize,
 }
 
 struct Counted(Arc<Open>);
@@ -47,6 +49,7 @@ async fn app(release: Arc<Notify>) -> (SocketAddr, Arc<Open>) {
             let Ok((stream, _)) = listener.accept().await else {
                 return;
             };
+            counts.total.fetch_add(1, Ordering::SeqCst);
             let n = counts.now.fetch_add(1, Ordering::SeqCst) + 1;
             counts.most.fetch_max(n, Ordering::SeqCst);
             let counted = Counted(counts.clone());
@@ -198,4 +201,56 @@ async fn a_stream_that_finds_no_connection_in_time_gets_503_with_retry_after() {
     for s in waiting {
         assert_eq!(s.await.unwrap().0, StatusCode::OK);
     }
+}
+
+/// Waits (bounded) until the proxy says `n` requests wait for an upstream connection.
+async fn waiters(sc: &spillway::Sidecar, n: f64) {
+    for _ in 0..500 {
+        let text = admin(sc, "/metrics").await.1;
+        if metric(&text, "spillway_upstream_connection_waiters") == Some(n) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never {n} waiters");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiters_that_give_up_leave_connections_reusable() {
+    let release = Arc::new(Notify::new());
+    let (app_addr, open) = app(release.clone()).await;
+    let sc = proxy(app_addr, "max_upstream_connections: 1", "30s").await;
+    // The one connection is held; three clients wait for it, then leave.
+    let addr = sc.addr();
+    let held = tokio::spawn(async move { get(addr, "/held", &[]).await.0 });
+    while open.now.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    let mut leaving = Vec::new();
+    for _ in 0..3 {
+        let mut s = tokio::net::TcpStream::connect(sc.addr()).await.unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut s, b"GET /quick HTTP/1.1\r\nHost: app\r\n\r\n")
+            .await
+            .unwrap();
+        leaving.push(s);
+    }
+    waiters(&sc, 3.0).await;
+    drop(leaving);
+    waiters(&sc, 0.0).await;
+    release.notify_waiters();
+    assert_eq!(held.await.unwrap(), StatusCode::OK);
+    // The connection is reused from here on, not closed for waiters that are gone.
+    let before = open.total.load(Ordering::SeqCst);
+    let c = client();
+    for _ in 0..5 {
+        assert_eq!(
+            send(&c, sc.addr(), "GET", "/quick", &[]).await.0,
+            StatusCode::OK
+        );
+    }
+    let opened = open.total.load(Ordering::SeqCst) - before;
+    assert!(
+        opened <= 1,
+        "{opened} new upstream connections for 5 requests"
+    );
 }

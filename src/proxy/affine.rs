@@ -61,19 +61,31 @@ fn count(discards: &Discards, why: Unusable) {
 /// each holds a permit from here while it is open, idle ones included, so that the descriptor
 /// budget holds whatever clients do. A request that needs a new connection at the cap first
 /// closes one of its worker's idle ones, else waits (at most `timeouts.upstream_connect`);
-/// while any request waits, connections that come back are closed instead of kept idle, so
-/// that their permits go to the waiters.
+/// while any request waits, a connection of ours that comes back goes to a waiter of its
+/// worker, or is closed so that its permit goes to one of another's. The pooled client's idle
+/// connections and those an idle client connection keeps are not taken back.
 pub struct Cap {
     permits: Arc<tokio::sync::Semaphore>,
     waiting: std::sync::atomic::AtomicUsize,
+    /// `spillway_upstream_connection_waiters`.
+    waiters: prometheus::IntGauge,
 }
 
 impl Cap {
-    pub fn new(connections: usize) -> Arc<Cap> {
+    pub fn new(connections: usize, waiters: prometheus::IntGauge) -> Arc<Cap> {
         Arc::new(Cap {
             permits: Arc::new(tokio::sync::Semaphore::new(connections)),
             waiting: Default::default(),
+            waiters,
         })
+    }
+
+    /// Counts a request as waiting for a permit while the guard lives.
+    fn wait(&self) -> Waiting<'_> {
+        self.waiters.inc();
+        let mut waiting = Waiting::on(&self.waiting);
+        waiting.1 = Some(&self.waiters);
+        waiting
     }
 
     /// Some request waits for a permit.
@@ -87,10 +99,33 @@ impl Cap {
         if let Ok(p) = self.permits.clone().try_acquire_owned() {
             return Some(p);
         }
-        self.waiting.fetch_add(1, Ordering::Relaxed);
+        let _waiting = self.wait();
         let got = tokio::time::timeout(wait, self.permits.clone().acquire_owned()).await;
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
         got.ok().and_then(Result::ok)
+    }
+}
+
+/// Counts a request as waiting while it lives: a wait given up (the request's future dropped
+/// when its client leaves or resets the stream) must not leave the count raised, or
+/// connections would be closed for waiters that are gone.
+struct Waiting<'a>(
+    &'a std::sync::atomic::AtomicUsize,
+    Option<&'a prometheus::IntGauge>,
+);
+
+impl<'a> Waiting<'a> {
+    fn on(count: &'a std::sync::atomic::AtomicUsize) -> Self {
+        count.fetch_add(1, Ordering::Relaxed);
+        Waiting(count, None)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+        if let Some(gauge) = self.1 {
+            gauge.dec();
+        }
     }
 }
 
@@ -356,7 +391,8 @@ impl Default for Idle {
     /// With counters of its own and no cap to speak of (tests).
     fn default() -> Self {
         let c = || prometheus::IntCounter::new("discarded", "test").expect("valid");
-        Self::new([c(), c(), c()], Cap::new(1 << 20))
+        let g = prometheus::IntGauge::new("waiters", "test").expect("valid");
+        Self::new([c(), c(), c()], Cap::new(1 << 20, g))
     }
 }
 
@@ -425,9 +461,8 @@ impl Idle {
             }
         }
         let deadline = tokio::time::Instant::now() + upstream.connect_timeout;
-        cap.waiting.fetch_add(1, Ordering::Relaxed);
-        self.waiting.fetch_add(1, Ordering::Relaxed);
-        let got = loop {
+        let _waiting = (cap.wait(), Waiting::on(&self.waiting));
+        loop {
             let waited = tokio::time::timeout_at(deadline, async {
                 tokio::select! {
                     p = cap.permits.clone().acquire_owned() => p.ok().map(Got::Permit),
@@ -436,18 +471,15 @@ impl Idle {
             })
             .await;
             match waited {
-                Ok(Some(got)) => break Some(got),
+                Ok(Some(got)) => return Some(got),
                 Ok(None) => {
                     if let Some(raw) = self.take(now, upstream.idle) {
-                        break Some(Got::Back(raw));
+                        return Some(Got::Back(raw));
                     }
                 }
-                Err(_) => break None,
+                Err(_) => return None,
             }
-        };
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
-        cap.waiting.fetch_sub(1, Ordering::Relaxed);
-        got
+        }
     }
 
     fn conns(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Parked>> {

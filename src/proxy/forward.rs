@@ -53,8 +53,6 @@ pub struct Streamed {
 struct Ahead {
     frames: std::collections::VecDeque<Frame<Bytes>>,
     ended: Option<Arc<Ended>>,
-    /// Also told: the pooled client's exchange, to know whether its response came first.
-    sent: Option<Arc<Ended>>,
 }
 
 /// Set once a body has been read to its end: how `inbound` knows that hyper's server has read
@@ -82,7 +80,6 @@ impl Streamed {
         let ahead = Ahead {
             frames: Default::default(),
             ended: Some(ended),
-            sent: None,
         };
         Self {
             ahead: Some(Box::new(ahead)),
@@ -93,22 +90,11 @@ impl Streamed {
     /// Tells whoever watches this body that hyper's part of it is over, when `over`.
     fn over(&self, over: bool) -> bool {
         if over {
-            if let Some(ahead) = &self.ahead {
-                ahead.ended.iter().chain(&ahead.sent).for_each(|e| e.set());
+            if let Some(ended) = self.ahead.as_ref().and_then(|a| a.ended.as_ref()) {
+                ended.set();
             }
         }
         over
-    }
-
-    /// A flag set once this body has been read to its end.
-    fn sent(&mut self) -> Arc<Ended> {
-        let sent = Arc::new(Ended::default());
-        if self.rest.is_end_stream() && self.ahead.as_ref().is_none_or(|a| a.frames.is_empty()) {
-            sent.set();
-        }
-        let ahead = self.ahead.get_or_insert_with(Default::default);
-        ahead.sent = Some(sent.clone());
-        sent
     }
 }
 
@@ -281,8 +267,9 @@ pub fn client(
         .build(connector)
 }
 
-/// Idle connections the pooled client keeps, per worker.
-const MAX_POOLED_IDLE: usize = 32;
+/// Idle connections the pooled client keeps, per worker: they hold permits of the cap that a
+/// waiting request cannot take back.
+const MAX_POOLED_IDLE: usize = 8;
 
 /// The pooled client's connector: each connection holds a permit of the proxy's [`Cap`]
 /// while it is open (an upgraded one, a WebSocket, until the tunnel closes).
@@ -487,7 +474,8 @@ impl Forward<'_> {
             self.peer,
             self.trust_forwarded,
         );
-        added.close = self.close && !self.h2;
+        // (An upgrade keeps its own `Connection: upgrade`, and its connection is the tunnel's.)
+        added.close = self.close && !self.h2 && upgrade.is_none();
         if affine.is_none() {
             if let Err(resp) = self.rewrite(req, upgrade.is_some(), &added) {
                 return resp;
@@ -502,27 +490,18 @@ impl Forward<'_> {
                 }
                 None => {
                     let mut req = std::mem::replace(req, Request::new(emptied()));
-                    // A response that comes while the body is still being sent, or refuses
-                    // the request (an early 413 or 401, which an app sends before it reads the
-                    // body) leaves the app free to read the rest of the body as it likes, and
-                    // to answer it: that connection is never reused.
-                    let sent = match req.body_mut() {
-                        Either::Left(body) if !self.h2 && !body.is_end_stream() => {
-                            Some(body.sent())
-                        }
-                        _ => None,
-                    };
-                    let captured = sent
-                        .is_some()
+                    // A response that refuses a streamed body (an early 413 or 401, which an app
+                    // sends before it reads the body) leaves the app free to read the rest of
+                    // the body as it likes, and to answer it: that connection is never reused.
+                    let streamed = !self.h2 && !req.body().is_end_stream();
+                    let captured = streamed
                         .then(|| hyper_util::client::legacy::connect::capture_connection(&mut req));
                     let resp = self.client.request(req).await.map_err(Failure::Pooled)?;
-                    if let (Some(sent), Some(captured)) = (sent, captured) {
-                        let refused =
-                            resp.status().is_client_error() || resp.status().is_server_error();
-                        if !sent.is_set() || refused {
-                            if let Some(connected) = captured.connection_metadata().as_ref() {
-                                connected.poison();
-                            }
+                    let refused =
+                        resp.status().is_client_error() || resp.status().is_server_error();
+                    if let (true, Some(captured)) = (refused, captured) {
+                        if let Some(connected) = captured.connection_metadata().as_ref() {
+                            connected.poison();
                         }
                     }
                     Ok::<_, Failure>(resp.map(Either::Left))

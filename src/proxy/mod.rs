@@ -182,7 +182,10 @@ impl Sidecar {
                 idle: t.idle.0.as_nanos() as u64,
             },
             upstream_h2: config.upstream.h2,
-            upstream_cap: affine::Cap::new(config.limits.upstream_connections() as usize),
+            upstream_cap: affine::Cap::new(
+                config.limits.upstream_connections() as usize,
+                metrics.upstream_waiters.clone(),
+            ),
             upstream_per_client: config.limits.max_upstream_per_client.get() as usize,
             clock,
             metrics,
@@ -703,14 +706,15 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     // never read: left on a kept-alive upstream connection, it would be parsed as a request
     // no rule saw. Forwarded on a connection closed after the answer, or (GET and HEAD,
     // `bodies_on_get: reject`) refused.
-    let method = req.method();
-    let get_body = (method == http::Method::GET
-        || method == http::Method::HEAD
-        || method == http::Method::DELETE
-        || method == http::Method::OPTIONS
-        || method == http::Method::TRACE)
+    // Methods compare without case: an app may fold `get` into GET.
+    let method = req.method().as_str();
+    let is = |m: &http::Method| method.eq_ignore_ascii_case(m.as_str());
+    let get_or_head = is(&http::Method::GET) || is(&http::Method::HEAD);
+    let get_body = (get_or_head
+        || is(&http::Method::DELETE)
+        || is(&http::Method::OPTIONS)
+        || is(&http::Method::TRACE))
         && !http_body::Body::is_end_stream(req.body());
-    let get_or_head = method == http::Method::GET || method == http::Method::HEAD;
     if get_body && get_or_head && shared.hygiene.reject_get_bodies {
         metrics
             .bad_requests
@@ -769,7 +773,8 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
 
     // An HTTP/2 client's streams take at most `max_upstream_per_client` upstream connections
     // at once: the others wait for one of them, at most `upstream_connect`, then get 503.
-    let stream_slot = match req.version() == http::Version::HTTP_2 {
+    // (An `h2c://` upstream multiplexes them all on one connection: nothing to cap.)
+    let stream_slot = match req.version() == http::Version::HTTP_2 && !shared.upstream_h2 {
         false => None,
         true => {
             let slots = conn

@@ -40,6 +40,8 @@ pub(crate) fn keeps_alive(version: Version, connection: &[&[u8]]) -> bool {
 pub(crate) struct HeadEnd {
     searched: usize,
     looked: bool,
+    /// Empty lines before the head (which httparse skips) end here, once known.
+    lead: Option<usize>,
 }
 
 impl HeadEnd {
@@ -48,8 +50,25 @@ impl HeadEnd {
     /// an empty line (`\n\n` or `\n\r\n`, RFC 9112 lets a bare LF end a line) has arrived.
     pub fn may_end(&mut self, buf: &[u8]) -> bool {
         let first = !std::mem::replace(&mut self.looked, true);
+        // Empty lines before the head end nothing: found once, not searched again.
+        let lead = match self.lead {
+            Some(lead) => lead,
+            None => {
+                let from = self.searched.min(buf.len());
+                let blank = buf[from..]
+                    .iter()
+                    .take_while(|&&b| b == b'\r' || b == b'\n');
+                let end = from + blank.count();
+                if end == buf.len() {
+                    self.searched = buf.len();
+                    return first;
+                }
+                self.lead = Some(end);
+                end
+            }
+        };
         // The empty line may have begun in the bytes searched last time.
-        let from = self.searched.saturating_sub(2).min(buf.len());
+        let from = self.searched.saturating_sub(2).max(lead).min(buf.len());
         self.searched = buf.len();
         first || has_empty_line(&buf[from..])
     }
@@ -66,4 +85,23 @@ fn has_empty_line(bytes: &[u8]) -> bool {
         at += i + 1;
     }
     false
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Empty lines before a head (which the parser skips) are not its end: a client that
+    /// trickles them cannot make every read parse the buffer again.
+    #[test]
+    fn empty_lines_before_a_head_do_not_make_it_parsed_again() {
+        let mut text = b"\r\n".repeat(1000);
+        text.extend_from_slice(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
+        let mut end = HeadEnd::default();
+        let looks = (1..=text.len().div_ceil(2))
+            .map(|i| end.may_end(&text[..(2 * i).min(text.len())]))
+            .filter(|&may| may)
+            .count();
+        assert_eq!(looks, 2, "the first look and the head's end");
+    }
 }
