@@ -108,24 +108,11 @@ pub async fn admit(
 pub struct PermitBody<B> {
     inner: B,
     permits: SmallVec<[Permit; 1]>,
-    /// Another place the response holds until its end (an HTTP/2 stream's share of its
-    /// client's upstream connections).
-    held: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl<B> PermitBody<B> {
     pub fn new(inner: B, permits: SmallVec<[Permit; 1]>) -> Self {
-        Self {
-            inner,
-            permits,
-            held: None,
-        }
-    }
-
-    /// The same, holding `held` until its end too.
-    pub fn holding(mut self, held: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
-        self.held = held;
-        self
+        Self { inner, permits }
     }
 
     pub fn inner(&self) -> &B {
@@ -151,7 +138,6 @@ impl<B: Body + Unpin> Body for PermitBody<B> {
         // must be able to use the slot it just gave back.
         if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
             self.permits.clear();
-            self.held = None;
         }
         polled
     }

@@ -426,7 +426,6 @@ impl Forward<'_> {
         &self,
         req: &mut Request<ReqBody>,
         mut permits: SmallVec<[Permit; 1]>,
-        stream_slot: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Response<Body> {
         // HTTP/1.1 upgrades only (an HTTP/2 upstream has no Upgrade), and only to a listed
         // protocol: any other `Upgrade` (h2c, whose tunnel no rule would see) is dropped with
@@ -554,7 +553,7 @@ impl Forward<'_> {
         if matches!(resp.body(), Either::Left(_)) {
             strip_hop_by_hop(resp.headers_mut(), false);
         }
-        resp.map(|b| Either::Left(PermitBody::new(b, permits).holding(stream_slot)))
+        resp.map(|b| Either::Left(PermitBody::new(b, permits)))
     }
 
     fn bad_body(&self) -> Response<Body> {
@@ -747,6 +746,12 @@ impl Added {
 
     /// The headers set, each replacing the client's of that name.
     pub fn fields(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
+        let close = self.close.then_some((&header::CONNECTION, &b"close"[..]));
+        self.set().chain(close)
+    }
+
+    /// The end-to-end headers set (`Connection: close`, when set, is the hop's own).
+    pub fn set(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
         fn value(v: &Option<HeaderValue>) -> Option<&[u8]> {
             v.as_ref().map(HeaderValue::as_bytes)
         }
@@ -755,7 +760,6 @@ impl Added {
             (&X_FORWARDED_FOR, Some(&self.forwarded_for[..])),
             (&X_FORWARDED_PROTO, value(&self.proto)),
             (&X_FORWARDED_HOST, value(&self.forwarded_host)),
-            (&header::CONNECTION, self.close.then_some(&b"close"[..])),
         ]
         .into_iter()
         .filter_map(|(name, value)| value.map(|v| (name, v)))
@@ -767,7 +771,7 @@ impl Added {
     pub fn passes(&self, name: &HeaderName) -> bool {
         !hop_by_hop(name)
             && !self.listed.contains(name)
-            && self.fields().all(|(set, _)| set != name)
+            && self.set().all(|(set, _)| set != name)
             && (self.trusted || name != X_FORWARDED_HOST)
     }
 }

@@ -500,6 +500,7 @@ async fn worker(
     let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
     let stalls = Arc::new(http1::server::Stalls::new(
         config.timeouts.send.0,
+        anchor_period(&config.timeouts),
         shared.metrics.send_timeouts.clone(),
     ));
     let lane = Arc::new(http1::server::Lane {
@@ -609,7 +610,7 @@ async fn anchor_timer(
     loop {
         tokio::time::sleep(period).await;
         timers.fire(coarse::Timers::now());
-        stalls.tick(coarse::Timers::now());
+        stalls.tick();
         idle.prune(shared.clock.now(), shared.affine_upstream.idle);
         if let Some(load) = &mut load {
             load.sample(tokio::time::Instant::now());
@@ -650,6 +651,43 @@ struct Conn {
     timers: Arc<coarse::Timers>,
     abandoned: Abandoned,
     peer: SocketAddr,
+}
+
+impl Conn {
+    /// A place for one of this HTTP/2 connection's streams among `max_upstream_per_client`:
+    /// at once, or within `timeouts.upstream_connect`; `Err` with the 503 when none came free.
+    /// `Ok(None)` for an `h2c://` upstream, where every stream shares one connection.
+    async fn stream_slot(
+        &self,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Response<Body>> {
+        let shared = &self.shared;
+        if shared.upstream_h2 {
+            return Ok(None);
+        }
+        let slots = self
+            .streams
+            .get_or_init(|| Arc::new(Semaphore::new(shared.upstream_per_client)));
+        if let Ok(p) = slots.clone().try_acquire_owned() {
+            return Ok(Some(p));
+        }
+        let wait = shared.affine_upstream.connect_timeout;
+        if let Ok(Ok(p)) = tokio::time::timeout(wait, slots.clone().acquire_owned()).await {
+            return Ok(Some(p));
+        }
+        let metrics = &shared.metrics;
+        metrics
+            .upstream_error(crate::metrics::UpstreamError::Saturated)
+            .inc();
+        let mut resp = respond::error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no upstream connection came free in time",
+        );
+        resp.headers_mut().insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_static("1"),
+        );
+        Err(resp)
+    }
 }
 
 /// Counts its request as abandoned when dropped before [`disarm`](Self::disarm).
@@ -707,14 +745,17 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     // no rule saw. Forwarded on a connection closed after the answer, or (GET and HEAD,
     // `bodies_on_get: reject`) refused.
     // Methods compare without case: an app may fold `get` into GET.
-    let method = req.method().as_str();
-    let is = |m: &http::Method| method.eq_ignore_ascii_case(m.as_str());
-    let get_or_head = is(&http::Method::GET) || is(&http::Method::HEAD);
-    let get_body = (get_or_head
-        || is(&http::Method::DELETE)
-        || is(&http::Method::OPTIONS)
-        || is(&http::Method::TRACE))
-        && !http_body::Body::is_end_stream(req.body());
+    let (get_body, get_or_head) = match http_body::Body::is_end_stream(req.body()) {
+        true => (false, false),
+        false => {
+            let method = req.method().as_str();
+            let is = |m: &http::Method| method.eq_ignore_ascii_case(m.as_str());
+            let get_or_head = is(&http::Method::GET) || is(&http::Method::HEAD);
+            let other =
+                is(&http::Method::DELETE) || is(&http::Method::OPTIONS) || is(&http::Method::TRACE);
+            (get_or_head || other, get_or_head)
+        }
+    };
     if get_body && get_or_head && shared.hygiene.reject_get_bodies {
         metrics
             .bad_requests
@@ -771,45 +812,6 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
         }
     };
 
-    // An HTTP/2 client's streams take at most `max_upstream_per_client` upstream connections
-    // at once: the others wait for one of them, at most `upstream_connect`, then get 503.
-    // (An `h2c://` upstream multiplexes them all on one connection: nothing to cap.)
-    let stream_slot = match req.version() == http::Version::HTTP_2 && !shared.upstream_h2 {
-        false => None,
-        true => {
-            let slots = conn
-                .streams
-                .get_or_init(|| Arc::new(Semaphore::new(shared.upstream_per_client)));
-            let slot = match slots.clone().try_acquire_owned() {
-                Ok(p) => Some(p),
-                Err(_) => {
-                    let wait = shared.affine_upstream.connect_timeout;
-                    tokio::time::timeout(wait, slots.clone().acquire_owned())
-                        .await
-                        .ok()
-                        .and_then(Result::ok)
-                }
-            };
-            if slot.is_none() {
-                metrics
-                    .upstream_error(crate::metrics::UpstreamError::Saturated)
-                    .inc();
-                metrics
-                    .duration(Outcome::Error)
-                    .observe(elapsed(shared, start));
-                let mut resp = respond::error(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "no upstream connection came free in time",
-                );
-                resp.headers_mut().insert(
-                    http::header::RETRY_AFTER,
-                    http::HeaderValue::from_static("1"),
-                );
-                return resp;
-            }
-            slot
-        }
-    };
     let fwd = forward::Forward {
         client: &conn.client,
         upstream: &shared.upstream,
@@ -824,7 +826,7 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
         upgrades: &shared.hygiene.upgrades,
         close: get_body,
     };
-    let mut resp = fwd.send(req, admit.permits, stream_slot).await;
+    let mut resp = fwd.send(req, admit.permits).await;
     let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
         Outcome::Upstream
     } else {

@@ -259,7 +259,7 @@ pub async fn exchange(
                 // one whose request body was refused (an app that answers 413 or 401 before
                 // it reads the body may read it afterwards as it likes, and answer it).
                 let refused = head.status >= 400 && !body_sent.is_empty();
-                let home = (!added.close && !refused).then(|| home.clone());
+                let home = (!added.close && !refused).then_some(home);
                 return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
             }
             Ok(None) => more(&mut raw).await.map_err(Failed::Upstream)?,
@@ -278,8 +278,11 @@ pub(super) fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added) 
     out.extend_from_slice(b" HTTP/1.1\r\n");
     let passing = req.headers().iter().filter(|(name, _)| added.passes(name));
     let passing = passing.map(|(name, value)| (name, value.as_bytes()));
-    for (name, value) in passing.chain(added.fields()) {
+    for (name, value) in passing.chain(added.set()) {
         field(out, name.as_str().as_bytes(), value);
+    }
+    if added.close {
+        field(out, b"connection", b"close");
     }
     out.extend_from_slice(b"\r\n");
 }

@@ -49,7 +49,11 @@ impl HeadEnd {
     /// head now: at the first look (what is no head at all is refused at once), then only once
     /// an empty line (`\n\n` or `\n\r\n`, RFC 9112 lets a bare LF end a line) has arrived.
     pub fn may_end(&mut self, buf: &[u8]) -> bool {
-        let first = !std::mem::replace(&mut self.looked, true);
+        // The first look parses (most heads are whole in the first read); the search starts
+        // at the next one, from the buffer's start.
+        if !std::mem::replace(&mut self.looked, true) {
+            return true;
+        }
         // Empty lines before the head end nothing: found once, not searched again.
         let lead = match self.lead {
             Some(lead) => lead,
@@ -61,7 +65,7 @@ impl HeadEnd {
                 let end = from + blank.count();
                 if end == buf.len() {
                     self.searched = buf.len();
-                    return first;
+                    return false;
                 }
                 self.lead = Some(end);
                 end
@@ -70,7 +74,7 @@ impl HeadEnd {
         // The empty line may have begun in the bytes searched last time.
         let from = self.searched.saturating_sub(2).max(lead).min(buf.len());
         self.searched = buf.len();
-        first || has_empty_line(&buf[from..])
+        has_empty_line(&buf[from..])
     }
 }
 

@@ -232,8 +232,12 @@ pub struct Stall {
 struct Watch {
     /// `None` once dropped for the client's stall.
     body: Option<Body>,
-    /// When hyper last polled the body.
-    since: tokio::time::Instant,
+    /// The stream's place among its client's upstream connections, until the body's end.
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// hyper polled the body since the last tick (no clock read per poll: the tick counts).
+    polled: bool,
+    /// Ticks in a row without a poll while the body was not waited on.
+    idle: u32,
     /// The last poll found the body pending: the stream waits on the upstream, not the client.
     ours: bool,
 }
@@ -249,21 +253,29 @@ pub struct Stalls {
     // Locked by the worker's own thread only, never across an await.
     #[allow(clippy::disallowed_types)]
     list: std::sync::Mutex<Vec<std::sync::Weak<Stall>>>,
-    limit: Duration,
+    /// `timeouts.send` in ticks of the worker: a response not polled for more is dropped.
+    limit: u32,
     timeouts: prometheus::IntCounter,
 }
 
 impl Stalls {
-    pub fn new(limit: Duration, timeouts: prometheus::IntCounter) -> Self {
+    /// `limit`: `timeouts.send`; `tick`: how often [`Stalls::tick`] runs.
+    pub fn new(limit: Duration, tick: Duration, timeouts: prometheus::IntCounter) -> Self {
+        let ticks = limit.as_nanos().div_ceil(tick.as_nanos().max(1));
         Stalls {
             list: Default::default(),
-            limit,
+            limit: u32::try_from(ticks).unwrap_or(u32::MAX).max(1),
             timeouts,
         }
     }
 
-    /// `body` for hyper's server; an HTTP/2 stream's watched.
-    fn guard(&self, body: Body, version: Version) -> Guarded {
+    /// `body` for hyper's server; an HTTP/2 stream's watched, holding `slot` to its end.
+    fn guard(
+        &self,
+        body: Body,
+        version: Version,
+        slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    ) -> Guarded {
         if version != Version::HTTP_2 || body.is_end_stream() {
             return Guarded::Plain(body);
         }
@@ -272,7 +284,9 @@ impl Stalls {
             #[allow(clippy::disallowed_types)]
             state: std::sync::Mutex::new(Watch {
                 body: Some(body),
-                since: Timers::now(),
+                slot,
+                polled: false,
+                idle: 0,
                 ours: false,
             }),
         });
@@ -285,7 +299,7 @@ impl Stalls {
 
     /// At the worker's tick: drops each response that has waited on its client for the limit
     /// (its slots and upstream connection are freed with it), and forgets the finished ones.
-    pub fn tick(&self, now: tokio::time::Instant) {
+    pub fn tick(&self) {
         self.list
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -298,8 +312,14 @@ impl Stalls {
                 if body.is_end_stream() {
                     return false;
                 }
-                if !w.ours && now.saturating_duration_since(w.since) >= self.limit {
+                if std::mem::take(&mut w.polled) || w.ours {
+                    w.idle = 0;
+                    return true;
+                }
+                w.idle += 1;
+                if w.idle > self.limit {
                     w.body = None;
+                    w.slot = None;
                     self.timeouts.inc();
                     return false;
                 }
@@ -320,7 +340,7 @@ impl http_body::Body for Guarded {
             Guarded::Plain(body) => Pin::new(body).poll_frame(cx),
             Guarded::Watched(stall) => {
                 let mut w = stall.state();
-                w.since = Timers::now();
+                w.polled = true;
                 let Some(body) = &mut w.body else {
                     return Poll::Ready(Some(Err(
                         "the client took no bytes within timeouts.send".into()
@@ -328,6 +348,11 @@ impl http_body::Body for Guarded {
                 };
                 let polled = Pin::new(body).poll_frame(cx);
                 w.ours = polled.is_pending();
+                if matches!(polled, Poll::Ready(None))
+                    || w.body.as_ref().is_some_and(|b| b.is_end_stream())
+                {
+                    w.slot = None;
+                }
                 polled
             }
         }
@@ -363,6 +388,15 @@ async fn send_all(
     clock: &mut SendClock,
     mut bytes: &[u8],
 ) -> io::Result<()> {
+    // Most writes take everything at once: no future, no clock.
+    while !bytes.is_empty() {
+        match stream.try_write(bytes) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        }
+    }
     while !bytes.is_empty() {
         let n = std::future::poll_fn(|cx| {
             let polled = Pin::new(&mut *stream).poll_write(cx, bytes);
@@ -915,8 +949,21 @@ async fn hand_off(
         let req = req.map(|b| Either::Left(Streamed::new(b)));
         let stalls = stalls.clone();
         async move {
+            // An HTTP/2 client's streams use at most `max_upstream_per_client` upstream
+            // connections at once: the others wait for a place, then get 503.
+            let slot = match version == Version::HTTP_2 {
+                true => match guard.conn().stream_slot().await {
+                    Ok(slot) => slot,
+                    Err(mut refused) => {
+                        guard.disarm();
+                        respond::whole(&mut refused);
+                        return Ok(refused.map(|b| stalls.guard(b, version, None)));
+                    }
+                },
+                false => None,
+            };
             let resp = answer(guard, req).await;
-            Ok::<_, std::convert::Infallible>(resp.map(|b| stalls.guard(b, version)))
+            Ok::<_, std::convert::Infallible>(resp.map(|b| stalls.guard(b, version, slot)))
         }
     });
     let mut served = pin!(lane.hyper.serve_connection_with_upgrades(io, service));
@@ -1341,6 +1388,7 @@ mod tests {
             timers: Arc::new(Timers::default()),
             stalls: Arc::new(Stalls::new(
                 Duration::from_secs(30),
+                Duration::from_secs(1),
                 prometheus::IntCounter::new("t", "t").unwrap(),
             )),
             draining,
