@@ -17,60 +17,54 @@ use common::*;
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 /// An app that, like `http.server`, reads request heads only (a GET's body is never read) and
 /// keeps the connection unless the request says `Connection: close`. Every request line it
 /// parses is recorded.
 async fn body_ignoring_app() -> (SocketAddr, Arc<Mutex<Vec<String>>>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
     let log = seen.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                return;
-            };
-            let log = log.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                loop {
-                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                        buf.drain(..end + 4);
-                        let line = head.lines().next().unwrap_or_default().to_string();
-                        log.lock().unwrap().push(line.clone());
-                        let path = line.split(' ').nth(1).unwrap_or("").to_string();
-                        // A HEAD's answer says a length of 0, so that a raw reader needs no body.
-                        let answer = match line.starts_with("head ") {
-                            true => "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n".to_string(),
-                            false => format!(
-                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{path}",
-                                path.len()
-                            ),
-                        };
-                        if s.write_all(answer.as_bytes()).await.is_err() {
-                            return;
-                        }
-                        if head.contains("\nconnection: close") {
-                            // A lingering close: what the client still sends is read and
-                            // dropped, so that the answer is not lost to a reset.
-                            let _ = s.shutdown().await;
-                            let mut sink = [0u8; 4096];
-                            while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
-                            return;
-                        }
+    let addr = raw_server(move |mut s| {
+        let log = log.clone();
+        async move {
+            let mut buf = Vec::new();
+            loop {
+                while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                    buf.drain(..end + 4);
+                    let line = head.lines().next().unwrap_or_default().to_string();
+                    log.lock().unwrap().push(line.clone());
+                    let path = line.split(' ').nth(1).unwrap_or("").to_string();
+                    // A HEAD's answer says a length of 0, so that a raw reader needs no body.
+                    let answer = match line.starts_with("head ") {
+                        true => "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n".to_string(),
+                        false => format!(
+                            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{path}",
+                            path.len()
+                        ),
+                    };
+                    if s.write_all(answer.as_bytes()).await.is_err() {
+                        return;
                     }
-                    let mut chunk = [0u8; 4096];
-                    match s.read(&mut chunk).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                    if head.contains("\nconnection: close") {
+                        // A lingering close: what the client still sends is read and
+                        // dropped, so that the answer is not lost to a reset.
+                        let _ = s.shutdown().await;
+                        let mut sink = [0u8; 4096];
+                        while matches!(s.read(&mut sink).await, Ok(n) if n > 0) {}
+                        return;
                     }
                 }
-            });
+                let mut chunk = [0u8; 4096];
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            }
         }
-    });
+    })
+    .await;
     (addr, seen)
 }
 

@@ -12,67 +12,68 @@ use std::time::Duration;
 use common::*;
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
 use tokio::sync::Notify;
+
+/// What `/bad/<shape>` answers: more bytes than its framing says.
+fn bad(path: &str) -> Vec<u8> {
+    let answer: &[u8] = match path {
+        "/bad/head" => b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE",
+        "/bad/204" => b"HTTP/1.1 204 No Content\r\n\r\nSTOLE",
+        "/bad/short" => b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokSTOLE",
+        "/bad/chunks" => {
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nSTOLE"
+        }
+        "/bad/two" => {
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE"
+        }
+        _ => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n",
+    };
+    answer.to_vec()
+}
 
 /// A raw HTTP/1.1 upstream. `/echo/<x>` answers 200 with body `<x>`. `/bad/<shape>` answers
 /// with more bytes than its framing says, in one write; `HEAD /late` answers the head, then,
 /// when `late` is notified, writes a body nobody asked for on the same connection.
 async fn raw_upstream(late: Arc<Notify>) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                return;
-            };
-            let late = late.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                loop {
-                    let mut chunk = [0u8; 4096];
-                    let Ok(n) = s.read(&mut chunk).await else {
-                        return;
+    raw_server(move |mut s| {
+        let late = late.clone();
+        async move {
+            let mut buf = Vec::new();
+            loop {
+                let mut chunk = [0u8; 4096];
+                let Ok(n) = s.read(&mut chunk).await else {
+                    return;
+                };
+                if n == 0 {
+                    return;
+                }
+                buf.extend_from_slice(&chunk[..n]);
+                while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    let head = String::from_utf8_lossy(&buf[..end]).into_owned();
+                    buf.drain(..end + 4);
+                    let line = head.lines().next().unwrap_or_default().to_string();
+                    let mut parts = line.split(' ');
+                    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+                    let answer: Vec<u8> = if let Some(x) = path.strip_prefix("/echo/") {
+                        format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{x}", x.len())
+                            .into_bytes()
+                    } else if path == "/late" && method == "HEAD" {
+                        let _ = s
+                            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 13\r\n\r\n")
+                            .await;
+                        late.notified().await;
+                        b"ATTACKER-BODY".to_vec()
+                    } else {
+                        bad(path)
                     };
-                    if n == 0 {
+                    if s.write_all(&answer).await.is_err() {
                         return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    while let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                        let head = String::from_utf8_lossy(&buf[..end]).into_owned();
-                        buf.drain(..end + 4);
-                        let line = head.lines().next().unwrap_or_default().to_string();
-                        let mut parts = line.split(' ');
-                        let (method, path) =
-                            (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-                        let answer: Vec<u8> = if let Some(x) = path.strip_prefix("/echo/") {
-                            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{x}", x.len())
-                                .into_bytes()
-                        } else if path == "/late" && method == "HEAD" {
-                            let _ = s
-                                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 13\r\n\r\n")
-                                .await;
-                            late.notified().await;
-                            b"ATTACKER-BODY".to_vec()
-                        } else {
-                            match path {
-                                "/bad/head" => b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE".to_vec(),
-                                "/bad/204" => b"HTTP/1.1 204 No Content\r\n\r\nSTOLE".to_vec(),
-                                "/bad/short" => b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokSTOLE".to_vec(),
-                                "/bad/chunks" => b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\nSTOLE".to_vec(),
-                                "/bad/two" => b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nokHTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE".to_vec(),
-                                _ => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n".to_vec(),
-                            }
-                        };
-                        if s.write_all(&answer).await.is_err() {
-                            return;
-                        }
                     }
                 }
-            });
+            }
         }
-    });
-    addr
+    })
+    .await
 }
 
 async fn proxy_for(upstream: SocketAddr) -> spillway::Sidecar {
@@ -156,65 +157,56 @@ async fn bytes_an_upstream_sends_while_its_connection_is_idle_close_it() {
 /// reads the body, then, once it has read it, writes a second response nobody asked for and
 /// notifies `wrote`; `/echo/<x>` answers `<x>` after reading its body.
 async fn early_upstream(wrote: Arc<Notify>) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut s, _)) = listener.accept().await else {
-                return;
-            };
-            let wrote = wrote.clone();
-            tokio::spawn(async move {
-                let mut buf = Vec::new();
-                loop {
-                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
-                        let mut chunk = [0u8; 65536];
-                        match s.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                        continue;
-                    };
-                    let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-                    buf.drain(..end + 4);
-                    let path = head.split(' ').nth(1).unwrap_or("").to_string();
-                    let length: usize = head
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .map_or(0, |v| v.trim().parse().unwrap());
-                    let early = path == "/early";
-                    if early {
-                        let _ = s
-                            .write_all(
-                                b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n\r\n",
-                            )
-                            .await;
+    raw_server(move |mut s| {
+        let wrote = wrote.clone();
+        async move {
+            let mut buf = Vec::new();
+            loop {
+                let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                    let mut chunk = [0u8; 65536];
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
                     }
-                    while buf.len() < length {
-                        let mut chunk = [0u8; 65536];
-                        match s.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                        }
-                    }
-                    buf.drain(..length);
-                    let answer = match path.strip_prefix("/echo/") {
-                        Some(x) => {
-                            format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{x}", x.len())
-                        }
-                        None => "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE".to_string(),
-                    };
-                    if s.write_all(answer.as_bytes()).await.is_err() {
-                        return;
-                    }
-                    if early {
-                        wrote.notify_one();
+                    continue;
+                };
+                let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+                buf.drain(..end + 4);
+                let path = head.split(' ').nth(1).unwrap_or("").to_string();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                let early = path == "/early";
+                if early {
+                    let _ = s
+                        .write_all(b"HTTP/1.1 413 Payload Too Large\r\ncontent-length: 0\r\n\r\n")
+                        .await;
+                }
+                while buf.len() < length {
+                    let mut chunk = [0u8; 65536];
+                    match s.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => buf.extend_from_slice(&chunk[..n]),
                     }
                 }
-            });
+                buf.drain(..length);
+                let answer = match path.strip_prefix("/echo/") {
+                    Some(x) => {
+                        format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{x}", x.len())
+                    }
+                    None => "HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE".to_string(),
+                };
+                if s.write_all(answer.as_bytes()).await.is_err() {
+                    return;
+                }
+                if early {
+                    wrote.notify_one();
+                }
+            }
         }
-    });
-    addr
+    })
+    .await
 }
 
 /// Sends a request with a `Content-Length` body of `n` bytes on a raw connection and reads

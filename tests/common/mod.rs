@@ -766,3 +766,20 @@ pub fn test_ca(name: &str) -> std::path::PathBuf {
     ]);
     dir
 }
+
+/// A raw TCP server on loopback: each accepted connection is handed to `serve` in a task of
+/// its own. For upstreams that must write what no HTTP library would.
+pub async fn raw_server<F, Fut>(serve: F) -> SocketAddr
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((s, _)) = listener.accept().await {
+            tokio::spawn(serve(s));
+        }
+    });
+    addr
+}
