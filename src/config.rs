@@ -45,6 +45,9 @@ pub struct Config {
     /// `strict` (as written).
     #[serde(default)]
     pub path_match: PathMatch,
+    /// Lines logged for a rule's rejections, per rule and second at most (0: none).
+    #[serde(default = "default_log_rejections")]
+    pub log_rejections: u32,
     /// What a `GET` or `HEAD` with a body gets: `forward` (on an upstream connection closed
     /// after its answer, so an app that ignores the body cannot read it as a request) or 400.
     #[serde(default)]
@@ -270,6 +273,13 @@ pub enum PathEscapes {
     #[default]
     Keep,
     Reject,
+}
+
+/// Rejection log lines per rule per second unless configured.
+pub const DEFAULT_LOG_REJECTIONS: u32 = 10;
+
+fn default_log_rejections() -> u32 {
+    DEFAULT_LOG_REJECTIONS
 }
 
 /// What a `GET` or `HEAD` request with a body gets.

@@ -12,8 +12,23 @@ use clap::{Parser, Subcommand};
     about = "A reverse-proxy sidecar with built-in rate limiting"
 )]
 struct Cli {
+    /// How log lines are written to stderr: `text` (colour only on a terminal) or `json`
+    /// (one object a line, for log collectors; the chart sets it).
+    #[arg(
+        long,
+        global = true,
+        env = "SPILLWAY_LOG_FORMAT",
+        default_value = "text"
+    )]
+    log_format: LogFormat,
     #[command(subcommand)]
     command: Command,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
 }
 
 #[derive(Subcommand)]
@@ -173,13 +188,18 @@ fn main() -> ExitCode {
         Command::Demo { .. } => "warn",
         _ => "info",
     };
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        // Escape codes only where a terminal reads them: not in `kubectl logs` or a file.
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+        LogFormat::Json => logs.json().flatten_event(true).init(),
+    }
     match cli.command {
         Command::CheckConfig { file } => match spillway::Config::load(&file) {
             Ok(config) => {

@@ -50,6 +50,8 @@ pub struct RuleSet {
     staleness: Staleness,
     /// How often ratios are refreshed, for the retry hint of a global drop.
     report_interval: Nanos,
+    /// Rejection log lines per rule per second (`log_rejections`).
+    log_rejections: u32,
     /// Redis, for `scope: redis` rules; kept across reloads by whoever builds the set.
     exact: Option<Arc<Exact>>,
 }
@@ -73,6 +75,31 @@ struct CompiledRule {
     allowed: IntCounter,
     rejected: IntCounter,
     shadow_rejected: IntCounter,
+    /// Rejections logged in the current second.
+    logged: LogBudget,
+}
+
+/// How many of a rule's rejections were logged in the current second: the log answers "why
+/// did I get a 429?" without a line per refusal under a flood.
+#[derive(Default)]
+struct LogBudget {
+    second: AtomicU64,
+    count: AtomicU32,
+}
+
+impl LogBudget {
+    /// Whether one more line fits in `per_second` at `now`. Relaxed: a bound, not an exact
+    /// count (two threads turning the second may let one more through).
+    fn take(&self, now: Nanos, per_second: u32) -> bool {
+        if per_second == 0 {
+            return false;
+        }
+        let this = now / NANOS_PER_SEC;
+        if self.second.swap(this, Ordering::Relaxed) != this {
+            self.count.store(0, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed) < per_second
+    }
 }
 
 enum Kind {
@@ -590,6 +617,7 @@ impl RuleSet {
     ) -> RuleSet {
         let mut set = Self::from_rules_keeping(&config.rules, config.headers, metrics, previous);
         set.ratios = ratios;
+        set.log_rejections = config.log_rejections;
         if let Some(cp) = &config.control_plane {
             set.staleness = Staleness {
                 stale_after: cp.stale_after.0.as_nanos() as Nanos,
@@ -635,6 +663,7 @@ impl RuleSet {
                 decay: 10 * NANOS_PER_SEC,
             },
             report_interval: NANOS_PER_SEC,
+            log_rejections: crate::config::DEFAULT_LOG_REJECTIONS,
             exact: None,
         }
     }
@@ -785,8 +814,14 @@ impl RuleSet {
                     }
                 }
                 Decision::Deny { retry_after } => match rule.mode {
-                    Mode::Shadow => rule.shadow_rejected.inc(),
-                    Mode::Enforce => return self.refuse(rule, req, &taken, now, retry_after),
+                    Mode::Shadow => {
+                        rule.shadow_rejected.inc();
+                        self.log_rejection(rule, req, "shadow_rejected", now);
+                    }
+                    Mode::Enforce => {
+                        self.log_rejection(rule, req, "rejected", now);
+                        return self.refuse(rule, req, &taken, now, retry_after);
+                    }
                 },
             }
         }
@@ -823,6 +858,43 @@ impl RuleSet {
             capacity: matches!(*rule.kind, Kind::Adaptive { .. }),
             answers: rule.answers.clone(),
         })
+    }
+
+    /// Logs a rejection by `rule` of `req`, within the rule's budget of lines a second
+    /// (`log_rejections`): the rule, the decision, the key in the form global rules report it
+    /// (`sha256:` and a digest past 64 bytes or for bytes that are not UTF-8, as the UI shows
+    /// it), the client, method, path and the request's `traceparent`.
+    #[cold]
+    fn log_rejection(
+        &self,
+        rule: &CompiledRule,
+        req: &RequestView<'_>,
+        decision: &str,
+        now: Nanos,
+    ) {
+        if !rule.logged.take(now, self.log_rejections) {
+            return;
+        }
+        // Worked out again in text form: a local rule keeps its key as bytes.
+        let mut text = KeyBuf::new();
+        extract_text(&rule.key, req, &mut text);
+        crate::key::canonical_text(&mut text);
+        let traceparent = req
+            .headers
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        tracing::info!(
+            target: "spillway::rejection",
+            rule = %rule.name,
+            decision,
+            key = %String::from_utf8_lossy(&text),
+            client = %req.client_ip,
+            method = %req.method,
+            path = %req.uri.path(),
+            traceparent,
+            "request refused by a rule"
+        );
     }
 
     /// Counts an admitted request on every rule that granted it.
@@ -912,9 +984,13 @@ impl RuleSet {
                 Decision::Deny { retry_after } => match rule.mode {
                     Mode::Shadow => {
                         rule.shadow_rejected.inc();
+                        self.log_rejection(rule, req, "shadow_rejected", now);
                         taken.push((call.rule, Taken::Redis(slot)));
                     }
-                    Mode::Enforce => return self.refuse(rule, req, &taken, now, retry_after),
+                    Mode::Enforce => {
+                        self.log_rejection(rule, req, "rejected", now);
+                        return self.refuse(rule, req, &taken, now, retry_after);
+                    }
                 },
             }
         }
@@ -1265,6 +1341,7 @@ fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>
         shadow_rejected: metrics
             .requests
             .with_label_values(&[label, "shadow_rejected"]),
+        logged: LogBudget::default(),
         name,
     }
 }

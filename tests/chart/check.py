@@ -111,6 +111,10 @@ def lint_and_render():
                 configmaps.append((name, doc["data"]["spillway.yaml"]))
             if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith("-example"):
                 sidecar_rules(name, doc)
+            if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith(("-controller", "-aggregator")) or (
+                    doc["kind"] == "Deployment" and "-aggregator-" in doc["metadata"]["name"]):
+                args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
+                check("--log-format=json" in args, f"{what}: logs JSON lines")
     return configmaps
 
 
@@ -128,6 +132,8 @@ def sidecar_rules(name, deployment):
     check("subPath" not in mount, f"{name}: config mounted as a directory (ConfigMap updates reach it)")
     app = next(c for c in spec["containers"] if c["name"] == "app")
     check(any("127.0.0.1" in a for a in app.get("args", [])), f"{name}: the app listens on loopback only")
+    env = {e["name"]: e.get("value") for e in sidecar.get("env", [])}
+    check(env.get("SPILLWAY_LOG_FORMAT") == "json", f"{name}: the sidecar logs JSON lines")
 
 
 def bad_values():

@@ -115,6 +115,8 @@ pod `spillway.dev/sidecar: "true"` for the PodMonitor.
   env:
     - name: RUST_LOG
       value: info
+    - name: SPILLWAY_LOG_FORMAT
+      value: {{ $v.logFormat | default "json" | quote }}
   ports:
     - { name: http, containerPort: {{ $v.sidecar.port }}, protocol: TCP }
     - { name: spillway-admin, containerPort: {{ $v.sidecar.adminPort }}, protocol: TCP }
