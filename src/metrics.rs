@@ -215,6 +215,8 @@ pub struct Metrics {
     pub control_plane_age: prometheus::Gauge,
     pub control_plane_stale: IntGauge,
     pub redis: RedisMetrics,
+    /// `spillway_config_last_reload_successful`.
+    pub config_reload_ok: IntGauge,
     /// `spillway_config_reloads_total{result}`.
     pub config_reloads_ok: IntCounter,
     pub config_reloads_error: IntCounter,
@@ -245,6 +247,7 @@ impl Metrics {
     }
 
     fn with_registry(registry: Registry) -> Self {
+        register_process(&registry);
         let requests = IntCounterVec::new(
             Opts::new(
                 "spillway_requests_total",
@@ -410,6 +413,15 @@ impl Metrics {
             "Unix time the active configuration was loaded.",
         )
         .expect("valid metric");
+        let config_reload_ok = IntGauge::new(
+            "spillway_config_last_reload_successful",
+            "1 if the last configuration reload (or the start) succeeded, 0 while a bad configuration waits to be fixed (the previous one stays).",
+        )
+        .expect("valid metric");
+        config_reload_ok.set(1);
+        registry
+            .register(Box::new(config_reload_ok.clone()))
+            .expect("metric names are unique");
         registry
             .register(Box::new(reloads.clone()))
             .expect("metric names are unique");
@@ -479,6 +491,7 @@ impl Metrics {
             config_reloads_ok: reloads.with_label_values(&["ok"]),
             config_reloads_error: reloads.with_label_values(&["error"]),
             config_loaded_at,
+            config_reload_ok,
             adaptive_limit,
             adaptive_baseline,
             adaptive_latency,
@@ -508,4 +521,23 @@ impl Default for Metrics {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// Registers what every Spillway process exports in `registry`: `spillway_build_info` and the
+/// standard `process_*` metrics (CPU, memory, descriptors, start time).
+pub fn register_process(registry: &Registry) {
+    let info = IntGaugeVec::new(
+        Opts::new(
+            "spillway_build_info",
+            "1, labelled with the version and commit this binary was built from.",
+        ),
+        &["version", "commit"],
+    )
+    .expect("valid metric");
+    info.with_label_values(&[env!("CARGO_PKG_VERSION"), env!("SPILLWAY_COMMIT")])
+        .set(1);
+    let _ = registry.register(Box::new(info));
+    let _ = registry.register(Box::new(
+        prometheus::process_collector::ProcessCollector::for_self(),
+    ));
 }

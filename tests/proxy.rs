@@ -630,3 +630,25 @@ fn tokio_stream_iter<T: Unpin>(items: Vec<T>) -> impl futures_core::Stream<Item 
     }
     Iter(items.into_iter())
 }
+
+#[tokio::test]
+async fn every_proxy_says_its_build_and_exports_process_metrics() {
+    let (sc, _up) = sidecar("rules: []\n").await;
+    let (_, m) = admin(&sc, "/metrics").await;
+    let info = m
+        .lines()
+        .find(|l| l.starts_with("spillway_build_info{"))
+        .unwrap_or_else(|| panic!("no build info: {m}"));
+    assert!(
+        info.contains(&format!("version=\"{}\"", env!("CARGO_PKG_VERSION")))
+            && info.contains("commit=\""),
+        "{info}"
+    );
+    for name in [
+        "process_resident_memory_bytes",
+        "process_open_fds",
+        "process_cpu_seconds_total",
+    ] {
+        assert!(m.lines().any(|l| l.starts_with(name)), "no {name}");
+    }
+}

@@ -130,6 +130,18 @@ async fn a_bad_file_changes_nothing_and_says_where_it_is_wrong() {
         metric(&m, "spillway_config_reloads_total{result=\"error\"}"),
         Some(1.0)
     );
+    // An alert can tell a bad file still in place from one that was fixed.
+    assert_eq!(
+        metric(&m, "spillway_config_last_reload_successful"),
+        Some(0.0)
+    );
+    std::fs::write(&path, yaml(up.addr, &rule("a", "1/h"))).unwrap();
+    sc.reload_file(&path).await.unwrap();
+    let (_, m) = admin(&sc, "/metrics").await;
+    assert_eq!(
+        metric(&m, "spillway_config_last_reload_successful"),
+        Some(1.0)
+    );
     // A file that vanished is an error too, not a crash.
     std::fs::remove_file(&path).unwrap();
     assert!(sc

@@ -305,6 +305,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     // ASCII only, at most 64 + 128 bytes and a part number: within MAX_SOURCE.
     let source = format!("zone:{}/{replica}", opts.zone);
     let registry = Registry::new();
+    crate::metrics::register_process(&registry);
     let reports = IntCounterVec::new(
         Opts::new(
             "spillway_aggregator_reports_total",

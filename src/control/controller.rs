@@ -269,6 +269,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     let admin = server::bind(opts.admin, "admin").await?;
     let (addr, admin_addr) = (listener.local_addr()?, admin.local_addr()?);
     let registry = Registry::new();
+    crate::metrics::register_process(&registry);
     let reports = IntCounterVec::new(
         Opts::new(
             "spillway_controller_reports_total",
@@ -338,17 +339,17 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
         ratios_cut,
         offered: gauge(
             &registry,
-            "spillway_controller_offered_rps",
+            "spillway_controller_offered_requests_per_second",
             "Offered requests/s per rule, fleet-wide.",
         ),
         admitted: gauge(
             &registry,
-            "spillway_controller_admitted_rps",
+            "spillway_controller_admitted_requests_per_second",
             "Admitted requests/s per rule, fleet-wide.",
         ),
         limit: gauge(
             &registry,
-            "spillway_controller_limit_rps",
+            "spillway_controller_limit_requests_per_second",
             "The rule's limit per key, requests/s.",
         ),
         ratio: gauge(

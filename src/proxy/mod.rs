@@ -241,8 +241,14 @@ impl Sidecar {
     pub async fn reload_file(&self, path: &Path) -> Result<reload::Reloaded, ConfigError> {
         let result = reload::reload(&self.shared, path, crate::watch::Trigger::Signal).await;
         match &result {
-            Ok(_) => self.shared.metrics.config_reloads_ok.inc(),
-            Err(_) => self.shared.metrics.config_reloads_error.inc(),
+            Ok(_) => {
+                self.shared.metrics.config_reloads_ok.inc();
+                self.shared.metrics.config_reload_ok.set(1);
+            }
+            Err(_) => {
+                self.shared.metrics.config_reloads_error.inc();
+                self.shared.metrics.config_reload_ok.set(0);
+            }
         }
         result.map(|r| r.expect("a signal-triggered reload always reloads"))
     }

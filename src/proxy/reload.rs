@@ -146,6 +146,7 @@ pub(super) async fn reload_and_log(shared: &Arc<Shared>, path: &Path, trigger: T
         Ok(None) => {}
         Ok(Some(r)) => {
             shared.metrics.config_reloads_ok.inc();
+            shared.metrics.config_reload_ok.set(1);
             tracing::info!(
                 version = %r.version,
                 kept = ?r.kept,
@@ -158,6 +159,7 @@ pub(super) async fn reload_and_log(shared: &Arc<Shared>, path: &Path, trigger: T
         }
         Err(e) => {
             shared.metrics.config_reloads_error.inc();
+            shared.metrics.config_reload_ok.set(0);
             tracing::error!("configuration reload failed, the previous configuration stays: {e}");
         }
     }

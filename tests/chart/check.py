@@ -187,6 +187,10 @@ def dashboard():
     with open(os.path.join(CHART, "files", "dashboard.json")) as f:
         dash = json.load(f)
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    # The alerts' expressions too: an alert on a metric nobody exports never fires.
+    with open(os.path.join(CHART, "templates", "monitoring.yaml")) as f:
+        # (`spillway_service` is the label every proxy series carries, not a metric.)
+        exprs += [n for n in re.findall(r"spillway_[a-z_]+", f.read()) if n != "spillway_service"]
     wanted = set()
     for e in exprs:
         # Label names (in `by (...)`, `without (...)` and `{...}` matchers) are not metrics.
