@@ -439,8 +439,12 @@ impl Serialize for CidrStr {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct Timeouts {
-    /// A client must send a whole request head within this (also bounds keep-alive waits).
+    /// A client must send a whole request head within this: a new connection's first, and
+    /// each later one from its first byte.
     pub header_read: Dur,
+    /// A kept-alive client connection waits this long for the first byte of its next request
+    /// (above what load balancers keep idle connections for, so they close first).
+    pub client_idle: Dur,
     /// A connection to the upstream must be made within this (3 s by default: longer than
     /// the 1 s after which Linux retries a SYN the app's full backlog dropped, and the wait
     /// counts while the worker is busy with other connections).
@@ -451,9 +455,19 @@ pub struct Timeouts {
     /// stream whose window stays shut: its response is dropped), freeing its slots.
     pub send: Dur,
     /// An upstream connection idle this long is not used again.
-    pub idle: Dur,
+    pub upstream_idle: Dur,
+    /// The old name of `upstream_idle`, still read (with a warning at start-up).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idle: Option<Dur>,
     /// On shutdown, in-flight requests get this long to finish.
     pub drain: Dur,
+}
+
+impl Timeouts {
+    /// How long an upstream connection may stay unused: `upstream_idle`, or the old `idle`.
+    pub fn upstream_idle(&self) -> Duration {
+        self.idle.unwrap_or(self.upstream_idle).0
+    }
 }
 
 impl Default for Timeouts {
@@ -463,7 +477,9 @@ impl Default for Timeouts {
             upstream_connect: Dur(Duration::from_secs(3)),
             upstream_response: Dur(Duration::from_secs(30)),
             send: Dur(Duration::from_secs(60)),
-            idle: Dur(Duration::from_secs(60)),
+            client_idle: Dur(Duration::from_secs(75)),
+            upstream_idle: Dur(Duration::from_secs(60)),
+            idle: None,
             drain: Dur(Duration::from_secs(25)),
         }
     }

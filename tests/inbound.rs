@@ -381,7 +381,8 @@ host: app
 
 #[tokio::test]
 async fn idle_connections_are_closed_after_the_header_timeout_new_or_kept_alive() {
-    let (sc, _up) = sidecar("timeouts: { header_read: 200ms }\nrules: []").await;
+    let (sc, _up) =
+        sidecar("timeouts: { header_read: 200ms, client_idle: 400ms }\nrules: []").await;
     // A client that connects and sends nothing.
     let mut silent = connect(&sc).await;
     // A client that made one request and stays idle.
@@ -399,6 +400,37 @@ host: app
     assert!(
         at_end(&mut kept).await,
         "an idle keep-alive connection stayed open"
+    );
+    sc.shutdown();
+    sc.wait().await;
+}
+
+/// A load balancer keeps an idle connection open for a minute or more and reuses it without
+/// warning: closing it after `header_read` (10 s) gave the sporadic 502 on its next request.
+/// Between requests the wait is `client_idle`; `header_read` starts at the next head's first
+/// byte.
+#[tokio::test]
+async fn a_kept_alive_connection_waits_client_idle_between_requests() {
+    let (sc, _up) = sidecar("timeouts: { header_read: 200ms, client_idle: 30s }\nrules: []").await;
+    let mut kept = connect(&sc).await;
+    let a = ask(&mut kept, "GET /x HTTP/1.1\r\nhost: app\r\n\r\n").await;
+    assert_eq!(a.body, "ok");
+    // Idle for three times header_read: the connection is still there for the next request.
+    tokio::time::sleep(std::time::Duration::from_millis(600)).await;
+    let a = ask(&mut kept, "GET /x HTTP/1.1\r\nhost: app\r\n\r\n").await;
+    assert_eq!(
+        a.body, "ok",
+        "an idle keep-alive connection was closed before client_idle"
+    );
+    // A head begun and not finished is still bounded by header_read from its first byte.
+    use tokio::io::AsyncWriteExt;
+    kept.get_mut()
+        .write_all(b"GET /x HTTP/1.1\r\n")
+        .await
+        .unwrap();
+    assert!(
+        at_end(&mut kept).await,
+        "a half-sent head kept its connection"
     );
     sc.shutdown();
     sc.wait().await;

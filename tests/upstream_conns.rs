@@ -169,6 +169,7 @@ async fn an_upstream_connection_closed_between_requests_is_replaced_without_an_e
 #[tokio::test]
 async fn an_upstream_connection_idle_past_timeouts_idle_is_not_reused() {
     let up = counting(usize::MAX).await;
+    // The old name of upstream_idle, still read.
     let (sc, clock) = on_manual_clock(&up, "timeouts: { idle: 10s }\nrules: []").await;
     let mut c = client(&sc).await;
     assert_eq!(get_on(&mut c, GET).await.1, "1", "borrowed");
@@ -188,7 +189,7 @@ async fn an_upstream_connection_idle_past_timeouts_idle_is_not_reused() {
 #[tokio::test]
 async fn an_http2_clients_streams_borrow_the_workers_upstream_connections() {
     let up = counting(usize::MAX).await;
-    let yaml = "workers: 1\ntimeouts: { idle: 10s }\nrules: []";
+    let yaml = "workers: 1\ntimeouts: { upstream_idle: 10s }\nrules: []";
     let (sc, clock) = on_manual_clock(&up, yaml).await;
     let (c, addr) = (h2_client(), sc.addr());
     // Ten streams at once: each borrows a connection for its exchange, at most one each.

@@ -97,7 +97,7 @@ impl Sleep {
     }
 
     /// Moves the deadline (it may fire again if it had fired).
-    fn reset(&mut self, deadline: Instant) {
+    pub(crate) fn reset(&mut self, deadline: Instant) {
         self.deadline = deadline;
         if let Some(i) = self.slot {
             let mut slots = self.timers.lock();

@@ -119,6 +119,11 @@ impl Sidecar {
                 format!("cannot listen on admin {}: {e}", config.admin),
             )
         })?;
+        if config.timeouts.idle.is_some() {
+            tracing::warn!(
+                "timeouts.idle is now timeouts.upstream_idle (the old name still works for now)"
+            );
+        }
         let needed = fds::needed(
             config.limits.max_connections.get(),
             config.limits.upstream_connections(),
@@ -179,7 +184,7 @@ impl Sidecar {
                     config.upstream.authority.port_u16().unwrap_or(80)
                 ),
                 connect_timeout: t.upstream_connect.0,
-                idle: t.idle.0.as_nanos() as u64,
+                idle: t.upstream_idle().as_nanos() as u64,
             },
             upstream_h2: config.upstream.h2,
             upstream_cap: affine::Cap::new(
@@ -499,7 +504,7 @@ async fn worker(
         .max_concurrent_streams(config.limits.max_h2_streams.get())
         .max_header_list_size(config.limits.max_header_bytes.0 as u32)
         .max_pending_accept_reset_streams(64)
-        .keep_alive_interval(Some(config.timeouts.idle.0))
+        .keep_alive_interval(Some(config.timeouts.upstream_idle()))
         .keep_alive_timeout(config.timeouts.header_read.0);
     // Tells this worker's connections that it drains; each holds `alive` until it ends.
     let (drain_tx, draining) = watch::channel(false);
@@ -514,6 +519,7 @@ async fn worker(
         h1,
         max_head,
         header_read: config.timeouts.header_read.0,
+        client_idle: config.timeouts.client_idle.0,
         send: config.timeouts.send.0,
         timers: timers.clone(),
         stalls: stalls.clone(),
@@ -595,7 +601,7 @@ async fn worker(
 
 /// The worker's tick: fires its [`coarse::Timers`] (each request's header-read, upstream
 /// response and send deadlines), drops the HTTP/2 responses whose client has left their
-/// window shut for `timeouts.send` ([`http1::server::Stalls`]), and closes its idle upstream connections unused for `timeouts.idle` or
+/// window shut for `timeouts.send` ([`http1::server::Stalls`]), and closes its idle upstream connections unused for `timeouts.upstream_idle` or
 /// closed by the upstream meanwhile. On the first worker, also measures its load for the
 /// others' accept loops ([`accept::Sampler`]).
 ///

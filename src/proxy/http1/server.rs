@@ -65,6 +65,8 @@ pub struct Lane {
     /// A partial head at least this long is handed to hyper (which answers 431).
     pub max_head: usize,
     pub header_read: Duration,
+    /// `timeouts.client_idle`: the wait for a kept-alive connection's next request.
+    pub client_idle: Duration,
     /// `timeouts.send`: a client that takes no byte of a response for this long is dropped.
     pub send: Duration,
     /// The worker's timers (the header-read and send deadlines).
@@ -93,6 +95,7 @@ pub(in crate::proxy) async fn serve(
         buf: BytesMut::with_capacity(READ),
         out: Vec::with_capacity(512),
         clock: SendClock::new(&lane),
+        kept: false,
     };
     // Where each request is made: it is borrowed by the request path (each move down its
     // futures would copy it) and dropped before its response is written.
@@ -138,6 +141,7 @@ pub(in crate::proxy) async fn serve(
             let _ = s.stream.shutdown().await;
             return Ok(());
         }
+        s.kept = true;
     }
 }
 
@@ -160,6 +164,8 @@ struct Served {
     out: Vec<u8>,
     /// Bounds how long a write may wait for the client to take bytes.
     clock: SendClock,
+    /// A response was written and the connection kept: the next wait is `client_idle`'s.
+    kept: bool,
 }
 
 /// `timeouts.send` for a client's writes (nginx's `send_timeout`): a write that takes no byte
@@ -422,8 +428,16 @@ impl Served {
         mut drained: Pin<&mut impl Future>,
         slot: &'a mut Option<Request<ReqBody>>,
     ) -> io::Result<Next<'a>> {
-        // Armed (a slot in the worker's timers) only when a read has to wait.
-        let mut deadline = Sleep::until(lane.timers.clone(), Timers::now() + lane.header_read);
+        // Armed (a slot in the worker's timers) only when a read has to wait. Between two
+        // requests of a kept connection the wait is `client_idle`'s; a head's own time starts
+        // at its first byte.
+        let mut between = self.kept && self.buf.is_empty();
+        let wait = if between {
+            lane.client_idle
+        } else {
+            lane.header_read
+        };
+        let mut deadline = Sleep::until(lane.timers.clone(), Timers::now() + wait);
         // Bytes the buffer must hold before the head is parsed again: a whole head's and its
         // small body's, once the body is known to be short of them.
         let mut need = 1;
@@ -470,6 +484,10 @@ impl Served {
             };
             match n {
                 Ok(0) => return Ok(Next::Closed),
+                Ok(_) if between => {
+                    between = false;
+                    deadline.reset(Timers::now() + lane.header_read);
+                }
                 Ok(_) => {}
                 Err(e) if is_gone(&e) => return Ok(Next::Closed),
                 Err(e) => return Err(e),
@@ -1009,6 +1027,7 @@ async fn by_hyper_once(
         buf,
         out,
         clock,
+        kept: _,
     } = s;
     let once = Arc::new(Once::default());
     let io = TokioIo::new(Rewind {
@@ -1080,6 +1099,7 @@ async fn by_hyper_once(
         buf,
         out,
         clock,
+        kept: true,
     }))
 }
 
@@ -1384,6 +1404,7 @@ mod tests {
             h1: hyper::server::conn::http1::Builder::new(),
             max_head: 64 * 1024,
             header_read: Duration::from_secs(30),
+            client_idle: Duration::from_secs(30),
             send: Duration::from_secs(30),
             timers: Arc::new(Timers::default()),
             stalls: Arc::new(Stalls::new(
@@ -1398,6 +1419,7 @@ mod tests {
             buf: BytesMut::with_capacity(READ),
             out: Vec::new(),
             clock: SendClock::new(&lane),
+            kept: false,
         };
         // On a thread of its own: each byte its own segment, most read on their own.
         let writer = std::thread::spawn(move || {
