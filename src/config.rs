@@ -589,10 +589,12 @@ struct RawRule {
     cost: Option<Cost>,
     #[serde(default)]
     on_limit: OnLimit,
-    #[serde(default = "default_max_delay")]
-    max_delay: Dur,
-    #[serde(default = "default_max_queue")]
-    max_queue: NonZeroU32,
+    /// Only with `on_limit: delay` (default 1 s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_delay: Option<Dur>,
+    /// Only with `on_limit: delay` (default 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    max_queue: Option<NonZeroU32>,
     #[serde(default)]
     scope: Scope,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -632,8 +634,8 @@ impl TryFrom<RawRule> for Rule {
             limit: r.limit,
             cost: r.cost.unwrap_or(Cost::Fixed(1)),
             on_limit: r.on_limit,
-            max_delay: r.max_delay,
-            max_queue: r.max_queue,
+            max_delay: r.max_delay.unwrap_or_else(default_max_delay),
+            max_queue: r.max_queue.unwrap_or_else(default_max_queue),
             scope: r.scope,
             fallback: r.fallback,
             mode: r.mode,
@@ -662,6 +664,17 @@ fn check_rule(r: &RawRule) -> Result<(), String> {
         return Err(format!(
             "{h}: the proxy removes this field from every request (a client can write it and the app might believe it), so no rule can match or key by it"
         ));
+    }
+    // Accepted and then ignored would be worse than refused: say which setting does nothing.
+    if r.on_limit != OnLimit::Delay && (r.max_delay.is_some() || r.max_queue.is_some()) {
+        return Err("max_delay and max_queue apply only with on_limit: delay".into());
+    }
+    if let Some(Limit::Rate { algorithm, .. }) = &r.fallback {
+        if *algorithm != Algorithm::TokenBucket {
+            return Err(
+                "fallback.algorithm: a fallback limit is a token bucket; give no algorithm".into(),
+            );
+        }
     }
     if u64::from(r.sketch.width.get()) * u64::from(r.sketch.depth.get()) > 1 << 24 {
         return Err("sketch: width x depth must be at most 16777216 counters".into());
@@ -695,6 +708,13 @@ fn check_rule(r: &RawRule) -> Result<(), String> {
         }
         if r.on_limit == OnLimit::Delay {
             return Err("on_limit: delay applies to local rules, not global ones".into());
+        }
+        if let Limit::Rate { rate, burst, .. } = &r.limit {
+            if *burst != rate.count {
+                return Err(format!(
+                    "limit.burst: a global rule's fleet-wide limit is its rate ({rate}), enforced by drop ratios that have no burst; give the burst to its fallback"
+                ));
+            }
         }
         if !matches!(r.cost, None | Some(Cost::Fixed(1))) {
             return Err("cost: global rules count requests; give no cost".into());
@@ -781,8 +801,8 @@ impl From<Rule> for RawRule {
             limit: r.limit,
             cost: Some(r.cost),
             on_limit: r.on_limit,
-            max_delay: r.max_delay,
-            max_queue: r.max_queue,
+            max_delay: (r.on_limit == OnLimit::Delay).then_some(r.max_delay),
+            max_queue: (r.on_limit == OnLimit::Delay).then_some(r.max_queue),
             scope: r.scope,
             fallback: r.fallback,
             mode: r.mode,

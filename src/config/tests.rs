@@ -448,6 +448,15 @@ fn a_global_rule_needs_a_control_plane_and_a_plain_rate() {
             "limit: { rate: 10/s }\n    cost: 3",
             "global rules count requests",
         ),
+        // Accepted and ignored before: now each says why it does nothing.
+        (
+            "limit: { rate: 10/s, burst: 50 }",
+            "limit.burst: a global rule's fleet-wide limit is its rate",
+        ),
+        (
+            "limit: { rate: 10/s }\n    fallback: { rate: 1/s, algorithm: gcra }",
+            "fallback.algorithm: a fallback limit is a token bucket",
+        ),
     ] {
         let e = err(&format!(
             "{cp}  - name: a\n    key: path\n    scope: global\n    {rule}\n"
@@ -618,4 +627,27 @@ fn a_service_name_reserved_for_token_files_is_refused() {
         ));
         assert!(e.contains("are reserved"), "{name}: {e}");
     }
+}
+
+#[test]
+fn delay_settings_without_on_limit_delay_are_refused() {
+    for extra in ["max_delay: 2s", "max_queue: 5"] {
+        let e = err(&with_rule(&format!(
+            "  - name: a\n    key: path\n    limit: {{ rate: 10/s }}\n    {extra}\n"
+        )));
+        assert!(
+            e.contains("apply only with on_limit: delay"),
+            "{extra}: {e}"
+        );
+    }
+    let c = Config::from_yaml(
+        &with_rule("  - name: a\n    key: path\n    limit: { rate: 10/s }\n    on_limit: delay\n    max_delay: 2s\n    max_queue: 5\n"),
+        "t",
+    )
+    .unwrap();
+    assert_eq!(c.rules[0].max_delay.0, Duration::from_secs(2));
+    assert_eq!(c.rules[0].max_queue.get(), 5);
+    // The effective configuration (`/config`) reads back as the same configuration.
+    let text = serde_json::to_string(&c).unwrap();
+    Config::from_yaml(&text, "t").unwrap();
 }
