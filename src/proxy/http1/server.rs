@@ -438,6 +438,9 @@ impl Served {
             lane.header_read
         };
         let mut deadline = Sleep::until(lane.timers.clone(), Timers::now() + wait);
+        // The head's first byte came after an idle wait: its own deadline is made only if a
+        // read has to wait for the rest (most heads come whole in that first read).
+        let mut begun = false;
         // Bytes the buffer must hold before the head is parsed again: a whole head's and its
         // small body's, once the body is known to be short of them.
         let mut need = 1;
@@ -470,6 +473,9 @@ impl Served {
                 // Reclaimed in place once the last request's head is gone; grown otherwise.
                 self.buf.reserve(self.buf.len().max(READ));
             }
+            if std::mem::take(&mut begun) {
+                deadline = Sleep::until(lane.timers.clone(), Timers::now() + lane.header_read);
+            }
             // Between requests the worker's drain ends the wait; within a head, the deadline.
             let idle = self.buf.is_empty();
             let n = tokio::select! {
@@ -486,7 +492,7 @@ impl Served {
                 Ok(0) => return Ok(Next::Closed),
                 Ok(_) if between => {
                     between = false;
-                    deadline.reset(Timers::now() + lane.header_read);
+                    begun = true;
                 }
                 Ok(_) => {}
                 Err(e) if is_gone(&e) => return Ok(Next::Closed),
