@@ -24,6 +24,7 @@ pub mod control;
 pub mod demo;
 pub mod exact;
 pub mod gate;
+pub mod inject;
 pub mod key;
 pub mod limit;
 pub mod metrics;

@@ -102,6 +102,39 @@ enum Command {
         #[arg(long)]
         write: Option<PathBuf>,
     },
+    /// Add the sidecar to Kubernetes workloads (Deployment, StatefulSet, DaemonSet): reads
+    /// manifests (a file, or `-` for stdin, one or more documents) and prints them injected.
+    Inject {
+        /// The manifests; `-` reads stdin.
+        #[arg(default_value = "-")]
+        file: PathBuf,
+        /// The sidecar's image.
+        #[arg(long)]
+        image: Option<String>,
+        /// The port number the sidecar listens on; it takes the name of the app's port.
+        #[arg(long, default_value_t = 4180)]
+        proxy_port: u16,
+        /// The sidecar's admin port (metrics, probes).
+        #[arg(long, default_value_t = 9901)]
+        admin_port: u16,
+        /// The app container (default: the first).
+        #[arg(long)]
+        container: Option<String>,
+        /// The app's served port, by name (default: the container's first).
+        #[arg(long)]
+        port: Option<String>,
+        /// The ConfigMap with `spillway.yaml` (default: a starter `<workload>-spillway` is
+        /// printed too).
+        #[arg(long)]
+        config_map: Option<String>,
+        /// Also print a NetworkPolicy that admits only the sidecar's ports.
+        #[arg(long)]
+        network_policy: bool,
+        /// The sidecar as a native sidecar (Kubernetes 1.29+): started before the app and
+        /// stopped after it.
+        #[arg(long)]
+        native_sidecar: bool,
+    },
     /// Run an upstream, the proxy and a load generator on loopback, and show the limiter work.
     Demo {
         /// How long to offer load, in seconds.
@@ -339,6 +372,57 @@ wrote {}",
             }
             Ok(())
         }),
+        Command::Inject {
+            file,
+            image,
+            proxy_port,
+            admin_port,
+            container,
+            port,
+            config_map,
+            network_policy,
+            native_sidecar,
+        } => {
+            let text = if file.as_os_str() == "-" {
+                let mut s = String::new();
+                match std::io::Read::read_to_string(&mut std::io::stdin(), &mut s) {
+                    Ok(_) => s,
+                    Err(e) => {
+                        eprintln!("error: stdin: {e}");
+                        return ExitCode::from(2);
+                    }
+                }
+            } else {
+                match std::fs::read_to_string(&file) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        eprintln!("error: {}: {e}", file.display());
+                        return ExitCode::from(2);
+                    }
+                }
+            };
+            let defaults = spillway::inject::Options::default();
+            let opts = spillway::inject::Options {
+                image: image.unwrap_or(defaults.image),
+                proxy_port,
+                admin_port,
+                container,
+                port,
+                config_map,
+                network_policy,
+                native_sidecar,
+            };
+            match spillway::inject::inject(&text, &opts) {
+                Ok(out) => {
+                    print!("{out}");
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
         Command::Demo { seconds, fleet } => {
             if fleet {
                 run(spillway::demo::fleet())

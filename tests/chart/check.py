@@ -277,7 +277,35 @@ rules:
             p.wait()
 
 
+def inject():
+    """`spillway inject` on a sample app: every manifest it prints is valid Kubernetes, the
+    ConfigMap it writes passes check-config, and a second pass changes nothing."""
+    sample = os.path.join(ROOT, "tests", "chart", "sample-app.yaml")
+    for flags in ([], ["--native-sidecar", "--network-policy"]):
+        what = "inject " + (" ".join(flags) or "(defaults)")
+        out = subprocess.run([BIN, "inject", sample] + flags, capture_output=True, text=True)
+        check(out.returncode == 0, f"{what}: exits 0 {out.stderr.strip()}")
+        docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        for doc in docs:
+            try:
+                kubernetes_validate.validate(doc, K8S, strict=True)
+                check(True, f"{what}: {doc['kind']} {doc['metadata']['name']} valid against Kubernetes {K8S}")
+            except kubernetes_validate.ValidationError as e:
+                check(False, f"{what}: {doc['kind']} {doc['metadata']['name']}: {e.message} at {list(e.path)}")
+            if doc["kind"] == "ConfigMap":
+                d = tempfile.mkdtemp(prefix="spillway-inject-")
+                path = os.path.join(d, "spillway.yaml")
+                with open(path, "w") as f:
+                    f.write(doc["data"]["spillway.yaml"])
+                r = subprocess.run([BIN, "check-config", path], capture_output=True, text=True)
+                check(r.returncode == 0, f"{what}: ConfigMap {doc['metadata']['name']} passes check-config {r.stderr.strip()}")
+        again = subprocess.run([BIN, "inject", "-"] + flags, input=out.stdout, capture_output=True, text=True)
+        check(again.returncode == 0 and [d for d in yaml.safe_load_all(again.stdout) if d] == docs,
+              f"{what}: a second pass changes nothing")
+
+
 hadolint()
+inject()
 configmaps = lint_and_render()
 bad_values()
 check_configs(configmaps)

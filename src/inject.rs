@@ -1,0 +1,355 @@
+//! `spillway inject`: adds the sidecar to Kubernetes workload manifests, as `linkerd inject`
+//! does, so that the app needs no change.
+//!
+//! For each Deployment, StatefulSet or DaemonSet: the sidecar takes the name of the app's
+//! served port (Services that target the port by name now reach the sidecar) on a port number
+//! of its own; the app's port is renamed; the sidecar forwards to the app's port number on
+//! loopback; the app's probes that named the port point at its number (health checks never pass
+//! through the limiter). The limits come from a ConfigMap mounted at `/etc/spillway` (a starter
+//! one is emitted unless `--config-map` names the user's). Optional: a NetworkPolicy that admits
+//! only the sidecar's ports; `--native-sidecar` (Kubernetes 1.29+: an init container with
+//! `restartPolicy: Always`, started before the app and stopped after it). Idempotent: a pod
+//! that has a `spillway` container is left as it is. Every other document passes through.
+//! Must never: change a manifest it cannot inject without saying why.
+
+use serde::Deserialize;
+use serde_norway::{Mapping, Value};
+
+/// What `spillway inject` was asked.
+#[derive(Debug, Clone)]
+pub struct Options {
+    /// The sidecar's image.
+    pub image: String,
+    /// The port number the sidecar listens on (it takes the app port's name).
+    pub proxy_port: u16,
+    /// The sidecar's admin port (metrics, probes).
+    pub admin_port: u16,
+    /// The app container, by name (default: the first).
+    pub container: Option<String>,
+    /// The app's served port, by name (default: the container's first port).
+    pub port: Option<String>,
+    /// The ConfigMap holding `spillway.yaml` (default: `<workload>-spillway`, emitted).
+    pub config_map: Option<String>,
+    /// Emit a NetworkPolicy admitting only the sidecar's ports.
+    pub network_policy: bool,
+    /// The sidecar as a native sidecar (an init container with `restartPolicy: Always`).
+    pub native_sidecar: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options {
+            image: format!("ghcr.io/spillway/spillway:{}", env!("CARGO_PKG_VERSION")),
+            proxy_port: 4180,
+            admin_port: 9901,
+            container: None,
+            port: None,
+            config_map: None,
+            network_policy: false,
+            native_sidecar: false,
+        }
+    }
+}
+
+/// The sidecar's container name: how an injected pod is recognised.
+const SIDECAR: &str = "spillway";
+/// The sidecar's preStop pause: endpoints are removed before it drains.
+const PRE_STOP: u64 = 5;
+/// Requests in flight get this long after SIGTERM (the sidecar's `timeouts.drain`).
+const DRAIN: u64 = 25;
+
+/// Injects every workload of `text` (one or more YAML documents); the documents out, in order,
+/// with the emitted ConfigMaps and NetworkPolicies after their workloads.
+pub fn inject(text: &str, opts: &Options) -> Result<String, String> {
+    let mut out: Vec<Value> = Vec::new();
+    for (i, doc) in serde_norway::Deserializer::from_str(text).enumerate() {
+        let mut doc = Value::deserialize(doc).map_err(|e| format!("document {}: {e}", i + 1))?;
+        if doc.is_null() {
+            continue;
+        }
+        let extra = inject_one(&mut doc, opts).map_err(|e| format!("document {}: {e}", i + 1))?;
+        out.push(doc);
+        out.extend(extra);
+    }
+    let mut text = String::new();
+    for (i, doc) in out.iter().enumerate() {
+        if i > 0 {
+            text.push_str("---\n");
+        }
+        text.push_str(&serde_norway::to_string(doc).map_err(|e| e.to_string())?);
+    }
+    Ok(text)
+}
+
+fn key(k: &str) -> Value {
+    Value::String(k.to_string())
+}
+
+fn get<'a>(v: &'a Value, path: &[&str]) -> Option<&'a Value> {
+    path.iter().try_fold(v, |v, k| v.get(*k))
+}
+
+fn str_of<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
+    get(v, path).and_then(Value::as_str)
+}
+
+/// The mapping at `path` in `v`, made (empty) where missing.
+fn map_at<'a>(v: &'a mut Value, path: &[&str]) -> Result<&'a mut Mapping, String> {
+    let mut v = v;
+    for k in path {
+        let m = v
+            .as_mapping_mut()
+            .ok_or_else(|| format!("{k}: expected a mapping"))?;
+        v = m
+            .entry(key(k))
+            .or_insert_with(|| Value::Mapping(Mapping::new()));
+        if v.is_null() {
+            *v = Value::Mapping(Mapping::new());
+        }
+    }
+    v.as_mapping_mut()
+        .ok_or_else(|| format!("{}: expected a mapping", path.join(".")))
+}
+
+/// The sequence under `k` in `m`, made (empty) where missing.
+fn seq_at<'a>(m: &'a mut Mapping, k: &str) -> Result<&'a mut Vec<Value>, String> {
+    let v = m
+        .entry(key(k))
+        .or_insert_with(|| Value::Sequence(Vec::new()));
+    if v.is_null() {
+        *v = Value::Sequence(Vec::new());
+    }
+    v.as_sequence_mut()
+        .ok_or_else(|| format!("{k}: expected a list"))
+}
+
+fn yaml(text: &str) -> Value {
+    serde_norway::from_str(text).expect("a literal of this module")
+}
+
+/// Injects one document when it is a workload; the documents to emit after it.
+fn inject_one(doc: &mut Value, opts: &Options) -> Result<Vec<Value>, String> {
+    let kind = str_of(doc, &["kind"]).unwrap_or_default().to_string();
+    if !matches!(kind.as_str(), "Deployment" | "StatefulSet" | "DaemonSet") {
+        return Ok(Vec::new());
+    }
+    let name = str_of(doc, &["metadata", "name"])
+        .ok_or("a workload without metadata.name")?
+        .to_string();
+    let namespace = str_of(doc, &["metadata", "namespace"]).map(str::to_string);
+    let pod = get(doc, &["spec", "template", "spec"]).ok_or("no spec.template.spec")?;
+    let named = |list: &str| {
+        get(pod, &[list])
+            .and_then(Value::as_sequence)
+            .is_some_and(|s| s.iter().any(|c| str_of(c, &["name"]) == Some(SIDECAR)))
+    };
+    if named("containers") || named("initContainers") {
+        return Ok(Vec::new());
+    }
+    let what = format!("{kind} {name}");
+    let selector = get(doc, &["spec", "selector", "matchLabels"]).cloned();
+    let spec = map_at(doc, &["spec", "template", "spec"])?;
+
+    // Every port number the pod uses, for a clash with the sidecar's.
+    let mut used = Vec::new();
+    for list in ["containers", "initContainers"] {
+        for c in spec
+            .get(list)
+            .and_then(Value::as_sequence)
+            .into_iter()
+            .flatten()
+        {
+            for p in c
+                .get("ports")
+                .and_then(Value::as_sequence)
+                .into_iter()
+                .flatten()
+            {
+                used.extend(p.get("containerPort").and_then(Value::as_u64));
+            }
+        }
+    }
+    for port in [opts.proxy_port, opts.admin_port] {
+        if used.contains(&u64::from(port)) {
+            return Err(format!(
+                "{what}: port {port} is the app's; give the sidecar another (--proxy-port, --admin-port)"
+            ));
+        }
+    }
+
+    let containers = seq_at(spec, "containers")?;
+    let app = match &opts.container {
+        Some(c) => containers
+            .iter_mut()
+            .find(|x| str_of(x, &["name"]) == Some(c))
+            .ok_or_else(|| format!("{what}: no container named {c}"))?,
+        None => containers
+            .first_mut()
+            .ok_or_else(|| format!("{what}: no containers"))?,
+    };
+    let app_name = str_of(app, &["name"]).unwrap_or("app").to_string();
+    let ports = app
+        .get_mut("ports")
+        .and_then(Value::as_sequence_mut)
+        .ok_or_else(|| {
+            format!("{what}: container {app_name} declares no port to put the sidecar in front of")
+        })?;
+    let served = match &opts.port {
+        Some(p) => ports
+            .iter_mut()
+            .find(|x| str_of(x, &["name"]) == Some(p))
+            .ok_or_else(|| format!("{what}: container {app_name} has no port named {p}"))?,
+        None => ports
+            .first_mut()
+            .ok_or_else(|| format!("{what}: container {app_name} declares no port"))?,
+    };
+    let port_name = str_of(served, &["name"])
+        .ok_or_else(|| {
+            format!(
+                "{what}: the served port has no name, so a Service reaches it by number and would bypass the sidecar; name it (e.g. http), target it by name, and inject again"
+            )
+        })?
+        .to_string();
+    let app_port = get(served, &["containerPort"])
+        .and_then(Value::as_u64)
+        .ok_or_else(|| format!("{what}: port {port_name} has no containerPort"))?;
+    // The app's port keeps its number under a new name; the sidecar takes the old name.
+    let renamed: String = format!("app-{port_name}").chars().take(15).collect();
+    let renamed = renamed.trim_end_matches('-').to_string();
+    served
+        .as_mapping_mut()
+        .ok_or("a port that is not a mapping")?
+        .insert(key("name"), Value::String(renamed));
+    // Probes that named the port go to its number: health checks never pass the limiter.
+    for probe in ["livenessProbe", "readinessProbe", "startupProbe"] {
+        for handler in ["httpGet", "tcpSocket", "grpc"] {
+            if let Some(p) = app.get_mut(probe).and_then(|p| p.get_mut(handler)) {
+                if p.get("port").and_then(Value::as_str) == Some(port_name.as_str()) {
+                    p.as_mapping_mut()
+                        .ok_or("a probe that is not a mapping")?
+                        .insert(key("port"), Value::Number(app_port.into()));
+                }
+            }
+        }
+    }
+    // Without a native sidecar, both stop at once: the app waits until the sidecar has
+    // stopped sending it requests (its preStop pause and drain), so a rollout drops none.
+    if !opts.native_sidecar && get(app, &["lifecycle", "preStop"]).is_none() {
+        map_at(app, &["lifecycle"])?.insert(
+            key("preStop"),
+            yaml(&format!("sleep: {{ seconds: {} }}", PRE_STOP + 5)),
+        );
+    }
+
+    let config_map = opts
+        .config_map
+        .clone()
+        .unwrap_or_else(|| format!("{name}-spillway"));
+    let mut sidecar = yaml(&format!(
+        r#"
+name: {SIDECAR}
+image: {image}
+args: ["proxy", "--config", "/etc/spillway/spillway.yaml"]
+env:
+  - {{ name: RUST_LOG, value: info }}
+  - {{ name: SPILLWAY_LOG_FORMAT, value: json }}
+ports:
+  - {{ name: {port_name}, containerPort: {proxy}, protocol: TCP }}
+  - {{ name: spillway-admin, containerPort: {admin}, protocol: TCP }}
+readinessProbe: {{ httpGet: {{ path: /readyz, port: {admin} }}, periodSeconds: 5 }}
+livenessProbe: {{ httpGet: {{ path: /healthz, port: {admin} }}, periodSeconds: 10 }}
+lifecycle: {{ preStop: {{ sleep: {{ seconds: {PRE_STOP} }} }} }}
+resources:
+  requests: {{ cpu: 100m, memory: 32Mi }}
+  limits: {{ cpu: "1", memory: 128Mi }}
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 65532
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities: {{ drop: [ALL] }}
+volumeMounts:
+  - {{ name: spillway-config, mountPath: /etc/spillway, readOnly: true }}
+"#,
+        image = opts.image,
+        proxy = opts.proxy_port,
+        admin = opts.admin_port,
+    ));
+    if opts.native_sidecar {
+        sidecar
+            .as_mapping_mut()
+            .expect("a mapping literal")
+            .insert(key("restartPolicy"), Value::String("Always".into()));
+        seq_at(spec, "initContainers")?.insert(0, sidecar);
+    } else {
+        seq_at(spec, "containers")?.push(sidecar);
+    }
+    seq_at(spec, "volumes")?.push(yaml(&format!(
+        "{{ name: spillway-config, configMap: {{ name: {config_map} }} }}"
+    )));
+    let grace = PRE_STOP + DRAIN + 15;
+    let current = spec
+        .get("terminationGracePeriodSeconds")
+        .and_then(Value::as_u64)
+        .unwrap_or(30);
+    if current < grace {
+        spec.insert(
+            key("terminationGracePeriodSeconds"),
+            Value::Number(grace.into()),
+        );
+    }
+    let meta = map_at(doc, &["spec", "template", "metadata"])?;
+    map_at_mapping(meta, "labels")?
+        .insert(key("spillway.dev/sidecar"), Value::String("true".into()));
+    map_at_mapping(meta, "annotations")?
+        .insert(key("spillway.dev/injected"), Value::String("true".into()));
+
+    let mut extra = Vec::new();
+    let ns = namespace
+        .as_deref()
+        .map(|n| format!("\n  namespace: {n}"))
+        .unwrap_or_default();
+    if opts.config_map.is_none() {
+        // A port named as Istio names HTTP/2 ones (grpc, grpc-*, http2, h2c): the app speaks
+        // HTTP/2 in clear text.
+        let h2 = ["grpc", "http2", "h2c"]
+            .iter()
+            .any(|p| port_name == *p || port_name.starts_with(&format!("{p}-")));
+        let scheme = if h2 { "h2c" } else { "http" };
+        let config = format!(
+            "# Written by spillway inject: the ports match the injected sidecar. Add rules below;\n# the sidecar reloads this file when the ConfigMap changes.\nservice: {name}\nlisten: 0.0.0.0:{}\nadmin: 0.0.0.0:{}\nupstream: {scheme}://127.0.0.1:{app_port}\nrules: []\n",
+            opts.proxy_port, opts.admin_port
+        );
+        let mut cm = yaml(&format!(
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {config_map}{ns}\ndata: {{}}\n"
+        ));
+        map_at(&mut cm, &["data"])?.insert(key("spillway.yaml"), Value::String(config));
+        extra.push(cm);
+    }
+    if opts.network_policy {
+        let selector = selector.ok_or_else(|| {
+            format!("{what}: --network-policy needs spec.selector.matchLabels to select the pods")
+        })?;
+        let mut np = yaml(&format!(
+            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: {name}-spillway{ns}\nspec:\n  policyTypes: [Ingress]\n  ingress:\n    - ports:\n        - {{ port: {}, protocol: TCP }}\n        - {{ port: {}, protocol: TCP }}\n",
+            opts.proxy_port, opts.admin_port
+        ));
+        map_at(&mut np, &["spec", "podSelector"])?.insert(key("matchLabels"), selector);
+        extra.push(np);
+    }
+    Ok(extra)
+}
+
+fn map_at_mapping<'a>(m: &'a mut Mapping, k: &str) -> Result<&'a mut Mapping, String> {
+    let v = m
+        .entry(key(k))
+        .or_insert_with(|| Value::Mapping(Mapping::new()));
+    if v.is_null() {
+        *v = Value::Mapping(Mapping::new());
+    }
+    v.as_mapping_mut()
+        .ok_or_else(|| format!("{k}: expected a mapping"))
+}
+
+#[cfg(test)]
+mod tests;
