@@ -25,6 +25,53 @@ struct Cli {
     command: Command,
 }
 
+#[derive(Clone, Copy, PartialEq, clap::ValueEnum)]
+enum CheckOutput {
+    Text,
+    Json,
+}
+
+/// Checks one configuration: `-` is stdin. The files it names (token, CAs) must be readable
+/// too, or the proxy would start without them.
+fn check_one(file: &std::path::Path, skip_files: bool) -> Result<spillway::Config, String> {
+    let config = if file.as_os_str() == "-" {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+            .map_err(|e| format!("<stdin>: {e}"))?;
+        spillway::Config::from_yaml(&text, "<stdin>")
+    } else {
+        spillway::Config::load(file)
+    }
+    .map_err(|e| e.to_string())?;
+    let named = [
+        (
+            "control_plane.token_file",
+            config
+                .control_plane
+                .as_ref()
+                .and_then(|c| c.token_file.clone()),
+        ),
+        (
+            "control_plane.ca_file",
+            config
+                .control_plane
+                .as_ref()
+                .and_then(|c| c.ca_file.clone()),
+        ),
+        (
+            "redis.ca_file",
+            config.redis.as_ref().and_then(|r| r.ca_file.clone()),
+        ),
+    ];
+    for (field, path) in named.into_iter().filter(|_| !skip_files) {
+        if let Some(path) = path {
+            std::fs::metadata(&path)
+                .map_err(|e| format!("{}: {field}: {}: {e}", file.display(), path.display()))?;
+        }
+    }
+    Ok(config)
+}
+
 #[derive(Clone, Copy, clap::ValueEnum)]
 enum LogFormat {
     Text,
@@ -39,10 +86,18 @@ enum Command {
         #[arg(long, short, env = "SPILLWAY_CONFIG")]
         config: PathBuf,
     },
-    /// Validate a configuration file; exit 0 when valid, else print what is wrong.
+    /// Validate configuration files; exit 0 when all are valid, else 2 and what is wrong.
     CheckConfig {
-        /// The YAML configuration.
-        file: PathBuf,
+        /// The YAML configurations; `-` reads one from stdin.
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// `text` (a line per file) or `json` (an array of {file, ok, service, rules, error}).
+        #[arg(long, default_value = "text")]
+        output: CheckOutput,
+        /// Do not check that the files the configuration names (token, CAs) can be read: for a
+        /// configuration checked away from the pod that mounts them.
+        #[arg(long)]
+        skip_files: bool,
     },
     /// Run the controller: sums zones' reports and answers with drop ratios.
     Controller {
@@ -234,22 +289,48 @@ fn main() -> ExitCode {
         LogFormat::Json => logs.json().flatten_event(true).init(),
     }
     match cli.command {
-        Command::CheckConfig { file } => match spillway::Config::load(&file) {
-            Ok(config) => {
-                println!(
-                    "{}: ok (service {}, {} rule{})",
-                    file.display(),
-                    config.service,
-                    config.rules.len(),
-                    if config.rules.len() == 1 { "" } else { "s" }
-                );
-                ExitCode::SUCCESS
+        Command::CheckConfig {
+            files,
+            output,
+            skip_files,
+        } => {
+            let mut all_ok = true;
+            let mut report = Vec::new();
+            for file in &files {
+                let name = file.display().to_string();
+                match check_one(file, skip_files) {
+                    Ok(config) => {
+                        if output == CheckOutput::Text {
+                            println!(
+                                "{name}: ok (service {}, {} rule{})",
+                                config.service,
+                                config.rules.len(),
+                                if config.rules.len() == 1 { "" } else { "s" }
+                            );
+                        }
+                        report.push(serde_json::json!({
+                            "file": name, "ok": true,
+                            "service": config.service.to_string(), "rules": config.rules.len(),
+                        }));
+                    }
+                    Err(e) => {
+                        all_ok = false;
+                        if output == CheckOutput::Text {
+                            eprintln!("error: {e}");
+                        }
+                        report.push(serde_json::json!({ "file": name, "ok": false, "error": e }));
+                    }
+                }
             }
-            Err(e) => {
-                eprintln!("error: {e}");
+            if output == CheckOutput::Json {
+                println!("{}", serde_json::Value::Array(report));
+            }
+            if all_ok {
+                ExitCode::SUCCESS
+            } else {
                 ExitCode::from(2)
             }
-        },
+        }
         Command::Proxy { config: path } => {
             let file = path.display().to_string();
             let loaded = std::fs::read_to_string(&path)

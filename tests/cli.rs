@@ -48,6 +48,46 @@ fn check_config_explains_a_bad_file_with_line_and_field_and_exits_non_zero() {
 }
 
 #[test]
+fn check_config_takes_several_files_stdin_and_json_and_refuses_missing_token_files() {
+    let good = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("config/spillway.yaml");
+    let missing = temp_file(
+        "missing-token.yaml",
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:7001', token_file: /nonexistent/token }\n",
+    );
+    let mut child = Command::new(BIN)
+        .args(["check-config", "--output", "json", "-"])
+        .arg(&good)
+        .arg(&missing)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"service: t\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "one of three is invalid");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let oks: Vec<bool> = report
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["ok"].as_bool().unwrap())
+        .collect();
+    assert_eq!(oks, [true, true, false]);
+    assert_eq!(report[0]["file"], "-");
+    assert_eq!(report[0]["service"], "t");
+    let error = report[2]["error"].as_str().unwrap();
+    assert!(
+        error.contains("control_plane.token_file") && error.contains("/nonexistent/token"),
+        "{error}"
+    );
+}
+
+#[test]
 fn the_proxy_refuses_to_start_on_a_bad_config() {
     let path = temp_file("bad-proxy.yaml", "service: s\nlisten: nowhere\n");
     let out = Command::new(BIN)
