@@ -200,6 +200,8 @@ def dashboard():
         for name in re.findall(r"\b(spillway_[a-z_]+)", e):
             wanted.add(re.sub(r"_(bucket|sum|count)$", "", name))
     check(len(dash["panels"]) >= 8, f"dashboard parses: {len(dash['panels'])} panels, {len(wanted)} metrics")
+    variables = {v["name"] for v in dash["templating"]["list"]}
+    check({"namespace", "service", "pod", "rule"} <= variables, f"dashboard variables: {sorted(variables)}")
 
     procs = []
     try:
