@@ -58,6 +58,18 @@ VALUE_SETS = {
         "limits": {"rules": [{"name": "per-key", "key": ["header:x-api-key"], "limit": {"rate": "100/s"}, "scope": "global"}]},
         "example": {"enabled": True},
     },
+    "platform knobs": {
+        "controlPlane": {"enabled": True, "zones": [{"name": "zone-a"}]},
+        "nodeSelector": {"pool": "infra"},
+        "tolerations": [{"key": "infra", "operator": "Exists", "effect": "NoSchedule"}],
+        "affinity": {"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": [{"weight": 1, "podAffinityTerm": {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"app": "x"}}}}]}},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "podAnnotations": {"team": "platform"},
+        "priorityClassName": "system-cluster-critical",
+        "extraEnv": [{"name": "TZ", "value": "UTC"}],
+        "sidecar": {"appScheme": "h2c", "extraEnv": [{"name": "TZ", "value": "UTC"}]},
+        "example": {"enabled": True},
+    },
     "monitoring on": {
         "controlPlane": {"enabled": True},
         "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
@@ -111,11 +123,40 @@ def lint_and_render():
                 configmaps.append((name, doc["data"]["spillway.yaml"]))
             if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith("-example"):
                 sidecar_rules(name, doc)
+            if name == "platform knobs":
+                knobs(doc, what)
+            if doc["kind"] == "PodMonitor":
+                sel = doc["spec"]["namespaceSelector"]
+                check(sel.get("matchNames") == ["shop"], f"{what}: scrapes this release's namespace only")
             if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith(("-controller", "-aggregator")) or (
                     doc["kind"] == "Deployment" and "-aggregator-" in doc["metadata"]["name"]):
                 args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
                 check("--log-format=json" in args, f"{what}: logs JSON lines")
     return configmaps
+
+
+def knobs(doc, what):
+    """The platform knobs reach the control plane's pods, and the sidecar's own."""
+    if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-limits"):
+        check("upstream: h2c://" in doc["data"]["spillway.yaml"], f"{what}: an h2c app is reached over h2c")
+    if doc["kind"] != "Deployment":
+        return
+    spec = doc["spec"]["template"]["spec"]
+    meta = doc["spec"]["template"]["metadata"]
+    if doc["metadata"]["name"].endswith("-example"):
+        sidecar = next(c for c in spec["containers"] if c["name"] == "spillway")
+        check({"name": "TZ", "value": "UTC"} in sidecar["env"], f"{what}: the sidecar's extra env")
+        return
+    check(spec.get("nodeSelector", {}).get("pool") == "infra", f"{what}: nodeSelector")
+    check(spec.get("tolerations", [{}])[0].get("key") == "infra", f"{what}: tolerations")
+    check(spec.get("imagePullSecrets") == [{"name": "regcred"}], f"{what}: imagePullSecrets")
+    check(spec.get("priorityClassName") == "system-cluster-critical", f"{what}: priorityClassName")
+    check(meta["annotations"].get("team") == "platform", f"{what}: podAnnotations")
+    check({"name": "TZ", "value": "UTC"} in spec["containers"][0].get("env", []), f"{what}: extraEnv")
+    if "-aggregator-" in doc["metadata"]["name"]:
+        check("topology.kubernetes.io/zone" in spec["nodeSelector"], f"{what}: still pinned to its zone")
+    else:
+        check("podAntiAffinity" in spec.get("affinity", {}), f"{what}: affinity")
 
 
 def sidecar_rules(name, deployment):

@@ -117,6 +117,9 @@ pod `spillway.dev/sidecar: "true"` for the PodMonitor.
       value: info
     - name: SPILLWAY_LOG_FORMAT
       value: {{ $v.logFormat | default "json" | quote }}
+    {{- with $v.sidecar.extraEnv }}
+    {{- toYaml . | nindent 4 }}
+    {{- end }}
   ports:
     - { name: http, containerPort: {{ $v.sidecar.port }}, protocol: TCP }
     - { name: spillway-admin, containerPort: {{ $v.sidecar.adminPort }}, protocol: TCP }
@@ -176,4 +179,22 @@ pod `spillway.dev/sidecar: "true"` for the PodMonitor.
 {{/* Longer than the preStop pause and the drain together, so that SIGKILL never cuts a drain. */}}
 {{- define "spillway.terminationGracePeriod" -}}
 {{- add .sidecar.preStopSeconds .sidecar.drainSeconds 5 -}}
+{{- end -}}
+
+{{/*
+The control plane pods' scheduling knobs that need no merging: tolerations, image pull
+secrets, priority class.
+*/}}
+{{- define "spillway.podKnobs" -}}
+{{- with .Values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
 {{- end -}}
