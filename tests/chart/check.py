@@ -113,6 +113,9 @@ def lint_and_render():
             if doc["kind"] in OPERATOR_REQUIRED:
                 ok = doc["apiVersion"] == "monitoring.coreos.com/v1" and all(k in doc["spec"] for k in OPERATOR_REQUIRED[doc["kind"]])
                 check(ok, f"{what}: Prometheus Operator fields")
+                if doc["kind"] == "PodMonitor":
+                    sel = doc["spec"]["namespaceSelector"]
+                    check(sel.get("matchNames") == ["shop"], f"{what}: scrapes this release's namespace only")
                 continue
             try:
                 kubernetes_validate.validate(doc, K8S, strict=True)
@@ -125,9 +128,7 @@ def lint_and_render():
                 sidecar_rules(name, doc)
             if name == "platform knobs":
                 knobs(doc, what)
-            if doc["kind"] == "PodMonitor":
-                sel = doc["spec"]["namespaceSelector"]
-                check(sel.get("matchNames") == ["shop"], f"{what}: scrapes this release's namespace only")
+
             if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith(("-controller", "-aggregator")) or (
                     doc["kind"] == "Deployment" and "-aggregator-" in doc["metadata"]["name"]):
                 args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
