@@ -5,6 +5,10 @@
 # non-root user (65532). It needs no writable file system (mount the config read-only).
 
 FROM rust:1.95-slim-bookworm AS build
+# The commit in spillway_build_info (the build context has no .git):
+#   docker build --build-arg SPILLWAY_COMMIT=$(git rev-parse --short=12 HEAD) .
+ARG SPILLWAY_COMMIT=unknown
+ENV SPILLWAY_COMMIT=$SPILLWAY_COMMIT
 WORKDIR /src
 COPY . .
 # Caches for the registry and the target dir keep rebuilds incremental (BuildKit).

@@ -700,7 +700,7 @@ fn check_rule(r: &RawRule) -> Result<(), String> {
             }
             Limit::Rate { algorithm, .. } if *algorithm != Algorithm::TokenBucket => {
                 return Err(
-                    "limit.algorithm: a global rule is enforced by drop ratios; give no algorithm (its fallback may)"
+                    "limit.algorithm: a global rule is enforced by drop ratios; give no algorithm"
                         .into(),
                 )
             }

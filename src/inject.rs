@@ -67,7 +67,27 @@ pub fn inject(text: &str, opts: &Options) -> Result<String, String> {
         if doc.is_null() {
             continue;
         }
-        let extra = inject_one(&mut doc, opts).map_err(|e| format!("document {}: {e}", i + 1))?;
+        let extra = if str_of(&doc, &["kind"]) == Some("List") {
+            // What `kubectl get ... -o yaml` prints for several objects: each item, and what
+            // is emitted for it, stays in the list.
+            let items = get(&doc, &["items"])
+                .and_then(Value::as_sequence)
+                .cloned()
+                .unwrap_or_default();
+            let mut injected = Vec::new();
+            for (j, mut item) in items.into_iter().enumerate() {
+                let extra = inject_one(&mut item, opts)
+                    .map_err(|e| format!("document {}, item {}: {e}", i + 1, j + 1))?;
+                injected.push(item);
+                injected.extend(extra);
+            }
+            if let Some(m) = doc.as_mapping_mut() {
+                m.insert(key("items"), Value::Sequence(injected));
+            }
+            Vec::new()
+        } else {
+            inject_one(&mut doc, opts).map_err(|e| format!("document {}: {e}", i + 1))?
+        };
         out.push(doc);
         out.extend(extra);
     }
@@ -111,20 +131,37 @@ fn map_at<'a>(v: &'a mut Value, path: &[&str]) -> Result<&'a mut Mapping, String
         .ok_or_else(|| format!("{}: expected a mapping", path.join(".")))
 }
 
+/// The value under `k` in `m`, made `empty` where missing or null.
+fn entry<'a>(m: &'a mut Mapping, k: &str, empty: Value) -> &'a mut Value {
+    let v = m.entry(key(k)).or_insert(Value::Null);
+    if v.is_null() {
+        *v = empty;
+    }
+    v
+}
+
 /// The sequence under `k` in `m`, made (empty) where missing.
 fn seq_at<'a>(m: &'a mut Mapping, k: &str) -> Result<&'a mut Vec<Value>, String> {
-    let v = m
-        .entry(key(k))
-        .or_insert_with(|| Value::Sequence(Vec::new()));
-    if v.is_null() {
-        *v = Value::Sequence(Vec::new());
-    }
-    v.as_sequence_mut()
+    entry(m, k, Value::Sequence(Vec::new()))
+        .as_sequence_mut()
         .ok_or_else(|| format!("{k}: expected a list"))
 }
 
+/// The mapping under `k` in `m`, made (empty) where missing.
+fn map_at_mapping<'a>(m: &'a mut Mapping, k: &str) -> Result<&'a mut Mapping, String> {
+    entry(m, k, Value::Mapping(Mapping::new()))
+        .as_mapping_mut()
+        .ok_or_else(|| format!("{k}: expected a mapping"))
+}
+
 fn yaml(text: &str) -> Value {
-    serde_norway::from_str(text).expect("a literal of this module")
+    serde_norway::from_str(text).expect("a literal of this module, its strings quoted by `q`")
+}
+
+/// `s` as a quoted scalar, whatever it holds (a JSON string is a YAML one): names and images
+/// from the manifest or the command line are pasted into this module's literals.
+fn q(s: &str) -> String {
+    serde_json::to_string(s).expect("a string serialises")
 }
 
 /// Injects one document when it is a workload; the documents to emit after it.
@@ -254,7 +291,7 @@ env:
   - {{ name: RUST_LOG, value: info }}
   - {{ name: SPILLWAY_LOG_FORMAT, value: json }}
 ports:
-  - {{ name: {port_name}, containerPort: {proxy}, protocol: TCP }}
+  - {{ name: {port}, containerPort: {proxy}, protocol: TCP }}
   - {{ name: spillway-admin, containerPort: {admin}, protocol: TCP }}
 readinessProbe: {{ httpGet: {{ path: /readyz, port: {admin} }}, periodSeconds: 5 }}
 livenessProbe: {{ httpGet: {{ path: /healthz, port: {admin} }}, periodSeconds: 10 }}
@@ -271,7 +308,8 @@ securityContext:
 volumeMounts:
   - {{ name: spillway-config, mountPath: /etc/spillway, readOnly: true }}
 "#,
-        image = opts.image,
+        image = q(&opts.image),
+        port = q(&port_name),
         proxy = opts.proxy_port,
         admin = opts.admin_port,
     ));
@@ -285,7 +323,8 @@ volumeMounts:
         seq_at(spec, "containers")?.push(sidecar);
     }
     seq_at(spec, "volumes")?.push(yaml(&format!(
-        "{{ name: spillway-config, configMap: {{ name: {config_map} }} }}"
+        "{{ name: spillway-config, configMap: {{ name: {} }} }}",
+        q(&config_map)
     )));
     let grace = PRE_STOP + DRAIN + 15;
     let current = spec
@@ -307,21 +346,25 @@ volumeMounts:
     let mut extra = Vec::new();
     let ns = namespace
         .as_deref()
-        .map(|n| format!("\n  namespace: {n}"))
+        .map(|n| format!("\n  namespace: {}", q(n)))
         .unwrap_or_default();
     if opts.config_map.is_none() {
         // A port named as Istio names HTTP/2 ones (grpc, grpc-*, http2, h2c): the app speaks
         // HTTP/2 in clear text.
-        let h2 = ["grpc", "http2", "h2c"]
-            .iter()
-            .any(|p| port_name == *p || port_name.starts_with(&format!("{p}-")));
+        let h2 = !port_name.starts_with("grpc-web")
+            && ["grpc", "http2", "h2c"]
+                .iter()
+                .any(|p| port_name == *p || port_name.starts_with(&format!("{p}-")));
         let scheme = if h2 { "h2c" } else { "http" };
         let config = format!(
-            "# Written by spillway inject: the ports match the injected sidecar. Add rules below;\n# the sidecar reloads this file when the ConfigMap changes.\nservice: {name}\nlisten: 0.0.0.0:{}\nadmin: 0.0.0.0:{}\nupstream: {scheme}://127.0.0.1:{app_port}\nrules: []\n",
-            opts.proxy_port, opts.admin_port
+            "# Written by spillway inject: the ports match the injected sidecar. Add rules below;\n# the sidecar reloads this file when the ConfigMap changes.\nservice: {}\nlisten: 0.0.0.0:{}\nadmin: 0.0.0.0:{}\nupstream: {scheme}://127.0.0.1:{app_port}\nrules: []\n",
+            q(&name),
+            opts.proxy_port,
+            opts.admin_port
         );
         let mut cm = yaml(&format!(
-            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {config_map}{ns}\ndata: {{}}\n"
+            "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {}{ns}\ndata: {{}}\n",
+            q(&config_map)
         ));
         map_at(&mut cm, &["data"])?.insert(key("spillway.yaml"), Value::String(config));
         extra.push(cm);
@@ -331,24 +374,15 @@ volumeMounts:
             format!("{what}: --network-policy needs spec.selector.matchLabels to select the pods")
         })?;
         let mut np = yaml(&format!(
-            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: {name}-spillway{ns}\nspec:\n  policyTypes: [Ingress]\n  ingress:\n    - ports:\n        - {{ port: {}, protocol: TCP }}\n        - {{ port: {}, protocol: TCP }}\n",
-            opts.proxy_port, opts.admin_port
+            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: {}{ns}\nspec:\n  policyTypes: [Ingress]\n  ingress:\n    - ports:\n        - {{ port: {}, protocol: TCP }}\n        - {{ port: {}, protocol: TCP }}\n",
+            q(&format!("{name}-spillway")),
+            opts.proxy_port,
+            opts.admin_port
         ));
         map_at(&mut np, &["spec", "podSelector"])?.insert(key("matchLabels"), selector);
         extra.push(np);
     }
     Ok(extra)
-}
-
-fn map_at_mapping<'a>(m: &'a mut Mapping, k: &str) -> Result<&'a mut Mapping, String> {
-    let v = m
-        .entry(key(k))
-        .or_insert_with(|| Value::Mapping(Mapping::new()));
-    if v.is_null() {
-        *v = Value::Mapping(Mapping::new());
-    }
-    v.as_mapping_mut()
-        .ok_or_else(|| format!("{k}: expected a mapping"))
 }
 
 #[cfg(test)]

@@ -35,10 +35,7 @@ enum CheckOutput {
 /// too, or the proxy would start without them.
 fn check_one(file: &std::path::Path, skip_files: bool) -> Result<spillway::Config, String> {
     let config = if file.as_os_str() == "-" {
-        let mut text = String::new();
-        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
-            .map_err(|e| format!("<stdin>: {e}"))?;
-        spillway::Config::from_yaml(&text, "<stdin>")
+        spillway::Config::from_yaml(&read_input(file)?, "<stdin>")
     } else {
         spillway::Config::load(file)
     }
@@ -65,11 +62,22 @@ fn check_one(file: &std::path::Path, skip_files: bool) -> Result<spillway::Confi
     ];
     for (field, path) in named.into_iter().filter(|_| !skip_files) {
         if let Some(path) = path {
-            std::fs::metadata(&path)
+            std::fs::File::open(&path)
                 .map_err(|e| format!("{}: {field}: {}: {e}", file.display(), path.display()))?;
         }
     }
     Ok(config)
+}
+
+/// The text of `file`, or of stdin for `-`.
+fn read_input(file: &std::path::Path) -> Result<String, String> {
+    if file.as_os_str() == "-" {
+        let mut text = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+            .map_err(|e| format!("<stdin>: {e}"))?;
+        return Ok(text);
+    }
+    std::fs::read_to_string(file).map_err(|e| format!("{}: {e}", file.display()))
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -464,22 +472,11 @@ wrote {}",
             network_policy,
             native_sidecar,
         } => {
-            let text = if file.as_os_str() == "-" {
-                let mut s = String::new();
-                match std::io::Read::read_to_string(&mut std::io::stdin(), &mut s) {
-                    Ok(_) => s,
-                    Err(e) => {
-                        eprintln!("error: stdin: {e}");
-                        return ExitCode::from(2);
-                    }
-                }
-            } else {
-                match std::fs::read_to_string(&file) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        eprintln!("error: {}: {e}", file.display());
-                        return ExitCode::from(2);
-                    }
+            let text = match read_input(&file) {
+                Ok(text) => text,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
                 }
             };
             let defaults = spillway::inject::Options::default();

@@ -537,6 +537,8 @@ pub fn register_process(registry: &Registry) {
     info.with_label_values(&[env!("CARGO_PKG_VERSION"), env!("SPILLWAY_COMMIT")])
         .set(1);
     let _ = registry.register(Box::new(info));
+    // The `prometheus` crate reads /proc: Linux only.
+    #[cfg(target_os = "linux")]
     let _ = registry.register(Box::new(
         prometheus::process_collector::ProcessCollector::for_self(),
     ));

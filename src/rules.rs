@@ -94,9 +94,15 @@ impl LogBudget {
         if per_second == 0 {
             return false;
         }
+        // Read first: under a flood most refusals find this second's budget spent, and then
+        // write nothing to a line every worker reads.
         let this = now / NANOS_PER_SEC;
-        if self.second.swap(this, Ordering::Relaxed) != this {
-            self.count.store(0, Ordering::Relaxed);
+        if self.second.load(Ordering::Relaxed) != this {
+            if self.second.swap(this, Ordering::Relaxed) != this {
+                self.count.store(0, Ordering::Relaxed);
+            }
+        } else if self.count.load(Ordering::Relaxed) >= per_second {
+            return false;
         }
         self.count.fetch_add(1, Ordering::Relaxed) < per_second
     }
@@ -872,7 +878,9 @@ impl RuleSet {
         decision: &str,
         now: Nanos,
     ) {
-        if !rule.logged.take(now, self.log_rejections) {
+        // A rule that delays decides again when the wait ends: only its final refusal (in
+        // the gate) is one, and that is not logged here.
+        if rule.delay.is_some() || !rule.logged.take(now, self.log_rejections) {
             return;
         }
         // Worked out again in text form: a local rule keeps its key as bytes.

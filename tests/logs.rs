@@ -77,7 +77,8 @@ async fn json_logs_carry_each_rejection_within_the_rules_budget() {
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
         );
     }
-    // At most 3 a second: count them by the second of their timestamps.
+    // At most 3 a second. The budget counts seconds of the monotonic clock, which need not
+    // turn with the wall clock: a wall-clock second holds at most two budgets.
     let mut per_second = std::collections::HashMap::<String, usize>::new();
     for r in &rejections {
         let ts = r["timestamp"].as_str().unwrap_or_default();
@@ -85,7 +86,7 @@ async fn json_logs_carry_each_rejection_within_the_rules_budget() {
             .entry(ts.get(..19).unwrap_or(ts).to_string())
             .or_default() += 1;
     }
-    assert!(per_second.values().all(|&n| n <= 3), "{per_second:?}");
+    assert!(per_second.values().all(|&n| n <= 6), "{per_second:?}");
     assert!(rejections.len() < 39, "every one of 39 rejections logged");
 }
 

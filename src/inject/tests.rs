@@ -126,3 +126,50 @@ fn a_grpc_port_gets_an_h2c_upstream() {
     let parsed = crate::Config::from_yaml(config, "inject").unwrap();
     assert!(parsed.upstream.h2, "{config}");
 }
+
+#[test]
+fn odd_names_are_quoted_not_parsed_and_a_list_is_injected_item_by_item() {
+    // A Helm-style or numeric value pasted into a manifest must stay a string, not break out.
+    let odd = APP.replace(
+        "metadata: { name: shop, namespace: web }",
+        "metadata: { name: \"123\", namespace: \"a, b}\" }",
+    );
+    let opts = Options {
+        config_map: Some("x}: y".into()),
+        image: "img:{{ .Values.tag }}".into(),
+        ..Options::default()
+    };
+    let out = docs(&inject(&odd, &opts).unwrap());
+    let pod = pod(&out[1]);
+    assert_eq!(pod["volumes"][0]["configMap"]["name"], "x}: y");
+    assert_eq!(
+        container(pod, "containers", "spillway")["image"],
+        "img:{{ .Values.tag }}"
+    );
+    // `kubectl get ... -o yaml` of several objects.
+    let list = format!(
+        "apiVersion: v1\nkind: List\nitems:\n{}",
+        docs(APP)
+            .iter()
+            .map(|d| {
+                let text = serde_norway::to_string(d).unwrap();
+                let mut lines = text.lines();
+                let first = format!("- {}", lines.next().unwrap());
+                std::iter::once(first)
+                    .chain(lines.map(|l| format!("  {l}")))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let out = docs(&inject(&list, &Options::default()).unwrap());
+    let items = out[0]["items"].as_sequence().unwrap();
+    let kinds: Vec<&str> = items.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["Service", "Deployment", "ConfigMap"]);
+    container(pod_of(&items[1]), "containers", "spillway");
+}
+
+fn pod_of(doc: &Value) -> &Value {
+    get(doc, &["spec", "template", "spec"]).unwrap()
+}

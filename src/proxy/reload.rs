@@ -106,6 +106,7 @@ pub(super) async fn reload(
     active.rules = new.rules;
     active.headers = new.headers;
     active.redis = new.redis;
+    active.log_rejections = new.log_rejections;
     let previous = shared.rules.load_full();
     let rules = RuleSet::rebuild(
         &active,
@@ -143,7 +144,8 @@ pub(super) async fn reload(
 /// on error. The old configuration keeps running on any error.
 pub(super) async fn reload_and_log(shared: &Arc<Shared>, path: &Path, trigger: Trigger) {
     match reload(shared, path, trigger).await {
-        Ok(None) => {}
+        // The content is what runs (a bad file put back as it was): that is a good state too.
+        Ok(None) => shared.metrics.config_reload_ok.set(1),
         Ok(Some(r)) => {
             shared.metrics.config_reloads_ok.inc();
             shared.metrics.config_reload_ok.set(1);

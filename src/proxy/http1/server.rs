@@ -419,9 +419,8 @@ async fn send_all(
 
 impl Served {
     /// Reads until the buffer holds a whole request head this side serves, and its small
-    /// body, within `timeouts.header_read` from the start of the wait (hyper's rule: it bounds
-    /// an idle keep-alive connection too, so an idle client does not keep its connection
-    /// slot).
+    /// body: a new connection's within `timeouts.header_read` of the start; a kept one waits
+    /// `timeouts.client_idle` for the next head's first byte, then `header_read` from there.
     async fn head<'a>(
         &mut self,
         lane: &Lane,
