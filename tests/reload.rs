@@ -249,3 +249,31 @@ async fn sighup_reloads_the_running_binary() {
         "and it still serves"
     );
 }
+
+/// Polls (bounded: 10 s) until `spillway_config_last_reload_successful` is `want`.
+async fn reload_gauge(sc: &Sidecar, want: f64) {
+    for _ in 0..500 {
+        let (_, m) = admin(sc, "/metrics").await;
+        if metric(&m, "spillway_config_last_reload_successful") == Some(want) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("spillway_config_last_reload_successful never {want}");
+}
+
+/// The usual fix for a bad file is to put the running one back as it was: a reload that
+/// finds what already runs is a good state, and the reload alert must clear.
+#[tokio::test]
+async fn putting_back_the_running_file_after_a_bad_one_clears_the_reload_gauge() {
+    let up = upstream().await;
+    let d = dir("putback");
+    let path = d.join("spillway.yaml");
+    let good = yaml(up.addr, &rule("a", "1/h"));
+    std::fs::write(&path, &good).unwrap();
+    let sc = start(&path, true).await;
+    std::fs::write(&path, yaml(up.addr, &rule("a", "often"))).unwrap();
+    reload_gauge(&sc, 0.0).await;
+    std::fs::write(&path, &good).unwrap();
+    reload_gauge(&sc, 1.0).await;
+}
