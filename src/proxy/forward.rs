@@ -565,32 +565,7 @@ impl Forward<'_> {
     }
 
     fn failed(&self, kind: UpstreamError) -> Response<Body> {
-        self.metrics.upstream_error(kind).inc();
-        let (status, detail) = match kind {
-            UpstreamError::Connect => (StatusCode::BAD_GATEWAY, "upstream refused the connection"),
-            UpstreamError::ConnectTimeout => (
-                StatusCode::GATEWAY_TIMEOUT,
-                "upstream did not accept the connection in time",
-            ),
-            UpstreamError::ResponseTimeout => (
-                StatusCode::GATEWAY_TIMEOUT,
-                "upstream did not respond in time",
-            ),
-            UpstreamError::Protocol => (
-                StatusCode::BAD_GATEWAY,
-                "upstream closed the connection or sent an invalid response",
-            ),
-            UpstreamError::Saturated => (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "no upstream connection came free in time",
-            ),
-        };
-        let mut resp = respond::error(status, detail);
-        if kind == UpstreamError::Saturated {
-            resp.headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        }
-        resp
+        failed(self.metrics, kind)
     }
 
     /// Points the request at the upstream (absolute form, for the pooled client) and rewrites
@@ -635,6 +610,36 @@ impl Forward<'_> {
         }
         Ok(())
     }
+}
+
+/// The answer to a request the upstream did not answer, counted in `metrics` by `kind`.
+pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Response<Body> {
+    metrics.upstream_error(kind).inc();
+    let (status, detail) = match kind {
+        UpstreamError::Connect => (StatusCode::BAD_GATEWAY, "upstream refused the connection"),
+        UpstreamError::ConnectTimeout => (
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream did not accept the connection in time",
+        ),
+        UpstreamError::ResponseTimeout => (
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream did not respond in time",
+        ),
+        UpstreamError::Protocol => (
+            StatusCode::BAD_GATEWAY,
+            "upstream closed the connection or sent an invalid response",
+        ),
+        UpstreamError::Saturated => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "no upstream connection came free in time",
+        ),
+    };
+    let mut resp = respond::error(status, detail);
+    if kind == UpstreamError::Saturated {
+        resp.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    resp
 }
 
 /// The headers a hop sets on a request: `Host` when it has none, `X-Forwarded-For` (the

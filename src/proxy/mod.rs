@@ -686,19 +686,10 @@ impl Conn {
         if let Ok(Ok(p)) = tokio::time::timeout(wait, slots.clone().acquire_owned()).await {
             return Ok(Some(p));
         }
-        let metrics = &shared.metrics;
-        metrics
-            .upstream_error(crate::metrics::UpstreamError::Saturated)
-            .inc();
-        let mut resp = respond::error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no upstream connection came free in time",
-        );
-        resp.headers_mut().insert(
-            http::header::RETRY_AFTER,
-            http::HeaderValue::from_static("1"),
-        );
-        Err(resp)
+        Err(forward::failed(
+            &shared.metrics,
+            crate::metrics::UpstreamError::Saturated,
+        ))
     }
 }
 
