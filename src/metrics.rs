@@ -503,6 +503,16 @@ impl Metrics {
         &self.durations[outcome as usize]
     }
 
+    /// Accounts for a configuration reload that applied a file (`true`) or refused one: the
+    /// counter, and the gauge an alert holds on until a good file is back.
+    pub fn reloaded(&self, ok: bool) {
+        match ok {
+            true => self.config_reloads_ok.inc(),
+            false => self.config_reloads_error.inc(),
+        }
+        self.config_reload_ok.set(ok.into());
+    }
+
     #[inline]
     pub fn upstream_error(&self, kind: UpstreamError) -> &IntCounter {
         &self.upstream_errors[kind as usize]

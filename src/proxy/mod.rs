@@ -245,16 +245,7 @@ impl Sidecar {
     /// Reloads from `path` now (what SIGHUP does), returning what changed or why nothing did.
     pub async fn reload_file(&self, path: &Path) -> Result<reload::Reloaded, ConfigError> {
         let result = reload::reload(&self.shared, path, crate::watch::Trigger::Signal).await;
-        match &result {
-            Ok(_) => {
-                self.shared.metrics.config_reloads_ok.inc();
-                self.shared.metrics.config_reload_ok.set(1);
-            }
-            Err(_) => {
-                self.shared.metrics.config_reloads_error.inc();
-                self.shared.metrics.config_reload_ok.set(0);
-            }
-        }
+        self.shared.metrics.reloaded(result.is_ok());
         result.map(|r| r.expect("a signal-triggered reload always reloads"))
     }
 

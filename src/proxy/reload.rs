@@ -147,8 +147,7 @@ pub(super) async fn reload_and_log(shared: &Arc<Shared>, path: &Path, trigger: T
         // The content is what runs (a bad file put back as it was): that is a good state too.
         Ok(None) => shared.metrics.config_reload_ok.set(1),
         Ok(Some(r)) => {
-            shared.metrics.config_reloads_ok.inc();
-            shared.metrics.config_reload_ok.set(1);
+            shared.metrics.reloaded(true);
             tracing::info!(
                 version = %r.version,
                 kept = ?r.kept,
@@ -160,8 +159,7 @@ pub(super) async fn reload_and_log(shared: &Arc<Shared>, path: &Path, trigger: T
             }
         }
         Err(e) => {
-            shared.metrics.config_reloads_error.inc();
-            shared.metrics.config_reload_ok.set(0);
+            shared.metrics.reloaded(false);
             tracing::error!("configuration reload failed, the previous configuration stays: {e}");
         }
     }
