@@ -15,33 +15,48 @@
 use serde::Deserialize;
 use serde_norway::{Mapping, Value};
 
-/// What `spillway inject` was asked.
-#[derive(Debug, Clone)]
+/// What `spillway inject` was asked (also the command line's flags).
+#[derive(Debug, Clone, clap::Args)]
 pub struct Options {
     /// The sidecar's image.
+    #[arg(long, default_value = IMAGE)]
     pub image: String,
-    /// The port number the sidecar listens on (it takes the app port's name).
+    /// The port number the sidecar listens on; it takes the name of the app's port.
+    #[arg(long, default_value_t = PROXY_PORT)]
     pub proxy_port: u16,
     /// The sidecar's admin port (metrics, probes).
+    #[arg(long, default_value_t = ADMIN_PORT)]
     pub admin_port: u16,
     /// The app container, by name (default: the first).
+    #[arg(long)]
     pub container: Option<String>,
-    /// The app's served port, by name (default: the container's first port).
+    /// The app's served port, by name (default: the container's first).
+    #[arg(long)]
     pub port: Option<String>,
-    /// The ConfigMap holding `spillway.yaml` (default: `<workload>-spillway`, emitted).
+    /// The ConfigMap with `spillway.yaml` (default: a starter `<workload>-spillway` is
+    /// printed too).
+    #[arg(long)]
     pub config_map: Option<String>,
-    /// Emit a NetworkPolicy admitting only the sidecar's ports.
+    /// Also print a NetworkPolicy that admits only the sidecar's ports.
+    #[arg(long)]
     pub network_policy: bool,
-    /// The sidecar as a native sidecar (an init container with `restartPolicy: Always`).
+    /// The sidecar as a native sidecar (Kubernetes 1.30+): an init container with
+    /// `restartPolicy: Always`, started before the app and stopped after it.
+    #[arg(long)]
     pub native_sidecar: bool,
 }
 
+const IMAGE: &str = concat!("ghcr.io/spillway/spillway:", env!("CARGO_PKG_VERSION"));
+const PROXY_PORT: u16 = 4180;
+const ADMIN_PORT: u16 = 9901;
+
 impl Default for Options {
+    /// The command line's defaults.
     fn default() -> Self {
         Options {
-            image: format!("ghcr.io/spillway/spillway:{}", env!("CARGO_PKG_VERSION")),
-            proxy_port: 4180,
-            admin_port: 9901,
+            image: IMAGE.to_string(),
+            proxy_port: PROXY_PORT,
+            admin_port: ADMIN_PORT,
             container: None,
             port: None,
             config_map: None,

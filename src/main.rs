@@ -171,32 +171,8 @@ enum Command {
         /// The manifests; `-` reads stdin.
         #[arg(default_value = "-")]
         file: PathBuf,
-        /// The sidecar's image.
-        #[arg(long)]
-        image: Option<String>,
-        /// The port number the sidecar listens on; it takes the name of the app's port.
-        #[arg(long, default_value_t = 4180)]
-        proxy_port: u16,
-        /// The sidecar's admin port (metrics, probes).
-        #[arg(long, default_value_t = 9901)]
-        admin_port: u16,
-        /// The app container (default: the first).
-        #[arg(long)]
-        container: Option<String>,
-        /// The app's served port, by name (default: the container's first).
-        #[arg(long)]
-        port: Option<String>,
-        /// The ConfigMap with `spillway.yaml` (default: a starter `<workload>-spillway` is
-        /// printed too).
-        #[arg(long)]
-        config_map: Option<String>,
-        /// Also print a NetworkPolicy that admits only the sidecar's ports.
-        #[arg(long)]
-        network_policy: bool,
-        /// The sidecar as a native sidecar (Kubernetes 1.29+): started before the app and
-        /// stopped after it.
-        #[arg(long)]
-        native_sidecar: bool,
+        #[command(flatten)]
+        opts: spillway::inject::Options,
     },
     /// Run an upstream, the proxy and a load generator on loopback, and show the limiter work.
     Demo {
@@ -461,34 +437,13 @@ wrote {}",
             }
             Ok(())
         }),
-        Command::Inject {
-            file,
-            image,
-            proxy_port,
-            admin_port,
-            container,
-            port,
-            config_map,
-            network_policy,
-            native_sidecar,
-        } => {
+        Command::Inject { file, opts } => {
             let text = match read_input(&file) {
                 Ok(text) => text,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
                 }
-            };
-            let defaults = spillway::inject::Options::default();
-            let opts = spillway::inject::Options {
-                image: image.unwrap_or(defaults.image),
-                proxy_port,
-                admin_port,
-                container,
-                port,
-                config_map,
-                network_policy,
-                native_sidecar,
             };
             match spillway::inject::inject(&text, &opts) {
                 Ok(out) => {
