@@ -169,6 +169,14 @@ fn map_at_mapping<'a>(m: &'a mut Mapping, k: &str) -> Result<&'a mut Mapping, St
         .ok_or_else(|| format!("{k}: expected a mapping"))
 }
 
+/// The item of `list` whose `name` is `name`, or the first when no name is given.
+fn named_or_first<'a>(list: &'a mut [Value], name: Option<&str>) -> Option<&'a mut Value> {
+    match name {
+        Some(n) => list.iter_mut().find(|x| str_of(x, &["name"]) == Some(n)),
+        None => list.first_mut(),
+    }
+}
+
 fn yaml(text: &str) -> Value {
     serde_norway::from_str(text).expect("a literal of this module, its strings quoted by `q`")
 }
@@ -230,15 +238,12 @@ fn inject_one(doc: &mut Value, opts: &Options) -> Result<Vec<Value>, String> {
     }
 
     let containers = seq_at(spec, "containers")?;
-    let app = match &opts.container {
-        Some(c) => containers
-            .iter_mut()
-            .find(|x| str_of(x, &["name"]) == Some(c))
-            .ok_or_else(|| format!("{what}: no container named {c}"))?,
-        None => containers
-            .first_mut()
-            .ok_or_else(|| format!("{what}: no containers"))?,
-    };
+    let app = named_or_first(containers, opts.container.as_deref()).ok_or_else(|| {
+        match &opts.container {
+            Some(c) => format!("{what}: no container named {c}"),
+            None => format!("{what}: no containers"),
+        }
+    })?;
     let app_name = str_of(app, &["name"]).unwrap_or("app").to_string();
     let ports = app
         .get_mut("ports")
@@ -246,15 +251,10 @@ fn inject_one(doc: &mut Value, opts: &Options) -> Result<Vec<Value>, String> {
         .ok_or_else(|| {
             format!("{what}: container {app_name} declares no port to put the sidecar in front of")
         })?;
-    let served = match &opts.port {
-        Some(p) => ports
-            .iter_mut()
-            .find(|x| str_of(x, &["name"]) == Some(p))
-            .ok_or_else(|| format!("{what}: container {app_name} has no port named {p}"))?,
-        None => ports
-            .first_mut()
-            .ok_or_else(|| format!("{what}: container {app_name} declares no port"))?,
-    };
+    let served = named_or_first(ports, opts.port.as_deref()).ok_or_else(|| match &opts.port {
+        Some(p) => format!("{what}: container {app_name} has no port named {p}"),
+        None => format!("{what}: container {app_name} declares no port"),
+    })?;
     let port_name = str_of(served, &["name"])
         .ok_or_else(|| {
             format!(
