@@ -82,10 +82,7 @@ impl Cap {
 
     /// Counts a request as waiting for a permit while the guard lives.
     fn wait(&self) -> Waiting<'_> {
-        self.waiters.inc();
-        let mut waiting = Waiting::on(&self.waiting);
-        waiting.1 = Some(&self.waiters);
-        waiting
+        Waiting::on(&self.waiting, Some(&self.waiters))
     }
 
     /// Some request waits for a permit.
@@ -114,9 +111,16 @@ struct Waiting<'a>(
 );
 
 impl<'a> Waiting<'a> {
-    fn on(count: &'a std::sync::atomic::AtomicUsize) -> Self {
+    /// Counted in `count`, and in `gauge` when given, until dropped.
+    fn on(
+        count: &'a std::sync::atomic::AtomicUsize,
+        gauge: Option<&'a prometheus::IntGauge>,
+    ) -> Self {
         count.fetch_add(1, Ordering::Relaxed);
-        Waiting(count, None)
+        if let Some(gauge) = gauge {
+            gauge.inc();
+        }
+        Waiting(count, gauge)
     }
 }
 
@@ -461,7 +465,7 @@ impl Idle {
             }
         }
         let deadline = tokio::time::Instant::now() + upstream.connect_timeout;
-        let _waiting = (cap.wait(), Waiting::on(&self.waiting));
+        let _waiting = (cap.wait(), Waiting::on(&self.waiting, None));
         loop {
             let waited = tokio::time::timeout_at(deadline, async {
                 tokio::select! {
