@@ -717,27 +717,10 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     let (shared, peer) = (&*conn.shared, conn.peer);
     let start = shared.clock.now();
     let metrics = &shared.metrics;
-    if let Err((reason, detail)) = shared.hygiene.apply(req) {
-        metrics
-            .duration(Outcome::Error)
-            .observe(elapsed(shared, start));
-        if reason == TOO_LARGE {
-            metrics.header_too_large.inc();
-            return respond::error(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, &detail);
-        }
-        metrics.bad_requests.with_label_values(&[reason]).inc();
-        let mut resp = respond::error(StatusCode::BAD_REQUEST, &detail);
-        // What follows on the connection may be as malformed: nginx closes after a 400 too.
-        resp.headers_mut().insert(
-            http::header::CONNECTION,
-            http::HeaderValue::from_static("close"),
-        );
-        return resp;
-    }
     // A body on a request whose method gives it no meaning (RFC 9110 §9.3), which many apps
     // never read: left on a kept-alive upstream connection, it would be parsed as a request
     // no rule saw. Forwarded on a connection closed after the answer, or (GET and HEAD,
-    // `bodies_on_get: reject`) refused.
+    // `bodies_on_get: reject`) refused with the other malformed requests.
     // Methods compare without case: an app may fold `get` into GET.
     let (get_body, get_or_head) = match http_body::Body::is_end_stream(req.body()) {
         true => (false, false),
@@ -750,18 +733,25 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
             (get_or_head || other, get_or_head)
         }
     };
-    if get_body && get_or_head && shared.hygiene.reject_get_bodies {
-        metrics
-            .bad_requests
-            .with_label_values(&["body_on_get"])
-            .inc();
+    let refused = match shared.hygiene.apply(req) {
+        Err(refused) => Some(refused),
+        Ok(()) if get_or_head && shared.hygiene.reject_get_bodies => Some((
+            "body_on_get",
+            "a GET or HEAD request must not have a body here".to_string(),
+        )),
+        Ok(()) => None,
+    };
+    if let Some((reason, detail)) = refused {
         metrics
             .duration(Outcome::Error)
             .observe(elapsed(shared, start));
-        let mut resp = respond::error(
-            StatusCode::BAD_REQUEST,
-            "a GET or HEAD request must not have a body here",
-        );
+        if reason == TOO_LARGE {
+            metrics.header_too_large.inc();
+            return respond::error(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, &detail);
+        }
+        metrics.bad_requests.with_label_values(&[reason]).inc();
+        let mut resp = respond::error(StatusCode::BAD_REQUEST, &detail);
+        // What follows on the connection may be as malformed: nginx closes after a 400 too.
         resp.headers_mut().insert(
             http::header::CONNECTION,
             http::HeaderValue::from_static("close"),
