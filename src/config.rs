@@ -443,7 +443,8 @@ pub struct Timeouts {
     /// each later one from its first byte.
     pub header_read: Dur,
     /// A kept-alive client connection waits this long for the first byte of its next request
-    /// (above what load balancers keep idle connections for, so they close first).
+    /// (above what load balancers keep idle connections for, so they close first); an HTTP/2
+    /// connection with no open stream for this long is closed with GOAWAY.
     pub client_idle: Dur,
     /// A connection to the upstream must be made within this (3 s by default: longer than
     /// the 1 s after which Linux retries a SYN the app's full backlog dropped, and the wait

@@ -479,15 +479,15 @@ async fn worker(
     // over); below it, the request path answers 431 with a body at `max_header_bytes`.
     let max_head = (config.limits.max_header_bytes.0 * 2).max(8192 + 1024);
     let mut builder = auto::Builder::new(TokioExecutor::new());
+    // The header-read timeout is each connection's `coarse::HeadTimer`, given as it is served
+    // (hyper panics at a connection served without a timer).
     builder
         .http1()
-        .timer(coarse::HyperTimer(timers.clone()))
         .header_read_timeout(config.timeouts.header_read.0)
         .max_buf_size(max_head);
     // The same settings as the auto builder's HTTP/1 side above (a streamed body's request).
     let mut h1 = hyper::server::conn::http1::Builder::new();
-    h1.timer(coarse::HyperTimer(timers.clone()))
-        .header_read_timeout(config.timeouts.header_read.0)
+    h1.header_read_timeout(config.timeouts.header_read.0)
         .max_buf_size(max_head);
     builder
         .http2()

@@ -36,7 +36,7 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 
 use super::framing::{field, keeps_alive, parse_length, HeadEnd};
-use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::coarse::{HeadTimer, Sleep, Timers};
 use crate::proxy::forward::{has_token, Ended, InHand, ReqBody, Streamed};
 use crate::proxy::respond::{self, Body, Own};
 use crate::proxy::{handle, AbandonGuard, Conn};
@@ -58,7 +58,8 @@ pub const IN_HAND: usize = 16 * 1024;
 
 /// What a worker's connections share.
 pub struct Lane {
-    /// hyper's server, for the connections handed to it.
+    /// hyper's server, for the connections handed to it (each given its own HTTP/1 head
+    /// timer, [`HeadTimer`]).
     pub hyper: auto::Builder<TokioExecutor>,
     /// hyper's HTTP/1 server, configured as `hyper`'s, for a request whose body it streams.
     pub h1: hyper::server::conn::http1::Builder,
@@ -78,6 +79,18 @@ pub struct Lane {
 }
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
+
+impl Lane {
+    /// hyper's HTTP/1 head timer for a connection whose reads `heard` counts.
+    fn head_timer(&self, heard: &Arc<AtomicU32>) -> HeadTimer {
+        HeadTimer {
+            timers: self.timers.clone(),
+            heard: heard.clone(),
+            idle: self.client_idle,
+            header_read: self.header_read,
+        }
+    }
+}
 
 /// Serves the client connection `stream` until it ends.
 pub(in crate::proxy) async fn serve(
@@ -957,17 +970,26 @@ async fn hand_off(
     lane: &Lane,
     drained: Pin<&mut impl Future>,
 ) -> Result<(), Error> {
+    // The HTTP/2 connection preface (RFC 9113 §3.4), which went to hyper as no HTTP/1 head.
+    let h2 = s.buf.starts_with(b"PRI * HTTP/2.0\r\n");
+    let heard = Arc::new(AtomicU32::new(0));
+    let mut hyper = lane.hyper.clone();
+    hyper.http1().timer(lane.head_timer(&heard));
     let io = TokioIo::new(Rewind {
         read: s.buf.freeze(),
         stream: s.stream,
+        heard,
         once: None,
         clock: s.clock,
     });
     let stalls = lane.stalls.clone();
+    let open = Arc::new(Open::default());
+    let watched = open.clone();
     let service = service_fn(move |req: Request<hyper::body::Incoming>| {
         // Made with the request's future, so that one dropped before its first poll (an
         // HTTP/2 stream reset at once) counts as abandoned too.
         let guard = AbandonGuard(Some(conn.clone()));
+        let busy = Busy::new(&open);
         let version = req.version();
         let req = req.map(|b| Either::Left(Streamed::new(b)));
         let stalls = stalls.clone();
@@ -980,16 +1002,30 @@ async fn hand_off(
                     Err(mut refused) => {
                         guard.disarm();
                         respond::whole(&mut refused);
-                        return Ok(refused.map(|b| stalls.guard(b, version, None)));
+                        return Ok(refused.map(|b| Counted {
+                            body: stalls.guard(b, version, None),
+                            _busy: busy,
+                        }));
                     }
                 },
                 false => None,
             };
             let resp = answer(guard, req).await;
-            Ok::<_, std::convert::Infallible>(resp.map(|b| stalls.guard(b, version, slot)))
+            Ok::<_, std::convert::Infallible>(resp.map(|b| Counted {
+                body: stalls.guard(b, version, slot),
+                _busy: busy,
+            }))
         }
     });
-    let mut served = pin!(lane.hyper.serve_connection_with_upgrades(io, service));
+    let mut served = pin!(hyper.serve_connection_with_upgrades(io, service));
+    // An HTTP/2 connection without a stream for `client_idle` is closed with GOAWAY; an
+    // HTTP/1 one's idle wait is its head timer's.
+    let idle = async {
+        match h2 {
+            true => watched.idle(&lane.timers, lane.client_idle).await,
+            false => std::future::pending().await,
+        }
+    };
     tokio::select! {
         biased;
         done = served.as_mut() => done,
@@ -997,6 +1033,88 @@ async fn hand_off(
             served.as_mut().graceful_shutdown();
             served.await
         }
+        () = idle => {
+            served.as_mut().graceful_shutdown();
+            served.await
+        }
+    }
+}
+
+/// The requests open on an HTTP/2 connection hyper serves, for closing it once it has had
+/// none for `timeouts.client_idle`.
+#[derive(Default)]
+struct Open {
+    /// Requests whose response body has not ended or been dropped (Relaxed: one thread).
+    count: AtomicU32,
+    /// Requests begun: an idle spell that saw one start is over.
+    begun: AtomicU32,
+    /// Told when `count` falls to zero.
+    none: tokio::sync::Notify,
+}
+
+impl Open {
+    /// Ready once the connection has had no open request for `idle`.
+    async fn idle(&self, timers: &Arc<Timers>, idle: Duration) {
+        loop {
+            let mut none = pin!(self.none.notified());
+            none.as_mut().enable();
+            if self.count.load(Ordering::Relaxed) != 0 {
+                none.await;
+                continue;
+            }
+            let spell = self.begun.load(Ordering::Relaxed);
+            Sleep::until(timers.clone(), Timers::now() + idle).await;
+            if self.count.load(Ordering::Relaxed) == 0
+                && self.begun.load(Ordering::Relaxed) == spell
+            {
+                return;
+            }
+        }
+    }
+}
+
+/// One open request of an [`Open`], from its head to its response body's end.
+struct Busy(Arc<Open>);
+
+impl Busy {
+    fn new(open: &Arc<Open>) -> Self {
+        open.count.fetch_add(1, Ordering::Relaxed);
+        open.begun.fetch_add(1, Ordering::Relaxed);
+        Busy(open.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.0.none.notify_waiters();
+        }
+    }
+}
+
+/// A response body that keeps its request counted open until hyper drops it.
+struct Counted {
+    body: Guarded,
+    _busy: Busy,
+}
+
+impl http_body::Body for Counted {
+    type Data = <Guarded as http_body::Body>::Data;
+    type Error = <Guarded as http_body::Body>::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        Pin::new(&mut self.get_mut().body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
     }
 }
 
@@ -1035,9 +1153,13 @@ async fn by_hyper_once(
         kept: _,
     } = s;
     let once = Arc::new(Once::default());
+    let heard = Arc::new(AtomicU32::new(0));
+    let mut h1 = lane.h1.clone();
+    h1.timer(lane.head_timer(&heard));
     let io = TokioIo::new(Rewind {
         read: buf.freeze(),
         stream,
+        heard,
         once: Some(once.clone()),
         clock,
     });
@@ -1065,7 +1187,7 @@ async fn by_hyper_once(
             })
         })
     };
-    let mut served = lane.h1.serve_connection(io, service);
+    let mut served = h1.serve_connection(io, service);
     // Set when this side asked hyper to finish: because the exchange is over, or the worker drains.
     let (mut over, mut draining) = (false, false);
     let ended = std::future::poll_fn(|cx| loop {
@@ -1188,6 +1310,9 @@ impl http_body::Body for Answered {
 struct Rewind {
     read: Bytes,
     stream: TcpStream,
+    /// Counts the reads from `stream` that brought bytes, for hyper's head timer
+    /// ([`HeadTimer`]).
+    heard: Arc<AtomicU32>,
     /// Told whether each write took everything (see [`by_hyper_once`]).
     once: Option<Arc<Once>>,
     /// hyper's writes are bounded by `timeouts.send` too.
@@ -1216,7 +1341,12 @@ impl AsyncRead for Rewind {
             this.read.advance(n);
             return Poll::Ready(Ok(()));
         }
-        Pin::new(&mut this.stream).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.heard.fetch_add(1, Ordering::Relaxed);
+        }
+        polled
     }
 }
 
