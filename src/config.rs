@@ -238,7 +238,9 @@ pub struct ControlPlane {
     /// Keys reported one by one per rule; the rest are folded into one "other" entry.
     #[serde(default = "default_top_k")]
     pub top_k: NonZeroU32,
-    /// This proxy's zone and host name in reports (default: `$SPILLWAY_ZONE`, `$HOSTNAME`).
+    /// This proxy's zone and host name in reports (default: `$SPILLWAY_ZONE`, `$HOSTNAME`). An
+    /// aggregator of another zone counts the reports (`other_zone`) and warns: the proxy's
+    /// `url` names the wrong zone's aggregators.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zone: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -456,18 +458,37 @@ pub struct Timeouts {
     /// stream whose window stays shut: its response is dropped), freeing its slots.
     pub send: Dur,
     /// An upstream connection idle this long is not used again.
+    #[serde(default = "unset")]
     pub upstream_idle: Dur,
-    /// The old name of `upstream_idle`, still read (with a warning at start-up).
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// The old name of `upstream_idle`, still read (with a warning at start-up); settled
+    /// into `upstream_idle` as the file is read.
+    #[serde(skip_serializing)]
     pub idle: Option<Dur>,
     /// On shutdown, in-flight requests get this long to finish.
     pub drain: Dur,
 }
 
+/// `upstream_idle` not given (in a `timeouts:` section that is).
+fn unset() -> Dur {
+    Dur(Duration::MAX)
+}
+
 impl Timeouts {
     /// How long an upstream connection may stay unused: `upstream_idle`, or the old `idle`.
     pub fn upstream_idle(&self) -> Duration {
-        self.idle.unwrap_or(self.upstream_idle).0
+        match self.upstream_idle == unset() {
+            true => self.idle.unwrap_or(Timeouts::default().upstream_idle).0,
+            false => self.upstream_idle.0,
+        }
+    }
+
+    /// `upstream_idle` from the one of its two names given; both is an error.
+    fn settle(&mut self) -> Result<(), String> {
+        if self.idle.is_some() && self.upstream_idle != unset() {
+            return Err("timeouts: give upstream_idle alone (idle is its old name)".into());
+        }
+        self.upstream_idle = Dur(self.upstream_idle());
+        Ok(())
     }
 }
 
@@ -546,8 +567,10 @@ pub struct Rule {
     /// Units each request takes (rate limits only).
     pub cost: Cost,
     pub on_limit: OnLimit,
-    /// With `on_limit: delay`: the longest a request may wait for the limiter.
-    pub max_delay: Dur,
+    /// With `on_limit: delay` (1 s by default): the longest a request may wait for the
+    /// limiter. With a leaky bucket: the longest it may wait in the queue (else its burst
+    /// bounds the wait).
+    pub max_delay: Option<Dur>,
     /// With `on_limit: delay`: requests of this rule that may wait at once.
     pub max_queue: NonZeroU32,
     pub scope: Scope,
@@ -590,7 +613,7 @@ struct RawRule {
     cost: Option<Cost>,
     #[serde(default)]
     on_limit: OnLimit,
-    /// Only with `on_limit: delay` (default 1 s).
+    /// Only with `on_limit: delay` (default 1 s) or a leaky bucket.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     max_delay: Option<Dur>,
     /// Only with `on_limit: delay` (default 100).
@@ -635,7 +658,10 @@ impl TryFrom<RawRule> for Rule {
             limit: r.limit,
             cost: r.cost.unwrap_or(Cost::Fixed(1)),
             on_limit: r.on_limit,
-            max_delay: r.max_delay.unwrap_or_else(default_max_delay),
+            max_delay: match r.on_limit {
+                OnLimit::Delay => Some(r.max_delay.unwrap_or_else(default_max_delay)),
+                OnLimit::Reject => r.max_delay,
+            },
             max_queue: r.max_queue.unwrap_or_else(default_max_queue),
             scope: r.scope,
             fallback: r.fallback,
@@ -667,14 +693,40 @@ fn check_rule(r: &RawRule) -> Result<(), String> {
         ));
     }
     // Accepted and then ignored would be worse than refused: say which setting does nothing.
-    if r.on_limit != OnLimit::Delay && (r.max_delay.is_some() || r.max_queue.is_some()) {
-        return Err("max_delay and max_queue apply only with on_limit: delay".into());
+    let leaky = matches!(
+        r.limit,
+        Limit::Rate {
+            algorithm: Algorithm::LeakyBucket,
+            ..
+        }
+    );
+    if r.on_limit != OnLimit::Delay && r.max_queue.is_some() {
+        return Err("max_queue applies only with on_limit: delay".into());
     }
-    if let Some(Limit::Rate { algorithm, .. }) = &r.fallback {
-        if *algorithm != Algorithm::TokenBucket {
-            return Err(
-                "fallback.algorithm: a fallback limit is a token bucket; give no algorithm".into(),
-            );
+    if r.on_limit != OnLimit::Delay && !leaky && r.max_delay.is_some() {
+        return Err(
+            "max_delay applies only with on_limit: delay or algorithm: leaky_bucket".into(),
+        );
+    }
+    if let Some(Limit::Rate {
+        algorithm, burst, ..
+    }) = &r.fallback
+    {
+        match algorithm {
+            Algorithm::LeakyBucket => return Err("fallback.algorithm: leaky_bucket shapes by making requests wait, which a global or redis rule does not do; use another algorithm".into()),
+            Algorithm::SlidingWindowLog => {
+                let worst = u64::from(burst.get())
+                    * u64::from(r.max_keys.get())
+                    * crate::limit::sliding_window_log::BYTES_PER_ENTRY;
+                if worst > SLIDING_LOG_BUDGET {
+                    return Err(format!(
+                        "fallback: sliding_window_log keeps 16 bytes per request in the window: burst {burst} x max_keys {} could take {} MiB; lower them (at most 1024 MiB)",
+                        r.max_keys,
+                        worst >> 20
+                    ));
+                }
+            }
+            _ => {}
         }
     }
     if u64::from(r.sketch.width.get()) * u64::from(r.sketch.depth.get()) > 1 << 24 {
@@ -779,13 +831,6 @@ fn check_rule(r: &RawRule) -> Result<(), String> {
             }
             _ => {}
         }
-        let leaky = matches!(
-            r.limit,
-            Limit::Rate {
-                algorithm: Algorithm::LeakyBucket,
-                ..
-            }
-        );
         if r.on_limit == OnLimit::Delay && leaky {
             return Err("on_limit: delay is redundant with leaky_bucket, which always queues (its burst is the queue)".into());
         }
@@ -802,7 +847,7 @@ impl From<Rule> for RawRule {
             limit: r.limit,
             cost: Some(r.cost),
             on_limit: r.on_limit,
-            max_delay: (r.on_limit == OnLimit::Delay).then_some(r.max_delay),
+            max_delay: r.max_delay,
             max_queue: (r.on_limit == OnLimit::Delay).then_some(r.max_queue),
             scope: r.scope,
             fallback: r.fallback,
@@ -1648,7 +1693,18 @@ impl Config {
 
     /// Parses and validates YAML text; `file` names it in errors.
     pub fn from_yaml(text: &str, file: &str) -> Result<Config, ConfigError> {
-        let config: Config = parse_yaml(text, file)?;
+        let mut config: Config = parse_yaml(text, file)?;
+        if let Err(message) = config.timeouts.settle() {
+            return Err(ConfigError::Invalid {
+                file: file.to_string(),
+                line: text
+                    .lines()
+                    .position(|l| l.starts_with("timeouts:"))
+                    .map(|i| i + 1),
+                column: None,
+                message,
+            });
+        }
         if config.service.0.starts_with(['_', '.']) {
             return Err(ConfigError::Invalid {
                 file: file.to_string(),

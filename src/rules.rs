@@ -68,6 +68,8 @@ struct CompiledRule {
     /// Name, key, limit, scope, fallback and max_keys: what the state depends on.
     identity: String,
     delay: Option<Delay>,
+    /// A leaky bucket's `max_delay`: a request that would wait longer in its queue is refused.
+    max_wait: Option<Nanos>,
     /// `"name";q=<burst>;w=<window seconds>`, built once.
     policy: HeaderValue,
     /// This rule's 429s, built once per retry hint.
@@ -129,14 +131,14 @@ enum Kind {
         refused: Store<Refused>,
         cache_answers: IntCounter,
         /// The local limit of `on_error: fallback`.
-        fallback: Option<(Quota, Store<TokenBucket>)>,
+        fallback: Option<Fallback>,
     },
     /// Enforced by the control plane's drop ratio; counted here for the reports.
     Global {
         limit: crate::control::Limit,
         store: Store<Arc<GlobalCounters>>,
         /// A local limit for while the control plane is stale.
-        fallback: Option<(Quota, Store<TokenBucket>)>,
+        fallback: Option<Fallback>,
     },
 }
 
@@ -179,8 +181,9 @@ pub enum Taken {
     Rate(Slot, u32),
     Concurrency,
     Global(Arc<GlobalCounters>, Option<Slot>),
-    /// Admitted by Redis (nothing to give back there), or by the local fallback bucket.
-    Redis(Option<Slot>),
+    /// Admitted by Redis (nothing to give back there), or by the local fallback limit (its
+    /// slot and the units it took).
+    Redis(Option<(Slot, u32)>),
 }
 
 /// The local part of a decision that waits for Redis: what the local rules granted, and the
@@ -226,6 +229,29 @@ impl Overflow {
                 self.size.depth.get() as usize,
             )
         })
+    }
+}
+
+/// A global or redis rule's `fallback:` limit: a local rate limit of its own algorithm.
+struct Fallback {
+    quota: Quota,
+    store: RateStore,
+    overflow: Overflow,
+}
+
+impl Fallback {
+    fn check(&self, key: &[u8], now: Nanos, cost: u32) -> (Decision, Slot) {
+        self.store
+            .check(key, &self.quota, now, cost, &self.overflow)
+    }
+
+    fn refund(&self, key: &[u8], slot: Slot, now: Nanos, cost: u32) {
+        self.store
+            .refund(key, slot, &self.quota, now, cost, &self.overflow)
+    }
+
+    fn sweep(&self, now: Nanos) -> usize {
+        self.store.sweep(&self.quota, now)
     }
 }
 
@@ -725,9 +751,17 @@ impl RuleSet {
                     store,
                     overflow,
                 } => {
-                    let (decision, slot) = store.check(&key, quota, now, cost, overflow);
-                    if decision.is_allowed() {
-                        taken.push((i, Taken::Rate(slot, cost)));
+                    let (mut decision, slot) = store.check(&key, quota, now, cost, overflow);
+                    match (decision, rule.max_wait) {
+                        (Decision::Allow { wait, .. }, Some(most)) if wait > most => {
+                            // Its place in the queue is given back: the next may fit.
+                            store.refund(&key, slot, quota, now, cost, overflow);
+                            decision = Decision::Deny {
+                                retry_after: Some(wait - most),
+                            };
+                        }
+                        (Decision::Allow { .. }, _) => taken.push((i, Taken::Rate(slot, cost))),
+                        _ => {}
                     }
                     decision
                 }
@@ -773,13 +807,8 @@ impl RuleSet {
                     let age = now.saturating_sub(ratios.at);
                     let (factor, stale) = self.staleness.factor(age);
                     let (decision, slot) = match fallback {
-                        Some((quota, bucket)) if stale => {
-                            let (d, slot) = bucket.with(
-                                &key,
-                                now,
-                                |b| b.is_idle(quota, now),
-                                |b| b.check(quota, now, 1),
-                            );
+                        Some(fallback) if stale => {
+                            let (d, slot) = fallback.check(&key, now, 1);
                             (d, Some(slot))
                         }
                         _ => {
@@ -993,7 +1022,6 @@ impl RuleSet {
                     Mode::Shadow => {
                         rule.shadow_rejected.inc();
                         self.log_rejection(rule, req, "shadow_rejected", now);
-                        taken.push((call.rule, Taken::Redis(slot)));
                     }
                     Mode::Enforce => {
                         self.log_rejection(rule, req, "rejected", now);
@@ -1009,24 +1037,19 @@ impl RuleSet {
     /// The decision `on_error` makes when Redis gave no answer.
     fn on_redis_error(
         &self,
-        fallback: &Option<(Quota, Store<TokenBucket>)>,
+        fallback: &Option<Fallback>,
         call: &RedisCall,
         now: Nanos,
-    ) -> (Decision, Option<Slot>) {
+    ) -> (Decision, Option<(Slot, u32)>) {
         let Some(exact) = &self.exact else {
             return (Decision::Deny { retry_after: None }, None);
         };
         let metrics = exact.metrics();
         match (exact.on_error(), fallback) {
-            (OnError::Fallback, Some((quota, bucket))) => {
+            (OnError::Fallback, Some(fallback)) => {
                 metrics.on_error_fallback.inc();
-                let (d, slot) = bucket.with(
-                    &call.key,
-                    now,
-                    |b| b.is_idle(quota, now),
-                    |b| b.check(quota, now, call.cost),
-                );
-                (d, Some(slot))
+                let (d, slot) = fallback.check(&call.key, now, call.cost);
+                (d, Some((slot, call.cost)))
             }
             (OnError::Deny, _) => {
                 metrics.on_error_deny.inc();
@@ -1073,22 +1096,18 @@ impl RuleSet {
                 }
                 (
                     Kind::Global {
-                        fallback: Some((quota, bucket)),
+                        fallback: Some(fallback),
                         ..
                     },
                     Taken::Global(_, Some(slot)),
-                ) => {
-                    bucket.with_slot(&key, *slot, |b| b.refund(quota, now, 1));
-                }
+                ) => fallback.refund(&key, *slot, now, 1),
                 (
                     Kind::Redis {
-                        fallback: Some((quota, bucket)),
+                        fallback: Some(fallback),
                         ..
                     },
-                    Taken::Redis(Some(slot)),
-                ) => {
-                    bucket.with_slot(&key, *slot, |b| b.refund(quota, now, 1));
-                }
+                    Taken::Redis(Some((slot, cost))),
+                ) => fallback.refund(&key, *slot, now, *cost),
                 _ => {}
             }
         }
@@ -1144,19 +1163,11 @@ impl RuleSet {
                     refused, fallback, ..
                 } => {
                     refused.sweep(|r| r.expired(now))
-                        + fallback
-                            .as_ref()
-                            .map_or(0, |(q, b)| b.sweep(|st| st.is_idle(q, now)))
+                        + fallback.as_ref().map_or(0, |f| f.sweep(now))
                 }
                 Kind::Global {
                     store, fallback, ..
-                } => {
-                    let counters = store.sweep(global_idle);
-                    counters
-                        + fallback
-                            .as_ref()
-                            .map_or(0, |(q, b)| b.sweep(|st| st.is_idle(q, now)))
-                }
+                } => store.sweep(global_idle) + fallback.as_ref().map_or(0, |f| f.sweep(now)),
             })
             .sum()
     }
@@ -1186,13 +1197,23 @@ fn store_parts(r: &Rule, metrics: &Metrics, label: &str) -> StoreParts {
     }
 }
 
-/// The local bucket of a rule's `fallback:` limit, if it has one.
-fn fallback_store(r: &Rule, metrics: &Metrics, label: &str) -> Option<(Quota, Store<TokenBucket>)> {
+/// A rule's `fallback:` limit, if it has one.
+fn fallback_store(r: &Rule, metrics: &Metrics, label: &str) -> Option<Fallback> {
     match &r.fallback {
-        Some(Limit::Rate { quota, .. }) => Some((
-            *quota,
-            Store::new(store_parts(r, metrics, &format!("{label}.fallback"))),
-        )),
+        Some(Limit::Rate {
+            quota, algorithm, ..
+        }) => {
+            let label = format!("{label}.fallback");
+            Some(Fallback {
+                quota: *quota,
+                store: RateStore::new(*algorithm, store_parts(r, metrics, &label)),
+                overflow: Overflow {
+                    sketch: std::sync::OnceLock::new(),
+                    size: r.sketch,
+                    refused: metrics.sketch_refused.with_label_values(&[&label]),
+                },
+            })
+        }
         _ => None,
     }
 }
@@ -1324,7 +1345,7 @@ fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>
     // A kept rule's state is the previous set's; its policy follows from the same limit.
     let kind = kept.unwrap_or_else(|| Arc::new(compile_kind(r, metrics, label)));
     let delay = (r.on_limit == OnLimit::Delay).then(|| Delay {
-        max_delay: r.max_delay.0.as_nanos() as Nanos,
+        max_delay: r.max_delay.map_or(0, |d| d.0.as_nanos() as Nanos),
         queue: Arc::new(DelayQueue {
             waiting: AtomicU32::new(0),
             max: r.max_queue.get(),
@@ -1340,6 +1361,13 @@ fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>
         kind,
         identity,
         delay,
+        max_wait: match &r.limit {
+            Limit::Rate {
+                algorithm: Algorithm::LeakyBucket,
+                ..
+            } => r.max_delay.map(|d| d.0.as_nanos() as Nanos),
+            _ => None,
+        },
         // Cloned here, the value's bytes become shared now rather than on the rule's first
         // refusal (`state` clones it per request).
         answers: Arc::new(Answers::new(name.clone(), policy.clone())),

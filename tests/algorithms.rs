@@ -70,6 +70,31 @@ async fn the_leaky_bucket_queues_its_burst_and_refuses_past_it() {
     assert_eq!(statuses(sc.addr(), 3, &A).await, [200, 200, 429]);
 }
 
+/// A leaky bucket's queue is `burst` long: at 1/h the second request would wait an hour.
+/// `max_delay` bounds the wait; past it the request is refused, with when to retry.
+#[tokio::test]
+async fn a_leaky_bucket_wait_is_bounded_by_max_delay() {
+    let (sc, _up, _clock) = sidecar_with_clock(&rule(
+        "{ rate: 1/h, burst: 3, algorithm: leaky_bucket }",
+        "    max_delay: 2s\n",
+    ))
+    .await;
+    let first = get(sc.addr(), "/", &A).await;
+    assert_eq!(first.0, StatusCode::OK);
+    let (status, headers, _) =
+        tokio::time::timeout(Duration::from_secs(20), get(sc.addr(), "/", &A))
+            .await
+            .expect("a request waited in the leaky bucket past max_delay");
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((3590..=3600).contains(&retry), "retry-after {retry}");
+    // The refused request took no place in the queue: the next one is refused the same way.
+    assert_eq!(
+        get(sc.addr(), "/", &A).await.0,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
 #[tokio::test]
 async fn a_header_cost_takes_that_many_units_and_a_bad_one_gets_400() {
     let (sc, _up, _clock) = sidecar_with_clock(&rule(

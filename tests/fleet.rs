@@ -445,6 +445,35 @@ rules:
     assert_eq!(statuses, [200, 200, 429], "the fallback's burst of 2");
 }
 
+/// `fallback.algorithm` is the fallback's: a sliding log of 2/s refuses a third request half
+/// a second later, where a token bucket would have refilled one.
+#[tokio::test]
+async fn a_fallback_limit_uses_its_own_algorithm() {
+    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let (sc, _up, clock) = sidecar_with_clock(&format!(
+        r#"control_plane: {{ url: "http://{nowhere}", report_interval: 100ms, stale_after: 1s, decay: 1s }}
+rules:
+  - name: per-key
+    key: [header:x-api-key]
+    limit: {{ rate: 100/s }}
+    scope: global
+    fallback: {{ rate: 2/s, algorithm: sliding_window_log }}
+"#
+    ))
+    .await;
+    let k = [("x-api-key", "k")];
+    clock.advance(Duration::from_secs(2));
+    let mut statuses = Vec::new();
+    for step in [0, 0, 0, 500, 600] {
+        clock.advance(Duration::from_millis(step));
+        statuses.push(get(sc.addr(), "/", &k).await.0.as_u16());
+    }
+    assert_eq!(statuses, [200, 200, 429, 429, 200], "a sliding log of 2/s");
+}
+
 #[tokio::test]
 async fn a_request_dropped_by_a_global_rule_gets_429_with_retry_after_and_ratelimit_headers() {
     let any = "127.0.0.1:0".parse().unwrap();
@@ -936,11 +965,24 @@ async fn a_body_that_never_arrives_is_cut_off_and_a_new_replica_hands_out_no_emp
     assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
     // With no answer from its controller yet, a replica counts a report but does not answer
     // it with an empty set of ratios (a proxy would take that as fresh): 503.
-    let (status, body) = post_as(agg.addr, None, one_key("h", "shop", "k", 10)).await;
+    let in_z1 = one_key("h", "shop", "k", 10).replace(r#""zone":"z""#, r#""zone":"z1""#);
+    let (status, body) = post_as(agg.addr, None, in_z1).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    // A host that says it is in another zone (its sidecar points at the wrong zone's
+    // aggregators) is counted, and shown apart.
+    let (status, body) = post_as(agg.addr, None, one_key("h2", "shop", "k", 10)).await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
     let text = get(agg.admin, "/metrics", &[]).await.2;
     assert_eq!(
         metric(&text, "spillway_aggregator_reports_total{result=\"ok\"}"),
+        Some(1.0),
+        "{text}"
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "spillway_aggregator_reports_total{result=\"other_zone\"}"
+        ),
         Some(1.0),
         "{text}"
     );

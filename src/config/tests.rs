@@ -359,7 +359,7 @@ fn a_header_cost_parses_with_its_default() {
         }
     );
     assert_eq!(
-        (r.on_limit, r.max_delay.0, r.max_queue.get()),
+        (r.on_limit, r.max_delay.unwrap().0, r.max_queue.get()),
         (OnLimit::Delay, Duration::from_secs(2), 7)
     );
     let json = serde_json::to_value(&c).unwrap();
@@ -454,8 +454,8 @@ fn a_global_rule_needs_a_control_plane_and_a_plain_rate() {
             "limit.burst: a global rule's fleet-wide limit is its rate",
         ),
         (
-            "limit: { rate: 10/s }\n    fallback: { rate: 1/s, algorithm: gcra }",
-            "fallback.algorithm: a fallback limit is a token bucket",
+            "limit: { rate: 10/s }\n    fallback: { rate: 1/s, algorithm: leaky_bucket }",
+            "fallback.algorithm: leaky_bucket shapes",
         ),
     ] {
         let e = err(&format!(
@@ -636,18 +636,61 @@ fn delay_settings_without_on_limit_delay_are_refused() {
             "  - name: a\n    key: path\n    limit: {{ rate: 10/s }}\n    {extra}\n"
         )));
         assert!(
-            e.contains("apply only with on_limit: delay"),
+            e.contains("applies only with on_limit: delay"),
             "{extra}: {e}"
         );
     }
+    // A leaky bucket's queue takes max_delay (its wait's bound) but not max_queue (its burst).
+    let leaky = "  - name: a\n    key: path\n    limit: { rate: 10/s, algorithm: leaky_bucket }\n";
+    let c = Config::from_yaml(&with_rule(&format!("{leaky}    max_delay: 300ms\n")), "t").unwrap();
+    assert_eq!(c.rules[0].max_delay.unwrap().0, Duration::from_millis(300));
+    let e = err(&with_rule(&format!("{leaky}    max_queue: 5\n")));
+    assert!(
+        e.contains("max_queue applies only with on_limit: delay"),
+        "{e}"
+    );
+    let c = Config::from_yaml(&with_rule(leaky), "t").unwrap();
+    assert_eq!(c.rules[0].max_delay, None, "no bound but the burst's");
     let c = Config::from_yaml(
         &with_rule("  - name: a\n    key: path\n    limit: { rate: 10/s }\n    on_limit: delay\n    max_delay: 2s\n    max_queue: 5\n"),
         "t",
     )
     .unwrap();
-    assert_eq!(c.rules[0].max_delay.0, Duration::from_secs(2));
+    assert_eq!(c.rules[0].max_delay.unwrap().0, Duration::from_secs(2));
     assert_eq!(c.rules[0].max_queue.get(), 5);
     // The effective configuration (`/config`) reads back as the same configuration.
     let text = serde_json::to_string(&c).unwrap();
     Config::from_yaml(&text, "t").unwrap();
+}
+
+#[test]
+fn upstream_idle_takes_its_old_name_idle_but_not_both() {
+    let base = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n";
+    let read = |t: &str| Config::from_yaml(&format!("{base}timeouts: {t}\n"), "t");
+    let old = read("{ idle: 7s }").unwrap();
+    assert_eq!(old.timeouts.upstream_idle(), Duration::from_secs(7));
+    assert_eq!(
+        read("{ upstream_idle: 8s }")
+            .unwrap()
+            .timeouts
+            .upstream_idle(),
+        Duration::from_secs(8)
+    );
+    assert_eq!(
+        read("{ header_read: 5s }")
+            .unwrap()
+            .timeouts
+            .upstream_idle(),
+        Duration::from_secs(60),
+        "the default"
+    );
+    let e = read("{ idle: 7s, upstream_idle: 8s }")
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("give upstream_idle alone"), "{e}");
+    // The effective configuration (`/config`) names it once, and reads back the same.
+    let text = serde_json::to_string(&old).unwrap();
+    assert!(!text.contains("\"idle\""), "{text}");
+    let again = Config::from_yaml(&text, "t").unwrap();
+    assert_eq!(again.timeouts.upstream_idle(), Duration::from_secs(7));
 }

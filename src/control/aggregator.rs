@@ -97,6 +97,8 @@ struct State {
     client: JsonClient,
     registry: Registry,
     reports: IntCounterVec,
+    /// The minute (plus one) of the last warning about a host of another zone.
+    warned: std::sync::atomic::AtomicU64,
     hosts: IntGauge,
     forwards: IntCounterVec,
     forward_seconds: Histogram,
@@ -118,6 +120,23 @@ impl State {
         let owner = principal.owner(&report.source);
         let recorded = self.sums.lock().record(&report, owner, self.sums.now());
         match recorded {
+            Ok(()) if !report.zone.is_empty() && report.zone != self.opts.zone => {
+                self.reports.with_label_values(&["other_zone"]).inc();
+                // At most once a minute: every report of that host would say the same.
+                let minute = (self.sums.now() / 60.0) as u64 + 1;
+                if self
+                    .warned
+                    .swap(minute, std::sync::atomic::Ordering::Relaxed)
+                    != minute
+                {
+                    tracing::warn!(
+                        source = %report.source,
+                        zone = %report.zone,
+                        "a host of another zone reports here (counted): its control_plane.url names this zone's aggregators ({})",
+                        self.opts.zone
+                    );
+                }
+            }
             Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
             Err(SourceRefusal::Duplicate(_)) => {
                 self.reports.with_label_values(&["duplicate"]).inc()
@@ -309,7 +328,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     let reports = IntCounterVec::new(
         Opts::new(
             "spillway_aggregator_reports_total",
-            "Host reports received, by result (ok, duplicate, unauthorized, forbidden, foreign, throttled, malformed, invalid); entries_dropped counts invalid entries dropped from reports that were kept.",
+            "Host reports received, by result (ok, other_zone, duplicate, unauthorized, forbidden, foreign, throttled, malformed, invalid); other_zone counts reports kept from hosts that name another zone; entries_dropped counts invalid entries dropped from reports that were kept.",
         ),
         &["result"],
     )
@@ -352,6 +371,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         client: json_client(tls)?,
         registry,
         reports,
+        warned: Default::default(),
         hosts,
         forwards,
         forward_seconds,
