@@ -13,6 +13,7 @@ use std::path::Path;
 use std::str::FromStr;
 use std::time::Duration;
 
+use schemars::JsonSchema;
 use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::{Deserialize, Serialize, Serializer};
 
@@ -20,7 +21,7 @@ use crate::key::KeyPart;
 use crate::limit::{Algorithm, Quota};
 
 /// A whole proxy configuration.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Identity of the service this sidecar fronts.
@@ -76,7 +77,7 @@ pub struct Config {
 }
 
 /// The Redis of `scope: redis` rules, and what to do when it does not answer.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct RedisConfig {
     /// `redis://[user:password@]host:port[/db]` (`rediss://` for TLS), or a list of such URLs:
@@ -108,7 +109,7 @@ fn default_redis_timeout() -> Dur {
 }
 
 /// What a decision does when Redis fails, times out, or the breaker is open.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OnError {
     /// Admit (fail open): an outage of Redis is not an outage of the service.
@@ -121,7 +122,7 @@ pub enum OnError {
 }
 
 /// After `failures` consecutive failures, Redis is not called for `cooldown`; then one probe.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct BreakerConfig {
     pub failures: NonZeroU32,
@@ -213,7 +214,7 @@ impl Serialize for RedisUrls {
 }
 
 /// The proxy's side of the control plane.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ControlPlane {
     /// The zone's aggregators (or a controller, for small fleets): `http://host:port` or
@@ -269,7 +270,7 @@ fn yes() -> bool {
 }
 
 /// What an encoded path separator gets.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PathEscapes {
     #[default]
@@ -285,7 +286,7 @@ fn default_log_rejections() -> u32 {
 }
 
 /// What a `GET` or `HEAD` request with a body gets.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum BodiesOnGet {
     /// Forwarded with `Connection: close`; its upstream connection is never reused (search
@@ -297,7 +298,7 @@ pub enum BodiesOnGet {
 }
 
 /// How rules compare paths.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum PathMatch {
     #[default]
@@ -306,7 +307,7 @@ pub enum PathMatch {
 }
 
 /// An `Upgrade` protocol that may be forwarded.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum UpgradeProtocol {
     Websocket,
@@ -366,7 +367,7 @@ impl ClientIp {
     }
 }
 
-#[derive(Serialize, Deserialize)]
+#[derive(Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct RawClientIp {
     #[serde(default)]
@@ -438,7 +439,7 @@ impl Serialize for CidrStr {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Timeouts {
     /// A client must send a whole request head within this: a new connection's first, and
@@ -459,6 +460,7 @@ pub struct Timeouts {
     pub send: Dur,
     /// An upstream connection idle this long is not used again.
     #[serde(default = "unset")]
+    #[schemars(default = "default_upstream_idle")]
     pub upstream_idle: Dur,
     /// The old name of `upstream_idle`, still read (with a warning at start-up); settled
     /// into `upstream_idle` as the file is read.
@@ -466,6 +468,10 @@ pub struct Timeouts {
     pub idle: Option<Dur>,
     /// On shutdown, in-flight requests get this long to finish.
     pub drain: Dur,
+}
+
+fn default_upstream_idle() -> Dur {
+    Timeouts::default().upstream_idle
 }
 
 /// `upstream_idle` not given (in a `timeouts:` section that is).
@@ -508,7 +514,7 @@ impl Default for Timeouts {
 }
 
 /// Protective limits on what clients may send.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Limits {
     /// Larger request heads get 431.
@@ -547,7 +553,7 @@ impl Default for Limits {
 }
 
 /// Which responses carry the `RateLimit` / `RateLimit-Policy` headers.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum HeaderMode {
     Always,
@@ -585,7 +591,7 @@ pub struct Rule {
 }
 
 /// A count-min sketch's shape: `depth` rows of `width` counters, for each of two windows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SketchSize {
     pub width: NonZeroU32,
@@ -601,7 +607,7 @@ impl Default for SketchSize {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct RawRule {
     name: Name,
@@ -859,7 +865,7 @@ impl From<Rule> for RawRule {
 }
 
 /// What a rule does with a request over its limit.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum OnLimit {
     /// Answer 429 at once.
@@ -885,7 +891,7 @@ pub enum Cost {
 }
 
 /// Whose cost header a rule honours.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum CostFrom {
     /// Only a peer in `client_ip.trusted_proxies` (a gateway that computed it); from anyone
@@ -896,7 +902,7 @@ pub enum CostFrom {
     Any,
 }
 
-#[derive(Deserialize, Serialize)]
+#[derive(Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct RawCostHeader {
     header: HeaderNameStr,
@@ -969,7 +975,7 @@ impl Serialize for Cost {
 }
 
 /// Which requests a rule applies to; every given condition must hold.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Match {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1007,7 +1013,7 @@ pub enum Limit {
 }
 
 /// `limit: { adaptive: { min, max, initial, tolerance } }`.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AdaptiveSpec {
     #[serde(default = "default_adaptive_min")]
@@ -1062,7 +1068,7 @@ impl AdaptiveSpec {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct RawLimit {
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1184,7 +1190,7 @@ impl<'de> Deserialize<'de> for Scope {
 }
 
 /// Whether a rule rejects or only counts what it would have rejected.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Mode {
     #[default]
@@ -1864,6 +1870,8 @@ fn line_of_nth_name(text: &str, value: &str, n: usize) -> Option<usize> {
         .nth(n - 1)
         .map(|(i, _)| i + 1)
 }
+
+pub mod schema;
 
 #[cfg(test)]
 mod tests;

@@ -174,6 +174,8 @@ enum Command {
         #[command(flatten)]
         opts: spillway::inject::Options,
     },
+    /// Print the JSON Schema of the configuration file (for editors: the one in schema/).
+    Schema,
     /// Run an upstream, the proxy and a load generator on loopback, and show the limiter work.
     Demo {
         /// How long to offer load, in seconds.
@@ -437,6 +439,10 @@ wrote {}",
             }
             Ok(())
         }),
+        Command::Schema => {
+            print!("{}", spillway::config::schema::text());
+            ExitCode::SUCCESS
+        }
         Command::Inject { file, opts } => {
             let text = match read_input(&file) {
                 Ok(text) => text,

@@ -7,6 +7,8 @@
   (kubernetes-validate, strict); the Prometheus Operator kinds against their required fields;
 - bad values refused by values.schema.json with a message that names the field;
 - the limits ConfigMap's spillway.yaml passes `spillway check-config`;
+- the configuration's JSON Schema admits config/*.yaml, the README's examples and the rendered
+  ConfigMaps, and refuses the shapes `check-config` refuses;
 - the sidecar's hardening and shutdown timing as rendered;
 - the dashboard's JSON parses and every metric it queries is one a live proxy, aggregator or
   controller exports (they are started here, on loopback, and stopped by their PIDs).
@@ -26,6 +28,7 @@ import time
 import urllib.request
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import yaml
 
@@ -184,6 +187,8 @@ def bad_values():
         ({"sidecar": {"port": "eighty", "adminPort": 9901, "appPort": 8081}}, "port"),
         ({"service": "not a name!"}, "service"),
         ({"limits": {"rules": [{"name": "x", "key": []}]}}, "limit"),
+        ({"limits": {"rules": [{"name": "x", "key": [], "limit": {"rate": "10/sec"}}]}}, "10/sec"),
+        ({"limits": {"rules": [{"name": "x", "key": [], "limit": {"rate": "1/s"}, "scop": "global"}]}}, "scop"),
         ({"controlPlane": {"controller": {"replicas": 3}}}, "replicas"),
         ({"sidecar": {"port": 8080, "adminPort": 9901, "appPort": 8081, "prot": 1}}, "prot"),
     ]:
@@ -203,6 +208,79 @@ def check_configs(configmaps):
             # The token and CA files are the pod's mounts, not this machine's.
             r = subprocess.run([BIN, "check-config", "--skip-files", path], capture_output=True, text=True)
             check(r.returncode == 0, f"{name}: ConfigMap spillway.yaml passes check-config {r.stderr.strip()}")
+
+
+def config_schema(configmaps):
+    """The configuration's JSON Schema (schema/, `spillway schema`) admits every configuration
+    we ship or show (config/*.yaml, the README's examples, the chart's rendered ConfigMaps),
+    and refuses the shapes check-config refuses."""
+    schema = json.load(open(os.path.join(ROOT, "schema", "spillway.schema.json")))
+    validator = jsonschema.Draft7Validator(schema)
+    r = subprocess.run([BIN, "schema"], capture_output=True, text=True)
+    check(r.returncode == 0 and json.loads(r.stdout) == schema, "`spillway schema` prints schema/spillway.schema.json")
+
+    def errors(doc):
+        return [f"{'.'.join(map(str, e.absolute_path))}: {e.message[:120]}" for e in validator.iter_errors(doc)]
+
+    shown = []
+    for path in sorted(os.listdir(os.path.join(ROOT, "config"))):
+        if path.endswith(".yaml"):
+            shown.append((f"config/{path}", open(os.path.join(ROOT, "config", path)).read()))
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    base = {"service": "s", "listen": "127.0.0.1:8080", "upstream": "http://127.0.0.1:9000"}
+    for i, block in enumerate(re.findall(r"```yaml\n(.*?)```", readme, re.S)):
+        if "{{" in block:
+            continue  # a Helm template, not a configuration
+        doc = yaml.safe_load(block)
+        if isinstance(doc, dict) and ("rules" in doc or "service" in doc):
+            # A fragment is shown with the rest of a configuration left out.
+            shown.append((f"README.md yaml example {i + 1}", yaml.safe_dump({**base, **doc})))
+    shown += [(f"{name}: ConfigMap spillway.yaml", text) for name, text in configmaps]
+    for name, text in shown:
+        found = errors(yaml.safe_load(text))
+        check(not found, f"{name} is valid against the schema {found}")
+
+    # Shapes check-config refuses, each refused by the schema too (an editor flags them as
+    # they are typed).
+    rule = "rules:\n  - name: r\n    key: [client_ip]\n    limit: { rate: 10/s }\n"
+    head = "service: s\nlisten: 127.0.0.1:8080\nupstream: http://127.0.0.1:9000\n"
+    for what, text in [
+        ("an unknown top-level field", head + "limitz: {}\n"),
+        ("a missing upstream", "service: s\nlisten: 127.0.0.1:8080\n"),
+        ("a service name with a space", head.replace("service: s", "service: my app")),
+        ("an upstream over https", head.replace("http://", "https://")),
+        ("an upstream with a path", head.replace(":9000", ":9000/api")),
+        ("a duration without a unit", head + "timeouts: { header_read: 10 }\n"),
+        ("a duration in an unknown unit", head + "timeouts: { drain: 5sec }\n"),
+        ("an unknown timeout", head + "timeouts: { read: 5s }\n"),
+        ("a header limit below 1 KiB", head + "limits: { max_header_bytes: 100 }\n"),
+        ("zero connections", head + "limits: { max_connections: 0 }\n"),
+        ("an unknown headers mode", head + "headers: sometimes\n"),
+        ("a rate without a unit", head + rule.replace("10/s", "10")),
+        ("a rate per an unknown unit", head + rule.replace("10/s", "10/sec")),
+        ("a zero rate", head + rule.replace("10/s", "0/s")),
+        ("a burst of zero", head + rule.replace("rate: 10/s", "rate: 10/s, burst: 0")),
+        ("an unknown algorithm", head + rule.replace("rate: 10/s", "rate: 10/s, algorithm: lru")),
+        ("an unknown limit field", head + rule.replace("rate: 10/s", "rate: 10/s, brust: 5")),
+        ("an unknown key part", head + rule.replace("[client_ip]", "[cookie:session]")),
+        ("a key part given twice", head + rule.replace("[client_ip]", "[path, path]")),
+        ("a rule name with a slash", head + rule.replace("name: r", "name: a/b")),
+        ("a rule without a key", head + rule.replace("    key: [client_ip]\n", "")),
+        ("an unknown rule field", head + rule + "    scop: global\n"),
+        ("an unknown scope", head + rule + "    scope: cluster\n"),
+        ("an unknown on_limit", head + rule + "    on_limit: queue\n"),
+        ("a lower-case method", head + rule + "    match: { methods: [get] }\n"),
+        ("a cost of zero", head + rule + "    cost: 0\n"),
+        ("a cost header without its max", head + rule + "    cost: { header: x-cost }\n"),
+        ("a redis URL of another scheme", head + "redis: { url: http://127.0.0.1:6379 }\n"),
+        ("a control plane URL of another scheme", head + "control_plane: { url: ftp://agg:7001 }\n"),
+    ]:
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+            f.write(text)
+            f.flush()
+            r = subprocess.run([BIN, "check-config", "--skip-files", f.name], capture_output=True, text=True)
+        found = errors(yaml.safe_load(text))
+        check(r.returncode == 2 and found, f"{what}: refused by check-config ({r.returncode}) and by the schema {found[:1]}")
 
 
 def free_port():
@@ -354,6 +432,7 @@ inject()
 configmaps = lint_and_render()
 bad_values()
 check_configs(configmaps)
+config_schema(configmaps)
 dashboard()
 print(f"\n{len(failures)} failure(s)")
 sys.exit(1 if failures else 0)
