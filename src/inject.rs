@@ -40,10 +40,14 @@ pub struct Options {
     /// Also print a NetworkPolicy that admits only the sidecar's ports.
     #[arg(long)]
     pub network_policy: bool,
-    /// The sidecar as a native sidecar (Kubernetes 1.30+): an init container with
+    /// The sidecar as a native sidecar (Kubernetes 1.29+): an init container with
     /// `restartPolicy: Always`, started before the app and stopped after it.
     #[arg(long)]
     pub native_sidecar: bool,
+    /// The chart release whose PodMonitor scrapes the sidecar: the value of the pod label
+    /// `spillway.dev/sidecar`.
+    #[arg(long, default_value = "true")]
+    pub release: String,
 }
 
 const IMAGE: &str = concat!("ghcr.io/spillway/spillway:", env!("CARGO_PKG_VERSION"));
@@ -62,6 +66,7 @@ impl Default for Options {
             config_map: None,
             network_policy: false,
             native_sidecar: false,
+            release: "true".into(),
         }
     }
 }
@@ -353,8 +358,10 @@ volumeMounts:
         );
     }
     let meta = map_at(doc, &["spec", "template", "metadata"])?;
-    map_at_mapping(meta, "labels")?
-        .insert(key("spillway.dev/sidecar"), Value::String("true".into()));
+    map_at_mapping(meta, "labels")?.insert(
+        key("spillway.dev/sidecar"),
+        Value::String(opts.release.clone()),
+    );
     map_at_mapping(meta, "annotations")?
         .insert(key("spillway.dev/injected"), Value::String("true".into()));
 

@@ -81,6 +81,24 @@ VALUE_SETS = {
     },
 }
 
+# Several teams on one control plane: it runs in a release of its own, each team's release holds
+# its limits and points at it.
+VALUE_SETS.update({
+    "control plane alone": {
+        "sidecar": {"enabled": False},
+        "controlPlane": {"enabled": True, "tokens": {"services": ["shop", "cart"]}},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+    },
+    "sidecar only, another release's control plane": {
+        "controlPlane": {"url": "https://spillway-aggregator.spillway-system:7001",
+                         "token": {"existingSecret": "spillway-token"}, "tls": {"existingSecret": "spillway-ca"}},
+        "limits": {"rules": [{"name": "per-key", "key": ["header:x-api-key"], "limit": {"rate": "100/s"}, "scope": "global"}]},
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "example": {"enabled": True},
+    },
+    "native sidecar": {"sidecar": {"native": True}, "example": {"enabled": True}},
+})
+
 OPERATOR_REQUIRED = {
     "ServiceMonitor": ["selector", "endpoints"],
     "PodMonitor": ["selector", "podMetricsEndpoints"],
@@ -111,6 +129,7 @@ def lint_and_render():
                     docs.append((path, doc))
         kinds = sorted({d["kind"] for _, d in docs})
         check(bool(docs), f"render ({name}): {len(docs)} manifests: {', '.join(kinds)}")
+        releases(name, [d for _, d in docs])
         for path, doc in docs:
             what = f"{name}: {doc['kind']} {doc['metadata']['name']}"
             if doc["kind"] in OPERATOR_REQUIRED:
@@ -119,6 +138,9 @@ def lint_and_render():
                 if doc["kind"] == "PodMonitor":
                     sel = doc["spec"]["namespaceSelector"]
                     check(sel.get("matchNames") == ["shop"], f"{what}: scrapes this release's namespace only")
+                    pods = doc["spec"]["selector"]["matchExpressions"]
+                    check(pods == [{"key": "spillway.dev/sidecar", "operator": "In", "values": ["spillway"]}],
+                          f"{what}: selects this release's sidecars only {pods}")
                 continue
             try:
                 kubernetes_validate.validate(doc, K8S, strict=True)
@@ -137,6 +159,39 @@ def lint_and_render():
                 args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
                 check("--log-format=json" in args, f"{what}: logs JSON lines")
     return configmaps
+
+
+def releases(name, docs):
+    """What each kind of release renders: a control plane alone, a team's sidecar-only release
+    pointing at it, a native sidecar."""
+    by_kind = {}
+    for d in docs:
+        by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
+    deployments = by_kind.get("Deployment", {})
+    control = [n for n in deployments if n.endswith("-controller") or "-aggregator-" in n]
+    if name == "control plane alone":
+        check("spillway-limits" not in by_kind.get("ConfigMap", {}) and "PodMonitor" not in by_kind,
+              f"{name}: no limits ConfigMap and no PodMonitor")
+        check(len(control) == 2, f"{name}: the controller and an aggregator {control}")
+        tokens = by_kind.get("Secret", {}).get("spillway-tokens", {}).get("data", {})
+        check(sorted(tokens) == ["_admin", "_aggregators", "cart", "shop"], f"{name}: a token per service {sorted(tokens)}")
+        args = deployments["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        check("--tokens=/var/run/secrets/spillway" in args, f"{name}: the controller reads the per-service tokens")
+    if name == "sidecar only, another release's control plane":
+        check(not control and "Secret" not in by_kind, f"{name}: no control plane and no token of its own {control}")
+        conf = yaml.safe_load(by_kind["ConfigMap"]["spillway-limits"]["data"]["spillway.yaml"])
+        check(conf["control_plane"]["url"] == "https://spillway-aggregator.spillway-system:7001"
+              and conf["control_plane"]["ca_file"] == "/var/run/secrets/spillway-tls/ca.crt",
+              f"{name}: reports to the given control plane, trusting its CA {conf['control_plane']}")
+        vols = {v["name"]: v for v in deployments["spillway-example"]["spec"]["template"]["spec"]["volumes"]}
+        check(vols["spillway-token"]["secret"]["secretName"] == "spillway-token"
+              and vols["spillway-tls"]["secret"]["secretName"] == "spillway-ca", f"{name}: mounts the team's Secrets")
+    if name == "native sidecar":
+        spec = deployments["spillway-example"]["spec"]["template"]["spec"]
+        init = [c for c in spec.get("initContainers", []) if c["name"] == "spillway"]
+        check(len(init) == 1 and init[0].get("restartPolicy") == "Always"
+              and all(c["name"] != "spillway" for c in spec["containers"]),
+              f"{name}: the sidecar is an init container with restartPolicy: Always")
 
 
 def knobs(doc, what):
@@ -165,7 +220,7 @@ def knobs(doc, what):
 
 def sidecar_rules(name, deployment):
     spec = deployment["spec"]["template"]["spec"]
-    sidecar = next(c for c in spec["containers"] if c["name"] == "spillway")
+    sidecar = next(c for c in spec["containers"] + spec.get("initContainers", []) if c["name"] == "spillway")
     sc = sidecar["securityContext"]
     check(sc["runAsNonRoot"] and not sc["allowPrivilegeEscalation"] and sc["readOnlyRootFilesystem"]
           and sc["capabilities"]["drop"] == ["ALL"], f"{name}: sidecar non-root, read-only, no privileges")
@@ -177,6 +232,9 @@ def sidecar_rules(name, deployment):
     check("subPath" not in mount, f"{name}: config mounted as a directory (ConfigMap updates reach it)")
     app = next(c for c in spec["containers"] if c["name"] == "app")
     check(any("127.0.0.1" in a for a in app.get("args", [])), f"{name}: the app listens on loopback only")
+    app_pause = app.get("lifecycle", {}).get("preStop", {}).get("sleep", {}).get("seconds", 0)
+    check(app_pause > pre and spec["terminationGracePeriodSeconds"] > app_pause,
+          f"{name}: the app keeps serving past the sidecar's pause ({app_pause} s > {pre} s), within the grace period")
     env = {e["name"]: e.get("value") for e in sidecar.get("env", [])}
     check(env.get("SPILLWAY_LOG_FORMAT") == "json", f"{name}: the sidecar logs JSON lines")
 
@@ -197,6 +255,20 @@ def bad_values():
             check(False, f"values {values} refused")
         except helm.HelmError as e:
             check(field in str(e), f"values {json.dumps(values)} refused, naming {field!r}: {str(e).splitlines()[0][:160]}")
+
+
+def bad_releases():
+    """Combinations a template refuses with what to do."""
+    chart = helm.Chart.load(CHART)
+    for values, words in [
+        ({"controlPlane": {"enabled": True, "url": "http://agg:7001"}}, "not both"),
+        ({"controlPlane": {"url": "http://agg:7001"}, "example": {"enabled": True}}, "token.existingSecret"),
+    ]:
+        try:
+            chart.render(values, name="spillway", namespace="shop", is_install=True)
+            check(False, f"values {json.dumps(values)} refused")
+        except Exception as e:
+            check(words in str(e), f"values {json.dumps(values)} refused, saying {words!r}: {str(e).splitlines()[0][:160]}")
 
 
 def check_configs(configmaps):
@@ -404,11 +476,16 @@ def inject():
     """`spillway inject` on a sample app: every manifest it prints is valid Kubernetes, the
     ConfigMap it writes passes check-config, and a second pass changes nothing."""
     sample = os.path.join(ROOT, "tests", "chart", "sample-app.yaml")
-    for flags in ([], ["--native-sidecar", "--network-policy"]):
+    for flags in ([], ["--native-sidecar", "--network-policy", "--release", "spillway"]):
         what = "inject " + (" ".join(flags) or "(defaults)")
         out = subprocess.run([BIN, "inject", sample] + flags, capture_output=True, text=True)
         check(out.returncode == 0, f"{what}: exits 0 {out.stderr.strip()}")
         docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        release = "spillway" if "--release" in flags else "true"
+        for doc in docs:
+            if doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
+                label = doc["spec"]["template"]["metadata"]["labels"].get("spillway.dev/sidecar")
+                check(label == release, f"{what}: {doc['metadata']['name']} labelled for the PodMonitor of release {release!r}")
         for doc in docs:
             try:
                 kubernetes_validate.validate(doc, K8S, strict=True)
@@ -431,6 +508,7 @@ hadolint()
 inject()
 configmaps = lint_and_render()
 bad_values()
+bad_releases()
 check_configs(configmaps)
 config_schema(configmaps)
 dashboard()

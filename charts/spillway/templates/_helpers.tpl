@@ -30,9 +30,18 @@ app.kubernetes.io/component: {{ .component }}
 {{ .image.repository }}:{{ .image.tag }}
 {{- end -}}
 
+{{/* The per-service tokens Secret (given, or generated from tokens.services), or nothing. */}}
+{{- define "spillway.tokensSecret" -}}
+{{- if .Values.controlPlane.tokens.existingSecret -}}
+{{- .Values.controlPlane.tokens.existingSecret -}}
+{{- else if .Values.controlPlane.tokens.services -}}
+{{- printf "%s-tokens" (include "spillway.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
 {{/* The control-plane server flags and mounts for tokens and TLS (controller and aggregators). */}}
 {{- define "spillway.serverSecurityArgs" -}}
-{{- if .Values.controlPlane.tokens.existingSecret }}
+{{- if include "spillway.tokensSecret" . }}
 - --tokens=/var/run/secrets/spillway
 {{- else }}
 - --token-file=/var/run/secrets/spillway/token
@@ -53,7 +62,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- define "spillway.serverSecurityVolumes" -}}
 - name: token
   secret:
-    secretName: {{ .Values.controlPlane.tokens.existingSecret | default (include "spillway.tokenSecret" .) }}
+    secretName: {{ include "spillway.tokensSecret" . | default (include "spillway.tokenSecret" .) }}
 {{- with .Values.controlPlane.tls.existingSecret }}
 - name: tls
   secret:
@@ -104,11 +113,17 @@ The sidecar container, for your own chart (with this one as a dependency):
 
 `values` are this chart's values (`.Values.spillway` in the parent); `release` is the full name
 of the release that installed this chart (its ConfigMap `<release>-limits` and token). Label the
-pod `spillway.dev/sidecar: "true"` for the PodMonitor.
+pod `spillway.dev/sidecar: <release>` for that release's PodMonitor. Give the app container
+`{{- include "spillway.appLifecycle" .Values.spillway | nindent 6 }}`, so that it keeps serving
+while the sidecar stops taking requests. With `sidecar.native`, put the sidecar under
+`initContainers` instead (Kubernetes >= 1.29): it starts before the app and stops after it.
 */}}
 {{- define "spillway.sidecar" -}}
 {{- $v := .values -}}
 - name: spillway
+  {{- if $v.sidecar.native }}
+  restartPolicy: Always
+  {{- end }}
   image: {{ include "spillway.image" $v }}
   imagePullPolicy: {{ $v.image.pullPolicy }}
   args: ["proxy", "--config", "/etc/spillway/spillway.yaml"]
@@ -143,7 +158,7 @@ pod `spillway.dev/sidecar: "true"` for the PodMonitor.
     # A directory mount, not subPath: ConfigMap updates arrive (the ..data symlink swap)
     # and the sidecar reloads them.
     - { name: spillway-config, mountPath: /etc/spillway, readOnly: true }
-    {{- if $v.controlPlane.enabled }}
+    {{- if or $v.controlPlane.enabled $v.controlPlane.url }}
     - { name: spillway-token, mountPath: /var/run/secrets/spillway, readOnly: true }
     {{- if $v.controlPlane.tls.existingSecret }}
     - { name: spillway-tls, mountPath: /var/run/secrets/spillway-tls, readOnly: true }
@@ -155,16 +170,20 @@ pod `spillway.dev/sidecar: "true"` for the PodMonitor.
 - name: spillway-config
   configMap:
     name: {{ .release }}-limits
-{{- if .values.controlPlane.enabled }}
+{{- $cp := .values.controlPlane }}
+{{- if or $cp.enabled $cp.url }}
 - name: spillway-token
   secret:
-    {{- if .values.controlPlane.tokens.existingSecret }}
+    {{- if $cp.url }}
+    # This service's token, in its own namespace (the control plane is another release's).
+    secretName: {{ required "controlPlane.url needs controlPlane.token.existingSecret: a Secret with this service's token (key: token)" $cp.token.existingSecret }}
+    {{- else if or $cp.tokens.existingSecret $cp.tokens.services }}
     # Only this service's token, as the file `token`.
-    secretName: {{ .values.controlPlane.tokens.existingSecret }}
+    secretName: {{ $cp.tokens.existingSecret | default (printf "%s-tokens" .release) }}
     items:
       - { key: {{ .values.service | quote }}, path: token }
     {{- else }}
-    secretName: {{ .values.controlPlane.token.existingSecret | default (printf "%s-token" .release) }}
+    secretName: {{ $cp.token.existingSecret | default (printf "%s-token" .release) }}
     {{- end }}
 {{- with .values.controlPlane.tls.existingSecret }}
 - name: spillway-tls
@@ -174,6 +193,18 @@ pod `spillway.dev/sidecar: "true"` for the PodMonitor.
       - { key: ca.crt, path: ca.crt }
 {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/*
+The app container's preStop: it keeps serving for the sidecar's pause and five seconds more,
+while the endpoints drop the pod and the sidecar stops taking requests; without it the app
+stops first and a rollout returns 502s. (A native sidecar stops after the app anyway; the app
+still waits for the endpoints.) From a values dict.
+*/}}
+{{- define "spillway.appLifecycle" -}}
+lifecycle:
+  preStop:
+    sleep: { seconds: {{ add .sidecar.preStopSeconds 5 }} }
 {{- end -}}
 
 {{/* Longer than the preStop pause and the drain together, so that SIGKILL never cuts a drain. */}}
