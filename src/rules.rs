@@ -68,8 +68,9 @@ struct CompiledRule {
     /// Name, key, limit, scope, fallback and max_keys: what the state depends on.
     identity: String,
     delay: Option<Delay>,
-    /// A leaky bucket's `max_delay`: a request that would wait longer in its queue is refused.
-    max_wait: Option<Nanos>,
+    /// A leaky bucket's `max_delay`: a request that would wait longer in its queue is refused
+    /// (`Nanos::MAX`: no bound but the queue's).
+    max_wait: Nanos,
     /// `"name";q=<burst>;w=<window seconds>`, built once.
     policy: HeaderValue,
     /// This rule's 429s, built once per retry hint.
@@ -229,6 +230,27 @@ impl Overflow {
                 self.size.depth.get() as usize,
             )
         })
+    }
+}
+
+/// A leaky bucket's admission whose wait passes its `max_delay` by `over`: its place in the
+/// queue is given back (the next request may fit), and it is refused.
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+fn waits_too_long(
+    store: &RateStore,
+    key: &[u8],
+    slot: Slot,
+    quota: &Quota,
+    now: Nanos,
+    cost: u32,
+    overflow: &Overflow,
+    over: Nanos,
+) -> Decision {
+    store.refund(key, slot, quota, now, cost, overflow);
+    Decision::Deny {
+        retry_after: Some(over),
     }
 }
 
@@ -751,19 +773,18 @@ impl RuleSet {
                     store,
                     overflow,
                 } => {
-                    let (mut decision, slot) = store.check(&key, quota, now, cost, overflow);
-                    match (decision, rule.max_wait) {
-                        (Decision::Allow { wait, .. }, Some(most)) if wait > most => {
-                            // Its place in the queue is given back: the next may fit.
-                            store.refund(&key, slot, quota, now, cost, overflow);
-                            decision = Decision::Deny {
-                                retry_after: Some(wait - most),
-                            };
+                    let (decision, slot) = store.check(&key, quota, now, cost, overflow);
+                    match decision {
+                        Decision::Allow { wait, .. } if wait > rule.max_wait => {
+                            let over = wait - rule.max_wait;
+                            waits_too_long(store, &key, slot, quota, now, cost, overflow, over)
                         }
-                        (Decision::Allow { .. }, _) => taken.push((i, Taken::Rate(slot, cost))),
-                        _ => {}
+                        Decision::Allow { .. } => {
+                            taken.push((i, Taken::Rate(slot, cost)));
+                            decision
+                        }
+                        deny => deny,
                     }
-                    decision
                 }
                 Kind::Adaptive { limiter } => {
                     let permit = limiter.try_acquire().map(Permit::from);
@@ -1365,8 +1386,8 @@ fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>
             Limit::Rate {
                 algorithm: Algorithm::LeakyBucket,
                 ..
-            } => r.max_delay.map(|d| d.0.as_nanos() as Nanos),
-            _ => None,
+            } => r.max_delay.map_or(Nanos::MAX, |d| d.0.as_nanos() as Nanos),
+            _ => Nanos::MAX,
         },
         // Cloned here, the value's bytes become shared now rather than on the rule's first
         // refusal (`state` clones it per request).
