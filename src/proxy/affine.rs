@@ -9,7 +9,7 @@
 //! upstream in the worker's turn that read it (after the other connections ready in that turn
 //! were read: [`h1::exchange`] writes them together), and the response ([`h1`], written by
 //! hand) is read and written back in the poll that saw it arrive, as nginx's event loop does.
-//! Measured in BENCHMARKS.md.
+//! Measured in docs/benchmarks-history.md.
 //!
 //! Cost per request: two uncontended locks (take the connection, and the response body puts
 //! it back at its end), a readiness check that the upstream has not closed it (no syscall).

@@ -208,7 +208,7 @@ pub async fn exchange(
     // An HTTP/1 client's request is written once the other connections that became ready with
     // it have had their turn: tokio runs a yielded task again after its next look at the
     // reactor, so the worker's requests of one turn go upstream together, the app wakes once
-    // for them instead of once each, and their responses come back together (BENCHMARKS.md,
+    // for them instead of once each, and their responses come back together (docs/benchmarks-history.md,
     // "Upstream writes in batches"). Not for an HTTP/2 client's streams (each is a task of
     // hyper's already), nor for the first request after the worker waited for events
     // ([`woke`]): a worker that waits is not busy, and the yield would only delay it.
