@@ -242,6 +242,15 @@ fn inject_one(doc: &mut Value, opts: &Options) -> Result<Vec<Value>, String> {
         }
     }
 
+    // Every port name of the pod: the app's renamed port must not take one of them.
+    let taken: Vec<String> = ["containers", "initContainers"]
+        .iter()
+        .filter_map(|list| spec.get(*list).and_then(Value::as_sequence))
+        .flatten()
+        .filter_map(|c| get(c, &["ports"]).and_then(Value::as_sequence))
+        .flatten()
+        .filter_map(|p| str_of(p, &["name"]).map(str::to_string))
+        .collect();
     let containers = seq_at(spec, "containers")?;
     let app = named_or_first(containers, opts.container.as_deref()).ok_or_else(|| {
         match &opts.container {
@@ -273,14 +282,27 @@ fn inject_one(doc: &mut Value, opts: &Options) -> Result<Vec<Value>, String> {
     // The app's port keeps its number under a new name; the sidecar takes the old name.
     let renamed: String = format!("app-{port_name}").chars().take(15).collect();
     let renamed = renamed.trim_end_matches('-').to_string();
+    if taken.contains(&renamed) {
+        return Err(format!(
+            "{what}: the app's port {port_name} would be renamed {renamed}, which a port of the pod already has; rename that one and inject again"
+        ));
+    }
     served
         .as_mapping_mut()
         .ok_or("a port that is not a mapping")?
         .insert(key("name"), Value::String(renamed));
-    // Probes that named the port go to its number: health checks never pass the limiter.
-    for probe in ["livenessProbe", "readinessProbe", "startupProbe"] {
+    // Probes and lifecycle hooks that named the port go to its number: health checks and
+    // the app's own hooks never pass the limiter.
+    for path in [
+        &["livenessProbe"][..],
+        &["readinessProbe"],
+        &["startupProbe"],
+        &["lifecycle", "postStart"],
+        &["lifecycle", "preStop"],
+    ] {
         for handler in ["httpGet", "tcpSocket", "grpc"] {
-            if let Some(p) = app.get_mut(probe).and_then(|p| p.get_mut(handler)) {
+            let hook = path.iter().try_fold(&mut *app, |v, k| v.get_mut(*k));
+            if let Some(p) = hook.and_then(|p| p.get_mut(handler)) {
                 if p.get("port").and_then(Value::as_str) == Some(port_name.as_str()) {
                     p.as_mapping_mut()
                         .ok_or("a probe that is not a mapping")?
@@ -380,7 +402,8 @@ volumeMounts:
         let scheme = if h2 { "h2c" } else { "http" };
         let config = format!(
             "# Written by spillway inject: the ports match the injected sidecar. Add rules below;\n# the sidecar reloads this file when the ConfigMap changes.\nservice: {}\nlisten: 0.0.0.0:{}\nadmin: 0.0.0.0:{}\nupstream: {scheme}://127.0.0.1:{app_port}\nrules: []\n",
-            q(&name),
+            // A service name is at most 64 characters; a workload's may be 253.
+            q(&name.chars().take(64).collect::<String>()),
             opts.proxy_port,
             opts.admin_port
         );

@@ -173,3 +173,38 @@ fn odd_names_are_quoted_not_parsed_and_a_list_is_injected_item_by_item() {
 fn pod_of(doc: &Value) -> &Value {
     get(doc, &["spec", "template", "spec"]).unwrap()
 }
+
+#[test]
+fn a_long_workload_name_gives_a_valid_starter_config() {
+    let long = "s".repeat(100);
+    let app = APP.replace(
+        "metadata: { name: shop, namespace: web }",
+        &format!("metadata: {{ name: {long}, namespace: web }}"),
+    );
+    let out = docs(&inject(&app, &Options::default()).unwrap());
+    let config = out[2]["data"]["spillway.yaml"].as_str().unwrap();
+    let parsed = crate::Config::from_yaml(config, "inject").unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(parsed.service.0, "s".repeat(64));
+}
+
+#[test]
+fn a_renamed_port_that_would_clash_with_another_is_refused() {
+    let app = APP.replace(
+        "ports: [{ name: http, containerPort: 8080 }]",
+        "ports: [{ name: http, containerPort: 8080 }, { name: app-http, containerPort: 9090 }]",
+    );
+    let e = inject(&app, &Options::default()).unwrap_err();
+    assert!(e.contains("app-http") && e.contains("already"), "{e}");
+}
+
+#[test]
+fn lifecycle_hooks_that_named_the_port_go_to_its_number() {
+    let app = APP.replace(
+        "livenessProbe: { tcpSocket: { port: http } }",
+        "livenessProbe: { tcpSocket: { port: http } }\n          lifecycle: { postStart: { httpGet: { path: /warm, port: http } }, preStop: { httpGet: { path: /bye, port: http } } }",
+    );
+    let out = docs(&inject(&app, &Options::default()).unwrap());
+    let app = container(pod(&out[1]), "containers", "shop");
+    assert_eq!(app["lifecycle"]["postStart"]["httpGet"]["port"], 8080);
+    assert_eq!(app["lifecycle"]["preStop"]["httpGet"]["port"], 8080);
+}
