@@ -10,12 +10,14 @@
 - the configuration's JSON Schema admits config/*.yaml, the README's examples and the rendered
   ConfigMaps, and refuses the shapes `check-config` refuses;
 - the sidecar's hardening and shutdown timing as rendered;
-- the dashboard's JSON parses and every metric it queries is one a live proxy, aggregator or
-  controller exports (they are started here, on loopback, and stopped by their PIDs).
+- the dashboard's JSON parses, every metric it queries is one a live proxy, aggregator or
+  controller exports, and every panel shows data in a real Prometheus scraping them (they, a
+  Redis and Prometheus are started here, on loopback, and stopped by their PIDs).
 
 usage: check.py ROOT SPILLWAY_BINARY
 """
 
+import http.server
 import json
 import os
 import re
@@ -25,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 
 import helm_python as helm
@@ -376,7 +379,35 @@ def metrics(admin):
     return set(re.findall(r"^# TYPE (\S+) ", text, re.M)), text
 
 
+def wait_port(port, what, seconds=30):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on {port}")
+
+
+class App(http.server.BaseHTTPRequestHandler):
+    """The app behind the proxy: 200 to everything."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+
 def dashboard():
+    """Every panel of the dashboard shows data: a proxy (with a global, a Redis, an adaptive and
+    a shadow rule), an aggregator and a controller run on loopback with a real app and a real
+    Redis, a real Prometheus scrapes them (labelled as the chart's monitors label a pod), and
+    each panel's queries run against it as Grafana sends them with every variable on "All"."""
     with open(os.path.join(CHART, "files", "dashboard.json")) as f:
         dash = json.load(f)
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
@@ -392,33 +423,39 @@ def dashboard():
         for name in re.findall(r"\b(spillway_[a-z_]+)", e):
             wanted.add(re.sub(r"_(bucket|sum|count)$", "", name))
     check(len(dash["panels"]) >= 8, f"dashboard parses: {len(dash['panels'])} panels, {len(wanted)} metrics")
-    variables = {v["name"] for v in dash["templating"]["list"]}
-    check({"namespace", "service", "pod", "rule"} <= variables, f"dashboard variables: {sorted(variables)}")
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    check({"namespace", "service", "pod", "rule"} <= set(variables), f"dashboard variables: {sorted(variables)}")
 
     procs = []
+    d = tempfile.mkdtemp(prefix="spillway-chart-")
+    app = http.server.ThreadingHTTPServer(("127.0.0.1", 0), App)
+    threading.Thread(target=app.serve_forever, daemon=True).start()
+    done = threading.Event()
+    senders = []
     try:
+        redis_port = free_port()
+        procs.append(subprocess.Popen(["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1",
+                                       "--save", "", "--appendonly", "no", "--dir", d],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_port(redis_port, "redis-server")
         ctl, ctl_addr, ctl_admin = start(["controller", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0"])
         procs.append(ctl)
         agg, agg_addr, agg_admin = start(["aggregator", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
                                           "--controller", f"http://{ctl_addr}", "--zone", "z", "--interval", "200ms"])
         procs.append(agg)
-        app = socket.socket()
-        app.bind(("127.0.0.1", 0))
-        app.listen(16)
-        d = tempfile.mkdtemp(prefix="spillway-chart-")
         config = os.path.join(d, "spillway.yaml")
         with open(config, "w") as f:
             f.write(f"""service: shop
 listen: 127.0.0.1:0
 admin: 127.0.0.1:0
-upstream: http://127.0.0.1:{app.getsockname()[1]}
+upstream: http://127.0.0.1:{app.server_address[1]}
 timeouts: {{ upstream_response: 1s }}
 control_plane: {{ url: 'http://{agg_addr}', report_interval: 200ms }}
-redis: {{ url: 'redis://127.0.0.1:1', timeout: 5ms }}
+redis: {{ url: 'redis://127.0.0.1:{redis_port}', timeout: 50ms }}
 rules:
   - name: per-key
     key: [header:x-api-key]
-    limit: {{ rate: 1/h }}
+    limit: {{ rate: 20/s }}
     scope: global
   - name: exact
     match: {{ path: /exact }}
@@ -435,38 +472,69 @@ rules:
 """)
         proxy, proxy_addr, proxy_admin = start(["proxy", "--config", config])
         procs.append(proxy)
-        # Traffic from a few threads while the metrics are read, so that the control plane
-        # keeps per-rule figures: the controller shows a rule only while a report with its
-        # counts is fresh (three of the aggregator's 200 ms intervals), and a request here can
-        # take the 1 s upstream timeout. Reading only between sequential requests missed them
-        # on a loaded machine. A name counts once any read showed it; bounded: 30 s.
-        done = threading.Event()
 
-        def send():
+        # Traffic from a few threads all along, so that rates and the control plane's
+        # per-rule figures (shown while a report with their counts is fresh) have data.
+        def send(path):
             while not done.is_set():
-                req = urllib.request.Request(f"http://{proxy_addr}/", headers={"x-api-key": "k"})
+                req = urllib.request.Request(f"http://{proxy_addr}{path}", headers={"x-api-key": "k"})
                 try:
                     urllib.request.urlopen(req, timeout=2).read()
                 except Exception:
                     pass
 
-        senders = [threading.Thread(target=send) for _ in range(4)]
+        senders = [threading.Thread(target=send, args=(p,)) for p in ["/", "/", "/", "/exact"]]
         for t in senders:
             t.start()
+        # A name counts once any read showed it; bounded: 30 s.
         names = set()
-        try:
-            deadline = time.time() + 30
-            while time.time() < deadline and not wanted <= names:
-                for admin in (proxy_admin, agg_admin, ctl_admin):
-                    names |= metrics(admin)[0]
-                time.sleep(0.1)
-        finally:
-            done.set()
-            for t in senders:
-                t.join()
+        deadline = time.time() + 30
+        while time.time() < deadline and not wanted <= names:
+            for admin in (proxy_admin, agg_admin, ctl_admin):
+                names |= metrics(admin)[0]
+            time.sleep(0.1)
         missing = sorted(wanted - names)
         check(not missing, f"every metric the dashboard queries is exported {missing or ''}")
+
+        # A real Prometheus scraping the three as the chart's monitors would (a pod's
+        # namespace and name as target labels), every second.
+        prom_port = free_port()
+        jobs = "".join(f"""  - job_name: {job}
+    scrape_interval: 1s
+    static_configs:
+      - targets: ['{admin}']
+        labels: {{ namespace: shop, pod: {job}-0 }}
+""" for job, admin in [("sidecar", proxy_admin), ("aggregator", agg_admin), ("controller", ctl_admin)])
+        with open(os.path.join(d, "prometheus.yml"), "w") as f:
+            f.write("global: { scrape_interval: 1s, evaluation_interval: 1s }\nscrape_configs:\n" + jobs)
+        procs.append(subprocess.Popen(["prometheus", f"--config.file={d}/prometheus.yml",
+                                       f"--storage.tsdb.path={d}/tsdb", f"--web.listen-address=127.0.0.1:{prom_port}"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        wait_port(prom_port, "prometheus", 60)
+
+        def query(expr):
+            # Grafana's "All" for each variable, and its rate interval for a 1 s scrape.
+            for name, v in variables.items():
+                expr = expr.replace(f"${name}", v.get("allValue") or ".*")
+            expr = expr.replace("$__rate_interval", "10s")
+            url = f"http://127.0.0.1:{prom_port}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+            body = json.load(urllib.request.urlopen(url, timeout=5))
+            return [r for r in body["data"]["result"] if r["value"][1] not in ("NaN", "+Inf", "-Inf")]
+
+        # Each panel has data once any of its queries returns a number; bounded: 60 s.
+        empty = {p["title"] for p in dash["panels"]}
+        deadline = time.time() + 60
+        while empty and time.time() < deadline:
+            for p in dash["panels"]:
+                if p["title"] in empty and any(query(t["expr"]) for t in p["targets"]):
+                    empty.discard(p["title"])
+            time.sleep(0.5)
+        check(not empty, f"every dashboard panel shows data in a real Prometheus ({len(dash['panels'])} panels) {sorted(empty) or ''}")
     finally:
+        done.set()
+        for t in senders:
+            t.join()
+        app.shutdown()
         for p in procs:
             p.kill()
             p.wait()
