@@ -169,7 +169,7 @@ fn bench(c: &mut Criterion) {
         "bench",
     )
     .unwrap();
-    let hygiene = spillway::proxy::Hygiene::of(&config);
+    let hygiene = spillway::hygiene::Hygiene::of(&config);
     let policy = config.client_ip.policy();
     let mut req = http::Request::get("/api/orders?user=bob")
         .header("host", "app")

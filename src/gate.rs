@@ -17,27 +17,20 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body::{Body, Frame, SizeHint};
+use http_body::Body;
 use http_body_util::{Either, Full};
 use serde::Deserialize;
-use smallvec::SmallVec;
+
 use tower::{Layer, Service};
 
 use crate::config::{ClientIp, ConfigError, HeaderMode, Rule, Scope};
 use crate::key::{self, RequestView};
 use crate::limit::{AnyClock, Clock, Permit};
 use crate::metrics::Metrics;
-use crate::proxy::respond;
-use crate::rules::{Admit, Denial, RuleSet, Verdict};
-
-/// Why a request is not admitted.
-#[derive(Debug)]
-pub enum Refusal {
-    /// A rule refused it: 429.
-    Limited(Denial),
-    /// A rule cannot decide it as sent (its cost, a keyed field twice): 400.
-    BadRequest(crate::rules::BadRequest),
-}
+use crate::respond;
+pub use crate::respond::PermitBody;
+pub use crate::rules::Refusal;
+use crate::rules::{Admit, RuleSet, Verdict};
 
 /// Decides `req`, waiting when a rule says so: the leaky bucket's shaping wait, or, for a
 /// rule with `on_limit: delay`, until the limiter admits it (at most `max_delay`, with a place
@@ -103,54 +96,6 @@ pub async fn admit(
     }
 }
 
-/// A response body that holds concurrency slots until it ends or is dropped.
-#[derive(Debug)]
-pub struct PermitBody<B> {
-    inner: B,
-    permits: SmallVec<[Permit; 1]>,
-}
-
-impl<B> PermitBody<B> {
-    pub fn new(inner: B, permits: SmallVec<[Permit; 1]>) -> Self {
-        Self { inner, permits }
-    }
-
-    pub fn inner(&self) -> &B {
-        &self.inner
-    }
-
-    pub fn inner_mut(&mut self) -> &mut B {
-        &mut self.inner
-    }
-}
-
-impl<B: Body + Unpin> Body for PermitBody<B> {
-    type Data = B::Data;
-    type Error = B::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        let polled = Pin::new(&mut self.inner).poll_frame(cx);
-        // Free the slots as soon as the body is over, before its last bytes reach the client:
-        // hyper may never poll a body of known length again, and a client that saw the end
-        // must be able to use the slot it just gave back.
-        if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
-            self.permits.clear();
-        }
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // The tower layer.
 
@@ -207,7 +152,7 @@ struct LayerShared {
     clock: AnyClock,
     metrics: Arc<Metrics>,
     client_ip: key::ClientIpPolicy,
-    hygiene: crate::proxy::Hygiene,
+    hygiene: crate::hygiene::Hygiene,
 }
 
 impl RateLimitLayer {
@@ -234,7 +179,7 @@ impl RateLimitLayer {
                 clock: AnyClock::default(),
                 metrics,
                 client_ip: policy.client_ip.policy(),
-                hygiene: crate::proxy::Hygiene::default(),
+                hygiene: crate::hygiene::Hygiene::default(),
             }),
         })
     }

@@ -10,25 +10,33 @@
 //! - [`gate`]: waiting (delay, shaping), concurrency slots, and the embeddable tower layer.
 //! - [`control`]: reporter, aggregator, controller and the drop-ratio math (fleet limits).
 //! - [`exact`]: `scope: redis`: the Lua scripts, the Redis connection and its circuit breaker.
-//! - [`proxy`]: the data plane (accept, decide, forward, drain) and its one place for 429s.
-//! - [`admin`]: `/metrics`, `/healthz`, `/readyz`, `/config` on their own listener.
+//! - [`hygiene`]: what a request must be before any rule sees it (one `Host`, a canonical
+//!   path, no client claims); [`hop`]: the fields that belong to one connection.
+//! - [`respond`]: the one place that answers by itself: 429s (kept per rule), 4xx/5xx, gRPC.
+//! - [`proxy`]: the data plane (accept, decide, forward, drain) and its admin listener
+//!   (`/metrics`, `/healthz`, `/readyz`, `/config`).
 //! - [`metrics`]: every Prometheus family, handles resolved once.
 //! - [`watch`]: noticing config changes (directory events, SIGHUP) for hot reload.
 //! - [`tune`]: limits from Prometheus history; shadow rules promoted when safe.
 //! - [`ui`]: the built-in status page on the admin ports.
 //! - [`demo`]: a self-contained run that shows the limiter at work.
+//!
+//! No module imports one that imports it back (`tests/modules.rs`): from `limit`, `key`,
+//! `config` and `metrics` up through `rules`, `respond` and `gate` to `proxy` and `control`.
 
-pub mod admin;
 pub mod config;
 pub mod control;
 pub mod demo;
 pub mod exact;
 pub mod gate;
+pub mod hop;
+pub mod hygiene;
 pub mod inject;
 pub mod key;
 pub mod limit;
 pub mod metrics;
 pub mod proxy;
+pub mod respond;
 pub mod rules;
 pub mod target;
 pub mod tune;

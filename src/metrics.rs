@@ -194,7 +194,7 @@ pub struct Metrics {
     pub delayed: IntCounterVec,
     durations: [Histogram; 3],
     upstream_errors: [IntCounter; 5],
-    /// `spillway_upstream_connections_discarded_total{reason}`, by `h1::Unusable`.
+    /// `spillway_upstream_connections_discarded_total{reason}`, by [`Unusable`].
     pub upstream_discards: [IntCounter; 3],
     /// `spillway_client_send_timeouts_total`.
     pub send_timeouts: IntCounter,
@@ -460,8 +460,7 @@ impl Metrics {
             registry.register(c).expect("metric names are unique");
         }
         let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
-        let upstream_discards = crate::proxy::http1::client::Unusable::ALL
-            .map(|k| discarded.with_label_values(&[k.label()]));
+        let upstream_discards = Unusable::ALL.map(|k| discarded.with_label_values(&[k.label()]));
         Self {
             registry,
             requests,
@@ -552,4 +551,27 @@ pub fn register_process(registry: &Registry) {
     let _ = registry.register(Box::new(
         prometheus::process_collector::ProcessCollector::for_self(),
     ));
+}
+
+/// Why an upstream connection was closed instead of reused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unusable {
+    /// Bytes were left after the response's framing.
+    Leftover = 0,
+    /// The upstream sent bytes while the connection was idle.
+    Readable = 1,
+    /// The upstream closed it (or it failed).
+    Closed = 2,
+}
+
+impl Unusable {
+    pub const ALL: [Unusable; 3] = [Unusable::Leftover, Unusable::Readable, Unusable::Closed];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Unusable::Leftover => "leftover",
+            Unusable::Readable => "unasked_bytes",
+            Unusable::Closed => "closed",
+        }
+    }
 }

@@ -39,7 +39,7 @@ use crate::limit::{
     NANOS_PER_SEC,
 };
 use crate::metrics::Metrics;
-use crate::proxy::respond::Answers;
+use crate::respond::answers::Answers;
 
 /// Every rule of one configuration, ready to decide.
 pub struct RuleSet {
@@ -174,6 +174,15 @@ impl Refused {
         let until = self.until.load(Ordering::Relaxed);
         (until > now && cost >= self.cost.load(Ordering::Relaxed)).then(|| until - now)
     }
+}
+
+/// Why a request is not admitted.
+#[derive(Debug)]
+pub enum Refusal {
+    /// A rule refused it: 429.
+    Limited(Denial),
+    /// A rule cannot decide it as sent (its cost, a keyed field twice): 400.
+    BadRequest(crate::rules::BadRequest),
 }
 
 /// What a granted rule needs at the end of the decision (count it) or on a refusal (refund).

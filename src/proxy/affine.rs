@@ -46,7 +46,9 @@ use atomic_waker::AtomicWaker;
 use http::{Request, Response, Version};
 use tokio::net::TcpStream;
 
-use super::forward::{Added, Failure, ReqBody};
+use super::body::ReqBody;
+use super::failure::Failure;
+use super::forwarded::Added;
 use super::http1::client::{self as h1, Raw, RawBody, Unusable};
 
 /// `spillway_upstream_connections_discarded_total{reason}`, by [`Unusable`].

@@ -9,237 +9,36 @@
 //! client, or `h1::RawBody` from the client connection's own upstream connection) is streamed
 //! back as it comes.
 
-use std::error::Error as _;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
-use http_body::{Body as _, Frame};
+use http_body::Body as _;
 use http_body_util::Either;
-use hyper::body::Incoming;
+
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use smallvec::SmallVec;
 
 use super::affine::{Affine, Cap, Upstream};
+use super::body::in_hand;
+pub use super::body::{emptied, Ended, InHand, ReqBody, Streamed};
 use super::coarse::{timeout, Sleep, Timers};
+pub use super::failure::{Failure, Saturated};
+pub use super::forwarded::Added;
+use super::http1::framing::has_token;
+pub use super::respond::UpstreamBody;
 use super::respond::{self, Body};
 use crate::config::UpgradeProtocol;
-use crate::gate::PermitBody;
+use crate::hop::strip_hop_by_hop;
 use crate::limit::Permit;
 use crate::metrics::{Metrics, UpstreamError};
+use crate::respond::PermitBody;
 
 pub type UpstreamClient = Client<Capped, ReqBody>;
-
-/// A client request's body: hyper's, or one read whole before it goes on (by our own HTTP/1
-/// server side, `inbound`, with its head; or a small one of hyper's that was all there).
-pub type ReqBody = Either<Streamed, InHand>;
-
-/// hyper's body of a request, behind the frames of it already read (see [`in_hand`]).
-#[derive(Debug)]
-pub struct Streamed {
-    /// Boxed: rarely any, and every request (kept in its connection's slot) would carry the room.
-    ahead: Option<Box<Ahead>>,
-    rest: Incoming,
-}
-
-/// The frames of a body read before the body went on, in order; and who is told when the body
-/// has been read to its end.
-#[derive(Debug, Default)]
-struct Ahead {
-    frames: std::collections::VecDeque<Frame<Bytes>>,
-    ended: Option<Arc<Ended>>,
-}
-
-/// Set once a body has been read to its end: how `inbound` knows that hyper's server has read
-/// the whole of a request it served, and may give its connection back.
-#[derive(Debug, Default)]
-pub struct Ended(std::sync::atomic::AtomicBool);
-
-impl Ended {
-    pub fn set(&self) {
-        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    pub fn is_set(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::Relaxed)
-    }
-}
-
-impl Streamed {
-    pub fn new(rest: Incoming) -> Self {
-        Self { ahead: None, rest }
-    }
-
-    /// A body that sets `ended` once it has been read to its end.
-    pub fn watched(rest: Incoming, ended: Arc<Ended>) -> Self {
-        let ahead = Ahead {
-            frames: Default::default(),
-            ended: Some(ended),
-        };
-        Self {
-            ahead: Some(Box::new(ahead)),
-            rest,
-        }
-    }
-
-    /// Tells whoever watches this body that hyper's part of it is over, when `over`.
-    fn over(&self, over: bool) -> bool {
-        if over {
-            if let Some(ended) = self.ahead.as_ref().and_then(|a| a.ended.as_ref()) {
-                ended.set();
-            }
-        }
-        over
-    }
-}
-
-impl http_body::Body for Streamed {
-    type Data = Bytes;
-    type Error = hyper::Error;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        if let Some(frame) = self
-            .ahead
-            .as_mut()
-            .and_then(|ahead| ahead.frames.pop_front())
-        {
-            return std::task::Poll::Ready(Some(Ok(frame)));
-        }
-        let polled = std::pin::Pin::new(&mut self.rest).poll_frame(cx);
-        match &polled {
-            std::task::Poll::Ready(None) => self.over(true),
-            std::task::Poll::Ready(Some(Ok(_))) => self.over(self.rest.is_end_stream()),
-            _ => false,
-        };
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.ahead
-            .as_ref()
-            .is_none_or(|ahead| ahead.frames.is_empty())
-            && self.over(self.rest.is_end_stream())
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        let ahead = self.ahead.iter().flat_map(|ahead| ahead.frames.iter());
-        let ahead: u64 = ahead
-            .filter_map(|f| f.data_ref())
-            .map(|d| d.len() as u64)
-            .sum();
-        let rest = self.rest.size_hint();
-        let mut hint = http_body::SizeHint::new();
-        hint.set_lower(rest.lower() + ahead);
-        if let Some(upper) = rest.upper() {
-            hint.set_upper(upper + ahead);
-        }
-        hint
-    }
-}
-
-/// Reads what of hyper's `body` is there already, without waiting; the whole body when that
-/// was all of it and it is `length` bytes of data. Otherwise what was read stays ahead of the
-/// rest, for the pooled client to stream. An error is the client's (a malformed or cut body).
-/// Called once per request, before anything else reads the body.
-async fn in_hand(body: &mut Streamed, length: usize) -> Result<Option<Bytes>, hyper::Error> {
-    // Most small bodies are one frame: no allocation for it.
-    let mut frames: SmallVec<[Frame<Bytes>; 1]> = SmallVec::new();
-    let whole = std::future::poll_fn(|cx| {
-        let mut read = 0;
-        while !body.rest.is_end_stream() && read <= length {
-            match std::pin::Pin::new(&mut body.rest).poll_frame(cx) {
-                std::task::Poll::Ready(Some(Ok(frame))) => {
-                    read += frame.data_ref().map_or(0, |d| d.len());
-                    frames.push(frame);
-                }
-                std::task::Poll::Ready(Some(Err(e))) => return std::task::Poll::Ready(Err(e)),
-                std::task::Poll::Ready(None) => {
-                    body.over(true);
-                    break;
-                }
-                std::task::Poll::Pending => return std::task::Poll::Ready(Ok(false)),
-            }
-        }
-        std::task::Poll::Ready(Ok(body.rest.is_end_stream()
-            && read == length
-            && frames.iter().all(Frame::is_data)))
-    })
-    .await?;
-    body.over(body.rest.is_end_stream());
-    if !whole {
-        if !frames.is_empty() {
-            let ahead = body.ahead.get_or_insert_with(Default::default);
-            ahead.frames.extend(frames);
-        }
-        return Ok(None);
-    }
-    // Every frame is data (`whole`). One is the body as it came; more are joined.
-    if frames.len() == 1 {
-        return Ok(frames.pop().and_then(|f| f.into_data().ok()));
-    }
-    let mut all = bytes::BytesMut::with_capacity(length);
-    for data in frames.into_iter().filter_map(|f| f.into_data().ok()) {
-        all.extend_from_slice(&data);
-    }
-    Ok(Some(all.freeze()))
-}
-
-/// What a borrowed request keeps when its body (or the whole request) is taken out of it.
-pub fn emptied() -> ReqBody {
-    Either::Right(InHand::default())
-}
-
-/// A request body read whole before the request was made, given as one frame.
-#[derive(Debug, Default)]
-pub struct InHand(Option<Bytes>);
-
-impl InHand {
-    pub fn new(bytes: Bytes) -> Self {
-        Self((!bytes.is_empty()).then_some(bytes))
-    }
-
-    /// What is left to give: all of it until the body is polled.
-    pub fn bytes(&self) -> &[u8] {
-        self.0.as_deref().unwrap_or_default()
-    }
-}
-
-impl http_body::Body for InHand {
-    type Data = Bytes;
-    type Error = std::convert::Infallible;
-
-    fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
-        _: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        std::task::Poll::Ready(self.0.take().map(|b| Ok(http_body::Frame::data(b))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.0.is_none()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        http_body::SizeHint::with_exact(self.bytes().len() as u64)
-    }
-}
-
-/// An upstream response's body: from the pooled client, or read from our own connection.
-pub type UpstreamBody = Either<Incoming, super::http1::client::RawBody>;
-
-static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
-static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
 /// Builds the pooled upstream client: HTTP/1.1, or HTTP/2 with prior knowledge when `h2`.
 /// Each connection it opens holds a permit of `cap` while open.
@@ -279,18 +78,6 @@ pub struct Capped {
     cap: Arc<Cap>,
     wait: Duration,
 }
-
-/// No upstream connection came free within `timeouts.upstream_connect`.
-#[derive(Debug)]
-pub struct Saturated;
-
-impl std::fmt::Display for Saturated {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("no upstream connection came free in time")
-    }
-}
-
-impl std::error::Error for Saturated {}
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -378,19 +165,6 @@ impl hyper_util::client::legacy::connect::Connection for CappedIo {
     }
 }
 
-/// Why a request got no response from the upstream.
-#[derive(Debug)]
-pub enum Failure {
-    Connect(std::io::Error),
-    ConnectTimeout,
-    /// The exchange on an upstream connection of our own failed.
-    Raw(std::io::Error),
-    /// The pooled client failed.
-    Pooled(hyper_util::client::legacy::Error),
-    /// No upstream connection came free in time under the caps.
-    Saturated,
-}
-
 /// What the request path knows when it forwards.
 pub struct Forward<'a> {
     pub client: &'a UpstreamClient,
@@ -441,7 +215,7 @@ impl Forward<'_> {
         let length = (coming && self.affine.is_some() && upgrade.is_none())
             .then(|| one_length(req.headers()))
             .flatten()
-            .filter(|n| *n <= super::http1::server::IN_HAND as u64);
+            .filter(|n| *n <= super::body::IN_HAND as u64);
         if let (Some(length), Either::Left(body)) = (length, req.body_mut()) {
             match in_hand(body, length as usize).await {
                 Ok(Some(whole)) => *req.body_mut() = Either::Right(InHand::new(whole)),
@@ -642,145 +416,6 @@ pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Response<Body> {
     resp
 }
 
-/// The headers a hop sets on a request: `Host` when it has none, `X-Forwarded-For` (the
-/// client's lines folded, the peer appended), `X-Forwarded-Proto` and `-Host` (the client's
-/// kept only from a trusted hop). Found in one pass over the client's headers, then either
-/// written into them (the pooled client) or written after those that go on (`h1`).
-pub struct Added {
-    host: Option<HeaderValue>,
-    /// Kept inline: the client's list and the peer's address fit in most cases, and the
-    /// value is only written out (a `HeaderValue` of it is made for the pooled client).
-    forwarded_for: SmallVec<[u8; FORWARDED_FOR_INLINE]>,
-    proto: Option<HeaderValue>,
-    forwarded_host: Option<HeaderValue>,
-    /// The names the client's `Connection` lists: those fields do not go on.
-    listed: SmallVec<[HeaderName; 1]>,
-    /// The client's `X-Forwarded-*` come from a trusted hop.
-    trusted: bool,
-    /// `Connection: close` goes upstream, and the connection is not reused after the answer.
-    pub close: bool,
-}
-
-/// Bytes of `X-Forwarded-For` kept in [`Added`] without an allocation.
-const FORWARDED_FOR_INLINE: usize = 48;
-
-impl Added {
-    /// `authority`: the request target's, if absolute (or HTTP/2's `:authority`), the `Host`
-    /// when the client sent none; else `default_host`.
-    pub fn of(
-        headers: &HeaderMap,
-        authority: Option<&http::uri::Authority>,
-        default_host: Option<&http::uri::Authority>,
-        peer: IpAddr,
-        trust_forwarded: bool,
-    ) -> Added {
-        let (mut host, mut proto, mut forwarded_host) = (None, false, false);
-        let mut connection = SmallVec::<[&HeaderValue; 1]>::new();
-        let mut forwarded_for = SmallVec::new();
-        for (name, value) in headers {
-            if name == header::HOST {
-                host = host.or(Some(value));
-            } else if name == header::CONNECTION {
-                connection.push(value);
-            } else if name == X_FORWARDED_FOR {
-                if value.to_str().is_ok() {
-                    forwarded_for.extend_from_slice(value.as_bytes());
-                    forwarded_for.extend_from_slice(b", ");
-                }
-            } else if name == X_FORWARDED_PROTO {
-                proto = true;
-            } else if name == X_FORWARDED_HOST {
-                forwarded_host = true;
-            }
-        }
-        let listed: SmallVec<[HeaderName; 1]> = listed(connection.iter().map(|v| v.as_bytes()))
-            .into_iter()
-            .filter_map(|t| HeaderName::from_bytes(t).ok())
-            .collect();
-        // What the client's `Connection` names is gone before the hop's fields are worked
-        // out (`Connection: X-Forwarded-For` drops the client's list, as stripping first did).
-        if !listed.is_empty() {
-            let named = |n: &HeaderName| listed.contains(n);
-            host = host.filter(|_| !named(&header::HOST));
-            if named(&X_FORWARDED_FOR) {
-                forwarded_for.clear();
-            }
-            proto &= !named(&X_FORWARDED_PROTO);
-            forwarded_host &= !named(&X_FORWARDED_HOST);
-        }
-        // A client's own list would be believed by an app that reads its leftmost entry: only a
-        // listed proxy's is kept; anyone else's is replaced by the address it came from.
-        if !trust_forwarded {
-            forwarded_for.clear();
-        }
-        put_address(&mut forwarded_for, peer);
-        let added_host = match host {
-            Some(_) => None,
-            None => authority
-                .or(default_host)
-                .and_then(|a| HeaderValue::from_str(a.as_str()).ok()),
-        };
-        let forwarded_host = (!trust_forwarded || !forwarded_host)
-            .then(|| host.or(added_host.as_ref()).cloned())
-            .flatten();
-        Added {
-            host: added_host,
-            forwarded_for,
-            proto: (!trust_forwarded || !proto).then(|| HeaderValue::from_static("http")),
-            forwarded_host,
-            listed,
-            trusted: trust_forwarded,
-            close: false,
-        }
-    }
-
-    /// Rewrites `headers` in place for the pooled client: the connection's own fields go
-    /// (`Upgrade` stays for an `upgrade`), the hop's are set.
-    pub fn apply(&self, headers: &mut HeaderMap, upgrade: bool) {
-        strip_hop_by_hop(headers, upgrade);
-        for (name, value) in self.fields() {
-            // Made of visible ASCII only (the client's values that are text, and an address).
-            if let Ok(value) = HeaderValue::from_bytes(value) {
-                headers.insert(name.clone(), value);
-            }
-        }
-        if !self.trusted && self.forwarded_host.is_none() {
-            headers.remove(&X_FORWARDED_HOST);
-        }
-    }
-
-    /// The headers set, each replacing the client's of that name.
-    pub fn fields(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
-        let close = self.close.then_some((&header::CONNECTION, &b"close"[..]));
-        self.set().chain(close)
-    }
-
-    /// The end-to-end headers set (`Connection: close`, when set, is the hop's own).
-    pub fn set(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
-        fn value(v: &Option<HeaderValue>) -> Option<&[u8]> {
-            v.as_ref().map(HeaderValue::as_bytes)
-        }
-        [
-            (&header::HOST, value(&self.host)),
-            (&X_FORWARDED_FOR, Some(&self.forwarded_for[..])),
-            (&X_FORWARDED_PROTO, value(&self.proto)),
-            (&X_FORWARDED_HOST, value(&self.forwarded_host)),
-        ]
-        .into_iter()
-        .filter_map(|(name, value)| value.map(|v| (name, v)))
-    }
-
-    /// Whether the client's header `name` goes on (upgrades aside: those take the pooled
-    /// client): not one of the connection's own, not one set here, no `X-Forwarded-Host` from
-    /// an untrusted client (one without any host to replace it with goes too).
-    pub fn passes(&self, name: &HeaderName) -> bool {
-        !hop_by_hop(name)
-            && !self.listed.contains(name)
-            && self.set().all(|(set, _)| set != name)
-            && (self.trusted || name != X_FORWARDED_HOST)
-    }
-}
-
 /// The listed protocol an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade: ...`)
 /// asks for: its one `Upgrade` value must be a protocol of `allowed` (a version suffix such
 /// as `websocket/13` is not one: WebSocket is asked for as `websocket`).
@@ -809,175 +444,6 @@ fn one_length(headers: &HeaderMap) -> Option<u64> {
     }
 }
 
-/// Whether the comma-separated `list` (a header value) holds `token`, whatever its case.
-pub(super) fn has_token(list: &[u8], token: &[u8]) -> bool {
-    list.split(|&b| b == b',')
-        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
-}
-
-/// Whether `name` is one of the fields that always belong to one connection (RFC 9110
-/// §7.6.1): [`HOP_BY_HOP`] and `Upgrade`. Those a message's `Connection` lists are [`listed`].
-pub(super) fn hop_by_hop(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(&name) || name == header::UPGRADE
-}
-
-/// The field names a message's `Connection` values list beyond those [`hop_by_hop`] covers:
-/// usually none at all, or `close` (no field is named so; one that were would go too, as it
-/// always has through [`strip_hop_by_hop`], which uses this list).
-pub(super) fn listed<'a>(
-    connection: impl IntoIterator<Item = &'a [u8]>,
-) -> SmallVec<[&'a [u8]; 2]> {
-    connection
-        .into_iter()
-        .flat_map(|v| v.split(|&b| b == b','))
-        .map(<[u8]>::trim_ascii)
-        .filter(|t| {
-            !t.is_empty()
-                && !t.eq_ignore_ascii_case(b"upgrade")
-                && !HOP_BY_HOP
-                    .iter()
-                    .any(|h| h.as_str().as_bytes().eq_ignore_ascii_case(t))
-        })
-        .collect()
-}
-
-/// Removes the headers that belong to one connection (RFC 9110 §7.6.1), including those the
-/// `Connection` header names. With `keep_upgrade`, `Upgrade` and `Connection: upgrade` stay.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
-    // Which of HOP_BY_HOP (bit i) and Upgrade the message carries, in one pass over the names
-    // (standard ones compare as enums): only those present are then removed, each a hashed
-    // lookup. Most requests carry none; most responses of nginx `Connection: keep-alive`.
-    const UPGRADE: u16 = 1 << HOP_BY_HOP.len();
-    let mut present = 0u16;
-    for name in headers.keys() {
-        if let Some(i) = HOP_BY_HOP.iter().position(|h| *h == name) {
-            present |= 1 << i;
-        } else if name == header::UPGRADE {
-            present |= UPGRADE;
-        }
-    }
-    if present == 0 && !keep_upgrade {
-        return;
-    }
-    // HOP_BY_HOP[0] is `Connection`; the other headers it names go too (`upgrade` and
-    // HOP_BY_HOP's own are dealt with below, by what the pass found). The values are shared
-    // with the parsed message (cloning one counts a reference), and each named header is
-    // removed by its text: no header name is allocated.
-    if present & 1 != 0 {
-        let connection: SmallVec<[HeaderValue; 2]> = headers
-            .get_all(header::CONNECTION)
-            .iter()
-            .cloned()
-            .collect();
-        for token in listed(connection.iter().map(HeaderValue::as_bytes)) {
-            if let Ok(name) = std::str::from_utf8(token) {
-                headers.remove(name);
-            }
-        }
-    }
-    for (i, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & (1 << i) != 0 {
-            headers.remove(*name);
-        }
-    }
-    if keep_upgrade {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    } else if present & UPGRADE != 0 {
-        headers.remove(header::UPGRADE);
-    }
-}
-
-/// The headers [`strip_hop_by_hop`] always removes (`Upgrade` too, unless upgrading).
-static HOP_BY_HOP: [&HeaderName; 8] = [
-    &header::CONNECTION,
-    &KEEP_ALIVE,
-    &PROXY_CONNECTION,
-    &header::TE,
-    &header::TRAILER,
-    &header::TRANSFER_ENCODING,
-    &header::PROXY_AUTHENTICATE,
-    &header::PROXY_AUTHORIZATION,
-];
-
-/// Writes `peer` as std writes it (an IPv4-mapped address as IPv4).
-fn put_address(value: &mut SmallVec<[u8; FORWARDED_FOR_INLINE]>, peer: IpAddr) {
-    use std::io::Write;
-    match peer.to_canonical() {
-        // By hand: core's formatting of an address costs ten times as much.
-        IpAddr::V4(v4) => {
-            for (i, octet) in v4.octets().into_iter().enumerate() {
-                if i > 0 {
-                    value.push(b'.');
-                }
-                put_decimal(value, octet);
-            }
-        }
-        v6 => {
-            let _ = write!(value, "{v6}");
-        }
-    }
-}
-
-/// `n` in decimal, without leading zeros.
-fn put_decimal(out: &mut SmallVec<[u8; FORWARDED_FOR_INLINE]>, n: u8) {
-    if n >= 100 {
-        out.push(b'0' + n / 100);
-    }
-    if n >= 10 {
-        out.push(b'0' + n / 10 % 10);
-    }
-    out.push(b'0' + n % 10);
-}
-
-impl Failure {
-    /// True when sending failed because reading the client's request body failed (hyper
-    /// reports the body stream's error as a user error, caused by the incoming body's own
-    /// error).
-    fn client_body_failed(&self) -> bool {
-        let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
-            Failure::Pooled(e) => Some(e),
-            Failure::Raw(_)
-            | Failure::Connect(_)
-            | Failure::ConnectTimeout
-            | Failure::Saturated => None,
-        };
-        while let Some(s) = source {
-            if let Some(h) = s.downcast_ref::<hyper::Error>() {
-                if h.is_user() && h.source().is_some_and(|inner| inner.is::<hyper::Error>()) {
-                    return true;
-                }
-            }
-            source = s.source();
-        }
-        false
-    }
-
-    fn classify(&self) -> UpstreamError {
-        match self {
-            Failure::Connect(_) => UpstreamError::Connect,
-            Failure::ConnectTimeout => UpstreamError::ConnectTimeout,
-            Failure::Saturated => UpstreamError::Saturated,
-            Failure::Raw(_) => UpstreamError::Protocol,
-            Failure::Pooled(e) if !e.is_connect() => UpstreamError::Protocol,
-            Failure::Pooled(e) => {
-                let mut source = std::error::Error::source(e);
-                while let Some(s) = source {
-                    if s.is::<Saturated>() {
-                        return UpstreamError::Saturated;
-                    }
-                    if let Some(io) = s.downcast_ref::<std::io::Error>() {
-                        if io.kind() == std::io::ErrorKind::TimedOut {
-                            return UpstreamError::ConnectTimeout;
-                        }
-                    }
-                    source = s.source();
-                }
-                UpstreamError::Connect
-            }
-        }
-    }
-}
-
 /// Copies bytes both ways between an upgraded client connection and the upstream's, holding
 /// the request's concurrency slots until both sides are done.
 async fn splice(
@@ -1001,41 +467,6 @@ async fn splice(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn hop_by_hop_headers_and_those_connection_names_are_removed() {
-        let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, "keep-alive, x-secret".parse().unwrap());
-        h.insert("x-secret", "1".parse().unwrap());
-        h.insert("keep-alive", "timeout=5".parse().unwrap());
-        h.insert(header::TE, "trailers".parse().unwrap());
-        h.insert(header::UPGRADE, "websocket".parse().unwrap());
-        h.insert("x-kept", "1".parse().unwrap());
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h.len(), 1, "{h:?}");
-        assert!(h.contains_key("x-kept"));
-    }
-
-    #[test]
-    fn names_in_connection_match_whatever_their_case_and_odd_tokens_are_ignored() {
-        let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, "X-Secret , ,bad name".parse().unwrap());
-        h.insert("x-secret", "1".parse().unwrap());
-        h.insert("x-kept", "1".parse().unwrap());
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h.len(), 1, "{h:?}");
-        assert!(h.contains_key("x-kept"));
-    }
-
-    #[test]
-    fn a_message_without_hop_by_hop_headers_is_left_as_it_is() {
-        let mut h = HeaderMap::new();
-        h.insert(header::HOST, "app".parse().unwrap());
-        h.insert("x-client", "c1".parse().unwrap());
-        let before = h.clone();
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h, before);
-    }
 
     #[test]
     fn an_upgrade_keeps_its_upgrade_headers() {
@@ -1070,189 +501,5 @@ mod tests {
         );
         h.append(header::UPGRADE, "h2c".parse().unwrap());
         assert_eq!(upgrade_asked(&h, &[UpgradeProtocol::Websocket]), None);
-    }
-
-    fn added(h: &HeaderMap, trust: bool) -> Added {
-        Added::of(h, None, None, "::ffff:10.0.0.1".parse().unwrap(), trust)
-    }
-
-    #[test]
-    fn forwarded_for_lines_fold_and_the_peer_is_appended() {
-        let mut h = HeaderMap::new();
-        h.append(&X_FORWARDED_FOR, "1.1.1.1".parse().unwrap());
-        h.append(&X_FORWARDED_FOR, "2.2.2.2".parse().unwrap());
-        let a = added(&h, true);
-        assert_eq!(&a.forwarded_for[..], b"1.1.1.1, 2.2.2.2, 10.0.0.1");
-        // From a peer that is not a listed proxy, the list is the peer alone.
-        assert_eq!(&added(&h, false).forwarded_for[..], b"10.0.0.1");
-        assert!(
-            !a.passes(&X_FORWARDED_FOR),
-            "the client's lines are replaced"
-        );
-    }
-
-    #[test]
-    fn a_forwarded_for_list_longer_than_kept_inline_is_whole() {
-        let long = (1..=12)
-            .map(|i| format!("10.0.{i}.{i}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        assert!(long.len() > FORWARDED_FOR_INLINE);
-        let mut h = HeaderMap::new();
-        h.append(&X_FORWARDED_FOR, long.parse().unwrap());
-        let a = added(&h, true);
-        assert_eq!(&a.forwarded_for[..], format!("{long}, 10.0.0.1").as_bytes());
-        let mut rewritten = h.clone();
-        a.apply(&mut rewritten, false);
-        assert_eq!(rewritten[&X_FORWARDED_FOR], format!("{long}, 10.0.0.1"));
-    }
-
-    /// The headers the upstream gets, as the pooled client sends them (rewritten in place)
-    /// and as `h1` writes them (the client's that pass, then the added): the same.
-    fn both_ways(h: &HeaderMap, authority: Option<&str>, trust: bool) -> Vec<(String, String)> {
-        let authority: Option<http::uri::Authority> = authority.map(|a| a.parse().unwrap());
-        let peer: IpAddr = "192.0.2.7".parse().unwrap();
-        let a = Added::of(h, None, authority.as_ref(), peer, trust);
-        let mut rewritten = h.clone();
-        a.apply(&mut rewritten, false);
-        let written = h
-            .iter()
-            .filter(|(name, _)| a.passes(name))
-            .map(|(n, v)| (n, v.as_bytes()))
-            .chain(a.fields());
-        let sorted = |it: &mut dyn Iterator<Item = (&HeaderName, &[u8])>| {
-            let mut v: Vec<(String, String)> = it
-                .map(|(n, v)| (n.to_string(), String::from_utf8(v.to_vec()).unwrap()))
-                .collect();
-            v.sort();
-            v
-        };
-        let (left, right) = (
-            sorted(&mut rewritten.iter().map(|(n, v)| (n, v.as_bytes()))),
-            sorted(&mut written.into_iter()),
-        );
-        assert_eq!(left, right, "rewritten vs written, from {h:?}");
-        left
-    }
-
-    #[test]
-    fn the_pooled_client_and_the_own_connection_send_the_same_headers() {
-        let plain = crate::key::tests::headers(&[("host", "shop"), ("x-client", "c1")]);
-        let sent = both_ways(&plain, None, false);
-        assert!(sent.contains(&("x-forwarded-for".into(), "192.0.2.7".into())));
-        assert!(sent.contains(&("x-forwarded-host".into(), "shop".into())));
-        assert!(sent.contains(&("x-forwarded-proto".into(), "http".into())));
-        assert_eq!(sent.len(), 5);
-
-        let busy = crate::key::tests::headers(&[
-            ("connection", "keep-alive, X-Secret"),
-            ("x-secret", "1"),
-            ("keep-alive", "timeout=5"),
-            ("te", "trailers"),
-            ("upgrade", "h2c"),
-            ("proxy-authorization", "Basic Zm9v"),
-            ("x-forwarded-for", "1.1.1.1"),
-            ("x-forwarded-for", "2.2.2.2, 3.3.3.3"),
-            ("x-forwarded-proto", "https"),
-            ("x-forwarded-host", "front"),
-            ("x-kept", "a"),
-            ("x-kept", "b"),
-        ]);
-        for trust in [false, true] {
-            let sent = both_ways(&busy, Some("app:8080"), trust);
-            let proto = if trust { "https" } else { "http" };
-            let fhost = if trust { "front" } else { "app:8080" };
-            let xff = if trust {
-                "1.1.1.1, 2.2.2.2, 3.3.3.3, 192.0.2.7"
-            } else {
-                "192.0.2.7"
-            };
-            let mut want: Vec<(String, String)> = [
-                ("host", "app:8080"),
-                ("x-forwarded-for", xff),
-                ("x-forwarded-proto", proto),
-                ("x-forwarded-host", fhost),
-                ("x-kept", "a"),
-                ("x-kept", "b"),
-            ]
-            .iter()
-            .map(|(n, v)| (n.to_string(), v.to_string()))
-            .collect();
-            want.sort();
-            assert_eq!(sent, want, "trusted: {trust}");
-        }
-
-        // `Connection: close` names an option, and a field called so (were there one) goes
-        // the same way on both paths.
-        let closing = crate::key::tests::headers(&[
-            ("host", "shop"),
-            ("connection", "close"),
-            ("close", "x"),
-        ]);
-        let sent = both_ways(&closing, None, false);
-        assert!(
-            sent.iter().all(|(n, _)| n != "close" && n != "connection"),
-            "{sent:?}"
-        );
-
-        // A field the client's `Connection` names is gone before the hop's are worked out.
-        let named = crate::key::tests::headers(&[
-            ("host", "shop"),
-            ("connection", "X-Forwarded-For, x-forwarded-proto"),
-            ("x-forwarded-for", "1.1.1.1"),
-            ("x-forwarded-proto", "https"),
-        ]);
-        for trust in [false, true] {
-            let sent = both_ways(&named, None, trust);
-            assert!(sent.contains(&("x-forwarded-for".into(), "192.0.2.7".into())));
-            assert!(sent.contains(&("x-forwarded-proto".into(), "http".into())));
-        }
-
-        // No host to say (an HTTP/1.0 request without `Host` through the pool): an untrusted
-        // client's X-Forwarded-Host does not go on for want of one.
-        let hostless = crate::key::tests::headers(&[("x-forwarded-host", "evil")]);
-        let names =
-            |sent: Vec<(String, String)>| sent.into_iter().map(|(n, _)| n).collect::<Vec<_>>();
-        assert_eq!(
-            names(both_ways(&hostless, None, false)),
-            ["x-forwarded-for", "x-forwarded-proto"]
-        );
-        assert!(names(both_ways(&hostless, None, true)).contains(&"x-forwarded-host".to_string()));
-    }
-
-    #[test]
-    fn a_keep_alive_response_loses_its_connection_header_and_nothing_else() {
-        let mut h = HeaderMap::new();
-        h.insert(header::SERVER, "nginx".parse().unwrap());
-        h.insert(header::CONTENT_LENGTH, "3".parse().unwrap());
-        h.insert(header::CONNECTION, "Keep-Alive".parse().unwrap());
-        h.insert("keep-alive", "timeout=5".parse().unwrap());
-        strip_hop_by_hop(&mut h, false);
-        assert_eq!(h.len(), 2, "{h:?}");
-        assert!(h.contains_key(header::SERVER) && h.contains_key(header::CONTENT_LENGTH));
-    }
-
-    #[test]
-    fn the_peer_address_is_written_as_std_writes_it() {
-        for peer in [
-            "0.0.0.0",
-            "9.10.99.100",
-            "127.0.0.1",
-            "255.255.255.255",
-            "10.200.3.45",
-            "::1",
-            "2001:db8::8a2e:370:7334",
-            "::ffff:192.168.0.1",
-        ] {
-            let ip: IpAddr = peer.parse().unwrap();
-            let mut out = SmallVec::new();
-            put_address(&mut out, ip);
-            assert_eq!(&out[..], ip.to_canonical().to_string().as_bytes());
-        }
-        for n in 0..=255u8 {
-            let mut out = SmallVec::new();
-            put_decimal(&mut out, n);
-            assert_eq!(&out[..], n.to_string().as_bytes());
-        }
     }
 }

@@ -18,10 +18,14 @@
 //! uncontended lock to arm and one to disarm each, not tokio's timer wheel).
 
 mod accept;
+mod admin;
 mod affine;
+mod body;
 mod coarse;
+mod failure;
 mod fds;
 pub mod forward;
+mod forwarded;
 pub(crate) mod http1;
 pub mod reload;
 pub mod respond;
@@ -42,11 +46,11 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
-use crate::admin;
 use crate::config::{Config, ConfigError, ControlPlane};
 use crate::control::reporter::Reporter;
 use crate::control::{DropRatios, Staleness};
 use crate::gate;
+use crate::hygiene::{Hygiene, TOO_LARGE};
 use crate::key::{self, RequestView};
 use crate::limit::{AnyClock, Clock};
 use crate::metrics::{Metrics, Outcome};
@@ -824,143 +828,6 @@ async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
     }
     metrics.duration(outcome).observe(elapsed(shared, start));
     resp
-}
-
-/// What is checked and rewritten in a request before any rule sees it: one valid `Host`, one
-/// canonical path, no field the app will not get, no client-written claim the app might believe.
-pub struct Hygiene {
-    /// Larger request heads (fields and target) are refused with 431 ([`TOO_LARGE`]).
-    max_header_bytes: usize,
-    /// HTTP/1.1 needs its one `Host` (the sidecar; an embedding server frames its own).
-    require_host: bool,
-    normalize_path: bool,
-    reject_separators: bool,
-    strict_path: bool,
-    upgrades: Vec<crate::config::UpgradeProtocol>,
-    /// `bodies_on_get: reject`: a GET or HEAD with a body is answered 400.
-    reject_get_bodies: bool,
-}
-
-impl Default for Hygiene {
-    /// The defaults of a configuration that says nothing, for the tower layer: the server
-    /// that embeds it owns the framing, so a request without `Host` is its business.
-    fn default() -> Self {
-        Hygiene {
-            max_header_bytes: usize::MAX,
-            require_host: false,
-            normalize_path: true,
-            reject_separators: false,
-            strict_path: false,
-            upgrades: crate::config::default_upgrades(),
-            reject_get_bodies: false,
-        }
-    }
-}
-
-impl Hygiene {
-    pub fn of(config: &Config) -> Self {
-        Hygiene {
-            max_header_bytes: config.limits.max_header_bytes.0,
-            require_host: true,
-            normalize_path: config.normalize_path,
-            reject_separators: config.path_escapes == crate::config::PathEscapes::Reject,
-            strict_path: config.path_match == crate::config::PathMatch::Strict,
-            upgrades: config.upgrades.clone(),
-            reject_get_bodies: config.bodies_on_get == crate::config::BodiesOnGet::Reject,
-        }
-    }
-
-    /// Refuses a head over `max_header_bytes` ([`TOO_LARGE`]: 431) and what is ambiguous (a
-    /// missing, repeated or malformed `Host`; a `Connection` that names the body's length or
-    /// `Host`; a path that cannot be normalised) with the `bad_requests` reason and a detail;
-    /// rewrites the path to its canonical spelling; removes the fields the client's
-    /// `Connection` names (the app would not get them: the rules must not see them either) and
-    /// the client's claims ([`key::is_client_claim`]). Allocates only when it rewrites or
-    /// refuses.
-    pub fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
-        // One pass over the fields (standard names compare as enums), not a lookup for each;
-        // it also sums the head's bytes as sent (name, ": ", value, CRLF per field).
-        let (mut host, mut hosts, mut connection, mut claims) = (None, 0u32, false, false);
-        let mut bytes = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
-        for (name, value) in req.headers() {
-            bytes += name.as_str().len() + value.len() + 4;
-            if name == http::header::HOST {
-                host = Some(value);
-                hosts += 1;
-            } else if name == http::header::CONNECTION {
-                connection = true;
-            } else if key::is_client_claim(name.as_str()) {
-                claims = true;
-            }
-        }
-        if bytes > self.max_header_bytes {
-            return Err((
-                TOO_LARGE,
-                "request headers are larger than this proxy accepts".into(),
-            ));
-        }
-        match host {
-            _ if hosts > 1 => {
-                return Err(("host", "the request has more than one Host header".into()));
-            }
-            None if self.require_host && req.version() == http::Version::HTTP_11 => {
-                return Err(("host", "an HTTP/1.1 request must have a Host header".into()));
-            }
-            Some(h) if !key::valid_host(h.as_bytes()) => {
-                return Err(("host", "the Host header is not a host and port".into()));
-            }
-            _ => {}
-        }
-        if self.normalize_path {
-            match crate::target::canonical_uri(req.uri(), self.reject_separators) {
-                Ok(Some(uri)) => *req.uri_mut() = uri,
-                Ok(None) => {}
-                Err(e) => return Err(("target", e.to_string())),
-            }
-        }
-        if connection {
-            drop_listed(req.headers_mut())?;
-        }
-        if claims {
-            let names: Vec<http::HeaderName> = req
-                .headers()
-                .keys()
-                .filter(|n| key::is_client_claim(n.as_str()))
-                .cloned()
-                .collect();
-            for name in names {
-                req.headers_mut().remove(name);
-            }
-        }
-        Ok(())
-    }
-}
-
-/// The reason [`Hygiene::apply`] gives a head over `limits.max_header_bytes` (answered 431).
-const TOO_LARGE: &str = "header_too_large";
-
-/// Removes the fields `Connection` lists (beyond the hop-by-hop ones, `Transfer-Encoding`
-/// among them, which [`forward::listed`] leaves out and the hop removes anyway); refuses a
-/// list that names `Content-Length` or `Host`, which would leave the app to frame the body
-/// itself (a request smuggled inside it) or to guess the host.
-fn drop_listed(headers: &mut http::HeaderMap) -> Result<(), (&'static str, String)> {
-    let values: smallvec::SmallVec<[http::HeaderValue; 2]> = headers
-        .get_all(http::header::CONNECTION)
-        .iter()
-        .cloned()
-        .collect();
-    for token in forward::listed(values.iter().map(http::HeaderValue::as_bytes)) {
-        if token.eq_ignore_ascii_case(b"content-length") || token.eq_ignore_ascii_case(b"host") {
-            return Err((
-                "connection",
-                "the Connection header names a field the request cannot go without".into(),
-            ));
-        }
-        if let Ok(name) = std::str::from_utf8(token) {
-            headers.remove(name);
-        }
-    }
-    Ok(())
 }
 
 /// A refused request's body is read and dropped up to this many bytes...

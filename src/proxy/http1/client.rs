@@ -28,7 +28,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use super::framing::{field, keeps_alive, parse_length, HeadEnd};
-use crate::proxy::forward::{listed, Added, ReqBody};
+use crate::hop::listed;
+use crate::proxy::body::ReqBody;
+use crate::proxy::forwarded::Added;
 
 thread_local! {
     /// Set when this thread's runtime woke from waiting for events ([`woke`]); cleared by the
@@ -98,28 +100,8 @@ pub trait Home: Send + Sync + 'static {
     fn discarded(&self, why: Unusable);
 }
 
-/// Why an upstream connection was closed instead of reused.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unusable {
-    /// Bytes were left after the response's framing.
-    Leftover = 0,
-    /// The upstream sent bytes while the connection was idle.
-    Readable = 1,
-    /// The upstream closed it (or it failed).
-    Closed = 2,
-}
-
-impl Unusable {
-    pub const ALL: [Unusable; 3] = [Unusable::Leftover, Unusable::Readable, Unusable::Closed];
-
-    pub fn label(self) -> &'static str {
-        match self {
-            Unusable::Leftover => "leftover",
-            Unusable::Readable => "unasked_bytes",
-            Unusable::Closed => "closed",
-        }
-    }
-}
+/// Why an upstream connection was closed instead of reused (a metric's label).
+pub use crate::metrics::Unusable;
 
 /// Why an exchange produced no response.
 #[derive(Debug)]
@@ -314,7 +296,7 @@ enum Named {
     TransferEncoding,
     ContentLength,
     Date,
-    /// Another field of one connection ([`hop_by_hop`](super::forward::hop_by_hop)).
+    /// Another field of one connection ([`hop_by_hop`](crate::hop::hop_by_hop)).
     Hop,
     Other,
 }
@@ -1128,8 +1110,8 @@ mod tests {
             "",
         ];
         for name in names {
-            let by_map = HeaderName::from_bytes(name.as_bytes())
-                .is_ok_and(|n| crate::proxy::forward::hop_by_hop(&n));
+            let by_map =
+                HeaderName::from_bytes(name.as_bytes()).is_ok_and(|n| crate::hop::hop_by_hop(&n));
             assert_eq!(Named::of(name.as_bytes()).hop_by_hop(), by_map, "{name}");
         }
         assert_eq!(Named::of(b"Date"), Named::Date);

@@ -3,8 +3,6 @@
 
 use http::Version;
 
-use crate::proxy::forward::has_token;
-
 /// Writes one header field as a line of an HTTP/1 head: `name: value\r\n`.
 pub(crate) fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(name);
@@ -89,6 +87,12 @@ fn has_empty_line(bytes: &[u8]) -> bool {
         at += i + 1;
     }
     false
+}
+
+/// Whether the comma-separated `list` (a header value) holds `token`, whatever its case.
+pub(crate) fn has_token(list: &[u8], token: &[u8]) -> bool {
+    list.split(|&b| b == b',')
+        .any(|t| t.trim_ascii().eq_ignore_ascii_case(token))
 }
 
 #[cfg(test)]

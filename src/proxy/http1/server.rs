@@ -35,9 +35,10 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use super::framing::{field, keeps_alive, parse_length, HeadEnd};
+use super::framing::{field, has_token, keeps_alive, parse_length, HeadEnd};
+pub use crate::proxy::body::IN_HAND;
+use crate::proxy::body::{Ended, InHand, ReqBody, Streamed};
 use crate::proxy::coarse::{HeadTimer, Sleep, Timers};
-use crate::proxy::forward::{has_token, Ended, InHand, ReqBody, Streamed};
 use crate::proxy::respond::{self, Body, Own};
 use crate::proxy::{handle, AbandonGuard, Conn};
 
@@ -50,11 +51,6 @@ const READ: usize = 2 * 1024;
 /// Body pieces up to this size are copied behind the head (or, in chunks, behind the chunks
 /// before them) and written with it; a larger one is written on its own.
 pub const COALESCE: usize = 16 * 1024;
-/// A request body of up to this many bytes (with a `Content-Length`) is read whole, within
-/// the head's deadline, and sent upstream in the head's `write` (nginx's
-/// `client_body_buffer_size` on 64-bit systems); a larger one, or one still coming at the
-/// deadline, goes to hyper.
-pub const IN_HAND: usize = 16 * 1024;
 
 /// What a worker's connections share.
 pub struct Lane {

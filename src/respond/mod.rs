@@ -1,0 +1,502 @@
+//! The one place where Spillway answers by itself: 429 (or its gRPC form) and the 4xx/5xx it
+//! sends when it cannot or will not forward. Keeping them together keeps headers and bodies
+//! consistent between the sidecar and the embedded layer.
+//!
+//! Bodies are short `application/problem+json` documents (RFC 9457) that say what happened;
+//! rule names are validated to `[A-Za-z0-9_.-]`, so they need no escaping in JSON or in the
+//! structured-field strings of the `RateLimit` headers (draft-ietf-httpapi-ratelimit-headers-11).
+//! A limited gRPC call gets what gRPC clients understand: HTTP 200 with `grpc-status: 8`
+//! (RESOURCE_EXHAUSTED), a `grpc-message`, and the retry hint as `grpc-retry-pushback-ms`.
+//!
+//! Cost: a rule's 429 for a retry hint of up to a minute is built once and kept, its header
+//! fields both as a map and as the lines of an HTTP/1 head. The sidecar's refused request takes
+//! two reference counts and no allocation ([`refused`]); our HTTP/1 side copies the lines into
+//! its write, and only hyper's server (HTTP/2, a connection handed to it) gets the map cloned.
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::{BufMut, Bytes, BytesMut};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::{Response, StatusCode};
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::{Either, Full};
+use smallvec::SmallVec;
+
+use crate::config::HeaderMode;
+use crate::limit::Permit;
+use crate::rules::{Denial, RateState, Refusal};
+
+pub mod answers;
+
+use answers::{ratelimit_value, write_detail, Answer, PROBLEM_JSON};
+pub use answers::{Answers, RATELIMIT, RATELIMIT_POLICY};
+
+/// A response of ours, for whatever the other body type is: `R` is `Full<Bytes>` for the
+/// embedded layer and [`Own`] for the sidecar.
+type Ours<L, R> = Response<Either<L, R>>;
+
+static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+
+/// True for gRPC requests (`content-type: application/grpc*`).
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// The answer to a refused request.
+pub fn refusal<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: bool) -> Ours<L, R> {
+    match refusal {
+        Refusal::Limited(denial) => too_many_requests(denial, grpc),
+        Refusal::BadRequest(bad) => {
+            let body = format!(
+                "{{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\"detail\":{},\"rule\":{}}}\n",
+                serde_json::Value::from(bad.detail.as_str()),
+                serde_json::Value::from(&*bad.rule)
+            );
+            problem(StatusCode::BAD_REQUEST, Bytes::from(body))
+        }
+    }
+}
+
+/// 429 (or gRPC RESOURCE_EXHAUSTED) for a request a rule refused.
+///
+/// The body and the `Retry-After` and `RateLimit` values of a 429 depend only on the rule and
+/// the retry hint in whole seconds, so they come from the rule's [`Answers`]: shared bytes,
+/// built on a rule's first refusal with that hint (nginx answers `limit_req` with a static
+/// page; this is as close as we get while saying which rule and when).
+pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -> Ours<L, R> {
+    if denial.capacity {
+        return reduced_capacity(denial, grpc);
+    }
+    let rule = &denial.state.rule;
+    let retry = denial.retry_after_secs();
+    if grpc {
+        return grpc_exhausted(denial, rule, retry);
+    }
+    // A denial's state is `r=0;t=<retry, or 0 for never>` (rules.rs), which is what the
+    // cached `RateLimit` value says.
+    debug_assert_eq!(
+        (denial.state.remaining, denial.state.reset_secs),
+        (0, retry.unwrap_or(0))
+    );
+    let built;
+    let answer = match denial.answers.get(retry) {
+        Some(cached) => &**cached,
+        None => {
+            built = denial.answers.build(retry);
+            &built
+        }
+    };
+    // The policy is the rule's, the one its answers are built with.
+    debug_assert_eq!(
+        answer.headers.get(&RATELIMIT_POLICY),
+        Some(&denial.state.policy)
+    );
+    let mut resp = Response::new(Either::Right(Full::new(answer.body.clone()).into()));
+    *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+    // One copy of the answer's headers: a third of what inserting them one by one cost.
+    let headers = resp.headers_mut();
+    *headers = answer.headers.clone();
+    if denial.header_mode == HeaderMode::Never {
+        headers.remove(&RATELIMIT);
+        headers.remove(&RATELIMIT_POLICY);
+    }
+    resp
+}
+
+/// The sidecar's answer to a refused request. A 429 whose parts the rule keeps (a plain HTTP
+/// request, a retry hint of up to a minute) comes with no header map: its body holds the
+/// rule's [`Answer`], whose fields our HTTP/1 side writes as they are kept (no map cloned,
+/// walked and dropped per refusal) and [`whole`] puts in the map for hyper's server.
+pub fn refused<L>(refusal: &Refusal, grpc: bool) -> Ours<L, Own> {
+    if let Refusal::Limited(denial) = refusal {
+        if !grpc && !denial.capacity {
+            if let Some(answer) = denial.answers.get(denial.retry_after_secs()) {
+                let canned = Canned {
+                    answer: answer.clone(),
+                    rate: denial.header_mode != HeaderMode::Never,
+                    body: Full::new(answer.body.clone()),
+                };
+                let mut resp = Response::new(Either::Right(Own::Canned(canned)));
+                *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+                return resp;
+            }
+        }
+    }
+    self::refusal(refusal, grpc)
+}
+
+/// A body of the sidecar's own: a short document, or a kept 429 with its head's fields.
+#[derive(Debug)]
+pub enum Own {
+    Doc(Full<Bytes>),
+    Canned(Canned),
+}
+
+/// A 429 kept by its rule: the body, and the header fields to write with it.
+pub struct Canned {
+    pub(crate) answer: Arc<Answer>,
+    /// With the `RateLimit` headers (any `headers` mode but `never`).
+    pub(crate) rate: bool,
+    pub(crate) body: Full<Bytes>,
+}
+
+impl Canned {
+    /// The response's header fields as lines of an HTTP/1 head (no `Content-Length`).
+    pub fn fields(&self) -> &[u8] {
+        let fields = &self.answer.fields;
+        &fields[..if self.rate {
+            fields.len()
+        } else {
+            self.answer.rate_at
+        }]
+    }
+}
+
+impl std::fmt::Debug for Canned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Canned")
+            .field("fields", &String::from_utf8_lossy(self.fields()))
+            .finish()
+    }
+}
+
+impl From<Full<Bytes>> for Own {
+    fn from(doc: Full<Bytes>) -> Self {
+        Own::Doc(doc)
+    }
+}
+
+impl http_body::Body for Own {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.get_mut() {
+            Own::Doc(full) | Own::Canned(Canned { body: full, .. }) => {
+                Pin::new(full).poll_frame(cx)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Own::Doc(full) | Own::Canned(Canned { body: full, .. }) => full.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Own::Doc(full) | Own::Canned(Canned { body: full, .. }) => full.size_hint(),
+        }
+    }
+}
+
+/// A limited gRPC call: HTTP 200 with `grpc-status: 8`.
+fn grpc_exhausted<L, R: From<Full<Bytes>>>(
+    denial: &Denial,
+    rule: &str,
+    retry: Option<u64>,
+) -> Ours<L, R> {
+    let mut resp = Response::new(Either::Right(Full::new(Bytes::new()).into()));
+    let h = resp.headers_mut();
+    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("8"));
+    // grpc-message is percent-encoded; the detail is plain ASCII without '%'.
+    let mut msg = String::with_capacity(96);
+    write_detail(&mut msg, rule, retry);
+    if let Ok(v) = HeaderValue::from_str(&msg.replace(' ', "%20")) {
+        h.insert(GRPC_MESSAGE.clone(), v);
+    }
+    if let Some(ms) = denial.retry_after.map(|n| n.div_ceil(1_000_000)) {
+        h.insert(GRPC_PUSHBACK.clone(), HeaderValue::from(ms));
+    }
+    if let Some(secs) = retry {
+        h.insert(RETRY_AFTER, HeaderValue::from(secs));
+    }
+    if denial.header_mode != HeaderMode::Never {
+        add_rate_headers(h, std::slice::from_ref(&denial.state));
+    }
+    resp
+}
+
+/// The problem type of draft-ietf-httpapi-ratelimit-headers for capacity, not quota.
+const REDUCED_CAPACITY: &str =
+    "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
+
+/// 503 with `Retry-After` for a request an adaptive limit refused: the upstream is at the
+/// concurrency its latency allows now. No `RateLimit` headers: this is not the client's quota.
+fn reduced_capacity<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -> Ours<L, R> {
+    let rule = &denial.state.rule;
+    let secs = denial.retry_after_secs().unwrap_or(1);
+    let mut resp = if grpc {
+        // UNAVAILABLE: gRPC clients retry it with back-off.
+        let mut resp = Response::new(Either::Right(Full::new(Bytes::new()).into()));
+        let h = resp.headers_mut();
+        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("14"));
+        resp
+    } else {
+        let mut body = BytesMut::with_capacity(256);
+        let _ = writeln!(
+            body,
+            "{{\"type\":\"{REDUCED_CAPACITY}\",\"title\":\"Temporary Reduced Capacity\",\"status\":503,\
+             \"detail\":\"the upstream is at the concurrency rule {rule} allows for its latency now; retry in {secs} s\",\
+             \"rule\":\"{rule}\",\"retry_after\":{secs}}}"
+        );
+        problem(StatusCode::SERVICE_UNAVAILABLE, body.freeze())
+    };
+    resp.headers_mut()
+        .insert(RETRY_AFTER, HeaderValue::from(secs));
+    resp
+}
+
+/// Adds `RateLimit-Policy` and `RateLimit` for `states`, one list member per rule.
+pub fn add_rate_headers(headers: &mut HeaderMap, states: &[RateState]) {
+    if states.is_empty() {
+        return;
+    }
+    if let [one] = states {
+        headers.insert(RATELIMIT_POLICY.clone(), one.policy.clone());
+    } else {
+        let mut joined = BytesMut::with_capacity(64 * states.len());
+        for (i, s) in states.iter().enumerate() {
+            if i > 0 {
+                joined.put_slice(b", ");
+            }
+            joined.put_slice(s.policy.as_bytes());
+        }
+        if let Ok(v) = HeaderValue::from_maybe_shared(joined.freeze()) {
+            headers.insert(RATELIMIT_POLICY.clone(), v);
+        }
+    }
+    let value = ratelimit_value(states.iter().map(|s| (&*s.rule, s.remaining, s.reset_secs)));
+    headers.insert(RATELIMIT.clone(), value);
+}
+
+/// A short problem document for errors Spillway answers itself (400, 431, 502, 503, 504).
+pub fn error<L, R: From<Full<Bytes>>>(status: StatusCode, detail: &str) -> Ours<L, R> {
+    let title = status.canonical_reason().unwrap_or("Error");
+    let body = format!(
+        "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":{}}}\n",
+        status.as_u16(),
+        serde_json::Value::from(detail)
+    );
+    problem(status, Bytes::from(body))
+}
+
+fn problem<L, R: From<Full<Bytes>>>(status: StatusCode, body: Bytes) -> Ours<L, R> {
+    let mut resp = Response::new(Either::Right(Full::new(body).into()));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, PROBLEM_JSON.clone());
+    resp
+}
+
+/// A response body that holds concurrency slots until it ends or is dropped.
+#[derive(Debug)]
+pub struct PermitBody<B> {
+    inner: B,
+    permits: SmallVec<[Permit; 1]>,
+}
+
+impl<B> PermitBody<B> {
+    pub fn new(inner: B, permits: SmallVec<[Permit; 1]>) -> Self {
+        Self { inner, permits }
+    }
+
+    pub fn inner(&self) -> &B {
+        &self.inner
+    }
+
+    pub fn inner_mut(&mut self) -> &mut B {
+        &mut self.inner
+    }
+}
+
+impl<B: Body + Unpin> Body for PermitBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        // Free the slots as soon as the body is over, before its last bytes reach the client:
+        // hyper may never poll a body of known length again, and a client that saw the end
+        // must be able to use the slot it just gave back.
+        if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
+            self.permits.clear();
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::HeaderMode;
+    use crate::proxy::respond::whole;
+    use crate::rules::RateState;
+
+    fn policy() -> HeaderValue {
+        HeaderValue::from_static("\"per-ip\";q=10;w=1")
+    }
+
+    fn denial(answers: &Arc<Answers>, retry_secs: Option<u64>) -> Denial {
+        Denial {
+            state: RateState {
+                rule: Arc::from("per-ip"),
+                policy: policy(),
+                remaining: 0,
+                reset_secs: retry_secs.unwrap_or(0),
+            },
+            // Just under the whole second, as a limiter's hint usually is.
+            retry_after: retry_secs.map(|s| s * 1_000_000_000 - 1),
+            header_mode: HeaderMode::OnReject,
+            delay: None,
+            capacity: false,
+            answers: answers.clone(),
+        }
+    }
+
+    async fn parts(resp: Ours<(), Full<Bytes>>) -> (StatusCode, HeaderMap, Bytes) {
+        let (parts, body) = resp.into_parts();
+        let Either::Right(full) = body else {
+            panic!("a 429 has a body of ours")
+        };
+        let bytes = http_body_util::BodyExt::collect(full)
+            .await
+            .unwrap()
+            .to_bytes();
+        (parts.status, parts.headers, bytes)
+    }
+
+    #[tokio::test]
+    async fn a_429_says_the_rule_and_its_retry_hint_whether_cached_or_not() {
+        let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
+        // 3 s is kept, 61 s and "never" are formatted per refusal: all must read the same way.
+        for secs in [Some(3), Some(3), Some(61), None] {
+            let (status, headers, body) =
+                parts(too_many_requests(&denial(&answers, secs), false)).await;
+            assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+            assert_eq!(
+                headers
+                    .get(RETRY_AFTER)
+                    .map(|v| v.to_str().unwrap().to_owned()),
+                secs.map(|s| s.to_string())
+            );
+            let t = secs.unwrap_or(0);
+            assert_eq!(
+                headers[&RATELIMIT],
+                format!("\"per-ip\";r=0;t={t}").as_str()
+            );
+            assert_eq!(headers[&RATELIMIT_POLICY], "\"per-ip\";q=10;w=1");
+            assert_eq!(headers[CONTENT_TYPE], "application/problem+json");
+            let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(doc["status"], 429);
+            assert_eq!(doc["rule"], "per-ip");
+            assert_eq!(
+                doc["retry_after"],
+                secs.map_or(serde_json::Value::Null, Into::into)
+            );
+            let detail = doc["detail"].as_str().unwrap();
+            match secs {
+                Some(s) => assert!(detail.ends_with(&format!("retry in {s} s")), "{detail}"),
+                None => assert!(detail.contains("can never be admitted"), "{detail}"),
+            }
+        }
+        let cached = format!("{answers:?}");
+        assert!(
+            cached.contains("cached: 1"),
+            "only the 3 s hint is kept: {cached}"
+        );
+    }
+
+    /// The lines of an HTTP/1 head for `headers`, in their order.
+    fn lines(headers: &HeaderMap) -> String {
+        headers
+            .iter()
+            .map(|(n, v)| format!("{n}: {}\r\n", v.to_str().unwrap()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_kept_429_has_the_same_fields_and_body_as_one_built_with_its_map() {
+        let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
+        for mode in [HeaderMode::OnReject, HeaderMode::Always, HeaderMode::Never] {
+            let mut d = denial(&answers, Some(7));
+            d.header_mode = mode;
+            let (status, headers, body) = parts(too_many_requests(&d, false)).await;
+            let refusal = Refusal::Limited(d);
+            let kept = refused(&refusal, false);
+            let Either::Right(Own::Canned(canned)) = kept.body() else {
+                panic!("a 7 s hint is kept: {mode:?}")
+            };
+            assert!(kept.headers().is_empty(), "no map for a kept 429");
+            assert_eq!(String::from_utf8_lossy(canned.fields()), lines(&headers));
+            let mut kept = kept;
+            whole(&mut kept);
+            let (parts_, own) = kept.into_parts();
+            assert_eq!((parts_.status, &parts_.headers), (status, &headers));
+            let bytes = http_body_util::BodyExt::collect(own).await.unwrap();
+            assert_eq!(bytes.to_bytes(), body);
+        }
+    }
+
+    #[test]
+    fn a_429_not_kept_comes_with_its_map_and_a_field_added_to_a_kept_one_stays() {
+        let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
+        // A hint over a minute, "never", and gRPC are built per refusal.
+        for (secs, grpc) in [(Some(61), false), (None, false), (Some(7), true)] {
+            let resp = refused::<()>(&Refusal::Limited(denial(&answers, secs)), grpc);
+            assert!(
+                matches!(resp.body(), Either::Right(Own::Doc(_))),
+                "{secs:?} {grpc}"
+            );
+            assert!(resp.headers().contains_key(RETRY_AFTER) || secs.is_none());
+        }
+        let mut kept = refused(&Refusal::Limited(denial(&answers, Some(7))), false);
+        kept.headers_mut()
+            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        let mut resp = kept;
+        whole(&mut resp);
+        assert_eq!(resp.headers()[http::header::CONNECTION], "close");
+        assert_eq!(resp.headers()[RETRY_AFTER], "7");
+        assert_eq!(resp.headers().len(), 5);
+        // The fields are in the map now, not in the body: once more adds nothing.
+        whole(&mut resp);
+        assert_eq!(resp.headers().len(), 5);
+        assert!(matches!(resp.body(), Either::Right(Own::Doc(_))));
+    }
+
+    #[tokio::test]
+    async fn header_mode_never_leaves_out_the_ratelimit_headers_but_not_retry_after() {
+        let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
+        let mut d = denial(&answers, Some(1));
+        d.header_mode = HeaderMode::Never;
+        let (_, headers, _) = parts(too_many_requests(&d, false)).await;
+        assert_eq!(headers[RETRY_AFTER], "1");
+        assert!(!headers.contains_key(&RATELIMIT));
+        assert!(!headers.contains_key(&RATELIMIT_POLICY));
+    }
+}

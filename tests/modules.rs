@@ -1,0 +1,187 @@
+//! The crate's modules import each other without a cycle: a module that uses another's items
+//! sits above it. Read from the source's `use` declarations and `crate::`, `super::` and
+//! `self::` paths (test code left out); each path goes to the deepest module file it names. A
+//! module and those inside it may use each other (a parent re-exports its children's items and
+//! they use its types, as `limit` does); between any others an import goes one way.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+/// A module's path from the crate root, e.g. `["proxy", "http1", "server"]`.
+type Module = Vec<String>;
+
+fn module_files(dir: &Path, root: &Path, out: &mut BTreeMap<Module, PathBuf>) {
+    for entry in std::fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            module_files(&path, root, out);
+            continue;
+        }
+        let name = path.file_name().unwrap().to_str().unwrap();
+        if !name.ends_with(".rs") || name == "tests.rs" {
+            continue;
+        }
+        let rel = path.strip_prefix(root).unwrap().with_extension("");
+        let mut module: Module = rel
+            .components()
+            .map(|c| c.as_os_str().to_str().unwrap().to_string())
+            .collect();
+        if module.last().is_some_and(|m| m == "mod") {
+            module.pop();
+        }
+        if module == ["main"] || module == ["lib"] {
+            continue;
+        }
+        out.insert(module, path);
+    }
+}
+
+/// `a::{b, c::{d, e}}` as `a::b`, `a::c::d`, `a::c::e`.
+fn expand(tree: &str) -> Vec<String> {
+    let tree = tree.trim();
+    let Some(open) = tree.find('{') else {
+        return vec![tree.to_string()];
+    };
+    let close = tree.rfind('}').unwrap();
+    let (prefix, body) = (&tree[..open], &tree[open + 1..close]);
+    let (mut parts, mut depth, mut start) = (Vec::new(), 0, 0);
+    for (i, ch) in body.char_indices() {
+        match ch {
+            '{' => depth += 1,
+            '}' => depth -= 1,
+            ',' if depth == 0 => {
+                parts.push(&body[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    parts.push(&body[start..]);
+    parts
+        .into_iter()
+        .filter(|p| !p.trim().is_empty())
+        .flat_map(|p| expand(p).into_iter().map(move |e| format!("{prefix}{e}")))
+        .collect()
+}
+
+/// The paths a file's non-test code names.
+fn paths(text: &str) -> Vec<String> {
+    let code = match text.find("#[cfg(test)]\nmod tests") {
+        Some(i) => &text[..i],
+        None => text,
+    };
+    let code: String = code
+        .lines()
+        .map(|l| l.split("//").next().unwrap())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let mut out = Vec::new();
+    let use_decl = regex::Regex::new(r"(?m)^\s*(?:pub(?:\([^)]*\))?\s+)?use\s+([^;]+);").unwrap();
+    for m in use_decl.captures_iter(&code) {
+        out.extend(expand(&m[1].replace('\n', " ")));
+    }
+    let inline = regex::Regex::new(r"\b(?:crate|super|self)(?:::[A-Za-z_][A-Za-z0-9_]*)+").unwrap();
+    out.extend(inline.find_iter(&code).map(|m| m.as_str().to_string()));
+    out
+}
+
+/// The module file `path` (seen from `from`) names: the longest prefix that is one.
+fn resolve(from: &Module, path: &str, files: &BTreeMap<Module, PathBuf>) -> Option<Module> {
+    let path = path.split(" as ").next().unwrap().trim();
+    let segs: Vec<&str> = path.split("::").map(str::trim).collect();
+    let mut target: Module = match segs[0] {
+        "crate" => Vec::new(),
+        "super" | "self" => from.clone(),
+        _ => return None,
+    };
+    let mut rest = &segs[1..];
+    if segs[0] == "super" {
+        target.pop();
+        while rest.first() == Some(&"super") {
+            target.pop();
+            rest = &rest[1..];
+        }
+    }
+    target.extend(rest.iter().map(|s| s.to_string()));
+    (1..=target.len())
+        .rev()
+        .map(|n| target[..n].to_vec())
+        .find(|m| files.contains_key(m))
+}
+
+#[test]
+fn no_module_imports_one_that_imports_it_back() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = BTreeMap::new();
+    module_files(&root, &root, &mut files);
+    let mut edges: BTreeMap<Module, BTreeSet<Module>> = BTreeMap::new();
+    for (module, path) in &files {
+        let text = std::fs::read_to_string(path).unwrap();
+        for p in paths(&text) {
+            if let Some(target) = resolve(module, &p, &files) {
+                // Itself, a module around it, or one inside it.
+                let nested = target.starts_with(module) || module.starts_with(&target);
+                if !nested {
+                    edges.entry(module.clone()).or_default().insert(target);
+                }
+            }
+        }
+    }
+    assert!(
+        edges.values().map(BTreeSet::len).sum::<usize>() > 50,
+        "the scan found the imports: {edges:?}"
+    );
+    // A cycle shows as a path back to where a depth-first walk started.
+    let mut cycles = Vec::new();
+    for start in files.keys() {
+        let mut stack = vec![(start.clone(), vec![start.clone()])];
+        let mut seen = BTreeSet::new();
+        while let Some((at, trail)) = stack.pop() {
+            for next in edges.get(&at).into_iter().flatten() {
+                if next == start {
+                    let names: Vec<String> = trail.iter().map(|m| m.join("::")).collect();
+                    cycles.push(format!("{} -> {}", names.join(" -> "), start.join("::")));
+                } else if seen.insert(next.clone()) {
+                    let mut t = trail.clone();
+                    t.push(next.clone());
+                    stack.push((next.clone(), t));
+                }
+            }
+        }
+    }
+    assert!(
+        cycles.is_empty(),
+        "modules that import each other:\n{}",
+        cycles.join("\n")
+    );
+}
+
+#[test]
+fn the_scan_sees_grouped_and_relative_imports() {
+    assert_eq!(
+        expand("crate::a::{b, c::{d, e as f}}"),
+        ["crate::a::b", "crate::a::c::d", "crate::a::c::e as f"]
+    );
+    let files: BTreeMap<Module, PathBuf> = [
+        vec!["proxy".to_string()],
+        vec!["proxy".into(), "forward".into()],
+        vec!["proxy".into(), "http1".into()],
+        vec!["proxy".into(), "http1".into(), "server".into()],
+    ]
+    .into_iter()
+    .map(|m| (m, PathBuf::new()))
+    .collect();
+    let server = vec!["proxy".to_string(), "http1".into(), "server".into()];
+    assert_eq!(
+        resolve(&server, "super::super::forward::Streamed", &files),
+        Some(vec!["proxy".to_string(), "forward".into()])
+    );
+    assert_eq!(
+        resolve(&server, "crate::proxy::http1::server::IN_HAND", &files),
+        Some(server.clone())
+    );
+    assert_eq!(
+        resolve(&server, "crate::proxy::Conn", &files),
+        Some(vec!["proxy".to_string()])
+    );
+}
