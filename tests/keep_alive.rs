@@ -138,3 +138,27 @@ async fn an_http2_connection_with_an_open_stream_outlives_client_idle() {
     sc.shutdown();
     sc.wait().await;
 }
+
+/// A client that opens HTTP/2 and then never answers a PING: the GOAWAY that closes an idle
+/// connection waits for that answer (h2's graceful shutdown), so without a bound the
+/// connection stayed open for as long as the client liked.
+#[tokio::test]
+async fn an_idle_http2_client_that_never_answers_ping_is_still_closed() {
+    let (sc, _up) =
+        sidecar("timeouts: { client_idle: 300ms, header_read: 500ms }\nrules: []").await;
+    let mut c = TcpStream::connect(sc.addr()).await.unwrap();
+    // The preface, empty SETTINGS, and an ACK of the server's SETTINGS; then silence.
+    c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    c.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap();
+    c.write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0]).await.unwrap();
+    let mut seen = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(20), c.read_to_end(&mut seen)).await;
+    assert!(
+        matches!(closed, Ok(Ok(_)) | Ok(Err(_))),
+        "an HTTP/2 connection whose client ignores PING stayed open"
+    );
+    sc.shutdown();
+    sc.wait().await;
+}

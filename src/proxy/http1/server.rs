@@ -1031,7 +1031,10 @@ async fn hand_off(
         }
         () = idle => {
             served.as_mut().graceful_shutdown();
-            served.await
+            // h2 sends its last GOAWAY once the client answers a PING: one that never does
+            // is dropped after another `client_idle`.
+            let limit = Sleep::until(lane.timers.clone(), Timers::now() + lane.client_idle);
+            crate::proxy::coarse::timeout(limit, served).await.unwrap_or(Ok(()))
         }
     }
 }
