@@ -714,6 +714,17 @@ fn check_rule(r: &RawRule) -> Result<(), String> {
             "max_delay applies only with on_limit: delay or algorithm: leaky_bucket".into(),
         );
     }
+    if matches!(r.fallback, Some(Limit::Concurrency(_) | Limit::Adaptive(_))) {
+        return Err("fallback: takes a rate limit".into());
+    }
+    // As for the rule's own limit: a fixed cost above the burst could never be admitted.
+    if let (Some(Limit::Rate { burst, .. }), Some(Cost::Fixed(n))) = (&r.fallback, &r.cost) {
+        if *n > burst.get() {
+            return Err(format!(
+                "cost: {n} exceeds fallback.burst {burst}: such requests could never be admitted while the fallback decides"
+            ));
+        }
+    }
     if let Some(Limit::Rate {
         algorithm, burst, ..
     }) = &r.fallback

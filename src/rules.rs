@@ -1202,6 +1202,15 @@ impl RuleSet {
             .sum()
     }
 
+    /// A leaky-bucket rule's bound on its queue's wait (tests).
+    #[cfg(test)]
+    pub(crate) fn max_wait_of(&self, name: &str) -> Option<Nanos> {
+        self.rules
+            .iter()
+            .find(|r| &*r.name == name)
+            .map(|r| r.max_wait)
+    }
+
     /// Keys tracked by the rule called `name`.
     pub fn tracked_keys(&self, name: &str) -> Option<usize> {
         self.rules
@@ -1375,7 +1384,9 @@ fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>
     // A kept rule's state is the previous set's; its policy follows from the same limit.
     let kind = kept.unwrap_or_else(|| Arc::new(compile_kind(r, metrics, label)));
     let delay = (r.on_limit == OnLimit::Delay).then(|| Delay {
-        max_delay: r.max_delay.map_or(0, |d| d.0.as_nanos() as Nanos),
+        max_delay: r
+            .max_delay
+            .map_or(0, |d| Nanos::try_from(d.0.as_nanos()).unwrap_or(Nanos::MAX)),
         queue: Arc::new(DelayQueue {
             waiting: AtomicU32::new(0),
             max: r.max_queue.get(),
@@ -1395,7 +1406,9 @@ fn compile(r: &Rule, metrics: &Metrics, identity: String, kept: Option<Arc<Kind>
             Limit::Rate {
                 algorithm: Algorithm::LeakyBucket,
                 ..
-            } => r.max_delay.map_or(Nanos::MAX, |d| d.0.as_nanos() as Nanos),
+            } => r.max_delay.map_or(Nanos::MAX, |d| {
+                Nanos::try_from(d.0.as_nanos()).unwrap_or(Nanos::MAX)
+            }),
             _ => Nanos::MAX,
         },
         // Cloned here, the value's bytes become shared now rather than on the rule's first

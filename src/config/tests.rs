@@ -694,3 +694,32 @@ fn upstream_idle_takes_its_old_name_idle_but_not_both() {
     let again = Config::from_yaml(&text, "t").unwrap();
     assert_eq!(again.timeouts.upstream_idle(), Duration::from_secs(7));
 }
+
+#[test]
+fn a_fallback_is_a_rate_limit_that_can_admit_the_rules_cost() {
+    let cp = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:7001' }\nrules:\n";
+    let redis = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nredis: { url: 'redis://127.0.0.1:6379', on_error: fallback }\nrules:\n";
+    // An adaptive fallback was accepted and then left out: a Redis outage admitted everything.
+    for (head, scope) in [(cp, "global"), (redis, "redis")] {
+        let e = err(&format!(
+            "{head}  - name: a\n    key: path\n    limit: {{ rate: 10/s }}\n    scope: {scope}\n    fallback: {{ adaptive: {{ max: 10 }} }}\n"
+        ));
+        assert!(e.contains("fallback: takes a rate limit"), "{scope}: {e}");
+    }
+    // A fallback whose burst is below the cost of a request could never admit it.
+    let e = err(&format!(
+        "{redis}  - name: a\n    key: path\n    limit: {{ rate: 10/s }}\n    cost: 5\n    scope: redis\n    fallback: {{ rate: 1/s, burst: 2 }}\n"
+    ));
+    assert!(e.contains("exceeds fallback.burst"), "{e}");
+}
+
+#[test]
+fn a_max_delay_too_long_to_count_in_nanoseconds_is_no_bound_not_a_short_one() {
+    let c = Config::from_yaml(
+        &with_rule("  - name: a\n    key: path\n    limit: { rate: 1/h, algorithm: leaky_bucket }\n    max_delay: 300000d\n"),
+        "t",
+    )
+    .unwrap();
+    let rules = crate::rules::RuleSet::build(&c, &crate::metrics::Metrics::new());
+    assert_eq!(rules.max_wait_of("a"), Some(crate::limit::Nanos::MAX));
+}
