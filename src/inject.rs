@@ -46,7 +46,7 @@ pub struct Options {
     pub native_sidecar: bool,
     /// The chart release whose PodMonitor scrapes the sidecar: the value of the pod label
     /// `spillway.dev/sidecar`.
-    #[arg(long, default_value = "true")]
+    #[arg(long, default_value = "spillway")]
     pub release: String,
 }
 
@@ -66,7 +66,7 @@ impl Default for Options {
             config_map: None,
             network_policy: false,
             native_sidecar: false,
-            release: "true".into(),
+            release: "spillway".into(),
         }
     }
 }
@@ -311,19 +311,18 @@ fn inject_one(doc: &mut Value, opts: &Options) -> Result<Vec<Value>, String> {
             }
         }
     }
-    // Without a native sidecar, both stop at once: the app waits until the sidecar has
-    // stopped sending it requests (its preStop pause and drain), so a rollout drops none.
-    if !opts.native_sidecar && get(app, &["lifecycle", "preStop"]).is_none() {
+    // The app keeps serving while the endpoints drop the pod and the sidecar stops taking
+    // requests (both stop at once, or a native sidecar after the app), so a rollout drops none.
+    if get(app, &["lifecycle", "preStop"]).is_none() {
         map_at(app, &["lifecycle"])?.insert(
             key("preStop"),
             yaml(&format!("sleep: {{ seconds: {} }}", PRE_STOP + 5)),
         );
     }
 
-    let config_map = opts
-        .config_map
-        .clone()
-        .unwrap_or_else(|| format!("{name}-spillway"));
+    // An object's name is at most 253 characters; a workload's may already be.
+    let ours = format!("{}-spillway", name.chars().take(244).collect::<String>());
+    let config_map = opts.config_map.clone().unwrap_or_else(|| ours.clone());
     let mut sidecar = yaml(&format!(
         r#"
 name: {SIDECAR}
@@ -420,7 +419,7 @@ volumeMounts:
         })?;
         let mut np = yaml(&format!(
             "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: {}{ns}\nspec:\n  policyTypes: [Ingress]\n  ingress:\n    - ports:\n        - {{ port: {}, protocol: TCP }}\n        - {{ port: {}, protocol: TCP }}\n",
-            q(&format!("{name}-spillway")),
+            q(&ours),
             opts.proxy_port,
             opts.admin_port
         ));

@@ -176,7 +176,7 @@ fn pod_of(doc: &Value) -> &Value {
 
 #[test]
 fn a_long_workload_name_gives_a_valid_starter_config() {
-    let long = "s".repeat(100);
+    let long = "s".repeat(250);
     let app = APP.replace(
         "metadata: { name: shop, namespace: web }",
         &format!("metadata: {{ name: {long}, namespace: web }}"),
@@ -185,6 +185,8 @@ fn a_long_workload_name_gives_a_valid_starter_config() {
     let config = out[2]["data"]["spillway.yaml"].as_str().unwrap();
     let parsed = crate::Config::from_yaml(config, "inject").unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(parsed.service.0, "s".repeat(64));
+    let name = out[2]["metadata"]["name"].as_str().unwrap();
+    assert!(name.len() <= 253 && name.ends_with("-spillway"), "{name}");
 }
 
 #[test]
@@ -207,4 +209,23 @@ fn lifecycle_hooks_that_named_the_port_go_to_its_number() {
     let app = container(pod(&out[1]), "containers", "shop");
     assert_eq!(app["lifecycle"]["postStart"]["httpGet"]["port"], 8080);
     assert_eq!(app["lifecycle"]["preStop"]["httpGet"]["port"], 8080);
+}
+
+#[test]
+fn the_app_gets_a_pause_longer_than_the_sidecars_in_both_modes() {
+    for native in [false, true] {
+        let opts = Options {
+            native_sidecar: native,
+            ..Options::default()
+        };
+        let out = docs(&inject(APP, &opts).unwrap());
+        let pod = pod(&out[1]);
+        let app = container(pod, "containers", "shop");
+        let pause = app["lifecycle"]["preStop"]["sleep"]["seconds"]
+            .as_u64()
+            .unwrap();
+        assert!(pause > PRE_STOP, "native {native}: {pause}");
+        let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+        assert!(grace > pause + PRE_STOP + DRAIN, "native {native}: {grace}");
+    }
 }

@@ -231,6 +231,12 @@ def sidecar_rules(name, deployment):
           and sidecar["livenessProbe"]["httpGet"]["path"] == "/healthz", f"{name}: probes on /readyz and /healthz")
     pre = sidecar["lifecycle"]["preStop"]["sleep"]["seconds"]
     check(spec["terminationGracePeriodSeconds"] > pre + 25, f"{name}: grace period {spec['terminationGracePeriodSeconds']} s > preStop {pre} s + drain 25 s")
+    if sidecar.get("restartPolicy") == "Always":
+        # A native sidecar stops after the app: the app's pause, then the sidecar's and its drain.
+        app = next(c for c in spec["containers"] if c["name"] == "app")
+        app_pause = app["lifecycle"]["preStop"]["sleep"]["seconds"]
+        check(spec["terminationGracePeriodSeconds"] > app_pause + pre + 25,
+              f"{name}: grace period {spec['terminationGracePeriodSeconds']} s > the app's pause {app_pause} s + preStop {pre} s + drain 25 s")
     mount = next(m for m in sidecar["volumeMounts"] if m["name"] == "spillway-config")
     check("subPath" not in mount, f"{name}: config mounted as a directory (ConfigMap updates reach it)")
     app = next(c for c in spec["containers"] if c["name"] == "app")
@@ -266,6 +272,8 @@ def bad_releases():
     for values, words in [
         ({"controlPlane": {"enabled": True, "url": "http://agg:7001"}}, "not both"),
         ({"controlPlane": {"url": "http://agg:7001"}, "example": {"enabled": True}}, "token.existingSecret"),
+        ({"controlPlane": {"url": "http://agg:7001"}}, "token.existingSecret"),
+        ({"service": "shop", "controlPlane": {"enabled": True, "tokens": {"services": ["cart"]}}}, "must list this release's service"),
     ]:
         try:
             chart.render(values, name="spillway", namespace="shop", is_install=True)
@@ -544,12 +552,12 @@ def inject():
     """`spillway inject` on a sample app: every manifest it prints is valid Kubernetes, the
     ConfigMap it writes passes check-config, and a second pass changes nothing."""
     sample = os.path.join(ROOT, "tests", "chart", "sample-app.yaml")
-    for flags in ([], ["--native-sidecar", "--network-policy", "--release", "spillway"]):
+    for flags in ([], ["--native-sidecar", "--network-policy", "--release", "shop-limits"]):
         what = "inject " + (" ".join(flags) or "(defaults)")
         out = subprocess.run([BIN, "inject", sample] + flags, capture_output=True, text=True)
         check(out.returncode == 0, f"{what}: exits 0 {out.stderr.strip()}")
         docs = [d for d in yaml.safe_load_all(out.stdout) if d]
-        release = "spillway" if "--release" in flags else "true"
+        release = "shop-limits" if "--release" in flags else "spillway"
         for doc in docs:
             if doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
                 label = doc["spec"]["template"]["metadata"]["labels"].get("spillway.dev/sidecar")

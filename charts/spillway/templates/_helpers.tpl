@@ -207,9 +207,14 @@ lifecycle:
     sleep: { seconds: {{ add .sidecar.preStopSeconds 5 }} }
 {{- end -}}
 
-{{/* Longer than the preStop pause and the drain together, so that SIGKILL never cuts a drain. */}}
+{{/*
+Longer than the preStop pause and the drain together, so that SIGKILL never cuts a drain. A
+native sidecar stops only after the app, so the app's pause (`spillway.appLifecycle`) comes
+first.
+*/}}
 {{- define "spillway.terminationGracePeriod" -}}
-{{- add .sidecar.preStopSeconds .sidecar.drainSeconds 5 -}}
+{{- $app := ternary (add .sidecar.preStopSeconds 5) 0 (.sidecar.native | default false) -}}
+{{- add $app .sidecar.preStopSeconds .sidecar.drainSeconds 5 -}}
 {{- end -}}
 
 {{/*
