@@ -24,7 +24,8 @@ use crate::limit::{Algorithm, Quota};
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// Identity of the service this sidecar fronts.
+    /// Identity of the service this sidecar fronts (not starting with `_` or `.`: reserved).
+    #[schemars(extend("pattern" = "^[A-Za-z0-9-]"))]
     pub service: Name,
     /// Where clients connect.
     pub listen: SocketAddr,

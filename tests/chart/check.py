@@ -331,6 +331,7 @@ def config_schema(configmaps):
         ("an unknown top-level field", head + "limitz: {}\n"),
         ("a missing upstream", "service: s\nlisten: 127.0.0.1:8080\n"),
         ("a service name with a space", head.replace("service: s", "service: my app")),
+        ("a reserved service name", head.replace("service: s", "service: _admin")),
         ("an upstream over https", head.replace("http://", "https://")),
         ("an upstream with a path", head.replace(":9000", ":9000/api")),
         ("a duration without a unit", head + "timeouts: { header_read: 10 }\n"),
