@@ -59,7 +59,7 @@ pub async fn admit(
         let verdict = match verdict {
             Ok(v) => v,
             // Boxed: the rare path (a network round trip) keeps the common future small.
-            Err((set, remote)) => Box::pin(set.resolve(remote, req, now)).await,
+            Err((set, remote)) => Box::pin(ask_store(&set, remote, req, now)).await,
         };
         match verdict {
             Verdict::Allow(admit) => {
@@ -92,6 +92,26 @@ pub async fn admit(
                 drop(denial);
                 Box::pin(tokio::time::sleep_until(wake)).await;
             }
+        }
+    }
+}
+
+/// Asks the rule set's store each question a decision left open (`scope: redis` rules, in
+/// turn, each bounded by `redis.timeout`), then finishes the decision.
+async fn ask_store(
+    set: &RuleSet,
+    mut remote: Box<crate::rules::Remote>,
+    req: &RequestView<'_>,
+    now: crate::limit::Nanos,
+) -> Verdict {
+    loop {
+        let answer = match (remote.question(set), set.store()) {
+            (None, _) => return set.finish(remote),
+            (Some(q), Some(store)) => store.decide(q).await,
+            (Some(_), None) => None,
+        };
+        if let Some(refused) = set.answer(&mut remote, answer, req, now) {
+            return refused;
         }
     }
 }

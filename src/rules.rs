@@ -2,8 +2,10 @@
 //!
 //! Owns: turning config rules into matchers, per-key stores and pre-resolved metric handles,
 //! built together so that one `ArcSwap` store swaps them together; and [`RuleSet::check`], the
-//! synchronous decision for one request. Must never: await, log per request, allocate for a
-//! key it already tracks, or hold a store guard beyond the call.
+//! synchronous decision for one request. A `scope: redis` rule's question is left open in a
+//! [`Remote`]; the caller asks the [`RemoteStore`] and hands the answers back ([`RuleSet::answer`],
+//! [`RuleSet::finish`]). Must never: await, import the data plane or Redis, log per request,
+//! allocate for a key it already tracks, or hold a store guard beyond the call.
 //!
 //! Cost of `check` per matching rule: a few string compares for the match, the key written
 //! into a stack buffer, one hash of it, one sharded read lock + lookup by borrowed bytes, the
@@ -29,7 +31,6 @@ use crate::config::{
     SketchSize,
 };
 use crate::control::{DropRatios, Staleness};
-use crate::exact::{self, Exact};
 use crate::key::{
     bound_local, canonical_text, extract, extract_text, Extract, KeyBuf, KeyPart, RequestView,
 };
@@ -53,7 +54,7 @@ pub struct RuleSet {
     /// Rejection log lines per rule per second (`log_rejections`).
     log_rejections: u32,
     /// Redis, for `scope: redis` rules; kept across reloads by whoever builds the set.
-    exact: Option<Arc<Exact>>,
+    store: Option<Arc<dyn RemoteStore>>,
 }
 
 struct CompiledRule {
@@ -203,6 +204,68 @@ pub struct Remote {
     admit: Admit,
     taken: SmallVec<[(usize, Taken); 4]>,
     calls: SmallVec<[RedisCall; 1]>,
+    /// Questions answered so far.
+    asked: usize,
+}
+
+impl Remote {
+    /// The next question for the store, or `None` once all were answered.
+    pub fn question<'a>(&'a self, rules: &'a RuleSet) -> Option<Question<'a>> {
+        let call = self.calls.get(self.asked)?;
+        let rule = &rules.rules[call.rule];
+        let Kind::Redis {
+            algorithm, quota, ..
+        } = &*rule.kind
+        else {
+            return None;
+        };
+        Some(Question {
+            rule: &rule.name,
+            key: &call.key,
+            algorithm: *algorithm,
+            quota,
+            cost: call.cost,
+        })
+    }
+}
+
+/// One question for the store: may `cost` units of `key` pass `rule`'s limit?
+#[derive(Debug, Clone, Copy)]
+pub struct Question<'a> {
+    pub rule: &'a str,
+    pub key: &'a [u8],
+    pub algorithm: Algorithm,
+    pub quota: &'a Quota,
+    pub cost: u32,
+}
+
+/// The store's answer to a [`Question`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoreAnswer {
+    pub admitted: bool,
+    pub remaining: u32,
+    /// Nanoseconds until a retry can be admitted; `None`: never (the cost exceeds the limit).
+    pub retry_after: Option<Nanos>,
+    /// Nanoseconds until the quota is whole again (window end, or the bucket full).
+    pub reset_after: Nanos,
+}
+
+/// Where `scope: redis` rules are decided (Redis, through `exact`). The caller of
+/// [`RuleSet::check`] asks it and hands each answer to [`RuleSet::answer`]: the rule set never
+/// awaits.
+pub trait RemoteStore: Send + Sync {
+    /// Answers `q`, or `None` when the store gave no answer (then `on_error` decides).
+    fn decide<'a>(
+        &'a self,
+        q: Question<'a>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<StoreAnswer>> + Send + 'a>>;
+    /// What a decision does when the store gave no answer.
+    fn on_error(&self) -> OnError;
+    /// Whether a refusal is remembered until its retry time and answered without asking.
+    fn cache_refusals(&self) -> bool;
+    /// The retry hint of a refusal made without the store (`on_error: deny`).
+    fn retry_hint(&self) -> Nanos;
+    fn metrics(&self) -> &crate::metrics::RedisMetrics;
 }
 
 #[derive(Debug)]
@@ -727,7 +790,7 @@ impl RuleSet {
             },
             report_interval: NANOS_PER_SEC,
             log_rejections: crate::config::DEFAULT_LOG_REJECTIONS,
-            exact: None,
+            store: None,
         }
     }
 
@@ -740,10 +803,15 @@ impl RuleSet {
             .collect()
     }
 
-    /// Gives `scope: redis` rules their Redis.
-    pub fn with_exact(mut self, exact: Option<Arc<Exact>>) -> Self {
-        self.exact = exact;
+    /// Gives `scope: redis` rules their store (Redis).
+    pub fn with_store(mut self, store: Option<Arc<dyn RemoteStore>>) -> Self {
+        self.store = store;
         self
+    }
+
+    /// The store that decides `scope: redis` rules, for the caller to ask.
+    pub fn store(&self) -> Option<&Arc<dyn RemoteStore>> {
+        self.store.as_ref()
     }
 
     /// Decides one request at `now`. Every matching rule applies; the request is refused if
@@ -895,6 +963,7 @@ impl RuleSet {
                 admit,
                 taken,
                 calls,
+                asked: 0,
             }));
         }
         self.commit(&taken);
@@ -974,94 +1043,88 @@ impl RuleSet {
         }
     }
 
-    /// Finishes a decision that [`check`](Self::check) left to Redis: asks it for each
-    /// `scope: redis` rule in turn (at most `redis.timeout` each, or not at all while the
-    /// breaker is open, `on_error` deciding then). A refusal gives back what the local rules
-    /// granted, and is remembered until its retry time so that the key's next requests are
-    /// answered here. Units Redis granted to earlier rules of a refused request are not given
-    /// back (Redis has no refund; the scripts would need one per algorithm).
-    pub async fn resolve(&self, remote: Box<Remote>, req: &RequestView<'_>, now: Nanos) -> Verdict {
-        let Remote {
-            mut admit,
-            mut taken,
-            calls,
-        } = *remote;
-        let want_states = self.header_mode == HeaderMode::Always;
-        for call in calls {
-            let rule = &self.rules[call.rule];
-            let Kind::Redis {
-                algorithm,
-                quota,
-                refused,
-                fallback,
-                ..
-            } = &*rule.kind
-            else {
-                continue;
-            };
-            let answer = match &self.exact {
-                Some(exact) => {
-                    exact
-                        .decide(&rule.name, &call.key, *algorithm, quota, call.cost)
-                        .await
+    /// Applies the store's answer to the first open question of `remote` (`None`: the store
+    /// gave none, and `on_error` decides): a verdict when that ends the decision (a refusal,
+    /// which gives back what the local rules granted and is remembered until its retry time,
+    /// so that the key's next requests are answered here). Units the store granted to earlier
+    /// rules of a refused request are not given back (Redis has no refund).
+    pub fn answer(
+        &self,
+        remote: &mut Remote,
+        answer: Option<StoreAnswer>,
+        req: &RequestView<'_>,
+        now: Nanos,
+    ) -> Option<Verdict> {
+        let call = remote.calls.get(remote.asked)?;
+        remote.asked += 1;
+        let rule = &self.rules[call.rule];
+        let Kind::Redis {
+            refused, fallback, ..
+        } = &*rule.kind
+        else {
+            return None;
+        };
+        let (decision, slot) = match answer {
+            Some(a) if a.admitted => (
+                Decision::Allow {
+                    remaining: a.remaining,
+                    reset_after: a.reset_after,
+                    wait: 0,
+                },
+                None,
+            ),
+            Some(a) => {
+                let cache = self.store.as_ref().is_some_and(|s| s.cache_refusals());
+                if let (Some(retry), true) = (a.retry_after, cache) {
+                    refused.with(
+                        &call.key,
+                        now,
+                        |r| r.expired(now),
+                        |r| r.remember(now.saturating_add(retry), call.cost),
+                    );
                 }
-                None => Err(exact::Failure::NotConnected),
-            };
-            let (decision, slot) = match answer {
-                Ok(a) if a.admitted => (
-                    Decision::Allow {
-                        remaining: a.remaining,
-                        reset_after: a.reset_after,
-                        wait: 0,
+                (
+                    Decision::Deny {
+                        retry_after: a.retry_after,
                     },
                     None,
-                ),
-                Ok(a) => {
-                    let cache = self.exact.as_ref().is_some_and(|e| e.cache_refusals());
-                    if let (Some(retry), true) = (a.retry_after, cache) {
-                        refused.with(
-                            &call.key,
-                            now,
-                            |r| r.expired(now),
-                            |r| r.remember(now.saturating_add(retry), call.cost),
-                        );
-                    }
-                    (
-                        Decision::Deny {
-                            retry_after: a.retry_after,
-                        },
-                        None,
-                    )
-                }
-                Err(_) => self.on_redis_error(fallback, &call, now),
-            };
-            match decision {
-                Decision::Allow {
-                    remaining,
-                    reset_after,
-                    ..
-                } => {
-                    taken.push((call.rule, Taken::Redis(slot)));
-                    if want_states {
-                        admit
-                            .states
-                            .push(rule.state(remaining, ceil_secs(reset_after)));
-                    }
-                }
-                Decision::Deny { retry_after } => match rule.mode {
-                    Mode::Shadow => {
-                        rule.shadow_rejected.inc();
-                        self.log_rejection(rule, req, "shadow_rejected", now);
-                    }
-                    Mode::Enforce => {
-                        self.log_rejection(rule, req, "rejected", now);
-                        return self.refuse(rule, req, &taken, now, retry_after);
-                    }
-                },
+                )
             }
+            None => self.on_redis_error(fallback, call, now),
+        };
+        match decision {
+            Decision::Allow {
+                remaining,
+                reset_after,
+                ..
+            } => {
+                remote.taken.push((call.rule, Taken::Redis(slot)));
+                if self.header_mode == HeaderMode::Always {
+                    remote
+                        .admit
+                        .states
+                        .push(rule.state(remaining, ceil_secs(reset_after)));
+                }
+                None
+            }
+            Decision::Deny { retry_after } => match rule.mode {
+                Mode::Shadow => {
+                    rule.shadow_rejected.inc();
+                    self.log_rejection(rule, req, "shadow_rejected", now);
+                    None
+                }
+                Mode::Enforce => {
+                    self.log_rejection(rule, req, "rejected", now);
+                    Some(self.refuse(rule, req, &remote.taken, now, retry_after))
+                }
+            },
         }
-        self.commit(&taken);
-        Verdict::Allow(admit)
+    }
+
+    /// The verdict of a decision whose every question was answered without a refusal.
+    pub fn finish(&self, remote: Box<Remote>) -> Verdict {
+        self.commit(&remote.taken);
+        Verdict::Allow(remote.admit)
     }
 
     /// The decision `on_error` makes when Redis gave no answer.
@@ -1071,11 +1134,11 @@ impl RuleSet {
         call: &RedisCall,
         now: Nanos,
     ) -> (Decision, Option<(Slot, u32)>) {
-        let Some(exact) = &self.exact else {
+        let Some(store) = &self.store else {
             return (Decision::Deny { retry_after: None }, None);
         };
-        let metrics = exact.metrics();
-        match (exact.on_error(), fallback) {
+        let metrics = store.metrics();
+        match (store.on_error(), fallback) {
             (OnError::Fallback, Some(fallback)) => {
                 metrics.on_error_fallback.inc();
                 let (d, slot) = fallback.check(&call.key, now, call.cost);
@@ -1085,7 +1148,7 @@ impl RuleSet {
                 metrics.on_error_deny.inc();
                 (
                     Decision::Deny {
-                        retry_after: Some(exact.retry_hint()),
+                        retry_after: Some(store.retry_hint()),
                     },
                     None,
                 )

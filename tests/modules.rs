@@ -109,8 +109,11 @@ fn resolve(from: &Module, path: &str, files: &BTreeMap<Module, PathBuf>) -> Opti
         .find(|m| files.contains_key(m))
 }
 
-#[test]
-fn no_module_imports_one_that_imports_it_back() {
+/// Each module and the modules it imports (not those around it or inside it).
+fn imports() -> (
+    BTreeMap<Module, PathBuf>,
+    BTreeMap<Module, BTreeSet<Module>>,
+) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = BTreeMap::new();
     module_files(&root, &root, &mut files);
@@ -127,6 +130,12 @@ fn no_module_imports_one_that_imports_it_back() {
             }
         }
     }
+    (files, edges)
+}
+
+#[test]
+fn no_module_imports_one_that_imports_it_back() {
+    let (files, edges) = imports();
     assert!(
         edges.values().map(BTreeSet::len).sum::<usize>() > 50,
         "the scan found the imports: {edges:?}"
@@ -153,6 +162,25 @@ fn no_module_imports_one_that_imports_it_back() {
         cycles.is_empty(),
         "modules that import each other:\n{}",
         cycles.join("\n")
+    );
+}
+
+/// The decision is synchronous and below the data plane: it never awaits, and asks Redis only
+/// through the caller (`rules::RemoteStore`).
+#[test]
+fn the_decision_never_awaits_nor_imports_the_data_plane_or_redis() {
+    let (files, edges) = imports();
+    let rules = vec!["rules".to_string()];
+    let above: Vec<String> = edges[&rules]
+        .iter()
+        .filter(|m| ["proxy", "exact", "gate"].contains(&m[0].as_str()))
+        .map(|m| m.join("::"))
+        .collect();
+    assert!(above.is_empty(), "rules imports {above:?}");
+    let text = std::fs::read_to_string(&files[&rules]).unwrap();
+    assert!(
+        !text.contains("async fn") && !text.contains(".await"),
+        "rules awaits"
     );
 }
 

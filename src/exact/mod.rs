@@ -27,6 +27,42 @@ use redis::Script;
 use crate::config::{OnError, RedisConfig};
 use crate::limit::{Algorithm, AnyClock, Clock, Nanos, Quota};
 use crate::metrics::{RedisError, RedisMetrics};
+use crate::rules::{Question, RemoteStore};
+
+/// The rule set's store for `scope: redis` rules.
+impl RemoteStore for Arc<Exact> {
+    fn decide<'a>(
+        &'a self,
+        q: Question<'a>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<Answer>> + Send + 'a>> {
+        Box::pin(async move {
+            Exact::decide(self, q.rule, q.key, q.algorithm, q.quota, q.cost)
+                .await
+                .ok()
+        })
+    }
+
+    fn on_error(&self) -> OnError {
+        Exact::on_error(self)
+    }
+
+    fn cache_refusals(&self) -> bool {
+        Exact::cache_refusals(self)
+    }
+
+    fn retry_hint(&self) -> Nanos {
+        Exact::retry_hint(self)
+    }
+
+    fn metrics(&self) -> &RedisMetrics {
+        Exact::metrics(self)
+    }
+}
+
+/// `exact` as the rule set's store.
+pub fn store(exact: &Option<Arc<Exact>>) -> Option<Arc<dyn RemoteStore>> {
+    exact.clone().map(|e| Arc::new(e) as Arc<dyn RemoteStore>)
+}
 
 #[cfg(test)]
 mod tests;
@@ -37,15 +73,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 const RECONNECT_BACKOFF: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(1));
 
 /// The answer of a script.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Answer {
-    pub admitted: bool,
-    pub remaining: u32,
-    /// Nanoseconds until a retry can be admitted; `None`: never (the cost exceeds the limit).
-    pub retry_after: Option<Nanos>,
-    /// Nanoseconds until the quota is whole again (window end, or the bucket full).
-    pub reset_after: Nanos,
-}
+pub use crate::rules::StoreAnswer as Answer;
 
 /// Why Redis gave no answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

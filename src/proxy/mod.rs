@@ -162,8 +162,8 @@ impl Sidecar {
             }
             None => None,
         };
-        let rules =
-            RuleSet::build_with_ratios(&config, &metrics, ratios.clone()).with_exact(exact.clone());
+        let rules = RuleSet::build_with_ratios(&config, &metrics, ratios.clone())
+            .with_store(crate::exact::store(&exact));
         let (stop, stopped) = watch::channel(false);
         let reporter = match &config.control_plane {
             Some(cp) => Some(reporter(

@@ -114,7 +114,7 @@ pub(super) async fn reload(
         shared.ratios.clone(),
         Some(&previous),
     )
-    .with_exact(exact.clone());
+    .with_store(crate::exact::store(&exact));
     let kept = rules.kept_from(&previous);
     let fresh = active
         .rules
