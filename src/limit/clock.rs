@@ -20,9 +20,9 @@ pub trait Clock: Send + Sync + 'static {
 
 /// The process's monotonic clock, with its epoch at construction.
 ///
-/// Reads the CPU's invariant TSC through `quanta` where the CPU has one (about a third of the
-/// cost of `clock_gettime` on this machine's VM, which is ~23 ns and would otherwise be the
-/// largest single part of a decision), and the OS monotonic clock where it does not.
+/// Reads the CPU's invariant TSC through `quanta` where the CPU has one (cheaper than
+/// `clock_gettime`, which would otherwise be the largest single part of a decision;
+/// docs/measurements.md, "The clock"), and the OS monotonic clock where it does not.
 #[derive(Debug, Clone)]
 pub struct MonotonicClock {
     clock: quanta::Clock,

@@ -10,12 +10,9 @@
 //! other core is left to them (docs/measurements.md, "Concentrating new connections"). nginx
 //! concentrates the same way (`EPOLLEXCLUSIVE` wakes one waiting worker).
 //!
-//! The first worker's load decides, not how long one connection waited: a grace of 1 ms (the
-//! rule before) let the second worker take a share of every connect burst whenever one round of
-//! the first over its connections happened to take longer, which fixed the split of wrk's 128
-//! connections by chance, and that share set the p99. Load comes from tokio's busy time of the first worker's runtime,
-//! which it publishes on its tick ([`Sampler`]); the grace is now only the fallback for a first
-//! worker that is stuck (a long poll, the OS not running it) before its load shows.
+//! The first worker's load decides, not how long one connection waited (docs/measurements.md,
+//! "Load, not a grace"): tokio's busy time of its runtime, published on its tick
+//! ([`Sampler`]); the grace is only the fallback for a first worker that is stuck.
 //!
 //! Cost: one atomic load and, while the first worker is not busy, one timer per connection
 //! arrival on the other workers; one sample per tick on the first; nothing per request. Must

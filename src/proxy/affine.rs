@@ -1,38 +1,17 @@
-//! One upstream connection per HTTP/1 client connection, used from that connection's own task.
+//! One upstream connection per HTTP/1 client connection, used from that connection's own task:
+//! the request is written upstream in the worker's turn that read it, and the response is read
+//! and written back in the poll that saw it arrive, as nginx's event loop does; no task or
+//! channel per upstream connection, as hyper-util's pool has.
 //!
-//! hyper-util's pooled client runs every upstream connection as a task of its own, so a request
-//! crosses from the client connection's task to the upstream connection's task through a
-//! channel, and its response crosses back through another: two trips through the runtime's
-//! queue per request (each behind every other ready connection), plus the pool's lock and
-//! checkout. An HTTP/1 client connection sends its requests one at a time, so it can keep one
-//! upstream connection of its own and do its I/O from its own task: the request is written
-//! upstream in the worker's turn that read it (after the other connections ready in that turn
-//! were read: [`h1::exchange`] writes them together), and the response ([`h1`], written by
-//! hand) is read and written back in the poll that saw it arrive, as nginx's event loop does.
-//! Measured in docs/benchmarks-history.md.
+//! Owns the worker's idle list ([`Idle`]) and the caps on upstream connections ([`Cap`]). A
+//! client's first exchange borrows a connection from the list (or connects) and gives it back
+//! at its body's end; from its second on an HTTP/1 client keeps one; every HTTP/2 stream
+//! borrows. Connections unused for `timeouts.upstream_idle` are closed. For requests without an
+//! upgrade to an HTTP/1 upstream whose body is none or in hand; the rest keep the pooled client.
 //!
-//! Cost per request: two uncontended locks (take the connection, and the response body puts
-//! it back at its end), a readiness check that the upstream has not closed it (no syscall).
-//! A connect only when there is no usable connection: the first request, after the upstream
-//! closed it, or after [`Upstream::idle`] unused.
-//!
-//! Used for requests without an upgrade to an HTTP/1 upstream whose body is none or in hand
-//! (read with the head by `inbound`, or a small one of hyper's that was all there, see
-//! `forward`); requests whose body is still coming, upgrades and
-//! `h2c://` upstreams keep the pooled client. A client connection's first exchange
-//! only borrows a connection from the worker's [`Idle`] list (or a new one): at the body's end
-//! it goes back there, for whichever request comes next, so a client that sends one request
-//! and leaves, or a burst of them, costs no connection each; from its second exchange on, an
-//! HTTP/1 client keeps the one it has. Every stream of an HTTP/2 client connection borrows
-//! (its streams run at once, each in a task of hyper's, which then does the I/O): the exchange
-//! is the same, without the pooled client's task per upstream connection and the two channel
-//! trips per request.
-//! When a client connection ends between requests, its upstream connection goes back to the
-//! list too, and is closed once unused for `timeouts.idle`. A worker makes at most
-//! [`MAX_CONNECTING`] connects at once, and a request whose turn comes first takes a
-//! connection that came back meanwhile instead of connecting: a burst of new clients does not
-//! overflow the app's accept backlog (128 for a tokio listener; SYNs dropped there are retried
-//! only after a second, a third of the default connect timeout).
+//! Cost per request: two uncontended locks and a readiness check (no syscall). Must never:
+//! reuse a connection with bytes left on it, or connect more than [`MAX_CONNECTING`] at once
+//! per worker (a burst of new clients would overflow the app's accept backlog).
 
 use std::future::Future;
 use std::pin::Pin;

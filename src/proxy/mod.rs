@@ -603,9 +603,8 @@ async fn worker(
 /// Also the one timer on tokio's wheel that is always pending, so that the few a request may
 /// still arm there (a delayed request, a connect) do not each make tokio write its own eventfd:
 /// tokio wakes its I/O driver whenever a timer is registered while no earlier one is pending,
-/// even from the runtime's own thread while it is busy (tokio-rs/tokio#5207; strace, 16
-/// connections, before the request deadlines moved to `coarse`: 11 325 `write`s for 19 759
-/// requests without this timer, 9 to 15 per run with it).
+/// even from the runtime's own thread while it is busy (tokio-rs/tokio#5207;
+/// docs/measurements.md, "The anchor timer").
 async fn anchor_timer(
     period: Duration,
     idle: Arc<affine::Idle>,
