@@ -1870,7 +1870,7 @@ pub(crate) fn check_rule_names(rules: &[Rule], text: &str, file: &str) -> Result
 }
 
 /// Best effort: the line of the `n`th `name: <value>` in the text.
-fn line_of_nth_name(text: &str, value: &str, n: usize) -> Option<usize> {
+pub(crate) fn line_of_nth_name(text: &str, value: &str, n: usize) -> Option<usize> {
     text.lines()
         .enumerate()
         .filter(|(_, l)| {

@@ -180,15 +180,17 @@ impl RateLimitLayer {
     pub fn from_yaml(yaml: &str, source: &str) -> Result<Self, ConfigError> {
         let policy: Policy = crate::config::parse_yaml(yaml, source)?;
         crate::config::check_rule_names(&policy.rules, yaml, source)?;
-        if let Some(rule) = policy.rules.iter().find(|r| r.scope == Scope::Redis) {
+        // Accepted, they would never limit: the layer has no control plane and no Redis.
+        if let Some(rule) = policy.rules.iter().find(|r| r.scope != Scope::Local) {
+            let needs = match rule.scope {
+                Scope::Global => "scope: global needs the sidecar's control plane",
+                _ => "scope: redis needs the sidecar's redis section",
+            };
             return Err(ConfigError::Invalid {
                 file: source.to_string(),
-                line: None,
+                line: crate::config::line_of_nth_name(yaml, &rule.name.0, 1),
                 column: None,
-                message: format!(
-                    "rule {}: scope: redis needs the sidecar's redis section; the layer decides local rules",
-                    rule.name
-                ),
+                message: format!("rule {}: {needs}; the layer decides local rules", rule.name),
             });
         }
         let metrics = Arc::new(Metrics::new());
