@@ -1,0 +1,727 @@
+//! The compiled rule set and the in-path decision.
+//!
+//! Owns: turning config rules into matchers, per-key stores and pre-resolved metric handles,
+//! built together so that one `ArcSwap` store swaps them together; and [`RuleSet::check`], the
+//! synchronous decision for one request. A `scope: redis` rule's question is left open in a
+//! [`Remote`]; the caller asks the [`RemoteStore`] and hands the answers back ([`RuleSet::answer`],
+//! [`RuleSet::finish`]). Must never: await, import the data plane or Redis, log per request,
+//! allocate for a key it already tracks, or hold a store guard beyond the call.
+//!
+//! Cost of `check` per matching rule: a few string compares for the match, the key written
+//! into a stack buffer, one hash of it, one sharded read lock + lookup by borrowed bytes, the
+//! algorithm's CAS (a per-key lock for the sliding log), one relaxed counter add. A new key
+//! costs a shard write lock (and a heap copy of the key past 24 bytes; keys past 64 bytes are
+//! kept as a 17-byte keyed hash). A full store first replaces states indistinguishable from
+//! fresh (a sweep, at most every 100 ms, backing off to 5 s while none frees); keys that still
+//! find no place are decided by the rule's count-min sketch (rate limits) or share one
+//! overflow state (the others). Measured in `benches/decision.rs`.
+
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use dashmap::DashMap;
+use http::HeaderValue;
+use prometheus::{IntCounter, IntGauge};
+use smallvec::SmallVec;
+
+use crate::config::OnError;
+use crate::config::{
+    Config, Cost, CostFrom, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rule, Scope,
+    SketchSize,
+};
+use crate::control::{DropRatios, Staleness};
+use crate::key::{
+    bound_local, canonical_text, extract, extract_text, Extract, KeyBuf, KeyPart, RequestView,
+};
+use crate::limit::{
+    ceil_secs, Adaptive, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter,
+    Nanos, Permit, Quota, Sketch, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
+    NANOS_PER_SEC,
+};
+use crate::metrics::Metrics;
+use crate::respond::answers::Answers;
+
+/// Every rule of one configuration, ready to decide.
+pub struct RuleSet {
+    rules: Vec<CompiledRule>,
+    header_mode: HeaderMode,
+    /// The control plane's drop ratios for global rules, published by the reporter.
+    ratios: Arc<ArcSwap<DropRatios>>,
+    staleness: Staleness,
+    /// How often ratios are refreshed, for the retry hint of a global drop.
+    report_interval: Nanos,
+    /// Rejection log lines per rule per second (`log_rejections`).
+    log_rejections: u32,
+    /// Redis, for `scope: redis` rules; kept across reloads by whoever builds the set.
+    store: Option<Arc<dyn RemoteStore>>,
+}
+
+struct CompiledRule {
+    name: Arc<str>,
+    matcher: Matcher,
+    key: Vec<KeyPart>,
+    mode: Mode,
+    cost: Cost,
+    /// The per-key state, shared with the next rule set when a reload leaves the rule's
+    /// identity unchanged.
+    kind: Arc<Kind>,
+    /// Name, key, limit, scope, fallback and max_keys: what the state depends on.
+    identity: String,
+    delay: Option<Delay>,
+    /// A leaky bucket's `max_delay`: a request that would wait longer in its queue is refused
+    /// (`Nanos::MAX`: no bound but the queue's).
+    max_wait: Nanos,
+    /// `"name";q=<burst>;w=<window seconds>`, built once.
+    policy: HeaderValue,
+    /// This rule's 429s, built once per retry hint.
+    answers: Arc<Answers>,
+    allowed: IntCounter,
+    rejected: IntCounter,
+    shadow_rejected: IntCounter,
+    /// Rejections logged in the current second.
+    logged: LogBudget,
+}
+
+/// How many of a rule's rejections were logged in the current second: the log answers "why
+/// did I get a 429?" without a line per refusal under a flood.
+#[derive(Default)]
+struct LogBudget {
+    second: AtomicU64,
+    count: AtomicU32,
+}
+
+impl LogBudget {
+    /// Whether one more line fits in `per_second` at `now`. Relaxed: a bound, not an exact
+    /// count (two threads turning the second may let one more through).
+    fn take(&self, now: Nanos, per_second: u32) -> bool {
+        if per_second == 0 {
+            return false;
+        }
+        // Read first: under a flood most refusals find this second's budget spent, and then
+        // write nothing to a line every worker reads.
+        let this = now / NANOS_PER_SEC;
+        if self.second.load(Ordering::Relaxed) != this {
+            if self.second.swap(this, Ordering::Relaxed) != this {
+                self.count.store(0, Ordering::Relaxed);
+            }
+        } else if self.count.load(Ordering::Relaxed) >= per_second {
+            return false;
+        }
+        self.count.fetch_add(1, Ordering::Relaxed) < per_second
+    }
+}
+
+enum Kind {
+    Rate {
+        quota: Quota,
+        store: RateStore,
+        /// Decides the keys that find no place in `store`.
+        overflow: Overflow,
+    },
+    Concurrency {
+        max: u32,
+        store: Store<Arc<Concurrency>>,
+    },
+    /// In flight at once for the whole rule, a limit that follows the upstream's latency.
+    Adaptive { limiter: Arc<Adaptive> },
+    /// Decided by a script in Redis, after the local rules; see [`RuleSet::resolve`].
+    Redis {
+        algorithm: Algorithm,
+        quota: Quota,
+        /// Keys Redis refused, until when: answered here without a round trip.
+        refused: Store<Refused>,
+        cache_answers: IntCounter,
+        /// The local limit of `on_error: fallback`.
+        fallback: Option<Fallback>,
+    },
+    /// Enforced by the control plane's drop ratio; counted here for the reports.
+    Global {
+        limit: crate::control::Limit,
+        store: Store<Arc<GlobalCounters>>,
+        /// A local limit for while the control plane is stale.
+        fallback: Option<Fallback>,
+    },
+}
+
+/// Offered and admitted requests of one (global rule, key) since the last report.
+#[derive(Debug, Default)]
+pub struct GlobalCounters {
+    // Relaxed: counters; the reporter's swap reads each exactly once.
+    offered: AtomicU64,
+    admitted: AtomicU64,
+}
+
+/// A key Redis refused: requests of at least `cost` are refused until `until` (local clock).
+#[derive(Debug, Default)]
+pub struct Refused {
+    // Relaxed: a hint; a torn pair at worst asks Redis once more.
+    until: AtomicU64,
+    cost: AtomicU32,
+}
+
+impl Refused {
+    fn remember(&self, until: Nanos, cost: u32) {
+        self.until.store(until, Ordering::Relaxed);
+        self.cost.store(cost, Ordering::Relaxed);
+    }
+
+    /// Past its retry time: as good as no entry.
+    fn expired(&self, now: Nanos) -> bool {
+        self.until.load(Ordering::Relaxed) <= now
+    }
+
+    fn refused(&self, now: Nanos, cost: u32) -> Option<Nanos> {
+        let until = self.until.load(Ordering::Relaxed);
+        (until > now && cost >= self.cost.load(Ordering::Relaxed)).then(|| until - now)
+    }
+}
+
+/// Why a request is not admitted.
+#[derive(Debug)]
+pub enum Refusal {
+    /// A rule refused it: 429.
+    Limited(Denial),
+    /// A rule cannot decide it as sent (its cost, a keyed field twice): 400.
+    BadRequest(crate::rules::BadRequest),
+}
+
+/// What a granted rule needs at the end of the decision (count it) or on a refusal (refund).
+#[derive(Debug)]
+pub enum Taken {
+    Rate(Slot, u32),
+    Concurrency,
+    Global(Arc<GlobalCounters>, Option<Slot>),
+    /// Admitted by Redis (nothing to give back there), or by the local fallback limit (its
+    /// slot and the units it took).
+    Redis(Option<(Slot, u32)>),
+}
+
+/// The counts of one global rule since the last report, heaviest keys first.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GlobalCounts {
+    pub rule: String,
+    pub limit: crate::control::Limit,
+    /// (key, offered, admitted) for the `top_k` keys that offered most.
+    pub keys: Vec<(String, u64, u64)>,
+    /// Offered and admitted of every other key, and how many keys that is.
+    pub other: (u64, u64, u64),
+}
+
+/// The waiting room of an `on_limit: delay` rule.
+#[derive(Debug, Clone)]
+pub struct Delay {
+    pub max_delay: Nanos,
+    pub queue: Arc<DelayQueue>,
+}
+
+/// Counts the requests of one rule waiting for admission.
+#[derive(Debug)]
+pub struct DelayQueue {
+    // Relaxed: a bound, exact because every change is one read-modify-write.
+    waiting: AtomicU32,
+    max: u32,
+    gauge: IntGauge,
+    /// Requests that waited and were then admitted.
+    delayed: IntCounter,
+}
+
+impl DelayQueue {
+    /// A place in the queue, if there is one.
+    pub fn enter(self: &Arc<Self>) -> Option<QueuePlace> {
+        self.waiting
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .ok()?;
+        self.gauge.inc();
+        Some(QueuePlace(self.clone()))
+    }
+}
+
+/// A place in a [`DelayQueue`]; dropping it (admitted, refused, or the client gone) frees it.
+#[derive(Debug)]
+pub struct QueuePlace(Arc<DelayQueue>);
+
+impl QueuePlace {
+    /// The request that held this place was admitted: count it and free the place.
+    pub fn admitted(self) {
+        self.0.delayed.inc();
+    }
+}
+
+impl Drop for QueuePlace {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.0.gauge.dec();
+    }
+}
+
+/// What the caller needs to answer a request, owned so that no snapshot guard outlives
+/// `check`.
+#[derive(Debug)]
+pub enum Verdict {
+    Allow(Admit),
+    /// Answer 429 (or wait, when the denial carries a [`Delay`]).
+    Deny(Denial),
+    /// The request is malformed for a rule (its cost, a keyed field sent twice): answer 400.
+    BadRequest(BadRequest),
+    /// Local rules admit it; `scope: redis` rules still must: call [`RuleSet::resolve`].
+    /// Boxed: it is the rare, network-bound case, and it would triple the size of every
+    /// verdict returned on the hot path.
+    Remote(Box<Remote>),
+}
+
+/// Why a rule cannot decide a request: answered 400, naming the rule.
+#[derive(Debug, Clone)]
+pub struct BadRequest {
+    pub rule: Arc<str>,
+    /// The `spillway_bad_requests_total` reason.
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+/// An admitted request.
+#[derive(Debug, Default)]
+pub struct Admit {
+    /// With `headers: always`, the rate-limit state of each rule that applied.
+    pub states: SmallVec<[RateState; 2]>,
+    /// Concurrency slots, to be held until the response body ends.
+    pub permits: SmallVec<[Permit; 1]>,
+    /// How long a shaping rule (leaky bucket) wants the request to wait before it goes on.
+    pub wait: Nanos,
+}
+
+/// A rule's state after a decision, for the `RateLimit` headers.
+#[derive(Debug, Clone)]
+pub struct RateState {
+    pub rule: Arc<str>,
+    pub policy: HeaderValue,
+    pub remaining: u32,
+    /// Seconds until the quota is whole again (allowed) or a retry is admitted (denied).
+    pub reset_secs: u64,
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone)]
+pub struct Denial {
+    pub state: RateState,
+    /// Nanoseconds until a retry would be admitted; `None` = never (cost above burst).
+    pub retry_after: Option<Nanos>,
+    pub header_mode: HeaderMode,
+    /// Set when the refusing rule has `on_limit: delay`.
+    pub delay: Option<Delay>,
+    /// Refused for capacity (an adaptive limit), not quota: 503, not 429.
+    pub capacity: bool,
+    /// The refusing rule's prepared 429 parts.
+    pub answers: Arc<Answers>,
+}
+
+impl Denial {
+    /// `Retry-After` in whole seconds: rounded up, at least 1.
+    pub fn retry_after_secs(&self) -> Option<u64> {
+        self.retry_after.map(|n| ceil_secs(n).max(1))
+    }
+}
+
+/// A concurrency limit cannot know when a slot frees; this is the hint it gives.
+const CONCURRENCY_RETRY: Nanos = NANOS_PER_SEC;
+
+impl RuleSet {
+    /// Gives `scope: redis` rules their store (Redis).
+    pub fn with_store(mut self, store: Option<Arc<dyn RemoteStore>>) -> Self {
+        self.store = store;
+        self
+    }
+
+    /// The store that decides `scope: redis` rules, for the caller to ask.
+    pub fn store(&self) -> Option<&Arc<dyn RemoteStore>> {
+        self.store.as_ref()
+    }
+
+    /// Decides one request at `now`. Every matching rule applies; the request is refused if
+    /// any enforcing rule refuses, and then the units other rules had granted are given back.
+    /// Shadow rules decide and count what they would have refused, and never refuse.
+    pub fn check(&self, req: &RequestView<'_>, now: Nanos) -> Verdict {
+        let want_states = self.header_mode == HeaderMode::Always;
+        let mut admit = Admit::default();
+        // Rules that granted units, for the refund if a later one refuses.
+        let mut taken: SmallVec<[(usize, Taken); 4]> = SmallVec::new();
+        let mut calls: SmallVec<[RedisCall; 1]> = SmallVec::new();
+        let mut key = KeyBuf::new();
+        let mut ratios = None;
+        for (i, rule) in self.rules.iter().enumerate() {
+            if !rule.matcher.matches(req) {
+                continue;
+            }
+            match rule.key_of(req, &mut key) {
+                Extract::Found => {}
+                Extract::Missing => continue,
+                Extract::Repeated => {
+                    self.refund(req, &taken, now);
+                    return Verdict::BadRequest(rule.repeated_key(req));
+                }
+            }
+            let cost = match rule.cost_of(req) {
+                Ok(cost) => cost,
+                Err(bad) => {
+                    self.refund(req, &taken, now);
+                    return Verdict::BadRequest(bad);
+                }
+            };
+            let decision = match &*rule.kind {
+                Kind::Rate {
+                    quota,
+                    store,
+                    overflow,
+                } => {
+                    let (decision, slot) = store.check(&key, quota, now, cost, overflow);
+                    match decision {
+                        Decision::Allow { wait, .. } if wait > rule.max_wait => {
+                            let over = wait - rule.max_wait;
+                            waits_too_long(store, &key, slot, quota, now, cost, overflow, over)
+                        }
+                        Decision::Allow { .. } => {
+                            taken.push((i, Taken::Rate(slot, cost)));
+                            decision
+                        }
+                        deny => deny,
+                    }
+                }
+                Kind::Adaptive { limiter } => {
+                    let permit = limiter.try_acquire().map(Permit::from);
+                    slot(permit, limiter.limit(), i, &mut admit, &mut taken)
+                }
+                Kind::Redis {
+                    refused,
+                    cache_answers,
+                    ..
+                } => match refused.map.get(&key[..]).and_then(|r| r.refused(now, cost)) {
+                    Some(retry) => {
+                        cache_answers.inc();
+                        Decision::Deny {
+                            retry_after: Some(retry),
+                        }
+                    }
+                    None => {
+                        // Decided by Redis once the local rules have all admitted.
+                        calls.push(RedisCall {
+                            rule: i,
+                            key: key.to_vec(),
+                            cost,
+                        });
+                        continue;
+                    }
+                },
+                Kind::Concurrency { max, store } => {
+                    let (permit, _) =
+                        store.with(&key, now, concurrency_idle, |c| c.try_acquire(*max));
+                    slot(permit, *max, i, &mut admit, &mut taken)
+                }
+                Kind::Global {
+                    limit,
+                    store,
+                    fallback,
+                } => {
+                    let (counters, _) = store.with(&key, now, global_idle, Arc::clone);
+                    counters.offered.fetch_add(1, Ordering::Relaxed);
+                    // One snapshot load per request, however many global rules match.
+                    let ratios = ratios.get_or_insert_with(|| self.ratios.load());
+                    let age = now.saturating_sub(ratios.at);
+                    let (factor, stale) = self.staleness.factor(age);
+                    let (decision, slot) = match fallback {
+                        Some(fallback) if stale => {
+                            let (d, slot) = fallback.check(&key, now, 1);
+                            (d, Some(slot))
+                        }
+                        _ => {
+                            let p = ratios.ratio(&rule.name, &key) * factor;
+                            let d = if p > 0.0 && fastrand::f64() < p {
+                                // The ratio may change with the next reply.
+                                let interval = self.report_interval.max(1);
+                                Decision::Deny {
+                                    retry_after: Some(interval - age % interval),
+                                }
+                            } else {
+                                Decision::Allow {
+                                    remaining: if p > 0.0 { 0 } else { limit.count as u32 },
+                                    reset_after: 0,
+                                    wait: 0,
+                                }
+                            };
+                            (d, None)
+                        }
+                    };
+                    if decision.is_allowed() {
+                        taken.push((i, Taken::Global(counters, slot)));
+                    }
+                    decision
+                }
+            };
+            match decision {
+                Decision::Allow {
+                    remaining,
+                    reset_after,
+                    wait,
+                } => {
+                    admit.wait = admit.wait.max(wait);
+                    if want_states {
+                        admit
+                            .states
+                            .push(rule.state(remaining, ceil_secs(reset_after)));
+                    }
+                }
+                Decision::Deny { retry_after } => match rule.mode {
+                    Mode::Shadow => {
+                        rule.shadow_rejected.inc();
+                        self.log_rejection(rule, req, "shadow_rejected", now);
+                    }
+                    Mode::Enforce => {
+                        self.log_rejection(rule, req, "rejected", now);
+                        return self.refuse(rule, req, &taken, now, retry_after);
+                    }
+                },
+            }
+        }
+        if !calls.is_empty() {
+            return Verdict::Remote(Box::new(Remote {
+                admit,
+                taken,
+                calls,
+                asked: 0,
+            }));
+        }
+        self.commit(&taken);
+        Verdict::Allow(admit)
+    }
+
+    /// Refuses a request for `rule`: gives back what `taken` granted, counts the rejection,
+    /// and says when to retry (a redis rule has no delay and no adaptive limit: the fields
+    /// follow from the rule).
+    fn refuse(
+        &self,
+        rule: &CompiledRule,
+        req: &RequestView<'_>,
+        taken: &[(usize, Taken)],
+        now: Nanos,
+        retry_after: Option<Nanos>,
+    ) -> Verdict {
+        self.refund(req, taken, now);
+        rule.rejected.inc();
+        let reset = retry_after.map_or(0, |n| ceil_secs(n).max(1));
+        Verdict::Deny(Denial {
+            state: rule.state(0, reset),
+            retry_after,
+            header_mode: self.header_mode,
+            delay: rule.delay.clone(),
+            capacity: matches!(*rule.kind, Kind::Adaptive { .. }),
+            answers: rule.answers.clone(),
+        })
+    }
+
+    /// Logs a rejection by `rule` of `req`, within the rule's budget of lines a second
+    /// (`log_rejections`): the rule, the decision, the key in the form global rules report it
+    /// (`sha256:` and a digest past 64 bytes or for bytes that are not UTF-8, as the UI shows
+    /// it), the client, method, path and the request's `traceparent`.
+    #[cold]
+    fn log_rejection(
+        &self,
+        rule: &CompiledRule,
+        req: &RequestView<'_>,
+        decision: &str,
+        now: Nanos,
+    ) {
+        // A rule that delays decides again when the wait ends: only its final refusal (in
+        // the gate) is one, and that is not logged here.
+        if rule.delay.is_some() || !rule.logged.take(now, self.log_rejections) {
+            return;
+        }
+        // Worked out again in text form: a local rule keeps its key as bytes.
+        let mut text = KeyBuf::new();
+        extract_text(&rule.key, req, &mut text);
+        crate::key::canonical_text(&mut text);
+        let traceparent = req
+            .headers
+            .get("traceparent")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        tracing::info!(
+            target: "spillway::rejection",
+            rule = %rule.name,
+            decision,
+            key = %String::from_utf8_lossy(&text),
+            client = %req.client_ip,
+            method = %req.method,
+            path = %req.uri.path(),
+            traceparent,
+            "request refused by a rule"
+        );
+    }
+
+    /// Counts an admitted request on every rule that granted it.
+    fn commit(&self, taken: &[(usize, Taken)]) {
+        for (i, t) in taken {
+            self.rules[*i].allowed.inc();
+            if let Taken::Global(counters, _) = t {
+                counters.admitted.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Gives back what `taken` granted. The keys are extracted again from the request rather
+    /// than copied on every decision: refunds are the rare path.
+    fn refund(&self, req: &RequestView<'_>, taken: &[(usize, Taken)], now: Nanos) {
+        let mut key = KeyBuf::new();
+        for (i, t) in taken {
+            let rule = &self.rules[*i];
+            if rule.key_of(req, &mut key) != Extract::Found {
+                continue;
+            }
+            match (&*rule.kind, t) {
+                (
+                    Kind::Rate {
+                        quota,
+                        store,
+                        overflow,
+                    },
+                    Taken::Rate(slot, cost),
+                ) => {
+                    store.refund(&key, *slot, quota, now, *cost, overflow);
+                }
+                (
+                    Kind::Global {
+                        fallback: Some(fallback),
+                        ..
+                    },
+                    Taken::Global(_, Some(slot)),
+                ) => fallback.refund(&key, *slot, now, 1),
+                (
+                    Kind::Redis {
+                        fallback: Some(fallback),
+                        ..
+                    },
+                    Taken::Redis(Some((slot, cost))),
+                ) => fallback.refund(&key, *slot, now, *cost),
+                _ => {}
+            }
+        }
+    }
+
+    /// Takes the counts of every global rule since the last call (each counter is read and
+    /// zeroed once), reporting the `top_k` heaviest keys per rule one by one.
+    pub fn drain_global(&self, top_k: usize) -> Vec<GlobalCounts> {
+        let mut out = Vec::new();
+        for rule in &self.rules {
+            let Kind::Global { limit, store, .. } = &*rule.kind else {
+                continue;
+            };
+            let take = |c: &GlobalCounters| {
+                (
+                    c.offered.swap(0, Ordering::Relaxed),
+                    c.admitted.swap(0, Ordering::Relaxed),
+                )
+            };
+            let mut keys: Vec<(String, u64, u64)> = store
+                .map
+                .iter()
+                .filter_map(|e| {
+                    let (o, a) = take(e.value());
+                    (o > 0).then(|| (String::from_utf8_lossy(e.key()).into_owned(), o, a))
+                })
+                .collect();
+            keys.sort_unstable_by_key(|k| std::cmp::Reverse(k.1));
+            let (o, a) = take(&store.overflow);
+            let mut other = (o, a, u64::from(o > 0));
+            for (_, o, a) in keys.drain(top_k.min(keys.len())..) {
+                other = (other.0 + o, other.1 + a, other.2 + 1);
+            }
+            out.push(GlobalCounts {
+                rule: rule.name.to_string(),
+                limit: *limit,
+                keys,
+                other,
+            });
+        }
+        out
+    }
+
+    /// Forgets idle keys in every rule; returns how many.
+    pub fn sweep(&self, now: Nanos) -> usize {
+        self.rules
+            .iter()
+            .map(|r| match &*r.kind {
+                Kind::Rate { quota, store, .. } => store.sweep(quota, now),
+                Kind::Concurrency { store, .. } => store.sweep(concurrency_idle),
+                Kind::Adaptive { .. } => 0,
+                Kind::Redis {
+                    refused, fallback, ..
+                } => {
+                    refused.sweep(|r| r.expired(now))
+                        + fallback.as_ref().map_or(0, |f| f.sweep(now))
+                }
+                Kind::Global {
+                    store, fallback, ..
+                } => store.sweep(global_idle) + fallback.as_ref().map_or(0, |f| f.sweep(now)),
+            })
+            .sum()
+    }
+
+    /// A leaky-bucket rule's bound on its queue's wait (tests).
+    #[cfg(test)]
+    pub(crate) fn max_wait_of(&self, name: &str) -> Option<Nanos> {
+        self.rules
+            .iter()
+            .find(|r| &*r.name == name)
+            .map(|r| r.max_wait)
+    }
+
+    /// Keys tracked by the rule called `name`.
+    pub fn tracked_keys(&self, name: &str) -> Option<usize> {
+        self.rules
+            .iter()
+            .find(|r| &*r.name == name)
+            .map(|r| match &*r.kind {
+                Kind::Rate { store, .. } => store.len(),
+                Kind::Concurrency { store, .. } => store.len.load(Ordering::Relaxed),
+                Kind::Global { store, .. } => store.len.load(Ordering::Relaxed),
+                Kind::Redis { refused, .. } => refused.len.load(Ordering::Relaxed),
+                Kind::Adaptive { .. } => 0,
+            })
+    }
+}
+
+/// A whole number of at least 1; values past `u32::MAX` saturate (they are capped at `max`).
+fn parse_cost(bytes: &[u8]) -> Option<u32> {
+    let bytes = bytes.trim_ascii();
+    if bytes.is_empty() || !bytes.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    let n = bytes.iter().fold(0u32, |n, d| {
+        n.saturating_mul(10).saturating_add(u32::from(d - b'0'))
+    });
+    (n >= 1).then_some(n)
+}
+
+/// A concurrency state nobody holds a slot of (nor a reference to) is as good as new.
+fn concurrency_idle(c: &Arc<Concurrency>) -> bool {
+    c.in_flight() == 0 && Arc::strong_count(c) == 1
+}
+
+/// Global counters with nothing to report (and no decision holding them) are as good as new.
+fn global_idle(c: &Arc<GlobalCounters>) -> bool {
+    c.offered.load(Ordering::Relaxed) == 0 && Arc::strong_count(c) == 1
+}
+
+mod compile;
+mod matcher;
+mod remote;
+mod store;
+
+use compile::*;
+use matcher::*;
+use remote::*;
+pub use remote::{Question, Remote, RemoteStore, StoreAnswer};
+use store::*;
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,320 @@
+//! Per-key state of a rule, bounded: one store per algorithm ([`RateStore`]), each a sharded
+//! map of at most `max_keys` states, with the rule's count-min sketch (rate limits) or one shared
+//! overflow state for the keys that find no place; and a rule's fallback limit.
+//!
+//! Must never: allocate for a key it already tracks, hold a shard's lock beyond the call, or
+//! grow past `max_keys`.
+
+use super::*;
+
+/// The count-min sketch of a rate rule's untracked keys, made when the store first fills.
+pub(super) struct Overflow {
+    pub(super) sketch: std::sync::OnceLock<Sketch>,
+    pub(super) size: SketchSize,
+    /// Refusals the sketch made (conservative: its estimates only over-count).
+    pub(super) refused: IntCounter,
+}
+
+impl Overflow {
+    pub(super) fn sketch(&self) -> &Sketch {
+        self.sketch.get_or_init(|| {
+            Sketch::new(
+                self.size.width.get() as usize,
+                self.size.depth.get() as usize,
+            )
+        })
+    }
+}
+
+/// A leaky bucket's admission whose wait passes its `max_delay` by `over`: its place in the
+/// queue is given back (the next request may fit), and it is refused.
+#[cold]
+#[inline(never)]
+#[allow(clippy::too_many_arguments)]
+pub(super) fn waits_too_long(
+    store: &RateStore,
+    key: &[u8],
+    slot: Slot,
+    quota: &Quota,
+    now: Nanos,
+    cost: u32,
+    overflow: &Overflow,
+    over: Nanos,
+) -> Decision {
+    store.refund(key, slot, quota, now, cost, overflow);
+    Decision::Deny {
+        retry_after: Some(over),
+    }
+}
+
+/// A global or redis rule's `fallback:` limit: a local rate limit of its own algorithm.
+pub(super) struct Fallback {
+    pub(super) quota: Quota,
+    pub(super) store: RateStore,
+    pub(super) overflow: Overflow,
+}
+
+impl Fallback {
+    pub(super) fn check(&self, key: &[u8], now: Nanos, cost: u32) -> (Decision, Slot) {
+        self.store
+            .check(key, &self.quota, now, cost, &self.overflow)
+    }
+
+    pub(super) fn refund(&self, key: &[u8], slot: Slot, now: Nanos, cost: u32) {
+        self.store
+            .refund(key, slot, &self.quota, now, cost, &self.overflow)
+    }
+
+    pub(super) fn sweep(&self, now: Nanos) -> usize {
+        self.store.sweep(&self.quota, now)
+    }
+}
+
+/// One store per algorithm, so that each key costs only its own algorithm's state.
+pub(super) enum RateStore {
+    TokenBucket(Store<TokenBucket>),
+    Gcra(Store<Gcra>),
+    LeakyBucket(Store<LeakyBucket>),
+    FixedWindow(Store<FixedWindow>),
+    SlidingWindowLog(Store<SlidingWindowLog>),
+    SlidingWindowCounter(Store<SlidingWindowCounter>),
+}
+
+macro_rules! each_store {
+    ($rs:expr, $s:ident => $body:expr) => {
+        match $rs {
+            RateStore::TokenBucket($s) => $body,
+            RateStore::Gcra($s) => $body,
+            RateStore::LeakyBucket($s) => $body,
+            RateStore::FixedWindow($s) => $body,
+            RateStore::SlidingWindowLog($s) => $body,
+            RateStore::SlidingWindowCounter($s) => $body,
+        }
+    };
+}
+
+impl RateStore {
+    pub(super) fn new(algorithm: Algorithm, parts: StoreParts) -> Self {
+        match algorithm {
+            Algorithm::TokenBucket => RateStore::TokenBucket(Store::new(parts)),
+            Algorithm::Gcra => RateStore::Gcra(Store::new(parts)),
+            Algorithm::LeakyBucket => RateStore::LeakyBucket(Store::new(parts)),
+            Algorithm::FixedWindow => RateStore::FixedWindow(Store::new(parts)),
+            Algorithm::SlidingWindowLog => RateStore::SlidingWindowLog(Store::new(parts)),
+            Algorithm::SlidingWindowCounter => RateStore::SlidingWindowCounter(Store::new(parts)),
+        }
+    }
+
+    #[inline]
+    pub(super) fn check(
+        &self,
+        key: &[u8],
+        quota: &Quota,
+        now: Nanos,
+        cost: u32,
+        overflow: &Overflow,
+    ) -> (Decision, Slot) {
+        let tracked = each_store!(self, s => s
+            .tracked(key, now, |st| st.is_idle(quota, now))
+            .map(|st| st.check(quota, now, cost)));
+        match tracked {
+            Some(decision) => (decision, Slot::Keyed),
+            None => {
+                let decision = overflow.sketch().check(key, quota, now, cost);
+                if !decision.is_allowed() {
+                    overflow.refused.inc();
+                }
+                (decision, Slot::Sketch)
+            }
+        }
+    }
+
+    pub(super) fn refund(
+        &self,
+        key: &[u8],
+        slot: Slot,
+        quota: &Quota,
+        now: Nanos,
+        cost: u32,
+        overflow: &Overflow,
+    ) {
+        if slot == Slot::Sketch {
+            overflow.sketch().refund(key, quota, now, cost);
+            return;
+        }
+        each_store!(self, s => s.with_slot(key, slot, |st| st.refund(quota, now, cost)))
+    }
+
+    pub(super) fn sweep(&self, quota: &Quota, now: Nanos) -> usize {
+        each_store!(self, s => s.sweep(|st| st.is_idle(quota, now)))
+    }
+
+    pub(super) fn len(&self) -> usize {
+        each_store!(self, s => s.len.load(Ordering::Relaxed))
+    }
+}
+
+/// Which state a decision used, so that a refund reaches the same one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Slot {
+    Keyed,
+    /// The store's one shared overflow state.
+    Overflow,
+    /// A rate rule's sketch.
+    Sketch,
+}
+
+pub(super) struct StoreParts {
+    pub(super) max_keys: usize,
+    pub(super) keys: IntGauge,
+    pub(super) evicted_idle: IntCounter,
+    pub(super) overflowed: IntCounter,
+}
+
+/// A key as stored: inline up to 24 bytes (an IPv6 address with its framing fits), so that a
+/// lookup does not chase a pointer to a separate allocation; longer keys spill to the heap.
+pub(super) type StoredKey = SmallVec<[u8; 24]>;
+
+/// One state per key, bounded by `max_keys`.
+pub(super) struct Store<S> {
+    // DashMap shards its table behind per-shard RwLocks: a lookup of a known key takes one
+    // shard's read lock for the length of a CAS, never a global lock. foldhash's quality
+    // variant, seeded per store, is much cheaper than SipHash on short keys, and the random
+    // seed keeps clients from choosing colliding keys blind.
+    pub(super) map: DashMap<StoredKey, S, foldhash::quality::RandomState>,
+    // Counted apart because DashMap::len visits every shard. Relaxed: only a bound.
+    pub(super) len: AtomicUsize,
+    pub(super) max_keys: usize,
+    /// Shared by every key that finds no place while the store is full (rate rules use their
+    /// sketch instead): conservative, since all of them drain one state.
+    pub(super) overflow: S,
+    pub(super) parts: StoreParts,
+    // When the store last looked for idle states to replace (clock nanoseconds), and how long
+    // until it looks again: doubled, up to the background sweep's period, while a look frees
+    // nothing. Relaxed + CAS: they only pick which caller sweeps, at most one per interval.
+    pub(super) reclaimed_at: AtomicU64,
+    pub(super) reclaim_every: AtomicU64,
+}
+
+/// A full store looks for states to replace at most this often (a sweep visits every key)...
+pub(super) const RECLAIM_EVERY: Nanos = NANOS_PER_SEC / 10;
+/// ...and, while its looks free nothing, backs off to this.
+pub(super) const RECLAIM_AT_MOST: Nanos = 5 * NANOS_PER_SEC;
+
+impl<S: Default + Send + Sync + 'static> Store<S> {
+    pub(super) fn new(parts: StoreParts) -> Self {
+        Store {
+            map: DashMap::with_hasher(foldhash::quality::RandomState::default()),
+            len: AtomicUsize::new(0),
+            max_keys: parts.max_keys,
+            overflow: S::default(),
+            parts,
+            reclaimed_at: AtomicU64::new(0),
+            reclaim_every: AtomicU64::new(RECLAIM_EVERY),
+        }
+    }
+
+    /// Runs `f` on the state of `key`, creating it when there is room (made, if need be, by
+    /// forgetting states that `idle` says are fresh); else on the shared overflow state.
+    #[inline]
+    pub(super) fn with<R>(
+        &self,
+        key: &[u8],
+        now: Nanos,
+        idle: impl Fn(&S) -> bool,
+        f: impl FnOnce(&S) -> R,
+    ) -> (R, Slot) {
+        match self.tracked(key, now, idle) {
+            Some(state) => (f(&state), Slot::Keyed),
+            None => (f(&self.overflow), Slot::Overflow),
+        }
+    }
+
+    /// The state of `key`, created when there is room; `None` when the store is full of
+    /// states that are not idle.
+    #[inline]
+    pub(super) fn tracked(
+        &self,
+        key: &[u8],
+        now: Nanos,
+        idle: impl Fn(&S) -> bool,
+    ) -> Option<dashmap::mapref::one::Ref<'_, StoredKey, S>> {
+        if let Some(r) = self.map.get(key) {
+            return Some(r);
+        }
+        if self.len.load(Ordering::Relaxed) >= self.max_keys && self.reclaim(now, idle) == 0 {
+            self.parts.overflowed.inc();
+            return None;
+        }
+        let entry = self.map.entry(StoredKey::from_slice(key));
+        let inserted = matches!(entry, dashmap::Entry::Vacant(_));
+        let r = entry.or_default().downgrade();
+        if inserted {
+            self.len.fetch_add(1, Ordering::Relaxed);
+            self.parts.keys.inc();
+        }
+        Some(r)
+    }
+
+    /// Forgets idle states so that new keys can take their place: nothing is lost, since an
+    /// idle state is indistinguishable from a fresh one. At most once per [`RECLAIM_EVERY`],
+    /// backing off to [`RECLAIM_AT_MOST`] while nothing is freed.
+    #[cold]
+    pub(super) fn reclaim(&self, now: Nanos, idle: impl Fn(&S) -> bool) -> usize {
+        let last = self.reclaimed_at.load(Ordering::Relaxed);
+        let every = self.reclaim_every.load(Ordering::Relaxed);
+        if now.saturating_sub(last) < every && last != 0 {
+            return 0;
+        }
+        if self
+            .reclaimed_at
+            .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+            .is_err()
+        {
+            return 0;
+        }
+        let freed = self.sweep(idle);
+        let next = if freed == 0 {
+            (every * 2).min(RECLAIM_AT_MOST)
+        } else {
+            RECLAIM_EVERY
+        };
+        self.reclaim_every.store(next, Ordering::Relaxed);
+        freed
+    }
+
+    /// Runs `f` on the state a decision used, if it still exists.
+    pub(super) fn with_slot(&self, key: &[u8], slot: Slot, f: impl FnOnce(&S)) {
+        match slot {
+            Slot::Overflow => f(&self.overflow),
+            Slot::Sketch => {}
+            Slot::Keyed => {
+                if let Some(r) = self.map.get(key) {
+                    f(r.value())
+                }
+            }
+        }
+    }
+
+    /// Forgets the states `idle` says are fresh: nothing is lost. Locks one shard at a time,
+    /// so requests on other shards never wait.
+    pub(super) fn sweep(&self, idle: impl Fn(&S) -> bool) -> usize {
+        let mut removed = 0usize;
+        self.map.retain(|_, state| {
+            let forget = idle(state);
+            removed += usize::from(forget);
+            !forget
+        });
+        self.len.fetch_sub(removed, Ordering::Relaxed);
+        self.parts.keys.sub(removed as i64);
+        self.parts.evicted_idle.inc_by(removed as u64);
+        removed
+    }
+}
+
+impl<S> Drop for Store<S> {
+    /// A store dropped by a reload (its rule changed or went away) no longer tracks its keys.
+    fn drop(&mut self) {
+        self.parts.keys.sub(self.len.load(Ordering::Relaxed) as i64);
+    }
+}
