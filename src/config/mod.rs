@@ -1,0 +1,789 @@
+//! The YAML configuration: parsed from a string, validated into types, checked offline.
+//!
+//! Owns the schema (the user interface: field names are a contract) and its errors, which
+//! always name the file, the line and the field path (`rules[1].limit.rate: ...`). Values are
+//! validated while they are deserialized, so the YAML parser's own position and path tracking
+//! locates every error. Must never: touch the network, start anything, or panic on input.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::NonZeroU32;
+use std::path::Path;
+use std::str::FromStr;
+use std::time::Duration;
+
+use schemars::JsonSchema;
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::{Deserialize, Serialize, Serializer};
+
+use crate::key::KeyPart;
+use crate::limit::{Algorithm, Quota};
+
+/// A whole proxy configuration.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Identity of the service this sidecar fronts (not starting with `_` or `.`: reserved).
+    #[schemars(extend("pattern" = "^[A-Za-z0-9-]"))]
+    pub service: Name,
+    /// Where clients connect.
+    pub listen: SocketAddr,
+    /// The app beside us, `http://host:port`.
+    pub upstream: Upstream,
+    /// Admin listener: `/metrics`, `/healthz`, `/readyz`, `/config`.
+    #[serde(default = "default_admin")]
+    pub admin: SocketAddr,
+    #[serde(default)]
+    pub client_ip: ClientIp,
+    /// Normalise each request's path (escapes, dot segments, repeated slashes) before rules
+    /// see it and forward the normalised one; `false` keeps the raw target (signed URLs).
+    #[serde(default = "yes")]
+    pub normalize_path: bool,
+    /// What an encoded `/` or `\` (`%2F`, `%5C`) in a path gets: kept, or 400.
+    #[serde(default)]
+    pub path_escapes: PathEscapes,
+    /// How rules compare paths: `lenient` (no case, no `;params`, no trailing slash) or
+    /// `strict` (as written).
+    #[serde(default)]
+    pub path_match: PathMatch,
+    /// Lines logged for a rule's rejections, per rule and second at most (0: none).
+    #[serde(default = "default_log_rejections")]
+    pub log_rejections: u32,
+    /// What a `GET` or `HEAD` with a body gets: `forward` (on an upstream connection closed
+    /// after its answer, so an app that ignores the body cannot read it as a request) or 400.
+    #[serde(default)]
+    pub bodies_on_get: BodiesOnGet,
+    /// The `Upgrade` protocols forwarded (`h2c` never is).
+    #[serde(default = "default_upgrades")]
+    pub upgrades: Vec<UpgradeProtocol>,
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    #[serde(default)]
+    pub headers: HeaderMode,
+    #[serde(default)]
+    pub limits: Limits,
+    /// Data-plane threads, each with its own runtime and upstream connections, sharing the listener; default:
+    /// one per CPU.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workers: Option<NonZeroU32>,
+    /// Where `scope: global` rules report and get their drop ratios.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub control_plane: Option<ControlPlane>,
+    /// Where `scope: redis` rules keep their exact, shared counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redis: Option<RedisConfig>,
+    #[serde(default)]
+    pub rules: Vec<Rule>,
+}
+
+/// The Redis of `scope: redis` rules, and what to do when it does not answer.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RedisConfig {
+    /// `redis://[user:password@]host:port[/db]` (`rediss://` for TLS), or a list of such URLs:
+    /// the nodes of a Redis Cluster.
+    pub url: RedisUrls,
+    /// The longest a decision waits for Redis; then `on_error` applies.
+    #[serde(default = "default_redis_timeout")]
+    pub timeout: Dur,
+    #[serde(default)]
+    pub on_error: OnError,
+    #[serde(default)]
+    pub breaker: BreakerConfig,
+    /// Remember keys Redis refused until their retry time and answer them locally (an abusive
+    /// client then costs no round trips).
+    #[serde(default = "default_true")]
+    pub cache_refusals: bool,
+    /// With `rediss://`: a PEM file of the CA that signed Redis's certificate, instead of the
+    /// system's trust store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<std::path::PathBuf>,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_redis_timeout() -> Dur {
+    Dur(Duration::from_millis(5))
+}
+
+/// What a decision does when Redis fails, times out, or the breaker is open.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    /// Admit (fail open): an outage of Redis is not an outage of the service.
+    #[default]
+    Allow,
+    /// Refuse with 429 (fail closed).
+    Deny,
+    /// Apply the rule's `fallback:` limit, counted in this proxy alone.
+    Fallback,
+}
+
+/// After `failures` consecutive failures, Redis is not called for `cooldown`; then one probe.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct BreakerConfig {
+    pub failures: NonZeroU32,
+    pub cooldown: Dur,
+}
+
+impl Default for BreakerConfig {
+    fn default() -> Self {
+        BreakerConfig {
+            failures: NonZeroU32::new(5).expect("non-zero"),
+            cooldown: Dur(Duration::from_secs(1)),
+        }
+    }
+}
+
+/// One Redis URL, or the nodes of a cluster; checked when parsed, shown without passwords.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisUrls(pub Vec<String>);
+
+impl RedisUrls {
+    /// More than one node: Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.0.len() > 1
+    }
+}
+
+fn check_redis_url(s: &str) -> Result<String, String> {
+    if !(s.starts_with("redis://") || s.starts_with("rediss://")) {
+        return Err(err(format!(
+            "{:?}: expected a redis:// or rediss:// URL",
+            redact_url(s)
+        )));
+    }
+    redis::Client::open(s)
+        .map(|_| s.to_string())
+        .map_err(|e| err(format!("{:?}: not a Redis URL: {e}", redact_url(s))))
+}
+
+/// `s` with any password replaced, for errors and `/config`.
+pub fn redact_url(s: &str) -> String {
+    match (s.find("://"), s.rfind('@')) {
+        (Some(scheme), Some(at)) if at > scheme => {
+            let userinfo = &s[scheme + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &s[..scheme + 3], &s[at..]),
+                None => s.to_string(),
+            }
+        }
+        _ => s.to_string(),
+    }
+}
+
+impl<'de> Deserialize<'de> for RedisUrls {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = RedisUrls;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a redis:// URL or a list of them")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<RedisUrls, E> {
+                check_redis_url(s)
+                    .map(|u| RedisUrls(vec![u]))
+                    .map_err(E::custom)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RedisUrls, A::Error> {
+                let mut out = Vec::new();
+                while let Some(s) = seq.next_element::<String>()? {
+                    out.push(check_redis_url(&s).map_err(de::Error::custom)?);
+                }
+                if out.is_empty() {
+                    return Err(de::Error::custom("give at least one URL"));
+                }
+                Ok(RedisUrls(out))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl Serialize for RedisUrls {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let shown: Vec<String> = self.0.iter().map(|u| redact_url(u)).collect();
+        match shown.as_slice() {
+            [one] => s.serialize_str(one),
+            _ => shown.serialize(s),
+        }
+    }
+}
+
+/// The proxy's side of the control plane.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ControlPlane {
+    /// The zone's aggregators (or a controller, for small fleets): `http://host:port` or
+    /// `https://host:port`.
+    pub url: ControlUrl,
+    /// With `https://`: a PEM file of the CA that signed the control plane's certificate,
+    /// instead of the system's trust store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_file: Option<std::path::PathBuf>,
+    /// How often counts are reported (at least 100ms).
+    #[serde(default = "default_report_interval")]
+    pub report_interval: Dur,
+    /// No good reply for this long: the control plane is stale.
+    #[serde(default = "default_stale_after")]
+    pub stale_after: Dur,
+    /// Once stale, held ratios fall linearly to zero over this long.
+    #[serde(default = "default_decay")]
+    pub decay: Dur,
+    /// A file holding the shared bearer token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<std::path::PathBuf>,
+    /// Keys reported one by one per rule; the rest are folded into one "other" entry.
+    #[serde(default = "default_top_k")]
+    pub top_k: NonZeroU32,
+    /// This proxy's zone and host name in reports (default: `$SPILLWAY_ZONE`, `$HOSTNAME`). An
+    /// aggregator of another zone counts the reports (`other_zone`) and warns: the proxy's
+    /// `url` names the wrong zone's aggregators.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zone: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+}
+
+fn default_report_interval() -> Dur {
+    Dur(Duration::from_secs(1))
+}
+fn default_stale_after() -> Dur {
+    Dur(Duration::from_secs(5))
+}
+fn default_decay() -> Dur {
+    Dur(Duration::from_secs(10))
+}
+fn default_top_k() -> NonZeroU32 {
+    NonZeroU32::new(100).expect("non-zero")
+}
+
+fn default_admin() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9901))
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// What an encoded path separator gets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PathEscapes {
+    #[default]
+    Keep,
+    Reject,
+}
+
+/// Rejection log lines per rule per second unless configured.
+pub const DEFAULT_LOG_REJECTIONS: u32 = 10;
+
+fn default_log_rejections() -> u32 {
+    DEFAULT_LOG_REJECTIONS
+}
+
+/// What a `GET` or `HEAD` request with a body gets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum BodiesOnGet {
+    /// Forwarded with `Connection: close`; its upstream connection is never reused (search
+    /// APIs send JSON bodies on GET).
+    #[default]
+    Forward,
+    /// Answered 400, the connection closed.
+    Reject,
+}
+
+/// How rules compare paths.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum PathMatch {
+    #[default]
+    Lenient,
+    Strict,
+}
+
+/// An `Upgrade` protocol that may be forwarded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum UpgradeProtocol {
+    Websocket,
+}
+
+impl UpgradeProtocol {
+    /// The protocol's token in `Upgrade` (compared without case).
+    pub fn token(self) -> &'static str {
+        match self {
+            UpgradeProtocol::Websocket => "websocket",
+        }
+    }
+}
+
+pub(crate) fn default_upgrades() -> Vec<UpgradeProtocol> {
+    vec![UpgradeProtocol::Websocket]
+}
+
+/// How the client address is found.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(try_from = "RawClientIp", into = "RawClientIp")]
+pub struct ClientIp {
+    /// The proxies (CIDR blocks) whose `X-Forwarded-For`, `X-Forwarded-Host`/`-Proto` and
+    /// cost headers are believed; empty: the socket peer is the client.
+    pub trusted_proxies: Vec<crate::key::Cidr>,
+    /// `X-Forwarded-For` entries walked at most; `None`: until an address outside the list.
+    pub trusted_hops: Option<u8>,
+    /// Public IPv4 clients are keyed by this prefix (default 32, the address).
+    pub ipv4_prefix: u8,
+    /// Public IPv6 clients are keyed by this prefix (default 64: one host's whole block).
+    pub ipv6_prefix: u8,
+}
+
+impl Default for ClientIp {
+    fn default() -> Self {
+        ClientIp {
+            trusted_proxies: Vec::new(),
+            trusted_hops: None,
+            ipv4_prefix: 32,
+            ipv6_prefix: 64,
+        }
+    }
+}
+
+impl ClientIp {
+    /// The key module's policy for this section.
+    pub fn policy(&self) -> crate::key::ClientIpPolicy {
+        crate::key::ClientIpPolicy {
+            proxies: self.trusted_proxies.clone(),
+            max_hops: self
+                .trusted_hops
+                .filter(|h| *h > 0)
+                .map_or(usize::MAX, usize::from),
+            ipv4_prefix: self.ipv4_prefix,
+            ipv6_prefix: self.ipv6_prefix,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct RawClientIp {
+    #[serde(default)]
+    trusted_proxies: Vec<CidrStr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    trusted_hops: Option<u8>,
+    #[serde(default = "default_v4_prefix")]
+    ipv4_prefix: u8,
+    #[serde(default = "default_v6_prefix")]
+    ipv6_prefix: u8,
+}
+
+fn default_v4_prefix() -> u8 {
+    32
+}
+
+fn default_v6_prefix() -> u8 {
+    64
+}
+
+impl TryFrom<RawClientIp> for ClientIp {
+    type Error = String;
+    fn try_from(r: RawClientIp) -> Result<Self, String> {
+        if r.trusted_proxies.is_empty() && r.trusted_hops.is_some_and(|h| h > 0) {
+            return Err(format!(
+                "trusted_hops: {} reads X-Forwarded-For, which any client can write; list the proxies that add it (trusted_proxies: [10.0.0.0/8], your ingress's addresses) or remove trusted_hops",
+                r.trusted_hops.unwrap_or(0)
+            ));
+        }
+        if !(1..=32).contains(&r.ipv4_prefix) {
+            return Err(format!("ipv4_prefix: {}: must be 1 to 32", r.ipv4_prefix));
+        }
+        if !(1..=128).contains(&r.ipv6_prefix) {
+            return Err(format!("ipv6_prefix: {}: must be 1 to 128", r.ipv6_prefix));
+        }
+        Ok(ClientIp {
+            trusted_proxies: r.trusted_proxies.into_iter().map(|c| c.0).collect(),
+            trusted_hops: r.trusted_hops,
+            ipv4_prefix: r.ipv4_prefix,
+            ipv6_prefix: r.ipv6_prefix,
+        })
+    }
+}
+
+impl From<ClientIp> for RawClientIp {
+    fn from(c: ClientIp) -> Self {
+        RawClientIp {
+            trusted_proxies: c.trusted_proxies.into_iter().map(CidrStr).collect(),
+            trusted_hops: c.trusted_hops,
+            ipv4_prefix: c.ipv4_prefix,
+            ipv6_prefix: c.ipv6_prefix,
+        }
+    }
+}
+
+/// A CIDR block as written in YAML.
+struct CidrStr(crate::key::Cidr);
+
+impl<'de> Deserialize<'de> for CidrStr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map(CidrStr).map_err(de::Error::custom)
+    }
+}
+
+impl Serialize for CidrStr {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&self.0)
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Timeouts {
+    /// A client must send a whole request head within this: a new connection's first, and
+    /// each later one from its first byte.
+    pub header_read: Dur,
+    /// A kept-alive client connection waits this long for the first byte of its next request
+    /// (above what load balancers keep idle connections for, so they close first); an HTTP/2
+    /// connection with no open stream for this long is closed with GOAWAY.
+    pub client_idle: Dur,
+    /// A connection to the upstream must be made within this (3 s by default: longer than
+    /// the 1 s after which Linux retries a SYN the app's full backlog dropped, and the wait
+    /// counts while the worker is busy with other connections).
+    pub upstream_connect: Dur,
+    /// From the request sent upstream to the response head received.
+    pub upstream_response: Dur,
+    /// A client that accepts no byte of a response for this long is disconnected (an HTTP/2
+    /// stream whose window stays shut: its response is dropped), freeing its slots.
+    pub send: Dur,
+    /// An upstream connection idle this long is not used again.
+    #[serde(default = "unset")]
+    #[schemars(default = "default_upstream_idle")]
+    pub upstream_idle: Dur,
+    /// The old name of `upstream_idle`, still read (with a warning at start-up); settled
+    /// into `upstream_idle` as the file is read.
+    #[serde(skip_serializing)]
+    pub idle: Option<Dur>,
+    /// On shutdown, in-flight requests get this long to finish.
+    pub drain: Dur,
+}
+
+fn default_upstream_idle() -> Dur {
+    Timeouts::default().upstream_idle
+}
+
+/// `upstream_idle` not given (in a `timeouts:` section that is).
+fn unset() -> Dur {
+    Dur(Duration::MAX)
+}
+
+impl Timeouts {
+    /// How long an upstream connection may stay unused: `upstream_idle`, or the old `idle`.
+    pub fn upstream_idle(&self) -> Duration {
+        match self.upstream_idle == unset() {
+            true => self.idle.unwrap_or(Timeouts::default().upstream_idle).0,
+            false => self.upstream_idle.0,
+        }
+    }
+
+    /// `upstream_idle` from the one of its two names given; both is an error.
+    fn settle(&mut self) -> Result<(), String> {
+        if self.idle.is_some() && self.upstream_idle != unset() {
+            return Err("timeouts: give upstream_idle alone (idle is its old name)".into());
+        }
+        self.upstream_idle = Dur(self.upstream_idle());
+        Ok(())
+    }
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Self {
+            header_read: Dur(Duration::from_secs(10)),
+            upstream_connect: Dur(Duration::from_secs(3)),
+            upstream_response: Dur(Duration::from_secs(30)),
+            send: Dur(Duration::from_secs(60)),
+            client_idle: Dur(Duration::from_secs(75)),
+            upstream_idle: Dur(Duration::from_secs(60)),
+            idle: None,
+            drain: Dur(Duration::from_secs(25)),
+        }
+    }
+}
+
+/// Protective limits on what clients may send.
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    /// Larger request heads get 431.
+    pub max_header_bytes: HeaderBytes,
+    /// Connections accepted at once; further ones wait in the kernel backlog.
+    pub max_connections: NonZeroU32,
+    /// Concurrent streams per HTTP/2 connection.
+    pub max_h2_streams: NonZeroU32,
+    /// Upstream connections open at once, idle ones included (default: `max_connections`, so
+    /// that the descriptor budget is two per client connection).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_upstream_connections: Option<NonZeroU32>,
+    /// Upstream connections one client connection uses at once (its HTTP/2 streams).
+    pub max_upstream_per_client: NonZeroU32,
+}
+
+impl Limits {
+    /// `max_upstream_connections`, or its default.
+    pub fn upstream_connections(&self) -> u32 {
+        self.max_upstream_connections
+            .unwrap_or(self.max_connections)
+            .get()
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_header_bytes: HeaderBytes(16 * 1024),
+            max_connections: NonZeroU32::new(10_000).expect("non-zero"),
+            max_h2_streams: NonZeroU32::new(256).expect("non-zero"),
+            max_upstream_connections: None,
+            max_upstream_per_client: NonZeroU32::new(32).expect("non-zero"),
+        }
+    }
+}
+
+/// Which responses carry the `RateLimit` / `RateLimit-Policy` headers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum HeaderMode {
+    Always,
+    #[default]
+    OnReject,
+    Never,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading and errors.
+
+/// A configuration that could not be read or is not valid.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        file: String,
+        source: std::io::Error,
+    },
+    /// `file:line:column: field.path: what is wrong`.
+    #[error("{file}{}: {message}", location(*line, *column))]
+    Invalid {
+        file: String,
+        line: Option<usize>,
+        column: Option<usize>,
+        message: String,
+    },
+}
+
+fn location(line: Option<usize>, column: Option<usize>) -> String {
+    match (line, column) {
+        (Some(l), Some(c)) => format!(":{l}:{c}"),
+        (Some(l), None) => format!(":{l}"),
+        _ => String::new(),
+    }
+}
+
+impl Config {
+    /// Reads and validates the file at `path`.
+    pub fn load(path: impl AsRef<Path>) -> Result<Config, ConfigError> {
+        let path = path.as_ref();
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            file: file.clone(),
+            source,
+        })?;
+        Config::from_yaml(&text, &file)
+    }
+
+    /// Parses and validates YAML text; `file` names it in errors.
+    pub fn from_yaml(text: &str, file: &str) -> Result<Config, ConfigError> {
+        let mut config: Config = parse_yaml(text, file)?;
+        if let Err(message) = config.timeouts.settle() {
+            return Err(ConfigError::Invalid {
+                file: file.to_string(),
+                line: text
+                    .lines()
+                    .position(|l| l.starts_with("timeouts:"))
+                    .map(|i| i + 1),
+                column: None,
+                message,
+            });
+        }
+        if config.service.0.starts_with(['_', '.']) {
+            return Err(ConfigError::Invalid {
+                file: file.to_string(),
+                line: text
+                    .lines()
+                    .position(|l| l.starts_with("service:"))
+                    .map(|i| i + 1),
+                column: None,
+                message: format!(
+                    "service: {:?}: names starting with _ or . are reserved (the control plane's token files _aggregators and _admin, a Secret's ..data)",
+                    config.service.0
+                ),
+            });
+        }
+        check_rule_names(&config.rules, text, file)?;
+        config.check_control_plane(text, file)?;
+        config.check_redis(text, file)?;
+        Ok(config)
+    }
+
+    /// Redis rules need a `redis:` section, and `on_error: fallback` a fallback on each of them.
+    fn check_redis(&self, text: &str, file: &str) -> Result<(), ConfigError> {
+        let invalid = |rule: &Rule, message: String| ConfigError::Invalid {
+            file: file.to_string(),
+            line: line_of_nth_name(text, &rule.name.0, 1),
+            column: None,
+            message: format!("rule {}: {message}", rule.name),
+        };
+        let mut redis_rules = self.rules.iter().filter(|r| r.scope == Scope::Redis);
+        match &self.redis {
+            None => match redis_rules.next() {
+                Some(rule) => Err(invalid(
+                    rule,
+                    "scope: redis needs a redis section with the server's url".into(),
+                )),
+                None => Ok(()),
+            },
+            Some(redis) if redis.on_error == OnError::Fallback => {
+                match redis_rules.find(|r| r.fallback.is_none()) {
+                    Some(rule) => Err(invalid(
+                        rule,
+                        "redis.on_error is fallback, so this rule needs a fallback: limit".into(),
+                    )),
+                    None => Ok(()),
+                }
+            }
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// Global rules need somewhere to report; intervals must make sense together.
+    fn check_control_plane(&self, text: &str, file: &str) -> Result<(), ConfigError> {
+        let invalid = |line, message: String| ConfigError::Invalid {
+            file: file.to_string(),
+            line,
+            column: None,
+            message,
+        };
+        if let Some(cp) = &self.control_plane {
+            let line = text
+                .lines()
+                .position(|l| l.starts_with("control_plane:"))
+                .map(|i| i + 1);
+            if cp.ca_file.is_some() && !cp.url.tls() {
+                return Err(invalid(
+                    line,
+                    "control_plane.ca_file: only used with an https:// url".into(),
+                ));
+            }
+            if cp.report_interval.0 < Duration::from_millis(100) {
+                return Err(invalid(
+                    line,
+                    "control_plane.report_interval: must be at least 100ms".into(),
+                ));
+            }
+            if cp.stale_after.0 < cp.report_interval.0 * 2 {
+                return Err(invalid(
+                    line,
+                    "control_plane.stale_after: must be at least two report intervals".into(),
+                ));
+            }
+        } else if let Some(rule) = self.rules.iter().find(|r| r.scope == Scope::Global) {
+            return Err(invalid(
+                line_of_nth_name(text, &rule.name.0, 1),
+                format!(
+                    "rule {}: scope: global needs a control_plane section with the aggregator's url",
+                    rule.name
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Deserializes YAML into `T`, turning the parser's error into file:line:column: path: what.
+pub(crate) fn parse_yaml<T: serde::de::DeserializeOwned>(
+    text: &str,
+    file: &str,
+) -> Result<T, ConfigError> {
+    serde_norway::from_str(text).map_err(|e| {
+        let loc = e.location();
+        let mut message = e.to_string();
+        if let Some(l) = &loc {
+            let suffix = format!(" at line {} column {}", l.line(), l.column());
+            if let Some(stripped) = message.strip_suffix(&suffix) {
+                message = stripped.to_string();
+            }
+        }
+        let (mut line, mut column) = (
+            loc.as_ref().map(|l| l.line()),
+            loc.as_ref().map(|l| l.column()),
+        );
+        // A rule-level check is located by the parser at the list, not the rule: point at the
+        // rule's name instead.
+        if let Some(rest) = message.strip_prefix("rules: rule ") {
+            if let Some((name, _)) = rest.split_once(": ") {
+                if let Some(l) = line_of_nth_name(text, name, 1) {
+                    (line, column) = (Some(l), None);
+                    message = format!("rule {rest}");
+                }
+            }
+        }
+        ConfigError::Invalid {
+            file: file.to_string(),
+            line,
+            column,
+            message,
+        }
+    })
+}
+
+/// Rule names are metric labels and header values: they must be unique.
+pub(crate) fn check_rule_names(rules: &[Rule], text: &str, file: &str) -> Result<(), ConfigError> {
+    for (i, rule) in rules.iter().enumerate() {
+        if rules[..i].iter().any(|r| r.name == rule.name) {
+            return Err(ConfigError::Invalid {
+                file: file.to_string(),
+                line: line_of_nth_name(text, &rule.name.0, 2),
+                column: None,
+                message: format!("rules[{i}].name: duplicate rule name {:?}", rule.name.0),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Best effort: the line of the `n`th `name: <value>` in the text.
+pub(crate) fn line_of_nth_name(text: &str, value: &str, n: usize) -> Option<usize> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| {
+            let t = l.trim_start().trim_start_matches("- ").trim_start();
+            t.strip_prefix("name:")
+                .map(|v| v.trim().trim_matches(|c| c == '"' || c == '\'') == value)
+                .unwrap_or(false)
+        })
+        .nth(n - 1)
+        .map(|(i, _)| i + 1)
+}
+
+mod rule;
+pub mod schema;
+mod values;
+
+pub use rule::*;
+pub use values::*;
+
+#[cfg(test)]
+mod tests;

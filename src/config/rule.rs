@@ -1,0 +1,652 @@
+//! One rate-limiting rule as configured: its match, key, limit, cost, scope, fallback and mode,
+//! and the checks across those fields (`check_rule`) that refuse what would be accepted and do
+//! nothing. Must never: accept a combination that means something else than it says.
+
+use super::*;
+
+/// One rate-limiting rule.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(try_from = "RawRule", into = "RawRule")]
+pub struct Rule {
+    pub name: Name,
+    pub matcher: Match,
+    pub key: KeySpec,
+    pub limit: Limit,
+    /// Units each request takes (rate limits only).
+    pub cost: Cost,
+    pub on_limit: OnLimit,
+    /// With `on_limit: delay` (1 s by default): the longest a request may wait for the
+    /// limiter. With a leaky bucket: the longest it may wait in the queue (else its burst
+    /// bounds the wait).
+    pub max_delay: Option<Dur>,
+    /// With `on_limit: delay`: requests of this rule that may wait at once.
+    pub max_queue: NonZeroU32,
+    pub scope: Scope,
+    /// For `scope: global`: a local limit that applies while the control plane is stale.
+    pub fallback: Option<Limit>,
+    pub mode: Mode,
+    /// Keys tracked at most; past it, keys that find no idle state to replace are decided by
+    /// the rule's count-min sketch (rate limits).
+    pub max_keys: NonZeroU32,
+    /// The size of that sketch.
+    pub sketch: SketchSize,
+}
+
+/// A count-min sketch's shape: `depth` rows of `width` counters, for each of two windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct SketchSize {
+    pub width: NonZeroU32,
+    pub depth: NonZeroU32,
+}
+
+impl Default for SketchSize {
+    fn default() -> Self {
+        SketchSize {
+            width: NonZeroU32::new(4096).expect("non-zero"),
+            depth: NonZeroU32::new(4).expect("non-zero"),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRule {
+    pub(super) name: Name,
+    #[serde(default, rename = "match")]
+    pub(super) matcher: Match,
+    pub(super) key: KeySpec,
+    pub(super) limit: Limit,
+    #[serde(default)]
+    pub(super) cost: Option<Cost>,
+    #[serde(default)]
+    pub(super) on_limit: OnLimit,
+    /// Only with `on_limit: delay` (default 1 s) or a leaky bucket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) max_delay: Option<Dur>,
+    /// Only with `on_limit: delay` (default 100).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) max_queue: Option<NonZeroU32>,
+    #[serde(default)]
+    pub(super) scope: Scope,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) fallback: Option<Limit>,
+    #[serde(default)]
+    pub(super) mode: Mode,
+    #[serde(default = "default_max_keys")]
+    pub(super) max_keys: NonZeroU32,
+    #[serde(default)]
+    pub(super) sketch: SketchSize,
+}
+
+pub(super) fn default_max_keys() -> NonZeroU32 {
+    NonZeroU32::new(100_000).expect("non-zero")
+}
+
+pub(super) fn default_max_queue() -> NonZeroU32 {
+    NonZeroU32::new(100).expect("non-zero")
+}
+
+pub(super) fn default_max_delay() -> Dur {
+    Dur(Duration::from_secs(1))
+}
+
+/// Memory a sliding-window-log rule may hold at most, over all its keys.
+pub(super) const SLIDING_LOG_BUDGET: u64 = 1 << 30;
+
+impl TryFrom<RawRule> for Rule {
+    type Error = String;
+    fn try_from(r: RawRule) -> Result<Self, String> {
+        // The parser locates this error at the rule, not at one field: name the rule.
+        check_rule(&r).map_err(|e| format!("rule {}: {e}", r.name))?;
+        Ok(Rule {
+            name: r.name,
+            matcher: r.matcher,
+            key: r.key,
+            limit: r.limit,
+            cost: r.cost.unwrap_or(Cost::Fixed(1)),
+            on_limit: r.on_limit,
+            max_delay: match r.on_limit {
+                OnLimit::Delay => Some(r.max_delay.unwrap_or_else(default_max_delay)),
+                OnLimit::Reject => r.max_delay,
+            },
+            max_queue: r.max_queue.unwrap_or_else(default_max_queue),
+            scope: r.scope,
+            fallback: r.fallback,
+            mode: r.mode,
+            max_keys: r.max_keys,
+            sketch: r.sketch,
+        })
+    }
+}
+
+/// What one field of a rule cannot tell alone: how its limit, cost and delay fit together.
+pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
+    // A field the proxy removes from every request would never be there to match or key by.
+    let removed = r
+        .key
+        .0
+        .iter()
+        .filter_map(|p| match p {
+            KeyPart::Header(h) => Some(h),
+            _ => None,
+        })
+        .chain(r.matcher.headers.0.iter().map(|(h, _)| h))
+        .chain(r.matcher.headers_present.iter().map(|h| &h.0))
+        .chain(r.matcher.headers_absent.iter().map(|h| &h.0))
+        .find(|h| crate::key::is_client_claim(h.as_str()));
+    if let Some(h) = removed {
+        return Err(format!(
+            "{h}: the proxy removes this field from every request (a client can write it and the app might believe it), so no rule can match or key by it"
+        ));
+    }
+    // Accepted and then ignored would be worse than refused: say which setting does nothing.
+    let leaky = matches!(
+        r.limit,
+        Limit::Rate {
+            algorithm: Algorithm::LeakyBucket,
+            ..
+        }
+    );
+    if r.on_limit != OnLimit::Delay && r.max_queue.is_some() {
+        return Err("max_queue applies only with on_limit: delay".into());
+    }
+    if r.on_limit != OnLimit::Delay && !leaky && r.max_delay.is_some() {
+        return Err(
+            "max_delay applies only with on_limit: delay or algorithm: leaky_bucket".into(),
+        );
+    }
+    if matches!(r.fallback, Some(Limit::Concurrency(_) | Limit::Adaptive(_))) {
+        return Err("fallback: takes a rate limit".into());
+    }
+    // As for the rule's own limit: a fixed cost above the burst could never be admitted.
+    if let (Some(Limit::Rate { burst, .. }), Some(Cost::Fixed(n))) = (&r.fallback, &r.cost) {
+        if *n > burst.get() {
+            return Err(format!(
+                "cost: {n} exceeds fallback.burst {burst}: such requests could never be admitted while the fallback decides"
+            ));
+        }
+    }
+    if let Some(Limit::Rate {
+        algorithm, burst, ..
+    }) = &r.fallback
+    {
+        match algorithm {
+            Algorithm::LeakyBucket => return Err("fallback.algorithm: leaky_bucket shapes by making requests wait, which a global or redis rule does not do; use another algorithm".into()),
+            Algorithm::SlidingWindowLog => {
+                let worst = u64::from(burst.get())
+                    * u64::from(r.max_keys.get())
+                    * crate::limit::sliding_window_log::BYTES_PER_ENTRY;
+                if worst > SLIDING_LOG_BUDGET {
+                    return Err(format!(
+                        "fallback: sliding_window_log keeps 16 bytes per request in the window: burst {burst} x max_keys {} could take {} MiB; lower them (at most 1024 MiB)",
+                        r.max_keys,
+                        worst >> 20
+                    ));
+                }
+            }
+            _ => {}
+        }
+    }
+    if u64::from(r.sketch.width.get()) * u64::from(r.sketch.depth.get()) > 1 << 24 {
+        return Err("sketch: width x depth must be at most 16777216 counters".into());
+    }
+    if let Limit::Adaptive(_) = r.limit {
+        if r.scope != Scope::Local {
+            return Err("an adaptive limit is local: it follows this proxy's upstream".into());
+        }
+        if !r.key.0.is_empty() {
+            return Err(
+                "an adaptive limit is one per rule (the upstream's capacity): give key: []".into(),
+            );
+        }
+        if r.cost.is_some() || r.on_limit == OnLimit::Delay || r.fallback.is_some() {
+            return Err("an adaptive limit takes no cost, on_limit: delay or fallback".into());
+        }
+        return Ok(());
+    }
+    if r.scope == Scope::Global {
+        match &r.limit {
+            Limit::Concurrency(_) => {
+                return Err("scope: global takes a rate limit, not concurrency".into())
+            }
+            Limit::Rate { algorithm, .. } if *algorithm != Algorithm::TokenBucket => {
+                return Err(
+                    "limit.algorithm: a global rule is enforced by drop ratios; give no algorithm"
+                        .into(),
+                )
+            }
+            _ => {}
+        }
+        if r.on_limit == OnLimit::Delay {
+            return Err("on_limit: delay applies to local rules, not global ones".into());
+        }
+        if let Limit::Rate { rate, burst, .. } = &r.limit {
+            if *burst != rate.count {
+                return Err(format!(
+                    "limit.burst: a global rule's fleet-wide limit is its rate ({rate}), enforced by drop ratios that have no burst; give the burst to its fallback"
+                ));
+            }
+        }
+        if !matches!(r.cost, None | Some(Cost::Fixed(1))) {
+            return Err("cost: global rules count requests; give no cost".into());
+        }
+        if let Some(Limit::Concurrency(_)) = r.fallback {
+            return Err("fallback: takes a rate limit".into());
+        }
+    } else if r.scope == Scope::Redis {
+        match &r.limit {
+            Limit::Concurrency(_) => {
+                return Err("scope: redis takes a rate limit, not concurrency".into())
+            }
+            Limit::Rate {
+                algorithm: Algorithm::LeakyBucket,
+                ..
+            } => {
+                return Err("limit.algorithm: leaky_bucket shapes by waiting in one proxy; with scope: redis use token_bucket, gcra, fixed_window, sliding_window_log or sliding_window_counter".into())
+            }
+            _ => {}
+        }
+        if r.on_limit == OnLimit::Delay {
+            return Err("on_limit: delay applies to local rules, not redis ones".into());
+        }
+        if let Some(Limit::Concurrency(_)) = r.fallback {
+            return Err("fallback: takes a rate limit".into());
+        }
+    } else if r.fallback.is_some() {
+        return Err("fallback: applies to scope: global and scope: redis rules only".into());
+    }
+    {
+        match (&r.limit, &r.cost) {
+            (Limit::Concurrency(_), Some(_)) => {
+                return Err("cost: applies to rate limits, not to concurrency".into())
+            }
+            (Limit::Concurrency(_), None) if r.on_limit == OnLimit::Delay => {
+                return Err("on_limit: delay applies to rate limits, not to concurrency".into())
+            }
+            (Limit::Rate { burst, .. }, Some(Cost::Fixed(n))) if *n > burst.get() => {
+                return Err(format!(
+                    "cost: {n} exceeds limit.burst {burst}: such requests could never be admitted"
+                ))
+            }
+            (
+                Limit::Rate {
+                    burst,
+                    algorithm: Algorithm::SlidingWindowLog,
+                    ..
+                },
+                _,
+            ) if r.scope != Scope::Redis => {
+                let worst = u64::from(burst.get())
+                    * u64::from(r.max_keys.get())
+                    * crate::limit::sliding_window_log::BYTES_PER_ENTRY;
+                if worst > SLIDING_LOG_BUDGET {
+                    return Err(format!(
+                        "limit: sliding_window_log keeps 16 bytes per request in the window: burst {burst} x max_keys {} could take {} MiB; lower them (at most 1024 MiB)",
+                        r.max_keys,
+                        worst >> 20
+                    ));
+                }
+            }
+            _ => {}
+        }
+        if r.on_limit == OnLimit::Delay && leaky {
+            return Err("on_limit: delay is redundant with leaky_bucket, which always queues (its burst is the queue)".into());
+        }
+        Ok(())
+    }
+}
+
+impl From<Rule> for RawRule {
+    fn from(r: Rule) -> Self {
+        RawRule {
+            name: r.name,
+            matcher: r.matcher,
+            key: r.key,
+            limit: r.limit,
+            cost: Some(r.cost),
+            on_limit: r.on_limit,
+            max_delay: r.max_delay,
+            max_queue: (r.on_limit == OnLimit::Delay).then_some(r.max_queue),
+            scope: r.scope,
+            fallback: r.fallback,
+            mode: r.mode,
+            max_keys: r.max_keys,
+            sketch: r.sketch,
+        }
+    }
+}
+
+/// What a rule does with a request over its limit.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum OnLimit {
+    /// Answer 429 at once.
+    #[default]
+    Reject,
+    /// Wait (up to `max_delay`, at most `max_queue` at once) until the limiter admits it.
+    Delay,
+}
+
+/// Units a request takes: a constant, or read from a request header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cost {
+    Fixed(u32),
+    Header {
+        header: http::HeaderName,
+        /// When the header is absent or not honoured (>= 1).
+        default: u32,
+        /// Larger values count as this.
+        max: u32,
+        /// Whose header is honoured.
+        from: CostFrom,
+    },
+}
+
+/// Whose cost header a rule honours.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum CostFrom {
+    /// Only a peer in `client_ip.trusted_proxies` (a gateway that computed it); from anyone
+    /// else the header is ignored and `default` applies.
+    #[default]
+    Trusted,
+    /// Anyone: a client then names its own price, up to `max`.
+    Any,
+}
+
+#[derive(Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawCostHeader {
+    pub(super) header: HeaderNameStr,
+    #[serde(default = "one")]
+    pub(super) default: NonZeroU32,
+    pub(super) max: NonZeroU32,
+    #[serde(default)]
+    pub(super) from: CostFrom,
+}
+
+pub(super) fn one() -> NonZeroU32 {
+    NonZeroU32::MIN
+}
+
+impl<'de> Deserialize<'de> for Cost {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Cost;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a whole number >= 1, or { header: NAME, default: N, max: N }")
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<Cost, E> {
+                match u32::try_from(n) {
+                    Ok(n) if n >= 1 => Ok(Cost::Fixed(n)),
+                    _ => Err(E::custom(format!("{n}: must be between 1 and 4294967295"))),
+                }
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<Cost, E> {
+                Err(E::custom(format!("{n}: must be >= 1")))
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Cost, A::Error> {
+                let raw = RawCostHeader::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                if raw.default > raw.max {
+                    return Err(de::Error::custom(format!(
+                        "default {} exceeds max {}",
+                        raw.default, raw.max
+                    )));
+                }
+                Ok(Cost::Header {
+                    header: raw.header.0,
+                    default: raw.default.get(),
+                    max: raw.max.get(),
+                    from: raw.from,
+                })
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl Serialize for Cost {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Cost::Fixed(n) => s.serialize_u32(*n),
+            Cost::Header {
+                header,
+                default,
+                max,
+                from,
+            } => RawCostHeader {
+                header: HeaderNameStr(header.clone()),
+                default: NonZeroU32::new(*default).unwrap_or(NonZeroU32::MIN),
+                max: NonZeroU32::new(*max).unwrap_or(NonZeroU32::MIN),
+                from: *from,
+            }
+            .serialize(s),
+        }
+    }
+}
+
+/// Which requests a rule applies to; every given condition must hold.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Match {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_prefix: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path_regex: Option<PathRegex>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<HostPattern>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub methods: Vec<MethodName>,
+    #[serde(default, skip_serializing_if = "HeaderEquals::is_empty")]
+    pub headers: HeaderEquals,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers_present: Vec<HeaderNameStr>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub headers_absent: Vec<HeaderNameStr>,
+}
+
+/// A rule's limit: a rate (with `burst` and an algorithm), or a concurrency cap.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(try_from = "RawLimit", into = "RawLimit")]
+pub enum Limit {
+    Rate {
+        rate: Rate,
+        burst: NonZeroU32,
+        algorithm: Algorithm,
+        quota: Quota,
+    },
+    /// Requests of a key in flight at once.
+    Concurrency(NonZeroU32),
+    /// Requests of the rule in flight at once, a limit that follows the upstream's latency.
+    Adaptive(AdaptiveSpec),
+}
+
+/// `limit: { adaptive: { min, max, initial, tolerance } }`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AdaptiveSpec {
+    #[serde(default = "default_adaptive_min")]
+    pub min: NonZeroU32,
+    pub max: NonZeroU32,
+    /// Where the limit starts (default: `min`); it doubles each good window until latency
+    /// first rises.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub initial: Option<NonZeroU32>,
+    /// Latency up to this many times the learned no-load latency is fine (1.1 to 10).
+    #[serde(default = "default_tolerance")]
+    pub tolerance: f64,
+}
+
+pub(super) fn default_adaptive_min() -> NonZeroU32 {
+    NonZeroU32::new(1).expect("non-zero")
+}
+
+pub(super) fn default_tolerance() -> f64 {
+    2.0
+}
+
+impl AdaptiveSpec {
+    pub fn settings(&self) -> crate::limit::adaptive::Settings {
+        crate::limit::adaptive::Settings {
+            min: self.min.get(),
+            max: self.max.get(),
+            initial: self.initial.unwrap_or(self.min).get(),
+            tolerance: self.tolerance,
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.min > self.max {
+            return Err(format!(
+                "adaptive: min {} is above max {}",
+                self.min, self.max
+            ));
+        }
+        if let Some(i) = self.initial {
+            if i < self.min || i > self.max {
+                return Err(format!("adaptive: initial {i} is outside min..max"));
+            }
+        }
+        if !(1.1..=10.0).contains(&self.tolerance) {
+            return Err(format!(
+                "adaptive: tolerance {} must be between 1.1 and 10",
+                self.tolerance
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLimit {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) rate: Option<Rate>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) burst: Option<NonZeroU32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) algorithm: Option<Algorithm>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) concurrency: Option<NonZeroU32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) adaptive: Option<AdaptiveSpec>,
+}
+
+impl TryFrom<RawLimit> for Limit {
+    type Error = String;
+    fn try_from(raw: RawLimit) -> Result<Self, String> {
+        if let Some(spec) = raw.adaptive {
+            if raw.rate.is_some()
+                || raw.concurrency.is_some()
+                || raw.burst.is_some()
+                || raw.algorithm.is_some()
+            {
+                return Err("adaptive takes no rate, burst, algorithm or concurrency".into());
+            }
+            spec.check()?;
+            return Ok(Limit::Adaptive(spec));
+        }
+        match (raw.rate, raw.concurrency) {
+            (Some(rate), None) => {
+                let burst = raw.burst.unwrap_or(rate.count);
+                let algorithm = raw.algorithm.unwrap_or_default();
+                if algorithm == Algorithm::SlidingWindowCounter
+                    && burst.get() > crate::limit::sliding_window_counter::MAX_LIMIT
+                {
+                    return Err(format!(
+                        "sliding_window_counter counts up to {} per window; burst is {burst}",
+                        crate::limit::sliding_window_counter::MAX_LIMIT
+                    ));
+                }
+                let quota = Quota::new(rate.count, rate.period, burst)
+                    .map_err(|e| format!("rate {rate}: {e}"))?;
+                Ok(Limit::Rate {
+                    rate,
+                    burst,
+                    algorithm,
+                    quota,
+                })
+            }
+            (None, Some(n)) => {
+                if raw.burst.is_some() || raw.algorithm.is_some() {
+                    return Err("concurrency takes no burst or algorithm".into());
+                }
+                Ok(Limit::Concurrency(n))
+            }
+            (Some(_), Some(_)) => Err("give either rate or concurrency, not both".into()),
+            (None, None) => Err(
+                "missing rate (such as 10/s), concurrency (such as 4) or adaptive (such as { max: 100 })"
+                    .into(),
+            ),
+        }
+    }
+}
+
+impl From<Limit> for RawLimit {
+    fn from(l: Limit) -> Self {
+        match l {
+            Limit::Rate {
+                rate,
+                burst,
+                algorithm,
+                ..
+            } => RawLimit {
+                rate: Some(rate),
+                burst: Some(burst),
+                algorithm: Some(algorithm),
+                concurrency: None,
+                adaptive: None,
+            },
+            Limit::Concurrency(n) => RawLimit {
+                rate: None,
+                burst: None,
+                algorithm: None,
+                concurrency: Some(n),
+                adaptive: None,
+            },
+            Limit::Adaptive(spec) => RawLimit {
+                rate: None,
+                burst: None,
+                algorithm: None,
+                concurrency: None,
+                adaptive: Some(spec),
+            },
+        }
+    }
+}
+
+/// Where a rule's state lives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Scope {
+    #[default]
+    Local,
+    Global,
+    Redis,
+}
+
+impl<'de> Deserialize<'de> for Scope {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parse_str(d, |s: &str| match s {
+            "local" => Ok(Scope::Local),
+            "global" => Ok(Scope::Global),
+            "redis" => Ok(Scope::Redis),
+            _ => Err(format!(
+                "unknown variant `{s}`, expected one of `local`, `global`, `redis`"
+            )),
+        })
+    }
+}
+
+/// Whether a rule rejects or only counts what it would have rejected.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    #[default]
+    Enforce,
+    Shadow,
+}
