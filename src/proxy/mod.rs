@@ -504,12 +504,12 @@ async fn worker(
     // Tells this worker's connections that it drains; each holds `alive` until it ends.
     let (drain_tx, draining) = watch::channel(false);
     let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
-    let stalls = Arc::new(http1::server::Stalls::new(
+    let stalls = Arc::new(http1::stalls::Stalls::new(
         config.timeouts.send.0,
         anchor_period(&config.timeouts),
         shared.metrics.send_timeouts.clone(),
     ));
-    let lane = Arc::new(http1::server::Lane {
+    let lane = Arc::new(http1::conn::Lane {
         hyper: builder,
         h1,
         max_head,
@@ -596,7 +596,7 @@ async fn worker(
 
 /// The worker's tick: fires its [`coarse::Timers`] (each request's header-read, upstream
 /// response and send deadlines), drops the HTTP/2 responses whose client has left their
-/// window shut for `timeouts.send` ([`http1::server::Stalls`]), and closes its idle upstream connections unused for `timeouts.upstream_idle` or
+/// window shut for `timeouts.send` ([`http1::stalls::Stalls`]), and closes its idle upstream connections unused for `timeouts.upstream_idle` or
 /// closed by the upstream meanwhile. On the first worker, also measures its load for the
 /// others' accept loops ([`accept::Sampler`]).
 ///
@@ -608,7 +608,7 @@ async fn worker(
 async fn anchor_timer(
     period: Duration,
     idle: Arc<affine::Idle>,
-    stalls: Arc<http1::server::Stalls>,
+    stalls: Arc<http1::stalls::Stalls>,
     timers: Arc<coarse::Timers>,
     shared: Arc<Shared>,
     mut load: Option<accept::Sampler>,

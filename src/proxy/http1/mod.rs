@@ -17,9 +17,12 @@
 //! Must never: parse a head from its start at each read, or write a byte of one exchange's
 //! answer to another. Proven against hyper by the differential tests (`tests.rs`).
 
+mod by_hyper;
 pub(crate) mod client;
+pub(crate) mod conn;
 pub(crate) mod framing;
 pub(crate) mod server;
+pub(crate) mod stalls;
 
 #[cfg(test)]
 mod tests;

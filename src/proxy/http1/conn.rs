@@ -1,0 +1,121 @@
+//! A client connection's parts that the server side and the hand-over to hyper share: the
+//! worker's [`Lane`], the connection's socket and buffers ([`Served`]) and the bound on its
+//! writes ([`SendClock`]). Must never: do I/O of its own beyond a write's bound.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::AtomicU32;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use hyper_util::rt::TokioExecutor;
+use hyper_util::server::conn::auto;
+use tokio::net::TcpStream;
+use tokio::sync::watch;
+
+use super::stalls::Stalls;
+use crate::proxy::coarse::{HeadTimer, Sleep, Timers};
+
+/// The buffer's first size, and its least room for a read: most request heads are a few
+/// hundred bytes (nginx starts with 1 KiB). A larger head doubles it as it comes.
+pub(super) const READ: usize = 2 * 1024;
+
+/// What a worker's connections share.
+pub struct Lane {
+    /// hyper's server, for the connections handed to it (each given its own HTTP/1 head
+    /// timer, [`HeadTimer`]).
+    pub hyper: auto::Builder<TokioExecutor>,
+    /// hyper's HTTP/1 server, configured as `hyper`'s, for a request whose body it streams.
+    pub h1: hyper::server::conn::http1::Builder,
+    /// A partial head at least this long is handed to hyper (which answers 431).
+    pub max_head: usize,
+    pub header_read: Duration,
+    /// `timeouts.client_idle`: the wait for a kept-alive connection's next request.
+    pub client_idle: Duration,
+    /// `timeouts.send`: a client that takes no byte of a response for this long is dropped.
+    pub send: Duration,
+    /// The worker's timers (the header-read and send deadlines).
+    pub timers: Arc<Timers>,
+    /// The worker's HTTP/2 responses, watched for a window that stays shut.
+    pub stalls: Arc<Stalls>,
+    /// Turns true when the worker drains.
+    pub draining: watch::Receiver<bool>,
+}
+
+pub(super) type Error = Box<dyn std::error::Error + Send + Sync>;
+
+impl Lane {
+    /// hyper's HTTP/1 head timer for a connection whose reads `heard` counts.
+    pub(super) fn head_timer(&self, heard: &Arc<AtomicU32>) -> HeadTimer {
+        HeadTimer {
+            timers: self.timers.clone(),
+            heard: heard.clone(),
+            idle: self.client_idle,
+            header_read: self.header_read,
+        }
+    }
+}
+
+pub(super) struct Served {
+    pub(super) stream: TcpStream,
+    /// Read and not yet used.
+    pub(super) buf: BytesMut,
+    /// The response head being written, kept for the next one.
+    pub(super) out: Vec<u8>,
+    /// Bounds how long a write may wait for the client to take bytes.
+    pub(super) clock: SendClock,
+    /// A response was written and the connection kept: the next wait is `client_idle`'s.
+    pub(super) kept: bool,
+}
+
+/// `timeouts.send` for a client's writes (nginx's `send_timeout`): a write that takes no byte
+/// for that long fails, and the connection with it (its request's slots are freed as the
+/// response is dropped). Armed only when a write has to wait: a client that keeps up costs
+/// nothing.
+pub(super) struct SendClock {
+    pub(super) timers: Arc<Timers>,
+    pub(super) limit: Duration,
+    pub(super) wait: Option<Sleep>,
+    pub(super) timeouts: prometheus::IntCounter,
+}
+
+impl SendClock {
+    pub(super) fn new(lane: &Lane) -> Self {
+        SendClock {
+            timers: lane.timers.clone(),
+            limit: lane.send,
+            wait: None,
+            timeouts: lane.stalls.timeouts.clone(),
+        }
+    }
+
+    /// A write's outcome, `polled`, with the wait bounded: pending arms the deadline (once per
+    /// wait), past it the write fails; any progress disarms it.
+    pub(super) fn bound<T>(
+        &mut self,
+        cx: &mut Context<'_>,
+        polled: Poll<io::Result<T>>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.wait = None;
+            return polled;
+        }
+        let (timers, limit) = (&self.timers, self.limit);
+        let wait = self
+            .wait
+            .get_or_insert_with(|| Sleep::until(timers.clone(), Timers::now() + limit));
+        match Pin::new(wait).poll(cx) {
+            Poll::Ready(()) => {
+                self.timeouts.inc();
+                Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client took no bytes within timeouts.send",
+                )))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}

@@ -1,0 +1,291 @@
+use super::*;
+use crate::proxy::http1::stalls::Stalls;
+use hyper_util::rt::TokioExecutor;
+use hyper_util::server::conn::auto;
+use std::time::Duration;
+use tokio::sync::watch;
+
+fn parsed(text: &[u8]) -> (Parsed, BytesMut) {
+    let mut buf = BytesMut::from(text);
+    (parse(&mut buf), buf)
+}
+
+#[test]
+fn a_plain_request_is_taken_out_of_the_buffer_and_what_follows_stays() {
+    let (p, rest) =
+        parsed(b"GET /a?b=1 HTTP/1.1\r\nHost: x\r\nX-Client: c1\r\nX-Client: c2\r\n\r\nGET /next");
+    let Parsed::Request(req) = p else {
+        panic!("not served here")
+    };
+    assert_eq!(req.method(), Method::GET);
+    assert_eq!(req.uri(), "/a?b=1");
+    assert_eq!(req.version(), Version::HTTP_11);
+    assert_eq!(req.headers()["host"], "x");
+    let clients: Vec<_> = req.headers().get_all("x-client").iter().collect();
+    assert_eq!(clients, ["c1", "c2"]);
+    assert!(http_body::Body::is_end_stream(req.body()));
+    assert_eq!(&rest[..], b"GET /next");
+}
+
+#[test]
+fn http10_head_and_a_zero_length_are_served_here() {
+    let (p, _) = parsed(b"HEAD / HTTP/1.0\r\nContent-Length: 0\r\n\r\n");
+    let Parsed::Request(req) = p else {
+        panic!("not served here")
+    };
+    assert_eq!(
+        (req.method(), req.version()),
+        (&Method::HEAD, Version::HTTP_10)
+    );
+}
+
+#[test]
+fn a_small_body_that_came_with_its_head_is_taken_with_it() {
+    let (p, rest) = parsed(b"POST /u HTTP/1.1\r\nContent-Length: 5\r\n\r\nhelloGET /next");
+    let Parsed::Request(req) = p else {
+        panic!("not served here")
+    };
+    let Either::Right(body) = req.body() else {
+        panic!("a body in hand")
+    };
+    assert_eq!(body.bytes(), b"hello");
+    assert_eq!(http_body::Body::size_hint(body).exact(), Some(5));
+    assert_eq!(req.headers()["content-length"], "5");
+    assert_eq!(&rest[..], b"GET /next");
+
+    // Not all of it yet: the request needs the head's 39 bytes and 5 more.
+    let text = b"POST /u HTTP/1.1\r\nContent-Length: 5\r\n\r\nhel";
+    let (p, rest) = parsed(text);
+    assert!(matches!(p, Parsed::Short(44)));
+    assert_eq!(&rest[..], text, "nothing taken");
+}
+
+#[test]
+fn a_head_not_yet_whole_waits() {
+    assert!(matches!(
+        parsed(b"GET / HTTP/1.1\r\nHost: x\r\n").0,
+        Parsed::Partial
+    ));
+}
+
+#[test]
+fn streamed_bodies_upgrades_other_targets_and_garbage_go_to_hyper_with_every_byte() {
+    let large = format!(
+        "POST /u HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+        IN_HAND + 1
+    );
+    // Bodies hyper streams (or, for the bad lengths, answers 400 and closes on): the
+    // connection may come back after them.
+    let streamed: &[&[u8]] = &[
+        large.as_bytes(),
+        b"POST /u HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello",
+        b"POST /u HTTP/1.1\r\nContent-Length: -5\r\n\r\nhello",
+        b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"PUT /u HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n",
+    ];
+    let others: &[&[u8]] = &[
+        // A target no URI: hyper answers 400; the body goes back with the head.
+        b"POST /a<b> HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
+        b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+        // An upgrade is hyper's for good, whatever comes before it.
+        b"POST /ws HTTP/1.1\r\nTransfer-Encoding: chunked\r\nUpgrade: x\r\n\r\n0\r\n\r\n",
+        b"CONNECT app:443 HTTP/1.1\r\n\r\n",
+        b"OPTIONS * HTTP/1.1\r\n\r\n",
+        b"GET http://app/x HTTP/1.1\r\n\r\n",
+        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+        // An HTTP/2 preface is known before it is whole.
+        b"PRI * HTTP/2",
+        b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
+        b"\x16\x03\x01\x02\x00",
+    ];
+    let cases = streamed.iter().map(|t| (*t, true));
+    for (text, is_streamed) in cases.chain(others.iter().map(|t| (*t, false))) {
+        let (p, rest) = parsed(text);
+        let got = match p {
+            Parsed::Streamed => Some(true),
+            Parsed::Other => Some(false),
+            _ => None,
+        };
+        let text_lossy = String::from_utf8_lossy(text);
+        assert_eq!(got, Some(is_streamed), "{text_lossy:?}");
+        assert_eq!(&rest[..], text, "bytes kept for hyper");
+    }
+}
+
+/// A request head sent one byte per write: the parser is handed each byte a bounded
+/// number of times (it was handed the whole buffer at every read: quadratic).
+#[tokio::test]
+async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let mut client = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
+    client.set_nodelay(true).unwrap();
+    let (server, _) = listener.accept().await.unwrap();
+    let head = format!(
+        "GET /t HTTP/1.1\r\nHost: x\r\n{}\r\n",
+        "X-Pad: 0123456789abcdef0123456789abcdef0123456789abcdef\r\n".repeat(60)
+    );
+    let n = head.len();
+    let (_drain, draining) = watch::channel(false);
+    let lane = Lane {
+        hyper: auto::Builder::new(TokioExecutor::new()),
+        h1: hyper::server::conn::http1::Builder::new(),
+        max_head: 64 * 1024,
+        header_read: Duration::from_secs(30),
+        client_idle: Duration::from_secs(30),
+        send: Duration::from_secs(30),
+        timers: Arc::new(Timers::default()),
+        stalls: Arc::new(Stalls::new(
+            Duration::from_secs(30),
+            Duration::from_secs(1),
+            prometheus::IntCounter::new("t", "t").unwrap(),
+        )),
+        draining,
+    };
+    let mut s = Served {
+        stream: server,
+        buf: BytesMut::with_capacity(READ),
+        out: Vec::new(),
+        clock: SendClock::new(&lane),
+        kept: false,
+    };
+    // On a thread of its own: each byte its own segment, most read on their own.
+    let writer = std::thread::spawn(move || {
+        use std::io::Write as _;
+        for b in head.as_bytes() {
+            client.write_all(&[*b]).unwrap();
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        client
+    });
+    let mut slot = None;
+    let never = std::pin::pin!(std::future::pending::<()>());
+    PARSED.set(0);
+    let next = s.head(&lane, never, &mut slot).await.unwrap();
+    assert!(
+        matches!(next, Next::Request(_)),
+        "a whole head is a request"
+    );
+    let work = PARSED.get();
+    assert!(work <= 3 * n, "{work} bytes parsed for a head of {n}");
+    drop(writer.join().unwrap());
+}
+
+#[test]
+fn the_end_of_a_head_is_searched_once() {
+    let mut end = HeadEnd::default();
+    let text = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n";
+    let mut ends = Vec::new();
+    for i in 1..=text.len() {
+        ends.push(end.may_end(&text[..i]));
+    }
+    // The first look, then only when the empty line is whole (split across calls too).
+    let at: Vec<usize> = (0..ends.len()).filter(|&i| ends[i]).collect();
+    assert_eq!(at, [0, text.len() - 1]);
+    let mut bare = HeadEnd::default();
+    assert!(bare.may_end(b"G"));
+    assert!(!bare.may_end(b"GET / HTTP/1.1\nHost: x\n"));
+    assert!(bare.may_end(b"GET / HTTP/1.1\nHost: x\n\n"));
+}
+
+#[test]
+fn lengths_and_decimals() {
+    let mut digits = [0u8; 20];
+    assert_eq!(decimal(0, &mut digits), b"0");
+    assert_eq!(decimal(164, &mut digits), b"164");
+    assert_eq!(
+        decimal(u64::MAX, &mut digits),
+        u64::MAX.to_string().as_bytes()
+    );
+    assert_eq!(parse_length(b"164"), Some(164));
+    assert_eq!(parse_length(b""), None);
+    assert_eq!(parse_length(b"1 2"), None);
+    assert_eq!(parse_length(b"99999999999999999999"), None);
+}
+
+fn head_of(
+    status: StatusCode,
+    headers: &[(&str, &str)],
+    framing: Framing,
+    asked: Asked,
+    stay: bool,
+) -> String {
+    let mut map = HeaderMap::new();
+    for (n, v) in headers {
+        map.append(
+            HeaderName::from_bytes(n.as_bytes()).unwrap(),
+            HeaderValue::from_str(v).unwrap(),
+        );
+    }
+    let mut out = Vec::new();
+    write_head(
+        &mut out,
+        status,
+        (&map, Lines::default()),
+        &framing,
+        Some(3),
+        asked,
+        stay,
+    );
+    String::from_utf8(out).unwrap()
+}
+
+const GET11: Asked = Asked {
+    head: false,
+    http10: false,
+    keep_alive: true,
+};
+
+#[test]
+fn the_head_says_how_the_body_ends_and_what_becomes_of_the_connection() {
+    let h = head_of(
+        StatusCode::OK,
+        &[("content-type", "text/plain")],
+        Framing::Length(3),
+        GET11,
+        true,
+    );
+    assert!(
+        h.starts_with("HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ndate: "),
+        "{h}"
+    );
+    assert!(h.ends_with("GMT\r\ncontent-length: 3\r\n\r\n"), "{h}");
+    // A length the response gave is not written twice; its own Connection is replaced.
+    let h = head_of(
+        StatusCode::OK,
+        &[("content-length", "3"), ("connection", "x")],
+        Framing::Length(3),
+        GET11,
+        false,
+    );
+    assert_eq!(h.matches("content-length").count(), 1, "{h}");
+    assert!(
+        !h.contains("connection: x") && h.ends_with("connection: close\r\n\r\n"),
+        "{h}"
+    );
+    let h = head_of(StatusCode::OK, &[], Framing::Chunked, GET11, true);
+    assert!(h.ends_with("transfer-encoding: chunked\r\n\r\n"), "{h}");
+    // HTTP/1.0: its own version, keep-alive said when kept.
+    let ten = Asked {
+        http10: true,
+        ..GET11
+    };
+    let h = head_of(
+        StatusCode::TOO_MANY_REQUESTS,
+        &[("date", "d")],
+        Framing::Close,
+        ten,
+        true,
+    );
+    assert!(
+        h.starts_with("HTTP/1.0 429 Too Many Requests\r\ndate: d\r\n"),
+        "{h}"
+    );
+    assert!(h.ends_with("connection: keep-alive\r\n\r\n"), "{h}");
+    // HEAD: the length a GET would have had.
+    let head = Asked {
+        head: true,
+        ..GET11
+    };
+    let h = head_of(StatusCode::OK, &[], Framing::None, head, true);
+    assert!(h.ends_with("content-length: 3\r\n\r\n"), "{h}");
+}
