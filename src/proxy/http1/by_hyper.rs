@@ -28,8 +28,8 @@ use super::framing::has_token;
 use super::stalls::*;
 use crate::proxy::body::{Ended, ReqBody, Streamed};
 use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::request::{handle, AbandonGuard, Conn};
 use crate::proxy::respond::{self, Body};
-use crate::proxy::{handle, AbandonGuard, Conn};
 
 /// Serves the rest of the connection with hyper's server: the bytes read so far first.
 pub(super) async fn hand_off(

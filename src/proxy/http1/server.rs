@@ -35,8 +35,8 @@ use super::framing::{field, keeps_alive, parse_length, HeadEnd};
 pub use crate::proxy::body::IN_HAND;
 use crate::proxy::body::{InHand, ReqBody};
 use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::request::{handle, AbandonGuard, Conn};
 use crate::proxy::respond::{Body, Own};
-use crate::proxy::{handle, AbandonGuard, Conn};
 
 /// Header fields in a request head at most (hyper's limit too); more hands the connection to
 /// hyper, which answers 431.

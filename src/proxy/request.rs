@@ -1,0 +1,241 @@
+//! The request path: what happens to one request between the server side that read it and the
+//! response it is answered with. Hygiene, the decision (and its waits), the forward upstream,
+//! the refusals and the metrics; and what the requests of one client connection share
+//! ([`Conn`]), with the budget of requests a connection may abandon (rapid reset).
+//!
+//! Must never: await while holding a rule-set guard, allocate for a known key's decision, or
+//! answer a refused request before its small body was drained (the client must read the 429).
+
+use super::*;
+
+/// Requests one connection may abandon per second (an HTTP/2 RST_STREAM before the response,
+/// or the client gone) before the proxy closes it: the rapid-reset attack (CVE-2023-44487)
+/// makes the server start work for streams it cancels at once, thousands per second. An
+/// HTTP/1 connection abandons at most one request, when it closes.
+pub(super) const ABANDON_BUDGET: u32 = 200;
+
+/// Abandoned requests of one connection in the current second.
+#[derive(Default)]
+pub(super) struct Abandoned {
+    // Relaxed: a rate bound; a race miscounts by one.
+    pub(super) second: std::sync::atomic::AtomicU64,
+    pub(super) count: std::sync::atomic::AtomicU32,
+}
+
+/// What the requests of one client connection share.
+pub(super) struct Conn {
+    pub(super) shared: Arc<Shared>,
+    pub(super) client: Arc<forward::UpstreamClient>,
+    /// This connection's own upstream connection (HTTP/1 only).
+    pub(super) affine: affine::Affine,
+    /// Upstream connections its HTTP/2 streams use at once (`limits.max_upstream_per_client`);
+    /// made at its first stream. An HTTP/1 connection has one request in flight at a time.
+    pub(super) streams: std::sync::OnceLock<Arc<Semaphore>>,
+    /// The worker's request deadlines.
+    pub(super) timers: Arc<coarse::Timers>,
+    pub(super) abandoned: Abandoned,
+    pub(super) peer: SocketAddr,
+}
+
+impl Conn {
+    /// A place for one of this HTTP/2 connection's streams among `max_upstream_per_client`:
+    /// at once, or within `timeouts.upstream_connect`; `Err` with the 503 when none came free.
+    /// `Ok(None)` for an `h2c://` upstream, where every stream shares one connection.
+    pub(super) async fn stream_slot(
+        &self,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Response<Body>> {
+        let shared = &self.shared;
+        if shared.upstream_h2 {
+            return Ok(None);
+        }
+        let slots = self
+            .streams
+            .get_or_init(|| Arc::new(Semaphore::new(shared.upstream_per_client)));
+        if let Ok(p) = slots.clone().try_acquire_owned() {
+            return Ok(Some(p));
+        }
+        let wait = shared.affine_upstream.connect_timeout;
+        if let Ok(Ok(p)) = tokio::time::timeout(wait, slots.clone().acquire_owned()).await {
+            return Ok(Some(p));
+        }
+        Err(forward::failed(
+            &shared.metrics,
+            crate::metrics::UpstreamError::Saturated,
+        ))
+    }
+}
+
+/// Counts its request as abandoned when dropped before [`disarm`](Self::disarm).
+pub(super) struct AbandonGuard(pub(super) Option<Arc<Conn>>);
+
+impl AbandonGuard {
+    pub(super) fn conn(&self) -> &Conn {
+        self.0.as_ref().expect("armed until disarmed")
+    }
+
+    pub(super) fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for AbandonGuard {
+    fn drop(&mut self) {
+        let Some(conn) = self.0.take() else { return };
+        let a = &conn.abandoned;
+        let this = conn.shared.clock.now() / 1_000_000_000;
+        if a.second.swap(this, Ordering::Relaxed) != this {
+            a.count.store(0, Ordering::Relaxed);
+        }
+        if a.count.fetch_add(1, Ordering::Relaxed) + 1 == ABANDON_BUDGET {
+            conn.affine.wakes.trip();
+        }
+    }
+}
+
+/// The request path.
+/// Borrows `req` (see [`forward::Forward::send`]); what is left of it is the caller's to drop.
+pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
+    let (shared, peer) = (&*conn.shared, conn.peer);
+    let start = shared.clock.now();
+    let metrics = &shared.metrics;
+    // A body on a request whose method gives it no meaning (RFC 9110 §9.3), which many apps
+    // never read: left on a kept-alive upstream connection, it would be parsed as a request
+    // no rule saw. Forwarded on a connection closed after the answer, or (GET and HEAD,
+    // `bodies_on_get: reject`) refused with the other malformed requests.
+    // Methods compare without case: an app may fold `get` into GET.
+    let (get_body, get_or_head) = match http_body::Body::is_end_stream(req.body()) {
+        true => (false, false),
+        false => {
+            let method = req.method().as_str();
+            let is = |m: &http::Method| method.eq_ignore_ascii_case(m.as_str());
+            let get_or_head = is(&http::Method::GET) || is(&http::Method::HEAD);
+            let other =
+                is(&http::Method::DELETE) || is(&http::Method::OPTIONS) || is(&http::Method::TRACE);
+            (get_or_head || other, get_or_head)
+        }
+    };
+    let refused = match shared.hygiene.apply(req) {
+        Err(refused) => Some(refused),
+        Ok(()) if get_or_head && shared.hygiene.reject_get_bodies => Some((
+            "body_on_get",
+            "a GET or HEAD request must not have a body here".to_string(),
+        )),
+        Ok(()) => None,
+    };
+    if let Some((reason, detail)) = refused {
+        metrics
+            .duration(Outcome::Error)
+            .observe(elapsed(shared, start));
+        if reason == TOO_LARGE {
+            metrics.header_too_large.inc();
+            return respond::error(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, &detail);
+        }
+        metrics.bad_requests.with_label_values(&[reason]).inc();
+        let mut resp = respond::error(StatusCode::BAD_REQUEST, &detail);
+        // What follows on the connection may be as malformed: nginx closes after a 400 too.
+        resp.headers_mut().insert(
+            http::header::CONNECTION,
+            http::HeaderValue::from_static("close"),
+        );
+        return resp;
+    }
+    let grpc = respond::is_grpc(req.headers());
+    // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
+    // and never holds the rule snapshot across that wait.
+    let trusted = shared.client_ip.trusts(peer.ip());
+    let client_ip = shared.client_ip.client(req.headers(), peer.ip());
+    let view = RequestView::for_proxy(req, client_ip, trusted, shared.hygiene.strict_path);
+    let admitted = gate::admit(&shared.rules, &shared.clock, &view).await;
+    let admit = match admitted {
+        Ok(admit) => admit,
+        Err(refusal) => {
+            let outcome = match &refusal {
+                gate::Refusal::Limited(_) => Outcome::Rejected,
+                gate::Refusal::BadRequest(bad) => {
+                    metrics.bad_requests.with_label_values(&[bad.reason]).inc();
+                    Outcome::Error
+                }
+            };
+            metrics.duration(outcome).observe(elapsed(shared, start));
+            let mut resp = respond::refused(&refusal, grpc);
+            // Refused before its body was read: read (and drop) a small body so that the
+            // connection stays usable and the client reads our answer; a large or slow one
+            // closes the connection instead (nginx's lingering close, bounded). A body in
+            // hand was read with the head.
+            let taken = std::mem::replace(req.body_mut(), forward::emptied());
+            let http_body_util::Either::Left(body) = taken else {
+                return resp;
+            };
+            // Boxed: the rare path (a body to read) keeps the common future small.
+            if !http_body::Body::is_end_stream(&body) && !Box::pin(drained(body)).await {
+                resp.headers_mut().insert(
+                    http::header::CONNECTION,
+                    http::HeaderValue::from_static("close"),
+                );
+            }
+            return resp;
+        }
+    };
+
+    let fwd = forward::Forward {
+        client: &conn.client,
+        upstream: &shared.upstream,
+        peer: peer.ip(),
+        trust_forwarded: trusted,
+        response_timeout: shared.response_timeout,
+        timers: &conn.timers,
+        metrics,
+        h2: shared.upstream_h2,
+        affine: (!shared.upstream_h2).then_some((&conn.affine, &shared.affine_upstream)),
+        now: start,
+        upgrades: &shared.hygiene.upgrades,
+        close: get_body,
+    };
+    let mut resp = fwd.send(req, admit.permits).await;
+    let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
+        Outcome::Upstream
+    } else {
+        Outcome::Error
+    };
+    // `states` is filled only under `headers: always`; the fields go in the response's map,
+    // with the upstream's (which replace any the upstream sent).
+    if !admit.states.is_empty() {
+        respond::whole(&mut resp);
+        respond::add_rate_headers(resp.headers_mut(), &admit.states);
+    }
+    metrics.duration(outcome).observe(elapsed(shared, start));
+    resp
+}
+
+/// A refused request's body is read and dropped up to this many bytes...
+pub(super) const DRAIN_BYTES: usize = 256 * 1024;
+/// ...within this long.
+pub(super) const DRAIN_TIME: Duration = Duration::from_millis(500);
+
+/// Reads and drops `body` if it ends within [`DRAIN_BYTES`] and [`DRAIN_TIME`]; false when it
+/// did not (the connection should then close). A body that is already over costs nothing.
+pub(super) async fn drained(mut body: forward::Streamed) -> bool {
+    use http_body_util::BodyExt;
+    let mut read = 0usize;
+    let drain = async {
+        while let Some(frame) = body.frame().await {
+            match frame {
+                Ok(f) => {
+                    read += f.data_ref().map_or(0, |d| d.len());
+                    if read > DRAIN_BYTES {
+                        return false;
+                    }
+                }
+                Err(_) => return false,
+            }
+        }
+        true
+    };
+    tokio::time::timeout(DRAIN_TIME, drain)
+        .await
+        .unwrap_or(false)
+}
+
+pub(super) fn elapsed(shared: &Shared, start: u64) -> f64 {
+    shared.clock.now().saturating_sub(start) as f64 / 1e9
+}
