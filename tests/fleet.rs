@@ -411,24 +411,35 @@ async fn reports_need_the_token_and_must_be_well_formed() {
     );
 }
 
-#[tokio::test]
-async fn while_the_control_plane_is_stale_the_fallback_limit_applies() {
-    // A control plane that is not there: the proxy goes stale after stale_after.
+/// A sidecar whose control plane is not there (it goes stale after 1 s of its manual clock),
+/// with one global rule per `x-api-key` and `fallback`.
+async fn stale_sidecar(
+    fallback: &str,
+) -> (
+    spillway::proxy::Sidecar,
+    Upstream,
+    spillway::limit::ManualClock,
+) {
     let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap();
-    let (sc, _up, clock) = sidecar_with_clock(&format!(
+    sidecar_with_clock(&format!(
         r#"control_plane: {{ url: "http://{nowhere}", report_interval: 100ms, stale_after: 1s, decay: 1s }}
 rules:
   - name: per-key
     key: [header:x-api-key]
     limit: {{ rate: 100/s }}
     scope: global
-    fallback: {{ rate: 1/h, burst: 2 }}
+    fallback: {fallback}
 "#
     ))
-    .await;
+    .await
+}
+
+#[tokio::test]
+async fn while_the_control_plane_is_stale_the_fallback_limit_applies() {
+    let (sc, _up, clock) = stale_sidecar("{ rate: 1/h, burst: 2 }").await;
     let k = [("x-api-key", "k")];
     // Fresh (no ratios yet): everything passes, the fallback is not used.
     for _ in 0..5 {
@@ -449,21 +460,7 @@ rules:
 /// a second later, where a token bucket would have refilled one.
 #[tokio::test]
 async fn a_fallback_limit_uses_its_own_algorithm() {
-    let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap();
-    let (sc, _up, clock) = sidecar_with_clock(&format!(
-        r#"control_plane: {{ url: "http://{nowhere}", report_interval: 100ms, stale_after: 1s, decay: 1s }}
-rules:
-  - name: per-key
-    key: [header:x-api-key]
-    limit: {{ rate: 100/s }}
-    scope: global
-    fallback: {{ rate: 2/s, algorithm: sliding_window_log }}
-"#
-    ))
-    .await;
+    let (sc, _up, clock) = stale_sidecar("{ rate: 2/s, algorithm: sliding_window_log }").await;
     let k = [("x-api-key", "k")];
     clock.advance(Duration::from_secs(2));
     let mut statuses = Vec::new();

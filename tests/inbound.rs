@@ -34,14 +34,6 @@ fn echoed_n(a: &Answer) -> String {
         .to_string()
 }
 
-async fn at_end(s: &mut BufReader<TcpStream>) -> bool {
-    let mut rest = Vec::new();
-    matches!(
-        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await,
-        Ok(Ok(0))
-    )
-}
-
 #[tokio::test]
 async fn pipelined_requests_are_answered_in_order_on_one_connection() {
     let (sc, _up) = sidecar("rules: []").await;

@@ -15,14 +15,6 @@ use tokio::net::TcpStream;
 const CHUNKED: &str =
     "POST /upload HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n";
 
-async fn at_end(s: &mut BufReader<TcpStream>) -> bool {
-    let mut rest = Vec::new();
-    matches!(
-        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await,
-        Ok(Ok(0))
-    )
-}
-
 /// A load balancer reuses an idle connection after a minute; one that hyper serves (two
 /// streamed uploads in a row leave it there) was closed after `header_read`.
 #[tokio::test]

@@ -783,3 +783,13 @@ where
     });
     addr
 }
+
+/// Whether the proxy closes `s` (an end of stream with nothing more) within 10 s.
+pub async fn at_end(s: &mut tokio::io::BufReader<tokio::net::TcpStream>) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut rest = Vec::new();
+    matches!(
+        tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut rest)).await,
+        Ok(Ok(0))
+    )
+}
