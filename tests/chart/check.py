@@ -520,6 +520,17 @@ rules:
                                        f"--storage.tsdb.path={d}/tsdb", f"--web.listen-address=127.0.0.1:{prom_port}"],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         wait_port(prom_port, "prometheus", 60)
+        # It listens before its storage is open: its API answers 503 until /-/ready says 200.
+        deadline = time.time() + 60
+        while True:
+            try:
+                if urllib.request.urlopen(f"http://127.0.0.1:{prom_port}/-/ready", timeout=5).status == 200:
+                    break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("prometheus did not become ready")
+            time.sleep(0.2)
 
         def query(expr):
             # Grafana's "All" for each variable, and its rate interval for a 1 s scrape.
