@@ -72,7 +72,7 @@ pub async fn admit(
                 return Ok(admit);
             }
             Verdict::BadRequest(bad) => return Err(Refusal::BadRequest(bad)),
-            Verdict::Remote(_) => unreachable!("resolve answers Allow or Deny"),
+            Verdict::Remote(_) => unreachable!("ask_store answers Allow or Deny"),
             Verdict::Deny(denial) => {
                 let (Some(delay), Some(retry)) = (&denial.delay, denial.retry_after) else {
                     return Err(Refusal::Limited(denial));

@@ -20,10 +20,10 @@ pub struct Hygiene {
     require_host: bool,
     normalize_path: bool,
     reject_separators: bool,
-    pub strict_path: bool,
-    pub upgrades: Vec<crate::config::UpgradeProtocol>,
+    pub(crate) strict_path: bool,
+    pub(crate) upgrades: Vec<crate::config::UpgradeProtocol>,
     /// `bodies_on_get: reject`: a GET or HEAD with a body is answered 400.
-    pub reject_get_bodies: bool,
+    pub(crate) reject_get_bodies: bool,
 }
 
 impl Default for Hygiene {
@@ -122,7 +122,7 @@ impl Hygiene {
 }
 
 /// The reason [`Hygiene::apply`] gives a head over `limits.max_header_bytes` (answered 431).
-pub const TOO_LARGE: &str = "header_too_large";
+pub(crate) const TOO_LARGE: &str = "header_too_large";
 
 /// Removes the fields `Connection` lists (beyond the hop-by-hop ones, `Transfer-Encoding`
 /// among them, which [`crate::hop::listed`] leaves out and the hop removes anyway); refuses a

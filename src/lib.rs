@@ -21,15 +21,16 @@
 //! - [`ui`]: the built-in status page on the admin ports.
 //! - [`demo`]: a self-contained run that shows the limiter at work.
 //!
-//! No module imports one that imports it back (`tests/modules.rs`): from `limit`, `key`,
-//! `config` and `metrics` up through `rules`, `respond` and `gate` to `proxy` and `control`.
+//! No module file imports one that imports it back (`tests/modules.rs`; a module and those
+//! inside it may use each other): the files of `limit`, `key`, `config` and `metrics` sit
+//! below those of `rules`, `respond` and `gate`, and those below `proxy` and `control`.
 
 pub mod config;
 pub mod control;
 pub mod demo;
 pub mod exact;
 pub mod gate;
-pub mod hop;
+pub(crate) mod hop;
 pub mod hygiene;
 pub mod inject;
 pub mod key;

@@ -18,7 +18,8 @@ fn module_files(dir: &Path, root: &Path, out: &mut BTreeMap<Module, PathBuf>) {
             continue;
         }
         let name = path.file_name().unwrap().to_str().unwrap();
-        if !name.ends_with(".rs") || name == "tests.rs" {
+        // Test files (`tests.rs`, `*_tests.rs` behind a `#[path]`) may import anything.
+        if !name.ends_with(".rs") || name == "tests.rs" || name.ends_with("_tests.rs") {
             continue;
         }
         let rel = path.strip_prefix(root).unwrap().with_extension("");
@@ -66,7 +67,8 @@ fn expand(tree: &str) -> Vec<String> {
 
 /// The paths a file's non-test code names.
 fn paths(text: &str) -> Vec<String> {
-    let code = match text.find("#[cfg(test)]\nmod tests") {
+    // An inline test module is the file's last item; `mod tests;` is a file of its own.
+    let code = match text.find("#[cfg(test)]\nmod tests {") {
         Some(i) => &text[..i],
         None => text,
     };
@@ -80,19 +82,52 @@ fn paths(text: &str) -> Vec<String> {
     for m in use_decl.captures_iter(&code) {
         out.extend(expand(&m[1].replace('\n', " ")));
     }
-    let inline = regex::Regex::new(r"\b(?:crate|super|self)(?:::[A-Za-z_][A-Za-z0-9_]*)+").unwrap();
-    out.extend(inline.find_iter(&code).map(|m| m.as_str().to_string()));
+    // Paths in the code: from `crate`, `super`, `self`, or a name (a child module, or with
+    // `use super::*` a sibling), not the tail of a longer path.
+    let inline = regex::Regex::new(r"\b[a-z_][a-z0-9_]*(?:::[A-Za-z_][A-Za-z0-9_]*)+").unwrap();
+    out.extend(
+        inline
+            .find_iter(&code)
+            .filter(|m| !code[..m.start()].ends_with(':'))
+            .map(|m| m.as_str().to_string()),
+    );
     out
 }
 
-/// The module file `path` (seen from `from`) names: the longest prefix that is one.
-fn resolve(from: &Module, path: &str, files: &BTreeMap<Module, PathBuf>) -> Option<Module> {
+/// The module file `path` (seen from `from`, which glob-imports its parent's names when
+/// `globs_parent`) names: the longest prefix that is one.
+fn resolve(
+    from: &Module,
+    path: &str,
+    globs_parent: bool,
+    files: &BTreeMap<Module, PathBuf>,
+) -> Option<Module> {
     let path = path.split(" as ").next().unwrap().trim();
     let segs: Vec<&str> = path.split("::").map(str::trim).collect();
     let mut target: Module = match segs[0] {
         "crate" => Vec::new(),
         "super" | "self" => from.clone(),
-        _ => return None,
+        name => {
+            // A child module, or (through `use super::*`) a sibling; anything else is a crate
+            // or a type, not ours.
+            let mut child = from.clone();
+            child.push(name.to_string());
+            let mut sibling = from[..from.len().saturating_sub(1)].to_vec();
+            sibling.push(name.to_string());
+            let base = if files.contains_key(&child) {
+                child
+            } else if globs_parent && !from.is_empty() && files.contains_key(&sibling) {
+                sibling
+            } else {
+                return None;
+            };
+            let mut t = base;
+            t.extend(segs[1..].iter().map(|s| s.to_string()));
+            return (1..=t.len())
+                .rev()
+                .map(|n| t[..n].to_vec())
+                .find(|m| files.contains_key(m));
+        }
     };
     let mut rest = &segs[1..];
     if segs[0] == "super" {
@@ -120,8 +155,9 @@ fn imports() -> (
     let mut edges: BTreeMap<Module, BTreeSet<Module>> = BTreeMap::new();
     for (module, path) in &files {
         let text = std::fs::read_to_string(path).unwrap();
+        let globs_parent = text.contains("use super::*;");
         for p in paths(&text) {
-            if let Some(target) = resolve(module, &p, &files) {
+            if let Some(target) = resolve(module, &p, globs_parent, &files) {
                 // Itself, a module around it, or one inside it.
                 let nested = target.starts_with(module) || module.starts_with(&target);
                 if !nested {
@@ -206,15 +242,35 @@ fn the_scan_sees_grouped_and_relative_imports() {
     .collect();
     let server = vec!["proxy".to_string(), "http1".into(), "server".into()];
     assert_eq!(
-        resolve(&server, "super::super::forward::Streamed", &files),
+        resolve(&server, "super::super::forward::Streamed", false, &files),
         Some(vec!["proxy".to_string(), "forward".into()])
     );
     assert_eq!(
-        resolve(&server, "crate::proxy::http1::server::IN_HAND", &files),
+        resolve(
+            &server,
+            "crate::proxy::http1::server::IN_HAND",
+            false,
+            &files
+        ),
         Some(server.clone())
     );
     assert_eq!(
-        resolve(&server, "crate::proxy::Conn", &files),
+        resolve(&server, "crate::proxy::Conn", false, &files),
         Some(vec!["proxy".to_string()])
     );
+    // A name: a child of `proxy` seen from proxy/mod.rs, or a sibling seen through
+    // `use super::*`; a crate's or a type's name is not ours.
+    let proxy = vec!["proxy".to_string()];
+    let forward = vec!["proxy".to_string(), "forward".into()];
+    assert_eq!(
+        resolve(&proxy, "forward::Forward", false, &files),
+        Some(forward.clone())
+    );
+    let request = vec!["proxy".to_string(), "request".into()];
+    assert_eq!(
+        resolve(&request, "forward::Forward", true, &files),
+        Some(forward)
+    );
+    assert_eq!(resolve(&request, "forward::Forward", false, &files), None);
+    assert_eq!(resolve(&request, "http::Request", true, &files), None);
 }

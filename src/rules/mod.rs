@@ -125,7 +125,7 @@ enum Kind {
     },
     /// In flight at once for the whole rule, a limit that follows the upstream's latency.
     Adaptive { limiter: Arc<Adaptive> },
-    /// Decided by a script in Redis, after the local rules; see [`RuleSet::resolve`].
+    /// Decided by a script in Redis, after the local rules; see [`RuleSet::answer`].
     Redis {
         algorithm: Algorithm,
         quota: Quota,
@@ -266,7 +266,8 @@ pub enum Verdict {
     Deny(Denial),
     /// The request is malformed for a rule (its cost, a keyed field sent twice): answer 400.
     BadRequest(BadRequest),
-    /// Local rules admit it; `scope: redis` rules still must: call [`RuleSet::resolve`].
+    /// Local rules admit it; `scope: redis` rules still must: ask the store each
+    /// [`Remote::question`] and hand the answers to [`RuleSet::answer`], then [`RuleSet::finish`].
     /// Boxed: it is the rare, network-bound case, and it would triple the size of every
     /// verdict returned on the hot path.
     Remote(Box<Remote>),

@@ -164,6 +164,7 @@ impl RuleSet {
 
     /// The verdict of a decision whose every question was answered without a refusal.
     pub fn finish(&self, remote: Box<Remote>) -> Verdict {
+        debug_assert_eq!(remote.asked, remote.calls.len(), "every question answered");
         self.commit(&remote.taken);
         Verdict::Allow(remote.admit)
     }
