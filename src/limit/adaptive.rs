@@ -1,29 +1,18 @@
-//! Adaptive concurrency: a limit on requests in flight that follows the upstream's latency.
+//! Adaptive concurrency: a limit on requests in flight that follows the upstream's latency, in
+//! the family of Netflix's Gradient2 and Envoy's adaptive concurrency filter. Each 100 ms window
+//! (or 10 samples, whichever is later) the average latency of its completed requests is one
+//! sample. The no-load latency (the baseline) is learned without probes: it drops at once to a
+//! lower sample and rises slowly (0.5 % a window) only while latency is within tolerance or the
+//! limit is at `min` (Envoy pins concurrency to a floor to measure it, with 503 bursts).
 //!
-//! In the family of Netflix's Gradient2 and Envoy's adaptive concurrency filter: learn the
-//! no-load latency (the baseline), shrink the limit when the measured latency rises above
-//! `tolerance x baseline`, grow it back while latency is fine and the limit is actually used.
-//! Each 100 ms window (or 10 samples, whichever is later) the average latency of the requests
-//! that completed in it is one sample.
+//! The limit starts at `initial` and doubles each good window while it is used (slow start),
+//! then grows by `sqrt(limit)` per good window and shrinks by `max(0.5, tolerance x baseline /
+//! sample)` per bad one, smoothed (0.2). It grows only when the window's peak in flight reached
+//! half of it (Gradient2 grows without bound under a standing queue).
 //!
-//! The anchors' known faults, and what this does instead:
-//! - Envoy measures the minimum latency by periodically pinning concurrency to a floor, which
-//!   makes 503 bursts on a healthy service. Here the baseline is learned without probes: it
-//!   drops at once to any lower sample, and rises slowly (0.5 % per window) only while latency
-//!   is within tolerance, or while the limit is already at `min` (then the slowness is not
-//!   ours to fix: the app itself got slower).
-//! - Gradient2 can grow without bound under a standing queue, because its long-term average
-//!   latency drifts up with the queue. Here the baseline does not rise while latency is out
-//!   of tolerance, and growth needs the window's peak in-flight to reach half the limit, so an
-//!   idle or queue-bound service does not inflate its limit.
-//!
-//! Start: at `initial` (default `min`), doubling each window while latency is fine and the limit
-//! is hit (slow start), until latency first leaves tolerance; then `+sqrt(limit)` per good
-//! window and `x max(0.5, tolerance x baseline / sample)` per bad one, smoothed (0.2).
-//!
-//! Cost in the request path: admission is one CAS on the in-flight count, a `fetch_max` and a
-//! clock read; completion is two relaxed adds, and once per window one thread (a try-lock,
-//! nobody waits) recomputes the limit.
+//! Cost in the request path: a CAS, a `fetch_max` and a clock read to admit, two relaxed adds
+//! to complete. Must never: block a request on the window's recomputation (one thread claims it
+//! with a CAS, nobody waits), or let the limit leave `min..=max`.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;

@@ -1,23 +1,16 @@
 //! Which worker takes a new connection: the first worker, unless it is busy. The others take a
 //! connection at once while the first spent most of its last tick (at least [`WINDOW`])
-//! running tasks, and otherwise only once it has left the connection waiting for [`GRACE`] (and
-//! then every connection waiting with it).
+//! running tasks, and otherwise only once it has left the connection waiting for [`GRACE`].
 //!
-//! Every worker's runtime watches the one shared listening socket, so every worker is woken for
-//! every new connection, and whichever tries first wins: a burst of 16 connections split about
-//! evenly. Split, both workers wake and sleep for every few requests, and on this 2-core
-//! machine they compete with the load generator and the app for the cores; on one worker, the
-//! other core is left to them (docs/measurements.md, "Concentrating new connections"). nginx
-//! concentrates the same way (`EPOLLEXCLUSIVE` wakes one waiting worker).
+//! Why: every worker is woken for every new connection on the shared socket, and split
+//! connections make both workers wake and sleep for every few requests, competing with the app
+//! for the cores (nginx concentrates the same way; docs/measurements.md, "Concentrating new
+//! connections" and "Load, not a grace"). The first worker's load is tokio's busy time of its
+//! runtime, published on its tick ([`Sampler`]).
 //!
-//! The first worker's load decides, not how long one connection waited (docs/measurements.md,
-//! "Load, not a grace"): tokio's busy time of its runtime, published on its tick
-//! ([`Sampler`]); the grace is only the fallback for a first worker that is stuck.
-//!
-//! Cost: one atomic load and, while the first worker is not busy, one timer per connection
-//! arrival on the other workers; one sample per tick on the first; nothing per request. Must
-//! never: leave a connection waiting longer than about [`GRACE`], or leave new connections to a
-//! first worker that was busy for a whole window.
+//! Cost: one atomic load, and on the other workers one timer per arrival while the first is
+//! not busy; nothing per request. Must never: leave a connection waiting longer than about
+//! [`GRACE`], or leave new connections to a first worker that was busy for a whole window.
 
 use std::io;
 use std::net::SocketAddr;
