@@ -114,19 +114,13 @@ fn resolve(
             child.push(name.to_string());
             let mut sibling = from[..from.len().saturating_sub(1)].to_vec();
             sibling.push(name.to_string());
-            let base = if files.contains_key(&child) {
+            if files.contains_key(&child) {
                 child
             } else if globs_parent && !from.is_empty() && files.contains_key(&sibling) {
                 sibling
             } else {
                 return None;
-            };
-            let mut t = base;
-            t.extend(segs[1..].iter().map(|s| s.to_string()));
-            return (1..=t.len())
-                .rev()
-                .map(|n| t[..n].to_vec())
-                .find(|m| files.contains_key(m));
+            }
         }
     };
     let mut rest = &segs[1..];
