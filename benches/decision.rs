@@ -17,10 +17,10 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, BenchmarkGroup, Criterion};
 use http::{HeaderMap, Method, Uri};
-use spillway::key::RequestView;
-use spillway::limit::{Algorithm, Clock, Limiter, MonotonicClock};
-use spillway::metrics::Metrics;
-use spillway::rules::RuleSet;
+use spillway::internal::key::RequestView;
+use spillway::internal::limit::{Algorithm, Clock, Limiter, MonotonicClock};
+use spillway::internal::metrics::Metrics;
+use spillway::internal::rules::RuleSet;
 use spillway::Config;
 
 const MANY: u32 = 1_000_000;
@@ -169,7 +169,7 @@ fn bench(c: &mut Criterion) {
         "bench",
     )
     .unwrap();
-    let hygiene = spillway::hygiene::Hygiene::of(&config);
+    let hygiene = spillway::internal::hygiene::Hygiene::of(&config);
     let policy = config.client_ip.policy();
     let mut req = http::Request::get("/api/orders?user=bob")
         .header("host", "app")
@@ -209,13 +209,13 @@ fn bench(c: &mut Criterion) {
     // The parts, to read the figures above against.
     let mut parts = c.benchmark_group("parts");
     parts.bench_function("clock_now", |b| b.iter(|| black_box(clock.now())));
-    let quota = spillway::limit::Quota::new(
+    let quota = spillway::internal::limit::Quota::new(
         NonZeroU32::new(1_000_000_000).unwrap(),
         Duration::from_secs(1),
         NonZeroU32::new(1_000_000_000).unwrap(),
     )
     .unwrap();
-    let bucket = spillway::limit::TokenBucket::new();
+    let bucket = spillway::internal::limit::TokenBucket::new();
     parts.bench_function("token_bucket_check", |b| {
         b.iter(|| black_box(bucket.check(&quota, clock.now(), 1)))
     });

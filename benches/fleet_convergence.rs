@@ -16,7 +16,7 @@
 
 use std::time::Duration;
 
-use spillway::demo::fleet::Fleet;
+use spillway::internal::demo::fleet::Fleet;
 
 const LIMIT: u64 = 300;
 const STEP_AT: Duration = Duration::from_secs(10);

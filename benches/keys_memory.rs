@@ -9,10 +9,10 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::process::Command;
 
 use http::{HeaderMap, Method, Uri};
-use spillway::key::RequestView;
-use spillway::limit::Algorithm;
-use spillway::metrics::Metrics;
-use spillway::rules::RuleSet;
+use spillway::internal::key::RequestView;
+use spillway::internal::limit::Algorithm;
+use spillway::internal::metrics::Metrics;
+use spillway::internal::rules::RuleSet;
 use spillway::Config;
 
 const CAP: u32 = 100_000;

@@ -6,10 +6,10 @@
 use std::net::{IpAddr, Ipv4Addr};
 
 use http::{HeaderMap, Method, Uri};
-use spillway::control::reporter::build_report;
-use spillway::key::RequestView;
-use spillway::metrics::Metrics;
-use spillway::rules::RuleSet;
+use spillway::internal::control::reporter::build_report;
+use spillway::internal::key::RequestView;
+use spillway::internal::metrics::Metrics;
+use spillway::internal::rules::RuleSet;
 use spillway::Config;
 
 fn main() {

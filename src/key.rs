@@ -25,7 +25,7 @@ pub type KeyBuf = SmallVec<[u8; 128]>;
 /// One component of a rule's key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyPart {
-    /// The client address (see [`client_ip`]).
+    /// The client address: the socket peer, or what a trusted proxy in front said.
     ClientIp,
     /// A request header's value; absent header = rule does not apply; sent twice = 400.
     Header(HeaderName),
@@ -406,7 +406,7 @@ pub const INLINE_KEY: usize = 64;
 /// Marks a hashed local key: a framed key of 17 bytes starts with a part length below 17.
 const HASHED: u8 = 0xff;
 
-/// Bounds a local key: past [`INLINE_KEY`] bytes it becomes [`HASHED`] and a 128-bit SipHash
+/// Bounds a local key: past [`INLINE_KEY`] bytes it becomes `HASHED` and a 128-bit SipHash
 /// of it under this process's random secret, so that a flood of long keys costs 17 bytes each
 /// and no client can aim two keys at one hash without knowing the secret.
 #[inline]

@@ -160,7 +160,7 @@ enum Command {
         #[arg(long)]
         promote: Option<PathBuf>,
         #[command(flatten)]
-        opts: spillway::tune::Options,
+        opts: spillway::internal::tune::Options,
         /// Write the resulting config here (validated first); without it, a dry run.
         #[arg(long)]
         write: Option<PathBuf>,
@@ -172,7 +172,7 @@ enum Command {
         #[arg(default_value = "-")]
         file: PathBuf,
         #[command(flatten)]
-        opts: spillway::inject::Options,
+        opts: spillway::internal::inject::Options,
     },
     /// Print the JSON Schema of the configuration file (for editors: the one in schema/).
     Schema,
@@ -221,11 +221,11 @@ impl Security {
     fn load(
         self,
     ) -> anyhow::Result<(
-        spillway::control::auth::Credentials,
-        Option<spillway::control::tls::ServerTls>,
+        spillway::internal::control::auth::Credentials,
+        Option<spillway::internal::control::tls::ServerTls>,
         tokio::sync::watch::Sender<bool>,
     )> {
-        use spillway::control::auth::{Credentials, TokenSource};
+        use spillway::internal::control::auth::{Credentials, TokenSource};
         let (watching, stop) = tokio::sync::watch::channel(false);
         let (source, what) = match (self.tokens, self.token_file) {
             (Some(d), _) => (
@@ -242,7 +242,7 @@ impl Security {
             .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
         let tls = match (self.tls_cert, self.tls_key) {
             (Some(c), Some(k)) => Some(
-                spillway::control::tls::ServerTls::load(c, k, stop)
+                spillway::internal::control::tls::ServerTls::load(c, k, stop)
                     .map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key: {e}"))?,
             ),
             _ => None,
@@ -252,7 +252,7 @@ impl Security {
 }
 
 fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
-    spillway::config::parse_duration(s)
+    spillway::internal::config::parse_duration(s)
 }
 
 fn main() -> ExitCode {
@@ -359,7 +359,7 @@ fn main() -> ExitCode {
         } => run(async move {
             let insecure = security.insecure;
             let (credentials, tls, _watching) = security.load()?;
-            let options = spillway::control::controller::ControllerOptions {
+            let options = spillway::internal::control::controller::ControllerOptions {
                 listen,
                 admin,
                 credentials,
@@ -367,7 +367,7 @@ fn main() -> ExitCode {
                 insecure,
                 smoothing,
             };
-            serve_role("controller", spillway::control::controller::start(options)).await
+            serve_role("controller", spillway::internal::control::controller::start(options)).await
         }),
         Command::Aggregator {
             listen,
@@ -386,7 +386,7 @@ fn main() -> ExitCode {
                     "--tokens: no _aggregators file: the aggregator needs its token to report to the controller"
                 );
             }
-            let options = spillway::control::aggregator::AggregatorOptions {
+            let options = spillway::internal::control::aggregator::AggregatorOptions {
                 listen,
                 admin,
                 controller,
@@ -398,7 +398,7 @@ fn main() -> ExitCode {
                 ca_file,
                 insecure,
             };
-            serve_role("aggregator", spillway::control::aggregator::start(options)).await
+            serve_role("aggregator", spillway::internal::control::aggregator::start(options)).await
         }),
         Command::Tune {
             config,
@@ -408,16 +408,16 @@ fn main() -> ExitCode {
         } => run(async move {
             let (table, text) = match (config, promote) {
                 (Some(path), _) => {
-                    let tuned = spillway::tune::tune(&path, &opts)
+                    let tuned = spillway::internal::tune::tune(&path, &opts)
                         .await
                         .map_err(anyhow::Error::msg)?;
-                    (spillway::tune::render(&tuned.rows, &opts), tuned.text)
+                    (spillway::internal::tune::render(&tuned.rows, &opts), tuned.text)
                 }
                 (None, Some(path)) => {
-                    let (rows, text) = spillway::tune::promote(&path, &opts)
+                    let (rows, text) = spillway::internal::tune::promote(&path, &opts)
                         .await
                         .map_err(anyhow::Error::msg)?;
-                    (spillway::tune::render_promote(&rows, &opts), text)
+                    (spillway::internal::tune::render_promote(&rows, &opts), text)
                 }
                 (None, None) => anyhow::bail!("give --config FILE or --promote FILE"),
             };
@@ -440,7 +440,7 @@ wrote {}",
             Ok(())
         }),
         Command::Schema => {
-            print!("{}", spillway::config::schema::text());
+            print!("{}", spillway::internal::config::schema::text());
             ExitCode::SUCCESS
         }
         Command::Inject { file, opts } => {
@@ -451,7 +451,7 @@ wrote {}",
                     return ExitCode::from(2);
                 }
             };
-            match spillway::inject::inject(&text, &opts) {
+            match spillway::internal::inject::inject(&text, &opts) {
                 Ok(out) => {
                     print!("{out}");
                     ExitCode::SUCCESS
@@ -464,9 +464,9 @@ wrote {}",
         }
         Command::Demo { seconds, fleet } => {
             if fleet {
-                run(spillway::demo::fleet())
+                run(spillway::internal::demo::fleet())
             } else {
-                run(spillway::demo::run(std::time::Duration::from_secs(seconds)))
+                run(spillway::internal::demo::run(std::time::Duration::from_secs(seconds)))
             }
         }
     }
@@ -476,7 +476,7 @@ wrote {}",
 /// then the readiness line that scripts and tests wait for.
 async fn serve_role(
     role: &str,
-    start: impl std::future::Future<Output = std::io::Result<spillway::control::server::Running>>,
+    start: impl std::future::Future<Output = std::io::Result<spillway::internal::control::server::Running>>,
 ) -> anyhow::Result<()> {
     let signal = shutdown_signal()?;
     let running = start.await?;

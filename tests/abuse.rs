@@ -191,22 +191,22 @@ async fn http2_rapid_reset_is_cut_off_and_others_are_served() {
 #[test]
 fn a_million_distinct_keys_stay_within_max_keys() {
     let yaml = "rules:\n  - name: r\n    key: [header:x-api-key]\n    limit: { rate: 10/s }\n    max_keys: 10000\n";
-    let layer_rules = spillway::config::Config::from_yaml(
+    let layer_rules = spillway::internal::config::Config::from_yaml(
         &format!("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n{yaml}"),
         "t",
     )
     .unwrap();
-    let metrics = spillway::metrics::Metrics::new();
-    let rules = spillway::rules::RuleSet::build(&layer_rules, &metrics);
+    let metrics = spillway::internal::metrics::Metrics::new();
+    let rules = spillway::internal::rules::RuleSet::build(&layer_rules, &metrics);
     let mut req = http::Request::get("/").body(()).unwrap();
     let mut admitted = 0u64;
     for i in 0..1_000_000u64 {
         req.headers_mut()
             .insert("x-api-key", http::HeaderValue::from(i));
-        let view = spillway::key::RequestView::of(&req, IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let view = spillway::internal::key::RequestView::of(&req, IpAddr::V4(Ipv4Addr::LOCALHOST));
         if matches!(
             rules.check(&view, 1_000_000_000),
-            spillway::rules::Verdict::Allow(_)
+            spillway::internal::rules::Verdict::Allow(_)
         ) {
             admitted += 1;
         }

@@ -43,7 +43,7 @@ async fn a_low_soft_open_files_limit_is_raised_for_the_connection_cap() {
     );
     set_soft(256);
     let up = upstream().await;
-    let sc = spillway::proxy::Sidecar::start(config(
+    let sc = spillway::internal::proxy::Sidecar::start(config(
         up.addr,
         "workers: 1\nlimits: { max_connections: 1000, max_upstream_connections: 1500 }\nrules: []",
     ))

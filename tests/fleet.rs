@@ -416,9 +416,9 @@ async fn reports_need_the_token_and_must_be_well_formed() {
 async fn stale_sidecar(
     fallback: &str,
 ) -> (
-    spillway::proxy::Sidecar,
+    spillway::internal::proxy::Sidecar,
     Upstream,
-    spillway::limit::ManualClock,
+    spillway::internal::limit::ManualClock,
 ) {
     let nowhere = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -474,8 +474,8 @@ async fn a_fallback_limit_uses_its_own_algorithm() {
 #[tokio::test]
 async fn a_request_dropped_by_a_global_rule_gets_429_with_retry_after_and_ratelimit_headers() {
     let any = "127.0.0.1:0".parse().unwrap();
-    let ctl = spillway::control::controller::start(
-        spillway::control::controller::ControllerOptions::new(any, any),
+    let ctl = spillway::internal::control::controller::start(
+        spillway::internal::control::controller::ControllerOptions::new(any, any),
     )
     .await
     .unwrap();
@@ -892,8 +892,8 @@ rules:
     assert_eq!(status, StatusCode::FORBIDDEN);
     // The status page and its state are on the TLS port too, so the token travels encrypted.
     let tls =
-        spillway::control::tls::client_config(Some(std::path::Path::new(&file("ca.crt")))).unwrap();
-    let https = spillway::control::reporter::json_client(Some(tls)).unwrap();
+        spillway::internal::control::tls::client_config(Some(std::path::Path::new(&file("ca.crt")))).unwrap();
+    let https = spillway::internal::control::reporter::json_client(Some(tls)).unwrap();
     for (path, token) in [("/ui", None), ("/ui/state.json", Some("Bearer agg-t"))] {
         let mut req = http::Request::get(format!("https://{}{path}", ctl.addr));
         if let Some(t) = token {
@@ -928,8 +928,8 @@ fn reqwest_like_tls(
     &'static str,
     String,
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = StatusCode> + Send>> {
-    let tls = spillway::control::tls::client_config(Some(std::path::Path::new(ca))).unwrap();
-    let c = spillway::control::reporter::json_client(Some(tls)).unwrap();
+    let tls = spillway::internal::control::tls::client_config(Some(std::path::Path::new(ca))).unwrap();
+    let c = spillway::internal::control::reporter::json_client(Some(tls)).unwrap();
     move |addr, token, body| {
         let c = c.clone();
         Box::pin(async move {

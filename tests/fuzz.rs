@@ -15,9 +15,9 @@ use std::str::FromStr;
 
 use http::{HeaderMap, HeaderValue, Method, Request};
 use proptest::prelude::*;
-use spillway::config::{parse_duration, Config, Rate};
-use spillway::control::Report;
-use spillway::key::{
+use spillway::internal::config::{parse_duration, Config, Rate};
+use spillway::internal::control::Report;
+use spillway::internal::key::{
     bound_local, canonical_key, canonical_text, extract, extract_text, ClientIpPolicy, KeyBuf,
     KeyPart, RequestView, INLINE_KEY,
 };
@@ -162,18 +162,18 @@ proptest! {
         let Ok(v) = HeaderValue::from_bytes(&value) else { return Ok(()) };
         let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nheaders: always\nrules:\n  - name: r\n    key: []\n    limit: { rate: 1000/s, burst: 1000 }\n    cost: { header: x-cost, max: 100, from: any }\n";
         let config = Config::from_yaml(yaml, "t").unwrap();
-        let rules = spillway::rules::RuleSet::build(&config, &spillway::metrics::Metrics::new());
+        let rules = spillway::internal::rules::RuleSet::build(&config, &spillway::internal::metrics::Metrics::new());
         let req = Request::get("/").header("x-cost", v).body(()).unwrap();
         let view = RequestView::of(&req, IpAddr::V4(Ipv4Addr::LOCALHOST));
         let text = String::from_utf8_lossy(&value).trim_matches(|c: char| c.is_ascii_whitespace()).to_string();
         let whole = !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit());
         let expected = whole.then(|| text.parse::<u64>().map_or(100, |n| n.min(100))).filter(|n| *n >= 1);
         match rules.check(&view, 1_000_000_000) {
-            spillway::rules::Verdict::Allow(admit) => {
+            spillway::internal::rules::Verdict::Allow(admit) => {
                 let n = expected.expect("admitted only a whole cost of at least 1");
                 prop_assert_eq!(u64::from(admit.states[0].remaining), 1000 - n);
             }
-            spillway::rules::Verdict::BadRequest(bad) => {
+            spillway::internal::rules::Verdict::BadRequest(bad) => {
                 prop_assert!(expected.is_none(), "{:?} refused", text);
                 prop_assert_eq!(&*bad.rule, "r");
             }
@@ -185,9 +185,9 @@ proptest! {
     fn any_request_target_normalises_idempotently_or_is_refused(target in "[!-~]{0,80}") {
         let Ok(uri) = http::Uri::from_str(&target) else { return Ok(()) };
         for reject in [false, true] {
-            if let Ok(n) = spillway::target::canonical_uri(&uri, reject) {
+            if let Ok(n) = spillway::internal::target::canonical_uri(&uri, reject) {
                 let once = n.unwrap_or_else(|| uri.clone());
-                prop_assert_eq!(spillway::target::canonical_uri(&once, reject), Ok(None));
+                prop_assert_eq!(spillway::internal::target::canonical_uri(&once, reject), Ok(None));
                 prop_assert_eq!(once.query(), uri.query());
                 if once.path().starts_with('/') {
                     for seg in once.path().split('/') {

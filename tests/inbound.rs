@@ -12,7 +12,7 @@ use common::*;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
-async fn connect(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
+async fn connect(sc: &spillway::internal::proxy::Sidecar) -> BufReader<TcpStream> {
     BufReader::new(TcpStream::connect(sc.addr()).await.unwrap())
 }
 
@@ -75,7 +75,7 @@ fn echoed_peer(a: &Answer) -> String {
 
 /// A client connection that keeps an upstream connection of its own, and that connection's
 /// `peer`: a client's first exchange borrows one from the worker's list, its second keeps one.
-async fn with_own_upstream(sc: &spillway::proxy::Sidecar) -> (BufReader<TcpStream>, String) {
+async fn with_own_upstream(sc: &spillway::internal::proxy::Sidecar) -> (BufReader<TcpStream>, String) {
     let mut c = connect(sc).await;
     ask(&mut c, &get_echo(1)).await;
     let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);
@@ -329,7 +329,7 @@ async fn a_client_that_leaves_mid_request_ends_its_upstream_exchange() {
         got.send(if n == 0 { "closed" } else { "more bytes" })
             .unwrap();
     });
-    let sc = spillway::proxy::Sidecar::start(config(up_addr, "rules: []"))
+    let sc = spillway::internal::proxy::Sidecar::start(config(up_addr, "rules: []"))
         .await
         .unwrap();
     let mut c = TcpStream::connect(sc.addr()).await.unwrap();

@@ -60,7 +60,7 @@ async fn a_connection_left_to_hyper_is_closed_after_client_idle() {
 /// An HTTP/2 connection (h2's own client) and the task driving it, whose output says how the
 /// connection ended.
 async fn h2_conn(
-    sc: &spillway::proxy::Sidecar,
+    sc: &spillway::internal::proxy::Sidecar,
 ) -> (
     h2::client::SendRequest<bytes::Bytes>,
     tokio::task::JoinHandle<Result<(), h2::Error>>,

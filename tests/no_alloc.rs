@@ -8,11 +8,11 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use http::{HeaderMap, Method, Uri};
-use spillway::control::{DropRatios, Ratio, Reply, VERSION};
-use spillway::key::RequestView;
-use spillway::limit::Algorithm;
-use spillway::metrics::Metrics;
-use spillway::rules::{RuleSet, Verdict};
+use spillway::internal::control::{DropRatios, Ratio, Reply, VERSION};
+use spillway::internal::key::RequestView;
+use spillway::internal::limit::Algorithm;
+use spillway::internal::metrics::Metrics;
+use spillway::internal::rules::{RuleSet, Verdict};
 use spillway::Config;
 
 thread_local! {
@@ -97,7 +97,7 @@ fn a_canonical_request_passes_hygiene_and_the_hostile_client_checks_without_allo
     let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nclient_ip: { trusted_proxies: [10.0.0.0/8, 192.168.0.0/16] }\nrules:\n  - name: paths\n    match: { path_prefix: /API/, path_regex: '^/api/[a-z]+$' }\n    key: [client_ip, path, query:user]\n    limit: { rate: 5/s }\n    cost: { header: x-cost, max: 3 }\n  - name: exact\n    match: { path: /api/orders }\n    key: [header:x-api-key]\n    limit: { rate: 5/s }\n    max_keys: 1\n";
     let config = Config::from_yaml(yaml, "t").unwrap();
     let rules = RuleSet::build(&config, &Metrics::new());
-    let hygiene = spillway::hygiene::Hygiene::of(&config);
+    let hygiene = spillway::internal::hygiene::Hygiene::of(&config);
     let policy = config.client_ip.policy();
     let peer = IpAddr::V4(Ipv4Addr::new(10, 0, 0, 2));
     let mut req = http::Request::get("/api/orders?user=bob")

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::*;
 use http::StatusCode;
-use spillway::limit::{AnyClock, ManualClock};
+use spillway::internal::limit::{AnyClock, ManualClock};
 use spillway::Sidecar;
 
 const ALGORITHMS: [&str; 5] = [
@@ -30,7 +30,7 @@ fn yaml(redis: &RedisServer, section: &str, limit: &str, extra: &str) -> String 
 
 /// The Redis key of rule `r` of service `test` for client key `key`, then `suffix`.
 fn rkey(key: &str, suffix: &str) -> String {
-    let base = spillway::exact::redis_key("test", "r", key.as_bytes());
+    let base = spillway::internal::exact::redis_key("test", "r", key.as_bytes());
     format!("{}{suffix}", String::from_utf8(base).unwrap())
 }
 
@@ -772,8 +772,8 @@ fn scripts_never_fail_on_any_cost_or_key() {
         "t",
     )
     .unwrap();
-    let metrics = spillway::metrics::Metrics::new();
-    let exact = spillway::exact::Exact::new(
+    let metrics = spillway::internal::metrics::Metrics::new();
+    let exact = spillway::internal::exact::Exact::new(
         config.redis.as_ref().unwrap(),
         "s",
         metrics.redis.clone(),
@@ -783,10 +783,10 @@ fn scripts_never_fail_on_any_cost_or_key() {
     rt.block_on(exact.start());
     assert!(exact.is_connected());
     let algorithms = [
-        spillway::limit::Algorithm::FixedWindow,
-        spillway::limit::Algorithm::SlidingWindowLog,
-        spillway::limit::Algorithm::SlidingWindowCounter,
-        spillway::limit::Algorithm::Gcra,
+        spillway::internal::limit::Algorithm::FixedWindow,
+        spillway::internal::limit::Algorithm::SlidingWindowLog,
+        spillway::internal::limit::Algorithm::SlidingWindowCounter,
+        spillway::internal::limit::Algorithm::Gcra,
     ];
     let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig::with_cases(64));
     runner
@@ -797,7 +797,7 @@ fn scripts_never_fail_on_any_cost_or_key() {
                 1u32..1000,
             ),
             |(key, cost, burst)| {
-                let quota = spillway::limit::Quota::new(
+                let quota = spillway::internal::limit::Quota::new(
                     std::num::NonZeroU32::new(burst).unwrap(),
                     Duration::from_secs(60),
                     std::num::NonZeroU32::new(burst).unwrap(),

@@ -343,12 +343,12 @@ fn tune_proposes_from_weeks_of_history_in_shadow_and_promote_enforces_what_is_sa
     let c = spillway::Config::from_yaml(&written, "tuned").unwrap();
     assert_eq!(
         c.rules[0].mode,
-        spillway::config::Mode::Shadow,
+        spillway::internal::config::Mode::Shadow,
         "changed rules go to shadow"
     );
     assert_eq!(
         c.rules[1].mode,
-        spillway::config::Mode::Enforce,
+        spillway::internal::config::Mode::Enforce,
         "young is untouched"
     );
 
@@ -396,8 +396,8 @@ fn tune_proposes_from_weeks_of_history_in_shadow_and_promote_enforces_what_is_sa
     );
     let c = spillway::Config::load(&promoted).unwrap();
     let mode = |n: &str| c.rules.iter().find(|r| r.name.0 == n).unwrap().mode;
-    assert_eq!(mode("search"), spillway::config::Mode::Enforce);
-    assert_eq!(mode("login"), spillway::config::Mode::Shadow);
+    assert_eq!(mode("search"), spillway::internal::config::Mode::Enforce);
+    assert_eq!(mode("login"), spillway::internal::config::Mode::Shadow);
 }
 
 #[test]

@@ -80,7 +80,7 @@ async fn get_on(stream: &mut BufReader<TcpStream>, head: &str) -> (String, Strin
 
 const GET: &str = "GET /x HTTP/1.1\r\nhost: app\r\n\r\n";
 
-async fn client(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
+async fn client(sc: &spillway::internal::proxy::Sidecar) -> BufReader<TcpStream> {
     BufReader::new(TcpStream::connect(sc.addr()).await.unwrap())
 }
 
@@ -88,11 +88,11 @@ async fn client(sc: &spillway::proxy::Sidecar) -> BufReader<TcpStream> {
 async fn on_manual_clock(
     up: &Counting,
     yaml: &str,
-) -> (spillway::proxy::Sidecar, spillway::limit::ManualClock) {
-    let clock = spillway::limit::ManualClock::new(1_000_000_000);
-    let sc = spillway::proxy::Sidecar::start_with_clock(
+) -> (spillway::internal::proxy::Sidecar, spillway::internal::limit::ManualClock) {
+    let clock = spillway::internal::limit::ManualClock::new(1_000_000_000);
+    let sc = spillway::internal::proxy::Sidecar::start_with_clock(
         config(up.addr, yaml),
-        spillway::limit::AnyClock::Manual(clock.clone()),
+        spillway::internal::limit::AnyClock::Manual(clock.clone()),
     )
     .await
     .unwrap();
@@ -103,7 +103,7 @@ async fn on_manual_clock(
 async fn after_its_first_request_a_client_connection_has_an_upstream_connection_of_its_own() {
     let up = counting(usize::MAX).await;
     // One worker: one list of connections for the first requests to borrow.
-    let sc = spillway::proxy::Sidecar::start(config(up.addr, "workers: 1\nrules: []"))
+    let sc = spillway::internal::proxy::Sidecar::start(config(up.addr, "workers: 1\nrules: []"))
         .await
         .unwrap();
     let (mut a, mut b) = (client(&sc).await, client(&sc).await);
@@ -141,7 +141,7 @@ async fn an_upstream_connection_closed_between_requests_is_replaced_without_an_e
     // The upstream closes every connection after one response, as an app with a short
     // keep-alive timeout does to an idle one.
     let up = counting(1).await;
-    let sc = spillway::proxy::Sidecar::start(config(up.addr, "rules: []"))
+    let sc = spillway::internal::proxy::Sidecar::start(config(up.addr, "rules: []"))
         .await
         .unwrap();
     let mut c = client(&sc).await;
@@ -240,7 +240,7 @@ async fn a_request_without_host_gets_the_upstreams_authority() {
 async fn a_closed_client_connection_leaves_its_upstream_connection_to_the_next_one() {
     let up = counting(usize::MAX).await;
     // One worker: the idle upstream connections are per worker.
-    let sc = spillway::proxy::Sidecar::start(config(up.addr, "workers: 1\nrules: []"))
+    let sc = spillway::internal::proxy::Sidecar::start(config(up.addr, "workers: 1\nrules: []"))
         .await
         .unwrap();
     for i in 1..=4 {
@@ -274,7 +274,7 @@ async fn a_closed_client_connection_leaves_its_upstream_connection_to_the_next_o
 
 /// An HTTP/2 connection to the sidecar, driven in the background (h2's own client, so that a
 /// request's frames can be written together or apart).
-async fn h2_conn(sc: &spillway::proxy::Sidecar) -> h2::client::SendRequest<bytes::Bytes> {
+async fn h2_conn(sc: &spillway::internal::proxy::Sidecar) -> h2::client::SendRequest<bytes::Bytes> {
     let tcp = TcpStream::connect(sc.addr()).await.unwrap();
     let (h2, conn) = h2::client::handshake(tcp).await.unwrap();
     tokio::spawn(conn);

@@ -259,9 +259,9 @@ fn empty() -> TestBody {
     Full::new(Bytes::new()).boxed()
 }
 
-async fn proxy(up: &Scripted) -> spillway::proxy::Sidecar {
+async fn proxy(up: &Scripted) -> spillway::internal::proxy::Sidecar {
     // One worker: one pool, one list of idle connections.
-    spillway::proxy::Sidecar::start(config(up.addr, "workers: 1\nrules: []"))
+    spillway::internal::proxy::Sidecar::start(config(up.addr, "workers: 1\nrules: []"))
         .await
         .unwrap()
 }

@@ -23,7 +23,7 @@ pub const IN_HAND: usize = 16 * 1024;
 /// server side, `inbound`, with its head; or a small one of hyper's that was all there).
 pub type ReqBody = Either<Streamed, InHand>;
 
-/// hyper's body of a request, behind the frames of it already read (see [`in_hand`]).
+/// hyper's body of a request, behind the frames of it already read (see `in_hand`).
 #[derive(Debug)]
 pub struct Streamed {
     /// Boxed: rarely any, and every request (kept in its connection's slot) would carry the room.

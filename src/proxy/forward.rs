@@ -70,7 +70,7 @@ pub fn client(
 /// waiting request cannot take back.
 const MAX_POOLED_IDLE: usize = 8;
 
-/// The pooled client's connector: each connection holds a permit of the proxy's [`Cap`]
+/// The pooled client's connector: each connection holds a permit of the proxy's `Cap`
 /// while it is open (an upgraded one, a WebSocket, until the tunnel closes).
 #[derive(Clone)]
 pub struct Capped {

@@ -1,6 +1,6 @@
 //! The sidecar's side of answering: its response body type, and [`whole`], which puts a kept
 //! 429's or an upstream head's fields in the map for a server that writes its own heads.
-//! What the answers are is [`crate::respond`]'s. Must never: build a head of its own.
+//! What the answers are is `crate::respond`'s. Must never: build a head of its own.
 
 use http::Response;
 use http_body_util::Either;

@@ -113,7 +113,7 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -
 
 /// The sidecar's answer to a refused request. A 429 whose parts the rule keeps (a plain HTTP
 /// request, a retry hint of up to a minute) comes with no header map: its body holds the
-/// rule's [`Answer`], whose fields our HTTP/1 side writes as they are kept (no map cloned,
+/// rule's `Answer`, whose fields our HTTP/1 side writes as they are kept (no map cloned,
 /// walked and dropped per refusal) and [`whole`](crate::proxy::respond::whole) puts in the map for hyper's server.
 pub fn refused<L>(refusal: &Refusal, grpc: bool) -> Ours<L, Own> {
     if let Refusal::Limited(denial) = refusal {

@@ -13,7 +13,7 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::{TokioExecutor, TokioIo};
-use spillway::limit::{AnyClock, ManualClock};
+use spillway::internal::limit::{AnyClock, ManualClock};
 use spillway::{Config, Sidecar};
 use tokio::net::TcpListener;
 use tokio::sync::{mpsc, Notify};
