@@ -32,6 +32,7 @@
 mod config;
 mod control;
 mod demo;
+#[cfg(feature = "redis")]
 mod exact;
 mod gate;
 mod hop;
@@ -44,7 +45,9 @@ mod proxy;
 mod respond;
 mod rules;
 mod target;
+#[cfg(feature = "tune")]
 mod tune;
+#[cfg(feature = "ui")]
 mod ui;
 mod watch;
 
@@ -69,6 +72,7 @@ pub mod internal {
     pub mod demo {
         pub use crate::demo::*;
     }
+    #[cfg(feature = "redis")]
     pub mod exact {
         pub use crate::exact::*;
     }
@@ -102,9 +106,11 @@ pub mod internal {
     pub mod target {
         pub use crate::target::*;
     }
+    #[cfg(feature = "tune")]
     pub mod tune {
         pub use crate::tune::*;
     }
+    #[cfg(feature = "ui")]
     pub mod ui {
         pub use crate::ui::*;
     }

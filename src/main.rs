@@ -148,6 +148,7 @@ enum Command {
         #[command(flatten)]
         security: Security,
     },
+    #[cfg(feature = "tune")]
     /// Propose limits from Prometheus history (peak offered rate + margin), new ones in shadow
     /// mode first; or, with --promote, switch shadow rules that would rarely have rejected to
     /// enforce.
@@ -367,7 +368,11 @@ fn main() -> ExitCode {
                 insecure,
                 smoothing,
             };
-            serve_role("controller", spillway::internal::control::controller::start(options)).await
+            serve_role(
+                "controller",
+                spillway::internal::control::controller::start(options),
+            )
+            .await
         }),
         Command::Aggregator {
             listen,
@@ -398,8 +403,13 @@ fn main() -> ExitCode {
                 ca_file,
                 insecure,
             };
-            serve_role("aggregator", spillway::internal::control::aggregator::start(options)).await
+            serve_role(
+                "aggregator",
+                spillway::internal::control::aggregator::start(options),
+            )
+            .await
         }),
+        #[cfg(feature = "tune")]
         Command::Tune {
             config,
             promote,
@@ -411,7 +421,10 @@ fn main() -> ExitCode {
                     let tuned = spillway::internal::tune::tune(&path, &opts)
                         .await
                         .map_err(anyhow::Error::msg)?;
-                    (spillway::internal::tune::render(&tuned.rows, &opts), tuned.text)
+                    (
+                        spillway::internal::tune::render(&tuned.rows, &opts),
+                        tuned.text,
+                    )
                 }
                 (None, Some(path)) => {
                     let (rows, text) = spillway::internal::tune::promote(&path, &opts)
@@ -466,7 +479,9 @@ wrote {}",
             if fleet {
                 run(spillway::internal::demo::fleet())
             } else {
-                run(spillway::internal::demo::run(std::time::Duration::from_secs(seconds)))
+                run(spillway::internal::demo::run(
+                    std::time::Duration::from_secs(seconds),
+                ))
             }
         }
     }
@@ -476,7 +491,9 @@ wrote {}",
 /// then the readiness line that scripts and tests wait for.
 async fn serve_role(
     role: &str,
-    start: impl std::future::Future<Output = std::io::Result<spillway::internal::control::server::Running>>,
+    start: impl std::future::Future<
+        Output = std::io::Result<spillway::internal::control::server::Running>,
+    >,
 ) -> anyhow::Result<()> {
     let signal = shutdown_signal()?;
     let running = start.await?;

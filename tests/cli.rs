@@ -12,6 +12,7 @@ fn check_config_accepts_the_example_configs() {
     for file in [
         "config/spillway.yaml",
         "config/tiers.yaml",
+        #[cfg(feature = "redis")]
         "config/exact.yaml",
     ] {
         let out = Command::new(BIN)
@@ -22,6 +23,20 @@ fn check_config_accepts_the_example_configs() {
         assert!(out.status.success(), "{file}: {out:?}");
         assert!(String::from_utf8_lossy(&out.stdout).contains(": ok"));
     }
+}
+
+/// The binary built without Redis says which feature the Redis example needs, and fails.
+#[cfg(not(feature = "redis"))]
+#[test]
+fn check_config_names_the_feature_a_config_needs() {
+    let out = Command::new(BIN)
+        .args(["check-config", "config/exact.yaml"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("needs the `redis` feature"), "{err}");
 }
 
 #[test]

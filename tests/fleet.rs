@@ -891,8 +891,10 @@ rules:
     let status = c(agg.addr, "shop-t", forged).await;
     assert_eq!(status, StatusCode::FORBIDDEN);
     // The status page and its state are on the TLS port too, so the token travels encrypted.
-    let tls =
-        spillway::internal::control::tls::client_config(Some(std::path::Path::new(&file("ca.crt")))).unwrap();
+    let tls = spillway::internal::control::tls::client_config(Some(std::path::Path::new(&file(
+        "ca.crt",
+    ))))
+    .unwrap();
     let https = spillway::internal::control::reporter::json_client(Some(tls)).unwrap();
     for (path, token) in [("/ui", None), ("/ui/state.json", Some("Bearer agg-t"))] {
         let mut req = http::Request::get(format!("https://{}{path}", ctl.addr));
@@ -928,7 +930,8 @@ fn reqwest_like_tls(
     &'static str,
     String,
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = StatusCode> + Send>> {
-    let tls = spillway::internal::control::tls::client_config(Some(std::path::Path::new(ca))).unwrap();
+    let tls =
+        spillway::internal::control::tls::client_config(Some(std::path::Path::new(ca))).unwrap();
     let c = spillway::internal::control::reporter::json_client(Some(tls)).unwrap();
     move |addr, token, body| {
         let c = c.clone();

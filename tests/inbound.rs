@@ -75,7 +75,9 @@ fn echoed_peer(a: &Answer) -> String {
 
 /// A client connection that keeps an upstream connection of its own, and that connection's
 /// `peer`: a client's first exchange borrows one from the worker's list, its second keeps one.
-async fn with_own_upstream(sc: &spillway::internal::proxy::Sidecar) -> (BufReader<TcpStream>, String) {
+async fn with_own_upstream(
+    sc: &spillway::internal::proxy::Sidecar,
+) -> (BufReader<TcpStream>, String) {
     let mut c = connect(sc).await;
     ask(&mut c, &get_echo(1)).await;
     let own = echoed_peer(&ask(&mut c, &get_echo(2)).await);

@@ -88,7 +88,10 @@ async fn client(sc: &spillway::internal::proxy::Sidecar) -> BufReader<TcpStream>
 async fn on_manual_clock(
     up: &Counting,
     yaml: &str,
-) -> (spillway::internal::proxy::Sidecar, spillway::internal::limit::ManualClock) {
+) -> (
+    spillway::internal::proxy::Sidecar,
+    spillway::internal::limit::ManualClock,
+) {
     let clock = spillway::internal::limit::ManualClock::new(1_000_000_000);
     let sc = spillway::internal::proxy::Sidecar::start_with_clock(
         config(up.addr, yaml),

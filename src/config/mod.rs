@@ -150,6 +150,22 @@ impl RedisUrls {
     }
 }
 
+/// What a config that needs Redis is told by a build without it.
+#[cfg(not(feature = "redis"))]
+const FEATURE_REDIS: &str =
+    "needs the `redis` feature, which this build of spillway lacks (cargo build --features redis)";
+/// What a config that needs TLS is told by a build without it.
+#[cfg(not(feature = "tls"))]
+const FEATURE_TLS: &str =
+    "needs the `tls` feature, which this build of spillway lacks (cargo build --features tls)";
+
+/// The line a top-level section starts on.
+fn section_line(text: &str, section: &str) -> Option<usize> {
+    text.lines()
+        .position(|l| l.starts_with(section))
+        .map(|i| i + 1)
+}
+
 fn check_redis_url(s: &str) -> Result<String, String> {
     if !(s.starts_with("redis://") || s.starts_with("rediss://")) {
         return Err(err(format!(
@@ -157,9 +173,11 @@ fn check_redis_url(s: &str) -> Result<String, String> {
             redact_url(s)
         )));
     }
+    // Without Redis in the build the section is refused as a whole (`check_redis`).
+    #[cfg(feature = "redis")]
     redis::Client::open(s)
-        .map(|_| s.to_string())
-        .map_err(|e| err(format!("{:?}: not a Redis URL: {e}", redact_url(s))))
+        .map_err(|e| err(format!("{:?}: not a Redis URL: {e}", redact_url(s))))?;
+    Ok(s.to_string())
 }
 
 /// `s` with any password replaced, for errors and `/config`.
@@ -638,7 +656,7 @@ impl Config {
         Ok(config)
     }
 
-    /// Redis rules need a `redis:` section, and `on_error: fallback` a fallback on each of them.
+    /// Redis rules need a build with Redis and a `redis:` section, and `on_error: fallback` a fallback on each of them.
     fn check_redis(&self, text: &str, file: &str) -> Result<(), ConfigError> {
         let invalid = |rule: &Rule, message: String| ConfigError::Invalid {
             file: file.to_string(),
@@ -647,6 +665,31 @@ impl Config {
             message: format!("rule {}: {message}", rule.name),
         };
         let mut redis_rules = self.rules.iter().filter(|r| r.scope == Scope::Redis);
+        #[cfg(not(feature = "redis"))]
+        {
+            if let Some(rule) = redis_rules.next() {
+                return Err(invalid(rule, FEATURE_REDIS.into()));
+            }
+            if self.redis.is_some() {
+                return Err(ConfigError::Invalid {
+                    file: file.to_string(),
+                    line: section_line(text, "redis:"),
+                    column: None,
+                    message: format!("redis: {FEATURE_REDIS}"),
+                });
+            }
+        }
+        #[cfg(all(feature = "redis", not(feature = "tls")))]
+        if let Some(redis) = &self.redis {
+            if redis.ca_file.is_some() || redis.url.0.iter().any(|u| u.starts_with("rediss://")) {
+                return Err(ConfigError::Invalid {
+                    file: file.to_string(),
+                    line: section_line(text, "redis:"),
+                    column: None,
+                    message: format!("redis: rediss:// and ca_file: {FEATURE_TLS}"),
+                });
+            }
+        }
         match &self.redis {
             None => match redis_rules.next() {
                 Some(rule) => Err(invalid(
@@ -677,10 +720,14 @@ impl Config {
             message,
         };
         if let Some(cp) = &self.control_plane {
-            let line = text
-                .lines()
-                .position(|l| l.starts_with("control_plane:"))
-                .map(|i| i + 1);
+            let line = section_line(text, "control_plane:");
+            #[cfg(not(feature = "tls"))]
+            if cp.url.tls() {
+                return Err(invalid(
+                    line,
+                    format!("control_plane.url: https:// {FEATURE_TLS}"),
+                ));
+            }
             if cp.ca_file.is_some() && !cp.url.tls() {
                 return Err(invalid(
                     line,

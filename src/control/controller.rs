@@ -142,6 +142,7 @@ impl State {
 
     /// What the status page shows: per (service, rule) totals with the heaviest keys, and
     /// the sources reporting with the age of their last report.
+    #[cfg(feature = "ui")]
     fn ui_state<B>(&self, req: &Request<B>) -> http::Response<Body> {
         let only = match self.reader(req) {
             Ok(o) => o,
@@ -243,6 +244,7 @@ impl State {
 
 /// A key as the status page shows it: long ones cut, so that the page shows which key it is
 /// without handing the whole of an API key to whoever looks over a shoulder.
+#[cfg(feature = "ui")]
 fn shorten(key: &str) -> String {
     if key.chars().count() <= 12 {
         return key.to_string();
@@ -376,7 +378,9 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
                     (&Method::POST, "/v1/report") => s.report(req).await,
                     (&Method::GET, "/v1/state") => s.state(&req),
                     // Also here, so that with TLS the page's token travels encrypted.
+                    #[cfg(feature = "ui")]
                     (&Method::GET, "/ui") => crate::ui::page(),
+                    #[cfg(feature = "ui")]
                     (&Method::GET, "/ui/state.json") => s.ui_state(&req),
                     _ => server::error(
                         StatusCode::NOT_FOUND,
@@ -392,7 +396,9 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
         let s = s.clone();
         async move {
             match req.uri().path() {
+                #[cfg(feature = "ui")]
                 "/ui" => crate::ui::page(),
+                #[cfg(feature = "ui")]
                 "/ui/state.json" => s.ui_state(&req),
                 path => server::admin_route(path, || s.metrics()),
             }

@@ -3,7 +3,7 @@
 //! Owns the wire types (versioned JSON over HTTP or HTTPS, `/v1/...`), their bounds, the ratio
 //! math (a pure function), and the three roles: [`reporter`] (in each proxy), [`aggregator`]
 //! (any number of replicas per zone), [`controller`] (one per region, or per service shard).
-//! [`sum`] says where counts are added and smoothed, [`sources`] who may report, [`auth`] whose
+//! [`zone`] and [`sum`] say where counts are added (aggregator, controller) and smoothed, [`sources`] who may report, [`auth`] whose
 //! token may do what. Nothing here is on the request path: the proxy only reads the published
 //! [`DropRatios`] snapshot. Must never: block a request, keep state that the next reports
 //! cannot rebuild, count one host's interval twice, or let one service's token move another
@@ -17,11 +17,17 @@ pub mod reporter;
 pub mod server;
 pub mod sources;
 pub mod sum;
+#[cfg(feature = "tls")]
 pub mod tls;
+#[cfg(not(feature = "tls"))]
+#[path = "no_tls.rs"]
+pub mod tls;
+pub mod zone;
 
 pub use ratios::{DropRatios, Staleness};
 pub use sources::SourceRefusal;
-pub use sum::{Accumulator, KeyView, ZoneSums};
+pub use sum::{Accumulator, KeyView};
+pub use zone::ZoneSums;
 
 use serde::{Deserialize, Serialize};
 

@@ -13,7 +13,6 @@ use bytes::Bytes;
 use http::header::{AUTHORIZATION, CONTENT_TYPE};
 use http::{Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
@@ -24,15 +23,35 @@ use crate::metrics::Metrics;
 use crate::rules::RuleSet;
 
 /// A client for the control plane's JSON endpoints, over HTTP or HTTPS.
-pub type JsonClient = Client<HttpsConnector<HttpConnector>, Full<Bytes>>;
+#[cfg(feature = "tls")]
+pub type JsonClient = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+/// A client for the control plane's JSON endpoints, over HTTP (this build has no TLS).
+#[cfg(not(feature = "tls"))]
+pub type JsonClient = Client<HttpConnector, Full<Bytes>>;
 
 /// A client that speaks TLS with `tls` to `https://` URLs; without it, plain HTTP only (an
 /// `https://` URL then fails: nothing falls back to plain text).
-pub fn json_client(tls: Option<rustls::ClientConfig>) -> std::io::Result<JsonClient> {
+pub fn json_client(tls: Option<super::tls::ClientConfig>) -> std::io::Result<JsonClient> {
     let mut http = HttpConnector::new();
     http.set_nodelay(true);
     http.set_connect_timeout(Some(Duration::from_secs(1)));
-    http.enforce_http(false);
+    #[cfg(not(feature = "tls"))]
+    {
+        // An https:// URL is refused by the connector: never sent as plain text.
+        if let Some(tls) = tls {
+            match tls {}
+        }
+        Ok(Client::builder(TokioExecutor::new()).build(http))
+    }
+    #[cfg(feature = "tls")]
+    {
+        http.enforce_http(false);
+        https(http, tls)
+    }
+}
+
+#[cfg(feature = "tls")]
+fn https(http: HttpConnector, tls: Option<rustls::ClientConfig>) -> std::io::Result<JsonClient> {
     let builder = hyper_rustls::HttpsConnectorBuilder::new();
     let connector = match tls {
         Some(tls) => builder
@@ -64,7 +83,7 @@ pub fn json_client(tls: Option<rustls::ClientConfig>) -> std::io::Result<JsonCli
 pub fn report_url(
     base: &Uri,
     ca_file: Option<&std::path::Path>,
-) -> Result<(Uri, Option<rustls::ClientConfig>), String> {
+) -> Result<(Uri, Option<super::tls::ClientConfig>), String> {
     let authority = base
         .authority()
         .ok_or("expected http://host:port or https://host:port")?;

@@ -59,7 +59,7 @@ pub async fn serve<H, F>(
             continue;
         };
         let handler = handler.clone();
-        let acceptor = tls.as_ref().map(|t| t.acceptor());
+        let tls = tls.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let service = service_fn(move |req| {
@@ -69,15 +69,13 @@ pub async fn serve<H, F>(
             let mut http = hyper::server::conn::http1::Builder::new();
             http.timer(TokioTimer::new())
                 .header_read_timeout(Duration::from_secs(10));
-            match acceptor {
+            match tls {
                 None => {
                     let _ = http.serve_connection(TokioIo::new(stream), service).await;
                 }
-                Some(acceptor) => {
-                    let handshake = tokio::time::timeout(
-                        super::tls::HANDSHAKE_TIMEOUT,
-                        acceptor.accept(stream),
-                    );
+                Some(tls) => {
+                    let handshake =
+                        tokio::time::timeout(super::tls::HANDSHAKE_TIMEOUT, tls.accept(stream));
                     match handshake.await {
                         Ok(Ok(tls)) => {
                             let _ = http.serve_connection(TokioIo::new(tls), service).await;

@@ -89,9 +89,14 @@ impl ServerTls {
         Ok(tls)
     }
 
-    /// The acceptor for the next connection.
-    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+    /// The handshake of one accepted connection, with the configuration loaded now.
+    pub async fn accept(
+        &self,
+        stream: tokio::net::TcpStream,
+    ) -> std::io::Result<tokio_rustls::server::TlsStream<tokio::net::TcpStream>> {
         tokio_rustls::TlsAcceptor::from(self.0.load_full())
+            .accept(stream)
+            .await
     }
 }
 
@@ -102,6 +107,9 @@ fn contents(cert: &Path, key: &Path) -> (Vec<u8>, Vec<u8>) {
         std::fs::read(key).unwrap_or_default(),
     )
 }
+
+/// What a client speaks TLS with.
+pub type ClientConfig = rustls::ClientConfig;
 
 /// A client configuration trusting the CA certificates in `ca_file`, or the system's roots.
 pub fn client_config(ca_file: Option<&Path>) -> std::io::Result<rustls::ClientConfig> {

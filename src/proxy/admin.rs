@@ -70,7 +70,9 @@ fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
                 text(StatusCode::OK, "ready\n")
             }
         }
+        #[cfg(feature = "ui")]
         "/ui" => crate::ui::page(),
+        #[cfg(feature = "ui")]
         "/ui/state.json" => {
             let mut resp = Response::new(Full::new(ui_state(shared)));
             resp.headers_mut().insert(
@@ -99,6 +101,7 @@ fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
 
 /// The proxy's state for its status page: per rule its counters (the page turns them into
 /// rates), limit, mode and keys tracked; the control plane's staleness; Redis.
+#[cfg(feature = "ui")]
 fn ui_state(shared: &Shared) -> Bytes {
     let config = shared.config.load();
     let rules = shared.rules.load();

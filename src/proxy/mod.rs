@@ -88,6 +88,7 @@ pub struct Shared {
     // Relaxed: a flag read by /readyz; nothing else is published through it.
     pub draining: AtomicBool,
     /// Redis of `scope: redis` rules, kept across reloads while its section is unchanged.
+    #[cfg(feature = "redis")]
     exact: arc_swap::ArcSwapOption<crate::exact::Exact>,
     /// The active configuration's version, for `/config`.
     pub loaded: ArcSwap<reload::Loaded>,
@@ -150,6 +151,7 @@ impl Sidecar {
         // Ratios count as fresh from start-up, so a control plane that never answers makes
         // the proxy stale (fail open, or the fallback limits) after `stale_after`.
         let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(clock.now())));
+        #[cfg(feature = "redis")]
         let exact = match &config.redis {
             Some(redis) => {
                 let exact = crate::exact::Exact::new(
@@ -164,8 +166,9 @@ impl Sidecar {
             }
             None => None,
         };
-        let rules = RuleSet::build_with_ratios(&config, &metrics, ratios.clone())
-            .with_store(crate::exact::store(&exact));
+        let rules = RuleSet::build_with_ratios(&config, &metrics, ratios.clone());
+        #[cfg(feature = "redis")]
+        let rules = rules.with_store(crate::exact::store(&exact));
         let (stop, stopped) = watch::channel(false);
         let reporter = match &config.control_plane {
             Some(cp) => Some(reporter(
@@ -204,6 +207,7 @@ impl Sidecar {
             hygiene: Hygiene::of(&config),
             response_timeout: t.upstream_response.0,
             draining: AtomicBool::new(false),
+            #[cfg(feature = "redis")]
             exact: arc_swap::ArcSwapOption::new(exact),
             loaded: ArcSwap::from_pointee(reload::Loaded::new(
                 crate::watch::version_of(&config_json_text(&config)),

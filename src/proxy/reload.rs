@@ -13,6 +13,7 @@ use serde::Serialize;
 
 use super::Shared;
 use crate::config::{Config, ConfigError};
+#[cfg(feature = "redis")]
 use crate::exact::Exact;
 use crate::rules::RuleSet;
 use crate::watch::{version_of, Trigger};
@@ -75,31 +76,8 @@ pub(super) async fn reload(
     let old = shared.config.load_full();
     let pending_restart = restart_fields(&old, &new);
 
-    // Redis: the same section keeps its connection; a changed one gets a new client, connected
-    // before the swap (at most a second), so the new rules find it ready.
-    let exact = if same(&old.redis, &new.redis) {
-        shared.exact.load_full()
-    } else {
-        match &new.redis {
-            Some(redis) => {
-                let exact = Exact::new(
-                    redis,
-                    &old.service.0,
-                    shared.metrics.redis.clone(),
-                    shared.clock.clone(),
-                )
-                .map_err(|message| ConfigError::Invalid {
-                    file: file.clone(),
-                    line: None,
-                    column: None,
-                    message,
-                })?;
-                exact.start().await;
-                Some(exact)
-            }
-            None => None,
-        }
-    };
+    #[cfg(feature = "redis")]
+    let exact = redis(shared, &old, &new, &file).await?;
 
     // What runs: the old settings, with the parts a reload may change taken from the new file.
     let mut active = (*old).clone();
@@ -113,8 +91,9 @@ pub(super) async fn reload(
         &shared.metrics,
         shared.ratios.clone(),
         Some(&previous),
-    )
-    .with_store(crate::exact::store(&exact));
+    );
+    #[cfg(feature = "redis")]
+    let rules = rules.with_store(crate::exact::store(&exact));
     let kept = rules.kept_from(&previous);
     let fresh = active
         .rules
@@ -123,6 +102,7 @@ pub(super) async fn reload(
         .filter(|n| !kept.contains(n))
         .collect();
     shared.rules.store(Arc::new(rules));
+    #[cfg(feature = "redis")]
     shared.exact.store(exact);
     shared.config.store(Arc::new(active));
     shared.loaded.store(Arc::new(Loaded {
@@ -203,4 +183,35 @@ fn unix_now() -> f64 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_secs_f64())
         .unwrap_or(0.0)
+}
+
+/// Redis for the new config: the same section keeps its connection; a changed one gets a new
+/// client, connected before the swap (at most a second), so the new rules find it ready.
+#[cfg(feature = "redis")]
+async fn redis(
+    shared: &Shared,
+    old: &Config,
+    new: &Config,
+    file: &str,
+) -> Result<Option<Arc<Exact>>, ConfigError> {
+    if same(&old.redis, &new.redis) {
+        return Ok(shared.exact.load_full());
+    }
+    let Some(redis) = &new.redis else {
+        return Ok(None);
+    };
+    let exact = Exact::new(
+        redis,
+        &old.service.0,
+        shared.metrics.redis.clone(),
+        shared.clock.clone(),
+    )
+    .map_err(|message| ConfigError::Invalid {
+        file: file.to_string(),
+        line: None,
+        column: None,
+        message,
+    })?;
+    exact.start().await;
+    Ok(Some(exact))
 }

@@ -511,6 +511,7 @@ impl RedisServer {
     }
 
     /// A plain connection for the test's own look at the keys.
+    #[cfg(feature = "redis")]
     pub async fn conn(&self) -> redis::aio::MultiplexedConnection {
         redis::Client::open(self.url())
             .unwrap()
