@@ -1,5 +1,6 @@
 //! HTTP/1.1, written by hand on both sides of the proxy: the client connections' server side
-//! ([`server`]) and the upstream connections' client side ([`client`]), with what they share
+//! ([`server`]) and the upstream connections' client side ([`client`], its response heads in
+//! [`head`]), with what they share
 //! ([`framing`]). hyper's server and client stay for everything else.
 //!
 //! Accepts (server): HTTP/1.0 and 1.1 request heads in origin form without `Transfer-Encoding`,
@@ -21,6 +22,7 @@ mod by_hyper;
 pub(crate) mod client;
 pub(crate) mod conn;
 pub(crate) mod framing;
+pub(crate) mod head;
 pub(crate) mod server;
 pub(crate) mod stalls;
 
