@@ -1,7 +1,7 @@
 //! HTTP/1.1, written by hand on both sides of the proxy: the client connections' server side
 //! ([`server`]) and the upstream connections' client side ([`client`], its response heads in
-//! [`head`]), with what they share
-//! ([`framing`]). hyper's server and client stay for everything else.
+//! [`head`]), with what they share ([`framing`]). hyper's server and client stay for everything
+//! else.
 //!
 //! Accepts (server): HTTP/1.0 and 1.1 request heads in origin form without `Transfer-Encoding`,
 //! `Expect` or `Upgrade`, not `CONNECT`, with no body or one `Content-Length` of at most
