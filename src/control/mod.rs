@@ -24,7 +24,7 @@ pub mod tls;
 pub mod tls;
 pub mod zone;
 
-pub use ratios::{DropRatios, Staleness};
+pub use crate::rules::{DropRatios, Staleness};
 pub use sources::SourceRefusal;
 pub use sum::{Accumulator, KeyView};
 pub use zone::ZoneSums;
@@ -107,6 +107,14 @@ pub struct Limit {
 }
 
 impl Limit {
+    /// A rule's rate as reports carry it.
+    pub fn of(rate: crate::config::Rate) -> Limit {
+        Limit {
+            count: u64::from(rate.count.get()),
+            period_ms: (rate.period.as_millis() as u64).max(1),
+        }
+    }
+
     pub fn per_second(&self) -> f64 {
         self.count as f64 * 1000.0 / self.period_ms as f64
     }

@@ -17,7 +17,7 @@ use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
-use super::{DropRatios, Entry, Reply, Report, Staleness, MAX_REPLY, VERSION};
+use super::{DropRatios, Entry, Limit, Reply, Report, Staleness, MAX_REPLY, VERSION};
 use crate::limit::{AnyClock, Clock, Nanos};
 use crate::metrics::Metrics;
 use crate::rules::RuleSet;
@@ -183,7 +183,7 @@ pub fn build_report(
         let entry = |key, keys_folded, offered, admitted| Entry {
             service: service.to_string(),
             rule: counts.rule.clone(),
-            limit: counts.limit,
+            limit: Limit::of(counts.rate),
             key,
             keys_folded,
             offered,

@@ -157,10 +157,7 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
     let parts = store_parts(r, metrics, label);
     match &r.limit {
         Limit::Rate { rate, .. } if r.scope == Scope::Global => Kind::Global {
-            limit: crate::control::Limit {
-                count: u64::from(rate.count.get()),
-                period_ms: (rate.period.as_millis() as u64).max(1),
-            },
+            rate: *rate,
             store: Store::new(parts),
             fallback: fallback_store(r, metrics, label),
         },

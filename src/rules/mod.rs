@@ -27,10 +27,9 @@ use smallvec::SmallVec;
 
 use crate::config::OnError;
 use crate::config::{
-    Config, Cost, CostFrom, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rule, Scope,
-    SketchSize,
+    Config, Cost, CostFrom, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rate, Rule,
+    Scope, SketchSize,
 };
-use crate::control::{DropRatios, Staleness};
 use crate::key::{
     bound_local, canonical_text, extract, extract_text, Extract, KeyBuf, KeyPart, RequestView,
 };
@@ -137,19 +136,11 @@ enum Kind {
     },
     /// Enforced by the control plane's drop ratio; counted here for the reports.
     Global {
-        limit: crate::control::Limit,
+        rate: Rate,
         store: Store<Arc<GlobalCounters>>,
         /// A local limit for while the control plane is stale.
         fallback: Option<Fallback>,
     },
-}
-
-/// Offered and admitted requests of one (global rule, key) since the last report.
-#[derive(Debug, Default)]
-pub struct GlobalCounters {
-    // Relaxed: counters; the reporter's swap reads each exactly once.
-    offered: AtomicU64,
-    admitted: AtomicU64,
 }
 
 /// A key Redis refused: requests of at least `cost` are refused until `until` (local clock).
@@ -195,17 +186,6 @@ pub enum Taken {
     /// Admitted by Redis (nothing to give back there), or by the local fallback limit (its
     /// slot and the units it took).
     Redis(Option<(Slot, u32)>),
-}
-
-/// The counts of one global rule since the last report, heaviest keys first.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GlobalCounts {
-    pub rule: String,
-    pub limit: crate::control::Limit,
-    /// (key, offered, admitted) for the `top_k` keys that offered most.
-    pub keys: Vec<(String, u64, u64)>,
-    /// Offered and admitted of every other key, and how many keys that is.
-    pub other: (u64, u64, u64),
 }
 
 /// The waiting room of an `on_limit: delay` rule.
@@ -420,12 +400,12 @@ impl RuleSet {
                     slot(permit, *max, i, &mut admit, &mut taken)
                 }
                 Kind::Global {
-                    limit,
+                    rate,
                     store,
                     fallback,
                 } => {
                     let (counters, _) = store.with(&key, now, global_idle, Arc::clone);
-                    counters.offered.fetch_add(1, Ordering::Relaxed);
+                    counters.offer();
                     // One snapshot load per request, however many global rules match.
                     let ratios = ratios.get_or_insert_with(|| self.ratios.load());
                     let age = now.saturating_sub(ratios.at);
@@ -445,7 +425,7 @@ impl RuleSet {
                                 }
                             } else {
                                 Decision::Allow {
-                                    remaining: if p > 0.0 { 0 } else { limit.count as u32 },
+                                    remaining: if p > 0.0 { 0 } else { rate.count.get() },
                                     reset_after: 0,
                                     wait: 0,
                                 }
@@ -564,7 +544,7 @@ impl RuleSet {
         for (i, t) in taken {
             self.rules[*i].allowed.inc();
             if let Taken::Global(counters, _) = t {
-                counters.admitted.fetch_add(1, Ordering::Relaxed);
+                counters.admit();
             }
         }
     }
@@ -613,15 +593,10 @@ impl RuleSet {
     pub fn drain_global(&self, top_k: usize) -> Vec<GlobalCounts> {
         let mut out = Vec::new();
         for rule in &self.rules {
-            let Kind::Global { limit, store, .. } = &*rule.kind else {
+            let Kind::Global { rate, store, .. } = &*rule.kind else {
                 continue;
             };
-            let take = |c: &GlobalCounters| {
-                (
-                    c.offered.swap(0, Ordering::Relaxed),
-                    c.admitted.swap(0, Ordering::Relaxed),
-                )
-            };
+            let take = GlobalCounters::take;
             let mut keys: Vec<(String, u64, u64)> = store
                 .map
                 .iter()
@@ -638,7 +613,7 @@ impl RuleSet {
             }
             out.push(GlobalCounts {
                 rule: rule.name.to_string(),
-                limit: *limit,
+                rate: *rate,
                 keys,
                 other,
             });
@@ -708,17 +683,14 @@ fn concurrency_idle(c: &Arc<Concurrency>) -> bool {
     c.in_flight() == 0 && Arc::strong_count(c) == 1
 }
 
-/// Global counters with nothing to report (and no decision holding them) are as good as new.
-fn global_idle(c: &Arc<GlobalCounters>) -> bool {
-    c.offered.load(Ordering::Relaxed) == 0 && Arc::strong_count(c) == 1
-}
-
 mod compile;
+mod global;
 mod matcher;
 mod remote;
 mod store;
 
 use compile::*;
+pub use global::*;
 use matcher::*;
 use remote::*;
 pub use remote::{Question, Remote, RemoteStore, StoreAnswer};
