@@ -18,7 +18,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
@@ -26,7 +26,7 @@ use http_body_util::Either;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::framing::{field, keeps_alive, HeadEnd};
+use super::framing::{decode, field, keeps_alive, Framing, HeadEnd, Step};
 use super::head::*;
 use crate::hop::listed;
 use crate::proxy::body::ReqBody;
@@ -45,9 +45,6 @@ thread_local! {
 pub fn woke() {
     WOKE.set(true);
 }
-
-/// A chunk-size line longer than this is refused.
-const MAX_CHUNK_LINE: usize = 1024;
 
 /// The room a read of a response gets: most responses (a head and a small body) fit the
 /// first, which each upstream connection keeps between exchanges (nginx's
@@ -385,86 +382,19 @@ impl RawBody {
             let Some(raw) = self.raw.as_mut() else {
                 return Poll::Ready(None);
             };
-            // Each arm either answers or falls through to read more.
-            match self.framing {
-                Framing::Done => return Poll::Ready(None),
-                Framing::Length(left) | Framing::Chunked(Chunk::Data(left))
-                    if !raw.buf.is_empty() =>
-                {
-                    let take = (raw.buf.len() as u64).min(left);
-                    let data = raw.buf.split_to(take as usize).freeze();
-                    let left = left - take;
-                    match self.framing {
-                        Framing::Length(_) if left == 0 => self.finish(),
-                        Framing::Length(_) => self.framing = Framing::Length(left),
-                        _ if left == 0 => self.framing = Framing::Chunked(Chunk::DataEnd),
-                        _ => self.framing = Framing::Chunked(Chunk::Data(left)),
-                    }
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
-                }
-                Framing::Close if !raw.buf.is_empty() => {
-                    return Poll::Ready(Some(Ok(Frame::data(raw.buf.split().freeze()))));
-                }
-                Framing::Chunked(Chunk::Size) => match find(&raw.buf, b"\n") {
-                    Some(end) => {
-                        let Some(size) = parse_chunk_size(&raw.buf[..end]) else {
-                            return Poll::Ready(Some(Err(protocol(
-                                "upstream sent an invalid chunk size",
-                            ))));
-                        };
-                        raw.buf.advance(end + 1);
-                        self.framing = Framing::Chunked(if size == 0 {
-                            Chunk::Trailers(0)
-                        } else {
-                            Chunk::Data(size)
-                        });
-                        continue;
-                    }
-                    None if raw.buf.len() > MAX_CHUNK_LINE => {
-                        return Poll::Ready(Some(Err(protocol(
-                            "upstream chunk-size line too long",
-                        ))))
-                    }
-                    None => {}
-                },
-                Framing::Chunked(Chunk::DataEnd) if raw.buf.len() >= 2 => {
-                    if &raw.buf[..2] != b"\r\n" {
-                        return Poll::Ready(Some(Err(protocol("upstream chunk without its CRLF"))));
-                    }
-                    raw.buf.advance(2);
-                    self.framing = Framing::Chunked(Chunk::Size);
-                    continue;
-                }
-                Framing::Chunked(Chunk::Trailers(searched)) => {
-                    if raw.buf.starts_with(b"\r\n") {
-                        raw.buf.advance(2);
+            match decode(&mut self.framing, &mut raw.buf, false) {
+                Ok(Step::Frame(frame)) => {
+                    if self.framing == Framing::Done {
                         self.finish();
-                        return Poll::Ready(None);
                     }
-                    // Searched once in all, not from the start at each read.
-                    let from = searched.saturating_sub(3);
-                    let found = find(&raw.buf[from..], b"\r\n\r\n").map(|at| from + at);
-                    self.framing = Framing::Chunked(Chunk::Trailers(raw.buf.len()));
-                    match found {
-                        Some(end) => {
-                            let trailers = match parse_trailers(&raw.buf[..end + 4]) {
-                                Ok(t) => t,
-                                Err(e) => return Poll::Ready(Some(Err(e))),
-                            };
-                            raw.buf.advance(end + 4);
-                            self.finish();
-                            if trailers.is_empty() {
-                                return Poll::Ready(None);
-                            }
-                            return Poll::Ready(Some(Ok(Frame::trailers(trailers))));
-                        }
-                        None if raw.buf.len() > MAX_HEAD => {
-                            return Poll::Ready(Some(Err(protocol("upstream trailers too large"))))
-                        }
-                        None => {}
-                    }
+                    return Poll::Ready(Some(Ok(frame)));
                 }
-                _ => {}
+                Ok(Step::End) => {
+                    self.finish();
+                    return Poll::Ready(None);
+                }
+                Ok(Step::More) => {}
+                Err(e) => return Poll::Ready(Some(Err(protocol(&format!("upstream sent {e}"))))),
             }
             match ready!(raw.poll_fill(cx)) {
                 Ok(0) if matches!(self.framing, Framing::Close) => {
@@ -514,43 +444,6 @@ impl Body for RawBody {
             _ => SizeHint::default(),
         }
     }
-}
-
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
-}
-
-/// The size of a chunk-size line (`1a;ext=x\r`): hex digits, then extensions, ignored.
-fn parse_chunk_size(line: &[u8]) -> Option<u64> {
-    let line = line.strip_suffix(b"\r").unwrap_or(line);
-    let digits = line
-        .split(|&b| b == b';')
-        .next()
-        .map(<[u8]>::trim_ascii)
-        .filter(|d| !d.is_empty() && d.len() <= 15)?;
-    digits.iter().try_fold(0u64, |n, &d| {
-        let v = (d as char).to_digit(16)?;
-        Some(n * 16 + u64::from(v))
-    })
-}
-
-/// Trailer fields (ending in an empty line) as a header map.
-fn parse_trailers(text: &[u8]) -> io::Result<HeaderMap> {
-    let mut fields = [httparse::EMPTY_HEADER; MAX_HEADERS];
-    let parsed = httparse::parse_headers(text, &mut fields)
-        .map_err(|_| protocol("upstream sent invalid trailers"))?;
-    let httparse::Status::Complete((_, fields)) = parsed else {
-        return Err(protocol("upstream sent incomplete trailers"));
-    };
-    let mut map = HeaderMap::with_capacity(fields.len());
-    for f in fields {
-        let name = HeaderName::from_bytes(f.name.as_bytes());
-        let value = HeaderValue::from_bytes(f.value);
-        if let (Ok(name), Ok(value)) = (name, value) {
-            map.append(name, value);
-        }
-    }
-    Ok(map)
 }
 
 #[cfg(test)]

@@ -112,20 +112,6 @@ fn a_body_is_delimited_as_rfc_9112_says() {
     );
 }
 
-#[test]
-fn chunk_sizes_are_hex_with_extensions_ignored() {
-    assert_eq!(parse_chunk_size(b"1a\r"), Some(26));
-    assert_eq!(parse_chunk_size(b"FF;name=value\r"), Some(255));
-    assert_eq!(parse_chunk_size(b"0\r"), Some(0));
-    assert_eq!(parse_chunk_size(b"\r"), None);
-    assert_eq!(parse_chunk_size(b"zz\r"), None);
-    assert_eq!(
-        parse_chunk_size(b"1234567890abcdef\r"),
-        None,
-        "past 15 digits"
-    );
-}
-
 /// What `head` passes on when the hop's own fields stay behind: the runs of lines, and the
 /// map a server writing its own heads gets; `None` when it takes the map path.
 type Seen = (Vec<String>, bool, bool, Vec<(String, String)>);

@@ -14,7 +14,7 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::{StatusCode, Version};
 use smallvec::SmallVec;
 
-use super::framing::parse_length;
+use super::framing::{parse_length, Chunk, Framing};
 
 /// Response heads (and chunked trailers) larger than this are refused (502).
 pub const MAX_HEAD: usize = 64 * 1024;
@@ -158,30 +158,6 @@ pub(super) fn take_head(buf: &mut BytesMut) -> io::Result<Option<Head>> {
         fields,
         crlf,
     }))
-}
-
-/// How a response's body ends.
-pub(super) enum Framing {
-    /// Read to its end (or none at all).
-    Done,
-    /// This many bytes more.
-    Length(u64),
-    Chunked(Chunk),
-    /// At the close of the connection.
-    Close,
-}
-
-/// Where a chunked body's decoding is.
-#[derive(Clone, Copy)]
-pub(super) enum Chunk {
-    /// Before a chunk-size line.
-    Size,
-    /// Inside a chunk's data, this many bytes left.
-    Data(u64),
-    /// After a chunk's data: its CRLF.
-    DataEnd,
-    /// After the last chunk: trailer fields up to an empty line, searched for up to here.
-    Trailers(usize),
 }
 
 /// Runs of kept lines a response head is copied in at most; a head whose hop-by-hop lines cut
