@@ -1,8 +1,8 @@
 //! The proxy's own HTTP/1 server side (src/proxy/http1/server.rs) as a client sees it on the wire:
 //! pipelined requests answered in order, HTTP/1.0 keep-alive and close, a small body forwarded
 //! with its head on the connection's own upstream connection (also when it comes after the
-//! head), a larger body or one still coming at the head's deadline handed to hyper in the middle
-//! of a connection, a client leaving mid-request noticed, idle connections closed by a drain.
+//! head), a larger, chunked or expecting body streamed by this side too (the connection its own
+//! throughout), a client leaving mid-request noticed, idle connections closed by a drain.
 
 mod common;
 
@@ -197,7 +197,7 @@ async fn a_small_body_that_comes_after_its_head_is_waited_for_and_sent_with_it()
 }
 
 #[tokio::test]
-async fn after_a_request_whose_body_hyper_streamed_the_connection_is_this_sides_again() {
+async fn after_a_streamed_body_the_connection_goes_on_with_its_own_upstream_connection() {
     let (sc, _up) = sidecar("rules: []").await;
     let (mut c, own) = with_own_upstream(&sc).await;
     let chunked = "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
@@ -208,11 +208,10 @@ async fn after_a_request_whose_body_hyper_streamed_the_connection_is_this_sides_
         let a = ask(&mut c, req).await;
         assert_eq!(a.status, "HTTP/1.1 200 OK");
         assert_eq!(echoed(&a)["body"], body);
-        // This side's again (it fails while hyper keeps the connection), on its own upstream
-        // connection still.
+        // On its own upstream connection still: the connection never left this side.
         assert_eq!(echoed_peer(&post_body_after_head(&mut c).await), own);
     }
-    // A body that waits for `100 Continue`, which hyper sends when the body is first read.
+    // A body that waits for `100 Continue`, sent when the body is first read.
     let expect = "POST /echo HTTP/1.1\r\nhost: app\r\nexpect: 100-continue\r\n\
                   content-length: 5\r\n\r\n";
     c.get_mut().write_all(expect.as_bytes()).await.unwrap();
@@ -224,8 +223,8 @@ async fn after_a_request_whose_body_hyper_streamed_the_connection_is_this_sides_
     assert_eq!(line, "\r\n");
     assert_eq!(echoed(&ask(&mut c, "hello").await)["body"], "hello");
     assert_eq!(echoed_peer(&post_body_after_head(&mut c).await), own);
-    // Pipelined behind a streamed body: hyper has read the next request, so it answers it
-    // (and keeps the connection), each in its turn.
+    // Pipelined behind a streamed body: what the body read past its end is the next request,
+    // each answered in its turn.
     let two = format!("{chunked}{}", get_echo(7));
     c.get_mut().write_all(two.as_bytes()).await.unwrap();
     assert_eq!(echoed(&read_answer(&mut c).await)["body"], "hello world");
@@ -250,26 +249,113 @@ async fn a_streamed_body_that_ends_after_its_answer_still_gives_the_connection_b
     );
     c.get_mut().write_all(b"0\r\n\r\n").await.unwrap();
     up.signals.drained.notified().await;
-    // This side's again, though the body's end was read after the answer was written, and by
-    // the task that sent it upstream, not the connection's.
+    // The connection goes on, though the body's end was read after the answer was written, and
+    // by the task that sent it upstream, not the connection's.
     assert_eq!(echoed_peer(&post_body_after_head(&mut c).await), own);
     sc.shutdown();
     sc.wait().await;
 }
 
+/// A client that never finishes an upload the app answered early holds neither its connection
+/// nor the app's exchange: at `client_idle` the connection closes and the body the app was
+/// still reading ends.
 #[tokio::test]
-async fn a_client_that_streams_body_after_body_is_left_to_hyper() {
+async fn an_upload_left_unfinished_after_its_answer_is_closed_at_client_idle() {
+    let (sc, up) = sidecar("timeouts: { client_idle: 300ms }\nrules: []").await;
+    let mut c = connect(&sc).await;
+    let head = "POST /early HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
+                5\r\nhello\r\n";
+    let a = ask(&mut c, head).await;
+    assert_eq!(a.body, "early");
+    // The rest of the body never comes, and the client never closes.
+    assert!(at_end(&mut c).await, "closed by the proxy");
+    tokio::time::timeout(Duration::from_secs(10), up.signals.drained.notified())
+        .await
+        .expect("the app's read of the body ended");
+    sc.shutdown();
+    sc.wait().await;
+}
+
+#[tokio::test]
+async fn a_client_that_streams_body_after_body_stays_on_this_side() {
     let (sc, _up) = sidecar("rules: []").await;
     let (mut c, own) = with_own_upstream(&sc).await;
     let chunked = "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
                    2\r\nhi\r\n0\r\n\r\n";
-    for _ in 0..2 {
+    for _ in 0..3 {
         assert_eq!(echoed(&ask(&mut c, chunked).await)["body"], "hi");
     }
-    // Two in a row: hyper's from here on, which sends a body that comes after its head
-    // through its pooled client.
-    assert_ne!(echoed_peer(&post_body_after_head(&mut c).await), own);
+    // Served by this side throughout: a body that comes after its head still goes on the
+    // connection's own upstream connection.
+    assert_eq!(echoed_peer(&post_body_after_head(&mut c).await), own);
     assert_eq!(echoed_n(&ask(&mut c, &get_echo(3)).await), "3");
+    sc.shutdown();
+    sc.wait().await;
+}
+
+/// A refused upload never reaches the app: a client that waits for `100 Continue` gets the 429
+/// instead (and sends nothing; the connection closes), one that sent a small body gets the 429
+/// and its connection goes on.
+#[tokio::test]
+async fn a_refused_upload_is_answered_before_its_body_and_never_reaches_the_app() {
+    let rule = "rules:\n  - name: one\n    key: client_ip\n    limit: { rate: 1/m }\n";
+    let (sc, up) = sidecar(rule).await;
+    let mut c = connect(&sc).await;
+    assert_eq!(echoed_n(&ask(&mut c, &get_echo(1)).await), "1");
+    let seen = || {
+        up.signals
+            .requests
+            .load(std::sync::atomic::Ordering::SeqCst)
+    };
+    let before = seen();
+    let expect = "POST /echo HTTP/1.1\r\nhost: app\r\nexpect: 100-continue\r\n\
+                  content-length: 100000\r\n\r\n";
+    let a = ask(&mut c, expect).await;
+    assert_eq!(
+        a.status, "HTTP/1.1 429 Too Many Requests",
+        "no 100 first: {}",
+        a.head
+    );
+    assert!(at_end(&mut c).await, "closed: the body was never read");
+    let mut c = connect(&sc).await;
+    let chunked = format!(
+        "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
+         5\r\nhello\r\n0\r\n\r\n{}",
+        get_echo(2)
+    );
+    let a = ask(&mut c, &chunked).await;
+    assert_eq!(a.status, "HTTP/1.1 429 Too Many Requests");
+    // A small body is read and dropped: the connection goes on to the next request (refused
+    // too, by the same rule).
+    let next = read_answer(&mut c).await;
+    assert_eq!(next.status, "HTTP/1.1 429 Too Many Requests");
+    assert_eq!(seen(), before, "the app saw none of it");
+    sc.shutdown();
+    sc.wait().await;
+}
+
+/// A request body's chunk lines end in CRLF: a bare LF, which another parser in the path may
+/// read otherwise, is refused with 400 and the connection closed, and the app sees nothing of
+/// what follows.
+#[tokio::test]
+async fn a_chunked_body_with_a_bare_lf_is_refused_and_closes_the_connection() {
+    let (sc, _up) = sidecar("rules: []").await;
+    for body in [
+        "5\nhello\r\n0\r\n\r\n",
+        "5\r\nhello\r\n0\n\r\n",
+        "5\r\nhelloXX0\r\n\r\n",
+        "zz\r\nhello\r\n0\r\n\r\n",
+    ] {
+        let mut c = connect(&sc).await;
+        let req = format!(
+            "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n{body}{}",
+            get_echo(9)
+        );
+        c.get_mut().write_all(req.as_bytes()).await.unwrap();
+        let a = read_answer(&mut c).await;
+        assert_eq!(a.status, "HTTP/1.1 400 Bad Request", "{body:?}: {}", a.head);
+        assert!(at_end(&mut c).await, "{body:?}: closed after the answer");
+    }
     sc.shutdown();
     sc.wait().await;
 }
@@ -289,14 +375,14 @@ async fn a_streamed_request_that_asks_to_close_is_answered_and_closed() {
 }
 
 #[tokio::test]
-async fn a_small_body_still_coming_at_the_head_deadline_is_streamed_by_hyper() {
+async fn a_small_body_still_coming_at_the_head_deadline_is_streamed() {
     let (sc, up) = sidecar("timeouts: { header_read: 200ms }\nrules: []").await;
     let mut c = connect(&sc).await;
     let head = "POST /upload HTTP/1.1\r\nhost: app\r\ncontent-length: 5\r\n\r\n";
     let arrived = up.signals.upload_head.notified();
     c.get_mut().write_all(head.as_bytes()).await.unwrap();
-    // Past the deadline the head goes to the app without its body, which hyper then streams:
-    // a slow upload is served, not cut off.
+    // Past the deadline the head goes to the app without its body, which is then streamed: a
+    // slow upload is served, not cut off.
     tokio::time::timeout(Duration::from_secs(10), arrived)
         .await
         .expect("the head was forwarded without its body");

@@ -1,16 +1,15 @@
-//! A client request's body as the request path holds it: hyper's, streamed, behind the frames
-//! already read of it; or one read whole with its head.
+//! A client request's body as the request path holds it: streamed (hyper's for HTTP/2, our
+//! HTTP/1 server side's), behind the frames already read of it; or one read whole with its head.
 //!
-//! Owns reading a small body whole ([`in_hand`]) and telling the server side when a body was
-//! read to its end ([`Ended`]). Must never: read past what a request's framing says, or hold
-//! a body's bytes twice.
-
-use std::sync::Arc;
+//! Owns reading a small body whole (`in_hand`). Must never: read past what a request's framing
+//! says, or hold a body's bytes twice.
 
 use bytes::Bytes;
 use http_body::{Body as _, Frame};
 use http_body_util::Either;
 use hyper::body::Incoming;
+
+pub use super::http1::request_body::{ClientBodyError, RequestBody};
 use smallvec::SmallVec;
 
 /// A request body of up to this many bytes (with a `Content-Length`) is read whole, within
@@ -23,103 +22,91 @@ pub const IN_HAND: usize = 16 * 1024;
 /// server side, `inbound`, with its head; or a small one of hyper's that was all there).
 pub type ReqBody = Either<Streamed, InHand>;
 
-/// hyper's body of a request, behind the frames of it already read (see `in_hand`).
+/// A request body still coming: hyper's (HTTP/2), or our HTTP/1 server side's; behind the
+/// frames of it already read (see `in_hand`).
 #[derive(Debug)]
 pub struct Streamed {
     /// Boxed: rarely any, and every request (kept in its connection's slot) would carry the room.
-    ahead: Option<Box<Ahead>>,
-    rest: Incoming,
+    #[allow(clippy::box_collection)]
+    ahead: Option<Box<std::collections::VecDeque<Frame<Bytes>>>>,
+    rest: Rest,
 }
 
-/// The frames of a body read before the body went on, in order; and who is told when the body
-/// has been read to its end.
-#[derive(Debug, Default)]
-struct Ahead {
-    frames: std::collections::VecDeque<Frame<Bytes>>,
-    ended: Option<Arc<Ended>>,
+#[derive(Debug)]
+enum Rest {
+    Hyper(Incoming),
+    Http1(RequestBody),
 }
 
-/// Set once a body has been read to its end: how `inbound` knows that hyper's server has read
-/// the whole of a request it served, and may give its connection back.
-#[derive(Debug, Default)]
-pub struct Ended(std::sync::atomic::AtomicBool);
-
-impl Ended {
-    pub fn set(&self) {
-        self.0.store(true, std::sync::atomic::Ordering::Relaxed);
-    }
-
-    pub fn is_set(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::Relaxed)
-    }
-}
+/// Why a streamed body could not be read (hyper's error, or [`ClientBodyError`]).
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
 impl Streamed {
     pub fn new(rest: Incoming) -> Self {
-        Self { ahead: None, rest }
-    }
-
-    /// A body that sets `ended` once it has been read to its end.
-    pub fn watched(rest: Incoming, ended: Arc<Ended>) -> Self {
-        let ahead = Ahead {
-            frames: Default::default(),
-            ended: Some(ended),
-        };
         Self {
-            ahead: Some(Box::new(ahead)),
-            rest,
+            ahead: None,
+            rest: Rest::Hyper(rest),
         }
     }
 
-    /// Tells whoever watches this body that hyper's part of it is over, when `over`.
-    fn over(&self, over: bool) -> bool {
-        if over {
-            if let Some(ended) = self.ahead.as_ref().and_then(|a| a.ended.as_ref()) {
-                ended.set();
-            }
+    /// A body our HTTP/1 server side reads from the client connection.
+    pub fn http1(rest: RequestBody) -> Self {
+        Self {
+            ahead: None,
+            rest: Rest::Http1(rest),
         }
-        over
+    }
+
+    fn rest_ended(&self) -> bool {
+        match &self.rest {
+            Rest::Hyper(b) => b.is_end_stream(),
+            Rest::Http1(b) => b.is_end_stream(),
+        }
+    }
+
+    fn poll_rest(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        match &mut self.rest {
+            Rest::Hyper(b) => std::pin::Pin::new(b)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(Into::into))),
+            Rest::Http1(b) => std::pin::Pin::new(b)
+                .poll_frame(cx)
+                .map(|f| f.map(|r| r.map_err(Into::into))),
+        }
     }
 }
 
 impl http_body::Body for Streamed {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BodyError;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        if let Some(frame) = self
-            .ahead
-            .as_mut()
-            .and_then(|ahead| ahead.frames.pop_front())
-        {
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        if let Some(frame) = self.ahead.as_mut().and_then(|ahead| ahead.pop_front()) {
             return std::task::Poll::Ready(Some(Ok(frame)));
         }
-        let polled = std::pin::Pin::new(&mut self.rest).poll_frame(cx);
-        match &polled {
-            std::task::Poll::Ready(None) => self.over(true),
-            std::task::Poll::Ready(Some(Ok(_))) => self.over(self.rest.is_end_stream()),
-            _ => false,
-        };
-        polled
+        self.poll_rest(cx)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ahead
-            .as_ref()
-            .is_none_or(|ahead| ahead.frames.is_empty())
-            && self.over(self.rest.is_end_stream())
+        self.ahead.as_ref().is_none_or(|ahead| ahead.is_empty()) && self.rest_ended()
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        let ahead = self.ahead.iter().flat_map(|ahead| ahead.frames.iter());
+        let ahead = self.ahead.iter().flat_map(|ahead| ahead.iter());
         let ahead: u64 = ahead
             .filter_map(|f| f.data_ref())
             .map(|d| d.len() as u64)
             .sum();
-        let rest = self.rest.size_hint();
+        let rest = match &self.rest {
+            Rest::Hyper(b) => b.size_hint(),
+            Rest::Http1(b) => b.size_hint(),
+        };
         let mut hint = http_body::SizeHint::new();
         hint.set_lower(rest.lower() + ahead);
         if let Some(upper) = rest.upper() {
@@ -136,35 +123,31 @@ impl http_body::Body for Streamed {
 pub(super) async fn in_hand(
     body: &mut Streamed,
     length: usize,
-) -> Result<Option<Bytes>, hyper::Error> {
+) -> Result<Option<Bytes>, BodyError> {
     // Most small bodies are one frame: no allocation for it.
     let mut frames: SmallVec<[Frame<Bytes>; 1]> = SmallVec::new();
     let whole = std::future::poll_fn(|cx| {
         let mut read = 0;
-        while !body.rest.is_end_stream() && read <= length {
-            match std::pin::Pin::new(&mut body.rest).poll_frame(cx) {
+        while !body.rest_ended() && read <= length {
+            match body.poll_rest(cx) {
                 std::task::Poll::Ready(Some(Ok(frame))) => {
                     read += frame.data_ref().map_or(0, |d| d.len());
                     frames.push(frame);
                 }
                 std::task::Poll::Ready(Some(Err(e))) => return std::task::Poll::Ready(Err(e)),
-                std::task::Poll::Ready(None) => {
-                    body.over(true);
-                    break;
-                }
+                std::task::Poll::Ready(None) => break,
                 std::task::Poll::Pending => return std::task::Poll::Ready(Ok(false)),
             }
         }
-        std::task::Poll::Ready(Ok(body.rest.is_end_stream()
+        std::task::Poll::Ready(Ok(body.rest_ended()
             && read == length
             && frames.iter().all(Frame::is_data)))
     })
     .await?;
-    body.over(body.rest.is_end_stream());
     if !whole {
         if !frames.is_empty() {
             let ahead = body.ahead.get_or_insert_with(Default::default);
-            ahead.frames.extend(frames);
+            ahead.extend(frames);
         }
         return Ok(None);
     }

@@ -33,7 +33,7 @@ impl std::error::Error for Saturated {}
 impl Failure {
     /// True when sending failed because reading the client's request body failed (hyper
     /// reports the body stream's error as a user error, caused by the incoming body's own
-    /// error).
+    /// error: hyper's, or our HTTP/1 server side's).
     pub(super) fn client_body_failed(&self) -> bool {
         let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
             Failure::Pooled(e) => Some(e),
@@ -44,7 +44,10 @@ impl Failure {
         };
         while let Some(s) = source {
             if let Some(h) = s.downcast_ref::<hyper::Error>() {
-                if h.is_user() && h.source().is_some_and(|inner| inner.is::<hyper::Error>()) {
+                let client = |inner: &(dyn std::error::Error + 'static)| {
+                    inner.is::<hyper::Error>() || inner.is::<super::body::ClientBodyError>()
+                };
+                if h.is_user() && h.source().is_some_and(client) {
                     return true;
                 }
             }

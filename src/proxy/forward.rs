@@ -25,7 +25,7 @@ use smallvec::SmallVec;
 
 use super::affine::{Affine, Cap, Upstream};
 use super::body::in_hand;
-pub use super::body::{emptied, Ended, InHand, ReqBody, Streamed};
+pub use super::body::{emptied, InHand, ReqBody, Streamed};
 use super::coarse::{timeout, Sleep, Timers};
 pub use super::failure::{Failure, Saturated};
 pub use super::forwarded::Added;

@@ -495,10 +495,6 @@ async fn worker(
         .http1()
         .header_read_timeout(config.timeouts.header_read.0)
         .max_buf_size(max_head);
-    // The same settings as the auto builder's HTTP/1 side above (a streamed body's request).
-    let mut h1 = hyper::server::conn::http1::Builder::new();
-    h1.header_read_timeout(config.timeouts.header_read.0)
-        .max_buf_size(max_head);
     builder
         .http2()
         .timer(TokioTimer::new())
@@ -517,7 +513,6 @@ async fn worker(
     ));
     let lane = Arc::new(http1::conn::Lane {
         hyper: builder,
-        h1,
         max_head,
         header_read: config.timeouts.header_read.0,
         client_idle: config.timeouts.client_idle.0,

@@ -33,6 +33,8 @@ pub struct Signals {
     pub upload_head: Notify,
     /// `/early` reports here when it has read a request's body to its end.
     pub drained: Notify,
+    /// Request heads the app has seen.
+    pub requests: std::sync::atomic::AtomicUsize,
 }
 
 /// An app on loopback:
@@ -77,6 +79,9 @@ async fn app(
     signals: Arc<Signals>,
     peer: SocketAddr,
 ) -> Result<Response<Full<Bytes>>, Infallible> {
+    signals
+        .requests
+        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
     let body = match req.uri().path() {
         "/echo" => {
             let headers: serde_json::Map<String, serde_json::Value> = req

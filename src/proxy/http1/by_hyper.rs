@@ -1,32 +1,28 @@
-//! The connections, and the requests, that hyper's server serves for the proxy: HTTP/2 (and an
-//! HTTP/1 connection after an upgrade or a head it cannot take) for good ([`hand_off`]), and
-//! one request whose body is streamed, after which the connection may come back
-//! ([`by_hyper_once`]); each with its own head timer, and the HTTP/2 responses watched for a
-//! client that never opens its window ([`Stalls`]). Must never: keep a connection past
-//! `client_idle` without a stream, or take one back with bytes of a request left in hyper.
+//! The connections that hyper's server serves for the proxy, for good ([`hand_off`]): HTTP/2,
+//! and an HTTP/1 connection from an upgrade or a head this side does not take; with its own
+//! head timer, and the HTTP/2 responses watched for a client that never opens its window
+//! ([`Stalls`]). Must never: keep a connection past `client_idle` without a stream.
 
 use std::future::Future;
 use std::io;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderMap};
+use bytes::{Buf, Bytes};
 use http::{Request, Response, Version};
 use http_body::Frame;
 use http_body_util::Either;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::conn::*;
-use super::framing::has_token;
 use super::stalls::*;
-use crate::proxy::body::{Ended, ReqBody, Streamed};
+use crate::proxy::body::{ReqBody, Streamed};
 use crate::proxy::coarse::{Sleep, Timers};
 use crate::proxy::request::{handle, AbandonGuard, Conn};
 use crate::proxy::respond::{self, Body};
@@ -40,14 +36,18 @@ pub(super) async fn hand_off(
 ) -> Result<(), Error> {
     // The HTTP/2 connection preface (RFC 9113 §3.4), which went to hyper as no HTTP/1 head.
     let h2 = s.buf.starts_with(b"PRI * HTTP/2.0\r\n");
+    // No streamed body of an earlier request holds the socket by now (its request is gone);
+    // if one still did, the connection could not be handed over whole.
+    let Ok(stream) = Arc::try_unwrap(s.stream) else {
+        return Ok(());
+    };
     let heard = Arc::new(AtomicU32::new(0));
     let mut hyper = lane.hyper.clone();
     hyper.http1().timer(lane.head_timer(&heard));
     let io = TokioIo::new(Rewind {
         read: s.buf.freeze(),
-        stream: s.stream,
+        stream,
         heard,
-        once: None,
         clock: s.clock,
     });
     let stalls = lane.stalls.clone();
@@ -199,184 +199,6 @@ pub(super) async fn answer(guard: AbandonGuard, mut req: Request<ReqBody>) -> Re
     resp
 }
 
-/// Serves one request whose body is streamed (a larger or chunked one, one still coming at
-/// the head's deadline, one expecting `100 Continue`) with hyper's HTTP/1 server, and takes the
-/// connection back when hyper is done with it and would keep it: the client's later requests
-/// are this side's again, instead of hyper's for the rest of the connection. `None` when the
-/// connection ended with hyper.
-///
-/// Back only when hyper is between requests with nothing left of this one: its body read to
-/// the end (by the request path; one it left unread hyper drains or closes on), the response's
-/// written to the end and out of hyper's buffer, and neither side asked to close. A second
-/// request hyper read meanwhile (pipelined) leaves the connection with hyper, and so does a
-/// second such request right after the first ([`serve`]).
-pub(super) async fn by_hyper_once(
-    s: Served,
-    conn: &Arc<Conn>,
-    lane: &Lane,
-    mut drained: Pin<&mut impl Future>,
-) -> Result<Option<Served>, Error> {
-    let Served {
-        stream,
-        buf,
-        out,
-        clock,
-        kept: _,
-    } = s;
-    let once = Arc::new(Once::default());
-    let heard = Arc::new(AtomicU32::new(0));
-    let mut h1 = lane.h1.clone();
-    h1.timer(lane.head_timer(&heard));
-    let io = TokioIo::new(Rewind {
-        read: buf.freeze(),
-        stream,
-        heard,
-        once: Some(once.clone()),
-        clock,
-    });
-    let service = {
-        let (conn, once) = (conn.clone(), once.clone());
-        service_fn(move |req: Request<hyper::body::Incoming>| {
-            let guard = AbandonGuard(Some(conn.clone()));
-            let once = once.clone();
-            // Boxed: hyper polls the connection by `&mut` only with an `Unpin` future.
-            Box::pin(async move {
-                let first = once.requests.fetch_add(1, Ordering::Relaxed) == 0;
-                let keep = req.version() == Version::HTTP_11 && !asks_close(req.headers());
-                let req = req.map(|b| {
-                    Either::Left(match first {
-                        true => Streamed::watched(b, once.read.clone()),
-                        false => Streamed::new(b),
-                    })
-                });
-                let resp = answer(guard, req).await;
-                if first && keep && !asks_close(resp.headers()) {
-                    once.keep.store(true, Ordering::Relaxed);
-                }
-                let once = first.then_some(once);
-                Ok::<_, std::convert::Infallible>(resp.map(|body| Answered { body, once }))
-            })
-        })
-    };
-    let mut served = h1.serve_connection(io, service);
-    // Set when this side asked hyper to finish: because the exchange is over, or the worker drains.
-    let (mut over, mut draining) = (false, false);
-    let ended = std::future::poll_fn(|cx| loop {
-        if let Poll::Ready(r) = served.poll_without_shutdown(cx) {
-            return Poll::Ready(r);
-        }
-        if !over && !draining && once.over() {
-            over = true;
-        } else if !draining && drained.as_mut().poll(cx).is_ready() {
-            draining = true;
-        } else {
-            return Poll::Pending;
-        }
-        // Between requests, this ends the connection at once, giving back its parts.
-        Pin::new(&mut served).graceful_shutdown();
-    })
-    .await;
-    let back = ended.is_ok() && over && !draining && once.over();
-    let parts = served.into_parts();
-    let Rewind {
-        read,
-        mut stream,
-        clock,
-        ..
-    } = parts.io.into_inner();
-    if !back {
-        let _ = stream.shutdown().await;
-        return ended.map(|()| None).map_err(Into::into);
-    }
-    // What hyper read of the next request, then what it had not yet taken of ours.
-    let mut buf = BytesMut::with_capacity(READ.max(parts.read_buf.len() + read.len()));
-    buf.extend_from_slice(&parts.read_buf);
-    buf.extend_from_slice(&read);
-    Ok(Some(Served {
-        stream,
-        buf,
-        out,
-        clock,
-        kept: true,
-    }))
-}
-
-/// How the one exchange of [`by_hyper_once`] went.
-#[derive(Default)]
-pub(super) struct Once {
-    /// Requests hyper has handed to the request path.
-    pub(super) requests: AtomicU32,
-    /// The first one's body was read to its end.
-    pub(super) read: Arc<Ended>,
-    /// Its response's body was written to its end.
-    pub(super) answered: AtomicBool,
-    /// Neither it nor its response asked to close (and it is HTTP/1.1).
-    pub(super) keep: AtomicBool,
-    /// hyper's last write did not take all it was given: bytes may wait in its buffer.
-    pub(super) blocked: AtomicBool,
-}
-
-impl Once {
-    /// hyper is between requests, with nothing of the first left.
-    pub(super) fn over(&self) -> bool {
-        self.requests.load(Ordering::Relaxed) == 1
-            && self.read.is_set()
-            && self.answered.load(Ordering::Relaxed)
-            && self.keep.load(Ordering::Relaxed)
-            && !self.blocked.load(Ordering::Relaxed)
-    }
-}
-
-/// Whether a request's or a response's `Connection` says `close`.
-pub(super) fn asks_close(headers: &HeaderMap) -> bool {
-    let connection = headers.get_all(header::CONNECTION);
-    connection.iter().any(|v| has_token(v.as_bytes(), b"close"))
-}
-
-pin_project_lite::pin_project! {
-    /// A response body that says when hyper has read it to its end.
-    struct Answered {
-        #[pin]
-        body: Body,
-        once: Option<Arc<Once>>,
-    }
-}
-
-impl Answered {
-    pub(super) fn over(&self, over: bool) -> bool {
-        if let (true, Some(once)) = (over, &self.once) {
-            once.answered.store(true, Ordering::Relaxed);
-        }
-        over
-    }
-}
-
-impl http_body::Body for Answered {
-    type Data = <Body as http_body::Body>::Data;
-    type Error = <Body as http_body::Body>::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        let polled = self.as_mut().project().body.poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) => self.over(true),
-            Poll::Ready(Some(Ok(_))) => self.over(self.body.is_end_stream()),
-            _ => false,
-        };
-        polled
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.over(self.body.is_end_stream())
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
-}
-
 /// A connection with bytes already read from it in front.
 pub(super) struct Rewind {
     pub(super) read: Bytes,
@@ -384,19 +206,8 @@ pub(super) struct Rewind {
     /// Counts the reads from `stream` that brought bytes, for hyper's head timer
     /// ([`HeadTimer`]).
     pub(super) heard: Arc<AtomicU32>,
-    /// Told whether each write took everything (see [`by_hyper_once`]).
-    pub(super) once: Option<Arc<Once>>,
     /// hyper's writes are bounded by `timeouts.send` too.
     pub(super) clock: SendClock,
-}
-
-impl Rewind {
-    pub(super) fn wrote<T>(&self, polled: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
-        if let Some(once) = &self.once {
-            once.blocked.store(polled.is_pending(), Ordering::Relaxed);
-        }
-        polled
-    }
 }
 
 impl AsyncRead for Rewind {
@@ -429,8 +240,7 @@ impl AsyncWrite for Rewind {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.stream).poll_write(cx, buf);
-        let polled = this.clock.bound(cx, polled);
-        this.wrote(polled)
+        this.clock.bound(cx, polled)
     }
 
     fn poll_write_vectored(
@@ -440,8 +250,7 @@ impl AsyncWrite for Rewind {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
-        let polled = this.clock.bound(cx, polled);
-        this.wrote(polled)
+        this.clock.bound(cx, polled)
     }
 
     fn is_write_vectored(&self) -> bool {

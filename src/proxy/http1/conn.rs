@@ -19,17 +19,13 @@ use tokio::sync::watch;
 use super::stalls::Stalls;
 use crate::proxy::coarse::{HeadTimer, Sleep, Timers};
 
-/// The buffer's first size, and its least room for a read: most request heads are a few
-/// hundred bytes (nginx starts with 1 KiB). A larger head doubles it as it comes.
-pub(super) const READ: usize = 2 * 1024;
+pub(super) use super::framing::READ;
 
 /// What a worker's connections share.
 pub struct Lane {
     /// hyper's server, for the connections handed to it (each given its own HTTP/1 head
     /// timer, [`HeadTimer`]).
     pub hyper: auto::Builder<TokioExecutor>,
-    /// hyper's HTTP/1 server, configured as `hyper`'s, for a request whose body it streams.
-    pub h1: hyper::server::conn::http1::Builder,
     /// A partial head at least this long is handed to hyper (which answers 431).
     pub max_head: usize,
     pub header_read: Duration,
@@ -60,7 +56,8 @@ impl Lane {
 }
 
 pub(super) struct Served {
-    pub(super) stream: TcpStream,
+    /// Shared with a streamed request body while it is read.
+    pub(super) stream: Arc<TcpStream>,
     /// Read and not yet used.
     pub(super) buf: BytesMut,
     /// The response head being written, kept for the next one.

@@ -8,6 +8,9 @@ use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::Version;
 use http_body::Frame;
 
+/// A connection buffer's first size, and its least room for a read: most request heads are a
+/// few hundred bytes (nginx starts with 1 KiB). A larger head doubles it as it comes.
+pub(crate) const READ: usize = 2 * 1024;
 /// A chunk-size line longer than this is refused.
 const MAX_CHUNK_LINE: usize = 1024;
 /// Trailer sections larger than this are refused.

@@ -3,12 +3,13 @@
 //! [`head`]), with what they share ([`framing`]). hyper's server and client stay for everything
 //! else.
 //!
-//! Accepts (server): HTTP/1.0 and 1.1 request heads in origin form without `Transfer-Encoding`,
-//! `Expect` or `Upgrade`, not `CONNECT`, with no body or one `Content-Length` of at most
-//! [`server::IN_HAND`] read whole. Hands to hyper's server, with every byte read so far: a
-//! streamed body (for that request, then the connection comes back), an upgrade, an HTTP/2
-//! preface, a head too large or malformed (for the rest of the connection; hyper answers 400
-//! or 431). Refuses nothing itself: what it does not serve, hyper does.
+//! Serves (server): HTTP/1.0 and 1.1 requests in origin form, not `CONNECT`, without `Upgrade`;
+//! a body of one `Content-Length` (read whole with its head up to [`server::IN_HAND`], else
+//! streamed) or `Transfer-Encoding: chunked` alone (streamed, trailers included), `Expect:
+//! 100-continue` answered when the body is first read ([`request_body`]). Hands to hyper's
+//! server for good, with every byte read so far: an upgrade, an HTTP/2 preface, a framing that
+//! is how one request is read as two (conflicting or repeated lengths, other codings), a head
+//! too large or malformed (hyper answers 400 or 431).
 //! Reads responses (client): a body framed by `HEAD`, 1xx/204/304, chunks, one agreed
 //! `Content-Length` or the close; conflicting lengths, a bad chunk or a head over 64 KiB are 502.
 //! Reuses an upstream connection only after a response that allows it, read to its end with
@@ -23,6 +24,7 @@ pub(crate) mod client;
 pub(crate) mod conn;
 pub(crate) mod framing;
 pub(crate) mod head;
+pub(crate) mod request_body;
 pub(crate) mod server;
 pub(crate) mod stalls;
 

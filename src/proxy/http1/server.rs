@@ -3,15 +3,16 @@
 //! writes the response head and what of its body is there in one `write`.
 //!
 //! Serves what [`super`] says; a small body (one `Content-Length` up to [`IN_HAND`]) is read
-//! whole within the head's deadline and goes upstream in the head's `write`. A streamed body
-//! is served by hyper's HTTP/1 server for that one request ([`by_hyper_once`]), and the
-//! connection comes back once hyper is between requests; anything else is hyper's for good.
+//! whole within the head's deadline and goes upstream in the head's `write`. A larger or
+//! chunked body, or one still coming at the deadline, is streamed by [`RequestBody`], which
+//! reads the socket while it lasts; the connection goes on once it is read to its end.
 //! Each head must be whole within `timeouts.header_read`, parsed again only once its end may
 //! have come ([`HeadEnd`]); each write must take a byte within `timeouts.send`. The connection
-//! stays open unless the client or the response says `close`, the body was cut short, or the
-//! worker drains. While a request is in flight the socket is peeked only when readable: an end
-//! of stream abandons the request. Must never: allocate a buffer per request, or hold the
-//! request or response where a move through futures would copy it.
+//! stays open unless the client or the response says `close`, a body was cut short or left
+//! unread, or the worker drains. While a request without a streamed body is in flight the
+//! socket is peeked only when readable: an end of stream abandons the request. Must never:
+//! allocate a buffer per request, or hold the request or response where a move through futures
+//! would copy it.
 
 use std::future::Future;
 use std::io;
@@ -26,14 +27,15 @@ use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::Body as _;
 use http_body_util::Either;
 use smallvec::SmallVec;
-use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 
 use super::by_hyper::*;
 use super::conn::*;
-use super::framing::{field, keeps_alive, parse_length, HeadEnd};
+use super::framing::{field, has_token, keeps_alive, parse_length, Chunk, Framing, HeadEnd};
+use super::request_body::{Inbound, RequestBody};
 pub use crate::proxy::body::IN_HAND;
-use crate::proxy::body::{InHand, ReqBody};
+use crate::proxy::body::{InHand, ReqBody, Streamed};
 use crate::proxy::coarse::{Sleep, Timers};
 use crate::proxy::request::{handle, AbandonGuard, Conn};
 use crate::proxy::respond::{Body, Own};
@@ -57,7 +59,7 @@ pub(in crate::proxy) async fn serve(
         let _ = draining.wait_for(|d| *d).await;
     });
     let mut s = Served {
-        stream,
+        stream: Arc::new(stream),
         buf: BytesMut::with_capacity(READ),
         out: Vec::with_capacity(512),
         clock: SendClock::new(&lane),
@@ -66,35 +68,24 @@ pub(in crate::proxy) async fn serve(
     // Where each request is made: it is borrowed by the request path (each move down its
     // futures would copy it) and dropped before its response is written.
     let mut slot = None;
-    // The last request was lent to hyper: a client whose requests all stream their bodies
-    // (uploads only) is left to hyper from its second such request on, rather than paying for
-    // a hyper connection made for each request and each head parsed twice (here and by hyper).
-    let mut lent = false;
     loop {
         let mut asked;
+        let streamed;
         let mut resp = {
             let req = match s.head(&lane, drained.as_mut(), &mut slot).await? {
-                Next::Request(req) => req,
+                Next::Request(req, body) => {
+                    streamed = body;
+                    req
+                }
                 Next::Closed => return Ok(()),
-                Next::Hyper { back } if !back || lent => {
-                    return hand_off(s, conn, &lane, drained).await
-                }
-                Next::Hyper { .. } => {
-                    match by_hyper_once(s, &conn, &lane, drained.as_mut()).await? {
-                        Some(back) => {
-                            s = back;
-                            lent = true;
-                            continue;
-                        }
-                        None => return Ok(()),
-                    }
-                }
+                Next::Hyper => return hand_off(s, conn, &lane, drained).await,
             };
-            lent = false;
             asked = Asked::of(req);
             let guard = AbandonGuard(Some(conn.clone()));
             let answer = pin!(handle(&conn, req));
-            let Some(resp) = unless_left(&s.stream, answer).await else {
+            // A body being read is the body's to read: the socket is not peeked meanwhile.
+            let watch = streamed.is_none();
+            let Some(resp) = unless_left(&s.stream, answer, watch).await else {
                 // The client left: the request's future is gone, `guard` counts it.
                 return Ok(());
             };
@@ -103,8 +94,26 @@ pub(in crate::proxy) async fn serve(
         };
         slot = None;
         asked.keep_alive &= !lane.draining.has_changed().unwrap_or(true);
-        if !s.respond(&mut resp, asked).await? {
-            let _ = s.stream.shutdown().await;
+        if let Some(body) = &streamed {
+            // A `100 Continue` begun goes out whole before the response; one not begun never.
+            let rest = body.response_begins();
+            if !rest.is_empty() {
+                send_all(&s.stream, &mut s.clock, rest).await?;
+            }
+        }
+        let stay = s.respond(&mut resp, asked).await?;
+        drop(resp);
+        let mut ended = true;
+        if let Some(body) = streamed {
+            // The body may still be going upstream (an answer before the upload's end): the
+            // connection goes on once it is read to its end, and what followed it is the next
+            // request's. One left unread or broken off, or still coming at `client_idle`,
+            // closes it.
+            let wait = Sleep::until(lane.timers.clone(), Timers::now() + lane.client_idle);
+            ended = body.finish(&mut s.buf, wait).await;
+        }
+        if !stay || !ended {
+            s.close(!ended);
             return Ok(());
         }
         s.kept = true;
@@ -113,21 +122,18 @@ pub(in crate::proxy) async fn serve(
 
 /// What came in on a connection.
 enum Next<'a> {
-    /// Made in the caller's slot (moved out through the futures, it would be copied at each).
-    Request(&'a mut Request<ReqBody>),
+    /// Made in the caller's slot (moved out through the futures, it would be copied at each),
+    /// with its body's share of the connection when the body is streamed.
+    Request(&'a mut Request<ReqBody>, Option<Arc<Inbound>>),
     /// Closed by the client, timed out in a head, or the worker drains.
     Closed,
-    /// For hyper to serve: from here on, or (`back`) a request whose body it streams, after
-    /// which the connection may come back.
-    Hyper { back: bool },
+    /// For hyper to serve from here on (an upgrade, an HTTP/2 preface, a head this side does
+    /// not take).
+    Hyper,
 }
 
 /// Writes all of `bytes` to the client, each wait for it bounded by `clock`.
-async fn send_all(
-    stream: &mut TcpStream,
-    clock: &mut SendClock,
-    mut bytes: &[u8],
-) -> io::Result<()> {
+async fn send_all(stream: &TcpStream, clock: &mut SendClock, mut bytes: &[u8]) -> io::Result<()> {
     // Most writes take everything at once: no future, no clock.
     while !bytes.is_empty() {
         match stream.try_write(bytes) {
@@ -139,7 +145,16 @@ async fn send_all(
     }
     while !bytes.is_empty() {
         let n = std::future::poll_fn(|cx| {
-            let polled = Pin::new(&mut *stream).poll_write(cx, bytes);
+            let polled = loop {
+                match stream.poll_write_ready(cx) {
+                    Poll::Ready(Ok(())) => match stream.try_write(bytes) {
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                        written => break Poll::Ready(written),
+                    },
+                    Poll::Ready(Err(e)) => break Poll::Ready(Err(e)),
+                    Poll::Pending => break Poll::Pending,
+                }
+            };
             clock.bound(cx, polled)
         })
         .await?;
@@ -182,10 +197,12 @@ impl Served {
         let mut end = HeadEnd::default();
         loop {
             if self.buf.len() >= need && (need > 1 || end.may_end(&self.buf)) {
-                match parse(&mut self.buf) {
-                    Parsed::Request(req) => return Ok(Next::Request(slot.insert(req))),
-                    Parsed::Other => return Ok(Next::Hyper { back: false }),
-                    Parsed::Streamed => return Ok(Next::Hyper { back: true }),
+                match parse(&mut self.buf, false) {
+                    Parsed::Request(req) => return Ok(Next::Request(slot.insert(req), None)),
+                    Parsed::Other => return Ok(Next::Hyper),
+                    Parsed::Streamed(req, framing, expects) => {
+                        return Ok(self.streamed(slot, req, framing, expects))
+                    }
                     // What of the body the socket holds now; the rest is waited for here
                     // within the head's deadline, as nginx buffers a small body before it
                     // forwards. A body that comes apart from its head (a client's second
@@ -200,7 +217,7 @@ impl Served {
                 }
             }
             if need == 1 && self.buf.len() >= lane.max_head {
-                return Ok(Next::Hyper { back: false });
+                return Ok(Next::Hyper);
             }
             if self.buf.capacity() - self.buf.len() < 1024 {
                 // Reclaimed in place once the last request's head is gone; grown otherwise.
@@ -213,11 +230,16 @@ impl Served {
             let idle = self.buf.is_empty();
             let n = tokio::select! {
                 biased;
-                n = self.stream.read_buf(&mut self.buf) => n,
-                // A whole head whose small body is still coming is hyper's to stream from
-                // here (a slow upload is served, not cut off); anything else ends.
+                n = read_some(&self.stream, &mut self.buf) => n,
+                // A whole head whose small body is still coming is streamed from here (a slow
+                // upload is served, not cut off); anything else ends.
                 _ = &mut deadline => {
-                    return Ok(if need > 1 { Next::Hyper { back: true } } else { Next::Closed })
+                    if need > 1 {
+                        if let Parsed::Streamed(req, framing, expects) = parse(&mut self.buf, true) {
+                            return Ok(self.streamed(slot, req, framing, expects));
+                        }
+                    }
+                    return Ok(Next::Closed);
                 }
                 _ = drained.as_mut(), if idle => return Ok(Next::Closed),
             };
@@ -232,6 +254,32 @@ impl Served {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// A request whose body is streamed: the body takes the connection's buffer (what was
+    /// read after the head) and reads the rest as it is polled.
+    fn streamed<'a>(
+        &mut self,
+        slot: &'a mut Option<Request<ReqBody>>,
+        mut req: Request<ReqBody>,
+        framing: Framing,
+        expects: bool,
+    ) -> Next<'a> {
+        let buf = std::mem::take(&mut self.buf);
+        let inbound = Inbound::new(self.stream.clone(), buf, framing, expects);
+        *req.body_mut() = Either::Left(Streamed::http1(RequestBody::new(inbound.clone())));
+        Next::Request(slot.insert(req), Some(inbound))
+    }
+
+    /// Ends the connection: no more writes (the client reads to the end of what was sent);
+    /// with `unread`, no more reads either, so that a body still reading fails at once rather
+    /// than hold its upstream exchange open.
+    fn close(&self, unread: bool) {
+        let how = match unread {
+            true => std::net::Shutdown::Both,
+            false => std::net::Shutdown::Write,
+        };
+        let _ = socket2::SockRef::from(&*self.stream).shutdown(how);
     }
 
     /// Reads what the socket holds, without waiting, until the buffer has `need` bytes;
@@ -264,14 +312,14 @@ impl Served {
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED
         {
-            Framing::None
+            ResponseFraming::None
         } else if let Some(n) = given.or(known) {
-            Framing::Length(n)
+            ResponseFraming::Length(n)
         } else if asked.http10 {
             stay = false;
-            Framing::Close
+            ResponseFraming::Close
         } else {
-            Framing::Chunked
+            ResponseFraming::Chunked
         };
         self.out.clear();
         write_head(
@@ -286,12 +334,12 @@ impl Served {
         // Not kept while the body streams.
         drop(std::mem::take(resp.headers_mut()));
         let mut body = Pin::new(resp.body_mut());
-        if let Framing::None = framing {
-            send_all(&mut self.stream, &mut self.clock, &self.out).await?;
+        if let ResponseFraming::None = framing {
+            send_all(&self.stream, &mut self.clock, &self.out).await?;
             return Ok(stay);
         }
         let mut left = match framing {
-            Framing::Length(n) => n,
+            ResponseFraming::Length(n) => n,
             _ => u64::MAX,
         };
         while left > 0 {
@@ -320,7 +368,7 @@ impl Served {
                     return Ok(false);
                 }
             };
-            if let Framing::Length(_) = framing {
+            if let ResponseFraming::Length(_) = framing {
                 if data.len() as u64 > left {
                     // More than the length said: what is beyond it cannot be sent.
                     data.truncate(left as usize);
@@ -334,24 +382,27 @@ impl Served {
             self.put(&data, &framing).await?;
             // The rest of a body of known length or read to the close comes with the
             // upstream's next read: written now, not after a read that would only find nothing.
-            if !matches!(framing, Framing::Chunked) || self.out.len() >= COALESCE {
+            if !matches!(framing, ResponseFraming::Chunked) || self.out.len() >= COALESCE {
                 self.flush().await?;
             }
         }
-        if let Framing::Chunked = framing {
+        if let ResponseFraming::Chunked = framing {
             self.out.extend_from_slice(b"0\r\n\r\n");
         }
         self.flush().await?;
         // A body shorter than its length: the client learns it from the close.
         Ok(stay
-            && matches!(framing, Framing::Chunked | Framing::Length(_))
+            && matches!(
+                framing,
+                ResponseFraming::Chunked | ResponseFraming::Length(_)
+            )
             && (left == 0 || left == u64::MAX))
     }
 
     /// Queues one piece of the body behind what is queued; a large piece is written at once.
-    async fn put(&mut self, data: &Bytes, framing: &Framing) -> io::Result<()> {
+    async fn put(&mut self, data: &Bytes, framing: &ResponseFraming) -> io::Result<()> {
         use std::io::Write as _;
-        let chunked = matches!(framing, Framing::Chunked);
+        let chunked = matches!(framing, ResponseFraming::Chunked);
         if chunked {
             let _ = write!(self.out, "{:x}\r\n", data.len());
         }
@@ -359,7 +410,7 @@ impl Served {
             self.out.extend_from_slice(data);
         } else {
             self.flush().await?;
-            send_all(&mut self.stream, &mut self.clock, data).await?;
+            send_all(&self.stream, &mut self.clock, data).await?;
         }
         if chunked {
             self.out.extend_from_slice(b"\r\n");
@@ -370,7 +421,7 @@ impl Served {
     /// Writes what is queued.
     async fn flush(&mut self) -> io::Result<()> {
         if !self.out.is_empty() {
-            send_all(&mut self.stream, &mut self.clock, &self.out).await?;
+            send_all(&self.stream, &mut self.clock, &self.out).await?;
             self.out.clear();
         }
         Ok(())
@@ -403,7 +454,7 @@ impl Asked {
 }
 
 /// How a response's body is delimited.
-enum Framing {
+enum ResponseFraming {
     None,
     Length(u64),
     Chunked,
@@ -449,7 +500,7 @@ fn write_head(
     out: &mut Vec<u8>,
     status: StatusCode,
     (headers, lines): (&HeaderMap, Lines),
-    framing: &Framing,
+    framing: &ResponseFraming,
     known: Option<u64>,
     asked: Asked,
     stay: bool,
@@ -480,12 +531,12 @@ fn write_head(
     }
     let mut digits = [0u8; 20];
     match framing {
-        Framing::Length(len) if !length_given => {
+        ResponseFraming::Length(len) if !length_given => {
             field(out, b"content-length", decimal(*len, &mut digits))
         }
-        Framing::Chunked => field(out, b"transfer-encoding", b"chunked"),
+        ResponseFraming::Chunked => field(out, b"transfer-encoding", b"chunked"),
         // A HEAD's answer says the length a GET would have had, when it is known.
-        Framing::None if asked.head && !length_given => {
+        ResponseFraming::None if asked.head && !length_given => {
             if let Some(len) = known.filter(|&l| l > 0) {
                 field(out, b"content-length", decimal(len, &mut digits));
             }
@@ -513,6 +564,23 @@ fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     }
 }
 
+/// Whether a response's `Connection` says `close`.
+fn asks_close(headers: &HeaderMap) -> bool {
+    let connection = headers.get_all(header::CONNECTION);
+    connection.iter().any(|v| has_token(v.as_bytes(), b"close"))
+}
+
+/// Reads what the socket has into `buf`, waiting until it has something; 0 at its end.
+async fn read_some(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    loop {
+        stream.readable().await?;
+        match stream.try_read_buf(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            read => return read,
+        }
+    }
+}
+
 /// The client reset or broke the connection: nothing to answer.
 fn is_gone(e: &io::Error) -> bool {
     matches!(
@@ -534,9 +602,10 @@ pub(super) enum Parsed {
     Short(usize),
     /// Not for this side: hyper's to serve (or refuse).
     Other,
-    /// A head whose body hyper streams (a larger or chunked one, or one expecting `100
-    /// Continue`): hyper's to serve, and the connection's after it.
-    Streamed,
+    /// A request whose body is streamed as it is read (a larger or chunked one, one expecting
+    /// `100 Continue`, one still coming at the head's deadline), framed so; whether the client
+    /// waits for `100 Continue`.
+    Streamed(Request<ReqBody>, Framing, bool),
 }
 
 #[cfg(test)]
@@ -545,8 +614,9 @@ thread_local! {
     static PARSED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// Takes a whole request head this side serves out of `buf`, as the request.
-pub(super) fn parse(buf: &mut BytesMut) -> Parsed {
+/// Takes a whole request head this side serves out of `buf`, as the request; with its body
+/// when that is small and here (`stream_all`: never, the body is streamed).
+pub(super) fn parse(buf: &mut BytesMut, stream_all: bool) -> Parsed {
     #[cfg(test)]
     PARSED.set(PARSED.get() + buf.len());
     // Uninitialised: filling 100 empty fields first would cost more than the parse.
@@ -582,43 +652,61 @@ pub(super) fn parse(buf: &mut BytesMut) -> Parsed {
     let path = at(path.as_bytes());
     let mut named: smallvec::SmallVec<[(HeaderName, std::ops::Range<usize>); 16]> =
         smallvec::SmallVec::new();
-    let mut length = None;
-    let mut streamed = false;
+    let (mut length, mut lengths, mut codings, mut chunked) = (None, 0, 0, false);
+    let mut expects = false;
     for f in parsed.headers.iter() {
         let Ok(name) = HeaderName::from_bytes(f.name.as_bytes()) else {
             return Parsed::Other;
         };
         if name == header::CONTENT_LENGTH {
-            // One field with a small length: the body is read with the head. Another field
-            // or a larger body: hyper's (which streams it, or answers 400).
-            match parse_length(f.value) {
-                Some(n) if n <= IN_HAND as u64 && length.is_none() => length = Some(n as usize),
-                _ => streamed = true,
+            lengths += 1;
+            length = parse_length(f.value);
+            if length.is_none() {
+                return Parsed::Other;
             }
-        }
-        // An upgrade: hyper's for good. A body in chunks or an expectation: hyper's to stream.
-        if name == header::UPGRADE {
+        } else if name == header::TRANSFER_ENCODING {
+            codings += 1;
+            chunked = ows_trimmed(f.value).eq_ignore_ascii_case(b"chunked");
+        } else if name == header::EXPECT {
+            // The one expectation there is (RFC 9110 §10.1.1); an HTTP/1.0 client's is ignored.
+            if !ows_trimmed(f.value).eq_ignore_ascii_case(b"100-continue") {
+                return Parsed::Other;
+            }
+            expects = minor > 0;
+        } else if name == header::UPGRADE {
+            // An upgrade: hyper's for good.
             return Parsed::Other;
         }
-        streamed |= name == header::TRANSFER_ENCODING || name == header::EXPECT;
-        if !streamed {
-            named.push((name, at(f.value)));
-        }
+        named.push((name, at(f.value)));
     }
-    if streamed {
-        return Parsed::Streamed;
+    // One length, or one coding that is `chunked` alone in HTTP/1.1, without a length: the
+    // framings this side reads. Any other mix is how one request is read as two (RFC 9112
+    // §6.3): hyper's to refuse.
+    if lengths > 1 || codings > 1 || (codings == 1 && (!chunked || lengths > 0 || minor == 0)) {
+        return Parsed::Other;
     }
-    let length = length.unwrap_or(0);
-    if buf.len() < len + length {
-        return Parsed::Short(len + length);
-    }
+    let framing = match (chunked, length) {
+        (true, _) => Framing::Chunked(Chunk::Size),
+        (false, Some(n)) => Framing::Length(n),
+        (false, None) => Framing::Length(0),
+    };
+    let in_hand = match framing {
+        Framing::Length(n) if n <= IN_HAND as u64 && !expects && !stream_all => Some(n as usize),
+        _ => None,
+    };
+    let length = match in_hand {
+        Some(n) if buf.len() < len + n => return Parsed::Short(len + n),
+        Some(n) => n,
+        None => 0,
+    };
     let head = buf.split_to(len).freeze();
     let body = match length {
         0 => Bytes::new(),
         n => buf.split_to(n).freeze(),
     };
     match request_of(&head, path, &mut named, minor, method, &body) {
-        Some(req) => Parsed::Request(req),
+        Some(req) if in_hand.is_some() => Parsed::Request(req),
+        Some(req) => Parsed::Streamed(req, framing, expects),
         None => {
             // hyper's to refuse, from the head on: put it back in front.
             let mut whole = BytesMut::with_capacity(head.len() + body.len() + buf.len());
@@ -629,6 +717,14 @@ pub(super) fn parse(buf: &mut BytesMut) -> Parsed {
             Parsed::Other
         }
     }
+}
+
+/// A field value without the spaces and tabs around it.
+fn ows_trimmed(value: &[u8]) -> &[u8] {
+    let ows = |b: &u8| *b == b' ' || *b == b'\t';
+    let start = value.iter().position(|b| !ows(b)).unwrap_or(value.len());
+    let end = value.iter().rposition(|b| !ows(b)).map_or(start, |e| e + 1);
+    &value[start..end]
 }
 
 /// The request of the parsed `head`: its target at `path`, its fields `named`; `None` when
@@ -662,10 +758,14 @@ fn request_of(
     Some(req)
 }
 
-/// Runs `answer` unless the client closes its connection first (`None`; `answer` is dropped).
+/// Runs `answer` unless the client closes its connection first (`None`; `answer` is dropped),
+/// which is watched for when `watching`.
 /// Bytes the client sends meanwhile (a pipelined request) stay in the socket.
-async fn unless_left<F: Future>(stream: &TcpStream, mut answer: Pin<&mut F>) -> Option<F::Output> {
-    let mut watching = true;
+async fn unless_left<F: Future>(
+    stream: &TcpStream,
+    mut answer: Pin<&mut F>,
+    mut watching: bool,
+) -> Option<F::Output> {
     std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = answer.as_mut().poll(cx) {
             return Poll::Ready(Some(out));

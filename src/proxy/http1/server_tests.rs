@@ -7,7 +7,7 @@ use tokio::sync::watch;
 
 fn parsed(text: &[u8]) -> (Parsed, BytesMut) {
     let mut buf = BytesMut::from(text);
-    (parse(&mut buf), buf)
+    (parse(&mut buf, false), buf)
 }
 
 #[test]
@@ -69,21 +69,58 @@ fn a_head_not_yet_whole_waits() {
 }
 
 #[test]
-fn streamed_bodies_upgrades_other_targets_and_garbage_go_to_hyper_with_every_byte() {
+fn streamed_bodies_are_served_here_framed_as_their_head_says() {
     let large = format!(
-        "POST /u HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+        "POST /u HTTP/1.1\r\nContent-Length: {}\r\n\r\nxyz",
         IN_HAND + 1
     );
-    // Bodies hyper streams (or, for the bad lengths, answers 400 and closes on): the
-    // connection may come back after them.
-    let streamed: &[&[u8]] = &[
-        large.as_bytes(),
+    let cases: &[(&[u8], Framing, bool)] = &[
+        (large.as_bytes(), Framing::Length(IN_HAND as u64 + 1), false),
+        (
+            b"POST /u HTTP/1.1\r\nTransfer-Encoding:  Chunked \r\n\r\n0\r\n\r\n",
+            Framing::Chunked(Chunk::Size),
+            false,
+        ),
+        (
+            b"PUT /u HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n",
+            Framing::Length(0),
+            true,
+        ),
+    ];
+    for (text, framing, expects) in cases {
+        let (p, rest) = parsed(text);
+        let text_lossy = String::from_utf8_lossy(text);
+        let Parsed::Streamed(req, f, e) = p else {
+            panic!("{text_lossy:?} not streamed");
+        };
+        assert_eq!((f, e), (*framing, *expects), "{text_lossy:?}");
+        // The head is taken; what follows it is the body's.
+        assert!(text.ends_with(&rest), "{text_lossy:?}");
+        assert_eq!(req.uri(), "/u");
+    }
+    // An HTTP/1.0 client's expectation is ignored (it knows no 100): its small body is in hand.
+    let (p, _) = parsed(b"PUT /u HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 3\r\n\r\nabc");
+    assert!(matches!(p, Parsed::Request(_)));
+    // A small body in hand, when told to: streamed all the same.
+    let mut buf = BytesMut::from(&b"POST /u HTTP/1.1\r\nContent-Length: 3\r\n\r\nab"[..]);
+    assert!(matches!(
+        parse(&mut buf, true),
+        Parsed::Streamed(_, Framing::Length(3), false)
+    ));
+}
+
+#[test]
+fn odd_framings_upgrades_other_targets_and_garbage_go_to_hyper_with_every_byte() {
+    let others: &[&[u8]] = &[
+        // Framings that are how one request is read as two: hyper answers 400 and closes.
         b"POST /u HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello",
         b"POST /u HTTP/1.1\r\nContent-Length: -5\r\n\r\nhello",
-        b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-        b"PUT /u HTTP/1.1\r\nExpect: 100-continue\r\nContent-Length: 0\r\n\r\n",
-    ];
-    let others: &[&[u8]] = &[
+        b"POST /u HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"POST /u HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+        b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+        b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\x0b\r\n\r\n0\r\n\r\n",
+        b"POST /u HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+        b"PUT /u HTTP/1.1\r\nExpect: something\r\nContent-Length: 0\r\n\r\n",
         // A target no URI: hyper answers 400; the body goes back with the head.
         b"POST /a<b> HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
         b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
@@ -98,17 +135,11 @@ fn streamed_bodies_upgrades_other_targets_and_garbage_go_to_hyper_with_every_byt
         b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
         b"\x16\x03\x01\x02\x00",
     ];
-    let cases = streamed.iter().map(|t| (*t, true));
-    for (text, is_streamed) in cases.chain(others.iter().map(|t| (*t, false))) {
+    for text in others {
         let (p, rest) = parsed(text);
-        let got = match p {
-            Parsed::Streamed => Some(true),
-            Parsed::Other => Some(false),
-            _ => None,
-        };
         let text_lossy = String::from_utf8_lossy(text);
-        assert_eq!(got, Some(is_streamed), "{text_lossy:?}");
-        assert_eq!(&rest[..], text, "bytes kept for hyper");
+        assert!(matches!(p, Parsed::Other), "{text_lossy:?}");
+        assert_eq!(&rest[..], *text, "bytes kept for hyper");
     }
 }
 
@@ -128,7 +159,6 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
     let (_drain, draining) = watch::channel(false);
     let lane = Lane {
         hyper: auto::Builder::new(TokioExecutor::new()),
-        h1: hyper::server::conn::http1::Builder::new(),
         max_head: 64 * 1024,
         header_read: Duration::from_secs(30),
         client_idle: Duration::from_secs(30),
@@ -142,7 +172,7 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
         draining,
     };
     let mut s = Served {
-        stream: server,
+        stream: Arc::new(server),
         buf: BytesMut::with_capacity(READ),
         out: Vec::new(),
         clock: SendClock::new(&lane),
@@ -162,7 +192,7 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
     PARSED.set(0);
     let next = s.head(&lane, never, &mut slot).await.unwrap();
     assert!(
-        matches!(next, Next::Request(_)),
+        matches!(next, Next::Request(_, None)),
         "a whole head is a request"
     );
     let work = PARSED.get();
@@ -205,7 +235,7 @@ fn lengths_and_decimals() {
 fn head_of(
     status: StatusCode,
     headers: &[(&str, &str)],
-    framing: Framing,
+    framing: ResponseFraming,
     asked: Asked,
     stay: bool,
 ) -> String {
@@ -240,7 +270,7 @@ fn the_head_says_how_the_body_ends_and_what_becomes_of_the_connection() {
     let h = head_of(
         StatusCode::OK,
         &[("content-type", "text/plain")],
-        Framing::Length(3),
+        ResponseFraming::Length(3),
         GET11,
         true,
     );
@@ -253,7 +283,7 @@ fn the_head_says_how_the_body_ends_and_what_becomes_of_the_connection() {
     let h = head_of(
         StatusCode::OK,
         &[("content-length", "3"), ("connection", "x")],
-        Framing::Length(3),
+        ResponseFraming::Length(3),
         GET11,
         false,
     );
@@ -262,7 +292,7 @@ fn the_head_says_how_the_body_ends_and_what_becomes_of_the_connection() {
         !h.contains("connection: x") && h.ends_with("connection: close\r\n\r\n"),
         "{h}"
     );
-    let h = head_of(StatusCode::OK, &[], Framing::Chunked, GET11, true);
+    let h = head_of(StatusCode::OK, &[], ResponseFraming::Chunked, GET11, true);
     assert!(h.ends_with("transfer-encoding: chunked\r\n\r\n"), "{h}");
     // HTTP/1.0: its own version, keep-alive said when kept.
     let ten = Asked {
@@ -272,7 +302,7 @@ fn the_head_says_how_the_body_ends_and_what_becomes_of_the_connection() {
     let h = head_of(
         StatusCode::TOO_MANY_REQUESTS,
         &[("date", "d")],
-        Framing::Close,
+        ResponseFraming::Close,
         ten,
         true,
     );
@@ -286,6 +316,6 @@ fn the_head_says_how_the_body_ends_and_what_becomes_of_the_connection() {
         head: true,
         ..GET11
     };
-    let h = head_of(StatusCode::OK, &[], Framing::None, head, true);
+    let h = head_of(StatusCode::OK, &[], ResponseFraming::None, head, true);
     assert!(h.ends_with("content-length: 3\r\n\r\n"), "{h}");
 }

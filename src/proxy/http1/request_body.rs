@@ -1,0 +1,338 @@
+//! A client's request body that our server side streams: read from the client connection by
+//! whoever forwards the body, as they poll it, and decoded there ([`decode`], strict).
+//!
+//! Owns the body's share of the connection while it lasts: the bytes read past the head, the
+//! `100 Continue` a client waiting for it is sent when the body is first polled, and the bytes
+//! read past the body's end (the next request), which go back to the connection; the rest of a
+//! body the app left unread, which the connection reads and drops (bounded). The server side
+//! does not read the socket until the body is over or gone. Must never: read past what
+//! the body's framing says without keeping it for the connection, write a `100 Continue` after
+//! the response has begun, or let a connection go on after a body that broke off.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::io;
+use std::pin::Pin;
+#[allow(clippy::disallowed_types)]
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use http_body::{Frame, SizeHint};
+use tokio::net::TcpStream;
+use tokio::sync::Notify;
+
+use super::framing::{decode, Framing, Step, READ};
+
+const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
+
+/// The most of a body the app left unread that is read and dropped to keep its connection.
+pub(super) const DRAIN: usize = 64 * 1024;
+
+/// Why a client's request body could not be read: the client's fault, answered 400.
+#[derive(Debug)]
+pub struct ClientBodyError(pub(crate) String);
+
+impl fmt::Display for ClientBodyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "the client's request body: {}", self.0)
+    }
+}
+
+impl StdError for ClientBodyError {}
+
+/// The body's state, shared by the body and the connection that made it.
+pub(super) struct Inbound {
+    stream: Arc<TcpStream>,
+    // One body's, not global: taken by whoever polls the body, and by its connection only
+    // before and after the response; never held across an await.
+    #[allow(clippy::disallowed_types)]
+    state: Mutex<State>,
+    /// Told when the body ends, breaks off or is dropped.
+    over: Notify,
+}
+
+struct State {
+    /// Read from the connection and not yet given: the body's next bytes, then what follows.
+    buf: BytesMut,
+    framing: Framing,
+    /// Bytes of the `100 Continue` still to write: all of it until the body is first polled;
+    /// none once written or once the response has begun.
+    to_continue: &'static [u8],
+    /// The client was never told to send its body: it waits for a `100 Continue` that did not
+    /// come before the response.
+    never_asked: bool,
+    /// The body broke off: a bad chunk, the client gone.
+    broken: bool,
+    /// Dropped before its end (the app answered without reading it all): the connection reads
+    /// the rest and drops it, within bounds.
+    dropped: bool,
+}
+
+impl Inbound {
+    /// The body of a request whose head was just taken from `buf`, which holds what was read
+    /// after it; `expects` when the client waits for `100 Continue`.
+    pub(super) fn new(
+        stream: Arc<TcpStream>,
+        buf: BytesMut,
+        framing: Framing,
+        expects: bool,
+    ) -> Arc<Inbound> {
+        // Nothing to read: nothing to wait for either.
+        let (framing, expects) = match framing {
+            Framing::Length(0) => (Framing::Done, false),
+            framing => (framing, expects),
+        };
+        Arc::new(Inbound {
+            stream,
+            #[allow(clippy::disallowed_types)]
+            state: Mutex::new(State {
+                buf,
+                framing,
+                to_continue: if expects { CONTINUE } else { &[] },
+                never_asked: false,
+                broken: false,
+                dropped: false,
+            }),
+            over: Notify::new(),
+        })
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        // A panic while holding it leaves a body no one can trust: read as broken.
+        self.state.lock().unwrap_or_else(|poisoned| {
+            let mut state = poisoned.into_inner();
+            state.broken = true;
+            state
+        })
+    }
+
+    /// Before the response's head: what is left of a `100 Continue` begun (rare: one write of
+    /// 25 bytes nearly always takes all), to be written first; one not begun is never sent.
+    pub(super) fn response_begins(&self) -> &'static [u8] {
+        let mut state = self.state();
+        let rest = match state.to_continue.len() {
+            n if n == CONTINUE.len() => {
+                state.never_asked = true;
+                &[]
+            }
+            _ => state.to_continue,
+        };
+        state.to_continue = &[];
+        rest
+    }
+
+    /// Waits (at most until `deadline`) for the body to be over; whether it was read to its
+    /// end, in which case what followed it is given back in `buf`. A body dropped before its end
+    /// is read to it here and dropped (at most [`DRAIN`] bytes more, as hyper's server and
+    /// nginx's lingering close do), unless its client still waits to be asked for it.
+    pub(super) async fn finish(
+        &self,
+        buf: &mut BytesMut,
+        deadline: impl std::future::Future,
+    ) -> bool {
+        let mut deadline = std::pin::pin!(deadline);
+        let (mut rest, mut framing) = loop {
+            let mut over = std::pin::pin!(self.over.notified());
+            over.as_mut().enable();
+            {
+                let mut state = self.state();
+                if state.framing == Framing::Done && !state.broken {
+                    *buf = std::mem::take(&mut state.buf);
+                    return true;
+                }
+                if state.broken || (state.dropped && state.never_asked) {
+                    return false;
+                }
+                if state.dropped {
+                    break (std::mem::take(&mut state.buf), state.framing);
+                }
+            }
+            tokio::select! {
+                () = over => {}
+                _ = deadline.as_mut() => return false,
+            }
+        };
+        // The body is gone: nothing else reads the socket now.
+        let mut left = DRAIN;
+        loop {
+            match decode(&mut framing, &mut rest, true) {
+                Ok(Step::Frame(frame)) => {
+                    let n = frame.data_ref().map_or(0, Bytes::len);
+                    if n > left {
+                        return false;
+                    }
+                    left -= n;
+                }
+                Ok(Step::End) => {
+                    *buf = rest;
+                    return true;
+                }
+                Ok(Step::More) => {
+                    rest.reserve(READ);
+                    let read = async {
+                        loop {
+                            self.stream.readable().await?;
+                            match self.stream.try_read_buf(&mut rest) {
+                                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                                read => return read,
+                            }
+                        }
+                    };
+                    tokio::select! {
+                        read = read => match read {
+                            Ok(0) | Err(_) => return false,
+                            Ok(_) => {}
+                        },
+                        _ = deadline.as_mut() => return false,
+                    }
+                }
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// Whether the body was read to its end (what followed it then is in `buf`).
+    pub(super) fn ended(&self) -> bool {
+        let state = self.state();
+        state.framing == Framing::Done && !state.broken
+    }
+}
+
+/// How a body came to be over.
+enum Over {
+    Ended,
+    Broken,
+    Dropped,
+}
+
+/// The request body: see the module's documentation.
+pub struct RequestBody {
+    inbound: Arc<Inbound>,
+    /// Seen over: nothing more is read.
+    done: bool,
+}
+
+impl fmt::Debug for RequestBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RequestBody")
+            .field("done", &self.done)
+            .finish()
+    }
+}
+
+impl RequestBody {
+    pub(super) fn new(inbound: Arc<Inbound>) -> Self {
+        RequestBody {
+            inbound,
+            done: false,
+        }
+    }
+
+    fn poll_step(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, String>>> {
+        let inbound = &*self.inbound;
+        let mut state = inbound.state();
+        if state.broken {
+            return Poll::Ready(Some(Err("broken off".into())));
+        }
+        while !state.to_continue.is_empty() {
+            match inbound.stream.try_write(state.to_continue) {
+                Ok(n) => state.to_continue = &state.to_continue[n..],
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    match inbound.stream.poll_write_ready(cx) {
+                        Poll::Ready(Ok(())) => {}
+                        Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e.to_string()))),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+                Err(e) => return Poll::Ready(Some(Err(e.to_string()))),
+            }
+        }
+        loop {
+            let state = &mut *state;
+            match decode(&mut state.framing, &mut state.buf, true) {
+                Ok(Step::Frame(frame)) => return Poll::Ready(Some(Ok(frame))),
+                Ok(Step::End) => return Poll::Ready(None),
+                Ok(Step::More) => {}
+                Err(e) => return Poll::Ready(Some(Err(format!("sent {e}")))),
+            }
+            if state.buf.capacity() - state.buf.len() < 1024 {
+                state.buf.reserve(READ.max(state.buf.len()));
+            }
+            match inbound.stream.try_read_buf(&mut state.buf) {
+                Ok(0) => {
+                    return Poll::Ready(Some(Err(
+                        "the client closed the connection before the body's end".into(),
+                    )))
+                }
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    match inbound.stream.poll_read_ready(cx) {
+                        Poll::Ready(Ok(())) => {}
+                        Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e.to_string()))),
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
+                Err(e) => return Poll::Ready(Some(Err(e.to_string()))),
+            }
+        }
+    }
+
+    /// The body is over: ended, broken off, or dropped before its end.
+    fn over(&mut self, how: Over) {
+        if !self.done {
+            self.done = true;
+            match how {
+                Over::Ended => {}
+                Over::Broken => self.inbound.state().broken = true,
+                Over::Dropped => self.inbound.state().dropped = true,
+            }
+            self.inbound.over.notify_waiters();
+        }
+    }
+}
+
+impl http_body::Body for RequestBody {
+    type Data = Bytes;
+    type Error = ClientBodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ClientBodyError>>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        let polled = self.poll_step(cx);
+        match &polled {
+            Poll::Ready(None) => self.over(Over::Ended),
+            Poll::Ready(Some(Err(_))) => self.over(Over::Broken),
+            Poll::Ready(Some(Ok(_))) if self.inbound.ended() => self.over(Over::Ended),
+            _ => {}
+        }
+        polled.map(|p| p.map(|r| r.map_err(ClientBodyError)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || self.inbound.ended()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self.inbound.state().framing {
+            Framing::Done => SizeHint::with_exact(0),
+            Framing::Length(n) => SizeHint::with_exact(n),
+            _ => SizeHint::default(),
+        }
+    }
+}
+
+impl Drop for RequestBody {
+    fn drop(&mut self) {
+        // Dropped before its end: the rest is the connection's to read and drop.
+        let how = match self.inbound.ended() {
+            true => Over::Ended,
+            false => Over::Dropped,
+        };
+        self.over(how);
+    }
+}
