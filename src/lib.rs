@@ -11,7 +11,8 @@
 //! - `key`: which bucket a request belongs to; the client address; bounded key forms.
 //! - `target`: the canonical request path, and the form rules match it in.
 //! - `rules`: compiled rules and the synchronous in-path decision.
-//! - `gate`: waiting (delay, shaping), concurrency slots, and the embeddable tower layer.
+//! - `gate`: admission around the decision: waiting (delay, shaping), remote stores, slots.
+//! - `layer`: the embeddable tower layer, a thin adapter over `gate` and `respond`.
 //! - `control`: reporter, aggregator, controller and the drop-ratio math (fleet limits).
 //! - `exact`: `scope: redis`: the Lua scripts, the Redis connection and its circuit breaker.
 //! - `hygiene`: what a request must be before any rule sees it (one `Host`, a canonical
@@ -27,7 +28,8 @@
 //!
 //! No module file imports one that imports it back (`tests/modules.rs`; a module and those
 //! inside it may use each other): the files of `limit`, `key`, `config` and `metrics` sit
-//! below those of `rules`, `respond` and `gate`, and those below `proxy` and `control`.
+//! below those of `rules`, `respond` and `gate`, and those below `proxy`, `control` and
+//! `layer`.
 
 mod config;
 mod control;
@@ -39,6 +41,7 @@ mod hop;
 mod hygiene;
 mod inject;
 mod key;
+mod layer;
 mod limit;
 mod metrics;
 mod proxy;
@@ -52,7 +55,7 @@ mod ui;
 mod watch;
 
 pub use config::{Config, ConfigError};
-pub use gate::{PeerAddr, RateLimitLayer};
+pub use layer::{PeerAddr, RateLimitLayer};
 pub use limit::{
     Algorithm, AnyClock, Clock, Decision, FixedWindow, Gcra, LeakyBucket, Limiter, ManualClock,
     MonotonicClock, Quota, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
@@ -87,6 +90,9 @@ pub mod internal {
     }
     pub mod key {
         pub use crate::key::*;
+    }
+    pub mod layer {
+        pub use crate::layer::*;
     }
     pub mod limit {
         pub use crate::limit::*;

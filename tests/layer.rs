@@ -1,6 +1,7 @@
 //! The embeddable tower layer runs the sidecar's decision and answers: for the same rules, the
-//! same statuses, `Retry-After`, `RateLimit` headers and problem documents; and it refuses the
-//! rules it cannot enforce instead of letting their traffic through.
+//! same statuses, `Retry-After`, `RateLimit` headers and problem documents, global rules (with
+//! a real controller) included; and it refuses the rules it cannot enforce instead of letting
+//! their traffic through.
 
 mod common;
 
@@ -88,7 +89,10 @@ async fn the_layer_answers_as_the_sidecar_does_for_the_same_rules() {
 #[test]
 fn rules_the_layer_cannot_enforce_are_refused_with_why() {
     for (scope, why) in [
-        ("global", "scope: global needs the sidecar's control plane"),
+        (
+            "global",
+            "scope: global needs a control_plane section with the aggregator's url",
+        ),
         ("redis", "scope: redis needs the sidecar's redis section"),
     ] {
         let yaml = format!(
@@ -99,4 +103,77 @@ fn rules_the_layer_cannot_enforce_are_refused_with_why() {
             Err(e) => assert!(e.to_string().contains(why), "{e}"),
         }
     }
+    // A control plane needs the service the fleet counts under, and a runtime to report from.
+    let cp = "control_plane: { url: \"http://127.0.0.1:1\" }\nrules: []\n";
+    let e = spillway::RateLimitLayer::from_yaml(cp, "layer")
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("needs service"), "{e}");
+    let e = spillway::RateLimitLayer::from_yaml(&format!("service: s\n{cp}"), "layer")
+        .err()
+        .unwrap();
+    assert!(e.to_string().contains("tokio runtime"), "{e}");
+}
+
+/// A global rule in the layer is the fleet's, as in a sidecar: the layer reports its counts
+/// to the control plane, which sums them with the sidecar's of the same service, and both
+/// refuse by the ratio it sends back, with the same answer.
+#[tokio::test]
+async fn a_global_rule_limits_the_layer_and_the_sidecar_together() {
+    let any = "127.0.0.1:0".parse().unwrap();
+    let ctl = spillway::internal::control::controller::start(
+        spillway::internal::control::controller::ControllerOptions::new(any, any),
+    )
+    .await
+    .unwrap();
+    let rules = format!(
+        r#"service: test
+control_plane: {{ url: "http://{}", report_interval: 100ms, stale_after: 5s }}
+rules:
+  - name: fleet-wide
+    key: [header:x-api-key]
+    limit: {{ rate: 5/s }}
+    scope: global
+"#,
+        ctl.addr
+    );
+    let layer = spillway::RateLimitLayer::from_yaml(&rules, "layer").unwrap();
+    let app = tower::service_fn(|_req: http::Request<Full<Bytes>>| async {
+        Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(b"ok"))))
+    });
+    let svc = layer.layer(app);
+    let (sc, _up) = sidecar(&rules.replace("service: test\n", "")).await;
+    let k = [("x-api-key", "k")];
+    // Offered through the layer alone at about 500/s, far over 5/s, until the controller's
+    // ratio arrives and a request is dropped (bounded: 10 s of it).
+    let mut from_layer = None;
+    let mut pace = tokio::time::interval(std::time::Duration::from_millis(2));
+    for _ in 0..5000 {
+        pace.tick().await;
+        let req = http::Request::get("http://app/")
+            .header("x-api-key", "k")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        let resp = svc.clone().oneshot(req).await.unwrap();
+        if resp.status() == http::StatusCode::TOO_MANY_REQUESTS {
+            let head = resp.headers().clone();
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            from_layer = Some(seen(429, &head, &body));
+            break;
+        }
+    }
+    let from_layer = from_layer.expect("the layer's global rule never dropped a request");
+    // The sidecar of the same service (`test`), which offered nothing: the fleet's ratio is
+    // its too.
+    let mut from_sidecar = None;
+    for _ in 0..3000 {
+        let (status, head, body) = get(sc.addr(), "/", &k).await;
+        if status == http::StatusCode::TOO_MANY_REQUESTS {
+            from_sidecar = Some(seen(429, &head, body.as_bytes()));
+            break;
+        }
+    }
+    assert_eq!(Some(from_layer), from_sidecar);
+    sc.shutdown();
+    sc.wait().await;
 }

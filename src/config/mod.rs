@@ -651,7 +651,7 @@ impl Config {
             });
         }
         check_rule_names(&config.rules, text, file)?;
-        config.check_control_plane(text, file)?;
+        check_control_plane(config.control_plane.as_ref(), &config.rules, text, file)?;
         config.check_redis(text, file)?;
         Ok(config)
     }
@@ -710,53 +710,59 @@ impl Config {
             Some(_) => Ok(()),
         }
     }
+}
 
-    /// Global rules need somewhere to report; intervals must make sense together.
-    fn check_control_plane(&self, text: &str, file: &str) -> Result<(), ConfigError> {
-        let invalid = |line, message: String| ConfigError::Invalid {
-            file: file.to_string(),
-            line,
-            column: None,
-            message,
-        };
-        if let Some(cp) = &self.control_plane {
-            let line = section_line(text, "control_plane:");
-            #[cfg(not(feature = "tls"))]
-            if cp.url.tls() {
-                return Err(invalid(
-                    line,
-                    format!("control_plane.url: https:// {FEATURE_TLS}"),
-                ));
-            }
-            if cp.ca_file.is_some() && !cp.url.tls() {
-                return Err(invalid(
-                    line,
-                    "control_plane.ca_file: only used with an https:// url".into(),
-                ));
-            }
-            if cp.report_interval.0 < Duration::from_millis(100) {
-                return Err(invalid(
-                    line,
-                    "control_plane.report_interval: must be at least 100ms".into(),
-                ));
-            }
-            if cp.stale_after.0 < cp.report_interval.0 * 2 {
-                return Err(invalid(
-                    line,
-                    "control_plane.stale_after: must be at least two report intervals".into(),
-                ));
-            }
-        } else if let Some(rule) = self.rules.iter().find(|r| r.scope == Scope::Global) {
+/// Global rules need somewhere to report; intervals must make sense together (the sidecar's
+/// config, and the tower layer's).
+pub(crate) fn check_control_plane(
+    control_plane: Option<&ControlPlane>,
+    rules: &[Rule],
+    text: &str,
+    file: &str,
+) -> Result<(), ConfigError> {
+    let invalid = |line, message: String| ConfigError::Invalid {
+        file: file.to_string(),
+        line,
+        column: None,
+        message,
+    };
+    if let Some(cp) = control_plane {
+        let line = section_line(text, "control_plane:");
+        #[cfg(not(feature = "tls"))]
+        if cp.url.tls() {
             return Err(invalid(
-                line_of_nth_name(text, &rule.name.0, 1),
-                format!(
-                    "rule {}: scope: global needs a control_plane section with the aggregator's url",
-                    rule.name
-                ),
+                line,
+                format!("control_plane.url: https:// {FEATURE_TLS}"),
             ));
         }
-        Ok(())
+        if cp.ca_file.is_some() && !cp.url.tls() {
+            return Err(invalid(
+                line,
+                "control_plane.ca_file: only used with an https:// url".into(),
+            ));
+        }
+        if cp.report_interval.0 < Duration::from_millis(100) {
+            return Err(invalid(
+                line,
+                "control_plane.report_interval: must be at least 100ms".into(),
+            ));
+        }
+        if cp.stale_after.0 < cp.report_interval.0 * 2 {
+            return Err(invalid(
+                line,
+                "control_plane.stale_after: must be at least two report intervals".into(),
+            ));
+        }
+    } else if let Some(rule) = rules.iter().find(|r| r.scope == Scope::Global) {
+        return Err(invalid(
+            line_of_nth_name(text, &rule.name.0, 1),
+            format!(
+                "rule {}: scope: global needs a control_plane section with the aggregator's url",
+                rule.name
+            ),
+        ));
     }
+    Ok(())
 }
 
 /// Deserializes YAML into `T`, turning the parser's error into file:line:column: path: what.

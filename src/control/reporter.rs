@@ -18,6 +18,7 @@ use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
 use super::{DropRatios, Entry, Limit, Reply, Report, Staleness, MAX_REPLY, VERSION};
+use crate::config::ControlPlane;
 use crate::limit::{AnyClock, Clock, Nanos};
 use crate::metrics::Metrics;
 use crate::rules::RuleSet;
@@ -217,6 +218,62 @@ pub fn first_seq() -> u64 {
 }
 
 impl Reporter {
+    /// The reporter for `cp`, with its token read now so that a bad token file stops start-up
+    /// (and re-read when the file changes, until `stop`).
+    pub fn new(
+        service: &str,
+        cp: &ControlPlane,
+        ratios: &Arc<ArcSwap<DropRatios>>,
+        clock: &AnyClock,
+        metrics: &Arc<Metrics>,
+        stop: watch::Receiver<bool>,
+    ) -> std::io::Result<Reporter> {
+        let token = match &cp.token_file {
+            Some(path) => {
+                crate::control::auth::Token::from_file(path.clone(), stop).map_err(|e| {
+                    std::io::Error::new(
+                        e.kind(),
+                        format!("control_plane.token_file {}: {e}", path.display()),
+                    )
+                })?
+            }
+            None => Default::default(),
+        };
+        let (url, tls) = report_url(&cp.url.0, cp.ca_file.as_deref()).map_err(|e| {
+            std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!("control_plane.url {}: {e}", cp.url.0),
+            )
+        })?;
+        let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
+        Ok(Reporter {
+            client: json_client(tls)?,
+            url,
+            token,
+            service: service.to_string(),
+            source: cp
+                .host
+                .clone()
+                .or_else(|| env("HOSTNAME"))
+                .unwrap_or_else(|| format!("spillway-{}", std::process::id())),
+            zone: cp
+                .zone
+                .clone()
+                .or_else(|| env("SPILLWAY_ZONE"))
+                .unwrap_or_default(),
+            interval: cp.report_interval.0,
+            top_k: cp.top_k.get() as usize,
+            seq: first_seq().into(),
+            staleness: Staleness {
+                stale_after: cp.stale_after.0.as_nanos() as u64,
+                decay: cp.decay.0.as_nanos() as u64,
+            },
+            ratios: ratios.clone(),
+            clock: clock.clone(),
+            metrics: metrics.clone(),
+        })
+    }
+
     /// The report of the counts since the last one.
     pub fn report(&self, rules: &RuleSet) -> Report {
         build_report(

@@ -47,9 +47,9 @@ use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
 
-use crate::config::{Config, ConfigError, ControlPlane};
+use crate::config::{Config, ConfigError};
 use crate::control::reporter::Reporter;
-use crate::control::{DropRatios, Staleness};
+use crate::control::DropRatios;
 use crate::gate;
 use crate::hygiene::{Hygiene, TOO_LARGE};
 use crate::key::{self, RequestView};
@@ -171,8 +171,8 @@ impl Sidecar {
         let rules = rules.with_store(crate::exact::store(&exact));
         let (stop, stopped) = watch::channel(false);
         let reporter = match &config.control_plane {
-            Some(cp) => Some(reporter(
-                &config,
+            Some(cp) => Some(Reporter::new(
+                &config.service.0,
                 cp,
                 &ratios,
                 &clock,
@@ -288,61 +288,6 @@ impl Sidecar {
         self.shutdown();
         self.wait().await;
     }
-}
-
-/// The reporter for `cp`, with its token read now so that a bad token file stops start-up
-/// (and re-read when the file changes, until `stop`).
-fn reporter(
-    config: &Config,
-    cp: &ControlPlane,
-    ratios: &Arc<ArcSwap<DropRatios>>,
-    clock: &AnyClock,
-    metrics: &Arc<Metrics>,
-    stop: watch::Receiver<bool>,
-) -> std::io::Result<Reporter> {
-    let token = match &cp.token_file {
-        Some(path) => crate::control::auth::Token::from_file(path.clone(), stop).map_err(|e| {
-            std::io::Error::new(
-                e.kind(),
-                format!("control_plane.token_file {}: {e}", path.display()),
-            )
-        })?,
-        None => Default::default(),
-    };
-    let (url, tls) = crate::control::reporter::report_url(&cp.url.0, cp.ca_file.as_deref())
-        .map_err(|e| {
-            std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("control_plane.url {}: {e}", cp.url.0),
-            )
-        })?;
-    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
-    Ok(Reporter {
-        client: crate::control::reporter::json_client(tls)?,
-        url,
-        token,
-        service: config.service.0.clone(),
-        source: cp
-            .host
-            .clone()
-            .or_else(|| env("HOSTNAME"))
-            .unwrap_or_else(|| format!("spillway-{}", std::process::id())),
-        zone: cp
-            .zone
-            .clone()
-            .or_else(|| env("SPILLWAY_ZONE"))
-            .unwrap_or_default(),
-        interval: cp.report_interval.0,
-        top_k: cp.top_k.get() as usize,
-        seq: crate::control::reporter::first_seq().into(),
-        staleness: Staleness {
-            stale_after: cp.stale_after.0.as_nanos() as u64,
-            decay: cp.decay.0.as_nanos() as u64,
-        },
-        ratios: ratios.clone(),
-        clock: clock.clone(),
-        metrics: metrics.clone(),
-    })
 }
 
 /// Binds `addr` once and gives each of `n` workers its own handle (a dup of the socket) to

@@ -157,7 +157,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
                 }
             };
             metrics.duration(outcome).observe(elapsed(shared, start));
-            let mut resp = respond::refused(&refusal, grpc);
+            let mut resp = respond::answer_kept(&refusal, grpc);
             // Refused before its body was read: read (and drop) a small body so that the
             // connection stays usable and the client reads our answer; a large or slow one
             // closes the connection instead (nginx's lingering close, bounded). A body in

@@ -10,7 +10,7 @@
 //!
 //! Cost: a rule's 429 for a retry hint of up to a minute is built once and kept, its header
 //! fields both as a map and as the lines of an HTTP/1 head. The sidecar's refused request takes
-//! two reference counts and no allocation ([`refused`]); our HTTP/1 side copies the lines into
+//! two reference counts and no allocation ([`answer_kept`]); our HTTP/1 side copies the lines into
 //! its write, and only hyper's server (HTTP/2, a connection handed to it) gets the map cloned.
 
 use std::convert::Infallible;
@@ -50,8 +50,9 @@ pub fn is_grpc(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
 }
 
-/// The answer to a refused request.
-pub fn refusal<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: bool) -> Ours<L, R> {
+/// The answer to a refused request, in its response's map (the tower layer's, and the sidecar's
+/// when the rule keeps none: see [`answer_kept`]).
+pub fn answer<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: bool) -> Ours<L, R> {
     match refusal {
         Refusal::Limited(denial) => too_many_requests(denial, grpc),
         Refusal::BadRequest(bad) => {
@@ -111,11 +112,12 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -
     resp
 }
 
-/// The sidecar's answer to a refused request. A 429 whose parts the rule keeps (a plain HTTP
-/// request, a retry hint of up to a minute) comes with no header map: its body holds the
-/// rule's `Answer`, whose fields our HTTP/1 side writes as they are kept (no map cloned,
-/// walked and dropped per refusal) and [`whole`](crate::proxy::respond::whole) puts in the map for hyper's server.
-pub fn refused<L>(refusal: &Refusal, grpc: bool) -> Ours<L, Own> {
+/// The sidecar's answer to a refused request: [`answer`], but a 429 whose parts the rule keeps
+/// (a plain HTTP request, a retry hint of up to a minute) comes with no header map: its body
+/// holds the rule's `Answer`, whose fields our HTTP/1 side writes as they are kept (no map
+/// cloned, walked and dropped per refusal) and [`whole`](crate::proxy::respond::whole) puts in
+/// the map for hyper's server.
+pub fn answer_kept<L>(refusal: &Refusal, grpc: bool) -> Ours<L, Own> {
     if let Refusal::Limited(denial) = refusal {
         if !grpc && !denial.capacity {
             if let Some(answer) = denial.answers.get(denial.retry_after_secs()) {
@@ -130,7 +132,7 @@ pub fn refused<L>(refusal: &Refusal, grpc: bool) -> Ours<L, Own> {
             }
         }
     }
-    self::refusal(refusal, grpc)
+    answer(refusal, grpc)
 }
 
 /// A body of the sidecar's own: a short document, or a kept 429 with its head's fields.
@@ -448,7 +450,7 @@ mod tests {
             d.header_mode = mode;
             let (status, headers, body) = parts(too_many_requests(&d, false)).await;
             let refusal = Refusal::Limited(d);
-            let kept = refused(&refusal, false);
+            let kept = answer_kept(&refusal, false);
             let Either::Right(Own::Canned(canned)) = kept.body() else {
                 panic!("a 7 s hint is kept: {mode:?}")
             };
@@ -468,14 +470,14 @@ mod tests {
         let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
         // A hint over a minute, "never", and gRPC are built per refusal.
         for (secs, grpc) in [(Some(61), false), (None, false), (Some(7), true)] {
-            let resp = refused::<()>(&Refusal::Limited(denial(&answers, secs)), grpc);
+            let resp = answer_kept::<()>(&Refusal::Limited(denial(&answers, secs)), grpc);
             assert!(
                 matches!(resp.body(), Either::Right(Own::Doc(_))),
                 "{secs:?} {grpc}"
             );
             assert!(resp.headers().contains_key(RETRY_AFTER) || secs.is_none());
         }
-        let mut kept = refused(&Refusal::Limited(denial(&answers, Some(7))), false);
+        let mut kept = answer_kept(&Refusal::Limited(denial(&answers, Some(7))), false);
         kept.headers_mut()
             .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         let mut resp = kept;

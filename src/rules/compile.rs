@@ -28,17 +28,28 @@ impl RuleSet {
         ratios: Arc<ArcSwap<DropRatios>>,
         previous: Option<&RuleSet>,
     ) -> RuleSet {
-        let mut set = Self::from_rules_keeping(&config.rules, config.headers, metrics, previous);
-        set.ratios = ratios;
+        let mut set = Self::from_rules_keeping(&config.rules, config.headers, metrics, previous)
+            .in_fleet(config.control_plane.as_ref(), ratios);
         set.log_rejections = config.log_rejections;
-        if let Some(cp) = &config.control_plane {
-            set.staleness = Staleness {
+        set
+    }
+
+    /// Global rules read the drop ratios in `ratios`, and treat their age as `control_plane`
+    /// says (its defaults without one).
+    pub fn in_fleet(
+        mut self,
+        control_plane: Option<&ControlPlane>,
+        ratios: Arc<ArcSwap<DropRatios>>,
+    ) -> RuleSet {
+        self.ratios = ratios;
+        if let Some(cp) = control_plane {
+            self.staleness = Staleness {
                 stale_after: cp.stale_after.0.as_nanos() as Nanos,
                 decay: cp.decay.0.as_nanos() as Nanos,
             };
-            set.report_interval = cp.report_interval.0.as_nanos() as Nanos;
+            self.report_interval = cp.report_interval.0.as_nanos() as Nanos;
         }
-        set
+        self
     }
 
     /// Compiles `rules`, resolving their metric handles in `metrics`.

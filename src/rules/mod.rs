@@ -27,8 +27,8 @@ use smallvec::SmallVec;
 
 use crate::config::OnError;
 use crate::config::{
-    Config, Cost, CostFrom, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit, Rate, Rule,
-    Scope, SketchSize,
+    Config, ControlPlane, Cost, CostFrom, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit,
+    Rate, Rule, Scope, SketchSize,
 };
 use crate::key::{
     bound_local, canonical_text, extract, extract_text, Extract, KeyBuf, KeyPart, RequestView,
