@@ -122,8 +122,8 @@ enum Got {
     Back(Raw),
 }
 
-/// Where and how to connect.
-pub struct Upstream {
+/// Where and how to connect to the upstream.
+pub struct Dial {
     /// `host:port` (port 80 when the configuration gave none).
     pub address: String,
     pub connect_timeout: Duration,
@@ -205,7 +205,7 @@ impl Affine {
     /// twice.
     pub async fn send(
         &self,
-        upstream: &Upstream,
+        upstream: &Dial,
         req: &Request<ReqBody>,
         added: &Added,
         now: u64,
@@ -252,7 +252,7 @@ impl Affine {
 
     /// A connection to the upstream, once it is this request's turn to connect: one that came
     /// back to the worker's list meanwhile (`true`: reused), or a new one.
-    async fn connect(&self, upstream: &Upstream, now: u64) -> Result<(Raw, bool), Failure> {
+    async fn connect(&self, upstream: &Dial, now: u64) -> Result<(Raw, bool), Failure> {
         let permit = match self.idle.permit(now, upstream).await {
             Some(Got::Permit(p)) => p,
             Some(Got::Back(raw)) => return Ok((raw, true)),
@@ -435,7 +435,7 @@ impl Idle {
     /// back while the request waited; `None` once `upstream.connect_timeout` has passed with
     /// neither. At the cap, an idle connection of this worker's is closed for its permit
     /// first (the caller found none usable).
-    async fn permit(&self, now: u64, upstream: &Upstream) -> Option<Got> {
+    async fn permit(&self, now: u64, upstream: &Dial) -> Option<Got> {
         let cap = &self.cap;
         loop {
             if let Ok(p) = cap.permits.clone().try_acquire_owned() {

@@ -23,7 +23,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use smallvec::SmallVec;
 
-use super::affine::{Affine, Cap, Upstream};
+use super::affine::{Affine, Cap, Dial};
 use super::body::in_hand;
 pub use super::body::{emptied, InHand, ReqBody, Streamed};
 use super::coarse::{timeout, Sleep, Timers};
@@ -180,7 +180,7 @@ pub struct Forward<'a> {
     pub h2: bool,
     /// The client connection's own upstream connection (or, for HTTP/2 streams, one borrowed
     /// from the worker's), for an HTTP/1 upstream; `None` sends through the pooled client.
-    pub affine: Option<(&'a Affine, &'a Upstream)>,
+    pub affine: Option<(&'a Affine, &'a Dial)>,
     /// The request's start (the clock's nanoseconds).
     pub now: u64,
     /// The `Upgrade` protocols that may be forwarded.

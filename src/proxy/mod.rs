@@ -72,7 +72,7 @@ pub struct Shared {
     pub config: ArcSwap<Config>,
     upstream: http::uri::Authority,
     /// The same with its connect and idle timeouts, for every upstream connection.
-    affine_upstream: affine::Upstream,
+    affine_upstream: affine::Dial,
     upstream_h2: bool,
     /// `limits.max_upstream_connections`, shared by every worker.
     upstream_cap: Arc<affine::Cap>,
@@ -186,7 +186,7 @@ impl Sidecar {
             rules: Arc::new(ArcSwap::from_pointee(rules)),
             ratios,
             upstream: config.upstream.authority.clone(),
-            affine_upstream: affine::Upstream {
+            affine_upstream: affine::Dial {
                 address: format!(
                     "{}:{}",
                     config.upstream.authority.host(),

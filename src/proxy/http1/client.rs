@@ -55,24 +55,24 @@ const ROOM: [usize; 3] = [4 * 1024, 16 * 1024, 64 * 1024];
 /// An upstream connection between exchanges. Boxed once, when connected: it moves between the
 /// worker's idle list, an exchange and the response body it reads, and a response moves by
 /// value through the request path's futures.
-pub struct Raw(Box<Upstream>);
+pub struct Raw(Box<Connection>);
 
 impl std::ops::Deref for Raw {
-    type Target = Upstream;
+    type Target = Connection;
 
-    fn deref(&self) -> &Upstream {
+    fn deref(&self) -> &Connection {
         &self.0
     }
 }
 
 impl std::ops::DerefMut for Raw {
-    fn deref_mut(&mut self) -> &mut Upstream {
+    fn deref_mut(&mut self) -> &mut Connection {
         &mut self.0
     }
 }
 
-/// What [`Raw`] holds.
-pub struct Upstream {
+/// What [`Raw`] holds: an upstream connection's socket and buffers.
+pub struct Connection {
     stream: TcpStream,
     /// Bytes read and not yet used (empty between exchanges).
     buf: BytesMut,
@@ -109,7 +109,7 @@ pub enum Failed {
 impl Raw {
     /// `stream`, holding `permit` while it is open.
     pub fn new(stream: TcpStream, permit: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
-        Raw(Box::new(Upstream {
+        Raw(Box::new(Connection {
             stream,
             buf: BytesMut::new(),
             out: Vec::new(),
