@@ -316,7 +316,8 @@ async fn a_refused_upload_is_answered_before_its_body_and_never_reaches_the_app(
         "no 100 first: {}",
         a.head
     );
-    assert!(at_end(&mut c).await, "closed: the body was never read");
+    assert!(a.head.contains("connection: close\r\n"), "{}", a.head);
+    assert!(at_end(&mut c).await, "closed: the body was never asked for");
     let mut c = connect(&sc).await;
     let chunked = format!(
         "POST /echo HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n\
@@ -334,9 +335,9 @@ async fn a_refused_upload_is_answered_before_its_body_and_never_reaches_the_app(
     sc.wait().await;
 }
 
-/// A request body's chunk lines end in CRLF: a bare LF, which another parser in the path may
-/// read otherwise, is refused with 400 and the connection closed, and the app sees nothing of
-/// what follows.
+/// A request body's chunk-size lines are read strictly: a bare LF, a second CR, a leading space
+/// or a CR in an extension, which another parser in the path may read otherwise, is refused
+/// with 400 and the connection closed, and the app sees nothing of what follows.
 #[tokio::test]
 async fn a_chunked_body_with_a_bare_lf_is_refused_and_closes_the_connection() {
     let (sc, _up) = sidecar("rules: []").await;
@@ -345,6 +346,11 @@ async fn a_chunked_body_with_a_bare_lf_is_refused_and_closes_the_connection() {
         "5\r\nhello\r\n0\n\r\n",
         "5\r\nhelloXX0\r\n\r\n",
         "zz\r\nhello\r\n0\r\n\r\n",
+        // A size line another parser reads otherwise: a second CR, a leading space, a CR in an
+        // extension.
+        "5\r\r\nhello\r\n0\r\n\r\n",
+        " 5\r\nhello\r\n0\r\n\r\n",
+        "5;a\rb\r\nhello\r\n0\r\n\r\n",
     ] {
         let mut c = connect(&sc).await;
         let req = format!(

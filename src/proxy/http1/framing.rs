@@ -55,9 +55,9 @@ pub(crate) enum Step {
 }
 
 /// Takes the next piece of a body framed by `framing` out of `buf`, leaving what follows the
-/// body in it. `strict` (a client's request): each chunk line ends in CRLF; otherwise (an
-/// upstream's response) a bare LF ends a chunk-size line too, as RFC 9112 §2.2 allows a
-/// recipient. An error says what was wrong; the body cannot go on after one.
+/// body in it. A chunk-size line is read strictly (hex digits, then extensions only); `strict`
+/// (a client's request): each chunk line ends in CRLF; otherwise (an upstream's response) a
+/// bare LF ends a chunk-size line too, as RFC 9112 §2.2 allows a recipient. An error says what was wrong; the body cannot go on after one.
 pub(crate) fn decode(
     framing: &mut Framing,
     buf: &mut BytesMut,
@@ -146,15 +146,25 @@ pub(crate) fn decode(
     }
 }
 
-/// The size of a chunk-size line without its end (`1a;ext=x`): hex digits, then extensions,
-/// ignored.
+/// The size of a chunk-size line without its end, read as RFC 9112 §7.1 writes it:
+/// hex digits first, then only extensions (`;`, after optional spaces or tabs) with no control
+/// character; anything else (a space before the size, a second CR, a bare CR in an extension)
+/// is how two parsers come to read one body differently.
 fn chunk_size(line: &[u8]) -> Option<u64> {
-    let digits = line
-        .split(|&b| b == b';')
-        .next()
-        .map(<[u8]>::trim_ascii)
-        .filter(|d| !d.is_empty() && d.len() <= 15)?;
-    digits.iter().try_fold(0u64, |n, &d| {
+    let digits = line.iter().take_while(|b| b.is_ascii_hexdigit()).count();
+    if digits == 0 || digits > 15 {
+        return None;
+    }
+    let rest = &line[digits..];
+    let ext = rest.trim_ascii_start();
+    let ows = rest.len() - ext.len();
+    if !rest[..ows].iter().all(|&b| b == b' ' || b == b'\t') {
+        return None;
+    }
+    if !(ext.is_empty() || ext[0] == b';') || ext.iter().any(|&b| b < 0x20 && b != b'\t') {
+        return None;
+    }
+    line[..digits].iter().try_fold(0u64, |n, &d| {
         let v = (d as char).to_digit(16)?;
         Some(n * 16 + u64::from(v))
     })
@@ -297,14 +307,15 @@ mod tests {
     }
 
     #[test]
-    fn chunk_sizes_are_hex_with_extensions_ignored() {
+    fn chunk_sizes_are_hex_digits_then_extensions_only() {
         assert_eq!(chunk_size(b"1a"), Some(26));
         assert_eq!(chunk_size(b"FF;name=value"), Some(255));
+        assert_eq!(chunk_size(b"1a \t;name=\"v\""), Some(26));
         assert_eq!(chunk_size(b"0"), Some(0));
-        assert_eq!(chunk_size(b""), None);
-        assert_eq!(chunk_size(b"zz"), None);
-        assert_eq!(chunk_size(b"5\rX"), None, "a CR inside the line");
         assert_eq!(chunk_size(b"1234567890abcdef"), None, "past 15 digits");
+        for bad in [&b""[..], b"zz", b" 5", b"\t5", b"5\r", b"5\x0c", b"5;a\rb", b"5 x", b"-1"] {
+            assert_eq!(chunk_size(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
     }
 
     /// Every frame and the step that ends the body, from `input` given `at` a time.

@@ -5,7 +5,7 @@
 //!
 //! Serves (server): HTTP/1.0 and 1.1 requests in origin form, not `CONNECT`, without `Upgrade`;
 //! a body of one `Content-Length` (read whole with its head up to [`server::IN_HAND`], else
-//! streamed) or `Transfer-Encoding: chunked` alone (streamed, trailers included), `Expect:
+//! streamed) or `Transfer-Encoding: chunked` alone (streamed; trailers read, not passed on), `Expect:
 //! 100-continue` answered when the body is first read ([`request_body`]). Hands to hyper's
 //! server for good, with every byte read so far: an upgrade, an HTTP/2 preface, a framing that
 //! is how one request is read as two (conflicting or repeated lengths, other codings), a head

@@ -67,6 +67,9 @@ struct State {
     /// Dropped before its end (the app answered without reading it all): the connection reads
     /// the rest and drops it, within bounds.
     dropped: bool,
+    /// The body's task, waiting to write the `100 Continue`: woken when the response takes
+    /// its place (the socket keeps one write waker, which the response's writes take).
+    write_waker: Option<std::task::Waker>,
 }
 
 impl Inbound {
@@ -93,6 +96,7 @@ impl Inbound {
                 never_asked: false,
                 broken: false,
                 dropped: false,
+                write_waker: None,
             }),
             over: Notify::new(),
         })
@@ -108,18 +112,30 @@ impl Inbound {
     }
 
     /// Before the response's head: what is left of a `100 Continue` begun (rare: one write of
-    /// 25 bytes nearly always takes all), to be written first; one not begun is never sent.
-    pub(super) fn response_begins(&self) -> &'static [u8] {
+    /// 25 bytes nearly always takes all), to be written first, one not begun never; and whether
+    /// the client still waits to be asked for its body (then the connection cannot go on).
+    pub(super) fn response_begins(&self) -> (&'static [u8], bool) {
         let mut state = self.state();
         let rest = match state.to_continue.len() {
             n if n == CONTINUE.len() => {
-                state.never_asked = true;
+                state.never_asked = state.framing != Framing::Done;
                 &[]
             }
             _ => state.to_continue,
         };
         state.to_continue = &[];
-        rest
+        if let Some(waker) = state.write_waker.take() {
+            waker.wake();
+        }
+        (rest, state.never_asked)
+    }
+
+    /// The connection is gone (an error, or closed at once): the body fails at its next read
+    /// rather than hold its upstream exchange open.
+    pub(super) fn abandon(&self) {
+        self.state().broken = true;
+        let _ = socket2::SockRef::from(&*self.stream).shutdown(std::net::Shutdown::Read);
+        self.over.notify_waiters();
     }
 
     /// Waits (at most until `deadline`) for the body to be over; whether it was read to its
@@ -153,24 +169,23 @@ impl Inbound {
                 _ = deadline.as_mut() => return false,
             }
         };
-        // The body is gone: nothing else reads the socket now.
-        let mut left = DRAIN;
+        // The body is gone: nothing else reads the socket now. At most `DRAIN` more bytes
+        // (chunk lines included) are read.
+        if matches!(framing, Framing::Length(n) if n > DRAIN as u64) {
+            return false;
+        }
+        let mut read = 0;
         loop {
             match decode(&mut framing, &mut rest, true) {
-                Ok(Step::Frame(frame)) => {
-                    let n = frame.data_ref().map_or(0, Bytes::len);
-                    if n > left {
-                        return false;
-                    }
-                    left -= n;
-                }
+                Ok(Step::Frame(_)) => {}
                 Ok(Step::End) => {
                     *buf = rest;
                     return true;
                 }
+                Ok(Step::More) if read > DRAIN => return false,
                 Ok(Step::More) => {
                     rest.reserve(READ);
-                    let read = async {
+                    let more = async {
                         loop {
                             self.stream.readable().await?;
                             match self.stream.try_read_buf(&mut rest) {
@@ -180,9 +195,9 @@ impl Inbound {
                         }
                     };
                     tokio::select! {
-                        read = read => match read {
+                        got = more => match got {
                             Ok(0) | Err(_) => return false,
-                            Ok(_) => {}
+                            Ok(n) => read += n,
                         },
                         _ = deadline.as_mut() => return false,
                     }
@@ -242,7 +257,10 @@ impl RequestBody {
                     match inbound.stream.poll_write_ready(cx) {
                         Poll::Ready(Ok(())) => {}
                         Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e.to_string()))),
-                        Poll::Pending => return Poll::Pending,
+                        Poll::Pending => {
+                            state.write_waker = Some(cx.waker().clone());
+                            return Poll::Pending;
+                        }
                     }
                 }
                 Err(e) => return Poll::Ready(Some(Err(e.to_string()))),

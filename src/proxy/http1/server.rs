@@ -8,8 +8,8 @@
 //! reads the socket while it lasts; the connection goes on once it is read to its end.
 //! Each head must be whole within `timeouts.header_read`, parsed again only once its end may
 //! have come ([`HeadEnd`]); each write must take a byte within `timeouts.send`. The connection
-//! stays open unless the client or the response says `close`, a body was cut short or left
-//! unread, or the worker drains. While a request without a streamed body is in flight the
+//! stays open unless the client or the response says `close`, a body was cut short (or left
+//! unread past what is drained), or the worker drains. While a request without a streamed body is in flight the
 //! socket is peeked only when readable: an end of stream abandons the request. Must never:
 //! allocate a buffer per request, or hold the request or response where a move through futures
 //! would copy it.
@@ -94,26 +94,48 @@ pub(in crate::proxy) async fn serve(
         };
         slot = None;
         asked.keep_alive &= !lane.draining.has_changed().unwrap_or(true);
-        if let Some(body) = &streamed {
-            // A `100 Continue` begun goes out whole before the response; one not begun never.
-            let rest = body.response_begins();
-            if !rest.is_empty() {
-                send_all(&s.stream, &mut s.clock, rest).await?;
+        let written = async {
+            if let Some(body) = &streamed {
+                // A `100 Continue` begun goes out whole before the response, one not begun
+                // never; a client still waiting for it is told the connection closes.
+                let (rest, never_asked) = body.response_begins();
+                asked.keep_alive &= !never_asked;
+                if !rest.is_empty() {
+                    send_all(&s.stream, &mut s.clock, rest).await?;
+                }
             }
-        }
-        let stay = s.respond(&mut resp, asked).await?;
+            s.respond(&mut resp, asked).await
+        };
+        let stay = match written.await {
+            Ok(stay) => stay,
+            Err(e) => {
+                // A body still being read must not outlive its connection.
+                if let Some(body) = &streamed {
+                    body.abandon();
+                }
+                return Err(e.into());
+            }
+        };
         drop(resp);
         let mut ended = true;
         if let Some(body) = streamed {
             // The body may still be going upstream (an answer before the upload's end): the
             // connection goes on once it is read to its end, and what followed it is the next
-            // request's. One left unread or broken off, or still coming at `client_idle`,
-            // closes it.
-            let wait = Sleep::until(lane.timers.clone(), Timers::now() + lane.client_idle);
-            ended = body.finish(&mut s.buf, wait).await;
+            // request's; the rest of one the app left unread is read and dropped (bounded).
+            // One broken off, or still coming at `client_idle`, closes it.
+            ended = match stay {
+                true => {
+                    let wait = Sleep::until(lane.timers.clone(), Timers::now() + lane.client_idle);
+                    body.finish(&mut s.buf, wait).await
+                }
+                false => body.ended(),
+            };
+            if !ended {
+                body.abandon();
+            }
         }
         if !stay || !ended {
-            s.close(!ended);
+            s.close();
             return Ok(());
         }
         s.kept = true;
@@ -271,15 +293,9 @@ impl Served {
         Next::Request(slot.insert(req), Some(inbound))
     }
 
-    /// Ends the connection: no more writes (the client reads to the end of what was sent);
-    /// with `unread`, no more reads either, so that a body still reading fails at once rather
-    /// than hold its upstream exchange open.
-    fn close(&self, unread: bool) {
-        let how = match unread {
-            true => std::net::Shutdown::Both,
-            false => std::net::Shutdown::Write,
-        };
-        let _ = socket2::SockRef::from(&*self.stream).shutdown(how);
+    /// Ends the connection: no more writes (the client reads to the end of what was sent).
+    fn close(&self) {
+        let _ = socket2::SockRef::from(&*self.stream).shutdown(std::net::Shutdown::Write);
     }
 
     /// Reads what the socket holds, without waiting, until the buffer has `need` bytes;
@@ -570,15 +586,18 @@ fn asks_close(headers: &HeaderMap) -> bool {
     connection.iter().any(|v| has_token(v.as_bytes(), b"close"))
 }
 
-/// Reads what the socket has into `buf`, waiting until it has something; 0 at its end.
+/// Reads what the socket has into `buf`, waiting until it has something; 0 at its end. The
+/// socket's one reader waker is this task's (no streamed body reads it meanwhile).
 async fn read_some(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
-    loop {
-        stream.readable().await?;
+    std::future::poll_fn(|cx| loop {
         match stream.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            read => return read,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::task::ready!(stream.poll_read_ready(cx))?
+            }
+            read => return Poll::Ready(read),
         }
-    }
+    })
+    .await
 }
 
 /// The client reset or broke the connection: nothing to answer.
@@ -690,7 +709,9 @@ pub(super) fn parse(buf: &mut BytesMut, stream_all: bool) -> Parsed {
         (false, Some(n)) => Framing::Length(n),
         (false, None) => Framing::Length(0),
     };
+    // No body at all is in hand, whatever the client expects.
     let in_hand = match framing {
+        Framing::Length(0) => Some(0),
         Framing::Length(n) if n <= IN_HAND as u64 && !expects && !stream_all => Some(n as usize),
         _ => None,
     };

@@ -14,8 +14,9 @@
 //!
 //! Deliberate differences (the generators avoid them or the checks allow them):
 //! - a request that this side hands to hyper (`Other`) is hyper's by construction;
-//! - a request body's chunk lines must end in CRLF here (hyper takes a bare LF in some), and one
-//!   refused here is answered 400 and its connection closed;
+//! - a request body's chunk-size lines are read strictly here (hex digits, then extensions
+//!   only, CRLF; hyper takes some other shapes), and a body refused here fails its request
+//!   and closes its connection;
 //! - an unasked `101` is refused here (502); hyper's client hands it over for an upgrade;
 //! - a chunk-size line of more than 15 hex digits is refused here; hyper takes up to 16;
 //! - a response with both `Transfer-Encoding` and `Content-Length` is read the same, but its
@@ -337,6 +338,11 @@ fn chunked_body() -> impl Strategy<Value = Vec<u8>> {
         1 => (0usize..12).prop_map(|n| (format!("{n:x} "), n)),
         1 => (0usize..12).prop_map(|n| (format!("0{n:x}"), n)),
         1 => (0usize..12).prop_map(|n| (format!("{n:X}"), n)),
+        1 => (0usize..12).prop_map(|n| (format!(" {n:x}"), n)),
+        1 => (0usize..12).prop_map(|n| (format!("\t{n:x}"), n)),
+        1 => (0usize..12).prop_map(|n| (format!("{n:x}\r"), n)),
+        1 => (0usize..12).prop_map(|n| (format!("{n:x}\x0c"), n)),
+        1 => (0usize..12).prop_map(|n| (format!("{n:x};a\rb"), n)),
     ];
     (
         prop::collection::vec(size, 0..3),
