@@ -2,10 +2,11 @@
 //! store the questions a decision left open, and holding concurrency slots until the response
 //! body ends; the sidecar's request path and the tower layer (`layer`) both admit through it.
 //!
-//! Owns the only awaits of the limiting path: the leaky bucket's shaping wait and the
-//! `on_limit: delay` retries, each a tokio timer (no thread held). The rule snapshot is loaded
-//! afresh for each try and never held across an await. Must never: answer a request itself
-//! (that is `proxy::respond`), or wait longer than the rule's `max_delay`.
+//! Owns the only awaits of the limiting path: the leaky bucket's shaping wait, the
+//! `on_limit: delay` retries (each a tokio timer, no thread held) and a remote store's answers
+//! (each bounded by `redis.timeout`). The rule snapshot is loaded afresh for each try and never
+//! held across an await. Must never: answer a request itself (that is `respond`), or wait
+//! longer than the rule's `max_delay`.
 
 use std::time::Duration;
 

@@ -38,6 +38,22 @@ async fn start(up: SocketAddr, yaml: &str) -> Sidecar {
     Sidecar::start(config(up, yaml)).await.unwrap()
 }
 
+/// A rate limit of `algorithm`, as a rule writes it.
+fn limit(rate: &str, algorithm: &str) -> String {
+    format!("{{ rate: {rate}, algorithm: {algorithm} }}")
+}
+
+/// A sidecar in front of `up` with the `redis:` section and rule `r` of [`yaml`].
+async fn proxy(
+    up: &Upstream,
+    redis: &RedisServer,
+    section: &str,
+    limit: &str,
+    extra: &str,
+) -> Sidecar {
+    start(up.addr, &yaml(redis, section, limit, extra)).await
+}
+
 async fn metrics(sc: &Sidecar) -> String {
     admin(sc, "/metrics").await.1
 }
@@ -84,12 +100,7 @@ async fn two_proxies_sharing_one_limit_admit_exactly_the_limit_with_every_algori
     let up = upstream().await;
     for algorithm in ALGORITHMS {
         // An hour's window: no refill and (checked) no window edge during the burst.
-        let y = yaml(
-            &redis,
-            "",
-            &format!("{{ rate: 25/h, algorithm: {algorithm} }}"),
-            "",
-        );
+        let y = yaml(&redis, "", &limit("25/h", algorithm), "");
         let (a, b) = (start(up.addr, &y).await, start(up.addr, &y).await);
         clear_of_window_edge(&redis, Duration::from_secs(3600), Duration::from_secs(30)).await;
         let statuses = burst(&[a.addr(), b.addr()], 120, algorithm).await;
@@ -122,16 +133,7 @@ async fn every_algorithm_counts_remaining_refuses_past_the_limit_and_says_when_t
     let redis = RedisServer::start();
     let up = upstream().await;
     for algorithm in ALGORITHMS {
-        let sc = start(
-            up.addr,
-            &yaml(
-                &redis,
-                "",
-                &format!("{{ rate: 3/m, algorithm: {algorithm} }}"),
-                "",
-            ),
-        )
-        .await;
+        let sc = proxy(&up, &redis, "", &limit("3/m", algorithm), "").await;
         clear_of_window_edge(&redis, Duration::from_secs(60), Duration::from_secs(5)).await;
         let key = [("x-client", algorithm)];
         let mut remaining = Vec::new();
@@ -174,14 +176,12 @@ async fn a_cost_above_the_limit_is_refused_without_a_retry_time() {
     let redis = RedisServer::start();
     let up = upstream().await;
     for algorithm in ALGORITHMS {
-        let sc = start(
-            up.addr,
-            &yaml(
-                &redis,
-                "",
-                &format!("{{ rate: 3/m, algorithm: {algorithm} }}"),
-                "    cost: { header: x-cost, default: 1, max: 100, from: any }\n",
-            ),
+        let sc = proxy(
+            &up,
+            &redis,
+            "",
+            &limit("3/m", algorithm),
+            "    cost: { header: x-cost, default: 1, max: 100, from: any }\n",
         )
         .await;
         let (status, headers, body) =
@@ -226,16 +226,7 @@ async fn every_key_carries_a_ttl_no_longer_than_its_window_needs() {
     let redis = RedisServer::start();
     let up = upstream().await;
     for algorithm in ALGORITHMS {
-        let sc = start(
-            up.addr,
-            &yaml(
-                &redis,
-                "",
-                &format!("{{ rate: 5/10s, algorithm: {algorithm} }}"),
-                "",
-            ),
-        )
-        .await;
+        let sc = proxy(&up, &redis, "", &limit("5/10s", algorithm), "").await;
         get(sc.addr(), "/", &[("x-client", algorithm)]).await;
         let mut conn = redis.conn().await;
         let keys: Vec<String> = redis::cmd("KEYS")
@@ -266,14 +257,12 @@ async fn every_key_carries_a_ttl_no_longer_than_its_window_needs() {
 async fn keys_are_gone_once_their_window_has_passed() {
     let redis = RedisServer::start();
     let up = upstream().await;
-    let sc = start(
-        up.addr,
-        &yaml(
-            &redis,
-            "",
-            "{ rate: 2/200ms, algorithm: sliding_window_log }",
-            "",
-        ),
+    let sc = proxy(
+        &up,
+        &redis,
+        "",
+        "{ rate: 2/200ms, algorithm: sliding_window_log }",
+        "",
     )
     .await;
     get(sc.addr(), "/", &[("x-client", "gone")]).await;
@@ -306,9 +295,12 @@ async fn keys_are_gone_once_their_window_has_passed() {
 async fn a_refused_key_is_answered_locally_until_its_retry_time() {
     let redis = RedisServer::start();
     let up = upstream().await;
-    let sc = start(
-        up.addr,
-        &yaml(&redis, "", "{ rate: 1/h, algorithm: fixed_window }", ""),
+    let sc = proxy(
+        &up,
+        &redis,
+        "",
+        "{ rate: 1/h, algorithm: fixed_window }",
+        "",
     )
     .await;
     clear_of_window_edge(&redis, Duration::from_secs(3600), Duration::from_secs(30)).await;
@@ -353,12 +345,7 @@ async fn proxies_with_skewed_clocks_agree_because_time_comes_from_redis() {
     let redis = RedisServer::start();
     let up = upstream().await;
     for algorithm in ALGORITHMS {
-        let y = yaml(
-            &redis,
-            "",
-            &format!("{{ rate: 4/h, algorithm: {algorithm} }}"),
-            "",
-        );
+        let y = yaml(&redis, "", &limit("4/h", algorithm), "");
         // Ten hours apart: any use of a proxy's own clock in a decision would show.
         let early = ManualClock::new(1_000_000_000);
         let late = ManualClock::new(1_000_000_000 + 36_000 * 1_000_000_000);
@@ -422,14 +409,12 @@ async fn redis_killed_on_error_decides_and_the_breaker_stops_asking() {
     for (on_error, want) in [("allow", 200), ("deny", 429), ("fallback", 0)] {
         let mut redis = RedisServer::start();
         let up = upstream().await;
-        let sc = start(
-            up.addr,
-            &yaml(
-                &redis,
-                &format!("  on_error: {on_error}\n  breaker: {{ failures: 3, cooldown: 1h }}\n"),
-                "{ rate: 100/s }",
-                "    fallback: { rate: 2/h }\n",
-            ),
+        let sc = proxy(
+            &up,
+            &redis,
+            &format!("  on_error: {on_error}\n  breaker: {{ failures: 3, cooldown: 1h }}\n"),
+            "{ rate: 100/s }",
+            "    fallback: { rate: 2/h }\n",
         )
         .await;
         assert_eq!(answered(sc.addr(), "k").await, 200);
@@ -481,14 +466,12 @@ async fn redis_killed_on_error_decides_and_the_breaker_stops_asking() {
 async fn a_frozen_redis_costs_each_request_at_most_the_timeout() {
     let redis = RedisServer::start();
     let up = upstream().await;
-    let sc = start(
-        up.addr,
-        &yaml(
-            &redis,
-            "  breaker: { failures: 2, cooldown: 1h }\n",
-            "{ rate: 100/s }",
-            "",
-        ),
+    let sc = proxy(
+        &up,
+        &redis,
+        "  breaker: { failures: 2, cooldown: 1h }\n",
+        "{ rate: 100/s }",
+        "",
     )
     .await;
     assert_eq!(answered(sc.addr(), "k").await, 200);
@@ -513,14 +496,12 @@ async fn a_frozen_redis_costs_each_request_at_most_the_timeout() {
 async fn redis_restarted_decisions_resume_and_the_scripts_are_loaded_again() {
     let mut redis = RedisServer::start();
     let up = upstream().await;
-    let sc = start(
-        up.addr,
-        &yaml(
-            &redis,
-            "  on_error: allow\n  breaker: { failures: 1, cooldown: 100ms }\n",
-            "{ rate: 1/h, algorithm: sliding_window_log }",
-            "",
-        ),
+    let sc = proxy(
+        &up,
+        &redis,
+        "  on_error: allow\n  breaker: { failures: 1, cooldown: 100ms }\n",
+        "{ rate: 1/h, algorithm: sliding_window_log }",
+        "",
     )
     .await;
     assert_eq!(answered(sc.addr(), "a").await, 200);
@@ -556,11 +537,7 @@ async fn redis_restarted_decisions_resume_and_the_scripts_are_loaded_again() {
 async fn a_flushed_script_cache_is_reloaded_on_noscript() {
     let redis = RedisServer::start();
     let up = upstream().await;
-    let sc = start(
-        up.addr,
-        &yaml(&redis, "", "{ rate: 1/h, algorithm: gcra }", ""),
-    )
-    .await;
+    let sc = proxy(&up, &redis, "", "{ rate: 1/h, algorithm: gcra }", "").await;
     let mut conn = redis.conn().await;
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
@@ -589,14 +566,12 @@ async fn a_proxy_started_while_redis_is_down_serves_and_connects_later() {
     let mut redis = RedisServer::start();
     redis.stop();
     let up = upstream().await;
-    let sc = start(
-        up.addr,
-        &yaml(
-            &redis,
-            "  breaker: { failures: 1, cooldown: 50ms }\n",
-            "{ rate: 1/h, algorithm: fixed_window }",
-            "",
-        ),
+    let sc = proxy(
+        &up,
+        &redis,
+        "  breaker: { failures: 1, cooldown: 50ms }\n",
+        "{ rate: 1/h, algorithm: fixed_window }",
+        "",
     )
     .await;
     assert_eq!(answered(sc.addr(), "x").await, 200, "on_error: allow");
@@ -690,14 +665,12 @@ async fn clear_of_hour_edge_by_local_clock() {
 async fn a_client_s_key_never_sizes_or_moves_a_redis_key() {
     let redis = RedisServer::start();
     let up = upstream().await;
-    let sc = start(
-        up.addr,
-        &yaml(
-            &redis,
-            "",
-            "{ rate: 5/m, algorithm: sliding_window_log }",
-            "",
-        ),
+    let sc = proxy(
+        &up,
+        &redis,
+        "",
+        "{ rate: 5/m, algorithm: sliding_window_log }",
+        "",
     )
     .await;
     let long = format!("a}}b{{{}", "x".repeat(8000));
@@ -725,14 +698,12 @@ async fn a_client_s_key_never_sizes_or_moves_a_redis_key() {
 async fn a_script_error_is_counted_apart_and_never_opens_the_breaker() {
     let redis = RedisServer::start();
     let up = upstream().await;
-    let sc = start(
-        up.addr,
-        &yaml(
-            &redis,
-            "  breaker: { failures: 3, cooldown: 1m }\n  on_error: deny\n",
-            "{ rate: 5/m, algorithm: gcra }",
-            "",
-        ),
+    let sc = proxy(
+        &up,
+        &redis,
+        "  breaker: { failures: 3, cooldown: 1m }\n  on_error: deny\n",
+        "{ rate: 5/m, algorithm: gcra }",
+        "",
     )
     .await;
     // The key the script reads holds a list: every call fails with WRONGTYPE, a script error.

@@ -163,15 +163,15 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
             // closes the connection instead (nginx's lingering close, bounded). A body in
             // hand was read with the head. A client waiting for `100 Continue` is not asked
             // for its body (reading it would send the 100): the refusal is its answer.
+            let taken = std::mem::replace(req.body_mut(), forward::emptied());
+            let http_body_util::Either::Left(body) = taken else {
+                return resp;
+            };
             let expects = req.version() != http::Version::HTTP_10
                 && req
                     .headers()
                     .get(http::header::EXPECT)
                     .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
-            let taken = std::mem::replace(req.body_mut(), forward::emptied());
-            let http_body_util::Either::Left(body) = taken else {
-                return resp;
-            };
             // Boxed: the rare path (a body to read) keeps the common future small.
             if !http_body::Body::is_end_stream(&body) && (expects || !Box::pin(drained(body)).await)
             {

@@ -383,11 +383,15 @@ impl RawBody {
                 return Poll::Ready(None);
             };
             match decode(&mut self.framing, &mut raw.buf, false) {
-                Ok(Step::Frame(frame)) => {
+                Ok(Step::Data(data)) => {
                     if self.framing == Framing::Done {
                         self.finish();
                     }
-                    return Poll::Ready(Some(Ok(frame)));
+                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                }
+                Ok(Step::Trailers(trailers)) => {
+                    self.finish();
+                    return Poll::Ready(Some(Ok(Frame::trailers(*trailers))));
                 }
                 Ok(Step::End) => {
                     self.finish();

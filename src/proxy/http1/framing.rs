@@ -6,7 +6,6 @@
 use bytes::{Buf, Bytes, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::Version;
-use http_body::Frame;
 
 /// A connection buffer's first size, and its least room for a read: most request heads are a
 /// few hundred bytes (nginx starts with 1 KiB). A larger head doubles it as it comes.
@@ -46,8 +45,10 @@ pub(crate) enum Chunk {
 /// What [`decode`] found in the buffer.
 #[derive(Debug)]
 pub(crate) enum Step {
-    /// A piece of the body: data, or its trailers (the last frame).
-    Frame(Frame<Bytes>),
+    /// A piece of the body's data.
+    Data(Bytes),
+    /// Its trailers, the last piece (boxed: rare, and a step is returned for every piece).
+    Trailers(Box<HeaderMap>),
     /// The body is over (`framing` is `Done`).
     End,
     /// More bytes are needed.
@@ -58,6 +59,7 @@ pub(crate) enum Step {
 /// body in it. A chunk-size line is read strictly (hex digits, then extensions only); `strict`
 /// (a client's request): each chunk line ends in CRLF; otherwise (an upstream's response) a
 /// bare LF ends a chunk-size line too, as RFC 9112 §2.2 allows a recipient. An error says what was wrong; the body cannot go on after one.
+#[inline]
 pub(crate) fn decode(
     framing: &mut Framing,
     buf: &mut BytesMut,
@@ -76,14 +78,14 @@ pub(crate) fn decode(
                     _ if left == 0 => Framing::Chunked(Chunk::DataEnd),
                     _ => Framing::Chunked(Chunk::Data(left)),
                 };
-                return Ok(Step::Frame(Frame::data(data)));
+                return Ok(Step::Data(data));
             }
             Framing::Length(0) => {
                 *framing = Framing::Done;
                 return Ok(Step::End);
             }
             Framing::Close if !buf.is_empty() => {
-                return Ok(Step::Frame(Frame::data(buf.split().freeze())));
+                return Ok(Step::Data(buf.split().freeze()));
             }
             Framing::Chunked(Chunk::Size) => match buf.iter().position(|&b| b == b'\n') {
                 Some(end) if end > MAX_CHUNK_LINE => return Err("a chunk-size line too long"),
@@ -135,7 +137,7 @@ pub(crate) fn decode(
                         if trailers.is_empty() {
                             return Ok(Step::End);
                         }
-                        return Ok(Step::Frame(Frame::trailers(trailers)));
+                        return Ok(Step::Trailers(Box::new(trailers)));
                     }
                     None if buf.len() > MAX_TRAILERS => return Err("trailers too large"),
                     None => return Ok(Step::More),
@@ -313,7 +315,17 @@ mod tests {
         assert_eq!(chunk_size(b"1a \t;name=\"v\""), Some(26));
         assert_eq!(chunk_size(b"0"), Some(0));
         assert_eq!(chunk_size(b"1234567890abcdef"), None, "past 15 digits");
-        for bad in [&b""[..], b"zz", b" 5", b"\t5", b"5\r", b"5\x0c", b"5;a\rb", b"5 x", b"-1"] {
+        for bad in [
+            &b""[..],
+            b"zz",
+            b" 5",
+            b"\t5",
+            b"5\r",
+            b"5\x0c",
+            b"5;a\rb",
+            b"5 x",
+            b"-1",
+        ] {
             assert_eq!(chunk_size(bad), None, "{:?}", String::from_utf8_lossy(bad));
         }
     }
@@ -335,10 +347,8 @@ mod tests {
         let mut fed = 0;
         loop {
             match decode(&mut framing, &mut buf, strict) {
-                Ok(Step::Frame(f)) => match f.into_data() {
-                    Ok(d) => data.extend_from_slice(&d),
-                    Err(f) => trailers = f.into_trailers().ok(),
-                },
+                Ok(Step::Data(d)) => data.extend_from_slice(&d),
+                Ok(Step::Trailers(t)) => trailers = Some(*t),
                 Ok(Step::End) => return (data, trailers, Ok(()), buf.to_vec()),
                 Ok(Step::More) if fed < input.len() => {
                     let n = at.min(input.len() - fed);

@@ -4,7 +4,7 @@
 //! else.
 //!
 //! Serves (server): HTTP/1.0 and 1.1 requests in origin form, not `CONNECT`, without `Upgrade`;
-//! a body of one `Content-Length` (read whole with its head up to [`server::IN_HAND`], else
+//! a body of one `Content-Length` (read whole with its head up to [`IN_HAND`](crate::proxy::body::IN_HAND), else
 //! streamed) or `Transfer-Encoding: chunked` alone (streamed; trailers read, not passed on), `Expect:
 //! 100-continue` answered when the body is first read ([`request_body`]). Hands to hyper's
 //! server for good, with every byte read so far: an upgrade, an HTTP/2 preface, a framing that
@@ -25,6 +25,7 @@ pub(crate) mod conn;
 pub(crate) mod framing;
 pub(crate) mod head;
 pub(crate) mod request_body;
+pub(crate) mod request_head;
 pub(crate) mod server;
 pub(crate) mod stalls;
 

@@ -22,7 +22,7 @@ use http_body::{Frame, SizeHint};
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
 
-use super::framing::{decode, Framing, Step, READ};
+use super::framing::{decode, Chunk, Framing, Step, READ};
 
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
@@ -177,7 +177,7 @@ impl Inbound {
         let mut read = 0;
         loop {
             match decode(&mut framing, &mut rest, true) {
-                Ok(Step::Frame(_)) => {}
+                Ok(Step::Data(_) | Step::Trailers(_)) => {}
                 Ok(Step::End) => {
                     *buf = rest;
                     return true;
@@ -269,13 +269,20 @@ impl RequestBody {
         loop {
             let state = &mut *state;
             match decode(&mut state.framing, &mut state.buf, true) {
-                Ok(Step::Frame(frame)) => return Poll::Ready(Some(Ok(frame))),
+                Ok(Step::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Ok(Step::Trailers(t)) => return Poll::Ready(Some(Ok(Frame::trailers(*t)))),
                 Ok(Step::End) => return Poll::Ready(None),
                 Ok(Step::More) => {}
                 Err(e) => return Poll::Ready(Some(Err(format!("sent {e}")))),
             }
-            if state.buf.capacity() - state.buf.len() < 1024 {
-                state.buf.reserve(READ.max(state.buf.len()));
+            // Room for what the body still says it has, up to 64 KiB a read: an upload comes in
+            // few large reads, not many of the connection buffer's first size.
+            let want = match state.framing {
+                Framing::Length(n) | Framing::Chunked(Chunk::Data(n)) => n.min(64 * 1024) as usize,
+                _ => 16 * 1024,
+            };
+            if state.buf.capacity() - state.buf.len() < want.max(1024) {
+                state.buf.reserve(want.max(READ));
             }
             match inbound.stream.try_read_buf(&mut state.buf) {
                 Ok(0) => {

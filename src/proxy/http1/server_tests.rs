@@ -1,5 +1,8 @@
 use super::*;
+use crate::proxy::body::IN_HAND;
+use crate::proxy::http1::framing::Chunk;
 use crate::proxy::http1::stalls::Stalls;
+use http::header::HeaderName;
 use hyper_util::rt::TokioExecutor;
 use hyper_util::server::conn::auto;
 use std::time::Duration;

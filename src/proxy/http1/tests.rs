@@ -3,7 +3,7 @@
 //! Server side: generated request streams (valid and mangled: length and coding conflicts and
 //! obfuscations, whitespace before colons, obs-fold, bare LF, NUL and CR in values, duplicate
 //! fields, chunked bodies with huge or signed sizes, extensions and trailers, `Expect`,
-//! pipelined requests) go to [`server::parse`] (and a streamed body to the request body's
+//! pipelined requests) go to [`request_head::parse`] (and a streamed body to the request body's
 //! decoder) and to hyper's HTTP/1 server. Every request this side serves must be one hyper
 //! serves too, the same (method, target, version, fields, body), in the same order; what this side does not serve goes to hyper in the proxy, so it cannot
 //! differ. The bytes this side would forward for each request ([`client::write_head`]) are
@@ -38,7 +38,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use super::client::{self, Home, Raw, Unusable};
 use super::framing::Step;
-use super::server::{self, Parsed};
+use super::request_head::{self, Parsed};
 use crate::proxy::forward::{Added, InHand, ReqBody};
 
 /// A request or response as one side saw it.
@@ -133,7 +133,7 @@ fn ours_serves(bytes: &[u8]) -> (Vec<Served>, &'static str) {
     let mut buf = BytesMut::from(bytes);
     let mut out = Vec::new();
     loop {
-        let (req, body, streamed) = match server::parse(&mut buf, false) {
+        let (req, body, streamed) = match request_head::parse(&mut buf, false) {
             Parsed::Request(req) => {
                 let body = match req.body() {
                     http_body_util::Either::Right(b) => b.bytes().to_vec(),
@@ -145,11 +145,8 @@ fn ours_serves(bytes: &[u8]) -> (Vec<Served>, &'static str) {
                 let mut body = Vec::new();
                 loop {
                     match super::framing::decode(&mut framing, &mut buf, true) {
-                        Ok(Step::Frame(f)) => {
-                            if let Ok(d) = f.into_data() {
-                                body.extend_from_slice(&d);
-                            }
-                        }
+                        Ok(Step::Data(d)) => body.extend_from_slice(&d),
+                        Ok(Step::Trailers(_)) => {}
                         Ok(Step::End) => break,
                         Ok(Step::More) => return (out, "partial"),
                         // Answered 400 and closed.
@@ -481,7 +478,7 @@ fn known_smuggling_shapes_are_not_served_here() {
     for bytes in shapes {
         let mut buf = BytesMut::from(*bytes);
         assert!(
-            matches!(server::parse(&mut buf, false), Parsed::Other),
+            matches!(request_head::parse(&mut buf, false), Parsed::Other),
             "{:?}",
             String::from_utf8_lossy(bytes)
         );
