@@ -144,6 +144,7 @@ impl Raw {
     /// which forgets the socket's readiness after a short read: the next read then waits for
     /// the reactor instead of trying (and failing) a `recv` first. Reads get the room of
     /// [`ROOM`] for how many of the exchange's reads filled theirs.
+    #[inline]
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < 1024 {
             let want = ROOM[(self.filled as usize).min(ROOM.len() - 1)];

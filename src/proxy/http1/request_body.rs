@@ -251,7 +251,13 @@ impl RequestBody {
             return Poll::Ready(Some(Err("broken off".into())));
         }
         while !state.to_continue.is_empty() {
-            match inbound.stream.try_write(state.to_continue) {
+            // Through `try_io`, not `try_write`: the response's writes keep that to themselves
+            // (one caller, inlined on the path every response takes).
+            let rest = state.to_continue;
+            let wrote = inbound.stream.try_io(tokio::io::Interest::WRITABLE, || {
+                socket2::SockRef::from(&*inbound.stream).send(rest)
+            });
+            match wrote {
                 Ok(n) => state.to_continue = &state.to_continue[n..],
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                     match inbound.stream.poll_write_ready(cx) {

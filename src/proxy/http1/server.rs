@@ -91,19 +91,21 @@ pub(in crate::proxy) async fn serve(
         };
         slot = None;
         asked.keep_alive &= !lane.draining.has_changed().unwrap_or(true);
-        let written = async {
-            if let Some(body) = &streamed {
-                // A `100 Continue` begun goes out whole before the response, one not begun
-                // never; a client still waiting for it is told the connection closes.
-                let (rest, never_asked) = body.response_begins();
-                asked.keep_alive &= !never_asked;
-                if !rest.is_empty() {
-                    send_all(&s.stream, &mut s.clock, rest).await?;
-                }
+        let mut continued = Ok(());
+        if let Some(body) = &streamed {
+            // A `100 Continue` begun goes out whole before the response, one not begun never;
+            // a client still waiting for it is told the connection closes.
+            let (rest, never_asked) = body.response_begins();
+            asked.keep_alive &= !never_asked;
+            if !rest.is_empty() {
+                continued = send_all(&s.stream, &mut s.clock, rest).await;
             }
-            s.respond(&mut resp, asked).await
+        }
+        let written = match continued {
+            Ok(()) => s.respond(&mut resp, asked).await,
+            Err(e) => Err(e),
         };
-        let stay = match written.await {
+        let stay = match written {
             Ok(stay) => stay,
             Err(e) => {
                 // A body still being read must not outlive its connection.
@@ -214,9 +216,12 @@ impl Served {
         // A head trickled in is parsed again only once its end may have come: linear in its
         // size, not quadratic.
         let mut end = HeadEnd::default();
+        // The deadline passed on a whole head whose small body is still coming: it is
+        // streamed from here (a slow upload is served, not cut off).
+        let mut late = false;
         loop {
-            if self.buf.len() >= need && (need > 1 || end.may_end(&self.buf)) {
-                match parse(&mut self.buf, false) {
+            if late || (self.buf.len() >= need && (need > 1 || end.may_end(&self.buf))) {
+                match parse(&mut self.buf, late) {
                     Parsed::Request(req) => return Ok(Next::Request(slot.insert(req), None)),
                     Parsed::Other => return Ok(Next::Hyper),
                     Parsed::Streamed(req, framing, expects) => {
@@ -234,6 +239,9 @@ impl Served {
                     }
                     Parsed::Partial => {}
                 }
+                if late {
+                    return Ok(Next::Closed);
+                }
             }
             if need == 1 && self.buf.len() >= lane.max_head {
                 return Ok(Next::Hyper);
@@ -249,14 +257,12 @@ impl Served {
             let idle = self.buf.is_empty();
             let n = tokio::select! {
                 biased;
-                n = read_some(&self.stream, &mut self.buf) => n,
-                // A whole head whose small body is still coming is streamed from here (a slow
-                // upload is served, not cut off); anything else ends.
+                n = read_some(&mut self.stream, &mut self.buf) => n,
+                // A whole head whose small body is still coming is streamed; anything else ends.
                 _ = &mut deadline => {
                     if need > 1 {
-                        if let Parsed::Streamed(req, framing, expects) = parse(&mut self.buf, true) {
-                            return Ok(self.streamed(slot, req, framing, expects));
-                        }
+                        late = true;
+                        continue;
                     }
                     return Ok(Next::Closed);
                 }
@@ -584,8 +590,14 @@ fn asks_close(headers: &HeaderMap) -> bool {
 }
 
 /// Reads what the socket has into `buf`, waiting until it has something; 0 at its end. The
-/// socket's one reader waker is this task's (no streamed body reads it meanwhile).
-async fn read_some(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+/// socket's one reader waker is this task's (no streamed body reads it meanwhile). Through
+/// tokio's `poll_read` while no body holds the socket, which forgets its readiness after a
+/// short read: the next wait (or peek) goes to the reactor instead of trying a `recv` first.
+async fn read_some(stream: &mut Arc<TcpStream>, buf: &mut BytesMut) -> io::Result<usize> {
+    if let Some(stream) = Arc::get_mut(stream) {
+        return tokio::io::AsyncReadExt::read_buf(stream, buf).await;
+    }
+    let stream = &**stream;
     std::future::poll_fn(|cx| loop {
         match stream.try_read_buf(buf) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
