@@ -473,12 +473,7 @@ async fn a_fallback_limit_uses_its_own_algorithm() {
 
 #[tokio::test]
 async fn a_request_dropped_by_a_global_rule_gets_429_with_retry_after_and_ratelimit_headers() {
-    let any = "127.0.0.1:0".parse().unwrap();
-    let ctl = spillway::internal::control::controller::start(
-        spillway::internal::control::controller::ControllerOptions::new(any, any),
-    )
-    .await
-    .unwrap();
+    let ctl = controller_in_process().await;
     let (sc, _up) = sidecar(&format!(
         r#"control_plane: {{ url: "http://{}", report_interval: 100ms, stale_after: 5s }}
 rules:

@@ -120,12 +120,7 @@ fn rules_the_layer_cannot_enforce_are_refused_with_why() {
 /// refuse by the ratio it sends back, with the same answer.
 #[tokio::test]
 async fn a_global_rule_limits_the_layer_and_the_sidecar_together() {
-    let any = "127.0.0.1:0".parse().unwrap();
-    let ctl = spillway::internal::control::controller::start(
-        spillway::internal::control::controller::ControllerOptions::new(any, any),
-    )
-    .await
-    .unwrap();
+    let ctl = controller_in_process().await;
     let rules = format!(
         r#"service: test
 control_plane: {{ url: "http://{}", report_interval: 100ms, stale_after: 5s }}

@@ -166,6 +166,15 @@ pub fn config(upstream: SocketAddr, rest: &str) -> Config {
     Config::from_yaml(&yaml, "test.yaml").unwrap_or_else(|e| panic!("{e}"))
 }
 
+/// A controller with its defaults, in this process, on loopback.
+pub async fn controller_in_process() -> spillway::internal::control::server::Running {
+    let any = "127.0.0.1:0".parse().unwrap();
+    let options = spillway::internal::control::controller::ControllerOptions::new(any, any);
+    spillway::internal::control::controller::start(options)
+        .await
+        .unwrap()
+}
+
 /// The sidecar in front of a fresh upstream, on the real clock.
 pub async fn sidecar(rest: &str) -> (Sidecar, Upstream) {
     let up = upstream().await;
