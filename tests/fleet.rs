@@ -474,17 +474,7 @@ async fn a_fallback_limit_uses_its_own_algorithm() {
 #[tokio::test]
 async fn a_request_dropped_by_a_global_rule_gets_429_with_retry_after_and_ratelimit_headers() {
     let ctl = controller_in_process().await;
-    let (sc, _up) = sidecar(&format!(
-        r#"control_plane: {{ url: "http://{}", report_interval: 100ms, stale_after: 5s }}
-rules:
-  - name: fleet-wide
-    key: [header:x-api-key]
-    limit: {{ rate: 5/s }}
-    scope: global
-"#,
-        ctl.addr
-    ))
-    .await;
+    let (sc, _up) = sidecar(&global_rule(ctl.addr)).await;
     let k = [("x-api-key", "k")];
     // Offer far over 5/s until the controller's ratio arrives and a request is dropped
     // (bounded: 3000 requests).

@@ -121,23 +121,14 @@ fn rules_the_layer_cannot_enforce_are_refused_with_why() {
 #[tokio::test]
 async fn a_global_rule_limits_the_layer_and_the_sidecar_together() {
     let ctl = controller_in_process().await;
-    let rules = format!(
-        r#"service: test
-control_plane: {{ url: "http://{}", report_interval: 100ms, stale_after: 5s }}
-rules:
-  - name: fleet-wide
-    key: [header:x-api-key]
-    limit: {{ rate: 5/s }}
-    scope: global
-"#,
-        ctl.addr
-    );
-    let layer = spillway::RateLimitLayer::from_yaml(&rules, "layer").unwrap();
+    let rules = global_rule(ctl.addr);
+    let layer =
+        spillway::RateLimitLayer::from_yaml(&format!("service: test\n{rules}"), "layer").unwrap();
     let app = tower::service_fn(|_req: http::Request<Full<Bytes>>| async {
         Ok::<_, Infallible>(http::Response::new(Full::new(Bytes::from_static(b"ok"))))
     });
     let svc = layer.layer(app);
-    let (sc, _up) = sidecar(&rules.replace("service: test\n", "")).await;
+    let (sc, _up) = sidecar(&rules).await;
     let k = [("x-api-key", "k")];
     // Offered through the layer alone at about 500/s, far over 5/s, until the controller's
     // ratio arrives and a request is dropped (bounded: 10 s of it).

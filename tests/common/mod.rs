@@ -175,6 +175,20 @@ pub async fn controller_in_process() -> spillway::internal::control::server::Run
         .unwrap()
 }
 
+/// A `control_plane:` section reporting to `controller` every 100ms, and one global rule,
+/// `fleet-wide`, of 5/s per `x-api-key`.
+pub fn global_rule(controller: SocketAddr) -> String {
+    format!(
+        r#"control_plane: {{ url: "http://{controller}", report_interval: 100ms, stale_after: 5s }}
+rules:
+  - name: fleet-wide
+    key: [header:x-api-key]
+    limit: {{ rate: 5/s }}
+    scope: global
+"#
+    )
+}
+
 /// The sidecar in front of a fresh upstream, on the real clock.
 pub async fn sidecar(rest: &str) -> (Sidecar, Upstream) {
     let up = upstream().await;

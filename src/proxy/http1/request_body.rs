@@ -185,17 +185,8 @@ impl Inbound {
                 Ok(Step::More) if read > DRAIN => return false,
                 Ok(Step::More) => {
                     rest.reserve(READ);
-                    let more = async {
-                        loop {
-                            self.stream.readable().await?;
-                            match self.stream.try_read_buf(&mut rest) {
-                                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                                read => return read,
-                            }
-                        }
-                    };
                     tokio::select! {
-                        got = more => match got {
+                        got = read_shared(&self.stream, &mut rest) => match got {
                             Ok(0) | Err(_) => return false,
                             Ok(n) => read += n,
                         },
@@ -212,6 +203,21 @@ impl Inbound {
         let state = self.state();
         state.framing == Framing::Done && !state.broken
     }
+}
+
+/// Reads what a socket shared with a streamed body has into `buf`, waiting until it has
+/// something; 0 at its end. Only its one reader at a time may call this: the socket keeps one
+/// reader waker.
+pub(super) async fn read_shared(stream: &TcpStream, buf: &mut BytesMut) -> io::Result<usize> {
+    std::future::poll_fn(|cx| loop {
+        match stream.try_read_buf(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                std::task::ready!(stream.poll_read_ready(cx))?
+            }
+            read => return Poll::Ready(read),
+        }
+    })
+    .await
 }
 
 /// How a body came to be over.

@@ -33,7 +33,7 @@ use tokio::net::TcpStream;
 use super::by_hyper::*;
 use super::conn::*;
 use super::framing::{field, has_token, keeps_alive, parse_length, Framing, HeadEnd};
-use super::request_body::{Inbound, RequestBody};
+use super::request_body::{read_shared, Inbound, RequestBody};
 use super::request_head::*;
 use crate::proxy::body::{ReqBody, Streamed};
 use crate::proxy::coarse::{Sleep, Timers};
@@ -597,16 +597,7 @@ async fn read_some(stream: &mut Arc<TcpStream>, buf: &mut BytesMut) -> io::Resul
     if let Some(stream) = Arc::get_mut(stream) {
         return tokio::io::AsyncReadExt::read_buf(stream, buf).await;
     }
-    let stream = &**stream;
-    std::future::poll_fn(|cx| loop {
-        match stream.try_read_buf(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                std::task::ready!(stream.poll_read_ready(cx))?
-            }
-            read => return Poll::Ready(read),
-        }
-    })
-    .await
+    read_shared(stream, buf).await
 }
 
 /// The client reset or broke the connection: nothing to answer.
