@@ -37,7 +37,7 @@ pub fn listed<'a>(connection: impl IntoIterator<Item = &'a [u8]>) -> SmallVec<[&
 
 /// Removes the headers that belong to one connection (RFC 9110 §7.6.1), including those the
 /// `Connection` header names. With `keep_upgrade`, `Upgrade` and `Connection: upgrade` stay.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Which of HOP_BY_HOP (bit i) and Upgrade the message carries, in one pass over the names
     // (standard ones compare as enums): only those present are then removed, each a hashed
     // lookup. Most requests carry none; most responses of nginx `Connection: keep-alive`.
@@ -50,7 +50,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
             present |= UPGRADE;
         }
     }
-    if present == 0 && !keep_upgrade {
+    if present == 0 {
         return;
     }
     // HOP_BY_HOP[0] is `Connection`; the other headers it names go too (`upgrade` and
@@ -74,14 +74,12 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap, keep_upgrade: bool) {
             headers.remove(*name);
         }
     }
-    if keep_upgrade {
-        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    } else if present & UPGRADE != 0 {
+    if present & UPGRADE != 0 {
         headers.remove(header::UPGRADE);
     }
 }
 
-/// The headers [`strip_hop_by_hop`] always removes (`Upgrade` too, unless upgrading).
+/// The headers [`strip_hop_by_hop`] always removes (with `Upgrade`).
 static HOP_BY_HOP: [&HeaderName; 8] = [
     &header::CONNECTION,
     &KEEP_ALIVE,
@@ -106,7 +104,7 @@ mod tests {
         h.insert(header::TE, "trailers".parse().unwrap());
         h.insert(header::UPGRADE, "websocket".parse().unwrap());
         h.insert("x-kept", "1".parse().unwrap());
-        strip_hop_by_hop(&mut h, false);
+        strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-kept"));
     }
@@ -117,7 +115,7 @@ mod tests {
         h.insert(header::CONNECTION, "X-Secret , ,bad name".parse().unwrap());
         h.insert("x-secret", "1".parse().unwrap());
         h.insert("x-kept", "1".parse().unwrap());
-        strip_hop_by_hop(&mut h, false);
+        strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-kept"));
     }
@@ -128,7 +126,7 @@ mod tests {
         h.insert(header::HOST, "app".parse().unwrap());
         h.insert("x-client", "c1".parse().unwrap());
         let before = h.clone();
-        strip_hop_by_hop(&mut h, false);
+        strip_hop_by_hop(&mut h);
         assert_eq!(h, before);
     }
 }

@@ -411,7 +411,8 @@ async fn oversized_headers_get_431() {
     let (status, _, body) = get(sc.addr(), "/", &[("x-big", &big)]).await;
     assert_eq!(status, StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
     assert!(body.contains("request headers are larger"), "{body}");
-    // Far past the limit hyper refuses before parsing the request; still 431.
+    // Far past the limit the server side refuses as it reads, before a request is made; still
+    // 431.
     let mut s = tokio::net::TcpStream::connect(sc.addr()).await.unwrap();
     let huge = format!(
         "GET / HTTP/1.1\r\nHost: x\r\nX-Huge: {}\r\n\r\n",

@@ -6,8 +6,8 @@
 //! Owns the worker's idle list ([`Idle`]) and the caps on upstream connections ([`Cap`]). A
 //! client's first exchange borrows a connection from the list (or connects) and gives it back
 //! at its body's end; from its second on an HTTP/1 client keeps one; every HTTP/2 stream
-//! borrows. Connections unused for `timeouts.upstream_idle` are closed. For requests without an
-//! upgrade to an HTTP/1 upstream whose body is none or in hand; the rest keep the pooled client.
+//! borrows. Connections unused for `timeouts.upstream_idle` are closed. For every request to an
+//! HTTP/1 upstream; an `h2c://` upstream has the pooled client.
 //!
 //! Cost per request: two uncontended locks and a readiness check (no syscall). Must never:
 //! reuse a connection with bytes left on it, or connect more than [`MAX_CONNECTING`] at once
@@ -206,7 +206,7 @@ impl Affine {
     pub async fn send(
         &self,
         upstream: &Dial,
-        req: &Request<ReqBody>,
+        req: &mut Request<ReqBody>,
         added: &Added,
         now: u64,
     ) -> Result<Response<RawBody>, Failure> {
@@ -247,6 +247,7 @@ impl Affine {
         };
         failed.map_err(|e| match e {
             h1::Failed::Upstream(e) | h1::Failed::Unsent(e) => Failure::Raw(e),
+            h1::Failed::ClientBody => Failure::ClientBody,
         })
     }
 

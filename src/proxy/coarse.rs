@@ -1,5 +1,5 @@
-//! Per-worker timers at the anchor's tick, for the two deadlines every request arms: hyper's
-//! header-read timeout and the upstream response timeout.
+//! Per-worker timers at the anchor's tick, for the deadlines every request arms: its head's
+//! read (`timeouts.header_read`) and the upstream response timeout.
 //!
 //! Both almost never fire. On tokio's timer wheel each is an entry built per request,
 //! registered under the time driver's lock on first poll and deregistered on drop. Here a timer
@@ -16,7 +16,6 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
-use std::time::Duration;
 
 use tokio::time::Instant;
 
@@ -95,17 +94,6 @@ impl Sleep {
             slot: None,
         }
     }
-
-    /// Moves the deadline (it may fire again if it had fired).
-    pub(crate) fn reset(&mut self, deadline: Instant) {
-        self.deadline = deadline;
-        if let Some(i) = self.slot {
-            let mut slots = self.timers.lock();
-            let e = &mut slots.entries[i];
-            e.deadline = deadline;
-            e.fired = false;
-        }
-    }
 }
 
 impl Future for Sleep {
@@ -160,88 +148,6 @@ impl Drop for Sleep {
     }
 }
 
-impl hyper::rt::Sleep for Sleep {}
-
-/// hyper's HTTP/1 header-read timer for one connection, on its worker's [`Timers`]. hyper
-/// arms it when it starts waiting for a head, so its one timeout would bound the idle wait
-/// between requests too: here a wait in which no byte came ends after `idle`
-/// (`timeouts.client_idle`), and from the first byte read (`heard` moved) the head has
-/// `header_read`. hyper polls it after each read that leaves the head unfinished.
-#[derive(Clone)]
-pub struct HeadTimer {
-    pub timers: Arc<Timers>,
-    /// Counts the connection's reads that brought bytes.
-    pub heard: Arc<std::sync::atomic::AtomicU32>,
-    pub idle: Duration,
-    pub header_read: Duration,
-}
-
-impl HeadTimer {
-    fn arm(&self) -> HeadSleep {
-        HeadSleep {
-            sleep: Sleep::until(self.timers.clone(), Timers::now() + self.idle),
-            heard: self.heard.clone(),
-            at_arm: self.heard.load(std::sync::atomic::Ordering::Relaxed),
-            header_read: self.header_read,
-            begun: false,
-        }
-    }
-}
-
-/// [`HeadTimer`]'s timer: `idle`'s until a byte comes, then `header_read`'s from there.
-pub struct HeadSleep {
-    sleep: Sleep,
-    heard: Arc<std::sync::atomic::AtomicU32>,
-    at_arm: u32,
-    header_read: Duration,
-    begun: bool,
-}
-
-impl Future for HeadSleep {
-    type Output = ();
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let this = self.get_mut();
-        if !this.begun && this.heard.load(std::sync::atomic::Ordering::Relaxed) != this.at_arm {
-            this.begun = true;
-            this.sleep.reset(Timers::now() + this.header_read);
-        }
-        Pin::new(&mut this.sleep).poll(cx)
-    }
-}
-
-impl hyper::rt::Sleep for HeadSleep {}
-
-// hyper's `Timer` speaks `std::time::Instant`; converted to and from tokio's at this boundary.
-// hyper's HTTP/1 server uses its timer for the header-read timeout alone, so each sleep it
-// asks for is a head's.
-#[allow(clippy::disallowed_types)]
-impl hyper::rt::Timer for HeadTimer {
-    fn sleep(&self, _: Duration) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        Box::pin(self.arm())
-    }
-
-    fn sleep_until(&self, _: std::time::Instant) -> Pin<Box<dyn hyper::rt::Sleep>> {
-        Box::pin(self.arm())
-    }
-
-    fn now(&self) -> std::time::Instant {
-        Timers::now().into_std()
-    }
-
-    fn reset(&self, sleep: &mut Pin<Box<dyn hyper::rt::Sleep>>, _: std::time::Instant) {
-        match sleep.as_mut().downcast_mut_pin::<HeadSleep>() {
-            Some(ours) => {
-                let ours = ours.get_mut();
-                ours.sleep.reset(Timers::now() + self.idle);
-                ours.at_arm = self.heard.load(std::sync::atomic::Ordering::Relaxed);
-                ours.begun = false;
-            }
-            None => *sleep = Box::pin(self.arm()),
-        }
-    }
-}
-
 /// `fut`, or `None` when `sleep` fires first.
 pub fn timeout<F: Future>(sleep: Sleep, fut: F) -> Timeout<F> {
     Timeout { fut, sleep }
@@ -274,6 +180,7 @@ impl<F: Future> Future for Timeout<F> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn noop_cx() -> Context<'static> {
         Context::from_waker(Waker::noop())
@@ -311,62 +218,6 @@ mod tests {
         let _unpolled = Sleep::until(timers.clone(), t0);
         timers.fire(t0 + Duration::from_secs(1));
         assert_eq!(timers.armed(), 0);
-    }
-
-    #[test]
-    fn reset_moves_an_armed_deadline_and_rearms_a_fired_one() {
-        let timers = Arc::new(Timers::default());
-        let t0 = Timers::now();
-        let mut cx = noop_cx();
-        let mut s = Sleep::until(timers.clone(), t0 + Duration::from_secs(1));
-        assert!(Pin::new(&mut s).poll(&mut cx).is_pending());
-        s.reset(t0 + Duration::from_secs(5));
-        timers.fire(t0 + Duration::from_secs(2));
-        assert!(Pin::new(&mut s).poll(&mut cx).is_pending(), "moved later");
-        timers.fire(t0 + Duration::from_secs(5));
-        assert!(Pin::new(&mut s).poll(&mut cx).is_ready());
-        s.reset(t0 + Duration::from_secs(8));
-        assert!(Pin::new(&mut s).poll(&mut cx).is_pending(), "armed again");
-        timers.fire(t0 + Duration::from_secs(8));
-        assert!(Pin::new(&mut s).poll(&mut cx).is_ready());
-    }
-
-    #[test]
-    fn a_head_timer_waits_idle_until_a_byte_then_header_read_and_reset_keeps_its_slot() {
-        use hyper::rt::Timer;
-        use std::sync::atomic::Ordering;
-        let timers = Arc::new(Timers::default());
-        let timer = HeadTimer {
-            timers: timers.clone(),
-            heard: Default::default(),
-            idle: Duration::from_secs(60),
-            header_read: Duration::from_secs(5),
-        };
-        let t0 = Timers::now();
-        let mut s = timer.sleep_until(t0.into_std());
-        let mut cx = noop_cx();
-        assert!(s.as_mut().poll(&mut cx).is_pending());
-        timers.fire(t0 + Duration::from_secs(30));
-        assert!(s.as_mut().poll(&mut cx).is_pending(), "idle: no byte came");
-        timers.fire(t0 + Duration::from_secs(61));
-        assert!(
-            s.as_mut().poll(&mut cx).is_ready(),
-            "idle for longer than idle"
-        );
-
-        timer.reset(&mut s, t0.into_std());
-        assert_eq!(timers.armed(), 1, "the same slot, moved");
-        assert!(s.as_mut().poll(&mut cx).is_pending());
-        timer.heard.fetch_add(1, Ordering::Relaxed);
-        assert!(s.as_mut().poll(&mut cx).is_pending(), "a byte came");
-        let t1 = Timers::now();
-        timers.fire(t1 + Duration::from_secs(4));
-        assert!(s.as_mut().poll(&mut cx).is_pending());
-        timers.fire(t1 + Duration::from_secs(6));
-        assert!(
-            s.as_mut().poll(&mut cx).is_ready(),
-            "a head begun and not finished within header_read"
-        );
     }
 
     #[tokio::test]

@@ -12,7 +12,9 @@ pub enum Failure {
     ConnectTimeout,
     /// The exchange on an upstream connection of our own failed.
     Raw(std::io::Error),
-    /// The pooled client failed.
+    /// The client's streamed body broke (malformed, cut off) while it went upstream.
+    ClientBody,
+    /// The pooled (HTTP/2) client failed.
     Pooled(hyper_util::client::legacy::Error),
     /// No upstream connection came free in time under the caps.
     Saturated,
@@ -37,6 +39,7 @@ impl Failure {
     pub(super) fn client_body_failed(&self) -> bool {
         let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
             Failure::Pooled(e) => Some(e),
+            Failure::ClientBody => return true,
             Failure::Raw(_)
             | Failure::Connect(_)
             | Failure::ConnectTimeout
@@ -61,7 +64,7 @@ impl Failure {
             Failure::Connect(_) => UpstreamError::Connect,
             Failure::ConnectTimeout => UpstreamError::ConnectTimeout,
             Failure::Saturated => UpstreamError::Saturated,
-            Failure::Raw(_) => UpstreamError::Protocol,
+            Failure::Raw(_) | Failure::ClientBody => UpstreamError::Protocol,
             Failure::Pooled(e) if !e.is_connect() => UpstreamError::Protocol,
             Failure::Pooled(e) => {
                 let mut source = std::error::Error::source(e);

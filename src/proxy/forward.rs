@@ -1,13 +1,14 @@
-//! Forwarding to the upstream: header rewriting, the pooled client, upgrades, error mapping.
+//! Forwarding to the upstream: which upgrades go on, header rewriting, the pooled client of an
+//! `h2c://` upstream, error mapping.
 //!
 //! Owns what a reverse proxy must do to a request and a response in transit (RFC 9110 §7.6:
-//! hop-by-hop headers, `X-Forwarded-*`), the mapping of upstream failures to 502/504, and the
-//! splice of upgraded connections (WebSocket). Bodies are never buffered whole, except a small
-//! client body (up to `inbound::IN_HAND`, with one `Content-Length`) that is all there when the
-//! request goes on: it is written with the head. Otherwise the client's body is streamed
-//! upstream as it comes, and the upstream's body (hyper's `Incoming` from the pooled
-//! client, or `h1::RawBody` from the client connection's own upstream connection) is streamed
-//! back as it comes.
+//! hop-by-hop headers, `X-Forwarded-*`, an upgrade only to a listed protocol, `CONNECT`
+//! refused), and the mapping of upstream failures to 502/504. An HTTP/1 upstream is spoken to
+//! by our own client on the client connection's own upstream connection (`affine`); an HTTP/2
+//! one by hyper's pooled client. Bodies are never buffered whole, except a small client body
+//! (up to `body::IN_HAND`, with one `Content-Length`) that is all there when the request goes
+//! on: it is written with the head. Otherwise the client's body is streamed upstream as it
+//! comes, and the upstream's body is streamed back as it comes.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -29,7 +30,7 @@ pub use super::body::{emptied, InHand, ReqBody, Streamed};
 use super::coarse::{timeout, Sleep, Timers};
 pub use super::failure::{Failure, Saturated};
 pub use super::forwarded::Added;
-use super::http1::framing::has_token;
+use super::http1::framing::{has_token, one_length};
 pub use super::respond::UpstreamBody;
 use super::respond::{self, Body};
 use crate::config::UpgradeProtocol;
@@ -40,14 +41,9 @@ use crate::respond::PermitBody;
 
 pub type UpstreamClient = Client<Capped, ReqBody>;
 
-/// Builds the pooled upstream client: HTTP/1.1, or HTTP/2 with prior knowledge when `h2`.
-/// Each connection it opens holds a permit of `cap` while open.
-pub fn client(
-    connect_timeout: Duration,
-    idle: Duration,
-    h2: bool,
-    cap: Arc<Cap>,
-) -> UpstreamClient {
+/// Builds the pooled upstream client, for an HTTP/2 upstream (prior knowledge). Each
+/// connection it opens holds a permit of `cap` while open.
+pub fn client(connect_timeout: Duration, idle: Duration, cap: Arc<Cap>) -> UpstreamClient {
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(connect_timeout));
     connector.set_nodelay(true);
@@ -62,7 +58,7 @@ pub fn client(
         .pool_idle_timeout(idle)
         // Idle pooled connections hold permits of the cap too: few are kept.
         .pool_max_idle_per_host(MAX_POOLED_IDLE)
-        .http2_only(h2)
+        .http2_only(true)
         .build(connector)
 }
 
@@ -176,10 +172,9 @@ pub struct Forward<'a> {
     /// Where the response deadline is kept (the worker's tick fires it).
     pub timers: &'a Arc<Timers>,
     pub metrics: &'a Metrics,
-    /// The upstream speaks HTTP/2 (`h2c://`).
-    pub h2: bool,
     /// The client connection's own upstream connection (or, for HTTP/2 streams, one borrowed
-    /// from the worker's), for an HTTP/1 upstream; `None` sends through the pooled client.
+    /// from the worker's), for an HTTP/1 upstream; `None` (an HTTP/2 upstream) sends through
+    /// the pooled client.
     pub affine: Option<(&'a Affine, &'a Dial)>,
     /// The request's start (the clock's nanoseconds).
     pub now: u64,
@@ -201,18 +196,26 @@ impl Forward<'_> {
         req: &mut Request<ReqBody>,
         mut permits: SmallVec<[Permit; 1]>,
     ) -> Response<Body> {
-        // HTTP/1.1 upgrades only (an HTTP/2 upstream has no Upgrade), and only to a listed
-        // protocol: any other `Upgrade` (h2c, whose tunnel no rule would see) is dropped with
-        // the hop's fields, and the request goes on as a plain one.
-        let asked = (!self.h2)
+        // CONNECT asks for a tunnel to a host of the client's choosing: not a reverse proxy's
+        // to give (an HTTP/1 client's is refused with its head, an HTTP/2 client's here).
+        if req.method() == Method::CONNECT {
+            return respond::error(
+                StatusCode::NOT_IMPLEMENTED,
+                "CONNECT is not served by this proxy",
+            );
+        }
+        let coming = matches!(req.body(), Either::Left(body) if !body.is_end_stream());
+        // HTTP/1.1 upgrades only (an HTTP/2 upstream has no Upgrade), to a listed protocol,
+        // with no body still coming (the connection is the tunnel's once the request is sent):
+        // any other `Upgrade` (h2c, whose tunnel no rule would see) is dropped with the hop's
+        // fields, and the request goes on as a plain one.
+        let asked = (self.affine.is_some() && req.version() == Version::HTTP_11 && !coming)
             .then(|| upgrade_asked(req.headers(), self.upgrades))
             .flatten();
-        let upgrade = asked.map(|_| hyper::upgrade::on(&mut *req));
         // A small body of hyper's (an HTTP/2 stream's, which usually comes in the frame after
         // its head) that is all there already goes on like one read with its head; its one
-        // `Content-Length` frames it upstream. One still coming is streamed through the pool.
-        let coming = matches!(req.body(), Either::Left(body) if !body.is_end_stream());
-        let length = (coming && self.affine.is_some() && upgrade.is_none())
+        // `Content-Length` frames it upstream. One still coming is streamed.
+        let length = (coming && self.affine.is_some())
             .then(|| one_length(req.headers()))
             .flatten()
             .filter(|n| *n <= super::body::IN_HAND as u64);
@@ -223,119 +226,81 @@ impl Forward<'_> {
                 Err(_) => return self.bad_body(),
             }
         }
-        // The client connection's own upstream connection takes what one connection in
-        // sequence can: requests without an upgrade (CONNECT has none to give) and without a
-        // body still to come, HTTP/2 streams included; a body in hand is written with the
-        // head. A body still coming goes through hyper's pool, whose client hands
-        // back a response that comes while the body is still being sent (an early 413 or 401
-        // to an upload).
-        let affine = self.affine.filter(|_| {
-            upgrade.is_none()
-                && req.version() <= Version::HTTP_2
-                && req.method() != Method::CONNECT
-                && match req.body() {
-                    Either::Left(body) => http_body::Body::is_end_stream(body),
-                    Either::Right(_) => true,
-                }
-        });
-        // The client connection's own upstream connection writes the client's headers as the
-        // hop leaves them; the pooled client gets the request rewritten.
+        // An HTTP/1 upstream is spoken to by our own client, on the client connection's own
+        // upstream connection (written as the hop leaves the client's fields); an HTTP/2 one
+        // by hyper's pooled client, which gets the request rewritten.
         let mut added = Added::of(
             req.headers(),
             req.uri().authority(),
-            affine.map(|_| self.upstream),
+            self.affine.map(|_| self.upstream),
             self.peer,
             self.trust_forwarded,
         );
-        // (An upgrade keeps its own `Connection: upgrade`, and its connection is the tunnel's.)
-        added.close = self.close && !self.h2 && upgrade.is_none();
-        if affine.is_none() {
-            if let Err(resp) = self.rewrite(req, upgrade.is_some(), &added) {
+        added.upgrade = asked;
+        // (An upgrade's connection is the tunnel's.)
+        added.close = self.close && asked.is_none();
+        if self.affine.is_none() {
+            if let Err(resp) = self.rewrite(req, &added) {
                 return resp;
             }
         }
         let deadline = Sleep::until(self.timers.clone(), Timers::now() + self.response_timeout);
         let result = timeout(deadline, async {
-            match affine {
+            match self.affine {
                 Some((conn, upstream)) => {
                     let resp = conn.send(upstream, req, &added, self.now).await?;
                     Ok(resp.map(Either::Right))
                 }
                 None => {
-                    let mut req = std::mem::replace(req, Request::new(emptied()));
-                    // A response that refuses a streamed body (an early 413 or 401, which an app
-                    // sends before it reads the body) leaves the app free to read the rest of
-                    // the body as it likes, and to answer it: that connection is never reused.
-                    let streamed = !self.h2 && !req.body().is_end_stream();
-                    let captured = streamed
-                        .then(|| hyper_util::client::legacy::connect::capture_connection(&mut req));
+                    let req = std::mem::replace(req, Request::new(emptied()));
                     let resp = self.client.request(req).await.map_err(Failure::Pooled)?;
-                    let refused =
-                        resp.status().is_client_error() || resp.status().is_server_error();
-                    if let (true, Some(captured)) = (refused, captured) {
-                        if let Some(connected) = captured.connection_metadata().as_ref() {
-                            connected.poison();
-                        }
-                    }
                     Ok::<_, Failure>(resp.map(Either::Left))
                 }
             }
         })
         .await;
-        let mut resp = match result {
+        let resp = match result {
             Some(Ok(resp)) => {
                 // The upstream's latency, for adaptive limits: to the response head.
                 permits.iter_mut().for_each(Permit::responded);
-                resp
+                Ok(resp)
             }
             // The client's own body was malformed (a bad chunk) or cut off: its fault, not the
             // upstream's.
             Some(Err(e)) if e.client_body_failed() => return self.bad_body(),
-            Some(Err(e)) => return self.failed(e.classify()),
-            None => return self.failed(UpstreamError::ResponseTimeout),
+            Some(Err(e)) => Err(self.failed(e.classify())),
+            None => Err(self.failed(UpstreamError::ResponseTimeout)),
         };
-        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
-            let answered = resp
-                .headers()
-                .get(header::UPGRADE)
-                .map(|v| v.as_bytes().trim_ascii());
-            match (upgrade, asked) {
-                (Some(client_side), Some(token))
-                    if answered.is_some_and(|a| a.eq_ignore_ascii_case(token.as_bytes())) =>
-                {
-                    let upstream_side = hyper::upgrade::on(&mut resp);
-                    // The tunnel, not the empty 101 body, holds the concurrency slots.
-                    tokio::spawn(splice(client_side, upstream_side, permits));
-                    return resp.map(|b| Either::Left(PermitBody::new(b, SmallVec::new())));
+        let mut resp = match resp {
+            // The own connection's response comes without them (`h1` leaves them out).
+            Ok(mut resp) => {
+                if matches!(resp.body(), Either::Left(_)) {
+                    strip_hop_by_hop(resp.headers_mut());
                 }
-                // A switch nobody asked for, or to another protocol: the connection would carry
-                // what no rule sees. Dropping `resp` closes the upstream connection.
-                _ => {
-                    self.metrics.upstream_error(UpstreamError::Protocol).inc();
-                    let mut answer = respond::error(
-                        StatusCode::BAD_GATEWAY,
-                        "upstream switched to a protocol that was not asked for",
-                    );
-                    answer
-                        .headers_mut()
-                        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-                    return answer;
-                }
+                resp.map(|b| Either::Left(PermitBody::new(b, permits)))
             }
+            Err(answer) => answer,
+        };
+        // An upgrade not switched: what the client sent after its head may be the new
+        // protocol's, never to be read as requests.
+        if asked.is_some() && resp.status() != StatusCode::SWITCHING_PROTOCOLS {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
-        // The own connection's response comes without them (`h1` leaves them out).
-        if matches!(resp.body(), Either::Left(_)) {
-            strip_hop_by_hop(resp.headers_mut(), false);
-        }
-        resp.map(|b| Either::Left(PermitBody::new(b, permits)))
+        resp
     }
 
+    /// The client's body was malformed or cut off: nothing after it on the connection can be
+    /// told apart, so the connection closes.
     fn bad_body(&self) -> Response<Body> {
         self.metrics.bad_body.inc();
-        respond::error(
+        let mut resp = respond::error(
             StatusCode::BAD_REQUEST,
             "the request body was malformed or ended early",
-        )
+        );
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        resp
     }
 
     fn failed(&self, kind: UpstreamError) -> Response<Body> {
@@ -345,12 +310,7 @@ impl Forward<'_> {
     /// Points the request at the upstream (absolute form, for the pooled client) and rewrites
     /// its headers for the hop.
     #[allow(clippy::result_large_err)]
-    fn rewrite(
-        &self,
-        req: &mut Request<ReqBody>,
-        upgrade: bool,
-        added: &Added,
-    ) -> Result<(), Response<Body>> {
+    fn rewrite(&self, req: &mut Request<ReqBody>, added: &Added) -> Result<(), Response<Body>> {
         let path_and_query = req
             .uri()
             .path_and_query()
@@ -366,11 +326,7 @@ impl Forward<'_> {
                 "request target cannot be forwarded",
             )
         })?;
-        *req.version_mut() = if self.h2 {
-            Version::HTTP_2
-        } else {
-            Version::HTTP_11
-        };
+        *req.version_mut() = Version::HTTP_2;
 
         let headers = req.headers_mut();
         // gRPC needs `TE: trailers` end to end; over HTTP/2 it is the one TE value allowed.
@@ -378,8 +334,8 @@ impl Forward<'_> {
             .get_all(header::TE)
             .iter()
             .any(|v| has_token(v.as_bytes(), b"trailers"));
-        added.apply(headers, upgrade);
-        if self.h2 && te_trailers {
+        added.apply(headers);
+        if te_trailers {
             headers.insert(header::TE, HeaderValue::from_static("trailers"));
         }
         Ok(())
@@ -435,52 +391,21 @@ fn upgrade_asked(headers: &HeaderMap, allowed: &[UpgradeProtocol]) -> Option<&'s
         .find(|t| asks && value.eq_ignore_ascii_case(t.as_bytes()))
 }
 
-/// The request's body length when one `Content-Length` field gives it.
-fn one_length(headers: &HeaderMap) -> Option<u64> {
-    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
-    match (lengths.next(), lengths.next()) {
-        (Some(v), None) => super::http1::framing::parse_length(v.as_bytes()),
-        _ => None,
-    }
-}
-
-/// Copies bytes both ways between an upgraded client connection and the upstream's, holding
-/// the request's concurrency slots until both sides are done.
-async fn splice(
-    client: hyper::upgrade::OnUpgrade,
-    upstream: hyper::upgrade::OnUpgrade,
-    _permits: SmallVec<[Permit; 1]>,
-) {
-    let (client, upstream) = match tokio::try_join!(client, upstream) {
-        Ok(pair) => pair,
-        Err(e) => {
-            tracing::debug!(error = %e, "upgrade failed");
-            return;
-        }
-    };
-    let (mut c, mut u) = (TokioIo::new(client), TokioIo::new(upstream));
-    if let Err(e) = tokio::io::copy_bidirectional(&mut c, &mut u).await {
-        tracing::debug!(error = %e, "upgraded connection ended with an error");
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn an_upgrade_keeps_its_upgrade_headers() {
+    fn an_upgrade_is_asked_for_with_connection_upgrade() {
         let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, "Upgrade".parse().unwrap());
         h.insert(header::UPGRADE, "websocket".parse().unwrap());
+        assert_eq!(upgrade_asked(&h, &[UpgradeProtocol::Websocket]), None);
+        h.insert(header::CONNECTION, "Upgrade".parse().unwrap());
         assert_eq!(
             upgrade_asked(&h, &[UpgradeProtocol::Websocket]),
             Some("websocket")
         );
         assert_eq!(upgrade_asked(&h, &[]), None);
-        strip_hop_by_hop(&mut h, true);
-        assert_eq!(h.get(header::UPGRADE).unwrap(), "websocket");
-        assert_eq!(h.get(header::CONNECTION).unwrap(), "upgrade");
     }
 
     #[test]

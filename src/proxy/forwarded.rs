@@ -33,6 +33,9 @@ pub struct Added {
     trusted: bool,
     /// `Connection: close` goes upstream, and the connection is not reused after the answer.
     pub close: bool,
+    /// The listed protocol the request asks to switch to (`Upgrade` and `Connection: upgrade`
+    /// go upstream with it), when it may.
+    pub upgrade: Option<&'static str>,
 }
 
 /// Bytes of `X-Forwarded-For` kept in [`Added`] without an allocation.
@@ -105,13 +108,14 @@ impl Added {
             listed,
             trusted: trust_forwarded,
             close: false,
+            upgrade: None,
         }
     }
 
-    /// Rewrites `headers` in place for the pooled client: the connection's own fields go
-    /// (`Upgrade` stays for an `upgrade`), the hop's are set.
-    pub fn apply(&self, headers: &mut HeaderMap, upgrade: bool) {
-        strip_hop_by_hop(headers, upgrade);
+    /// Rewrites `headers` in place for the pooled (HTTP/2) client: the connection's own
+    /// fields go, the hop's are set.
+    pub fn apply(&self, headers: &mut HeaderMap) {
+        strip_hop_by_hop(headers);
         for (name, value) in self.fields() {
             // Made of visible ASCII only (the client's values that are text, and an address).
             if let Ok(value) = HeaderValue::from_bytes(value) {
@@ -144,8 +148,7 @@ impl Added {
         .filter_map(|(name, value)| value.map(|v| (name, v)))
     }
 
-    /// Whether the client's header `name` goes on (upgrades aside: those take the pooled
-    /// client): not one of the connection's own, not one set here, no `X-Forwarded-Host` from
+    /// Whether the client's header `name` goes on: not one of the connection's own, not one set here, no `X-Forwarded-Host` from
     /// an untrusted client (one without any host to replace it with goes too).
     pub fn passes(&self, name: &HeaderName) -> bool {
         !hop_by_hop(name)
@@ -220,7 +223,7 @@ mod tests {
         let a = added(&h, true);
         assert_eq!(&a.forwarded_for[..], format!("{long}, 10.0.0.1").as_bytes());
         let mut rewritten = h.clone();
-        a.apply(&mut rewritten, false);
+        a.apply(&mut rewritten);
         assert_eq!(rewritten[&X_FORWARDED_FOR], format!("{long}, 10.0.0.1"));
     }
 
@@ -231,7 +234,7 @@ mod tests {
         let peer: IpAddr = "192.0.2.7".parse().unwrap();
         let a = Added::of(h, None, authority.as_ref(), peer, trust);
         let mut rewritten = h.clone();
-        a.apply(&mut rewritten, false);
+        a.apply(&mut rewritten);
         let written = h
             .iter()
             .filter(|(name, _)| a.passes(name))
@@ -344,7 +347,7 @@ mod tests {
         h.insert(header::CONTENT_LENGTH, "3".parse().unwrap());
         h.insert(header::CONNECTION, "Keep-Alive".parse().unwrap());
         h.insert("keep-alive", "timeout=5".parse().unwrap());
-        strip_hop_by_hop(&mut h, false);
+        strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 2, "{h:?}");
         assert!(h.contains_key(header::SERVER) && h.contains_key(header::CONTENT_LENGTH));
     }

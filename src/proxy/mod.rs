@@ -2,13 +2,12 @@
 //!
 //! Owns the client listener (shared by the worker threads, each with its own current-thread
 //! runtime and upstream connections, so a request never hops threads once accepted), the
-//! client connections (HTTP/1.1 requests without a body, or with a small one that came with the
-//! head, served by `inbound`, by hand; the rest, HTTP/2 prior knowledge included, by hyper's
-//! server on the same port), the request path, and the shutdown sequence. Must never: hold a
+//! client connections (HTTP/1 served by our own code, `http1`; HTTP/2 with prior knowledge by
+//! hyper's server on the same port, `http2`), the request path, and the shutdown sequence. Must never: hold a
 //! snapshot guard or any lock across an `.await`, buffer a body (beyond a small one already
 //! read with its head), log per request above debug.
 //!
-//! Cost of the request path beyond the server side's own work (`inbound`'s, or hyper's): one
+//! Cost of the request path beyond the server side's own work (`http1`'s, or hyper's): one
 //! pass over the request's fields (`Hygiene`: head size, `Host`, client claims) and one over
 //! its path (already canonical: no allocation), the client address by policy, one `ArcSwap`
 //! load, [`RuleSet::check`] (see its cost), the header rewrite for the hop (one allocation for
@@ -27,6 +26,7 @@ mod fds;
 pub mod forward;
 mod forwarded;
 pub(crate) mod http1;
+mod http2;
 pub mod reload;
 mod request;
 pub mod respond;
@@ -42,7 +42,6 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use hyper_util::rt::{TokioExecutor, TokioTimer};
-use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 use tokio::task::JoinHandle;
@@ -425,23 +424,15 @@ async fn worker(
     let client = Arc::new(forward::client(
         up.connect_timeout,
         Duration::from_nanos(up.idle),
-        shared.upstream_h2,
         shared.upstream_cap.clone(),
     ));
     let config = shared.config.load_full();
     let timers = Arc::new(coarse::Timers::default());
-    // A request head this long is hyper's to answer with its own 431 (`inbound` hands it
-    // over); below it, the request path answers 431 with a body at `max_header_bytes`.
+    // A partial request head this long is answered 431 as it is read; below it, the request
+    // path answers 431 at `max_header_bytes`.
     let max_head = (config.limits.max_header_bytes.0 * 2).max(8192 + 1024);
-    let mut builder = auto::Builder::new(TokioExecutor::new());
-    // The header-read timeout is each connection's `coarse::HeadTimer`, given as it is served
-    // (hyper panics at a connection served without a timer).
+    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
     builder
-        .http1()
-        .header_read_timeout(config.timeouts.header_read.0)
-        .max_buf_size(max_head);
-    builder
-        .http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(config.limits.max_h2_streams.get())
         .max_header_list_size(config.limits.max_header_bytes.0 as u32)
@@ -451,7 +442,7 @@ async fn worker(
     // Tells this worker's connections that it drains; each holds `alive` until it ends.
     let (drain_tx, draining) = watch::channel(false);
     let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
-    let stalls = Arc::new(http1::stalls::Stalls::new(
+    let stalls = Arc::new(http2::stalls::Stalls::new(
         config.timeouts.send.0,
         anchor_period(&config.timeouts),
         shared.metrics.send_timeouts.clone(),
@@ -542,7 +533,7 @@ async fn worker(
 
 /// The worker's tick: fires its [`coarse::Timers`] (each request's header-read, upstream
 /// response and send deadlines), drops the HTTP/2 responses whose client has left their
-/// window shut for `timeouts.send` ([`http1::stalls::Stalls`]), and closes its idle upstream connections unused for `timeouts.upstream_idle` or
+/// window shut for `timeouts.send` ([`http2::stalls::Stalls`]), and closes its idle upstream connections unused for `timeouts.upstream_idle` or
 /// closed by the upstream meanwhile. On the first worker, also measures its load for the
 /// others' accept loops ([`accept::Sampler`]).
 ///
@@ -554,7 +545,7 @@ async fn worker(
 async fn anchor_timer(
     period: Duration,
     idle: Arc<affine::Idle>,
-    stalls: Arc<http1::stalls::Stalls>,
+    stalls: Arc<http2::stalls::Stalls>,
     timers: Arc<coarse::Timers>,
     shared: Arc<Shared>,
     mut load: Option<accept::Sampler>,

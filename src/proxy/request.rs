@@ -192,7 +192,6 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
         response_timeout: shared.response_timeout,
         timers: &conn.timers,
         metrics,
-        h2: shared.upstream_h2,
         affine: (!shared.upstream_h2).then_some((&conn.affine, &shared.affine_upstream)),
         now: start,
         upgrades: &shared.hygiene.upgrades,

@@ -5,9 +5,10 @@
 //! or, for a server that writes its own heads, as a map; the body is read from the socket by
 //! the body itself ([`RawBody`]).
 //!
-//! Takes requests without a body or with one in hand (hyper's pooled client takes streamed
-//! bodies and upgrades). Framing per RFC 9112 §6.3 ([`framing`]); interim responses skipped,
-//! an unasked 101 refused. Reuse as [`super`] states, checked by [`Raw::check`] without a
+//! Takes every request to an HTTP/1 upstream: a body in hand goes with the head, one still
+//! coming is written as it is read ([`Upload`]), an upgrade's `101` hands the connection to
+//! the tunnel. Framing per RFC 9112 §6.3 ([`framing`]); interim responses skipped, a `101` not
+//! asked for refused. Reuse as [`super`] states, checked by [`Raw::check`] without a
 //! syscall (the reactor's recorded readiness). Must never: parse a head from its start at each
 //! read, build a header map for an HTTP/1 client, or put back a connection with bytes pending.
 
@@ -26,10 +27,11 @@ use http_body_util::Either;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
-use super::framing::{decode, field, keeps_alive, Framing, HeadEnd, Step};
+use super::framing::{decode, field, keeps_alive, one_length, Framing, HeadEnd, Step};
 use super::head::*;
+use super::upload::{Stopped, Upload};
 use crate::hop::listed;
-use crate::proxy::body::ReqBody;
+use crate::proxy::body::{emptied, ReqBody};
 use crate::proxy::forwarded::Added;
 
 thread_local! {
@@ -104,6 +106,8 @@ pub enum Failed {
     /// Writing the request head failed: nothing of the request was taken, it can go on
     /// another connection.
     Unsent(io::Error),
+    /// The client's streamed body broke before the response came: the client's fault (400).
+    ClientBody,
 }
 
 impl Raw {
@@ -163,18 +167,30 @@ impl Raw {
         polled
     }
 
-    async fn fill(&mut self) -> io::Result<usize> {
-        std::future::poll_fn(|cx| self.poll_fill(cx)).await
+    /// The socket and what was read from it past a `101`, for the tunnel; the connection's
+    /// place under the cap goes with it.
+    pub(crate) fn into_tunnel(
+        self,
+    ) -> (
+        TcpStream,
+        BytesMut,
+        Option<tokio::sync::OwnedSemaphorePermit>,
+    ) {
+        let c = *self.0;
+        (c.stream, c.buf, c._permit)
     }
 }
 
-/// Sends `req` (as the client sent it, with no body or one in hand: a body still coming goes
-/// through hyper's pool, see `forward`) with the headers the hop changes, `added`, on `raw`
+/// Sends `req` (as the client sent it) with the headers the hop changes, `added`, on `raw`
 /// and reads the response head; the body reads the rest, and hands the connection to `home`
-/// at its end when it may be reused.
+/// at its end when it may be reused. A body in hand goes in the head's write; one still coming
+/// is taken out of `req` and written as it is read ([`Upload`]), while the response is
+/// awaited and then while its body is read: an app may answer before the upload's end. An
+/// upgrade `added` asks for is answered by a `101` whose body gives the connection to the
+/// tunnel ([`RawBody::take_switched`]).
 pub async fn exchange(
     mut raw: Raw,
-    req: &Request<ReqBody>,
+    req: &mut Request<ReqBody>,
     added: &Added,
     home: Arc<dyn Home>,
     now: u64,
@@ -191,15 +207,19 @@ pub async fn exchange(
     if !mapped && !WOKE.replace(false) {
         tokio::task::yield_now().await;
     }
+    let streamed = matches!(req.body(), Either::Left(b) if !b.is_end_stream());
+    // A body still coming goes by its one length, else in chunks.
+    let chunked = streamed && one_length(req.headers()).is_none();
     let mut head = std::mem::take(&mut raw.out);
     head.clear();
-    write_head(&mut head, req, added);
-    // A body in hand (small: `inbound` reads it with its head) goes in the same write; its
-    // `Content-Length` passed on with the client's fields.
+    write_head(&mut head, req, added, chunked);
+    // A body in hand (small: the server side reads it with its head) goes in the same write;
+    // its `Content-Length` passed on with the client's fields.
     let body_sent = match req.body() {
         Either::Right(body) => body.bytes(),
         Either::Left(_) => &[],
     };
+    let in_hand = !body_sent.is_empty();
     head.extend_from_slice(body_sent);
     let written = raw.stream.write_all(&head).await;
     raw.out = head;
@@ -207,6 +227,15 @@ pub async fn exchange(
         // Not a whole request: the upstream cannot have acted on it.
         return Err(Failed::Unsent(e));
     }
+    let mut upload = match streamed {
+        true => match std::mem::replace(req.body_mut(), emptied()) {
+            Either::Left(body) => Some(Box::new(Upload::new(body, chunked))),
+            Either::Right(_) => None,
+        },
+        false => None,
+    };
+    // The upstream stopped taking the upload: the connection is not reused.
+    let mut cut = false;
     let head_only = req.method() == Method::HEAD;
     let mut end = HeadEnd::default();
     loop {
@@ -220,11 +249,8 @@ pub async fn exchange(
         match taken {
             // Borrowed where it was parsed into, not moved out (a copy).
             Ok(Some(ref head)) => {
-                // Nothing asked to switch protocols here (upgrades take the pooled client).
                 if head.status == 101 {
-                    return Err(Failed::Upstream(protocol(
-                        "upstream switched protocols unasked",
-                    )));
+                    return switched(head, raw, added.upgrade).map_err(Failed::Upstream);
                 }
                 // Interim responses (100 Continue, 103 Early Hints): the final one follows.
                 if (100..200).contains(&head.status) {
@@ -234,48 +260,135 @@ pub async fn exchange(
                 // A connection asked to close is not reused, whatever the answer says; nor
                 // one whose request body was refused (an app that answers 413 or 401 before
                 // it reads the body may read it afterwards as it likes, and answer it).
-                let refused = head.status >= 400 && !body_sent.is_empty();
-                let home = (!added.close && !refused).then_some(home);
-                return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
+                let refused = head.status >= 400 && (in_hand || streamed);
+                let home = (!added.close && !refused && !cut).then_some(home);
+                let upload = upload.take();
+                return respond(head, head_only, mapped, raw, home, now, upload)
+                    .map_err(Failed::Upstream);
             }
-            Ok(None) => more(&mut raw).await.map_err(Failed::Upstream)?,
+            Ok(None) => {
+                std::future::poll_fn(|cx| {
+                    let sent = match upload.as_mut() {
+                        Some(up) => up.poll_send(cx, &raw.stream),
+                        None => Poll::Pending,
+                    };
+                    match sent {
+                        Poll::Ready(Ok(())) => upload = None,
+                        Poll::Ready(Err(Stopped::Client)) => {
+                            return Poll::Ready(Err(Failed::ClientBody))
+                        }
+                        // It may have answered already: its answer is read.
+                        Poll::Ready(Err(Stopped::Upstream)) => {
+                            upload = None;
+                            cut = true;
+                        }
+                        Poll::Pending => {}
+                    }
+                    poll_more(&mut raw, cx).map_err(Failed::Upstream)
+                })
+                .await?
+            }
             Err(e) => return Err(Failed::Upstream(e)),
         }
     }
 }
 
 /// Writes the request line (origin form) and headers: the client's that go on, then those the
-/// hop sets.
-pub(super) fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added) {
+/// hop sets; with `chunked`, the body goes in chunks and no length of the client's goes on.
+pub(super) fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added, chunked: bool) {
     out.extend_from_slice(req.method().as_str().as_bytes());
     out.push(b' ');
     let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
     out.extend_from_slice(target.as_bytes());
     out.extend_from_slice(b" HTTP/1.1\r\n");
-    let passing = req.headers().iter().filter(|(name, _)| added.passes(name));
+    let passing = req.headers().iter().filter(|(name, _)| {
+        added.passes(name) && !(chunked && *name == http::header::CONTENT_LENGTH)
+    });
     let passing = passing.map(|(name, value)| (name, value.as_bytes()));
     for (name, value) in passing.chain(added.set()) {
         field(out, name.as_str().as_bytes(), value);
     }
-    if added.close {
+    if chunked {
+        field(out, b"transfer-encoding", b"chunked");
+    }
+    if let Some(protocol) = added.upgrade {
+        field(out, b"upgrade", protocol.as_bytes());
+        field(out, b"connection", b"upgrade");
+    } else if added.close {
         field(out, b"connection", b"close");
     }
     out.extend_from_slice(b"\r\n");
 }
 
-/// Reads more of a response head into `raw.buf`: an error for a head too large, or a
-/// connection closed before one.
-async fn more(raw: &mut Raw) -> io::Result<()> {
-    if raw.buf.len() >= MAX_HEAD {
-        return Err(protocol("upstream response head too large"));
-    }
-    if raw.fill().await? == 0 {
-        return Err(io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            "upstream closed the connection before a response",
+/// The `101` of `head` to an upgrade that `asked` for a protocol, its fields in its map (the
+/// connection's own go, but `Upgrade`), its body holding `raw` for the tunnel. A switch
+/// nobody asked for, or to another protocol, is an error: the connection would carry what no
+/// rule sees.
+fn switched(head: &Head, raw: Raw, asked: Option<&str>) -> io::Result<Response<RawBody>> {
+    let text = &head.bytes[..];
+    let is_upgrade = |f: &Field| f.name(text).eq_ignore_ascii_case(b"upgrade");
+    let mut answered = head.fields.iter().filter(|f| is_upgrade(f));
+    let to = match (answered.next(), answered.next()) {
+        (Some(f), None) => f.value(text).trim_ascii(),
+        _ => b"",
+    };
+    if !asked.is_some_and(|p| to.eq_ignore_ascii_case(p.as_bytes())) {
+        return Err(protocol(
+            "upstream switched to a protocol that was not asked for",
         ));
     }
-    Ok(())
+    let fields = head.fields.iter().map(|f| (f.named, f.value(text)));
+    let listed = listed(Delimiters::of(fields).connection.iter().copied());
+    let passes = |f: &Field| {
+        is_upgrade(f)
+            || !(f.named.hop_by_hop()
+                || listed.iter().any(|t| t.eq_ignore_ascii_case(f.name(text))))
+    };
+    let headers = map_of(head, passes)?;
+    let body = RawBody {
+        raw: Some(raw),
+        framing: Framing::Done,
+        home: None,
+        since: 0,
+        passed: None,
+        upload: None,
+        switched: true,
+    };
+    let mut resp = Response::new(body);
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    *resp.headers_mut() = headers;
+    Ok(resp)
+}
+
+/// The fields of `head` that pass, in a map.
+fn map_of(head: &Head, passes: impl Fn(&Field) -> bool) -> io::Result<HeaderMap> {
+    let text = &head.bytes[..];
+    let mut headers = HeaderMap::new();
+    for f in head.fields.iter().filter(|f| passes(f)) {
+        let name = HeaderName::from_bytes(f.name(text))
+            .map_err(|_| protocol("upstream sent an invalid header name"))?;
+        let value = HeaderValue::from_maybe_shared(
+            head.bytes.slice(f.value.0 as usize..f.value.1 as usize),
+        )
+        .map_err(|_| protocol("upstream sent an invalid header value"))?;
+        headers.append(name, value);
+    }
+    Ok(headers)
+}
+
+/// Reads more of a response head into `raw.buf`: an error for a head too large, or a
+/// connection closed before one.
+fn poll_more(raw: &mut Raw, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+    if raw.buf.len() >= MAX_HEAD {
+        return Poll::Ready(Err(protocol("upstream response head too large")));
+    }
+    if ready!(raw.poll_fill(cx))? == 0 {
+        return Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "upstream closed the connection before a response",
+        )));
+    }
+    Poll::Ready(Ok(()))
 }
 
 /// The response of `head`, its body reading the rest from `raw`. The head's hop-by-hop fields
@@ -288,6 +401,7 @@ fn respond(
     raw: Raw,
     home: Option<Arc<dyn Home>>,
     now: u64,
+    upload: Option<Box<Upload>>,
 ) -> io::Result<Response<RawBody>> {
     let status = StatusCode::from_u16(head.status)
         .map_err(|_| protocol("upstream sent an invalid status"))?;
@@ -305,29 +419,23 @@ fn respond(
             || (coded && f.named == Named::ContentLength)
             || listed.iter().any(|t| t.eq_ignore_ascii_case(f.name(text))))
     };
-    let mut headers = HeaderMap::new();
     let passed = if mapped {
         None
     } else {
         Passed::of(head, passes)
     };
-    if passed.is_none() {
-        for f in head.fields.iter().filter(|f| passes(f)) {
-            let name = HeaderName::from_bytes(f.name(text))
-                .map_err(|_| protocol("upstream sent an invalid header name"))?;
-            let value = HeaderValue::from_maybe_shared(
-                head.bytes.slice(f.value.0 as usize..f.value.1 as usize),
-            )
-            .map_err(|_| protocol("upstream sent an invalid header value"))?;
-            headers.append(name, value);
-        }
-    }
+    let headers = match passed {
+        Some(_) => HeaderMap::new(),
+        None => map_of(head, passes)?,
+    };
     let mut body = RawBody {
         raw: Some(raw),
         framing,
         home: home.filter(|_| reusable),
         since: now,
         passed,
+        upload,
+        switched: false,
     };
     if matches!(body.framing, Framing::Done | Framing::Length(0)) {
         body.finish();
@@ -350,9 +458,19 @@ pub struct RawBody {
     since: u64,
     /// The response's fields, when they are not in its map.
     passed: Option<Passed>,
+    /// The request's body, while it is still going upstream (boxed: most responses have none,
+    /// and every response moves through the request path's futures).
+    upload: Option<Box<Upload>>,
+    /// A `101`'s: `raw` is the tunnel's, not the body's.
+    switched: bool,
 }
 
 impl RawBody {
+    /// The upstream connection of a `101`, for the tunnel.
+    pub fn take_switched(&mut self) -> Option<Raw> {
+        self.raw.take().filter(|_| self.switched)
+    }
+
     /// The response's fields as the upstream wrote them, when they are not in its map.
     pub fn passed(&self) -> Option<&Passed> {
         self.passed.as_ref()
@@ -366,6 +484,10 @@ impl RawBody {
     /// The body is over: the connection goes home if it may be reused and nothing follows.
     fn finish(&mut self) {
         self.framing = Framing::Done;
+        // An upload not sent whole leaves the upstream waiting for the rest.
+        if self.upload.take().is_some() {
+            self.home = None;
+        }
         if let (Some(mut raw), Some(home)) = (self.raw.take(), self.home.take()) {
             // More than the response's framing said: never pooled. (Readiness is looked at
             // when the connection is taken again: the read that ended this body left none.)
@@ -379,6 +501,26 @@ impl RawBody {
     }
 
     fn poll_step(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Frame<Bytes>>>> {
+        if self.switched {
+            return Poll::Ready(None);
+        }
+        // The request's body goes on as the response comes: an app may answer as it reads.
+        if let (Some(up), Some(raw)) = (self.upload.as_mut(), self.raw.as_ref()) {
+            match up.poll_send(cx, &raw.stream) {
+                Poll::Ready(Ok(())) => self.upload = None,
+                Poll::Ready(Err(Stopped::Client)) => {
+                    return Poll::Ready(Some(Err(io::Error::other(
+                        "the client's request body broke off",
+                    ))))
+                }
+                // What the upstream answers is still read; the connection is not reused.
+                Poll::Ready(Err(Stopped::Upstream)) => {
+                    self.upload = None;
+                    self.home = None;
+                }
+                Poll::Pending => {}
+            }
+        }
         loop {
             let Some(raw) = self.raw.as_mut() else {
                 return Poll::Ready(None);

@@ -32,13 +32,13 @@ async fn a_trickled_response_head_costs_parse_work_linear_in_its_size() {
         s
     });
     let raw = Raw::new(TcpStream::connect(addr).await.unwrap(), None);
-    let req = Request::get("/t")
+    let mut req = Request::get("/t")
         .body(Either::Right(crate::proxy::forward::InHand::default()))
         .unwrap();
     let added = Added::of(req.headers(), None, None, [127, 0, 0, 1].into(), false);
     PARSED.set(0);
     woke();
-    let resp = exchange(raw, &req, &added, Arc::new(Nowhere), 0)
+    let resp = exchange(raw, &mut req, &added, Arc::new(Nowhere), 0)
         .await
         .map_err(|_| "failed")
         .unwrap();
@@ -268,7 +268,7 @@ fn the_request_head_is_written_as_it_goes_on_the_wire() {
     let peer = "192.0.2.7".parse().unwrap();
     let added = Added::of(req.headers(), None, None, peer, false);
     let mut out = Vec::new();
-    write_head(&mut out, &req, &added);
+    write_head(&mut out, &req, &added, false);
     assert_eq!(
         String::from_utf8(out).unwrap(),
         "POST /a?b=c HTTP/1.1\r\nhost: app\r\nx-many: 1\r\nx-many: 2\r\n\
@@ -282,7 +282,10 @@ async fn reads_take_a_page_and_grow_only_for_a_response_that_fills_them() {
     let mut app = TcpStream::from_std(app).unwrap();
     // A small response: one page of room, which the connection keeps.
     app.write_all(&[b'x'; 300]).await.unwrap();
-    assert_eq!(raw.fill().await.unwrap(), 300);
+    assert_eq!(
+        std::future::poll_fn(|cx| raw.poll_fill(cx)).await.unwrap(),
+        300
+    );
     assert!(raw.buf.capacity() < ROOM[1], "{}", raw.buf.capacity());
     raw.buf.clear();
     raw.filled = 0;
@@ -293,7 +296,7 @@ async fn reads_take_a_page_and_grow_only_for_a_response_that_fills_them() {
     let mut reads = Vec::new();
     while reads.iter().sum::<usize>() < large {
         let before = raw.buf.len();
-        raw.fill().await.unwrap();
+        std::future::poll_fn(|cx| raw.poll_fill(cx)).await.unwrap();
         reads.push(raw.buf.len() - before);
     }
     assert!(reads[0] <= ROOM[0], "{reads:?}");
@@ -319,7 +322,7 @@ async fn app_and_raw() -> (std::net::TcpStream, Raw) {
 
 /// A GET exchanged on `raw`: the response's status.
 async fn exchanged(raw: Raw) -> Result<StatusCode, ()> {
-    let req = Request::get("/x")
+    let mut req = Request::get("/x")
         .header("host", "app")
         .body(Either::Right(crate::proxy::forward::InHand::new(
             Bytes::new(),
@@ -327,7 +330,7 @@ async fn exchanged(raw: Raw) -> Result<StatusCode, ()> {
         .unwrap();
     let peer = "192.0.2.7".parse().unwrap();
     let added = Added::of(req.headers(), None, None, peer, false);
-    let resp = exchange(raw, &req, &added, Arc::new(Dropped), 0).await;
+    let resp = exchange(raw, &mut req, &added, Arc::new(Dropped), 0).await;
     resp.map(|r| r.status()).map_err(|_| ())
 }
 

@@ -1,32 +1,30 @@
-//! A client connection's parts that the server side and the hand-over to hyper share: the
+//! A client connection's parts that the HTTP/1 server side and hyper's HTTP/2 server share: the
 //! worker's [`Lane`], the connection's socket and buffers ([`Served`]) and the bound on its
 //! writes ([`SendClock`]). Must never: do I/O of its own beyond a write's bound.
 
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
+use hyper::server::conn::http2;
 use hyper_util::rt::TokioExecutor;
-use hyper_util::server::conn::auto;
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 
-use super::stalls::Stalls;
-use crate::proxy::coarse::{HeadTimer, Sleep, Timers};
+use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::http2::stalls::Stalls;
 
-pub(super) use super::framing::READ;
+pub(crate) use super::framing::READ;
 
 /// What a worker's connections share.
 pub struct Lane {
-    /// hyper's server, for the connections handed to it (each given its own HTTP/1 head
-    /// timer, [`HeadTimer`]).
-    pub hyper: auto::Builder<TokioExecutor>,
-    /// A partial head at least this long is handed to hyper (which answers 431).
+    /// hyper's HTTP/2 server, for the connections that begin with its preface.
+    pub hyper: http2::Builder<TokioExecutor>,
+    /// A partial head at least this long is answered 431.
     pub max_head: usize,
     pub header_read: Duration,
     /// `timeouts.client_idle`: the wait for a kept-alive connection's next request.
@@ -41,46 +39,34 @@ pub struct Lane {
     pub draining: watch::Receiver<bool>,
 }
 
-pub(super) type Error = Box<dyn std::error::Error + Send + Sync>;
+pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
 
-impl Lane {
-    /// hyper's HTTP/1 head timer for a connection whose reads `heard` counts.
-    pub(super) fn head_timer(&self, heard: &Arc<AtomicU32>) -> HeadTimer {
-        HeadTimer {
-            timers: self.timers.clone(),
-            heard: heard.clone(),
-            idle: self.client_idle,
-            header_read: self.header_read,
-        }
-    }
-}
-
-pub(super) struct Served {
+pub(crate) struct Served {
     /// Shared with a streamed request body while it is read.
-    pub(super) stream: Arc<TcpStream>,
+    pub(crate) stream: Arc<TcpStream>,
     /// Read and not yet used.
-    pub(super) buf: BytesMut,
+    pub(crate) buf: BytesMut,
     /// The response head being written, kept for the next one.
-    pub(super) out: Vec<u8>,
+    pub(crate) out: Vec<u8>,
     /// Bounds how long a write may wait for the client to take bytes.
-    pub(super) clock: SendClock,
+    pub(crate) clock: SendClock,
     /// A response was written and the connection kept: the next wait is `client_idle`'s.
-    pub(super) kept: bool,
+    pub(crate) kept: bool,
 }
 
 /// `timeouts.send` for a client's writes (nginx's `send_timeout`): a write that takes no byte
 /// for that long fails, and the connection with it (its request's slots are freed as the
 /// response is dropped). Armed only when a write has to wait: a client that keeps up costs
 /// nothing.
-pub(super) struct SendClock {
-    pub(super) timers: Arc<Timers>,
-    pub(super) limit: Duration,
-    pub(super) wait: Option<Sleep>,
-    pub(super) timeouts: prometheus::IntCounter,
+pub(crate) struct SendClock {
+    pub(crate) timers: Arc<Timers>,
+    pub(crate) limit: Duration,
+    pub(crate) wait: Option<Sleep>,
+    pub(crate) timeouts: prometheus::IntCounter,
 }
 
 impl SendClock {
-    pub(super) fn new(lane: &Lane) -> Self {
+    pub(crate) fn new(lane: &Lane) -> Self {
         SendClock {
             timers: lane.timers.clone(),
             limit: lane.send,
@@ -91,7 +77,7 @@ impl SendClock {
 
     /// A write's outcome, `polled`, with the wait bounded: pending arms the deadline (once per
     /// wait), past it the write fails; any progress disarms it.
-    pub(super) fn bound<T>(
+    pub(crate) fn bound<T>(
         &mut self,
         cx: &mut Context<'_>,
         polled: Poll<io::Result<T>>,

@@ -1,8 +1,8 @@
 //! A client's request head, parsed (httparse) where it lies in the connection's buffer into
-//! the request the request path takes: which heads this side serves, how their bodies are
-//! framed (RFC 9112 §6.3), and which go to hyper (an upgrade, `CONNECT`, a target that is not
-//! a path, a framing that is how one request is read as two, a malformed head). Must never:
-//! serve a head hyper would read otherwise, or copy a field's value out of the buffer.
+//! the request the request path takes, its body framed (RFC 9112 §6.3); or refused, with the
+//! status that says why (a malformed head, a framing that is how one request is read as two,
+//! a coding or expectation not served, `CONNECT`); or the HTTP/2 preface. Must never: serve a
+//! head hyper would read otherwise, or copy a field's value out of the buffer.
 
 use std::mem::MaybeUninit;
 
@@ -14,9 +14,49 @@ use http_body_util::Either;
 use super::framing::{parse_length, Chunk, Framing};
 use crate::proxy::body::{InHand, ReqBody, IN_HAND};
 
-/// Header fields in a request head at most (hyper's limit too); more hands the connection to
-/// hyper, which answers 431.
+/// Header fields in a request head at most (hyper's limit too); more is answered 431.
 const MAX_HEADERS: usize = 100;
+
+/// Why a head is refused: the status it is answered with (and its connection closed), the
+/// `spillway_bad_requests_total` reason, and a detail for the client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Refusal {
+    pub(crate) status: http::StatusCode,
+    pub(crate) reason: &'static str,
+    pub(crate) detail: &'static str,
+}
+
+impl Refusal {
+    const fn new(status: u16, reason: &'static str, detail: &'static str) -> Self {
+        let Ok(status) = http::StatusCode::from_u16(status) else {
+            panic!("not a status");
+        };
+        Refusal {
+            status,
+            reason,
+            detail,
+        }
+    }
+}
+
+pub(crate) const MALFORMED: Refusal =
+    Refusal::new(400, "malformed", "the request head is malformed");
+const TOO_MANY: Refusal = Refusal::new(431, "header_too_large", "too many header fields");
+/// The head outgrew what may be read of one (`limits.max_header_bytes`, with room).
+pub(crate) const TOO_LARGE: Refusal =
+    Refusal::new(431, "header_too_large", "the request head is too large");
+const FRAMING: Refusal = Refusal::new(
+    400,
+    "framing",
+    "the request's length and codings conflict or are malformed",
+);
+const CODING: Refusal = Refusal::new(
+    501,
+    "framing",
+    "a transfer coding other than chunked alone is not served",
+);
+const EXPECT: Refusal = Refusal::new(417, "malformed", "only 100-continue is served");
+const CONNECT: Refusal = Refusal::new(501, "method", "CONNECT is not served by this proxy");
 
 /// What a look at the buffer found.
 #[allow(clippy::large_enum_variant)]
@@ -27,8 +67,10 @@ pub(crate) enum Parsed {
     /// A whole head whose body (of up to [`IN_HAND`] bytes) is not: the request needs this
     /// many bytes in the buffer.
     Short(usize),
-    /// Not for this side: hyper's to serve (or refuse).
-    Other,
+    /// Answered with this refusal, and the connection closed.
+    Refused(Refusal),
+    /// The HTTP/2 connection preface (RFC 9113 §3.4), or what there is of it.
+    Preface,
     /// A request whose body is streamed as it is read (a larger or chunked one, one expecting
     /// `100 Continue`, one still coming at the head's deadline), framed so; whether the client
     /// waits for `100 Continue`.
@@ -56,20 +98,28 @@ pub(crate) fn parse(buf: &mut BytesMut, stream_all: bool) -> Parsed {
     ) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
-        Err(_) => return Parsed::Other,
+        Err(_) if buf.starts_with(b"PRI * HTTP/2") => return Parsed::Preface,
+        Err(httparse::Error::TooManyHeaders) => return Parsed::Refused(TOO_MANY),
+        Err(_) => return Parsed::Refused(MALFORMED),
     };
     let (Some(method), Some(path), Some(minor)) = (parsed.method, parsed.path, parsed.version)
     else {
-        return Parsed::Other;
+        return Parsed::Refused(MALFORMED);
     };
-    if !path.starts_with('/') {
-        return Parsed::Other;
-    }
     let Ok(method) = Method::from_bytes(method.as_bytes()) else {
-        return Parsed::Other;
+        return Parsed::Refused(MALFORMED);
     };
+    // A tunnel to a host of the client's choosing, framed unlike any other request: refused
+    // from its head, and its connection closed.
     if method == Method::CONNECT {
-        return Parsed::Other;
+        return Parsed::Refused(CONNECT);
+    }
+    // Origin form; absolute form (RFC 9112 §3.2.2: its authority is the request's); `*` for
+    // OPTIONS. The authority form is CONNECT's alone.
+    let form_ok =
+        path.starts_with('/') || (path == "*" && method == Method::OPTIONS) || path.contains("://");
+    if !form_ok {
+        return Parsed::Refused(MALFORMED);
     }
     let base = buf.as_ptr() as usize;
     let at = |s: &[u8]| {
@@ -83,13 +133,13 @@ pub(crate) fn parse(buf: &mut BytesMut, stream_all: bool) -> Parsed {
     let mut expects = false;
     for f in parsed.headers.iter() {
         let Ok(name) = HeaderName::from_bytes(f.name.as_bytes()) else {
-            return Parsed::Other;
+            return Parsed::Refused(MALFORMED);
         };
         if name == header::CONTENT_LENGTH {
             lengths += 1;
             length = parse_length(f.value);
             if length.is_none() {
-                return Parsed::Other;
+                return Parsed::Refused(FRAMING);
             }
         } else if name == header::TRANSFER_ENCODING {
             codings += 1;
@@ -97,20 +147,20 @@ pub(crate) fn parse(buf: &mut BytesMut, stream_all: bool) -> Parsed {
         } else if name == header::EXPECT {
             // The one expectation there is (RFC 9110 §10.1.1); an HTTP/1.0 client's is ignored.
             if !ows_trimmed(f.value).eq_ignore_ascii_case(b"100-continue") {
-                return Parsed::Other;
+                return Parsed::Refused(EXPECT);
             }
             expects = minor > 0;
-        } else if name == header::UPGRADE {
-            // An upgrade: hyper's for good.
-            return Parsed::Other;
         }
         named.push((name, at(f.value)));
     }
     // One length, or one coding that is `chunked` alone in HTTP/1.1, without a length: the
     // framings this side reads. Any other mix is how one request is read as two (RFC 9112
-    // §6.3): hyper's to refuse.
-    if lengths > 1 || codings > 1 || (codings == 1 && (!chunked || lengths > 0 || minor == 0)) {
-        return Parsed::Other;
+    // §6.3): refused, and the connection closed; a coding other than `chunked` is not served.
+    if lengths > 1 || codings > 1 || (codings == 1 && (lengths > 0 || minor == 0)) {
+        return Parsed::Refused(FRAMING);
+    }
+    if codings == 1 && !chunked {
+        return Parsed::Refused(CODING);
     }
     let framing = match (chunked, length) {
         (true, _) => Framing::Chunked(Chunk::Size),
@@ -136,15 +186,7 @@ pub(crate) fn parse(buf: &mut BytesMut, stream_all: bool) -> Parsed {
     match request_of(&head, path, &mut named, minor, method, &body) {
         Some(req) if in_hand.is_some() => Parsed::Request(req),
         Some(req) => Parsed::Streamed(req, framing, expects),
-        None => {
-            // hyper's to refuse, from the head on: put it back in front.
-            let mut whole = BytesMut::with_capacity(head.len() + body.len() + buf.len());
-            whole.extend_from_slice(&head);
-            whole.extend_from_slice(&body);
-            whole.extend_from_slice(buf);
-            *buf = whole;
-            Parsed::Other
-        }
+        None => Parsed::Refused(MALFORMED),
     }
 }
 
@@ -157,7 +199,7 @@ fn ows_trimmed(value: &[u8]) -> &[u8] {
 }
 
 /// The request of the parsed `head`: its target at `path`, its fields `named`; `None` when
-/// the target is no URI or a value no header value (hyper then answers 400).
+/// the target is no URI or a value no header value (answered 400).
 fn request_of(
     head: &Bytes,
     path: std::ops::Range<usize>,

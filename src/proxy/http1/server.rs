@@ -2,7 +2,9 @@
 //! connection's buffer, parses it (httparse) into the request the request path takes, and
 //! writes the response head and what of its body is there in one `write`.
 //!
-//! Serves what [`super`] says; a small body (one `Content-Length` up to [`IN_HAND`](crate::proxy::body::IN_HAND)) is read
+//! Serves what [`super`] says: a head [`request_head`](super::request_head) refuses is answered
+//! here and the connection closed, a connection that begins with the HTTP/2 preface is hyper's
+//! from there, a `101` to an upgrade makes the connection a [`tunnel`]. A small body (one `Content-Length` up to [`IN_HAND`](crate::proxy::body::IN_HAND)) is read
 //! whole within the head's deadline and goes upstream in the head's `write`. A larger or
 //! chunked body, or one still coming at the deadline, is streamed by [`RequestBody`], which
 //! reads the socket while it lasts; the connection goes on once it is read to its end.
@@ -30,13 +32,14 @@ use smallvec::SmallVec;
 use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 
-use super::by_hyper::*;
+use super::client::Raw;
 use super::conn::*;
 use super::framing::{field, has_token, keeps_alive, parse_length, Framing, HeadEnd};
 use super::request_body::{read_shared, Inbound, RequestBody};
 use super::request_head::*;
 use crate::proxy::body::{ReqBody, Streamed};
 use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::http2::serve_h2;
 use crate::proxy::request::{handle, AbandonGuard, Conn};
 use crate::proxy::respond::{Body, Own};
 
@@ -75,7 +78,8 @@ pub(in crate::proxy) async fn serve(
                     req
                 }
                 Next::Closed => return Ok(()),
-                Next::Hyper => return hand_off(s, conn, &lane, drained).await,
+                Next::Refused(why) => return s.refuse(&conn, why).await,
+                Next::Http2 => return serve_h2(s, conn, &lane, drained).await,
             };
             asked = Asked::of(req);
             let guard = AbandonGuard(Some(conn.clone()));
@@ -105,6 +109,14 @@ pub(in crate::proxy) async fn serve(
             Ok(()) => s.respond(&mut resp, asked).await,
             Err(e) => Err(e),
         };
+        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+            if let (Ok(_), Some(upstream)) = (&written, switched(&mut resp)) {
+                // The response (its concurrency slots) lives as long as the tunnel.
+                let tunneled = tunnel(s, upstream).await;
+                drop(resp);
+                return tunneled;
+            }
+        }
         let stay = match written {
             Ok(stay) => stay,
             Err(e) => {
@@ -148,9 +160,10 @@ enum Next<'a> {
     Request(&'a mut Request<ReqBody>, Option<Arc<Inbound>>),
     /// Closed by the client, timed out in a head, or the worker drains.
     Closed,
-    /// For hyper to serve from here on (an upgrade, an HTTP/2 preface, a head this side does
-    /// not take).
-    Hyper,
+    /// A head refused: answered so, then the connection is closed.
+    Refused(Refusal),
+    /// An HTTP/2 connection (its preface came first): hyper's HTTP/2 server's.
+    Http2,
 }
 
 /// Writes all of `bytes` to the client, each wait for it bounded by `clock`.
@@ -223,7 +236,10 @@ impl Served {
             if late || (self.buf.len() >= need && (need > 1 || end.may_end(&self.buf))) {
                 match parse(&mut self.buf, late) {
                     Parsed::Request(req) => return Ok(Next::Request(slot.insert(req), None)),
-                    Parsed::Other => return Ok(Next::Hyper),
+                    Parsed::Refused(why) => return Ok(Next::Refused(why)),
+                    // The preface begins a connection; after a request it is no HTTP/1.
+                    Parsed::Preface if !self.kept => return Ok(Next::Http2),
+                    Parsed::Preface => return Ok(Next::Refused(MALFORMED)),
                     Parsed::Streamed(req, framing, expects) => {
                         return Ok(self.streamed(slot, req, framing, expects))
                     }
@@ -244,7 +260,7 @@ impl Served {
                 }
             }
             if need == 1 && self.buf.len() >= lane.max_head {
-                return Ok(Next::Hyper);
+                return Ok(Next::Refused(TOO_LARGE));
             }
             if self.buf.capacity() - self.buf.len() < 1024 {
                 // Reclaimed in place once the last request's head is gone; grown otherwise.
@@ -294,6 +310,21 @@ impl Served {
         let inbound = Inbound::new(self.stream.clone(), buf, framing, expects);
         *req.body_mut() = Either::Left(Streamed::http1(RequestBody::new(inbound.clone())));
         Next::Request(slot.insert(req), Some(inbound))
+    }
+
+    /// Answers a refused head with its status, counted by its reason, and ends the connection.
+    async fn refuse(mut self, conn: &Conn, why: Refusal) -> Result<(), Error> {
+        let metrics = &conn.shared.metrics;
+        metrics.bad_requests.with_label_values(&[why.reason]).inc();
+        let mut resp: Response<Body> = crate::proxy::respond::error(why.status, why.detail);
+        let asked = Asked {
+            head: false,
+            http10: false,
+            keep_alive: false,
+        };
+        self.respond(&mut resp, asked).await?;
+        self.close();
+        Ok(())
     }
 
     /// Ends the connection: no more writes (the client reads to the end of what was sent).
@@ -562,7 +593,9 @@ fn write_head(
         }
         _ => {}
     }
-    if !stay {
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        field(out, b"connection", b"upgrade");
+    } else if !stay {
         field(out, b"connection", b"close");
     } else if asked.http10 {
         field(out, b"connection", b"keep-alive");
@@ -634,6 +667,32 @@ async fn unless_left<F: Future>(
         Poll::Pending
     })
     .await
+}
+
+/// The upstream connection a `101` switched, for the tunnel.
+fn switched(resp: &mut Response<Body>) -> Option<Raw> {
+    match resp.body_mut() {
+        Either::Left(permit) => match permit.inner_mut() {
+            Either::Right(raw) => raw.take_switched(),
+            Either::Left(_) => None,
+        },
+        Either::Right(_) => None,
+    }
+}
+
+/// An upgraded connection (a WebSocket): the bytes each side sent past its head first, then
+/// everything both ways, untouched, until both sides are done.
+async fn tunnel(s: Served, upstream: Raw) -> Result<(), Error> {
+    use tokio::io::AsyncWriteExt as _;
+    // Nothing else holds the socket: an upgrade has no body still coming.
+    let Ok(mut client) = Arc::try_unwrap(s.stream) else {
+        return Ok(());
+    };
+    let (mut upstream, from_upstream, _place) = upstream.into_tunnel();
+    upstream.write_all(&s.buf).await?;
+    client.write_all(&from_upstream).await?;
+    tokio::io::copy_bidirectional(&mut client, &mut upstream).await?;
+    Ok(())
 }
 
 /// The `Date` field's value, formatted once a second per thread.

@@ -1,10 +1,9 @@
 use super::*;
 use crate::proxy::body::IN_HAND;
 use crate::proxy::http1::framing::Chunk;
-use crate::proxy::http1::stalls::Stalls;
+use crate::proxy::http2::stalls::Stalls;
 use http::header::HeaderName;
 use hyper_util::rt::TokioExecutor;
-use hyper_util::server::conn::auto;
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -116,36 +115,83 @@ fn streamed_bodies_are_served_here_framed_as_their_head_says() {
 }
 
 #[test]
-fn odd_framings_upgrades_other_targets_and_garbage_go_to_hyper_with_every_byte() {
-    let others: &[&[u8]] = &[
-        // Framings that are how one request is read as two: hyper answers 400 and closes.
-        b"POST /u HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello",
-        b"POST /u HTTP/1.1\r\nContent-Length: -5\r\n\r\nhello",
-        b"POST /u HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-        b"POST /u HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
-        b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
-        b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\x0b\r\n\r\n0\r\n\r\n",
-        b"POST /u HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
-        b"PUT /u HTTP/1.1\r\nExpect: something\r\nContent-Length: 0\r\n\r\n",
-        // A target no URI: hyper answers 400; the body goes back with the head.
-        b"POST /a<b> HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
-        b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
-        // An upgrade is hyper's for good, whatever comes before it.
-        b"POST /ws HTTP/1.1\r\nTransfer-Encoding: chunked\r\nUpgrade: x\r\n\r\n0\r\n\r\n",
-        b"CONNECT app:443 HTTP/1.1\r\n\r\n",
-        b"OPTIONS * HTTP/1.1\r\n\r\n",
-        b"GET http://app/x HTTP/1.1\r\n\r\n",
-        b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
-        // An HTTP/2 preface is known before it is whole.
-        b"PRI * HTTP/2",
-        b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
-        b"\x16\x03\x01\x02\x00",
+fn odd_framings_and_garbage_are_refused_here_with_the_status_that_says_why() {
+    let refused: &[(&[u8], u16)] = &[
+        // Framings that are how one request is read as two: 400, and the connection closes.
+        (
+            b"POST /u HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\nhello",
+            400,
+        ),
+        (b"POST /u HTTP/1.1\r\nContent-Length: -5\r\n\r\nhello", 400),
+        (
+            b"POST /u HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            400,
+        ),
+        (
+            b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n\r\n",
+            400,
+        ),
+        (
+            b"POST /u HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            400,
+        ),
+        // A coding this side does not decode: 501.
+        (
+            b"POST /u HTTP/1.1\r\nTransfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+            501,
+        ),
+        (
+            b"POST /u HTTP/1.1\r\nTransfer-Encoding: xchunked\r\n\r\n0\r\n\r\n",
+            501,
+        ),
+        (
+            b"POST /u HTTP/1.1\r\nTransfer-Encoding: chunked\x0b\r\n\r\n0\r\n\r\n",
+            400,
+        ),
+        (
+            b"PUT /u HTTP/1.1\r\nExpect: something\r\nContent-Length: 0\r\n\r\n",
+            417,
+        ),
+        // A target no URI, or in the authority form without CONNECT.
+        (
+            b"POST /a<b> HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
+            400,
+        ),
+        (b"GET app:80 HTTP/1.1\r\n\r\n", 400),
+        (b"GET * HTTP/1.1\r\n\r\n", 400),
+        (b"CONNECT app:443 HTTP/1.1\r\n\r\n", 501),
+        (b"GET / HTTP/1.1\r\nBad Name: x\r\n\r\n", 400),
+        (b"\x16\x03\x01\x02\x00", 400),
     ];
-    for text in others {
-        let (p, rest) = parsed(text);
+    for (text, status) in refused {
+        let (p, _) = parsed(text);
         let text_lossy = String::from_utf8_lossy(text);
-        assert!(matches!(p, Parsed::Other), "{text_lossy:?}");
-        assert_eq!(&rest[..], *text, "bytes kept for hyper");
+        match p {
+            Parsed::Refused(why) => assert_eq!(why.status, *status, "{text_lossy:?}"),
+            _ => panic!("not refused: {text_lossy:?}"),
+        }
+    }
+    let many = format!("GET / HTTP/1.1\r\n{}\r\n", "X: y\r\n".repeat(101));
+    assert!(matches!(parsed(many.as_bytes()).0, Parsed::Refused(w) if w.status == 431));
+    // The HTTP/2 preface is known before it is whole.
+    for text in [&b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..], b"PRI * HTTP/2"] {
+        assert!(matches!(parsed(text).0, Parsed::Preface));
+    }
+    // Served here: an upgrade (its own request, the tunnel comes with its answer), the
+    // absolute form, and `*` for OPTIONS.
+    let served: &[(&[u8], &str)] = &[
+        (
+            b"GET /ws HTTP/1.1\r\nConnection: upgrade\r\nUpgrade: websocket\r\n\r\n",
+            "/ws",
+        ),
+        (b"OPTIONS * HTTP/1.1\r\n\r\n", "*"),
+        (b"GET http://app/x?q HTTP/1.1\r\n\r\n", "http://app/x?q"),
+    ];
+    for (text, target) in served {
+        match parsed(text).0 {
+            Parsed::Request(req) => assert_eq!(req.uri(), *target),
+            _ => panic!("not served: {:?}", String::from_utf8_lossy(text)),
+        }
     }
 }
 
@@ -164,7 +210,7 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
     let n = head.len();
     let (_drain, draining) = watch::channel(false);
     let lane = Lane {
-        hyper: auto::Builder::new(TokioExecutor::new()),
+        hyper: hyper::server::conn::http2::Builder::new(TokioExecutor::new()),
         max_head: 64 * 1024,
         header_read: Duration::from_secs(30),
         client_idle: Duration::from_secs(30),

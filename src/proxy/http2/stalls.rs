@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http::Version;
 use http_body::{Body as _, Frame};
 
 use crate::proxy::respond::Body;
@@ -57,7 +56,7 @@ pub struct Stalls {
     list: std::sync::Mutex<Vec<std::sync::Weak<Stall>>>,
     /// `timeouts.send` in ticks of the worker: a response not polled for more is dropped.
     limit: u32,
-    pub(super) timeouts: prometheus::IntCounter,
+    pub(crate) timeouts: prometheus::IntCounter,
 }
 
 impl Stalls {
@@ -75,10 +74,9 @@ impl Stalls {
     pub(super) fn guard(
         &self,
         body: Body,
-        version: Version,
         slot: Option<tokio::sync::OwnedSemaphorePermit>,
     ) -> Guarded {
-        if version != Version::HTTP_2 || body.is_end_stream() {
+        if body.is_end_stream() {
             return Guarded::Plain(body);
         }
         let stall = Arc::new(Stall {

@@ -1,7 +1,10 @@
-//! The connections that hyper's server serves for the proxy, for good ([`hand_off`]): HTTP/2,
-//! and an HTTP/1 connection from an upgrade or a head this side does not take; with its own
-//! head timer, and the HTTP/2 responses watched for a client that never opens its window
-//! ([`Stalls`]). Must never: keep a connection past `client_idle` without a stream.
+//! HTTP/2 client connections, which hyper's server serves from their preface on
+//! ([`serve_h2`]; the HTTP/1 server side sees the preface and lends nothing else), each stream
+//! through the same request path as an HTTP/1 request, its response watched for a client that
+//! never opens its window ([`Stalls`]), at most `max_upstream_per_client` of its streams at the
+//! upstream at once. Must never: keep a connection past `client_idle` without a stream.
+
+pub(crate) mod stalls;
 
 use std::future::Future;
 use std::io;
@@ -12,7 +15,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::{Buf, Bytes};
-use http::{Request, Response, Version};
+use http::{Request, Response};
 use http_body::Frame;
 use http_body_util::Either;
 use hyper::service::service_fn;
@@ -20,34 +23,28 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use super::conn::*;
-use super::stalls::*;
+use super::http1::conn::*;
 use crate::proxy::body::{ReqBody, Streamed};
 use crate::proxy::coarse::{Sleep, Timers};
 use crate::proxy::request::{handle, AbandonGuard, Conn};
 use crate::proxy::respond::{self, Body};
+use stalls::*;
 
-/// Serves the rest of the connection with hyper's server: the bytes read so far first.
-pub(super) async fn hand_off(
+/// Serves an HTTP/2 connection with hyper's server: the bytes read so far (its preface, or
+/// what came of it) first.
+pub(in crate::proxy) async fn serve_h2(
     s: Served,
     conn: Arc<Conn>,
     lane: &Lane,
     drained: Pin<&mut impl Future>,
 ) -> Result<(), Error> {
-    // The HTTP/2 connection preface (RFC 9113 §3.4), which went to hyper as no HTTP/1 head.
-    let h2 = s.buf.starts_with(b"PRI * HTTP/2.0\r\n");
-    // No streamed body of an earlier request holds the socket by now (its request is gone);
-    // if one still did, the connection could not be handed over whole.
+    // Only a connection's first bytes are a preface: no request body holds the socket.
     let Ok(stream) = Arc::try_unwrap(s.stream) else {
         return Ok(());
     };
-    let heard = Arc::new(AtomicU32::new(0));
-    let mut hyper = lane.hyper.clone();
-    hyper.http1().timer(lane.head_timer(&heard));
     let io = TokioIo::new(Rewind {
         read: s.buf.freeze(),
         stream,
-        heard,
         clock: s.clock,
     });
     let stalls = lane.stalls.clone();
@@ -58,43 +55,33 @@ pub(super) async fn hand_off(
         // HTTP/2 stream reset at once) counts as abandoned too.
         let guard = AbandonGuard(Some(conn.clone()));
         let busy = Busy::new(&open);
-        let version = req.version();
         let req = req.map(|b| Either::Left(Streamed::new(b)));
         let stalls = stalls.clone();
         async move {
-            // An HTTP/2 client's streams use at most `max_upstream_per_client` upstream
-            // connections at once: the others wait for a place, then get 503.
-            let slot = match version == Version::HTTP_2 {
-                true => match guard.conn().stream_slot().await {
-                    Ok(slot) => slot,
-                    Err(mut refused) => {
-                        guard.disarm();
-                        respond::whole(&mut refused);
-                        return Ok(refused.map(|b| Counted {
-                            body: stalls.guard(b, version, None),
-                            _busy: busy,
-                        }));
-                    }
-                },
-                false => None,
+            // A client's streams use at most `max_upstream_per_client` upstream connections
+            // at once: the others wait for a place, then get 503.
+            let slot = match guard.conn().stream_slot().await {
+                Ok(slot) => slot,
+                Err(mut refused) => {
+                    guard.disarm();
+                    respond::whole(&mut refused);
+                    return Ok(refused.map(|b| Counted {
+                        body: stalls.guard(b, None),
+                        _busy: busy,
+                    }));
+                }
             };
             let resp = answer(guard, req).await;
             Ok::<_, std::convert::Infallible>(resp.map(|b| Counted {
-                body: stalls.guard(b, version, slot),
+                body: stalls.guard(b, slot),
                 _busy: busy,
             }))
         }
     });
-    let mut served = pin!(hyper.serve_connection_with_upgrades(io, service));
-    // An HTTP/2 connection without a stream for `client_idle` is closed with GOAWAY; an
-    // HTTP/1 one's idle wait is its head timer's.
-    let idle = async {
-        match h2 {
-            true => watched.idle(&lane.timers, lane.client_idle).await,
-            false => std::future::pending().await,
-        }
-    };
-    tokio::select! {
+    let mut served = pin!(lane.hyper.serve_connection(io, service));
+    // A connection without a stream for `client_idle` is closed with GOAWAY.
+    let idle = watched.idle(&lane.timers, lane.client_idle);
+    let done = tokio::select! {
         biased;
         done = served.as_mut() => done,
         _ = drained => {
@@ -108,7 +95,8 @@ pub(super) async fn hand_off(
             let limit = Sleep::until(lane.timers.clone(), Timers::now() + lane.client_idle);
             crate::proxy::coarse::timeout(limit, served).await.unwrap_or(Ok(()))
         }
-    }
+    };
+    Ok(done?)
 }
 
 /// The requests open on an HTTP/2 connection hyper serves, for closing it once it has had
@@ -203,9 +191,6 @@ pub(super) async fn answer(guard: AbandonGuard, mut req: Request<ReqBody>) -> Re
 pub(super) struct Rewind {
     pub(super) read: Bytes,
     pub(super) stream: TcpStream,
-    /// Counts the reads from `stream` that brought bytes, for hyper's head timer
-    /// ([`HeadTimer`]).
-    pub(super) heard: Arc<AtomicU32>,
     /// hyper's writes are bounded by `timeouts.send` too.
     pub(super) clock: SendClock,
 }
@@ -223,12 +208,7 @@ impl AsyncRead for Rewind {
             this.read.advance(n);
             return Poll::Ready(Ok(()));
         }
-        let before = buf.filled().len();
-        let polled = Pin::new(&mut this.stream).poll_read(cx, buf);
-        if buf.filled().len() > before {
-            this.heard.fetch_add(1, Ordering::Relaxed);
-        }
-        polled
+        Pin::new(&mut this.stream).poll_read(cx, buf)
     }
 }
 
