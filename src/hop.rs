@@ -12,9 +12,27 @@ static KEEP_ALIVE: HeaderName = HeaderName::from_static("keep-alive");
 static PROXY_CONNECTION: HeaderName = HeaderName::from_static("proxy-connection");
 
 /// Whether `name` is one of the fields that always belong to one connection (RFC 9110
-/// §7.6.1): [`HOP_BY_HOP`] and `Upgrade`. Those a message's `Connection` lists are [`listed`].
+/// §7.6.1). Those a message's `Connection` lists are [`listed`].
 pub fn hop_by_hop(name: &HeaderName) -> bool {
-    HOP_BY_HOP.contains(&name) || name == header::UPGRADE
+    is_hop_by_hop(name.as_str().as_bytes())
+}
+
+/// [`hop_by_hop`] for a name as it lies in a head, in any case: `Connection`, `Keep-Alive`,
+/// `Proxy-Connection`, `TE`, `Trailer`, `Transfer-Encoding`, `Upgrade`, `Proxy-Authenticate`,
+/// `Proxy-Authorization` (the one set; [`HOP_BY_HOP`] names the same fields but `Upgrade`, for
+/// removing them from a map). By its length first: most names are none of these.
+pub fn is_hop_by_hop(name: &[u8]) -> bool {
+    let is = |text: &[u8]| name.eq_ignore_ascii_case(text);
+    match name.len() {
+        2 => is(b"te"),
+        7 => is(b"trailer") || is(b"upgrade"),
+        10 => is(b"connection") || is(b"keep-alive"),
+        16 => is(b"proxy-connection"),
+        17 => is(b"transfer-encoding"),
+        18 => is(b"proxy-authenticate"),
+        19 => is(b"proxy-authorization"),
+        _ => false,
+    }
 }
 
 /// The field names a message's `Connection` values list beyond those [`hop_by_hop`] covers:
@@ -25,18 +43,12 @@ pub fn listed<'a>(connection: impl IntoIterator<Item = &'a [u8]>) -> SmallVec<[&
         .into_iter()
         .flat_map(|v| v.split(|&b| b == b','))
         .map(<[u8]>::trim_ascii)
-        .filter(|t| {
-            !t.is_empty()
-                && !t.eq_ignore_ascii_case(b"upgrade")
-                && !HOP_BY_HOP
-                    .iter()
-                    .any(|h| h.as_str().as_bytes().eq_ignore_ascii_case(t))
-        })
+        .filter(|t| !t.is_empty() && !is_hop_by_hop(t))
         .collect()
 }
 
 /// Removes the headers that belong to one connection (RFC 9110 §7.6.1), including those the
-/// `Connection` header names. With `keep_upgrade`, `Upgrade` and `Connection: upgrade` stay.
+/// `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Which of HOP_BY_HOP (bit i) and Upgrade the message carries, in one pass over the names
     // (standard ones compare as enums): only those present are then removed, each a hashed
@@ -118,6 +130,30 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1, "{h:?}");
         assert!(h.contains_key("x-kept"));
+    }
+
+    #[test]
+    fn the_map_s_list_is_the_set_but_upgrade() {
+        for name in HOP_BY_HOP {
+            assert!(
+                is_hop_by_hop(name.as_str().to_ascii_uppercase().as_bytes()),
+                "{name}"
+            );
+        }
+        let others = [
+            "upgrade",
+            "tes",
+            "connections",
+            "date",
+            "content-length",
+            "x",
+            "",
+        ];
+        let set: Vec<_> = others
+            .iter()
+            .filter(|n| is_hop_by_hop(n.as_bytes()))
+            .collect();
+        assert_eq!(set, [&"upgrade"]);
     }
 
     #[test]

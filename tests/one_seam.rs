@@ -91,6 +91,33 @@ async fn an_upgrade_the_app_does_not_take_closes_the_connection_and_what_followe
 }
 
 #[tokio::test]
+async fn an_upgrade_with_a_body_the_app_does_not_switch_never_leaves_its_upstream_connection_to_another_client(
+) {
+    let (sc, _up) = sidecar("rules: []").await;
+    // A body on a GET may be one the app never reads: behind the upgrade, it could be the head
+    // of a request that the next client's bytes complete on a reused connection.
+    let smuggled = "GET /admin HTTP/1.1\r\nx-pad: ";
+    let asked = format!(
+        "GET /echo HTTP/1.1\r\nhost: app\r\nconnection: upgrade\r\nupgrade: websocket\r\n\
+         content-length: {}\r\n\r\n{smuggled}",
+        smuggled.len()
+    );
+    let mut c = connect(&sc).await;
+    let a = ask(&mut c, &asked).await;
+    assert_eq!(a.status, "HTTP/1.1 200 OK");
+    let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    let used = v["peer"].as_str().unwrap().to_string();
+    assert_eq!(rest(&mut c).await, "");
+    // The next clients borrow from the worker's list: never the connection the upgrade used.
+    for _ in 0..3 {
+        let mut next = connect(&sc).await;
+        let a = ask(&mut next, "GET /echo HTTP/1.1\r\nhost: app\r\n\r\n").await;
+        let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+        assert_ne!(v["peer"].as_str().unwrap(), used);
+    }
+}
+
+#[tokio::test]
 async fn an_http10_or_unlisted_upgrade_goes_on_as_a_plain_request() {
     let (sc, _up) = sidecar("rules: []").await;
     for asked in [
@@ -181,6 +208,14 @@ async fn an_absolute_form_target_goes_on_in_origin_form() {
     assert_eq!(a.status, "HTTP/1.1 200 OK");
     let v: serde_json::Value = serde_json::from_str(&a.body).unwrap();
     assert_eq!(v["uri"], "/echo?q=1");
+    // The target's authority is the request's (RFC 9112 §3.2.2): one that `Host` contradicts
+    // would have the rules and the app each believe another host.
+    let mut c = connect(&sc).await;
+    c.get_mut()
+        .write_all(b"GET http://other/echo HTTP/1.1\r\nhost: app\r\n\r\n")
+        .await
+        .unwrap();
+    assert!(rest(&mut c).await.starts_with("HTTP/1.1 400 "));
 }
 
 #[tokio::test]

@@ -198,8 +198,8 @@ impl Affine {
         }
     }
 
-    /// Sends `req` (as the client sent it, with no body or one in hand), with the headers the
-    /// hop changes (`added`), on this client connection's upstream connection, connecting
+    /// Sends `req` (as the client sent it; a body still coming is taken out of it and streamed),
+    /// with the headers the hop changes (`added`), on this client connection's upstream connection, connecting
     /// first when there is none usable; `now` is the clock's time. A connection the upstream
     /// closed meanwhile is not used (a new one is made); a request that was sent is never sent
     /// twice.

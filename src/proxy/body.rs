@@ -118,7 +118,7 @@ impl http_body::Body for Streamed {
 
 /// Reads what of hyper's `body` is there already, without waiting; the whole body when that
 /// was all of it and it is `length` bytes of data. Otherwise what was read stays ahead of the
-/// rest, for the pooled client to stream. An error is the client's (a malformed or cut body).
+/// rest, to be streamed. An error is the client's (a malformed or cut body).
 /// Called once per request, before anything else reads the body.
 pub(super) async fn in_hand(
     body: &mut Streamed,

@@ -66,8 +66,8 @@ pub fn client(connect_timeout: Duration, idle: Duration, cap: Arc<Cap>) -> Upstr
 /// waiting request cannot take back.
 const MAX_POOLED_IDLE: usize = 8;
 
-/// The pooled client's connector: each connection holds a permit of the proxy's `Cap`
-/// while it is open (an upgraded one, a WebSocket, until the tunnel closes).
+/// The pooled (HTTP/2) client's connector: each connection holds a permit of the proxy's
+/// `Cap` while it is open.
 #[derive(Clone)]
 pub struct Capped {
     inner: HttpConnector,
@@ -188,8 +188,8 @@ pub struct Forward<'a> {
 impl Forward<'_> {
     /// Sends `req` upstream and returns the response to stream back, or the error response.
     /// `permits` are concurrency slots, held until the response body ends.
-    /// Borrows `req`: the client connection's own upstream connection only reads it, and a
-    /// request moved down the layers of futures is copied at each (it is 264 bytes). The
+    /// Borrows `req`: our own client only reads its head (and takes a body still coming), and
+    /// a request moved down the layers of futures is copied at each (it is 264 bytes). The
     /// pooled client takes it, leaving an empty request behind.
     pub async fn send(
         &self,
@@ -212,9 +212,10 @@ impl Forward<'_> {
         let asked = (self.affine.is_some() && req.version() == Version::HTTP_11 && !coming)
             .then(|| upgrade_asked(req.headers(), self.upgrades))
             .flatten();
-        // A small body of hyper's (an HTTP/2 stream's, which usually comes in the frame after
-        // its head) that is all there already goes on like one read with its head; its one
-        // `Content-Length` frames it upstream. One still coming is streamed.
+        // A small streamed body (an HTTP/2 stream's, which usually comes in the frame after its
+        // head; an HTTP/1 one that waited for `100 Continue` or came late) that is all there
+        // already goes on like one read with its head; its one `Content-Length` frames it
+        // upstream. One still coming is streamed.
         let length = (coming && self.affine.is_some())
             .then(|| one_length(req.headers()))
             .flatten()
@@ -237,8 +238,7 @@ impl Forward<'_> {
             self.trust_forwarded,
         );
         added.upgrade = asked;
-        // (An upgrade's connection is the tunnel's.)
-        added.close = self.close && asked.is_none();
+        added.close = self.close;
         if self.affine.is_none() {
             if let Err(resp) = self.rewrite(req, &added) {
                 return resp;

@@ -33,8 +33,9 @@ pub struct Added {
     trusted: bool,
     /// `Connection: close` goes upstream, and the connection is not reused after the answer.
     pub close: bool,
-    /// The listed protocol the request asks to switch to (`Upgrade` and `Connection: upgrade`
-    /// go upstream with it), when it may.
+    /// The listed protocol the request asks to switch to, when it may: `Upgrade` and
+    /// `Connection: upgrade` go upstream (not `close`), and the connection is the tunnel's or,
+    /// unswitched, not reused.
     pub upgrade: Option<&'static str>,
 }
 

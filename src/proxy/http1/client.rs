@@ -259,9 +259,12 @@ pub async fn exchange(
                 }
                 // A connection asked to close is not reused, whatever the answer says; nor
                 // one whose request body was refused (an app that answers 413 or 401 before
-                // it reads the body may read it afterwards as it likes, and answer it).
+                // it reads the body may read it afterwards as it likes, and answer it); nor
+                // one that was asked to switch and did not (its request, a GET, may carry a
+                // body the app never reads).
                 let refused = head.status >= 400 && (in_hand || streamed);
-                let home = (!added.close && !refused && !cut).then_some(home);
+                let kept = !added.close && added.upgrade.is_none() && !refused && !cut;
+                let home = kept.then_some(home);
                 let upload = upload.take();
                 return respond(head, head_only, mapped, raw, home, now, upload)
                     .map_err(Failed::Upstream);
@@ -468,7 +471,10 @@ pub struct RawBody {
 impl RawBody {
     /// The upstream connection of a `101`, for the tunnel.
     pub fn take_switched(&mut self) -> Option<Raw> {
-        self.raw.take().filter(|_| self.switched)
+        match self.switched {
+            true => self.raw.take(),
+            false => None,
+        }
     }
 
     /// The response's fields as the upstream wrote them, when they are not in its map.

@@ -208,7 +208,6 @@ pub(crate) fn field(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
     out.extend_from_slice(b"\r\n");
 }
 
-/// A decimal length of at most 19 digits.
 /// A message's body length when one `Content-Length` field gives it.
 pub(crate) fn one_length(headers: &HeaderMap) -> Option<u64> {
     let mut lengths = headers.get_all(http::header::CONTENT_LENGTH).iter();
@@ -218,6 +217,7 @@ pub(crate) fn one_length(headers: &HeaderMap) -> Option<u64> {
     }
 }
 
+/// A decimal length of at most 19 digits.
 pub(crate) fn parse_length(digits: &[u8]) -> Option<u64> {
     if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
         return None;

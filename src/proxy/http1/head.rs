@@ -48,7 +48,7 @@ pub(super) enum Named {
     TransferEncoding,
     ContentLength,
     Date,
-    /// Another field of one connection ([`hop_by_hop`](crate::hop::hop_by_hop)).
+    /// Another field of one connection ([`is_hop_by_hop`](crate::hop::is_hop_by_hop)).
     Hop,
     Other,
 }
@@ -58,16 +58,11 @@ impl Named {
     pub(super) fn of(name: &[u8]) -> Named {
         let is = |text: &[u8]| name.eq_ignore_ascii_case(text);
         match name.len() {
-            2 if is(b"te") => Named::Hop,
             4 if is(b"date") => Named::Date,
-            7 if is(b"trailer") || is(b"upgrade") => Named::Hop,
             10 if is(b"connection") => Named::Connection,
-            10 if is(b"keep-alive") => Named::Hop,
             14 if is(b"content-length") => Named::ContentLength,
-            16 if is(b"proxy-connection") => Named::Hop,
             17 if is(b"transfer-encoding") => Named::TransferEncoding,
-            18 if is(b"proxy-authenticate") => Named::Hop,
-            19 if is(b"proxy-authorization") => Named::Hop,
+            _ if crate::hop::is_hop_by_hop(name) => Named::Hop,
             _ => Named::Other,
         }
     }

@@ -184,10 +184,25 @@ pub(crate) fn parse(buf: &mut BytesMut, stream_all: bool) -> Parsed {
         n => buf.split_to(n).freeze(),
     };
     match request_of(&head, path, &mut named, minor, method, &body) {
+        // The target's authority is the request's (RFC 9112 §3.2.2): a `Host` that says
+        // otherwise would have the rules and the app each believe another host.
+        Some(req) if !host_agrees(&req) => Parsed::Refused(MALFORMED),
         Some(req) if in_hand.is_some() => Parsed::Request(req),
         Some(req) => Parsed::Streamed(req, framing, expects),
         None => Parsed::Refused(MALFORMED),
     }
+}
+
+/// An absolute-form target's authority and every `Host` name the same host.
+fn host_agrees(req: &Request<ReqBody>) -> bool {
+    let Some(authority) = req.uri().authority() else {
+        return true;
+    };
+    let host = authority.as_str().as_bytes();
+    req.headers()
+        .get_all(header::HOST)
+        .iter()
+        .all(|h| h.as_bytes().eq_ignore_ascii_case(host))
 }
 
 /// A field value without the spaces and tabs around it.

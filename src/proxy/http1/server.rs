@@ -109,7 +109,8 @@ pub(in crate::proxy) async fn serve(
             Ok(()) => s.respond(&mut resp, asked).await,
             Err(e) => Err(e),
         };
-        if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
+        let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+        if switching {
             if let (Ok(_), Some(upstream)) = (&written, switched(&mut resp)) {
                 // The response (its concurrency slots) lives as long as the tunnel.
                 let tunneled = tunnel(s, upstream).await;
@@ -118,7 +119,8 @@ pub(in crate::proxy) async fn serve(
             }
         }
         let stay = match written {
-            Ok(stay) => stay,
+            // A switch with no tunnel behind it: the client would speak the new protocol.
+            Ok(stay) => stay && !switching,
             Err(e) => {
                 // A body still being read must not outlive its connection.
                 if let Some(body) = &streamed {
@@ -686,6 +688,8 @@ async fn tunnel(s: Served, upstream: Raw) -> Result<(), Error> {
     use tokio::io::AsyncWriteExt as _;
     // Nothing else holds the socket: an upgrade has no body still coming.
     let Ok(mut client) = Arc::try_unwrap(s.stream) else {
+        debug_assert!(false, "an upgraded connection's socket is shared");
+        tracing::debug!("an upgraded connection's socket is shared: closed");
         return Ok(());
     };
     let (mut upstream, from_upstream, _place) = upstream.into_tunnel();

@@ -1,6 +1,7 @@
 //! A client's request body still coming, written to the upstream connection as it is read:
 //! by the exchange while it waits for the response head, then by the response body as it is
-//! read ([`super::client::RawBody`]), in the client connection's task. Framed upstream by its
+//! read ([`super::client::RawBody`]), in the task that reads the response (an HTTP/1 client
+//! connection's, an HTTP/2 stream's). Framed upstream by its
 //! one `Content-Length`, else in chunks (trailers are not passed on).
 //!
 //! Must never: write a byte past what the body gave, or let an upload that stopped (the

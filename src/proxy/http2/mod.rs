@@ -9,14 +9,11 @@ pub(crate) mod stalls;
 use std::future::Future;
 use std::io;
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use bytes::{Buf, Bytes};
 use http::{Request, Response};
-use http_body::Frame;
 use http_body_util::Either;
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
@@ -65,17 +62,11 @@ pub(in crate::proxy) async fn serve_h2(
                 Err(mut refused) => {
                     guard.disarm();
                     respond::whole(&mut refused);
-                    return Ok(refused.map(|b| Counted {
-                        body: stalls.guard(b, None),
-                        _busy: busy,
-                    }));
+                    return Ok(refused.map(|b| stalls.guard(b, None, busy)));
                 }
             };
             let resp = answer(guard, req).await;
-            Ok::<_, std::convert::Infallible>(resp.map(|b| Counted {
-                body: stalls.guard(b, slot),
-                _busy: busy,
-            }))
+            Ok::<_, std::convert::Infallible>(resp.map(|b| stalls.guard(b, slot, busy)))
         }
     });
     let mut served = pin!(lane.hyper.serve_connection(io, service));
@@ -97,84 +88,6 @@ pub(in crate::proxy) async fn serve_h2(
         }
     };
     Ok(done?)
-}
-
-/// The requests open on an HTTP/2 connection hyper serves, for closing it once it has had
-/// none for `timeouts.client_idle`.
-#[derive(Default)]
-pub(super) struct Open {
-    /// Requests whose response body has not ended or been dropped (Relaxed: one thread).
-    pub(super) count: AtomicU32,
-    /// Requests begun: an idle spell that saw one start is over.
-    pub(super) begun: AtomicU32,
-    /// Told when `count` falls to zero.
-    pub(super) none: tokio::sync::Notify,
-}
-
-impl Open {
-    /// Ready once the connection has had no open request for `idle`.
-    async fn idle(&self, timers: &Arc<Timers>, idle: Duration) {
-        loop {
-            let mut none = pin!(self.none.notified());
-            none.as_mut().enable();
-            if self.count.load(Ordering::Relaxed) != 0 {
-                none.await;
-                continue;
-            }
-            let spell = self.begun.load(Ordering::Relaxed);
-            Sleep::until(timers.clone(), Timers::now() + idle).await;
-            if self.count.load(Ordering::Relaxed) == 0
-                && self.begun.load(Ordering::Relaxed) == spell
-            {
-                return;
-            }
-        }
-    }
-}
-
-/// One open request of an [`Open`], from its head to its response body's end.
-pub(super) struct Busy(Arc<Open>);
-
-impl Busy {
-    pub(super) fn new(open: &Arc<Open>) -> Self {
-        open.count.fetch_add(1, Ordering::Relaxed);
-        open.begun.fetch_add(1, Ordering::Relaxed);
-        Busy(open.clone())
-    }
-}
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        if self.0.count.fetch_sub(1, Ordering::Relaxed) == 1 {
-            self.0.none.notify_waiters();
-        }
-    }
-}
-
-/// A response body that keeps its request counted open until hyper drops it.
-pub(super) struct Counted {
-    pub(super) body: Guarded,
-    pub(super) _busy: Busy,
-}
-
-impl http_body::Body for Counted {
-    type Data = <Guarded as http_body::Body>::Data;
-    type Error = <Guarded as http_body::Body>::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        Pin::new(&mut self.get_mut().body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> http_body::SizeHint {
-        self.body.size_hint()
-    }
 }
 
 /// A request of hyper's server through the request path, and its answer with the map filled

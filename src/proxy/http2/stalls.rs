@@ -1,15 +1,19 @@
-//! HTTP/2 responses watched for a client that never opens its window: hyper polls a stream's
-//! body only while the window has room, so such a client would hold the response, its slots and
-//! its upstream connection as long as it liked. The worker's tick drops a response that waited
-//! `timeouts.send` on its client. Must never: drop a response that waits on the upstream.
+//! An HTTP/2 connection's responses while hyper sends them: counted open ([`Open`], for closing
+//! a connection without streams), and watched for a client that never opens its window (hyper
+//! polls a stream's body only while the window has room, so such a client would hold the
+//! response, its slots and its upstream connection as long as it liked): the worker's tick
+//! drops a response that waited `timeouts.send` on its client. Must never: drop a response that
+//! waits on the upstream.
 
-use std::pin::Pin;
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http_body::{Body as _, Frame};
 
+use crate::proxy::coarse::{Sleep, Timers};
 use crate::proxy::respond::Body;
 
 /// A response body hyper's server sends: as it is, or (an HTTP/2 stream's) shared with the
@@ -17,7 +21,13 @@ use crate::proxy::respond::Body;
 /// a client that never opens it would hold the response, its slots and its upstream connection
 /// for as long as it likes; the worker's tick drops such a response once it has waited
 /// `timeouts.send` on the client, and hyper resets the stream at its next look.
-pub enum Guarded {
+/// Its request is counted open on its connection until hyper drops it ([`Busy`]).
+pub struct Guarded {
+    body: Kind,
+    _busy: Busy,
+}
+
+enum Kind {
     Plain(Body),
     Watched(Arc<Stall>),
 }
@@ -75,9 +85,13 @@ impl Stalls {
         &self,
         body: Body,
         slot: Option<tokio::sync::OwnedSemaphorePermit>,
+        busy: Busy,
     ) -> Guarded {
         if body.is_end_stream() {
-            return Guarded::Plain(body);
+            return Guarded {
+                body: Kind::Plain(body),
+                _busy: busy,
+            };
         }
         let stall = Arc::new(Stall {
             // See `Stall::state`.
@@ -94,7 +108,10 @@ impl Stalls {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push(Arc::downgrade(&stall));
-        Guarded::Watched(stall)
+        Guarded {
+            body: Kind::Watched(stall),
+            _busy: busy,
+        }
     }
 
     /// At the worker's tick: drops each response that has waited on its client for the limit
@@ -136,9 +153,9 @@ impl http_body::Body for Guarded {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
-        match self.get_mut() {
-            Guarded::Plain(body) => Pin::new(body).poll_frame(cx),
-            Guarded::Watched(stall) => {
+        match &mut self.get_mut().body {
+            Kind::Plain(body) => Pin::new(body).poll_frame(cx),
+            Kind::Watched(stall) => {
                 let mut w = stall.state();
                 w.polled = true;
                 let Some(body) = &mut w.body else {
@@ -159,9 +176,9 @@ impl http_body::Body for Guarded {
     }
 
     fn is_end_stream(&self) -> bool {
-        match self {
-            Guarded::Plain(body) => body.is_end_stream(),
-            Guarded::Watched(stall) => stall
+        match &self.body {
+            Kind::Plain(body) => body.is_end_stream(),
+            Kind::Watched(stall) => stall
                 .state()
                 .body
                 .as_ref()
@@ -170,14 +187,66 @@ impl http_body::Body for Guarded {
     }
 
     fn size_hint(&self) -> http_body::SizeHint {
-        match self {
-            Guarded::Plain(body) => body.size_hint(),
-            Guarded::Watched(stall) => stall
+        match &self.body {
+            Kind::Plain(body) => body.size_hint(),
+            Kind::Watched(stall) => stall
                 .state()
                 .body
                 .as_ref()
                 .map(|b| b.size_hint())
                 .unwrap_or_default(),
+        }
+    }
+}
+
+/// The requests open on an HTTP/2 connection hyper serves, for closing it once it has had
+/// none for `timeouts.client_idle`.
+#[derive(Default)]
+pub(super) struct Open {
+    /// Requests whose response body has not ended or been dropped (Relaxed: one thread).
+    pub(super) count: AtomicU32,
+    /// Requests begun: an idle spell that saw one start is over.
+    pub(super) begun: AtomicU32,
+    /// Told when `count` falls to zero.
+    pub(super) none: tokio::sync::Notify,
+}
+
+impl Open {
+    /// Ready once the connection has had no open request for `idle`.
+    pub(super) async fn idle(&self, timers: &Arc<Timers>, idle: Duration) {
+        loop {
+            let mut none = pin!(self.none.notified());
+            none.as_mut().enable();
+            if self.count.load(Ordering::Relaxed) != 0 {
+                none.await;
+                continue;
+            }
+            let spell = self.begun.load(Ordering::Relaxed);
+            Sleep::until(timers.clone(), Timers::now() + idle).await;
+            if self.count.load(Ordering::Relaxed) == 0
+                && self.begun.load(Ordering::Relaxed) == spell
+            {
+                return;
+            }
+        }
+    }
+}
+
+/// One open request of an [`Open`], from its head to its response body's end.
+pub(super) struct Busy(Arc<Open>);
+
+impl Busy {
+    pub(super) fn new(open: &Arc<Open>) -> Self {
+        open.count.fetch_add(1, Ordering::Relaxed);
+        open.begun.fetch_add(1, Ordering::Relaxed);
+        Busy(open.clone())
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.0.none.notify_waiters();
         }
     }
 }
