@@ -85,6 +85,9 @@ pub struct Connection {
     filled: u8,
     /// Its place under `limits.max_upstream_connections`, held while it is open.
     _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The exchange's request body, while it is still being written ([`Upload`]): kept with
+    /// the connection it goes on, not in the response, which moves through the request path.
+    upload: Option<Upload>,
 }
 
 /// Where a connection goes when the body that holds it has been read to its end.
@@ -119,6 +122,7 @@ impl Raw {
             out: Vec::new(),
             filled: 0,
             _permit: permit,
+            upload: None,
         }))
     }
 
@@ -227,13 +231,11 @@ pub async fn exchange(
         // Not a whole request: the upstream cannot have acted on it.
         return Err(Failed::Unsent(e));
     }
-    let mut upload = match streamed {
-        true => match std::mem::replace(req.body_mut(), emptied()) {
-            Either::Left(body) => Some(Box::new(Upload::new(body, chunked))),
-            Either::Right(_) => None,
-        },
-        false => None,
-    };
+    if streamed {
+        if let Either::Left(body) = std::mem::replace(req.body_mut(), emptied()) {
+            raw.upload = Some(Upload::new(body, chunked));
+        }
+    }
     // The upstream stopped taking the upload: the connection is not reused.
     let mut cut = false;
     let head_only = req.method() == Method::HEAD;
@@ -265,24 +267,23 @@ pub async fn exchange(
                 let refused = head.status >= 400 && (in_hand || streamed);
                 let kept = !added.close && added.upgrade.is_none() && !refused && !cut;
                 let home = kept.then_some(home);
-                let upload = upload.take();
-                return respond(head, head_only, mapped, raw, home, now, upload)
-                    .map_err(Failed::Upstream);
+                return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
             }
             Ok(None) => {
                 std::future::poll_fn(|cx| {
-                    let sent = match upload.as_mut() {
-                        Some(up) => up.poll_send(cx, &raw.stream),
+                    let c = &mut *raw.0;
+                    let sent = match c.upload.as_mut() {
+                        Some(up) => up.poll_send(cx, &c.stream),
                         None => Poll::Pending,
                     };
                     match sent {
-                        Poll::Ready(Ok(())) => upload = None,
+                        Poll::Ready(Ok(())) => c.upload = None,
                         Poll::Ready(Err(Stopped::Client)) => {
                             return Poll::Ready(Err(Failed::ClientBody))
                         }
                         // It may have answered already: its answer is read.
                         Poll::Ready(Err(Stopped::Upstream)) => {
-                            upload = None;
+                            c.upload = None;
                             cut = true;
                         }
                         Poll::Pending => {}
@@ -348,14 +349,13 @@ fn switched(head: &Head, raw: Raw, asked: Option<&str>) -> io::Result<Response<R
                 || listed.iter().any(|t| t.eq_ignore_ascii_case(f.name(text))))
     };
     let headers = map_of(head, passes)?;
+    // Done, with the connection still in it: the tunnel's (see [`RawBody::take_switched`]).
     let body = RawBody {
         raw: Some(raw),
         framing: Framing::Done,
         home: None,
         since: 0,
         passed: None,
-        upload: None,
-        switched: true,
     };
     let mut resp = Response::new(body);
     *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
@@ -404,7 +404,6 @@ fn respond(
     raw: Raw,
     home: Option<Arc<dyn Home>>,
     now: u64,
-    upload: Option<Box<Upload>>,
 ) -> io::Result<Response<RawBody>> {
     let status = StatusCode::from_u16(head.status)
         .map_err(|_| protocol("upstream sent an invalid status"))?;
@@ -437,8 +436,6 @@ fn respond(
         home: home.filter(|_| reusable),
         since: now,
         passed,
-        upload,
-        switched: false,
     };
     if matches!(body.framing, Framing::Done | Framing::Length(0)) {
         body.finish();
@@ -461,19 +458,15 @@ pub struct RawBody {
     since: u64,
     /// The response's fields, when they are not in its map.
     passed: Option<Passed>,
-    /// The request's body, while it is still going upstream (boxed: most responses have none,
-    /// and every response moves through the request path's futures).
-    upload: Option<Box<Upload>>,
-    /// A `101`'s: `raw` is the tunnel's, not the body's.
-    switched: bool,
 }
 
 impl RawBody {
     /// The upstream connection of a `101`, for the tunnel.
     pub fn take_switched(&mut self) -> Option<Raw> {
-        match self.switched {
-            true => self.raw.take(),
-            false => None,
+        // Any other body done has given its connection back or dropped it.
+        match self.framing {
+            Framing::Done => self.raw.take(),
+            _ => None,
         }
     }
 
@@ -491,7 +484,11 @@ impl RawBody {
     fn finish(&mut self) {
         self.framing = Framing::Done;
         // An upload not sent whole leaves the upstream waiting for the rest.
-        if self.upload.take().is_some() {
+        if self
+            .raw
+            .as_mut()
+            .is_some_and(|raw| raw.upload.take().is_some())
+        {
             self.home = None;
         }
         if let (Some(mut raw), Some(home)) = (self.raw.take(), self.home.take()) {
@@ -507,24 +504,27 @@ impl RawBody {
     }
 
     fn poll_step(&mut self, cx: &mut Context<'_>) -> Poll<Option<io::Result<Frame<Bytes>>>> {
-        if self.switched {
+        // Done: nothing to read (a `101`'s connection is the tunnel's).
+        if self.framing == Framing::Done {
             return Poll::Ready(None);
         }
         // The request's body goes on as the response comes: an app may answer as it reads.
-        if let (Some(up), Some(raw)) = (self.upload.as_mut(), self.raw.as_ref()) {
-            match up.poll_send(cx, &raw.stream) {
-                Poll::Ready(Ok(())) => self.upload = None,
-                Poll::Ready(Err(Stopped::Client)) => {
-                    return Poll::Ready(Some(Err(io::Error::other(
-                        "the client's request body broke off",
-                    ))))
+        if let Some(c) = self.raw.as_mut().map(|raw| &mut *raw.0) {
+            if let Some(up) = c.upload.as_mut() {
+                match up.poll_send(cx, &c.stream) {
+                    Poll::Ready(Ok(())) => c.upload = None,
+                    Poll::Ready(Err(Stopped::Client)) => {
+                        return Poll::Ready(Some(Err(io::Error::other(
+                            "the client's request body broke off",
+                        ))))
+                    }
+                    // What the upstream answers is still read; the connection is not reused.
+                    Poll::Ready(Err(Stopped::Upstream)) => {
+                        c.upload = None;
+                        self.home = None;
+                    }
+                    Poll::Pending => {}
                 }
-                // What the upstream answers is still read; the connection is not reused.
-                Poll::Ready(Err(Stopped::Upstream)) => {
-                    self.upload = None;
-                    self.home = None;
-                }
-                Poll::Pending => {}
             }
         }
         loop {
