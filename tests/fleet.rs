@@ -16,6 +16,12 @@ use http::StatusCode;
 /// control loops and measure the machine, not Spillway.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// This test's turn (see [`ONE_AT_A_TIME`]), an app, and a controller with its defaults.
+async fn fleet() -> (tokio::sync::MutexGuard<'static, ()>, Upstream, Proc) {
+    let one = ONE_AT_A_TIME.lock().await;
+    (one, upstream().await, controller("127.0.0.1:0", &[]))
+}
+
 fn controller(listen: &str, extra: &[&str]) -> Proc {
     let mut args = vec!["controller", "--listen", listen, "--admin", "127.0.0.1:0"];
     args.extend_from_slice(extra);
@@ -27,7 +33,11 @@ fn aggregator(controller: SocketAddr, zone: &str) -> Proc {
 }
 
 fn aggregator_with(controller: SocketAddr, zone: &str, extra: &[&str]) -> Proc {
-    let url = format!("http://{controller}");
+    aggregator_at(&format!("http://{controller}"), zone, extra)
+}
+
+/// An aggregator for `zone` reporting to the controller at `url`.
+fn aggregator_at(url: &str, zone: &str, extra: &[&str]) -> Proc {
     let mut args = vec![
         "aggregator",
         "--listen",
@@ -35,7 +45,7 @@ fn aggregator_with(controller: SocketAddr, zone: &str, extra: &[&str]) -> Proc {
         "--admin",
         "127.0.0.1:0",
         "--controller",
-        &url,
+        url,
         "--zone",
         zone,
         "--interval",
@@ -173,9 +183,7 @@ async fn holds_the_limit(p: &[Proc], secs: f64, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_aggregator_replicas_in_one_zone_count_every_host_once() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let up = upstream().await;
-    let ctl = controller("127.0.0.1:0", &[]);
+    let (_one, up, ctl) = fleet().await;
     // The chart's default: two replicas of the zone's aggregator. Two proxies report to one,
     // the third to the other (a Service keeps each proxy's connection on one replica).
     let a = aggregator(ctl.addr, "z1");
@@ -187,9 +195,7 @@ async fn two_aggregator_replicas_in_one_zone_count_every_host_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxies_moving_between_three_replicas_every_report_are_counted_once() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let up = upstream().await;
-    let ctl = controller("127.0.0.1:0", &[]);
+    let (_one, up, ctl) = fleet().await;
     let replicas: Vec<Proc> = (0..3).map(|_| aggregator(ctl.addr, "z1")).collect();
     // Per-request balancing (a mesh): each report of a proxy lands on the next replica.
     let lb = Balancer::start(replicas.iter().map(|r| r.addr).collect()).await;
@@ -200,9 +206,7 @@ async fn proxies_moving_between_three_replicas_every_report_are_counted_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_killed_and_a_new_one_added_under_load_keep_the_fleet_at_its_limit() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let up = upstream().await;
-    let ctl = controller("127.0.0.1:0", &[]);
+    let (_one, up, ctl) = fleet().await;
     let mut a = aggregator(ctl.addr, "z1");
     let b = aggregator(ctl.addr, "z1");
     let lb = Balancer::start(vec![a.addr, b.addr]).await;
@@ -220,9 +224,7 @@ async fn a_replica_killed_and_a_new_one_added_under_load_keep_the_fleet_at_its_l
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uneven_fleet_converges_to_the_limit_and_keys_stay_independent() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let up = upstream().await;
-    let ctl = controller("127.0.0.1:0", &[]);
+    let (_one, up, ctl) = fleet().await;
     let agg = aggregator(ctl.addr, "z1");
     let p: Vec<Proc> = (1..=3)
         .map(|i| proxy(&format!("p{i}"), up.addr, agg.addr, ""))
@@ -247,9 +249,7 @@ async fn an_uneven_fleet_converges_to_the_limit_and_keys_stay_independent() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_zones_and_a_proxy_reporting_straight_to_the_controller_share_one_limit() {
-    let _one = ONE_AT_A_TIME.lock().await;
-    let up = upstream().await;
-    let ctl = controller("127.0.0.1:0", &[]);
+    let (_one, up, ctl) = fleet().await;
     let a1 = aggregator(ctl.addr, "z1");
     let a2 = aggregator(ctl.addr, "z2");
     let p1 = proxy("p1", up.addr, a1.addr, "");
@@ -820,23 +820,7 @@ async fn over_tls_with_per_service_tokens_the_fleet_limits_and_refuses_plain_tex
     let ca_file = file("ca.crt");
     let mut args = vec!["--tokens", tokens, "--ca-file", &ca_file];
     args.extend_from_slice(&tls);
-    let agg = {
-        let mut a = vec![
-            "aggregator",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin",
-            "127.0.0.1:0",
-            "--controller",
-            &url,
-            "--zone",
-            "z1",
-            "--interval",
-            "100ms",
-        ];
-        a.extend_from_slice(&args);
-        Proc::spawn(&a)
-    };
+    let agg = aggregator_at(&url, "z1", &args);
     let up = upstream().await;
     let shop_token = temp_file("shop-token", "shop-t\n");
     let yaml = format!(

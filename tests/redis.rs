@@ -54,6 +54,14 @@ async fn proxy(
     start(up.addr, &yaml(redis, section, limit, extra)).await
 }
 
+/// A Redis server, an app, and a proxy in front of it with `proxy`'s arguments.
+async fn started(section: &str, limit: &str, extra: &str) -> (RedisServer, Upstream, Sidecar) {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = proxy(&up, &redis, section, limit, extra).await;
+    (redis, up, sc)
+}
+
 async fn metrics(sc: &Sidecar) -> String {
     admin(sc, "/metrics").await.1
 }
@@ -255,16 +263,8 @@ async fn every_key_carries_a_ttl_no_longer_than_its_window_needs() {
 
 #[tokio::test]
 async fn keys_are_gone_once_their_window_has_passed() {
-    let redis = RedisServer::start();
-    let up = upstream().await;
-    let sc = proxy(
-        &up,
-        &redis,
-        "",
-        "{ rate: 2/200ms, algorithm: sliding_window_log }",
-        "",
-    )
-    .await;
+    let (redis, _up, sc) =
+        started("", "{ rate: 2/200ms, algorithm: sliding_window_log }", "").await;
     get(sc.addr(), "/", &[("x-client", "gone")]).await;
     let mut conn = redis.conn().await;
     let pattern = rkey("gone", "*");
@@ -293,16 +293,7 @@ async fn keys_are_gone_once_their_window_has_passed() {
 
 #[tokio::test]
 async fn a_refused_key_is_answered_locally_until_its_retry_time() {
-    let redis = RedisServer::start();
-    let up = upstream().await;
-    let sc = proxy(
-        &up,
-        &redis,
-        "",
-        "{ rate: 1/h, algorithm: fixed_window }",
-        "",
-    )
-    .await;
+    let (redis, _up, sc) = started("", "{ rate: 1/h, algorithm: fixed_window }", "").await;
     clear_of_window_edge(&redis, Duration::from_secs(3600), Duration::from_secs(30)).await;
     let key = [("x-client", "abuser")];
     assert_eq!(get(sc.addr(), "/", &key).await.0, StatusCode::OK);
@@ -407,11 +398,7 @@ async fn answered(addr: SocketAddr, key: &str) -> u16 {
 #[tokio::test]
 async fn redis_killed_on_error_decides_and_the_breaker_stops_asking() {
     for (on_error, want) in [("allow", 200), ("deny", 429), ("fallback", 0)] {
-        let mut redis = RedisServer::start();
-        let up = upstream().await;
-        let sc = proxy(
-            &up,
-            &redis,
+        let (mut redis, _up, sc) = started(
             &format!("  on_error: {on_error}\n  breaker: {{ failures: 3, cooldown: 1h }}\n"),
             "{ rate: 100/s }",
             "    fallback: { rate: 2/h }\n",
@@ -464,11 +451,7 @@ async fn redis_killed_on_error_decides_and_the_breaker_stops_asking() {
 
 #[tokio::test]
 async fn a_frozen_redis_costs_each_request_at_most_the_timeout() {
-    let redis = RedisServer::start();
-    let up = upstream().await;
-    let sc = proxy(
-        &up,
-        &redis,
+    let (redis, _up, sc) = started(
         "  breaker: { failures: 2, cooldown: 1h }\n",
         "{ rate: 100/s }",
         "",
@@ -494,11 +477,7 @@ async fn a_frozen_redis_costs_each_request_at_most_the_timeout() {
 
 #[tokio::test]
 async fn redis_restarted_decisions_resume_and_the_scripts_are_loaded_again() {
-    let mut redis = RedisServer::start();
-    let up = upstream().await;
-    let sc = proxy(
-        &up,
-        &redis,
+    let (mut redis, _up, sc) = started(
         "  on_error: allow\n  breaker: { failures: 1, cooldown: 100ms }\n",
         "{ rate: 1/h, algorithm: sliding_window_log }",
         "",
@@ -535,9 +514,7 @@ async fn redis_restarted_decisions_resume_and_the_scripts_are_loaded_again() {
 
 #[tokio::test]
 async fn a_flushed_script_cache_is_reloaded_on_noscript() {
-    let redis = RedisServer::start();
-    let up = upstream().await;
-    let sc = proxy(&up, &redis, "", "{ rate: 1/h, algorithm: gcra }", "").await;
+    let (redis, _up, sc) = started("", "{ rate: 1/h, algorithm: gcra }", "").await;
     let mut conn = redis.conn().await;
     let _: () = redis::cmd("SCRIPT")
         .arg("FLUSH")
@@ -663,16 +640,7 @@ async fn clear_of_hour_edge_by_local_clock() {
 
 #[tokio::test]
 async fn a_client_s_key_never_sizes_or_moves_a_redis_key() {
-    let redis = RedisServer::start();
-    let up = upstream().await;
-    let sc = proxy(
-        &up,
-        &redis,
-        "",
-        "{ rate: 5/m, algorithm: sliding_window_log }",
-        "",
-    )
-    .await;
+    let (redis, _up, sc) = started("", "{ rate: 5/m, algorithm: sliding_window_log }", "").await;
     let long = format!("a}}b{{{}", "x".repeat(8000));
     for key in ["plain", "}{", "a}b{c}", long.as_str()] {
         let (status, ..) = get(sc.addr(), "/", &[("x-client", key)]).await;
@@ -696,11 +664,7 @@ async fn a_client_s_key_never_sizes_or_moves_a_redis_key() {
 
 #[tokio::test]
 async fn a_script_error_is_counted_apart_and_never_opens_the_breaker() {
-    let redis = RedisServer::start();
-    let up = upstream().await;
-    let sc = proxy(
-        &up,
-        &redis,
+    let (redis, _up, sc) = started(
         "  breaker: { failures: 3, cooldown: 1m }\n  on_error: deny\n",
         "{ rate: 5/m, algorithm: gcra }",
         "",

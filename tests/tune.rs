@@ -255,7 +255,14 @@ rules:
     mode: shadow
 ";
 
-fn tune(args: &[&str]) -> (bool, String, String) {
+/// `spillway tune --config <config> --prometheus <prometheus>` and `more`: whether it
+/// succeeded, its output, its errors.
+fn tune(config: &Path, prometheus: &str, more: &[&str]) -> (bool, String, String) {
+    let config = config.to_str().unwrap();
+    run_tune(&[&["--config", config, "--prometheus", prometheus], more].concat())
+}
+
+fn run_tune(args: &[&str]) -> (bool, String, String) {
     let out = std::process::Command::new(BIN)
         .arg("tune")
         .args(args)
@@ -298,16 +305,11 @@ fn tune_proposes_from_weeks_of_history_in_shadow_and_promote_enforces_what_is_sa
     let tuned = dir.join("tuned.yaml");
 
     // max: the 80/s peak + 25 % = 100/s, a raise from 90/s, said loudly.
-    let (ok, table, err) = tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
+    let (ok, table, err) = tune(
+        &config,
         &prom.url,
-        "--margin",
-        "25%",
-        "--write",
-        tuned.to_str().unwrap(),
-    ]);
+        &["--margin", "25%", "--write", tuned.to_str().unwrap()],
+    );
     assert!(ok, "{err}\n{table}");
     let checkout = row(&table, "checkout");
     assert!(
@@ -353,14 +355,7 @@ fn tune_proposes_from_weeks_of_history_in_shadow_and_promote_enforces_what_is_sa
     );
 
     // p99 ignores the ten minutes a day: 50/s + 25 % = 63/s, lower than 90/s.
-    let (ok, table, err) = tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
-        &prom.url,
-        "--quantile",
-        "p99",
-    ]);
+    let (ok, table, err) = tune(&config, &prom.url, &["--quantile", "p99"]);
     assert!(ok, "{err}");
     let checkout = row(&table, "checkout");
     assert!(checkout.contains("| 63/s | lower -30 %"), "{checkout}");
@@ -372,7 +367,7 @@ fn tune_proposes_from_weeks_of_history_in_shadow_and_promote_enforces_what_is_sa
 
     // promote: search (0.5 % would-be rejections) to enforce; login (10 %) stays in shadow.
     let promoted = dir.join("promoted.yaml");
-    let (ok, table, err) = tune(&[
+    let (ok, table, err) = run_tune(&[
         "--promote",
         config.to_str().unwrap(),
         "--prometheus",
@@ -405,23 +400,13 @@ fn tune_says_what_is_wrong_when_prometheus_is_not_there() {
     let dir = std::env::temp_dir().join(format!("spillway-tune-none-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = file(&dir, "spillway.yaml", CONFIG);
-    let (ok, _, err) = tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
-        "http://127.0.0.1:1",
-    ]);
+    let (ok, _, err) = tune(&config, "http://127.0.0.1:1", &[]);
     assert!(!ok);
     assert!(
         err.contains("cannot reach Prometheus at http://127.0.0.1:1"),
         "{err}"
     );
-    let (ok, _, err) = tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
-        "ftp://x",
-    ]);
+    let (ok, _, err) = tune(&config, "ftp://x", &[]);
     assert!(!ok);
     assert!(
         err.contains("expected http://host:port or https://host:port"),
@@ -481,14 +466,11 @@ fn tune_proposes_per_replica_for_local_rules_per_fleet_for_global_ones_and_per_s
     );
     let config = file(&prom.dir, "fleet.yaml", FLEET_CONFIG);
     let ca_file = ca.join("ca.crt");
-    let (ok, table, err) = tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
+    let (ok, table, err) = tune(
+        &config,
         &prom.url,
-        "--ca-file",
-        ca_file.to_str().unwrap(),
-    ]);
+        &["--ca-file", ca_file.to_str().unwrap()],
+    );
     assert!(ok, "{err}\n{table}");
     // Local: the busiest replica's 80/s + 25 %, not the fleet's 130/s nor books' 500/s.
     let local = row(&table, "checkout");
@@ -500,16 +482,16 @@ fn tune_proposes_per_replica_for_local_rules_per_fleet_for_global_ones_and_per_s
     assert!(global.contains("| 125/s |"), "{global}");
 
     // --selector narrows further: no instance matches, so there is no traffic.
-    let (ok, table, err) = tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
+    let (ok, table, err) = tune(
+        &config,
         &prom.url,
-        "--ca-file",
-        ca_file.to_str().unwrap(),
-        "--selector",
-        "instance=\"pod-z\"",
-    ]);
+        &[
+            "--ca-file",
+            ca_file.to_str().unwrap(),
+            "--selector",
+            "instance=\"pod-z\"",
+        ],
+    );
     assert!(ok, "{err}");
     assert!(
         row(&table, "checkout").contains("skipped: only 0m of history"),
@@ -517,12 +499,7 @@ fn tune_proposes_per_replica_for_local_rules_per_fleet_for_global_ones_and_per_s
     );
 
     // Without the CA, the certificate is not trusted: said, not ignored.
-    let (ok, _, err) = tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
-        &prom.url,
-    ]);
+    let (ok, _, err) = tune(&config, &prom.url, &[]);
     assert!(!ok);
     assert!(err.contains("cannot reach Prometheus"), "{err}");
 }
@@ -557,14 +534,11 @@ fn tune_sends_the_bearer_token_to_prometheus_or_the_proxy_in_front_of_it() {
     std::fs::create_dir_all(&dir).unwrap();
     let config = file(&dir, "spillway.yaml", CONFIG);
     let token = file(&dir, "token", "s3cret\n");
-    let (ok, _, err) = tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
+    let (ok, _, err) = tune(
+        &config,
         &format!("http://{addr}"),
-        "--bearer-token-file",
-        token.to_str().unwrap(),
-    ]);
+        &["--bearer-token-file", token.to_str().unwrap()],
+    );
     assert!(!ok);
     assert!(err.contains("401") && err.contains("bad token"), "{err}");
     let head = seen.join().unwrap();

@@ -46,29 +46,20 @@ impl Limiter for FixedWindow {
         let window = quota.window();
         let index = now / window;
         let ends_in = (index + 1) * window - now;
-        let mut state = self.state.load(Ordering::Relaxed);
-        loop {
+        super::decide(&self.state, |state| {
             let count = Self::count_at(state, index);
             if count + cost > limit {
-                return Decision::Deny {
+                return Err(Decision::Deny {
                     retry_after: Some(ends_in),
-                };
+                });
             }
-            let new = pack(index, count + cost);
-            match self
-                .state
-                .compare_exchange_weak(state, new, Ordering::Relaxed, Ordering::Relaxed)
-            {
-                Ok(_) => {
-                    return Decision::Allow {
-                        remaining: limit - count - cost,
-                        reset_after: ends_in,
-                        wait: 0,
-                    }
-                }
-                Err(actual) => state = actual,
-            }
-        }
+            let allow = Decision::Allow {
+                remaining: limit - count - cost,
+                reset_after: ends_in,
+                wait: 0,
+            };
+            Ok((pack(index, count + cost), allow))
+        })
     }
 
     fn refund(&self, quota: &Quota, now: Nanos, cost: u32) {

@@ -39,8 +39,7 @@ impl Gcra {
             return (Decision::Deny { retry_after: None }, now);
         }
         let need = quota.emission * u64::from(cost);
-        let mut tat = self.tat.load(Ordering::Relaxed);
-        loop {
+        super::decide(&self.tat, |tat| {
             let base = tat.max(now);
             let new_tat = base + need;
             let ahead = new_tat - now;
@@ -48,23 +47,15 @@ impl Gcra {
                 let deny = Decision::Deny {
                     retry_after: Some(ahead - quota.tolerance),
                 };
-                return (deny, now);
+                return Err((deny, now));
             }
-            match self
-                .tat
-                .compare_exchange_weak(tat, new_tat, Ordering::Relaxed, Ordering::Relaxed)
-            {
-                Ok(_) => {
-                    let allow = Decision::Allow {
-                        remaining: ((quota.tolerance - ahead) / quota.emission) as u32,
-                        reset_after: ahead,
-                        wait: 0,
-                    };
-                    return (allow, base);
-                }
-                Err(actual) => tat = actual,
-            }
-        }
+            let allow = Decision::Allow {
+                remaining: ((quota.tolerance - ahead) / quota.emission) as u32,
+                reset_after: ahead,
+                wait: 0,
+            };
+            Ok((new_tat, (allow, base)))
+        })
     }
 
     /// Units available at `now` (fractions dropped), without taking any.
@@ -96,6 +87,21 @@ impl Limiter for Gcra {
         self.tat.load(Ordering::Relaxed) <= now
     }
 }
+
+/// A [`Limiter`]'s `refund` and `is_idle` for a type whose state is the [`Gcra`] in its field
+/// 0 (the token and leaky buckets).
+macro_rules! refund_and_is_idle_of_field_0 {
+    () => {
+        fn refund(&self, quota: &Quota, now: Nanos, cost: u32) {
+            self.0.refund(quota, now, cost)
+        }
+        #[inline]
+        fn is_idle(&self, quota: &Quota, now: Nanos) -> bool {
+            self.0.is_idle(quota, now)
+        }
+    };
+}
+pub(super) use refund_and_is_idle_of_field_0;
 
 #[cfg(test)]
 mod tests {

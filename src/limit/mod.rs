@@ -42,6 +42,29 @@ pub trait Limiter: Send + Sync + 'static {
     fn is_idle(&self, quota: &Quota, now: Nanos) -> bool;
 }
 
+/// One decision on a state that is one atomic word: `step` reads the word and gives the new
+/// one with what admitting means, or what refusing means (the word left as it is); it runs
+/// again on what another thread wrote meanwhile. Relaxed: the word is the whole state and
+/// publishes nothing else.
+#[inline(always)]
+fn decide<T>(
+    state: &std::sync::atomic::AtomicU64,
+    mut step: impl FnMut(u64) -> Result<(u64, T), T>,
+) -> T {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut current = state.load(Relaxed);
+    loop {
+        let (new, admitted) = match step(current) {
+            Ok(next) => next,
+            Err(refused) => return refused,
+        };
+        match state.compare_exchange_weak(current, new, Relaxed, Relaxed) {
+            Ok(_) => return admitted,
+            Err(actual) => current = actual,
+        }
+    }
+}
+
 /// Which rate algorithm a rule uses (`limit.algorithm`).
 #[derive(
     Debug,

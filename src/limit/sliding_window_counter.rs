@@ -75,8 +75,7 @@ impl Limiter for SlidingWindowCounter {
         let index = now / window;
         let start = index * window;
         let elapsed = now - start;
-        let mut state = self.state.load(Ordering::Relaxed);
-        loop {
+        super::decide(&self.state, |state| {
             let (prev, cur) = counts_at(state, index);
             if !fits(prev, cur, cost64, limit, window, elapsed) {
                 // Here or in one of the next two windows (after two, both counts are gone).
@@ -85,28 +84,20 @@ impl Limiter for SlidingWindowCounter {
                     .filter(|&t| t > now)
                     .or_else(|| earliest(cur, 0, cost64, limit, window).map(|e| start + window + e))
                     .unwrap_or(start + 2 * window);
-                return Decision::Deny {
+                return Err(Decision::Deny {
                     retry_after: Some(retry_at - now),
-                };
+                });
             }
-            let new = pack(index, prev, cur + cost64);
-            match self
-                .state
-                .compare_exchange_weak(state, new, Ordering::Relaxed, Ordering::Relaxed)
-            {
-                Ok(_) => {
-                    let used = u128::from(prev) * u128::from(window - elapsed)
-                        + u128::from(cur + cost64) * u128::from(window);
-                    let left = u128::from(limit) * u128::from(window) - used;
-                    return Decision::Allow {
-                        remaining: (left / u128::from(window)) as u32,
-                        reset_after: start + window - now,
-                        wait: 0,
-                    };
-                }
-                Err(actual) => state = actual,
-            }
-        }
+            let used = u128::from(prev) * u128::from(window - elapsed)
+                + u128::from(cur + cost64) * u128::from(window);
+            let left = u128::from(limit) * u128::from(window) - used;
+            let allow = Decision::Allow {
+                remaining: (left / u128::from(window)) as u32,
+                reset_after: start + window - now,
+                wait: 0,
+            };
+            Ok((pack(index, prev, cur + cost64), allow))
+        })
     }
 
     fn refund(&self, quota: &Quota, now: Nanos, cost: u32) {

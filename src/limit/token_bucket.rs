@@ -27,13 +27,7 @@ impl Limiter for TokenBucket {
     fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
         self.0.take(quota, now, cost).0
     }
-    fn refund(&self, quota: &Quota, now: Nanos, cost: u32) {
-        self.0.refund(quota, now, cost)
-    }
-    #[inline]
-    fn is_idle(&self, quota: &Quota, now: Nanos) -> bool {
-        self.0.is_idle(quota, now)
-    }
+    super::gcra::refund_and_is_idle_of_field_0!();
 }
 
 #[cfg(test)]

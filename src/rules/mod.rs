@@ -358,9 +358,13 @@ impl RuleSet {
                 } => {
                     let (decision, slot) = store.check(&key, quota, now, cost, overflow);
                     match decision {
+                        // A leaky bucket's place past `max_delay`: given back (the next request
+                        // may fit), and the request refused.
                         Decision::Allow { wait, .. } if wait > rule.max_wait => {
-                            let over = wait - rule.max_wait;
-                            waits_too_long(store, &key, slot, quota, now, cost, overflow, over)
+                            store.refund(&key, slot, quota, now, cost, overflow);
+                            Decision::Deny {
+                                retry_after: Some(wait - rule.max_wait),
+                            }
                         }
                         Decision::Allow { .. } => {
                             taken.push((i, Taken::Rate(slot, cost)));

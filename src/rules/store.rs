@@ -26,27 +26,6 @@ impl Overflow {
     }
 }
 
-/// A leaky bucket's admission whose wait passes its `max_delay` by `over`: its place in the
-/// queue is given back (the next request may fit), and it is refused.
-#[cold]
-#[inline(never)]
-#[allow(clippy::too_many_arguments)]
-pub(super) fn waits_too_long(
-    store: &RateStore,
-    key: &[u8],
-    slot: Slot,
-    quota: &Quota,
-    now: Nanos,
-    cost: u32,
-    overflow: &Overflow,
-    over: Nanos,
-) -> Decision {
-    store.refund(key, slot, quota, now, cost, overflow);
-    Decision::Deny {
-        retry_after: Some(over),
-    }
-}
-
 /// A global or redis rule's `fallback:` limit: a local rate limit of its own algorithm.
 pub(super) struct Fallback {
     pub(super) quota: Quota,
