@@ -1,114 +1,57 @@
-//! A rule's 429s, built once per retry hint and kept with the rule: the body, the header map
-//! and the same fields as the lines of an HTTP/1 head.
+//! How a rule's 429 is rendered: the body, the header map and the same fields as the lines of
+//! an HTTP/1 head, built once per rule and retry hint and kept by the rule
+//! ([`crate::rules::Answers`]).
 //!
-//! Owns those bytes and how they are built. Must never: depend on the decision (the rule set
-//! holds an [`Answers`] per rule, so this module stays below it), or allocate for a hint it
-//! keeps once built.
+//! Owns those bytes and how they are built. Must never: depend on the decision beyond the rule's
+//! name, policy and hint, or be called per refusal for a hint the rule keeps.
 
 use std::fmt::Write as _;
-use std::sync::{Arc, OnceLock};
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{BufMut, BytesMut};
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+
+pub use crate::rules::{Answer, Answers};
 
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub(crate) static PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
 
-/// Retry hints (whole seconds) whose 429 parts a rule keeps: up to a minute covers rules
-/// limited per second or per minute; longer hints are formatted per refusal.
-const CACHED_SECS: usize = 60;
-
-/// The parts of one rule's 429s, one set per retry hint of up to `CACHED_SECS` (60 s), each built
-/// on first use. About 1 KiB per rule until used, plus about 1 KiB per hint seen.
-pub struct Answers {
-    rule: Arc<str>,
-    /// The rule's `RateLimit-Policy` value.
-    policy: HeaderValue,
-    // Shared so that a refusal's response can hold its answer; a pointer per unused hint.
-    by_secs: [OnceLock<Arc<Answer>>; CACHED_SECS],
-}
-
-impl Answers {
-    pub fn new(rule: Arc<str>, policy: HeaderValue) -> Self {
-        Self {
-            rule,
-            policy,
-            by_secs: std::array::from_fn(|_| OnceLock::new()),
-        }
+/// Renders a rule's 429 for a retry hint: `Content-Type`, `Retry-After`, `RateLimit-Policy`
+/// and `RateLimit` (`r=0`), as a map and as the lines of an HTTP/1 head, and the problem
+/// document. The rule keeps what this renders ([`Answers`]).
+pub(crate) fn render(rule: &str, policy: &HeaderValue, retry: Option<u64>) -> Answer {
+    let mut body = BytesMut::with_capacity(192);
+    body.put_slice(
+        b"{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\"detail\":\"",
+    );
+    write_detail(&mut body, rule, retry);
+    let _ = write!(body, "\",\"rule\":\"{rule}\"");
+    if let Some(secs) = retry {
+        let _ = write!(body, ",\"retry_after\":{secs}");
     }
-
-    /// The parts for `retry`, when it is a hint worth keeping.
-    pub(crate) fn get(&self, retry: Option<u64>) -> Option<&Arc<Answer>> {
-        let secs = retry?;
-        let slot = self
-            .by_secs
-            .get(usize::try_from(secs).ok()?.checked_sub(1)?)?;
-        Some(slot.get_or_init(|| Arc::new(self.build(retry))))
+    body.put_slice(b"}\n");
+    let mut headers = HeaderMap::with_capacity(4);
+    headers.insert(CONTENT_TYPE, PROBLEM_JSON.clone());
+    if let Some(secs) = retry {
+        headers.insert(RETRY_AFTER, HeaderValue::from(secs));
     }
-
-    /// The parts for `retry`, built now.
-    pub(crate) fn build(&self, retry: Option<u64>) -> Answer {
-        Answer::new(&self.rule, &self.policy, retry)
+    headers.insert(RATELIMIT_POLICY.clone(), policy.clone());
+    let ratelimit = ratelimit_value(std::iter::once((rule, 0, retry.unwrap_or(0))));
+    headers.insert(RATELIMIT.clone(), ratelimit);
+    let mut fields = Vec::with_capacity(160);
+    let mut rate_at = 0;
+    // A map's fields iterate in insertion order, so the `RateLimit` ones come last.
+    for (name, value) in &headers {
+        if name == RATELIMIT_POLICY {
+            rate_at = fields.len();
+        }
+        field(&mut fields, name.as_str().as_bytes(), value.as_bytes());
     }
-}
-
-impl std::fmt::Debug for Answers {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let cached = self.by_secs.iter().filter(|s| s.get().is_some()).count();
-        f.debug_struct("Answers")
-            .field("rule", &self.rule)
-            .field("cached", &cached)
-            .finish()
-    }
-}
-
-/// A 429's body and headers for one rule and retry hint: `Content-Type`, `Retry-After`,
-/// `RateLimit-Policy` and `RateLimit` (`r=0`), as a map and as the lines of an HTTP/1 head.
-pub(crate) struct Answer {
-    pub(crate) body: Bytes,
-    pub(crate) headers: HeaderMap,
-    /// `headers` written as `name: value\r\n` lines, the `RateLimit` ones last...
-    pub(crate) fields: Box<[u8]>,
-    /// ...from here on.
-    pub(crate) rate_at: usize,
-}
-
-impl Answer {
-    fn new(rule: &str, policy: &HeaderValue, retry: Option<u64>) -> Self {
-        let mut body = BytesMut::with_capacity(192);
-        body.put_slice(
-            b"{\"type\":\"about:blank\",\"title\":\"Too Many Requests\",\"status\":429,\"detail\":\"",
-        );
-        write_detail(&mut body, rule, retry);
-        let _ = write!(body, "\",\"rule\":\"{rule}\"");
-        if let Some(secs) = retry {
-            let _ = write!(body, ",\"retry_after\":{secs}");
-        }
-        body.put_slice(b"}\n");
-        let mut headers = HeaderMap::with_capacity(4);
-        headers.insert(CONTENT_TYPE, PROBLEM_JSON.clone());
-        if let Some(secs) = retry {
-            headers.insert(RETRY_AFTER, HeaderValue::from(secs));
-        }
-        headers.insert(RATELIMIT_POLICY.clone(), policy.clone());
-        let ratelimit = ratelimit_value(std::iter::once((rule, 0, retry.unwrap_or(0))));
-        headers.insert(RATELIMIT.clone(), ratelimit);
-        let mut fields = Vec::with_capacity(160);
-        let mut rate_at = 0;
-        // A map's fields iterate in insertion order, so the `RateLimit` ones come last.
-        for (name, value) in &headers {
-            if name == RATELIMIT_POLICY {
-                rate_at = fields.len();
-            }
-            field(&mut fields, name.as_str().as_bytes(), value.as_bytes());
-        }
-        Self {
-            body: body.freeze(),
-            headers,
-            fields: fields.into_boxed_slice(),
-            rate_at,
-        }
+    Answer {
+        body: body.freeze(),
+        headers,
+        fields: fields.into_boxed_slice(),
+        rate_at,
     }
 }
 

@@ -11,7 +11,8 @@
 //! Cost: a rule's 429 for a retry hint of up to a minute is built once and kept, its header
 //! fields both as a map and as the lines of an HTTP/1 head. The sidecar's refused request takes
 //! two reference counts and no allocation ([`answer_kept`]); our HTTP/1 side copies the lines into
-//! its write, and only hyper's server (HTTP/2, a connection handed to it) gets the map cloned.
+//! its write, and only hyper's server (HTTP/2) gets the map cloned. The rule keeps them
+//! ([`Answers`], `rules`'), this module renders them ([`answers::render`]).
 
 use std::convert::Infallible;
 use std::fmt::Write as _;
@@ -32,7 +33,7 @@ use crate::rules::{Denial, RateState, Refusal};
 
 pub mod answers;
 
-use answers::{ratelimit_value, write_detail, Answer, PROBLEM_JSON};
+use answers::{ratelimit_value, render, write_detail, Answer, PROBLEM_JSON};
 pub use answers::{Answers, RATELIMIT, RATELIMIT_POLICY};
 
 /// A response of ours, for whatever the other body type is: `R` is `Full<Bytes>` for the
@@ -88,10 +89,10 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -
         (0, retry.unwrap_or(0))
     );
     let built;
-    let answer = match denial.answers.get(retry) {
-        Some(cached) => &**cached,
+    let answer = match denial.answers.get(retry, render) {
+        Some(kept) => &**kept,
         None => {
-            built = denial.answers.build(retry);
+            built = denial.answers.render(retry, render);
             &built
         }
     };
@@ -120,7 +121,7 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -
 pub fn answer_kept<L>(refusal: &Refusal, grpc: bool) -> Ours<L, Own> {
     if let Refusal::Limited(denial) = refusal {
         if !grpc && !denial.capacity {
-            if let Some(answer) = denial.answers.get(denial.retry_after_secs()) {
+            if let Some(answer) = denial.answers.get(denial.retry_after_secs(), render) {
                 let canned = Canned {
                     answer: answer.clone(),
                     rate: denial.header_mode != HeaderMode::Never,
@@ -429,7 +430,7 @@ mod tests {
         }
         let cached = format!("{answers:?}");
         assert!(
-            cached.contains("cached: 1"),
+            cached.contains("kept: 1"),
             "only the 3 s hint is kept: {cached}"
         );
     }

@@ -4,8 +4,9 @@
 //! built together so that one `ArcSwap` store swaps them together; and [`RuleSet::check`], the
 //! synchronous decision for one request. A `scope: redis` rule's question is left open in a
 //! [`Remote`]; the caller asks the [`RemoteStore`] and hands the answers back ([`RuleSet::answer`],
-//! [`RuleSet::finish`]). Must never: await, import the data plane or Redis, log per request,
-//! allocate for a key it already tracks, or hold a store guard beyond the call.
+//! [`RuleSet::finish`]). A refusal is a value; `respond` renders its 429 into the slots the rule
+//! keeps ([`Answers`]). Must never: await, import the data plane, `respond` or Redis, log per
+//! request, allocate for a key it already tracks, or hold a store guard beyond the call.
 //!
 //! Cost of `check` per matching rule: a few string compares for the match, the key written
 //! into a stack buffer, one hash of it, one sharded read lock + lookup by borrowed bytes, the
@@ -39,7 +40,6 @@ use crate::limit::{
     NANOS_PER_SEC,
 };
 use crate::metrics::Metrics;
-use crate::respond::answers::Answers;
 
 /// Every rule of one configuration, ready to decide.
 pub struct RuleSet {
@@ -689,12 +689,14 @@ fn concurrency_idle(c: &Arc<Concurrency>) -> bool {
 
 mod compile;
 mod global;
+mod kept;
 mod matcher;
 mod remote;
 mod store;
 
 use compile::*;
 pub use global::*;
+pub use kept::{Answer, Answers, Render};
 use matcher::*;
 use remote::*;
 pub use remote::{Question, Remote, RemoteStore, StoreAnswer};
