@@ -31,9 +31,20 @@ fn bad(path: &str) -> Vec<u8> {
     answer.to_vec()
 }
 
-/// A raw HTTP/1.1 upstream. `/echo/<x>` answers 200 with body `<x>`. `/bad/<shape>` answers
-/// with more bytes than its framing says, in one write; `HEAD /late` answers the head, then,
-/// when `late` is notified, writes a body nobody asked for on the same connection.
+fn content_length(head: &str) -> usize {
+    head.lines()
+        .find_map(|l| {
+            let l = l.to_ascii_lowercase();
+            l.strip_prefix("content-length:")
+                .map(|v| v.trim().parse().unwrap())
+        })
+        .unwrap_or(0)
+}
+
+/// A raw HTTP/1.1 upstream that never reads a body as one. `/echo/<x>` answers 200 with body
+/// `<x>`; `/ignore` answers at once, and ends its answer when the body has come. `/bad/<shape>`
+/// answers with more bytes than its framing says, in one write; `HEAD /late` answers the head,
+/// then, when `late` is notified, writes a body nobody asked for on the same connection.
 async fn raw_upstream(late: Arc<Notify>) -> SocketAddr {
     raw_server(move |mut s| {
         let late = late.clone();
@@ -54,7 +65,21 @@ async fn raw_upstream(late: Arc<Notify>) -> SocketAddr {
                     let line = head.lines().next().unwrap_or_default().to_string();
                     let mut parts = line.split(' ');
                     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-                    let answer: Vec<u8> = if let Some(x) = path.strip_prefix("/echo/") {
+                    let answer: Vec<u8> = if path == "/ignore" {
+                        // Answered at once; the body is never read as one: once it has come
+                        // (the answer's end waits for it) its bytes are what is read next.
+                        let length = content_length(&head);
+                        let _ = s
+                            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 4\r\n\r\nok")
+                            .await;
+                        while buf.len() < length {
+                            match s.read(&mut chunk).await {
+                                Ok(0) | Err(_) => return,
+                                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                            }
+                        }
+                        b"ok".to_vec()
+                    } else if let Some(x) = path.strip_prefix("/echo/") {
                         format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{x}", x.len())
                             .into_bytes()
                     } else if path == "/late" && method == "HEAD" {
@@ -243,5 +268,50 @@ async fn an_early_response_while_the_body_streams_leaves_nothing_for_the_next_cl
         let (status, _, body) =
             send(&client(), sc.addr(), "GET", &format!("/echo/{mine}"), &[]).await;
         assert_eq!((status, body), (StatusCode::OK, mine));
+    }
+}
+
+/// An app that answers an upload before it has read it may never read it as a body: once the
+/// upload is sent, its bytes are what the app reads next on that connection, the start of a
+/// request that the next client's bytes would complete. A connection whose answer came while
+/// its upload was still being sent is never reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_answered_before_it_was_sent_never_leaves_its_connection_to_the_next_client() {
+    use tokio::io::AsyncBufReadExt;
+    let up = raw_upstream(Arc::new(Notify::new())).await;
+    let sc = proxy_for(up).await;
+    let smuggled = "GET /echo/SMUGGLED HTTP/1.1\r\nx-pad: ";
+    // Larger than a body read whole with its head: streamed.
+    let body = format!("{smuggled}{}", "a".repeat(20_000 - smuggled.len()));
+    let mut c = tokio::io::BufReader::new(tokio::net::TcpStream::connect(sc.addr()).await.unwrap());
+    let head = format!(
+        "POST /ignore HTTP/1.1\r\nhost: app\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    c.get_mut().write_all(head.as_bytes()).await.unwrap();
+    // The answer comes before the body is sent.
+    let mut status = String::new();
+    c.read_line(&mut status).await.unwrap();
+    assert!(status.starts_with("HTTP/1.1 200 "), "{status}");
+    c.get_mut().write_all(body.as_bytes()).await.unwrap();
+    let mut line = String::new();
+    while line != "\r\n" {
+        line.clear();
+        assert!(
+            c.read_line(&mut line).await.unwrap() > 0,
+            "the answer's head ends"
+        );
+    }
+    let mut answer = [0u8; 4];
+    c.read_exact(&mut answer).await.unwrap();
+    assert_eq!(&answer, b"okok");
+    for who in ["alice", "bob"] {
+        let (status, _, body) =
+            send(&client(), sc.addr(), "GET", &format!("/echo/{who}"), &[]).await;
+        assert_eq!(
+            (status, body.as_str()),
+            (StatusCode::OK, who),
+            "the upload's bytes answered another client"
+        );
     }
 }

@@ -263,9 +263,11 @@ pub async fn exchange(
                 // one whose request body was refused (an app that answers 413 or 401 before
                 // it reads the body may read it afterwards as it likes, and answer it); nor
                 // one that was asked to switch and did not (its request, a GET, may carry a
-                // body the app never reads).
+                // body the app never reads); nor one answered while its upload was still being
+                // sent (an app that answers before it reads may never read the body as one).
                 let refused = head.status >= 400 && (in_hand || streamed);
-                let kept = !added.close && added.upgrade.is_none() && !refused && !cut;
+                let early = raw.0.upload.is_some();
+                let kept = !added.close && added.upgrade.is_none() && !refused && !early && !cut;
                 let home = kept.then_some(home);
                 return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
             }
