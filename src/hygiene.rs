@@ -1,6 +1,6 @@
 //! What is checked and rewritten in a request before any rule sees it, by the sidecar and by
-//! the tower layer alike: one valid `Host`, one canonical path, no field the app will not get,
-//! no client-written claim the app might believe.
+//! the tower layer alike: a method in capitals, one valid `Host`, one canonical path, no field
+//! the app will not get, no client-written claim the app might believe.
 //!
 //! Owns those checks and their refusals' reasons (`spillway_bad_requests_total{reason}`).
 //! Must never: answer (the caller renders the refusal), or let a request the app would read
@@ -11,8 +11,9 @@ use http::Request;
 use crate::config::Config;
 use crate::key;
 
-/// What is checked and rewritten in a request before any rule sees it: one valid `Host`, one
-/// canonical path, no field the app will not get, no client-written claim the app might believe.
+/// What is checked and rewritten in a request before any rule sees it: a method in capitals,
+/// one valid `Host`, one canonical path, no field the app will not get, no client-written
+/// claim the app might believe.
 pub struct Hygiene {
     /// Larger request heads (fields and target) are refused with 431 ([`TOO_LARGE`]).
     max_header_bytes: usize,
@@ -56,15 +57,28 @@ impl Hygiene {
     }
 
     /// Refuses a head over `max_header_bytes` ([`TOO_LARGE`]: 431) and what is ambiguous (a
-    /// missing, repeated or malformed `Host`; a `Connection` that names the body's length or
-    /// `Host`; a path that cannot be normalised) with the `bad_requests` reason and a detail;
-    /// rewrites the path to its canonical spelling; removes the fields the client's
-    /// `Connection` names (the app would not get them: the rules must not see them either) and
-    /// the client's claims ([`key::is_client_claim`]). Allocates only when it rewrites or
-    /// refuses.
+    /// method with lower-case letters; a missing, repeated or malformed `Host`; a `Connection`
+    /// that names the body's length or `Host`; a path that cannot be normalised) with the
+    /// `bad_requests` reason and a detail; rewrites the path to its canonical spelling; removes
+    /// the fields the client's `Connection` names (the app would not get them: the rules must
+    /// not see them either) and the client's claims ([`key::is_client_claim`]). Allocates only
+    /// when it rewrites or refuses.
     pub fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
         // One pass over the fields (standard names compare as enums), not a lookup for each;
         // it also sums the head's bytes as sent (name, ": ", value, CRLF per field).
+        // Methods are case-sensitive (RFC 9110 §9.1): `get` matches no `methods: [GET]`, but
+        // many apps fold the case and serve it as GET. Refused, as nginx refuses it.
+        if req
+            .method()
+            .as_str()
+            .bytes()
+            .any(|b| b.is_ascii_lowercase())
+        {
+            return Err((
+                "method",
+                "the method has lower-case letters; this proxy takes methods in capitals".into(),
+            ));
+        }
         let (mut host, mut hosts, mut connection, mut claims) = (None, 0u32, false, false);
         let mut bytes = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
         for (name, value) in req.headers() {

@@ -541,6 +541,21 @@ async fn semicolons_head_and_method_overrides_do_not_slip_past_a_rule() {
         .await
         .unwrap();
     assert!(line.starts_with("HTTP/1.1 429"), "{line}");
+    // Methods are case-sensitive, and `get` matches no `methods: [GET]`; but many apps fold
+    // the case (Django, werkzeug) and serve it as GET. Refused, over HTTP/1 and HTTP/2.
+    for method in ["get", "Get", "gET"] {
+        let a = raw(
+            sc.addr(),
+            &format!("{method} /r HTTP/1.1\r\nHost: app\r\n\r\n"),
+        )
+        .await;
+        assert_eq!(status(&a), 400, "{method}: {}", a.body);
+        assert_eq!(
+            send(&h2_client(), sc.addr(), method, "/r", &[]).await.0,
+            StatusCode::BAD_REQUEST,
+            "{method} over HTTP/2"
+        );
+    }
     let a = raw(
         sc.addr(),
         "POST /echo HTTP/1.1\r\nHost: app\r\nContent-Length: 0\r\nX-HTTP-Method-Override: DELETE\r\nX-Method-Override: DELETE\r\nX-HTTP-Method: DELETE\r\n\r\n",

@@ -82,6 +82,21 @@ async fn the_layer_answers_as_the_sidecar_does_for_the_same_rules() {
         assert_eq!(from_layer, from_sidecar, "{path} {headers:?}");
     }
     assert_eq!(statuses, [200, 200, 429, 200, 429, 200]);
+    // What the sidecar refuses before any rule, the layer refuses too: a method in lower case.
+    let req = http::Request::builder()
+        .method("get")
+        .uri("http://app/")
+        .header("x-api-key", "third")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let resp = svc.clone().oneshot(req).await.unwrap();
+    let (status, head) = (resp.status().as_u16(), resp.headers().clone());
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    let from_layer = seen(status, &head, &body);
+    let (status, head, body) =
+        send(&client(), sc.addr(), "get", "/", &[("x-api-key", "third")]).await;
+    assert_eq!(status, 400);
+    assert_eq!(from_layer, seen(400, &head, body.as_bytes()));
     sc.shutdown();
     sc.wait().await;
 }
