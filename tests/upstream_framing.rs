@@ -87,6 +87,22 @@ fn script(path: &str) -> (String, bool) {
         ),
         "/short" => ("HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nhalf", true),
         "/garbage" => ("HTTP/1.1 two hundred\r\n\r\n", true),
+        // A coding other than chunked: its bytes are not the content, and the field that says
+        // so is the hop's, so passing them on would hand the client gzip as its body.
+        "/gzip-chunked" => (
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip, chunked\r\n\r\n3\r\nGZ1\r\n0\r\n\r\n",
+            true,
+        ),
+        "/gzip-lines" => (
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\ntransfer-encoding: chunked\r\n\r\n\
+             3\r\nGZ1\r\n0\r\n\r\n",
+            true,
+        ),
+        "/gzip" => ("HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\nGZ1", true),
+        "/chunked-twice" => (
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked, chunked\r\n\r\n0\r\n\r\n",
+            true,
+        ),
         "/switch" => (
             "HTTP/1.1 101 Switching Protocols\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
             false,
@@ -481,7 +497,16 @@ async fn a_broken_response_is_a_502_and_a_cut_body_an_error() {
     let sc = proxy(&up).await;
     let mut c = Client::new(sc.addr()).await;
     c.get("/plain").await;
-    for path in ["/conflict", "/garbage", "/huge", "/switch"] {
+    for path in [
+        "/conflict",
+        "/garbage",
+        "/huge",
+        "/switch",
+        "/gzip-chunked",
+        "/gzip-lines",
+        "/gzip",
+        "/chunked-twice",
+    ] {
         let seen = c.get(path).await;
         assert_eq!(seen.status, StatusCode::BAD_GATEWAY, "{path}");
     }

@@ -286,17 +286,27 @@ pub(super) fn framing(
             "upstream sent Transfer-Encoding in an HTTP/1.0 response",
         ));
     }
-    if let Some(codings) = delimiters.codings.last() {
-        let last = codings
-            .rsplit(|&b| b == b',')
+    if !delimiters.codings.is_empty() {
+        // Only `chunked`, once: any other coding's bytes are not the content, and the field
+        // that says so is the hop's, so the client would get them as the body (nginx refuses
+        // them too).
+        let mut codings = delimiters
+            .codings
+            .iter()
+            .flat_map(|v| v.split(|&b| b == b','))
+            .map(<[u8]>::trim_ascii)
+            .filter(|c| !c.is_empty());
+        let chunked = codings
             .next()
-            .map(<[u8]>::trim_ascii);
+            .is_some_and(|c| c.eq_ignore_ascii_case(b"chunked"));
+        if !chunked || codings.next().is_some() {
+            return Err(protocol(
+                "upstream sent a transfer coding other than chunked",
+            ));
+        }
         // With a Content-Length too, the coding wins and the connection is not reused.
         let alone = delimiters.lengths.is_empty();
-        return Ok(match last {
-            Some(c) if c.eq_ignore_ascii_case(b"chunked") => (Framing::Chunked(Chunk::Size), alone),
-            _ => (Framing::Close, false),
-        });
+        return Ok((Framing::Chunked(Chunk::Size), alone));
     }
     let mut length = None;
     for value in &delimiters.lengths {

@@ -5,20 +5,22 @@
 //! fields, chunked bodies with huge or signed sizes, extensions and trailers, `Expect`,
 //! pipelined requests) go to [`request_head::parse`] (and a streamed body to the request body's
 //! decoder) and to hyper's HTTP/1 server. Every request this side serves must be one hyper
-//! serves too, the same (method, target, version, fields, body), in the same order; what this side does not serve goes to hyper in the proxy, so it cannot
-//! differ. The bytes this side would forward for each request ([`client::write_head`]) are
+//! serves too, the same (method, target, version, fields, body), in the same order; what this
+//! side refuses is answered and its connection closed. The bytes this side would forward for each request ([`client::write_head`]) are
 //! parsed again by hyper's server: exactly one request, the same but for the hop's fields.
 //!
 //! Client side: generated responses go to [`client::exchange`] over a loopback socket and to
 //! hyper's HTTP/1 client: the same status, body bytes, failure, and framing that allows reuse.
 //!
 //! Deliberate differences (the generators avoid them or the checks allow them):
-//! - a request that this side hands to hyper (`Other`) is hyper's by construction;
+//! - a request refused here (its head or its body) may be one hyper serves;
 //! - a request body's chunk-size lines are read strictly here (hex digits, then extensions
 //!   only, CRLF; hyper takes some other shapes), and a body refused here fails its request
 //!   and closes its connection;
 //! - an unasked `101` is refused here (502); hyper's client hands it over for an upgrade;
 //! - a chunk-size line of more than 15 hex digits is refused here; hyper takes up to 16;
+//! - a response with a transfer coding other than `chunked` alone is refused here (502), as
+//!   nginx refuses it: the client would get the coded bytes as its body; hyper reads it;
 //! - a response with both `Transfer-Encoding` and `Content-Length` is read the same, but its
 //!   connection is not reused here (RFC 9112 §6.3: it "ought to be handled as an error");
 //! - none else: bytes after a response's framing make both sides drop the connection.
@@ -675,6 +677,17 @@ fn deliberate(bytes: &[u8], ours: &Answer, theirs: &Answer) -> bool {
     let text = String::from_utf8_lossy(bytes).to_ascii_lowercase();
     // An unasked 101, and chunk sizes past 15 hex digits.
     if text.contains(" 101 ") || text.contains("ffffffffffffffff") {
+        return true;
+    }
+    // A transfer coding other than `chunked` alone.
+    let codings: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("transfer-encoding:"))
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+        .collect();
+    if *ours == Answer::Failed && !codings.is_empty() && codings != ["chunked"] {
         return true;
     }
     // Both a coding and a length: the same answer, but the connection is not reused here.
