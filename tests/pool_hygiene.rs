@@ -44,12 +44,14 @@ fn content_length(head: &str) -> usize {
 /// A raw HTTP/1.1 upstream that never reads a body as one. `/echo/<x>` answers 200 with body
 /// `<x>`; `/ignore` answers at once, and ends its answer when the body has come. `/bad/<shape>`
 /// answers with more bytes than its framing says, in one write; `HEAD /late` answers the head,
-/// then, when `late` is notified, writes a body nobody asked for on the same connection.
+/// then, when `late` is notified, writes a body nobody asked for on the same connection;
+/// `/204-later` answers 204 with a length, and writes that body before its next answer.
 async fn raw_upstream(late: Arc<Notify>) -> SocketAddr {
     raw_server(move |mut s| {
         let late = late.clone();
         async move {
             let mut buf = Vec::new();
+            let mut owed = false;
             loop {
                 let mut chunk = [0u8; 4096];
                 let Ok(n) = s.read(&mut chunk).await else {
@@ -65,7 +67,16 @@ async fn raw_upstream(late: Arc<Notify>) -> SocketAddr {
                     let line = head.lines().next().unwrap_or_default().to_string();
                     let mut parts = line.split(' ');
                     let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-                    let answer: Vec<u8> = if path == "/ignore" {
+                    if std::mem::take(&mut owed) {
+                        let stolen = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nSTOLE";
+                        if s.write_all(stolen).await.is_err() {
+                            return;
+                        }
+                    }
+                    let answer: Vec<u8> = if path == "/204-later" {
+                        owed = true;
+                        b"HTTP/1.1 204 No Content\r\ncontent-length: 42\r\n\r\n".to_vec()
+                    } else if path == "/ignore" {
                         // Answered at once; the body is never read as one: once it has come
                         // (the answer's end waits for it) its bytes are what is read next.
                         let length = content_length(&head);
@@ -152,6 +163,26 @@ async fn bytes_past_a_responses_framing_never_reach_the_next_client() {
     }
     let text = admin(&sc, "/metrics").await.1;
     assert!(discarded(&text, "leftover") >= 10.0, "{text}");
+}
+
+/// A 204 that announces a body (which RFC 9110 forbids) may be followed by it at any time,
+/// after its connection went to another client and before that client's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_204_that_announces_a_body_never_leaves_its_connection_to_the_next_client() {
+    let up = raw_upstream(Arc::new(Notify::new())).await;
+    let sc = proxy_for(up).await;
+    for (kind, c) in [("http/1", client()), ("http/2", h2_client())] {
+        let (status, _, _) = send(&c, sc.addr(), "GET", "/204-later", &[]).await;
+        assert_eq!(status, StatusCode::NO_CONTENT);
+        let mine = format!("alice-{kind}");
+        let (status, _, body) =
+            send(&client(), sc.addr(), "GET", &format!("/echo/{mine}"), &[]).await;
+        assert_eq!(
+            (status, body.as_str()),
+            (StatusCode::OK, mine.as_str()),
+            "{kind}: the 204's late body answered another client"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

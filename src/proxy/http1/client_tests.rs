@@ -75,6 +75,17 @@ fn a_body_is_delimited_as_rfc_9112_says() {
     let done = Some(("done".to_string(), true));
     assert_eq!(framed(200, true, &[("content-length", "9")]).ok(), done);
     assert_eq!(framed(204, false, &[]).ok(), done);
+    assert_eq!(framed(204, false, &[("content-length", "0")]).ok(), done);
+    // A 204 that announces a body may send it later: not reused.
+    let not_kept = Some(("done".to_string(), false));
+    assert_eq!(
+        framed(204, false, &[("content-length", "5")]).ok(),
+        not_kept
+    );
+    assert_eq!(
+        framed(204, false, &[("transfer-encoding", "chunked")]).ok(),
+        not_kept
+    );
     assert_eq!(framed(304, false, &[("content-length", "9")]).ok(), done);
     assert_eq!(
         framed(

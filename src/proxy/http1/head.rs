@@ -272,11 +272,14 @@ pub(super) fn framing(
     version: Version,
     delimiters: &Delimiters,
 ) -> io::Result<(Framing, bool)> {
-    if head_only
-        || status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED
-    {
+    if status == StatusCode::NO_CONTENT && !head_only {
+        // No body, but one announced (RFC 9110 §8.6 forbids it): an app that writes one may
+        // write it later, after the connection went to someone else.
+        let announced = !delimiters.codings.is_empty()
+            || delimiters.lengths.iter().any(|v| v.trim_ascii() != b"0");
+        return Ok((Framing::Done, !announced));
+    }
+    if head_only || status.is_informational() || status == StatusCode::NOT_MODIFIED {
         return Ok((Framing::Done, true));
     }
     // Transfer-Encoding came with HTTP/1.1: in an HTTP/1.0 message the framing is faulty

@@ -22,7 +22,8 @@
 //! - a response with a transfer coding other than `chunked` alone is refused here (502), as
 //!   nginx refuses it: the client would get the coded bytes as its body; hyper reads it;
 //! - a response with both `Transfer-Encoding` and `Content-Length` is read the same, but its
-//!   connection is not reused here (RFC 9112 §6.3: it "ought to be handled as an error");
+//!   connection is not reused here (RFC 9112 §6.3: it "ought to be handled as an error"); nor
+//!   is a 204's that announces a body (the app may write it later);
 //! - none else: bytes after a response's framing make both sides drop the connection.
 //!
 //! Cases per target: `SPILLWAY_DIFF_CASES` (10 000 by default; `bench/differential.sh` runs
@@ -690,13 +691,16 @@ fn deliberate(bytes: &[u8], ours: &Answer, theirs: &Answer) -> bool {
     if *ours == Answer::Failed && !codings.is_empty() && codings != ["chunked"] {
         return true;
     }
-    // Both a coding and a length: the same answer, but the connection is not reused here.
+    // Both a coding and a length, or a 204 that announces a body: the same answer, but the
+    // connection is not reused here.
     match (ours, theirs) {
         (Answer::Whole(s, b, false), Answer::Whole(t, c, true)) => {
             s == t
                 && b == c
-                && text.contains("\ntransfer-encoding")
-                && text.contains("\ncontent-length")
+                && ((text.contains("\ntransfer-encoding") && text.contains("\ncontent-length"))
+                    || (*s == 204
+                        && (text.contains("\ntransfer-encoding")
+                            || text.contains("\ncontent-length"))))
         }
         _ => false,
     }
