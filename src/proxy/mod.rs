@@ -1,20 +1,21 @@
 //! The sidecar's data plane: accept, decide, forward, stream back; drain on shutdown.
 //!
-//! Owns the client listener (shared by the worker threads, each with its own current-thread
-//! runtime and upstream connections, so a request never hops threads once accepted), the
-//! client connections (HTTP/1 served by our own code, `http1`; HTTP/2 with prior knowledge by
-//! hyper's server on the same port, `http2`), the request path, and the shutdown sequence. Must never: hold a
-//! snapshot guard or any lock across an `.await`, buffer a body (beyond a small one already
-//! read with its head), log per request above debug.
+//! Owns the client listener (shared by the worker threads, each with its own current-thread runtime
+//! and upstream connections, so a request never hops threads once accepted), the client connections
+//! (HTTP/1 served by our own code, `http1`; HTTP/2 with prior knowledge by hyper's server on the
+//! same port, `http2`), the request path, and the shutdown sequence. Must never: hold a snapshot
+//! guard or any lock across an `.await`, buffer a body (beyond a small one already read with its
+//! head), log per request above debug.
 //!
-//! Cost of the request path beyond the server side's own work (`http1`'s, or hyper's): one
-//! pass over the request's fields (`Hygiene`: head size, `Host`, client claims) and one over
-//! its path (already canonical: no allocation), the client address by policy, one `ArcSwap`
-//! load, [`RuleSet::check`] (see its cost), the header rewrite for the hop (one allocation for
-//! `X-Forwarded-For`), two clock reads and one histogram observation; for an HTTP/1 client,
-//! the hand-over to its own upstream connection in the same task (`affine`: two uncontended
-//! locks, no trip through the runtime's queue); the header-read and response deadlines as slots of the worker's `coarse` timers (an
-//! uncontended lock to arm and one to disarm each, not tokio's timer wheel).
+//! Cost of the request path beyond the server side's own work (`http1`'s, or hyper's): one pass
+//! over the request's fields (`Hygiene`: head size, `Host`, client claims) and one over its path
+//! (already canonical: no allocation), the client address by policy, one `ArcSwap` load,
+//! [`RuleSet::check`] (see its cost), the header rewrite for the hop (one allocation for
+//! `X-Forwarded-For`), two clock reads and one histogram observation; for an HTTP/1 client, the
+//! exchange on its own upstream connection in the same task (`affine`: two uncontended locks, no
+//! trip through the runtime's queue); the header-read and response deadlines as slots of the
+//! worker's `coarse` timers (an uncontended lock to arm and one to disarm each, not tokio's timer
+//! wheel).
 
 mod accept;
 mod admin;
