@@ -59,6 +59,27 @@ async fn a_tunnel_carries_bytes_both_ways_including_those_sent_with_its_head() {
     assert_eq!(rest(&mut c).await, "");
 }
 
+/// A tunnel where neither side sends anything for `timeouts.client_idle` ends (as nginx ends
+/// one at `proxy_read_timeout`): an idle upgraded connection does not hold a connection slot
+/// and the app's connection for ever.
+#[tokio::test]
+async fn a_tunnel_idle_both_ways_for_client_idle_is_closed() {
+    let (sc, _up) = sidecar("timeouts: { client_idle: 300ms }\nrules: []").await;
+    let mut c = connect(&sc).await;
+    c.get_mut().write_all(UPGRADE.as_bytes()).await.unwrap();
+    let a = read_answer(&mut c).await;
+    assert_eq!(a.status, "HTTP/1.1 101 Switching Protocols");
+    // Bytes both ways go through...
+    for n in 0..3u8 {
+        c.get_mut().write_all(&[b'a' + n]).await.unwrap();
+        let mut got = [0u8; 1];
+        c.read_exact(&mut got).await.unwrap();
+        assert_eq!(got[0], b'a' + n);
+    }
+    // ...and then nothing: the proxy closes it.
+    assert_eq!(rest(&mut c).await, "");
+}
+
 #[tokio::test]
 async fn an_upgrade_the_app_does_not_take_closes_the_connection_and_what_followed_is_no_request() {
     let (sc, up) = sidecar("rules: []").await;

@@ -24,6 +24,7 @@ pub(crate) mod head;
 pub(crate) mod request_body;
 pub(crate) mod request_head;
 pub(crate) mod server;
+mod tunnel;
 mod upload;
 
 #[cfg(test)]

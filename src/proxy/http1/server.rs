@@ -113,9 +113,9 @@ pub(in crate::proxy) async fn serve(
         if switching {
             if let (Ok(_), Some(upstream)) = (&written, switched(&mut resp)) {
                 // The response (its concurrency slots) lives as long as the tunnel.
-                let tunneled = tunnel(s, upstream).await;
+                let tunneled = super::tunnel::tunnel(s, upstream, &lane).await;
                 drop(resp);
-                return tunneled;
+                return tunneled.map_err(Into::into);
             }
         }
         let stay = match written {
@@ -680,23 +680,6 @@ fn switched(resp: &mut Response<Body>) -> Option<Raw> {
         },
         Either::Right(_) => None,
     }
-}
-
-/// An upgraded connection (a WebSocket): the bytes each side sent past its head first, then
-/// everything both ways, untouched, until both sides are done.
-async fn tunnel(s: Served, upstream: Raw) -> Result<(), Error> {
-    use tokio::io::AsyncWriteExt as _;
-    // Nothing else holds the socket: an upgrade has no body still coming.
-    let Ok(mut client) = Arc::try_unwrap(s.stream) else {
-        debug_assert!(false, "an upgraded connection's socket is shared");
-        tracing::debug!("an upgraded connection's socket is shared: closed");
-        return Ok(());
-    };
-    let (mut upstream, from_upstream, _place) = upstream.into_tunnel();
-    upstream.write_all(&s.buf).await?;
-    client.write_all(&from_upstream).await?;
-    tokio::io::copy_bidirectional(&mut client, &mut upstream).await?;
-    Ok(())
 }
 
 /// The `Date` field's value, formatted once a second per thread.
