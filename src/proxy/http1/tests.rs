@@ -6,8 +6,9 @@
 //! pipelined requests) go to [`request_head::parse`] (and a streamed body to the request body's
 //! decoder) and to hyper's HTTP/1 server. Every request this side serves must be one hyper
 //! serves too, the same (method, target, version, fields, body), in the same order; what this
-//! side refuses is answered and its connection closed. The bytes this side would forward for each request ([`client::write_head`]) are
-//! parsed again by hyper's server: exactly one request, the same but for the hop's fields.
+//! side refuses is answered and its connection closed. The bytes this side would forward for
+//! each request ([`client::write_head`]) are parsed again by hyper's server: exactly one
+//! request, the same but for the hop's fields.
 //!
 //! Client side: generated responses go to [`client::exchange`] over a loopback socket and to
 //! hyper's HTTP/1 client: the same status, body bytes, failure, and framing that allows reuse.
