@@ -113,6 +113,25 @@ pub enum Failed {
     ClientBody,
 }
 
+impl Connection {
+    /// Writes what can go now of the upload on its way, if any; the upload is over once sent
+    /// whole or refused by the upstream ([`Stopped::Upstream`]: what it answered is still
+    /// read). [`Stopped::Client`]: the client's body broke off.
+    fn poll_upload(&mut self, cx: &mut Context<'_>) -> Result<(), Stopped> {
+        let Some(up) = self.upload.as_mut() else {
+            return Ok(());
+        };
+        match up.poll_send(cx, &self.stream) {
+            Poll::Pending => Ok(()),
+            Poll::Ready(Err(Stopped::Client)) => Err(Stopped::Client),
+            Poll::Ready(sent) => {
+                self.upload = None;
+                sent
+            }
+        }
+    }
+}
+
 impl Raw {
     /// `stream`, holding `permit` while it is open.
     pub fn new(stream: TcpStream, permit: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
@@ -273,22 +292,11 @@ pub async fn exchange(
             }
             Ok(None) => {
                 std::future::poll_fn(|cx| {
-                    let c = &mut *raw.0;
-                    let sent = match c.upload.as_mut() {
-                        Some(up) => up.poll_send(cx, &c.stream),
-                        None => Poll::Pending,
-                    };
-                    match sent {
-                        Poll::Ready(Ok(())) => c.upload = None,
-                        Poll::Ready(Err(Stopped::Client)) => {
-                            return Poll::Ready(Err(Failed::ClientBody))
-                        }
+                    match raw.poll_upload(cx) {
+                        Err(Stopped::Client) => return Poll::Ready(Err(Failed::ClientBody)),
                         // It may have answered already: its answer is read.
-                        Poll::Ready(Err(Stopped::Upstream)) => {
-                            c.upload = None;
-                            cut = true;
-                        }
-                        Poll::Pending => {}
+                        Err(Stopped::Upstream) => cut = true,
+                        Ok(()) => {}
                     }
                     poll_more(&mut raw, cx).map_err(Failed::Upstream)
                 })
@@ -511,22 +519,16 @@ impl RawBody {
             return Poll::Ready(None);
         }
         // The request's body goes on as the response comes: an app may answer as it reads.
-        if let Some(c) = self.raw.as_mut().map(|raw| &mut *raw.0) {
-            if let Some(up) = c.upload.as_mut() {
-                match up.poll_send(cx, &c.stream) {
-                    Poll::Ready(Ok(())) => c.upload = None,
-                    Poll::Ready(Err(Stopped::Client)) => {
-                        return Poll::Ready(Some(Err(io::Error::other(
-                            "the client's request body broke off",
-                        ))))
-                    }
-                    // What the upstream answers is still read; the connection is not reused.
-                    Poll::Ready(Err(Stopped::Upstream)) => {
-                        c.upload = None;
-                        self.home = None;
-                    }
-                    Poll::Pending => {}
+        if let Some(raw) = self.raw.as_mut() {
+            match raw.poll_upload(cx) {
+                Err(Stopped::Client) => {
+                    return Poll::Ready(Some(Err(io::Error::other(
+                        "the client's request body broke off",
+                    ))))
                 }
+                // What the upstream answers is still read; the connection is not reused.
+                Err(Stopped::Upstream) => self.home = None,
+                Ok(()) => {}
             }
         }
         loop {
