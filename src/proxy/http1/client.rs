@@ -117,6 +117,7 @@ impl Connection {
     /// Writes what can go now of the upload on its way, if any; the upload is over once sent
     /// whole or refused by the upstream ([`Stopped::Upstream`]: what it answered is still
     /// read). [`Stopped::Client`]: the client's body broke off.
+    #[inline]
     fn poll_upload(&mut self, cx: &mut Context<'_>) -> Result<(), Stopped> {
         let Some(up) = self.upload.as_mut() else {
             return Ok(());
