@@ -157,6 +157,7 @@ fn the_drop_ratio_path_does_not_allocate() {
             key: Some("10.1.2.3".into()),
             ratio: 0.5,
         }],
+        rules: Vec::new(),
     };
     let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::from_reply(
         &reply, "s", 0,

@@ -228,9 +228,6 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
                 ));
             }
         }
-        if !matches!(r.cost, None | Some(Cost::Fixed(1))) {
-            return Err("cost: global rules count requests; give no cost".into());
-        }
         if let Some(Limit::Concurrency(_)) = r.fallback {
             return Err("fallback: takes a rate limit".into());
         }

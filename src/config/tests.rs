@@ -452,8 +452,8 @@ fn a_global_rule_needs_a_control_plane_and_a_plain_rate() {
             "applies to local rules",
         ),
         (
-            "limit: { rate: 10/s }\n    cost: 3",
-            "global rules count requests",
+            "limit: { rate: 10/s }\n    cost: 30",
+            "cost: 30 exceeds limit.burst 10",
         ),
         // Accepted and ignored before: now each says why it does nothing.
         (

@@ -20,7 +20,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Regist
 use tokio::sync::watch;
 
 use super::auth::Credentials;
-use super::reporter::{json_client, post_report, JsonClient};
+use super::reporter::{json_client, post_negotiated, JsonClient};
 use super::server::{self, Body, Running};
 use super::{Entry, Reply, Report, Shared, SourceRefusal, ZoneSums, VERSION};
 
@@ -67,16 +67,19 @@ impl AggregatorOptions {
 
 /// The controller's last reply, by service, and when it came.
 struct Relayed {
-    by_service: std::collections::HashMap<String, Vec<super::Ratio>>,
+    by_service: std::collections::HashMap<String, (Vec<super::Ratio>, Vec<super::RuleHint>)>,
     at: tokio::time::Instant,
 }
 
 impl Relayed {
     fn new(reply: Reply, at: tokio::time::Instant) -> Self {
-        let mut by_service: std::collections::HashMap<String, Vec<super::Ratio>> =
+        let mut by_service: std::collections::HashMap<String, (Vec<_>, Vec<_>)> =
             Default::default();
         for r in reply.ratios {
-            by_service.entry(r.service.clone()).or_default().push(r);
+            by_service.entry(r.service.clone()).or_default().0.push(r);
+        }
+        for h in reply.rules {
+            by_service.entry(h.service.clone()).or_default().1.push(h);
         }
         Relayed { by_service, at }
     }
@@ -102,10 +105,13 @@ struct State {
     hosts: IntGauge,
     forwards: IntCounterVec,
     forward_seconds: Histogram,
+    /// The controller took the fields past version 1 last time.
+    wire2: std::sync::atomic::AtomicBool,
 }
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
+        let wire2 = server::speaks_wire2(&req);
         let (report, principal) =
             match server::receive_report(req, &self.opts.credentials, &self.reports).await {
                 Ok(r) => r,
@@ -117,10 +123,16 @@ impl State {
                 "an aggregator takes host reports; zone sums go to the controller",
             );
         }
-        let owner = principal.owner(&report.source);
-        let recorded = self.sums.lock().record(&report, owner, self.sums.now());
+        let owner = principal.owner(&report.source).to_string();
+        let services: Vec<String> = server::reply_services(&report, &principal)
+            .unwrap_or_default()
+            .into_iter()
+            .map(str::to_string)
+            .collect();
+        let (source, zone) = (report.source.clone(), report.zone.clone());
+        let recorded = self.sums.lock().record(report, &owner, self.sums.now());
         match recorded {
-            Ok(()) if !report.zone.is_empty() && report.zone != self.opts.zone => {
+            Ok(()) if !zone.is_empty() && zone != self.opts.zone => {
                 self.reports.with_label_values(&["other_zone"]).inc();
                 // At most once a minute: every report of that host would say the same.
                 let minute = (self.sums.now() / 60.0) as u64 + 1;
@@ -130,8 +142,8 @@ impl State {
                     != minute
                 {
                     tracing::warn!(
-                        source = %report.source,
-                        zone = %report.zone,
+                        source = %source,
+                        zone = %zone,
                         "a host of another zone reports here (counted): its control_plane.url names this zone's aggregators ({})",
                         self.opts.zone
                     );
@@ -143,7 +155,6 @@ impl State {
             }
             Err(refusal) => return server::source_refused(&refusal, &self.reports),
         }
-        let services = server::reply_services(&report, &principal).unwrap_or_default();
         let relayed = self.relayed.load();
         // Counted, but nothing to answer with yet: the proxy keeps the ratios it has (a new
         // replica must not hand out an empty set as if it were fresh).
@@ -158,18 +169,17 @@ impl State {
             );
             return resp;
         };
-        let ratios = services
-            .iter()
-            .filter_map(|s| relayed.by_service.get(*s))
-            .flatten()
-            .cloned()
-            .collect();
-        let reply = Reply {
+        let mut reply = Reply {
             version: VERSION,
             age_ms: relayed.at.elapsed().as_millis() as u64,
-            ratios,
+            ratios: Vec::new(),
+            rules: Vec::new(),
         };
-        server::json(StatusCode::OK, &reply)
+        for (ratios, hints) in services.iter().filter_map(|s| relayed.by_service.get(s)) {
+            reply.ratios.extend(ratios.iter().cloned());
+            reply.rules.extend(hints.iter().cloned());
+        }
+        server::reply(reply, wire2)
     }
 
     /// Forwards the zone's sums and keeps the controller's reply, every interval; once more,
@@ -221,12 +231,13 @@ impl State {
             };
             let started = tokio::time::Instant::now();
             let token = self.opts.credentials.outgoing();
-            match post_report(
+            match post_negotiated(
                 &self.client,
                 &self.url,
                 token.as_deref(),
-                &report,
+                report,
                 self.opts.interval,
+                &self.wire2,
             )
             .await
             {
@@ -375,6 +386,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         hosts,
         forwards,
         forward_seconds,
+        wire2: Default::default(),
     });
     let (stop, stopped) = watch::channel(false);
     let tls_server = state.opts.tls.clone();
@@ -424,6 +436,8 @@ mod tests {
             keys_folded: 0,
             offered: 1,
             admitted: 1,
+            sketch: None,
+            hosts: 0,
         };
         let entries: Vec<Entry> = (0..60_000).map(entry).collect();
         let parts = split(entries.clone(), 0);

@@ -18,7 +18,7 @@ use tokio::sync::watch;
 
 use super::auth::{Credentials, Principal};
 use super::server::{self, Body, Running};
-use super::{Accumulator, Reply, Shared, SourceRefusal, VERSION};
+use super::{Accumulator, Shared, SourceRefusal};
 
 /// How to run a controller.
 #[derive(Clone)]
@@ -68,6 +68,7 @@ struct State {
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
+        let wire2 = server::speaks_wire2(&req);
         let (report, principal) =
             match server::receive_report(req, &self.credentials, &self.reports).await {
                 Ok(r) => r,
@@ -75,7 +76,7 @@ impl State {
             };
         let services = server::reply_services(&report, &principal);
         let now = self.acc.now();
-        let ratios = {
+        let reply = {
             let mut acc = self.acc.lock();
             match acc.record(&report, principal.owner(&report.source), now) {
                 Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
@@ -90,18 +91,18 @@ impl State {
             }
             match services {
                 // Zone sums get every ratio: one serialization per snapshot, not per reply.
-                None => return server::json_bytes(StatusCode::OK, acc.reply_all(now)),
-                Some(s) => acc.ratios(Some(&s), now),
+                None => {
+                    let mut resp = server::json_bytes(StatusCode::OK, acc.reply_all(now, wire2));
+                    resp.headers_mut().insert(
+                        super::WIRE_HEADER,
+                        http::HeaderValue::from_static(super::WIRE),
+                    );
+                    return resp;
+                }
+                Some(s) => acc.reply(Some(&s), now),
             }
         };
-        server::json(
-            StatusCode::OK,
-            &Reply {
-                version: VERSION,
-                age_ms: 0,
-                ratios,
-            },
-        )
+        server::reply(reply, wire2)
     }
 
     /// Who may read state: a service's token sees that service (`Some`), the aggregators',

@@ -34,6 +34,14 @@ use serde::{Deserialize, Serialize};
 /// The wire format version; a report of another version is refused with 400.
 pub const VERSION: u32 = 1;
 
+/// The header by which a sender says it reads (and a receiver that it takes) the fields added
+/// to version 1 since: a tail's sketch, a zone's host count, and a reply's per-rule hints.
+/// A peer that does not send it gets and sends version 1's fields only, which its strict
+/// parser (unknown fields are refused) reads.
+pub const WIRE_HEADER: &str = "spillway-wire";
+/// What [`WIRE_HEADER`] carries.
+pub const WIRE: &str = "2";
+
 /// Largest request body the control plane reads (413 past it).
 pub const MAX_BODY: usize = 8 << 20;
 /// Largest reply a reporter reads (a controller's answer to zone sums carries every service's
@@ -58,6 +66,8 @@ pub const MAX_KEY: usize = 1024;
 pub const MAX_HOST_SERVICES: usize = 16;
 /// Entries taken from one report; the rest are dropped and counted.
 pub const MAX_ENTRIES: usize = 200_000;
+/// Hosts one zone's sums may say reported a rule.
+pub const MAX_HOSTS: u32 = 1_000_000;
 
 /// What a proxy (or an aggregator, for its zone) sends every interval: `POST /v1/report`.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -94,8 +104,21 @@ pub struct Entry {
     /// For the "other" entry: how many distinct keys were folded into it.
     #[serde(default)]
     pub keys_folded: u64,
+    /// Units (requests, or the rule's cost) in the interval.
     pub offered: u64,
     pub admitted: u64,
+    /// For the "other" entry: a distinct-count sketch of the keys folded into it
+    /// ([`crate::limit::Distinct`]'s wire form), which sketches of other sources union with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sketch: Option<String>,
+    /// How many hosts reported this (service, rule) in the interval: a zone's sums say it on
+    /// one entry of each rule; 0 (left out) stands for one host.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub hosts: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// A limit as `count` per `period_ms`.
@@ -130,9 +153,39 @@ pub struct Reply {
     #[serde(default)]
     pub age_ms: u64,
     pub ratios: Vec<Ratio>,
+    /// Per (service, rule) of the replied services: what a proxy reports by name, and whether
+    /// ratios were left out. Sent only to a sender of [`WIRE_HEADER`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rules: Vec<RuleHint>,
 }
 
-/// One drop ratio. Keys absent from a reply have ratio 0.
+impl Reply {
+    /// The reply as a version-1 reader takes it.
+    pub fn downgrade(&mut self) {
+        self.rules = Vec::new();
+    }
+}
+
+/// What the controller tells the proxies of one (service, rule) besides ratios.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RuleHint {
+    pub service: String,
+    pub rule: String,
+    /// A proxy reports by name, beyond its `top_k`, every key it was offered at least this many
+    /// units per second of: a key over the limit fleet-wide is over this on some proxy (there
+    /// are fewer than twice the limit over this many proxies), so it is found wherever it hides.
+    pub name_above: f64,
+    /// The rule's ratios were cut to the highest: every ratio left out is at most this. A key a
+    /// proxy named that the reply leaves out then keeps its last ratio, at most this, instead of
+    /// 0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cut_below: Option<f64>,
+}
+
+/// One drop ratio. A key absent from a reply has ratio 0 if the report it answers named it,
+/// the folded tail's ratio (`key: None`) if that report folded it, and 0 until it was in a
+/// report at all (unless its rule's ratios were cut: see [`RuleHint::cut_below`]).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Ratio {
@@ -159,6 +212,15 @@ pub enum ReportError {
 }
 
 impl Report {
+    /// The report as a version-1 reader takes it: sketches and host counts left out (the
+    /// reader then counts the tail as version 1 did).
+    pub fn downgrade(&mut self) {
+        for e in &mut self.entries {
+            e.sketch = None;
+            e.hosts = 0;
+        }
+    }
+
     /// Checks what JSON decoding cannot: versions, ranges, and absurd counts.
     pub fn validate(&self) -> Result<(), ReportError> {
         if self.version != VERSION {
@@ -233,6 +295,14 @@ impl Report {
         }
         if e.limit.count == 0 || e.limit.period_ms == 0 || e.limit.period_ms > 86_400_000 * 365 {
             return Some("limit needs count > 0 and a period between 1 ms and 365 d");
+        }
+        if let Some(sketch) = &e.sketch {
+            if e.key.is_some() || crate::limit::Distinct::decode(sketch).is_none() {
+                return Some("a sketch goes on the tail, as 1024 characters of its alphabet");
+            }
+        }
+        if e.hosts > MAX_HOSTS {
+            return Some("hosts is at most 10^6");
         }
         None
     }

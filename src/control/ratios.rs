@@ -8,10 +8,14 @@ impl DropRatios {
     /// The ratios of `service` in `reply`, computed at `at`.
     pub fn from_reply(reply: &Reply, service: &str, at: Nanos) -> Self {
         let ratios = reply.ratios.iter().filter(|r| r.service == service);
-        DropRatios::of(
+        let mut out = DropRatios::of(
             at,
             ratios.map(|r| (r.rule.as_str(), r.key.as_deref(), r.ratio)),
-        )
+        );
+        for h in reply.rules.iter().filter(|h| h.service == service) {
+            out.hint(&h.rule, h.name_above, h.cut_below);
+        }
+        out
     }
 }
 
@@ -45,15 +49,26 @@ mod tests {
                     ratio: 0.9,
                 },
             ],
+            rules: Vec::new(),
         };
         let d = DropRatios::from_reply(&reply, "s", 7);
-        assert_eq!(d.ratio("r", b"k"), 0.5);
+        assert_eq!(d.ratio("r", b"k", false), 0.5);
         assert_eq!(
-            d.ratio("r", b"j"),
-            0.1,
-            "another service's ratio does not apply"
+            d.ratio("r", b"k", true),
+            0.5,
+            "a named key has its own ratio"
         );
-        assert_eq!(d.ratio("q", b"k"), 0.0);
+        assert_eq!(
+            d.ratio("r", b"j", true),
+            0.1,
+            "another service's ratio does not apply; a folded key gets the tail's"
+        );
+        assert_eq!(
+            d.ratio("r", b"j", false),
+            0.0,
+            "a key the report named (or never reported) that the reply leaves out: 0"
+        );
+        assert_eq!(d.ratio("q", b"k", true), 0.0);
         assert_eq!(d.at, 7);
     }
 }

@@ -105,17 +105,42 @@ pub fn report_url(
     Ok((url, tls))
 }
 
-/// Posts `report` to `url` (`.../v1/report`) and returns the reply, within `timeout`.
+/// Why a post got no reply to use: the status the receiver answered, if it answered.
+#[derive(Debug)]
+pub struct PostError {
+    pub status: Option<StatusCode>,
+    pub message: String,
+}
+
+impl std::fmt::Display for PostError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl PostError {
+    fn other(e: impl std::fmt::Display) -> Self {
+        PostError {
+            status: None,
+            message: e.to_string(),
+        }
+    }
+}
+
+/// Posts `report` to `url` (`.../v1/report`) and returns the reply, its size and whether the
+/// receiver takes the fields past version 1 ([`super::WIRE_HEADER`]), within `timeout`.
 pub async fn post_report(
     client: &JsonClient,
     url: &Uri,
     token: Option<&[u8]>,
     report: &Report,
     timeout: Duration,
-) -> Result<(Reply, usize), String> {
-    let body = serde_json::to_vec(report).map_err(|e| e.to_string())?;
+) -> Result<(Reply, usize, bool), PostError> {
+    let body = serde_json::to_vec(report).map_err(PostError::other)?;
     let size = body.len();
-    let mut req = Request::post(url.clone()).header(CONTENT_TYPE, "application/json");
+    let mut req = Request::post(url.clone())
+        .header(CONTENT_TYPE, "application/json")
+        .header(super::WIRE_HEADER, super::WIRE);
     if let Some(t) = token {
         let mut value = b"Bearer ".to_vec();
         value.extend_from_slice(t);
@@ -123,28 +148,68 @@ pub async fn post_report(
     }
     let req = req
         .body(Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())?;
+        .map_err(PostError::other)?;
     let exchange = async {
-        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let resp = client.request(req).await.map_err(PostError::other)?;
         let status = resp.status();
+        let wire2 = resp
+            .headers()
+            .get(super::WIRE_HEADER)
+            .is_some_and(|v| v.as_bytes() == super::WIRE.as_bytes());
         let bytes = Limited::new(resp.into_body(), MAX_REPLY)
             .collect()
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(PostError::other)?
             .to_bytes();
         if status != StatusCode::OK {
-            return Err(format!(
-                "{status}: {}",
-                String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
-            ));
+            return Err(PostError {
+                status: Some(status),
+                message: format!(
+                    "{status}: {}",
+                    String::from_utf8_lossy(&bytes[..bytes.len().min(200)])
+                ),
+            });
         }
-        serde_json::from_slice::<Reply>(&bytes).map_err(|e| format!("malformed reply: {e}"))
+        let reply = serde_json::from_slice::<Reply>(&bytes)
+            .map_err(|e| PostError::other(format!("malformed reply: {e}")))?;
+        Ok((reply, wire2))
     };
     match tokio::time::timeout(timeout, exchange).await {
-        Ok(Ok(reply)) => Ok((reply, size)),
+        Ok(Ok((reply, wire2))) => Ok((reply, size, wire2)),
         Ok(Err(e)) => Err(e),
-        Err(_) => Err(format!("no reply within {timeout:?}")),
+        Err(_) => Err(PostError::other(format!("no reply within {timeout:?}"))),
     }
+}
+
+/// Posts `report` with the fields past version 1 if the receiver took them last time
+/// (`wire2`, which the reply updates), else as version 1. A receiver that refuses them (400:
+/// a rollback to a release that does not know them) gets the same report again as version 1
+/// at once, so that no interval is lost.
+pub async fn post_negotiated(
+    client: &JsonClient,
+    url: &Uri,
+    token: Option<&[u8]>,
+    mut report: Report,
+    timeout: Duration,
+    wire2: &std::sync::atomic::AtomicBool,
+) -> Result<(Reply, usize), PostError> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let full = wire2.load(Relaxed);
+    if !full {
+        report.downgrade();
+    }
+    let mut answer = post_report(client, url, token, &report, timeout).await;
+    if full && matches!(&answer, Err(e) if e.status == Some(StatusCode::BAD_REQUEST)) {
+        report.downgrade();
+        answer = post_report(client, url, token, &report, timeout).await;
+    }
+    let (reply, size, said) = answer.inspect_err(|e| {
+        if e.status == Some(StatusCode::BAD_REQUEST) {
+            wire2.store(false, Relaxed);
+        }
+    })?;
+    wire2.store(said, Relaxed);
+    Ok((reply, size))
 }
 
 /// Everything the reporter needs, fixed at start.
@@ -165,11 +230,13 @@ pub struct Reporter {
     pub ratios: Arc<ArcSwap<DropRatios>>,
     pub clock: AnyClock,
     pub metrics: Arc<Metrics>,
+    /// The control plane took the fields past version 1 last time.
+    pub wire2: std::sync::atomic::AtomicBool,
 }
 
-/// The report of `rules`' global counts since the last one: the `top_k` heaviest keys of each
-/// rule one by one, the rest folded into one "other" entry, so that its size does not grow
-/// with the number of distinct keys.
+/// The report of `rules`' global counts since the last one: per rule the keys
+/// [`RuleSet::drain_global`] names one by one, the rest folded into one "other" entry with a
+/// sketch of which keys those are, so that its size does not grow with the number of keys.
 pub fn build_report(
     rules: &RuleSet,
     service: &str,
@@ -180,7 +247,7 @@ pub fn build_report(
     seq: u64,
 ) -> Report {
     let mut entries = Vec::new();
-    for counts in rules.drain_global(top_k) {
+    for counts in rules.drain_global(top_k, interval.as_secs_f64()) {
         let entry = |key, keys_folded, offered, admitted| Entry {
             service: service.to_string(),
             rule: counts.rule.clone(),
@@ -189,13 +256,17 @@ pub fn build_report(
             keys_folded,
             offered,
             admitted,
+            sketch: None,
+            hosts: 0,
         };
         for (k, o, a) in &counts.keys {
             entries.push(entry(Some(k.clone()), 0, *o, *a));
         }
         let (o, a, n) = counts.other;
         if o > 0 {
-            entries.push(entry(None, n, o, a));
+            let mut tail = entry(None, n, o, a);
+            tail.sketch = Some(counts.folded.encode());
+            entries.push(tail);
         }
     }
     Report {
@@ -271,6 +342,7 @@ impl Reporter {
             ratios: ratios.clone(),
             clock: clock.clone(),
             metrics: metrics.clone(),
+            wire2: Default::default(),
         })
     }
 
@@ -309,21 +381,33 @@ impl Reporter {
     /// One report and the publication of its reply.
     pub async fn once(&self, rules: &RuleSet) {
         let report = self.report(rules);
+        // What the report names, for the keys a cut reply leaves out.
+        let named: Vec<(String, String)> = report
+            .entries
+            .iter()
+            .filter_map(|e| Some((e.rule.clone(), e.key.clone()?)))
+            .collect();
         let sent_at = self.clock.now();
-        match post_report(
+        let token = self.token.get();
+        match post_negotiated(
             &self.client,
             &self.url,
-            self.token.get().as_deref().map(Vec::as_slice),
-            &report,
+            token.as_deref().map(Vec::as_slice),
+            report,
             self.interval,
+            &self.wire2,
         )
         .await
         {
             Ok((reply, size)) => {
                 let age = Duration::from_millis(reply.age_ms).as_nanos() as Nanos;
                 let at = sent_at.saturating_sub(age);
-                self.ratios
-                    .store(Arc::new(DropRatios::from_reply(&reply, &self.service, at)));
+                let mut ratios = DropRatios::from_reply(&reply, &self.service, at);
+                ratios.keep_cut(
+                    &self.ratios.load(),
+                    named.iter().map(|(r, k)| (r.as_str(), k.as_str())),
+                );
+                self.ratios.store(Arc::new(ratios));
                 self.metrics.reports_ok.inc();
                 self.metrics.report_bytes.set(size as i64);
             }

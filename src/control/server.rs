@@ -120,6 +120,27 @@ pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<Body> {
 }
 
 /// A response of JSON already serialized.
+/// Whether a request's sender reads the fields past version 1 ([`super::WIRE_HEADER`]).
+pub fn speaks_wire2<B>(req: &Request<B>) -> bool {
+    req.headers()
+        .get(super::WIRE_HEADER)
+        .is_some_and(|v| v.as_bytes() == super::WIRE.as_bytes())
+}
+
+/// A reply to a report: whole to a sender that reads the fields past version 1 (and saying
+/// that this side takes them), else as version 1.
+pub fn reply(mut reply: super::Reply, wire2: bool) -> Response<Body> {
+    if !wire2 {
+        reply.downgrade();
+    }
+    let mut resp = json(StatusCode::OK, &reply);
+    resp.headers_mut().insert(
+        super::WIRE_HEADER,
+        http::HeaderValue::from_static(super::WIRE),
+    );
+    resp
+}
+
 pub fn json_bytes(status: StatusCode, body: Bytes) -> Response<Body> {
     let mut resp = Response::new(Full::new(body));
     *resp.status_mut() = status;

@@ -18,7 +18,8 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::sources::{SourceRefusal, Sources};
-use super::{drop_ratio, Limit, Ratio, Report};
+use super::{drop_ratio, Limit, Ratio, Report, RuleHint};
+use crate::limit::Distinct;
 
 /// The most (source, key) contributions one accumulator holds: a few hundred bytes each with
 /// their sums, so a flood of fake hosts or keys costs a bounded amount. Past it, new contributions are dropped
@@ -81,6 +82,8 @@ struct RuleAcc {
     limit: Limit,
     /// Which source (by id) said what limit: the smallest of those holding values applies.
     limits: HashMap<u64, Limit>,
+    /// What each source holding values says of its hosts and its tail.
+    reporters: HashMap<u64, Reporter>,
     keys: HashMap<Arc<str>, KeySum>,
     /// The folded tail ("other").
     other: Option<KeySum>,
@@ -104,10 +107,39 @@ impl RuleAcc {
 
     /// Source `id` no longer states a limit here: the smallest of the others applies.
     fn forget_limit(&mut self, id: u64) {
+        self.reporters.remove(&id);
         if self.limits.remove(&id).is_some() && !self.limits.is_empty() {
             self.limit = smallest(self.limits.values());
         }
     }
+
+    /// The hosts reporting the rule (at least one), and the distinct keys their tails fold:
+    /// the union of their sketches, or (for version-1 sources, which send a count) the most
+    /// any one folded, whichever is more.
+    fn fleet(&self) -> (u32, f64) {
+        let hosts = self.reporters.values().map(|r| r.hosts).sum::<u32>().max(1);
+        let mut union: Option<Distinct> = None;
+        for r in self.reporters.values() {
+            if let Some(s) = &r.sketch {
+                union.get_or_insert_with(Distinct::default).union(s);
+            }
+        }
+        let v1 = self
+            .other
+            .as_ref()
+            .map_or(0, |o| o.folded.keys().next_back().copied().unwrap_or(0));
+        let counted = union.map_or(0.0, |u| u.count());
+        (hosts, counted.max(v1 as f64).max(1.0))
+    }
+}
+
+/// What one source says of a rule besides its keys.
+#[derive(Debug)]
+struct Reporter {
+    /// The hosts behind it (one, for a host).
+    hosts: u32,
+    /// The distinct keys its tail folds.
+    sketch: Option<Distinct>,
 }
 
 /// One (service, rule, key): the sum of the values held for it and its smoothed history.
@@ -197,11 +229,11 @@ impl KeySum {
         }
     }
 
-    /// The limit (per second) of this key under a rule of `limit`: the folded tail holds at
-    /// least as many keys as the most any source folded, each with its own limit.
-    fn limit<K>(&self, key: Option<K>, limit: f64) -> f64 {
+    /// The limit (per second) of this key under a rule of `limit` whose tails fold
+    /// `distinct` keys fleet-wide, each with its own limit.
+    fn limit<K>(key: Option<K>, limit: f64, distinct: f64) -> f64 {
         match key {
-            None => limit * self.folded.keys().next_back().copied().unwrap_or(0).max(1) as f64,
+            None => limit * distinct,
             Some(_) => limit,
         }
     }
@@ -265,11 +297,14 @@ struct Snapshot {
     totals: Vec<RuleTotal>,
     built: Option<f64>,
     dirty: bool,
-    /// The reply carrying every ratio, serialized once per snapshot (aggregators get it).
+    /// The reply carrying every ratio, serialized once per snapshot (aggregators get it),
+    /// whole and as version 1.
     all: Option<bytes::Bytes>,
+    all_v1: Option<bytes::Bytes>,
     /// Keys visited to build it.
     keys: usize,
     by_service: HashMap<Arc<str>, Vec<Ratio>>,
+    hints: HashMap<Arc<str>, Vec<RuleHint>>,
 }
 
 impl Accumulator {
@@ -371,6 +406,7 @@ impl Accumulator {
                             RuleAcc {
                                 limit: e.limit,
                                 limits: HashMap::new(),
+                                reporters: HashMap::new(),
                                 keys: HashMap::new(),
                                 other: None,
                             },
@@ -409,6 +445,14 @@ impl Accumulator {
                     None => {
                         limits_set.insert(named, e.limit);
                         group_limit = Some(e.limit);
+                        // This report's statement of the rule replaces the last one.
+                        rule.reporters.insert(
+                            id,
+                            Reporter {
+                                hosts: 1,
+                                sketch: None,
+                            },
+                        );
                         match rule.limits.insert(id, e.limit) {
                             Some(l) if l == e.limit => {}
                             _ => {
@@ -419,6 +463,12 @@ impl Accumulator {
                             }
                         }
                     }
+                }
+            }
+            if let Some(r) = rule.reporters.get_mut(&id) {
+                r.hosts = r.hosts.max(e.hosts);
+                if let Some(d) = e.sketch.as_deref().and_then(Distinct::decode) {
+                    r.sketch.get_or_insert_with(Distinct::default).union(&d);
                 }
             }
             let (key, ks) = match &e.key {
@@ -523,14 +573,20 @@ impl Accumulator {
 
     fn rebuild_snapshot(&mut self, now: f64) {
         let started = tokio::time::Instant::now();
-        // (ratio, service, rule, key): names are copied only for the ratios that travel.
-        type Candidate<'a> = (f64, &'a Arc<str>, &'a Arc<str>, Option<&'a Arc<str>>);
+        // (ratio, offered, rule, key) per service: names are copied only for what travels.
+        type Candidate<'a> = (f64, f64, &'a Arc<str>, Option<&'a Arc<str>>);
         let mut candidates: HashMap<&Arc<str>, Vec<Candidate>> = HashMap::new();
+        let mut hints: HashMap<Arc<str>, Vec<RuleHint>> = HashMap::new();
         let mut totals = Vec::new();
         let mut keys = 0;
         for (service, rules) in &self.rules {
             for (rule_name, rule) in rules {
                 let limit = rule.limit.per_second();
+                let (hosts, distinct) = rule.fleet();
+                // Pigeonhole: a key offered past the limit fleet-wide is offered past
+                // limit / hosts on at least one host; half that leaves room for uneven
+                // intervals.
+                let name_above = limit / (2.0 * f64::from(hosts));
                 let mut total = RuleTotal {
                     service: service.clone(),
                     rule: rule_name.clone(),
@@ -542,40 +598,64 @@ impl Accumulator {
                 for (key, k) in rule.all_keys() {
                     keys += 1;
                     let (offered, admitted) = k.smoothed(now, self.tau);
-                    let ratio = drop_ratio(offered, k.limit(key, limit));
+                    let ratio = drop_ratio(offered, KeySum::limit(key, limit, distinct));
                     total.offered += offered;
                     total.admitted += admitted;
                     total.dropped += offered * ratio;
-                    if ratio > 0.0 {
+                    // Travels: every ratio above 0, and (as an explicit 0) every named key
+                    // heavy enough to watch, so that every proxy names it from then on.
+                    if ratio > 0.0 || (key.is_some() && offered >= name_above) {
                         candidates
                             .entry(service)
                             .or_default()
-                            .push((ratio, service, rule_name, key));
+                            .push((ratio, offered, rule_name, key));
                     }
                 }
+                hints.entry(service.clone()).or_default().push(RuleHint {
+                    service: service.to_string(),
+                    rule: rule_name.to_string(),
+                    name_above,
+                    cut_below: None,
+                });
                 totals.push(total);
             }
         }
-        let by_ratio = |a: &Candidate, b: &Candidate| b.0.total_cmp(&a.0);
+        // Highest ratio first, then the heaviest; a rule's tail always travels.
+        let rank = |a: &Candidate, b: &Candidate| {
+            b.3.is_none()
+                .cmp(&a.3.is_none())
+                .then(b.0.total_cmp(&a.0))
+                .then(b.1.total_cmp(&a.1))
+        };
         let mut cut = 0;
-        let mut all: Vec<Candidate> = Vec::new();
-        for (_, mut c) in candidates {
+        let mut all: Vec<(&Arc<str>, Candidate)> = Vec::new();
+        let mut left_out: Vec<(&Arc<str>, Candidate)> = Vec::new();
+        for (service, mut c) in candidates {
             // The highest ratios of each service travel; the rest of a flood of keys does not.
             if c.len() > MAX_RATIOS_PER_SERVICE {
-                c.select_nth_unstable_by(MAX_RATIOS_PER_SERVICE - 1, by_ratio);
+                c.select_nth_unstable_by(MAX_RATIOS_PER_SERVICE - 1, rank);
                 cut += c.len() - MAX_RATIOS_PER_SERVICE;
-                c.truncate(MAX_RATIOS_PER_SERVICE);
+                left_out.extend(c.drain(MAX_RATIOS_PER_SERVICE..).map(|x| (service, x)));
             }
-            all.extend(c);
+            all.extend(c.into_iter().map(|x| (service, x)));
         }
         // And a reply stays readable however many services are flooded at once.
         if all.len() > MAX_RATIOS {
-            all.select_nth_unstable_by(MAX_RATIOS - 1, by_ratio);
+            all.select_nth_unstable_by(MAX_RATIOS - 1, |a, b| rank(&a.1, &b.1));
             cut += all.len() - MAX_RATIOS;
-            all.truncate(MAX_RATIOS);
+            left_out.extend(all.drain(MAX_RATIOS..));
+        }
+        // A rule whose ratios were cut says the most any of them was.
+        for (service, (ratio, _, rule, _)) in left_out {
+            if let Some(h) = hints
+                .get_mut(service)
+                .and_then(|h| h.iter_mut().find(|h| *h.rule == **rule))
+            {
+                h.cut_below = Some(h.cut_below.unwrap_or(0.0).max(ratio));
+            }
         }
         let mut by_service: HashMap<Arc<str>, Vec<Ratio>> = HashMap::new();
-        for (ratio, service, rule, key) in all {
+        for (service, (ratio, _, rule, key)) in all {
             by_service.entry(service.clone()).or_default().push(Ratio {
                 service: service.to_string(),
                 rule: rule.to_string(),
@@ -591,8 +671,10 @@ impl Accumulator {
             built: Some(now),
             dirty: false,
             all: None,
+            all_v1: None,
             keys,
             by_service,
+            hints,
         };
     }
 
@@ -606,25 +688,36 @@ impl Accumulator {
         self.sweep(now);
     }
 
-    /// The non-zero ratios of `services` (all, with `None`), from a snapshot at most
-    /// [`SNAPSHOT_EVERY`] old (rebuilt now if there is none yet).
-    pub fn ratios(&mut self, services: Option<&[&str]>, now: f64) -> Vec<Ratio> {
+    /// The reply to a report of `services` (all, with `None`), from a snapshot at most
+    /// [`SNAPSHOT_EVERY`] old (rebuilt now if there is none yet): the ratios that travel and
+    /// each rule's hints.
+    pub fn reply(&mut self, services: Option<&[&str]>, now: f64) -> super::Reply {
         self.refresh(now);
+        let snap = &self.snapshot;
+        let mut reply = super::Reply {
+            version: super::VERSION,
+            age_ms: 0,
+            ratios: Vec::new(),
+            rules: Vec::new(),
+        };
+        let mut add = |s: &str| {
+            if let Some(r) = snap.by_service.get(s) {
+                reply.ratios.extend(r.iter().cloned());
+            }
+            if let Some(h) = snap.hints.get(s) {
+                reply.rules.extend(h.iter().cloned());
+            }
+        };
         match services {
-            None => self
-                .snapshot
-                .by_service
-                .values()
-                .flatten()
-                .cloned()
-                .collect(),
-            Some(s) => s
-                .iter()
-                .filter_map(|s| self.snapshot.by_service.get(*s))
-                .flatten()
-                .cloned()
-                .collect(),
+            None => snap.hints.keys().for_each(|s| add(s)),
+            Some(s) => s.iter().for_each(|s| add(s)),
         }
+        reply
+    }
+
+    /// The ratios that travel for `services` (all, with `None`): see [`Self::reply`].
+    pub fn ratios(&mut self, services: Option<&[&str]>, now: f64) -> Vec<Ratio> {
+        self.reply(services, now).ratios
     }
 
     /// Per (service, rule) sums from a snapshot at most [`SNAPSHOT_EVERY`] old.
@@ -633,27 +726,28 @@ impl Accumulator {
         self.snapshot.totals.clone()
     }
 
-    /// The JSON reply with every non-zero ratio (what an aggregator's zone sums are answered
-    /// with), serialized once per snapshot.
-    pub fn reply_all(&mut self, now: f64) -> bytes::Bytes {
+    /// The JSON reply for every service (what an aggregator's zone sums are answered with),
+    /// whole or as version 1, serialized once per snapshot.
+    pub fn reply_all(&mut self, now: f64, wire2: bool) -> bytes::Bytes {
         self.refresh(now);
-        if let Some(b) = &self.snapshot.all {
+        let cached = if wire2 {
+            &self.snapshot.all
+        } else {
+            &self.snapshot.all_v1
+        };
+        if let Some(b) = cached {
             return b.clone();
         }
-        let ratios = self
-            .snapshot
-            .by_service
-            .values()
-            .flatten()
-            .cloned()
-            .collect();
-        let reply = super::Reply {
-            version: super::VERSION,
-            age_ms: 0,
-            ratios,
-        };
+        let mut reply = self.reply(None, now);
+        if !wire2 {
+            reply.downgrade();
+        }
         let bytes = bytes::Bytes::from(serde_json::to_vec(&reply).unwrap_or_default());
-        self.snapshot.all = Some(bytes.clone());
+        if wire2 {
+            self.snapshot.all = Some(bytes.clone());
+        } else {
+            self.snapshot.all_v1 = Some(bytes.clone());
+        }
         bytes
     }
 
@@ -667,9 +761,10 @@ impl Accumulator {
             }
             for (rule_name, rule) in rules {
                 let limit = rule.limit.per_second();
+                let (_, distinct) = rule.fleet();
                 for (key, k) in rule.all_keys() {
                     let (offered, admitted) = k.smoothed(now, self.tau);
-                    let limit_here = k.limit(key, limit);
+                    let limit_here = KeySum::limit(key, limit, distinct);
                     out.push(KeyView {
                         service: service.to_string(),
                         rule: rule_name.to_string(),

@@ -12,6 +12,8 @@ fn entry(key: Option<&str>, offered: u64, admitted: u64) -> Entry {
         keys_folded: 0,
         offered,
         admitted,
+        sketch: None,
+        hosts: 0,
     }
 }
 
@@ -103,7 +105,7 @@ fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
             let mut r = report("host", vec![entry(Some("k"), 300, 100)]);
             r.seq = tick as u64 + 1;
             let to = if (tick / 10) % 2 == 0 { &mut a } else { &mut b };
-            to.record(&r, "t", t).unwrap();
+            to.record(r, "t", t).unwrap();
             sent += 300;
         }
         for (name, z, phase) in [("zone:z/a", &mut a, 0), ("zone:z/b", &mut b, 5)] {
@@ -121,7 +123,8 @@ fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
     }
     let last: u64 = [&mut a, &mut b]
         .into_iter()
-        .map(|z| z.take(40.0).0.iter().map(|e| e.offered).sum::<u64>())
+        // After the last report's interval: all of it.
+        .map(|z| z.take(41.0).0.iter().map(|e| e.offered).sum::<u64>())
         .sum();
     assert_eq!(
         forwarded + last,
@@ -280,14 +283,21 @@ fn a_report_already_counted_is_not_counted_again() {
     let mut zone = ZoneSums::new(0.0, 100);
     let mut r = report("h", vec![entry(Some("k"), 10, 10)]);
     r.seq = 7;
-    zone.record(&r, "t", 0.0).unwrap();
-    assert_eq!(zone.record(&r, "t", 0.1), Err(SourceRefusal::Duplicate(7)));
+    zone.record(r.clone(), "t", 0.0).unwrap();
+    assert_eq!(
+        zone.record(r.clone(), "t", 0.1),
+        Err(SourceRefusal::Duplicate(7))
+    );
     r.seq = 6;
-    assert_eq!(zone.record(&r, "t", 0.2), Err(SourceRefusal::Duplicate(6)));
+    assert_eq!(
+        zone.record(r.clone(), "t", 0.2),
+        Err(SourceRefusal::Duplicate(6))
+    );
     assert_eq!(zone.refusals().2, 2);
     r.seq = 8;
-    zone.record(&r, "t", 0.3).unwrap();
-    let (entries, _) = zone.take(1.0);
+    zone.record(r.clone(), "t", 0.3).unwrap();
+    // Each report's units over its own interval: all of both by the end of the second one.
+    let (entries, _) = zone.take(1.3);
     assert_eq!(entries[0].offered, 20);
 }
 
@@ -295,20 +305,23 @@ fn a_report_already_counted_is_not_counted_again() {
 fn a_flood_of_new_hosts_is_throttled_per_second_and_known_hosts_still_report() {
     let mut zone = ZoneSums::new(0.0, 100);
     let known = report("known", vec![entry(Some("k"), 10, 10)]);
-    assert!(zone.record(&known, "t", 0.5).is_ok());
+    assert!(zone.record(known.clone(), "t", 0.5).is_ok());
     for i in 1..NEW_SOURCES_PER_SEC {
         let r = report(&format!("fake-{i}"), vec![]);
-        assert!(zone.record(&r, "t", 0.6).is_ok(), "source {i}");
+        assert!(zone.record(r.clone(), "t", 0.6).is_ok(), "source {i}");
     }
     let one_more = report("fake-x", vec![]);
-    assert_eq!(zone.record(&one_more, "t", 0.7), Err(SourceRefusal::Flood));
+    assert_eq!(
+        zone.record(one_more.clone(), "t", 0.7),
+        Err(SourceRefusal::Flood)
+    );
     assert_eq!(zone.refusals().0, 1);
     assert!(
-        zone.record(&known, "t", 0.8).is_ok(),
+        zone.record(known.clone(), "t", 0.8).is_ok(),
         "a known host is not new"
     );
     assert!(
-        zone.record(&one_more, "t", 1.1).is_ok(),
+        zone.record(one_more.clone(), "t", 1.1).is_ok(),
         "the next second has room again"
     );
     // Silent hosts are forgotten.
@@ -379,13 +392,16 @@ fn one_service_cannot_take_all_the_room_or_all_the_new_sources() {
     assert_eq!(acc.tracked(), 6, "another service still finds room");
     let mut zone = ZoneSums::new(0.0, 100);
     for i in 0..NEW_SOURCES_PER_SEC {
-        zone.record(&report(&format!("a-{i}"), vec![]), "a", 0.5)
+        zone.record(report(&format!("a-{i}"), vec![]), "a", 0.5)
             .unwrap();
     }
     let more = report("a-x", vec![]);
-    assert_eq!(zone.record(&more, "a", 0.6), Err(SourceRefusal::Flood));
+    assert_eq!(
+        zone.record(more.clone(), "a", 0.6),
+        Err(SourceRefusal::Flood)
+    );
     assert!(
-        zone.record(&report("b-1", vec![]), "b", 0.6).is_ok(),
+        zone.record(report("b-1", vec![]), "b", 0.6).is_ok(),
         "b's hosts are not crowded out"
     );
 }

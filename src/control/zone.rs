@@ -1,25 +1,35 @@
-//! An aggregator's sums: the counts its hosts reported since its last forward.
+//! An aggregator's sums: what its hosts offered and admitted over each forward's window.
 //!
-//! [`ZoneSums`] adds them up per (service, rule, key) and hands them over once, keeping nothing
-//! of a host past that: a host whose reports land on any mix of the zone's replicas is counted
-//! exactly once. Smoothing is the controller's ([`super::sum`]), after the zone's sums meet.
-//! Must never: hold more than `max_keys` pending keys, or more than half of them for one
-//! service's hosts; keep a count past the forward that carried it.
+//! A host's report becomes rates (its counts over its own `interval_ms`), held from its arrival
+//! for one of its intervals; [`ZoneSums::take`] hands over the integral of the held rates over
+//! the window since the last take. So a host with a 250 ms, 1 s or 5 s interval adds what it
+//! offered per second whatever this replica's forward interval. A host's next report arriving
+//! before its last one's time is up brings the rest of it into the current window: every unit
+//! a host reported is handed over once, whichever replicas its reports land on. Fractions of a
+//! unit are carried to the next forward, never rounded away. Tails' sketches are unioned and
+//! the hosts of each rule counted. Smoothing is the controller's ([`super::sum`]), after the
+//! zone's sums meet.
+//! Must never: hold more than `max_keys` entries, or more than half of them for one
+//! service's hosts; hand one host's unit to two forwards.
 
 use std::collections::HashMap;
 
 use super::sources::{SourceRefusal, Sources};
 use super::{Entry, Limit, Report};
+use crate::limit::Distinct;
 
 /// An aggregator's sums since its last forward.
 #[derive(Debug)]
 pub struct ZoneSums {
-    hosts: Sources<()>,
-    rules: HashMap<String, HashMap<String, PendingRule>>,
-    keys: usize,
-    keys_by: HashMap<Box<str>, usize>,
+    hosts: Sources<Holding>,
+    /// What each (service, rule, key) accrued and not yet handed over: whole units go with
+    /// the next take, fractions stay.
+    pending: HashMap<Box<str>, HashMap<Box<str>, PendingRule>>,
+    /// Entries held over all hosts, and per owner (at most half of `max_keys` each).
+    held: usize,
+    held_by: HashMap<Box<str>, usize>,
     max_keys: usize,
-    /// When the counts now pending began (seconds on the owner's clock).
+    /// When the window now pending began (seconds on the owner's clock).
     since: f64,
     pub conflicts: u64,
     pub refused: u64,
@@ -27,18 +37,90 @@ pub struct ZoneSums {
 
 #[derive(Debug)]
 struct PendingRule {
+    /// The smallest limit its hosts stated since the last take.
     limit: Limit,
-    keys: HashMap<Option<String>, (u64, u64, u64)>,
+    /// `limit` was stated since the last take (else the next statement replaces it).
+    stated: bool,
+    keys: HashMap<Box<str>, Pending>,
+    tail: Pending,
+}
+
+#[derive(Debug, Default)]
+struct Pending {
+    offered: f64,
+    admitted: f64,
+    /// Accrued in the window now pending (else, once its fraction is handed on, forgotten).
+    touched: bool,
+}
+
+impl Pending {
+    /// The whole units accrued, taken out; the fractions stay.
+    fn whole(&mut self) -> Option<(u64, u64)> {
+        // A unit's rounding error in the rates' arithmetic is not a missing unit.
+        let o = (self.offered + 1e-6).floor();
+        if o < 1.0 {
+            return None;
+        }
+        let a = (self.admitted + 1e-6).floor().min(o);
+        self.offered -= o;
+        self.admitted = (self.admitted - a).max(0.0);
+        Some((o as u64, a as u64))
+    }
+}
+
+/// One host's latest report, as rates, and how much of it was accrued.
+#[derive(Debug, Default)]
+struct Holding {
+    /// The rates stand for `[from, until)`.
+    from: f64,
+    until: f64,
+    /// Accrued into the sums up to here.
+    accrued: f64,
+    owner: Box<str>,
+    rules: Vec<HeldRule>,
+}
+
+#[derive(Debug)]
+struct HeldRule {
+    service: Box<str>,
+    rule: Box<str>,
+    limit: Limit,
+    /// Keys the host folded (sketch), and how many (a version-1 host's count).
+    sketch: Option<Distinct>,
+    folded: u64,
+    keys: Vec<HeldKey>,
+}
+
+/// A key (`None`: the tail) with its offered and admitted units per second.
+#[derive(Debug)]
+struct HeldKey {
+    key: Option<Box<str>>,
+    offered: f64,
+    admitted: f64,
+}
+
+impl Holding {
+    fn entries(&self) -> usize {
+        self.rules.iter().map(|r| r.keys.len()).sum()
+    }
+}
+
+/// What the hosts holding values in a window say of one rule.
+#[derive(Default)]
+struct WindowRule {
+    hosts: u32,
+    folded: u64,
+    sketch: Option<Distinct>,
 }
 
 impl ZoneSums {
-    /// Sums starting at `now`, holding at most `max_keys` pending keys.
+    /// Sums starting at `now`, holding at most `max_keys` entries.
     pub fn new(now: f64, max_keys: usize) -> Self {
         ZoneSums {
             hosts: Sources::default(),
-            rules: HashMap::new(),
-            keys: 0,
-            keys_by: HashMap::new(),
+            pending: HashMap::new(),
+            held: 0,
+            held_by: HashMap::new(),
             max_keys,
             since: now,
             conflicts: 0,
@@ -55,87 +137,216 @@ impl ZoneSums {
         )
     }
 
-    /// Adds a validated host report's counts; `owner` as in [`Sources::admit`].
-    pub fn record(&mut self, report: &Report, owner: &str, now: f64) -> Result<(), SourceRefusal> {
-        self.hosts.admit(report, owner, now)?;
-        for e in &report.entries {
-            // Looked up by reference: names are copied only for a rule new in this interval.
-            let rules = match self.rules.get_mut(e.service.as_str()) {
-                Some(r) => r,
-                None => self.rules.entry(e.service.clone()).or_default(),
-            };
-            let rule = match rules.get_mut(e.rule.as_str()) {
-                Some(r) => r,
-                None => rules.entry(e.rule.clone()).or_insert_with(|| PendingRule {
+    /// Takes a validated host report at `now`; `owner` as in [`Sources::admit`]. What the host's
+    /// previous report still held is accrued up to now and replaced.
+    pub fn record(&mut self, report: Report, owner: &str, now: f64) -> Result<(), SourceRefusal> {
+        let source = self.hosts.admit(&report, owner, now)?;
+        let holding = &mut source.data;
+        // Early (a stopping host's last report, or jitter): what the previous report still
+        // held comes now, so that every unit a host reported is handed over once.
+        let until = holding.until;
+        accrue(holding, until, &mut self.pending, &mut self.conflicts);
+        let before = holding.entries();
+        self.held = self.held.saturating_sub(before);
+        if let Some(n) = self.held_by.get_mut(owner) {
+            *n = n.saturating_sub(before);
+        }
+        let secs = report.interval_ms as f64 / 1000.0;
+        holding.from = now;
+        holding.until = now + secs;
+        holding.accrued = now;
+        holding.owner = owner.into();
+        holding.rules.clear();
+        // One service's hosts may hold at most half the room: another service's keys always
+        // find some.
+        let mine = self.held_by.get(owner).copied().unwrap_or(0);
+        let mut room = self
+            .max_keys
+            .saturating_sub(self.held)
+            .min((self.max_keys / 2).saturating_sub(mine));
+        let mut taken = 0;
+        for e in report.entries {
+            if room == 0 {
+                self.refused += 1;
+                continue;
+            }
+            room -= 1;
+            taken += 1;
+            let same = holding
+                .rules
+                .last()
+                .is_some_and(|r| *r.service == *e.service && *r.rule == *e.rule);
+            if !same {
+                holding.rules.push(HeldRule {
+                    service: e.service.into(),
+                    rule: e.rule.into(),
                     limit: e.limit,
-                    keys: HashMap::new(),
-                }),
-            };
+                    sketch: None,
+                    folded: 0,
+                    keys: Vec::new(),
+                });
+            }
+            let rule = holding.rules.last_mut().expect("pushed above");
             if rule.limit != e.limit {
                 self.conflicts += 1;
                 if e.limit.per_second() < rule.limit.per_second() {
                     rule.limit = e.limit;
                 }
             }
-            if !rule.keys.contains_key(&e.key) {
-                // One service's hosts may hold at most half the room: another service's keys
-                // always find some.
-                let owned = self.keys_by.get_mut(owner);
-                let n = owned.as_ref().map_or(0, |n| **n);
-                if self.keys >= self.max_keys || n >= self.max_keys / 2 {
-                    self.refused += 1;
-                    continue;
-                }
-                self.keys += 1;
-                match owned {
-                    Some(n) => *n += 1,
-                    None => {
-                        self.keys_by.insert(owner.into(), 1);
-                    }
+            if e.key.is_none() {
+                rule.folded = rule.folded.max(e.keys_folded);
+                if let Some(d) = e.sketch.as_deref().and_then(Distinct::decode) {
+                    rule.sketch.get_or_insert_with(Distinct::default).union(&d);
                 }
             }
-            let k = match rule.keys.get_mut(&e.key) {
-                Some(k) => k,
-                None => rule.keys.entry(e.key.clone()).or_default(),
-            };
-            k.0 += e.offered;
-            k.1 += e.admitted;
-            k.2 = k.2.max(e.keys_folded);
+            rule.keys.push(HeldKey {
+                key: e.key.map(String::into_boxed_str),
+                offered: e.offered as f64 / secs,
+                admitted: e.admitted.min(e.offered) as f64 / secs,
+            });
         }
+        self.held += taken;
+        *self.held_by.entry(owner.into()).or_default() += taken;
         Ok(())
     }
 
-    /// Hands over everything pending as entries, with the milliseconds they cover, and starts
-    /// anew at `now`; forgets hosts silent for three of their intervals.
+    /// Hands over what the hosts offered and admitted since the last take (whole units; the
+    /// fractions wait for the next one), with the milliseconds it covers, and starts anew at
+    /// `now`; forgets hosts silent for three of their intervals.
     pub fn take(&mut self, now: f64) -> (Vec<Entry>, u64) {
         let interval_ms = (((now - self.since) * 1000.0).round() as u64).clamp(100, 600_000);
+        let since = self.since;
         self.since = now;
-        self.keys = 0;
-        self.keys_by.clear();
-        self.hosts.expire(now, |_, _| {});
-        let mut out = Vec::new();
-        let pending = std::mem::take(&mut self.rules);
-        for (service, rule, p) in pending
-            .into_iter()
-            .flat_map(|(s, rules)| rules.into_iter().map(move |(r, p)| (s.clone(), r, p)))
-        {
-            for (key, (offered, admitted, folded)) in p.keys {
-                out.push(Entry {
-                    service: service.clone(),
-                    rule: rule.clone(),
-                    limit: p.limit,
-                    key,
-                    keys_folded: folded,
-                    offered,
-                    admitted: admitted.min(offered),
-                });
+        let mut window: HashMap<(Box<str>, Box<str>), WindowRule> = HashMap::new();
+        let mut spent: Vec<(Box<str>, usize)> = Vec::new();
+        for (_, s) in self.hosts.iter_mut() {
+            let h = &mut s.data;
+            if h.rules.is_empty() {
+                continue;
+            }
+            // Hosts whose values stood in this window say which rules they report.
+            if h.until > since {
+                accrue(h, now, &mut self.pending, &mut self.conflicts);
+                for r in &h.rules {
+                    let w = window
+                        .entry((r.service.clone(), r.rule.clone()))
+                        .or_default();
+                    w.hosts += 1;
+                    w.folded = w.folded.max(r.folded);
+                    if let Some(d) = &r.sketch {
+                        w.sketch.get_or_insert_with(Distinct::default).union(d);
+                    }
+                }
+            }
+            if h.until <= now {
+                spent.push((h.owner.clone(), h.entries()));
+                h.rules.clear();
             }
         }
+        for (owner, n) in spent {
+            self.held = self.held.saturating_sub(n);
+            if let Some(m) = self.held_by.get_mut(&owner) {
+                *m = m.saturating_sub(n);
+            }
+        }
+        let mut out: Vec<Entry> = Vec::new();
+        for (service, rules) in &mut self.pending {
+            for (rule, p) in rules.iter_mut() {
+                let w = window.remove(&(service.clone(), rule.clone()));
+                let first = out.len();
+                let entry = |key: Option<&str>, (offered, admitted)| Entry {
+                    service: service.to_string(),
+                    rule: rule.to_string(),
+                    limit: p.limit,
+                    key: key.map(str::to_string),
+                    keys_folded: 0,
+                    offered,
+                    admitted,
+                    sketch: None,
+                    hosts: 0,
+                };
+                for (k, units) in p.keys.iter_mut() {
+                    if let Some(units) = units.whole() {
+                        out.push(entry(Some(k), units));
+                    }
+                }
+                if let Some(units) = p.tail.whole() {
+                    let mut tail = entry(None, units);
+                    if let Some(w) = &w {
+                        tail.keys_folded = w.folded;
+                        tail.sketch = w.sketch.as_ref().map(Distinct::encode);
+                    }
+                    out.push(tail);
+                }
+                if let (Some(e), Some(w)) = (out.get_mut(first), &w) {
+                    e.hosts = w.hosts;
+                }
+                p.stated = false;
+                // A fraction accrued in no window since is handed on no more.
+                p.keys.retain(|_, k| std::mem::take(&mut k.touched));
+                std::mem::take(&mut p.tail.touched);
+            }
+            rules.retain(|_, p| !p.keys.is_empty() || p.tail.offered > 0.0);
+        }
+        self.pending.retain(|_, r| !r.is_empty());
+        self.hosts.expire(now, |_, _| {});
         (out, interval_ms)
     }
 
     /// Hosts reporting now.
     pub fn hosts(&self) -> usize {
         self.hosts.len()
+    }
+}
+
+/// Adds what `h` held from its last accrual up to `now` (within its own time) to `pending`.
+fn accrue(
+    h: &mut Holding,
+    now: f64,
+    pending: &mut HashMap<Box<str>, HashMap<Box<str>, PendingRule>>,
+    conflicts: &mut u64,
+) {
+    let from = h.accrued.max(h.from);
+    let to = now.min(h.until);
+    h.accrued = h.accrued.max(now);
+    if to <= from {
+        return;
+    }
+    let dt = to - from;
+    for r in &h.rules {
+        let rules = match pending.get_mut(&*r.service) {
+            Some(rules) => rules,
+            None => pending.entry(r.service.clone()).or_default(),
+        };
+        let p = match rules.get_mut(&*r.rule) {
+            Some(p) => p,
+            None => rules.entry(r.rule.clone()).or_insert_with(|| PendingRule {
+                limit: r.limit,
+                stated: true,
+                keys: HashMap::new(),
+                tail: Pending::default(),
+            }),
+        };
+        if !p.stated {
+            p.limit = r.limit;
+            p.stated = true;
+        } else if p.limit != r.limit {
+            *conflicts += 1;
+            if r.limit.per_second() < p.limit.per_second() {
+                p.limit = r.limit;
+            }
+        }
+        for k in &r.keys {
+            let units = match &k.key {
+                None => &mut p.tail,
+                Some(key) => match p.keys.get_mut(&**key) {
+                    Some(u) => u,
+                    None => p.keys.entry(key.clone()).or_default(),
+                },
+            };
+            units.offered += k.offered * dt;
+            units.admitted += k.admitted * dt;
+            units.touched = true;
+        }
     }
 }

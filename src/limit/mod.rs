@@ -10,6 +10,7 @@
 pub mod adaptive;
 mod clock;
 pub mod concurrency;
+pub mod distinct;
 pub mod fixed_window;
 pub mod gcra;
 pub mod leaky_bucket;
@@ -21,6 +22,7 @@ pub mod token_bucket;
 pub use adaptive::Adaptive;
 pub use clock::{AnyClock, Clock, ManualClock, MonotonicClock, Nanos, NANOS_PER_SEC};
 pub use concurrency::{Concurrency, Permit};
+pub use distinct::{AtomicDistinct, Distinct};
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;
 pub use leaky_bucket::LeakyBucket;

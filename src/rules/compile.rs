@@ -170,6 +170,7 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
         Limit::Rate { rate, .. } if r.scope == Scope::Global => Kind::Global {
             rate: *rate,
             store: Store::new(parts),
+            overflow_keys: Default::default(),
             fallback: fallback_store(r, metrics, label),
         },
         Limit::Rate {

@@ -6,7 +6,7 @@
 //! hand one counter's interval to two reports.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::Rate;
@@ -20,11 +20,26 @@ pub struct DropRatios {
     rules: HashMap<String, RuleRatios>,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct RuleRatios {
     keys: HashMap<String, f64>,
-    /// For keys the reply does not name but which were folded into "other".
+    /// For keys the reply does not name that this proxy folded into "other" in its report.
     other: f64,
+    /// Units per second past which a key is reported by name whatever `top_k` says.
+    name_above: f64,
+    /// The reply left out ratios of this rule, each at most this.
+    cut_below: Option<f64>,
+}
+
+impl Default for RuleRatios {
+    fn default() -> Self {
+        RuleRatios {
+            keys: HashMap::new(),
+            other: 0.0,
+            name_above: f64::INFINITY,
+            cut_below: None,
+        }
+    }
 }
 
 impl DropRatios {
@@ -61,17 +76,63 @@ impl DropRatios {
     }
 
     /// The ratio for `key` (its text form) under `rule`: its own if the control plane named
-    /// it, else the rule's "other" ratio, else 0.
+    /// it; else the rule's "other" ratio if this proxy `folded` it into the tail of its last
+    /// report; else 0 (a key it named that the reply leaves out is under its limit).
     #[inline]
-    pub fn ratio(&self, rule: &str, key: &[u8]) -> f64 {
+    pub fn ratio(&self, rule: &str, key: &[u8], folded: bool) -> f64 {
         let Some(r) = self.rules.get(rule) else {
             return 0.0;
         };
-        std::str::from_utf8(key)
-            .ok()
-            .and_then(|k| r.keys.get(k))
-            .copied()
-            .unwrap_or(r.other)
+        match std::str::from_utf8(key).ok().and_then(|k| r.keys.get(k)) {
+            Some(ratio) => *ratio,
+            None if folded => r.other,
+            None => 0.0,
+        }
+    }
+
+    /// Sets what the control plane said of `rule` besides its ratios.
+    pub fn hint(&mut self, rule: &str, name_above: f64, cut_below: Option<f64>) {
+        let r = self.rules.entry(rule.to_string()).or_default();
+        if name_above.is_finite() && name_above >= 0.0 {
+            r.name_above = name_above;
+        }
+        r.cut_below = cut_below
+            .filter(|c| c.is_finite())
+            .map(|c| c.clamp(0.0, 1.0));
+    }
+
+    /// For a rule whose ratios were cut, the keys of `named` (what the report this answers
+    /// named) that the reply leaves out keep their ratio in `previous`, at most the cut: their
+    /// ratio was not sent, which is not the same as 0.
+    pub fn keep_cut<'a>(
+        &mut self,
+        previous: &DropRatios,
+        named: impl Iterator<Item = (&'a str, &'a str)>,
+    ) {
+        for (rule, key) in named {
+            let Some(r) = self.rules.get_mut(rule) else {
+                continue;
+            };
+            let Some(cut) = r.cut_below else { continue };
+            if r.keys.contains_key(key) {
+                continue;
+            }
+            let before = previous
+                .rules
+                .get(rule)
+                .and_then(|p| p.keys.get(key))
+                .copied()
+                .unwrap_or(0.0);
+            if before > 0.0 {
+                r.keys.insert(key.to_string(), before.min(cut));
+            }
+        }
+    }
+
+    /// Whether the control plane named `key` under `rule` (a key it watches: reported by name
+    /// from then on), and the rate past which any key is named.
+    fn watch(&self, rule: &str) -> Option<&RuleRatios> {
+        self.rules.get(rule)
     }
 }
 
@@ -98,21 +159,35 @@ impl Staleness {
     }
 }
 
-/// Offered and admitted requests of one (global rule, key) since the last report.
+/// Offered and admitted units of one (global rule, key) since the last report.
 #[derive(Debug, Default)]
 pub struct GlobalCounters {
     // Relaxed: counters; the reporter's swap reads each exactly once.
     offered: AtomicU64,
     admitted: AtomicU64,
+    /// The last report folded this key into its tail. Relaxed: a flag the reporter sets once
+    /// per report, read by the decision with the ratios that answer it.
+    folded: AtomicBool,
 }
 
 impl GlobalCounters {
-    pub(super) fn offer(&self) {
-        self.offered.fetch_add(1, Ordering::Relaxed);
+    pub(super) fn offer(&self, units: u32) {
+        self.offered.fetch_add(u64::from(units), Ordering::Relaxed);
     }
 
-    pub(super) fn admit(&self) {
-        self.admitted.fetch_add(1, Ordering::Relaxed);
+    pub(super) fn admit(&self, units: u32) {
+        self.admitted.fetch_add(u64::from(units), Ordering::Relaxed);
+    }
+
+    /// Whether the last report folded this key into its tail.
+    #[inline]
+    pub(super) fn folded(&self) -> bool {
+        self.folded.load(Ordering::Relaxed)
+    }
+
+    /// Says whether the report being made folds this key.
+    pub(super) fn set_folded(&self, folded: bool) {
+        self.folded.store(folded, Ordering::Relaxed);
     }
 
     /// Offered and admitted since the last take, zeroed.
@@ -130,10 +205,56 @@ pub struct GlobalCounts {
     pub rule: String,
     /// The rule's limit, which the control plane sums the fleet against.
     pub rate: Rate,
-    /// (key, offered, admitted) for the `top_k` keys that offered most.
-    pub keys: Vec<(String, u64, u64)>,
+    /// (key, offered, admitted) for the keys reported by name: the `top_k` that offered most,
+    /// then (up to [`EXTRA_NAMED`] more) those the control plane watches or that offered past
+    /// its `name_above`.
+    pub keys: Vec<Counted>,
     /// Offered and admitted of every other key, and how many keys that is.
     pub other: (u64, u64, u64),
+    /// The distinct keys folded into `other` (those a full store could not track included).
+    pub folded: crate::limit::Distinct,
+}
+
+/// Keys a report names per rule beyond its `top_k`, heaviest first: what the control plane
+/// asked for, bounded so that a report's size does not grow with the keys.
+pub const EXTRA_NAMED: usize = 1_000;
+
+/// A key's name with its offered and admitted units.
+pub type Counted = (String, u64, u64);
+
+/// Splits `keys` (key, offered, admitted, counters) into those a report names and the tail,
+/// marking each key's counters with the choice: the `top_k` heaviest, then up to
+/// [`EXTRA_NAMED`] of those `ratios` watches for `rule` or that offered at least `name_above`
+/// units per second over `secs`.
+pub(super) fn choose_named(
+    mut keys: Vec<(String, u64, u64, Arc<GlobalCounters>)>,
+    ratios: &DropRatios,
+    rule: &str,
+    top_k: usize,
+    secs: f64,
+) -> (Vec<Counted>, Vec<Counted>) {
+    keys.sort_unstable_by_key(|k| std::cmp::Reverse(k.1));
+    let watched = ratios.watch(rule);
+    let floor = watched.map_or(f64::INFINITY, |w| w.name_above * secs);
+    let asked =
+        |key: &str, o: u64| o as f64 >= floor || watched.is_some_and(|w| w.keys.contains_key(key));
+    let mut named = Vec::new();
+    let mut tail = Vec::new();
+    let mut extra = 0;
+    for (i, (key, o, a, counters)) in keys.into_iter().enumerate() {
+        let mut name = i < top_k;
+        if !name && extra < EXTRA_NAMED && asked(&key, o) {
+            extra += 1;
+            name = true;
+        }
+        counters.set_folded(!name);
+        if name {
+            named.push((key, o, a));
+        } else {
+            tail.push((key, o, a));
+        }
+    }
+    (named, tail)
 }
 
 /// Global counters with nothing to report (and no decision holding them) are as good as new.

@@ -138,6 +138,8 @@ enum Kind {
     Global {
         rate: Rate,
         store: Store<Arc<GlobalCounters>>,
+        /// Which keys shared the store's overflow counters since the last report.
+        overflow_keys: crate::limit::AtomicDistinct,
         /// A local limit for while the control plane is stale.
         fallback: Option<Fallback>,
     },
@@ -182,7 +184,8 @@ pub enum Refusal {
 pub enum Taken {
     Rate(Slot, u32),
     Concurrency,
-    Global(Arc<GlobalCounters>, Option<Slot>),
+    /// The key's counters, the fallback's slot if it decided, and the units.
+    Global(Arc<GlobalCounters>, Option<Slot>, u32),
     /// Admitted by Redis (nothing to give back there), or by the local fallback limit (its
     /// slot and the units it took).
     Redis(Option<(Slot, u32)>),
@@ -406,21 +409,25 @@ impl RuleSet {
                 Kind::Global {
                     rate,
                     store,
+                    overflow_keys,
                     fallback,
                 } => {
-                    let (counters, _) = store.with(&key, now, global_idle, Arc::clone);
-                    counters.offer();
+                    let (counters, at) = store.with(&key, now, global_idle, Arc::clone);
+                    if at == Slot::Overflow {
+                        overflow_keys.insert(&key);
+                    }
+                    counters.offer(cost);
                     // One snapshot load per request, however many global rules match.
                     let ratios = ratios.get_or_insert_with(|| self.ratios.load());
                     let age = now.saturating_sub(ratios.at);
                     let (factor, stale) = self.staleness.factor(age);
                     let (decision, slot) = match fallback {
                         Some(fallback) if stale => {
-                            let (d, slot) = fallback.check(&key, now, 1);
+                            let (d, slot) = fallback.check(&key, now, cost);
                             (d, Some(slot))
                         }
                         _ => {
-                            let p = ratios.ratio(&rule.name, &key) * factor;
+                            let p = ratios.ratio(&rule.name, &key, counters.folded()) * factor;
                             let d = if p > 0.0 && fastrand::f64() < p {
                                 // The ratio may change with the next reply.
                                 let interval = self.report_interval.max(1);
@@ -438,7 +445,7 @@ impl RuleSet {
                         }
                     };
                     if decision.is_allowed() {
-                        taken.push((i, Taken::Global(counters, slot)));
+                        taken.push((i, Taken::Global(counters, slot, cost)));
                     }
                     decision
                 }
@@ -547,8 +554,8 @@ impl RuleSet {
     fn commit(&self, taken: &[(usize, Taken)]) {
         for (i, t) in taken {
             self.rules[*i].allowed.inc();
-            if let Taken::Global(counters, _) = t {
-                counters.admit();
+            if let Taken::Global(counters, _, units) = t {
+                counters.admit(*units);
             }
         }
     }
@@ -578,8 +585,8 @@ impl RuleSet {
                         fallback: Some(fallback),
                         ..
                     },
-                    Taken::Global(_, Some(slot)),
-                ) => fallback.refund(&key, *slot, now, 1),
+                    Taken::Global(_, Some(slot), units),
+                ) => fallback.refund(&key, *slot, now, *units),
                 (
                     Kind::Redis {
                         fallback: Some(fallback),
@@ -593,33 +600,52 @@ impl RuleSet {
     }
 
     /// Takes the counts of every global rule since the last call (each counter is read and
-    /// zeroed once), reporting the `top_k` heaviest keys per rule one by one.
-    pub fn drain_global(&self, top_k: usize) -> Vec<GlobalCounts> {
+    /// zeroed once), naming keys as [`choose_named`] says (`secs`: the interval they cover)
+    /// and folding the rest, with a sketch of which keys those are.
+    pub fn drain_global(&self, top_k: usize, secs: f64) -> Vec<GlobalCounts> {
+        let ratios = self.ratios.load();
         let mut out = Vec::new();
         for rule in &self.rules {
-            let Kind::Global { rate, store, .. } = &*rule.kind else {
+            let Kind::Global {
+                rate,
+                store,
+                overflow_keys,
+                ..
+            } = &*rule.kind
+            else {
                 continue;
             };
             let take = GlobalCounters::take;
-            let mut keys: Vec<(String, u64, u64)> = store
+            let keys: Vec<(String, u64, u64, Arc<GlobalCounters>)> = store
                 .map
                 .iter()
                 .filter_map(|e| {
                     let (o, a) = take(e.value());
-                    (o > 0).then(|| (String::from_utf8_lossy(e.key()).into_owned(), o, a))
+                    if o == 0 {
+                        // Not in this report: neither named nor folded by it.
+                        e.value().set_folded(false);
+                        return None;
+                    }
+                    let key = String::from_utf8_lossy(e.key()).into_owned();
+                    Some((key, o, a, e.value().clone()))
                 })
                 .collect();
-            keys.sort_unstable_by_key(|k| std::cmp::Reverse(k.1));
+            let (named, tail) = choose_named(keys, &ratios, &rule.name, top_k, secs);
+            // The keys a full store could not track are always in the tail.
             let (o, a) = take(&store.overflow);
+            store.overflow.set_folded(true);
+            let mut folded = overflow_keys.take();
             let mut other = (o, a, u64::from(o > 0));
-            for (_, o, a) in keys.drain(top_k.min(keys.len())..) {
+            for (k, o, a) in tail {
+                folded.insert(k.as_bytes());
                 other = (other.0 + o, other.1 + a, other.2 + 1);
             }
             out.push(GlobalCounts {
                 rule: rule.name.to_string(),
                 rate: *rate,
-                keys,
+                keys: named,
                 other,
+                folded,
             });
         }
         out
