@@ -956,3 +956,200 @@ async fn a_body_that_never_arrives_is_cut_off_and_a_new_replica_hands_out_no_emp
         "{text}"
     );
 }
+
+// The fleet's arithmetic: many keys, uneven intervals and weighted requests.
+
+/// A proxy of service `shop` reporting to `control` every `interval`, with `rules` (YAML
+/// list items) and `top_k`.
+fn proxy_with(
+    name: &str,
+    upstream: SocketAddr,
+    control: SocketAddr,
+    interval: &str,
+    top_k: u32,
+    rules: &str,
+) -> Proc {
+    let yaml = format!(
+        r#"service: shop
+listen: 127.0.0.1:0
+admin: 127.0.0.1:0
+upstream: http://{upstream}
+control_plane:
+  url: http://{control}
+  report_interval: {interval}
+  stale_after: 30s
+  decay: 1s
+  top_k: {top_k}
+  host: {name}
+rules:
+{rules}"#
+    );
+    let path = temp_file(&format!("{name}.yaml"), &yaml);
+    Proc::spawn(&["proxy", "--config", path.to_str().unwrap()])
+}
+
+/// One global rule per API key at `rate`, with `extra` YAML.
+fn per_key(rate: &str, extra: &str) -> String {
+    format!(
+        "  - name: per-key\n    key: [header:x-api-key]\n    limit: {{ rate: {rate} }}\n    scope: global\n{extra}"
+    )
+}
+
+/// Offers, for `secs` at once, each (proxy, key, rps) of `load`; answers counted per entry.
+async fn offer_keys(load: &[(SocketAddr, &'static str, u64)], secs: f64) -> Vec<(u64, u64, u64)> {
+    let counts: Vec<Arc<Counts>> = load.iter().map(|_| Arc::default()).collect();
+    let mut tasks = Vec::new();
+    for ((addr, key, rps), c) in load.iter().zip(&counts) {
+        tasks.push(tokio::spawn(offer(*addr, key, *rps, secs, c.clone())));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    counts.iter().map(|c| c.take()).collect()
+}
+
+fn key_name(prefix: &str, i: usize) -> &'static str {
+    Box::leak(format!("{prefix}-{i}").into_boxed_str())
+}
+
+/// Admitted and offered over `counts`.
+fn sum(counts: &[(u64, u64, u64)]) -> (u64, u64) {
+    let ok = counts.iter().map(|c| c.0).sum();
+    let all = counts.iter().map(|c| c.0 + c.1 + c.2).sum();
+    (ok, all)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legitimate_keys_under_their_limit_lose_nothing_while_a_flood_of_keys_is_held_to_its_own() {
+    let (_one, up, ctl) = fleet().await;
+    // 2/s per key; 60 attacker keys at 2/s on each of two proxies (twice their limit), four
+    // clients at half their limit, each sticking to one proxy. top_k 10: most keys are not
+    // among a proxy's heaviest.
+    let rules = per_key("2/s", "");
+    let p: Vec<Proc> = (1..=2)
+        .map(|i| proxy_with(&format!("flood{i}"), up.addr, ctl.addr, "250ms", 10, &rules))
+        .collect();
+    let mut load = Vec::new();
+    for i in 0..60 {
+        let k = key_name("attacker", i);
+        load.push((p[0].addr, k, 2));
+        load.push((p[1].addr, k, 2));
+    }
+    for i in 0..4 {
+        load.push((p[i % 2].addr, key_name("legit", i), 1));
+    }
+    offer_keys(&load, 3.0).await;
+    let secs = 8.0;
+    let counts = offer_keys(&load, secs).await;
+    let (legit_ok, legit_all) = sum(&counts[120..]);
+    assert!(
+        legit_ok as f64 >= 0.99 * legit_all as f64,
+        "legitimate keys: {legit_ok} of {legit_all} admitted"
+    );
+    let (attack_ok, _) = sum(&counts[..120]);
+    let allowed = 60.0 * 2.0 * secs;
+    assert!(
+        (attack_ok as f64 - allowed).abs() <= 0.15 * allowed,
+        "attackers got {attack_ok} against the {allowed} their keys are allowed"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_under_their_limit_spread_over_three_proxies_beyond_top_k_are_all_admitted() {
+    let (_one, up, ctl) = fleet().await;
+    // 90 clients at 60 % of 5/s, 30 on each proxy, top_k 10.
+    let rules = per_key("5/s", "");
+    let p: Vec<Proc> = (1..=3)
+        .map(|i| proxy_with(&format!("tail{i}"), up.addr, ctl.addr, "250ms", 10, &rules))
+        .collect();
+    let load: Vec<_> = (0..90)
+        .map(|i| (p[i % 3].addr, key_name("client", i), 3))
+        .collect();
+    offer_keys(&load, 3.0).await;
+    let counts = offer_keys(&load, 8.0).await;
+    let (ok, all) = sum(&counts);
+    assert!(
+        ok as f64 >= 0.99 * all as f64,
+        "{ok} of {all} admitted for clients under their limit"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_light_on_each_proxy_but_over_its_limit_across_them_is_found_and_held() {
+    let (_one, up, ctl) = fleet().await;
+    // top_k 3: each proxy has three heavier keys of its own and ten light ones; the hidden
+    // key offers 5/s on each of three proxies, 15/s against 5/s.
+    let rules = per_key("5/s", "");
+    let p: Vec<Proc> = (1..=3)
+        .map(|i| proxy_with(&format!("hide{i}"), up.addr, ctl.addr, "250ms", 3, &rules))
+        .collect();
+    let mut load = Vec::new();
+    for (n, proxy) in p.iter().enumerate() {
+        load.push((proxy.addr, "hidden", 5));
+        for j in 0..3 {
+            load.push((proxy.addr, key_name("heavy", n * 3 + j), 8));
+        }
+        for j in 0..10 {
+            load.push((proxy.addr, key_name("light", n * 10 + j), 1));
+        }
+    }
+    offer_keys(&load, 3.0).await;
+    let secs = 8.0;
+    let counts = offer_keys(&load, secs).await;
+    let hidden: u64 = counts.iter().step_by(14).map(|c| c.0).sum();
+    let rate = hidden as f64 / secs;
+    assert!(
+        (rate - 5.0).abs() <= 0.2 * 5.0,
+        "the hidden key got {rate:.1}/s against 5/s"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxies_reporting_every_250ms_1s_and_5s_behind_one_aggregator_share_one_limit() {
+    let (_one, up, ctl) = fleet().await;
+    let control = format!("http://{}", ctl.addr);
+    let agg = Proc::spawn(&[
+        "aggregator",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--controller",
+        &control,
+        "--zone",
+        "eu-1",
+        "--interval",
+        "1s",
+    ]);
+    let rules = per_key(&format!("{LIMIT}/s"), "");
+    let p: Vec<Proc> = ["250ms", "1s", "5s"]
+        .iter()
+        .enumerate()
+        .map(|(i, every)| proxy_with(&format!("mixed{i}"), up.addr, agg.addr, every, 10, &rules))
+        .collect();
+    let load: Vec<_> = p.iter().map(|p| (p.addr, "hot", LIMIT)).collect();
+    // Two of the slowest proxy's reports before measuring.
+    offer_keys(&load, 11.0).await;
+    let secs = 10.0;
+    let counts = offer_keys(&load, secs).await;
+    let (ok, _) = sum(&counts);
+    assert!(counts.iter().all(|c| c.2 == 0), "errors: {counts:?}");
+    assert_within(ok, secs, 0.1, "mixed intervals");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_global_rule_with_a_cost_limits_units_not_requests() {
+    let (_one, up, ctl) = fleet().await;
+    // 50 units/s, each request costs 5: 10 requests/s fleet-wide, offered 30/s.
+    let rules = per_key("50/s", "    cost: 5\n");
+    let p = proxy_with("cost", up.addr, ctl.addr, "250ms", 10, &rules);
+    let load = [(p.addr, "metered", 30)];
+    offer_keys(&load, 3.0).await;
+    let secs = 8.0;
+    let (ok, _) = sum(&offer_keys(&load, secs).await);
+    let rate = ok as f64 / secs;
+    assert!(
+        (rate - 10.0).abs() <= 0.2 * 10.0,
+        "{rate:.1} requests/s of cost 5 admitted against 50 units/s"
+    );
+}

@@ -244,10 +244,14 @@ pub(crate) fn check_control_plane(
                 "control_plane.ca_file: only used with an https:// url".into(),
             ));
         }
-        if cp.report_interval.0 < Duration::from_millis(100) {
+        // What the aggregators and the controller take (they hold each report for its own
+        // interval, whatever theirs).
+        if cp.report_interval.0 < Duration::from_millis(100)
+            || cp.report_interval.0 > Duration::from_secs(600)
+        {
             return Err(invalid(
                 line,
-                "control_plane.report_interval: must be at least 100ms".into(),
+                "control_plane.report_interval: must be between 100ms and 600s".into(),
             ));
         }
         if cp.stale_after.0 < cp.report_interval.0 * 2 {

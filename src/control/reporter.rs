@@ -262,12 +262,14 @@ pub fn build_report(
         for (k, o, a) in &counts.keys {
             entries.push(entry(Some(k.clone()), 0, *o, *a));
         }
+        // The tail goes even when empty: a report that names the rule is answered with its
+        // ratios and hints, so that a quiet interval does not wipe them before the next burst.
         let (o, a, n) = counts.other;
-        if o > 0 {
-            let mut tail = entry(None, n, o, a);
+        let mut tail = entry(None, n, o, a);
+        if !counts.folded.is_empty() {
             tail.sketch = Some(counts.folded.encode());
-            entries.push(tail);
         }
+        entries.push(tail);
     }
     Report {
         version: VERSION,

@@ -84,6 +84,10 @@ struct RuleAcc {
     limits: HashMap<u64, Limit>,
     /// What each source holding values says of its hosts and its tail.
     reporters: HashMap<u64, Reporter>,
+    /// The tail's distinct keys, smoothed as its offered load is (so that keys moving out of
+    /// the tail do not leave its lagging load against an allowance that has already shrunk),
+    /// and when that was brought up to date.
+    distinct: Option<(f64, f64)>,
     keys: HashMap<Arc<str>, KeySum>,
     /// The folded tail ("other").
     other: Option<KeySum>,
@@ -113,11 +117,35 @@ impl RuleAcc {
         }
     }
 
-    /// The hosts reporting the rule (at least one), and the distinct keys their tails fold:
-    /// the union of their sketches, or (for version-1 sources, which send a count) the most
-    /// any one folded, whichever is more.
-    fn fleet(&self) -> (u32, f64) {
-        let hosts = self.reporters.values().map(|r| r.hosts).sum::<u32>().max(1);
+    /// The distinct keys the tails fold ([`Self::distinct_now`]), smoothed over `tau` up to
+    /// `now`.
+    fn smooth_distinct(&mut self, now: f64, tau: f64) -> f64 {
+        let now_count = self.distinct_now();
+        let smoothed = match self.distinct {
+            Some((d, at)) => {
+                let a = 1.0 - (-(now - at).max(0.0) / tau).exp();
+                d + a * (now_count - d)
+            }
+            None => now_count,
+        };
+        self.distinct = Some((smoothed, now));
+        smoothed.max(1.0)
+    }
+
+    /// The smoothed distinct tail keys as last brought up to date (or as they are now).
+    fn distinct(&self) -> f64 {
+        self.distinct
+            .map_or_else(|| self.distinct_now(), |d| d.0.max(1.0))
+    }
+
+    /// The hosts reporting the rule, at least one.
+    fn hosts(&self) -> u32 {
+        self.reporters.values().map(|r| r.hosts).sum::<u32>().max(1)
+    }
+
+    /// The distinct keys the tails fold now: the union of the sources' sketches, or (for
+    /// version-1 sources, which send a count) the most any one folded, whichever is more.
+    fn distinct_now(&self) -> f64 {
         let mut union: Option<Distinct> = None;
         for r in self.reporters.values() {
             if let Some(s) = &r.sketch {
@@ -129,7 +157,7 @@ impl RuleAcc {
             .as_ref()
             .map_or(0, |o| o.folded.keys().next_back().copied().unwrap_or(0));
         let counted = union.map_or(0.0, |u| u.count());
-        (hosts, counted.max(v1 as f64).max(1.0))
+        counted.max(v1 as f64).max(1.0)
     }
 }
 
@@ -407,6 +435,7 @@ impl Accumulator {
                                 limit: e.limit,
                                 limits: HashMap::new(),
                                 reporters: HashMap::new(),
+                                distinct: None,
                                 keys: HashMap::new(),
                                 other: None,
                             },
@@ -579,10 +608,15 @@ impl Accumulator {
         let mut hints: HashMap<Arc<str>, Vec<RuleHint>> = HashMap::new();
         let mut totals = Vec::new();
         let mut keys = 0;
+        for rules in self.rules.values_mut() {
+            for rule in rules.values_mut() {
+                rule.smooth_distinct(now, self.tau);
+            }
+        }
         for (service, rules) in &self.rules {
             for (rule_name, rule) in rules {
                 let limit = rule.limit.per_second();
-                let (hosts, distinct) = rule.fleet();
+                let (hosts, distinct) = (rule.hosts(), rule.distinct());
                 // Pigeonhole: a key offered past the limit fleet-wide is offered past
                 // limit / hosts on at least one host; half that leaves room for uneven
                 // intervals.
@@ -761,7 +795,7 @@ impl Accumulator {
             }
             for (rule_name, rule) in rules {
                 let limit = rule.limit.per_second();
-                let (_, distinct) = rule.fleet();
+                let distinct = rule.distinct();
                 for (key, k) in rule.all_keys() {
                     let (offered, admitted) = k.smoothed(now, self.tau);
                     let limit_here = KeySum::limit(key, limit, distinct);

@@ -622,8 +622,8 @@ impl RuleSet {
                 .filter_map(|e| {
                     let (o, a) = take(e.value());
                     if o == 0 {
-                        // Not in this report: neither named nor folded by it.
-                        e.value().set_folded(false);
+                        // Not in this report: the last report it was in still says how the
+                        // control plane sees it.
                         return None;
                     }
                     let key = String::from_utf8_lossy(e.key()).into_owned();
