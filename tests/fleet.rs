@@ -1153,3 +1153,123 @@ async fn a_global_rule_with_a_cost_limits_units_not_requests() {
         "{rate:.1} requests/s of cost 5 admitted against 50 units/s"
     );
 }
+
+/// The previous release's binary (`scripts/test` builds it from the commit this wire version
+/// follows and names it in `SPILLWAY_PREVIOUS`).
+fn previous() -> Option<String> {
+    let bin = std::env::var("SPILLWAY_PREVIOUS")
+        .ok()
+        .filter(|b| !b.is_empty());
+    if bin.is_none() {
+        eprintln!("SPILLWAY_PREVIOUS is not set (scripts/test sets it): mixed versions not tried");
+    }
+    bin
+}
+
+fn proxy_yaml(name: &str, upstream: SocketAddr, control: SocketAddr) -> std::path::PathBuf {
+    let yaml = format!(
+        r#"service: shop
+listen: 127.0.0.1:0
+admin: 127.0.0.1:0
+upstream: http://{upstream}
+control_plane:
+  url: http://{control}
+  report_interval: 100ms
+  stale_after: 5s
+  top_k: 3
+  host: {name}
+rules:
+{rules}"#,
+        rules = per_key(&format!("{LIMIT}/s"), "")
+    );
+    temp_file(&format!("{name}.yaml"), &yaml)
+}
+
+/// Holds [`LIMIT`] with `p`, offered 2:1 at three times the limit, no errors; and a key
+/// under its limit beside many folded ones is not refused.
+async fn mixed_fleet_holds_the_limit(p: &[Proc], what: &str) {
+    let load = [(p[0].addr, "hot", 2 * LIMIT), (p[1].addr, "hot", LIMIT)];
+    offer_keys(&load, 3.0).await;
+    let secs = 5.0;
+    let counts = offer_keys(&load, secs).await;
+    assert!(counts.iter().all(|c| c.2 == 0), "{what}: errors {counts:?}");
+    assert_within(sum(&counts).0, secs, 0.15, what);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxies_and_a_control_plane_one_version_apart_still_share_one_limit() {
+    let Some(old) = previous() else { return };
+    let (_one, up, ctl) = fleet().await;
+    // Today's controller and aggregator with a proxy of each release behind the aggregator.
+    let control = format!("http://{}", ctl.addr);
+    let agg_args = [
+        "aggregator",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--controller",
+        &control,
+        "--zone",
+        "eu-1",
+        "--interval",
+        "100ms",
+    ];
+    let agg = Proc::spawn(&agg_args);
+    let path_old = proxy_yaml("old-proxy", up.addr, agg.addr);
+    let path_new = proxy_yaml("new-proxy", up.addr, agg.addr);
+    let p = [
+        Proc::spawn_bin(&old, &["proxy", "--config", path_old.to_str().unwrap()]),
+        Proc::spawn(&["proxy", "--config", path_new.to_str().unwrap()]),
+    ];
+    mixed_fleet_holds_the_limit(&p, "previous proxy, new control plane").await;
+    drop(p);
+    drop(agg);
+    drop(ctl);
+
+    // The previous release's controller and aggregator with today's proxies, one of them
+    // straight to the controller.
+    let ctl = Proc::spawn_bin(
+        &old,
+        &[
+            "controller",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin",
+            "127.0.0.1:0",
+        ],
+    );
+    let control = format!("http://{}", ctl.addr);
+    let agg_args = [
+        "aggregator",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--controller",
+        &control,
+        "--zone",
+        "eu-1",
+        "--interval",
+        "100ms",
+    ];
+    let agg = Proc::spawn_bin(&old, &agg_args);
+    let a = proxy_yaml("new-a", up.addr, agg.addr);
+    let b = proxy_yaml("new-b", up.addr, ctl.addr);
+    let p = [
+        Proc::spawn(&["proxy", "--config", a.to_str().unwrap()]),
+        Proc::spawn(&["proxy", "--config", b.to_str().unwrap()]),
+    ];
+    mixed_fleet_holds_the_limit(&p, "new proxies, previous control plane").await;
+    // Nothing was refused as malformed: the new fields never reached the previous release.
+    for (admin, role) in [(ctl.admin, "controller"), (agg.admin, "aggregator")] {
+        let (_, _, metrics) = get(admin, "/metrics", &[]).await;
+        let ok = format!("spillway_{role}_reports_total{{result=\"ok\"}}");
+        let malformed = format!("spillway_{role}_reports_total{{result=\"malformed\"}}");
+        assert!(
+            metric(&metrics, &ok).unwrap_or(0.0) > 0.0,
+            "{role}: {metrics}"
+        );
+        assert_eq!(metric(&metrics, &malformed), None, "{role}: {metrics}");
+    }
+}

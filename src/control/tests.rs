@@ -486,3 +486,178 @@ fn a_report_alternating_rules_entry_by_entry_holds_each_once() {
     assert_eq!(acc.tracked(), 20_000);
     assert_eq!(acc.view(None, 0.0).len(), 20_000);
 }
+
+/// A tail of `offered` units/s folding the keys `keys` (a sketch), limit 5/s.
+fn tail(keys: std::ops::Range<u32>, offered: u64, sketch: bool) -> Entry {
+    let mut e = entry(None, offered, offered);
+    e.limit = Limit {
+        count: 5,
+        period_ms: 1000,
+    };
+    e.keys_folded = u64::from(keys.end - keys.start);
+    if sketch {
+        let mut d = crate::limit::Distinct::default();
+        for k in keys {
+            d.insert(format!("client-{k}").as_bytes());
+        }
+        e.sketch = Some(d.encode());
+    }
+    e
+}
+
+fn tail_ratio(acc: &mut Accumulator, now: f64) -> f64 {
+    acc.view(None, now)
+        .iter()
+        .find(|v| v.key.is_none())
+        .unwrap()
+        .ratio
+}
+
+#[test]
+fn the_tails_allowance_is_the_fleets_distinct_tail_keys_not_one_sources() {
+    // Three proxies each fold 30 clients of their own at 3/s (60 % of 5/s): 270/s in the
+    // tail against 90 x 5/s.
+    let mut acc = Accumulator::new(1.0);
+    for (i, src) in ["a", "b", "c"].iter().enumerate() {
+        let i = i as u32;
+        acc.record(
+            &report(src, vec![tail(i * 30..i * 30 + 30, 90, true)]),
+            "t",
+            0.0,
+        )
+        .unwrap();
+    }
+    assert_eq!(tail_ratio(&mut acc, 0.0), 0.0);
+    // Version 1 counts (the most one source folded, 30 x 5/s) would drop 44 %.
+    let mut v1 = Accumulator::new(1.0);
+    for (i, src) in ["a", "b", "c"].iter().enumerate() {
+        let i = i as u32;
+        v1.record(
+            &report(src, vec![tail(i * 30..i * 30 + 30, 90, false)]),
+            "t",
+            0.0,
+        )
+        .unwrap();
+    }
+    assert!((tail_ratio(&mut v1, 0.0) - (270.0 - 150.0) / 270.0).abs() < 1e-9);
+    // The same 30 keys folded on all three proxies are 30 keys, not 90.
+    let mut same = Accumulator::new(1.0);
+    for src in ["a", "b", "c"] {
+        same.record(&report(src, vec![tail(0..30, 90, true)]), "t", 0.0)
+            .unwrap();
+    }
+    let r = tail_ratio(&mut same, 0.0);
+    assert!((r - (270.0 - 150.0) / 270.0).abs() < 0.05, "{r}");
+}
+
+#[test]
+fn a_key_heavy_enough_to_watch_travels_as_an_explicit_zero_with_the_rules_threshold() {
+    let mut acc = Accumulator::new(1.0);
+    // Limit 100/s over four hosts (a zone's sums say three, a host one): name above 12.5/s.
+    let mut zone = vec![entry(Some("watched"), 40, 40), entry(Some("quiet"), 5, 5)];
+    zone[0].hosts = 3;
+    acc.record(&report("zone:z/r", zone), "zones", 0.0).unwrap();
+    acc.record(&report("h", vec![entry(Some("over"), 150, 150)]), "t", 0.0)
+        .unwrap();
+    let reply = acc.reply(Some(&["svc"]), 0.0);
+    let ratio = |k: &str| {
+        reply
+            .ratios
+            .iter()
+            .find(|r| r.key.as_deref() == Some(k))
+            .map(|r| r.ratio)
+    };
+    assert_eq!(ratio("watched"), Some(0.0), "past 12.5/s: watched");
+    assert_eq!(ratio("quiet"), None, "under: not sent");
+    assert!(ratio("over").unwrap() > 0.0);
+    assert_eq!(reply.rules.len(), 1);
+    assert_eq!(reply.rules[0].name_above, 100.0 / 8.0);
+    assert_eq!(reply.rules[0].cut_below, None);
+}
+
+#[test]
+fn a_cut_reply_says_the_most_any_ratio_left_out_was_and_keeps_the_tail() {
+    let mut acc = Accumulator::new(1.0);
+    let n = super::sum::MAX_RATIOS_PER_SERVICE + 50;
+    // Key i offers 101 + i against 100: the lowest ratios are cut.
+    let entries: Vec<Entry> = (0..n)
+        .map(|i| entry(Some(&format!("k{i}")), 101 + i as u64, 0))
+        .chain([entry(None, 1, 0)])
+        .collect();
+    acc.record(&report("h", entries), "t", 0.0).unwrap();
+    let reply = acc.reply(Some(&["svc"]), 0.0);
+    assert_eq!(reply.ratios.len(), super::sum::MAX_RATIOS_PER_SERVICE);
+    let cut = reply.rules[0].cut_below.expect("cut");
+    let lowest_sent = reply
+        .ratios
+        .iter()
+        .filter(|r| r.key.is_some())
+        .map(|r| r.ratio)
+        .fold(f64::INFINITY, f64::min);
+    assert!(cut <= lowest_sent && cut > 0.0, "{cut} {lowest_sent}");
+    assert!(
+        (cut - drop_ratio(101.0 + 50.0, 100.0)).abs() < 1e-2,
+        "the 51st lowest: {cut}"
+    );
+    // A version-1 reader gets the same ratios and no hints.
+    let mut v1 = reply.clone();
+    v1.downgrade();
+    assert!(v1.rules.is_empty());
+    assert!(!serde_json::to_string(&v1).unwrap().contains("rules"));
+}
+
+#[test]
+fn hosts_reporting_every_250ms_1s_and_5s_are_forwarded_at_their_rates() {
+    // Three hosts at 100/s each behind one replica forwarding every second.
+    let mut zone = ZoneSums::new(0.0, 1000);
+    let hosts = [("fast", 250u64), ("steady", 1000), ("slow", 5000)];
+    let mut seq = 0;
+    let mut windows = Vec::new();
+    for tick in 1..=600u64 {
+        // 50 ms ticks.
+        let now = tick as f64 / 20.0;
+        for (name, every) in hosts {
+            if (tick * 50) % every == 0 {
+                seq += 1;
+                let mut r = report(name, vec![entry(Some("k"), 100 * every / 1000, 0)]);
+                r.interval_ms = every;
+                r.seq = seq;
+                zone.record(r, "t", now).unwrap();
+            }
+        }
+        if tick % 20 == 10 {
+            let (entries, ms) = zone.take(now);
+            let sum: u64 = entries.iter().map(|e| e.offered).sum();
+            windows.push((now, sum as f64 * 1000.0 / ms as f64));
+            if let Some(e) = entries.first() {
+                let reported = hosts.iter().filter(|h| now * 1000.0 >= h.1 as f64).count();
+                assert_eq!(e.hosts as usize, reported, "at {now}");
+            }
+        }
+    }
+    // Once the slow host has reported, every 1 s window carries 300/s within a unit or two.
+    for (at, rate) in windows.iter().filter(|(at, _)| *at > 6.0) {
+        assert!((rate - 300.0).abs() <= 2.0, "{rate}/s forwarded at {at}");
+    }
+}
+
+#[test]
+fn a_zones_tail_carries_the_union_of_its_hosts_sketches() {
+    let mut zone = ZoneSums::new(0.0, 1000);
+    for (i, host) in ["a", "b"].iter().enumerate() {
+        let i = i as u32;
+        let r = report(host, vec![tail(i * 20..i * 20 + 40, 10, true)]);
+        zone.record(r, "t", 0.0).unwrap();
+    }
+    let (entries, _) = zone.take(1.0);
+    let tail = entries.iter().find(|e| e.key.is_none()).unwrap();
+    let d = crate::limit::Distinct::decode(tail.sketch.as_deref().unwrap()).unwrap();
+    assert!((d.count() - 60.0).abs() < 4.0, "{}", d.count());
+    assert_eq!(tail.offered, 20);
+    assert!(Report {
+        entries: entries.clone(),
+        ..report("zone:z/r", vec![])
+    }
+    .validate()
+    .is_ok());
+}

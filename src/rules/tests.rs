@@ -348,3 +348,125 @@ mod properties {
         let _ = r.check(rules, now);
     }
 }
+
+/// A global rule (5/s per client) built with `ratios` as the control plane's last answer.
+fn global(max_keys: u32, ratios: DropRatios) -> (RuleSet, Arc<ArcSwap<DropRatios>>) {
+    let yaml = format!(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: client_ip\n    limit: {{ rate: 5/s }}\n    scope: global\n    max_keys: {max_keys}\n"
+    );
+    let config = Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+    let ratios = Arc::new(ArcSwap::from_pointee(ratios));
+    let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
+    (rules, ratios)
+}
+
+/// `n` requests of client `ip`; how many were admitted.
+fn admitted(rules: &RuleSet, ip: &str, n: u32) -> u32 {
+    (0..n)
+        .map(|i| {
+            u32::from(
+                req("GET", "/", &[])
+                    .from(ip)
+                    .allowed(rules, T0 + u64::from(i)),
+            )
+        })
+        .sum()
+}
+
+#[test]
+fn a_key_the_report_named_and_the_reply_left_out_is_under_its_limit_and_only_folded_keys_get_the_tails_ratio(
+) {
+    let (rules, ratios) = global(100, DropRatios::empty(T0));
+    // Ten clients: one heavy, nine light. top_k 1 names the heavy one and folds the rest.
+    for i in 0..10 {
+        admitted(&rules, &format!("10.0.0.{i}"), if i == 0 { 50 } else { 1 });
+    }
+    let report = rules.drain_global(1, 1.0);
+    assert_eq!(report[0].keys.len(), 1);
+    assert_eq!(report[0].other.2, 9, "nine folded");
+    assert!((report[0].folded.count() - 9.0).abs() < 1.0);
+    // The reply: the tail at 1 (everything dropped), the named key left out (under its limit).
+    ratios.store(Arc::new(DropRatios::of(T0, [("g", None, 1.0)].into_iter())));
+    assert_eq!(admitted(&rules, "10.0.0.0", 20), 20, "named, left out: 0");
+    assert_eq!(
+        admitted(&rules, "10.0.0.5", 20),
+        0,
+        "folded: the tail's ratio"
+    );
+    assert_eq!(admitted(&rules, "10.9.9.9", 20), 20, "never reported: 0");
+}
+
+#[test]
+fn keys_past_the_controllers_threshold_or_watched_by_it_are_named_beyond_top_k() {
+    let (rules, ratios) = global(100, DropRatios::empty(T0));
+    let mut answer = DropRatios::of(T0, [("g", Some("10.0.0.9"), 0.0)].into_iter());
+    answer.hint("g", 2.0, None);
+    ratios.store(Arc::new(answer));
+    // Over one second: 10.0.0.0 offers 50, 10.0.0.1..4 offer 3 (past 2/s), the rest 1;
+    // 10.0.0.9 is watched.
+    for i in 0..10 {
+        let n = match i {
+            0 => 50,
+            1..=4 => 3,
+            _ => 1,
+        };
+        admitted(&rules, &format!("10.0.0.{i}"), n);
+    }
+    let report = rules.drain_global(1, 1.0);
+    let mut named: Vec<&str> = report[0].keys.iter().map(|k| k.0.as_str()).collect();
+    named.sort_unstable();
+    assert_eq!(
+        named,
+        ["10.0.0.0", "10.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.4", "10.0.0.9"]
+    );
+    assert_eq!(report[0].other.2, 4);
+}
+
+#[test]
+fn keys_a_full_store_cannot_track_are_counted_in_the_tails_sketch_and_get_its_ratio() {
+    let (rules, ratios) = global(2, DropRatios::empty(T0));
+    for i in 0..50 {
+        admitted(&rules, &format!("10.1.0.{i}"), 1);
+    }
+    let report = rules.drain_global(10, 1.0);
+    let tail_keys = report[0].folded.count();
+    assert!(
+        (tail_keys - 48.0).abs() < 4.0,
+        "48 keys past the store, counted as {tail_keys}"
+    );
+    ratios.store(Arc::new(DropRatios::of(T0, [("g", None, 1.0)].into_iter())));
+    assert_eq!(
+        admitted(&rules, "10.1.0.40", 5),
+        0,
+        "an untracked key is in the tail"
+    );
+}
+
+#[test]
+fn a_cut_reply_keeps_a_named_keys_last_ratio_up_to_the_cut_instead_of_zero() {
+    let before = DropRatios::of(
+        T0,
+        [("g", Some("a"), 0.6), ("g", Some("b"), 0.2)].into_iter(),
+    );
+    let mut after = DropRatios::of(T0, [("g", Some("c"), 0.9)].into_iter());
+    after.hint("g", 1.0, Some(0.5));
+    after.keep_cut(&before, [("g", "a"), ("g", "b"), ("g", "d")].into_iter());
+    assert_eq!(after.ratio("g", b"a", false), 0.5, "at most the cut");
+    assert_eq!(after.ratio("g", b"b", false), 0.2);
+    assert_eq!(after.ratio("g", b"c", false), 0.9);
+    assert_eq!(after.ratio("g", b"d", false), 0.0, "nothing known: 0");
+    // Not cut: left out means 0.
+    let mut whole = DropRatios::of(T0, [("g", Some("c"), 0.9)].into_iter());
+    whole.keep_cut(&before, [("g", "a")].into_iter());
+    assert_eq!(whole.ratio("g", b"a", false), 0.0);
+}
+
+#[test]
+fn a_global_rule_counts_its_cost_in_units() {
+    let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1' }\nrules:\n  - name: g\n    key: client_ip\n    limit: { rate: 50/s }\n    scope: global\n    cost: 5\n";
+    let config = Config::from_yaml(yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+    let rules = RuleSet::build(&config, &Metrics::new());
+    admitted(&rules, "10.0.0.1", 3);
+    let report = rules.drain_global(10, 1.0);
+    assert_eq!(report[0].keys, vec![("10.0.0.1".to_string(), 15, 15)]);
+}

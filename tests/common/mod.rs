@@ -351,7 +351,12 @@ pub struct Proc {
 impl Proc {
     /// Starts `spillway args...` and waits for its readiness line.
     pub fn spawn(args: &[&str]) -> Proc {
-        let mut child = std::process::Command::new(BIN)
+        Proc::spawn_bin(BIN, args)
+    }
+
+    /// Starts `bin args...` (another release's binary) and waits for its readiness line.
+    pub fn spawn_bin(bin: &str, args: &[&str]) -> Proc {
+        let mut child = std::process::Command::new(bin)
             .args(args)
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
