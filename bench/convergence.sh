@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# How well and how fast a fleet's admitted rate meets its limit (see benches/fleet_convergence.rs).
-# Runs on loopback only, about a minute; prints a Markdown table for BENCHMARKS.md.
+# How well and how fast a fleet's admitted rate meets its limit (benches/fleet_convergence.rs),
+# and whether the sums behind the ratios hold with many keys, uneven intervals and weighted
+# requests (benches/fleet_arithmetic.rs). Runs on loopback only, about three minutes; prints
+# Markdown tables for BENCHMARKS.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo bench --locked --bench fleet_convergence 2>/dev/null | grep '^|'
+echo
+cargo bench --locked --bench fleet_arithmetic 2>/dev/null | grep '^|'

@@ -46,6 +46,25 @@ fn ruleset(algorithm: Algorithm) -> RuleSet {
     RuleSet::build(&config, &Metrics::new())
 }
 
+/// A global rule whose drop ratio for the key of `ip(1)` is `ratio`, as a reply set it.
+fn global_ruleset(ratio: f64) -> RuleSet {
+    let yaml = "service: bench\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1', stale_after: 1h }\nrules:\n  - name: fleet\n    match: { path_prefix: /api/ }\n    key: client_ip\n    limit: { rate: 100/s }\n    scope: global\n";
+    let config = Config::from_yaml(yaml, "bench").unwrap();
+    // Built from JSON, as a reporter reads it (and as every wire version has it).
+    let reply: spillway::internal::control::Reply = serde_json::from_str(&format!(
+        r#"{{"version":1,"age_ms":0,"ratios":[{{"service":"bench","rule":"fleet","key":"{}","ratio":{ratio}}}]}}"#,
+        ip(1)
+    ))
+    .unwrap();
+    let now = MonotonicClock::new().now();
+    let ratios = spillway::internal::control::DropRatios::from_reply(&reply, "bench", now);
+    RuleSet::build_with_ratios(
+        &config,
+        &Metrics::new(),
+        Arc::new(arc_swap::ArcSwap::from_pointee(ratios)),
+    )
+}
+
 fn ip(i: u32) -> IpAddr {
     IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))
 }
@@ -186,6 +205,15 @@ fn bench(c: &mut Criterion) {
             black_box(rules.check(&view, clock.now()))
         })
     });
+    // A global rule, decided by the control plane's last ratios: a key the reply names at 0
+    // (admitted) and one at 1 (refused: the 429's path up to its rendering).
+    for (name, ratio) in [("admitted", 0.0), ("refused", 1.0)] {
+        let rules = global_ruleset(ratio);
+        let r = Req::new();
+        g.bench_function(format!("global/{name}/one_key/1_thread"), |b| {
+            b.iter(|| r.decide(&rules, ip(1)))
+        });
+    }
     g.finish();
 
     let mut g = c.benchmark_group("governor");

@@ -155,7 +155,7 @@ pub async fn run(duration: Duration) -> anyhow::Result<()> {
 
 /// Offers `rate(elapsed)` requests per second of GET `uri` with `headers` until `deadline`,
 /// each in its own task so that slow answers never slow the offer, and tallies the answers.
-pub(crate) async fn offer(
+pub async fn offer(
     client: Client<HttpConnector, Empty<Bytes>>,
     uri: http::Uri,
     headers: Vec<(&'static str, String)>,
@@ -267,7 +267,7 @@ async fn show_one_rejection(
 }
 
 /// A tiny app: answers every request with 200 and a short body.
-pub(crate) async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
+pub async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {

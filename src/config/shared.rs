@@ -178,7 +178,7 @@ pub struct ControlPlane {
     /// instead of the system's trust store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<std::path::PathBuf>,
-    /// How often counts are reported (at least 100ms).
+    /// How often counts are reported: 100ms to 600s, whatever the aggregators' interval.
     #[serde(default = "default_report_interval")]
     pub report_interval: Dur,
     /// No good reply for this long: the control plane is stale.
