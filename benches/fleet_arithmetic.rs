@@ -118,7 +118,10 @@ async fn flood(up: std::net::SocketAddr) -> anyhow::Result<Scenario> {
         aggregator: None,
         proxies,
         offers,
-        allowed: vec![("151 attacker keys at 2x", 302.0), ("4 legitimate keys at 0.5x", 4.0)],
+        allowed: vec![
+            ("151 attacker keys at 2x", 302.0),
+            ("4 legitimate keys at 0.5x", 4.0),
+        ],
         target: "legitimate >= 99 %",
     })
 }

@@ -205,7 +205,7 @@ impl State {
     async fn forward(&self, last: bool) {
         let ((entries, interval_ms), hosts) = {
             let mut sums = self.sums.lock();
-            (sums.take(self.sums.now()), sums.hosts())
+            (sums.take(self.sums.now(), last), sums.hosts())
         };
         self.hosts.set(hosts as i64);
         // Never fewer parts than before: a key keeps its part from one forward to the next, so
@@ -267,8 +267,12 @@ const PART_BYTES: usize = 3 << 20;
 /// `entries` in at least `at_least` (and at least one) parts of about [`PART_BYTES`] of JSON
 /// at most, each key in the part its hash picks, so that it stays there while the count does.
 fn split(entries: Vec<Entry>, at_least: usize) -> Vec<Vec<Entry>> {
-    let cost =
-        |e: &Entry| 160 + e.service.len() + e.rule.len() + e.key.as_ref().map_or(0, String::len);
+    let cost = |e: &Entry| {
+        160 + e.service.len()
+            + e.rule.len()
+            + e.key.as_ref().map_or(0, String::len)
+            + e.sketch.as_ref().map_or(0, String::len)
+    };
     let total: usize = entries.iter().map(cost).sum();
     let n = total.div_ceil(PART_BYTES).max(at_least).max(1);
     let mut parts: Vec<Vec<Entry>> = (0..n).map(|_| Vec::new()).collect();

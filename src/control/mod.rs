@@ -50,8 +50,9 @@ pub const MAX_REPLY: usize = 64 << 20;
 
 /// Counts above this per entry and interval are absurd (10^12 requests) and refused.
 pub const MAX_COUNT: u64 = 1_000_000_000_000;
-/// No proxy decides more than this many requests per second for one key.
-pub const MAX_RATE: f64 = 1e8;
+/// No proxy decides more than this many units per second for one key (requests, or a
+/// rule's cost: bytes at 100 GB/s).
+pub const MAX_RATE: f64 = 1e11;
 /// New sources (hosts, or aggregator replicas) taken per second; a flood of fake hosts beyond
 /// it is refused (429) instead of growing memory and work.
 pub const NEW_SOURCES_PER_SEC: u32 = 1_000;
@@ -183,9 +184,9 @@ pub struct RuleHint {
     pub cut_below: Option<f64>,
 }
 
-/// One drop ratio. A key absent from a reply has ratio 0 if the report it answers named it,
-/// the folded tail's ratio (`key: None`) if that report folded it, and 0 until it was in a
-/// report at all (unless its rule's ratios were cut: see [`RuleHint::cut_below`]).
+/// One drop ratio. A key absent from a reply has ratio 0 if the report it answers named it
+/// (unless its rule's ratios were cut: see [`RuleHint::cut_below`]), else the folded tail's
+/// ratio (`key: None`): that report, or the last the key was in, folded it, or none has had it.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct Ratio {
@@ -291,7 +292,7 @@ impl Report {
         }
         // Absurd rates are refused rather than clamped: a clamped lie still moves ratios.
         if e.offered as f64 * 1000.0 / self.interval_ms.max(1) as f64 > MAX_RATE {
-            return Some("offered more than 10^8 requests/s for one key from one source");
+            return Some("offered more than 10^11 units/s for one key from one source");
         }
         if e.limit.count == 0 || e.limit.period_ms == 0 || e.limit.period_ms > 86_400_000 * 365 {
             return Some("limit needs count > 0 and a period between 1 ms and 365 d");

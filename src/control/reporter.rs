@@ -247,7 +247,7 @@ pub fn build_report(
     seq: u64,
 ) -> Report {
     let mut entries = Vec::new();
-    for counts in rules.drain_global(top_k, interval.as_secs_f64()) {
+    for counts in rules.drain_global(top_k, interval.as_secs_f64(), seq) {
         let entry = |key, keys_folded, offered, admitted| Entry {
             service: service.to_string(),
             rule: counts.rule.clone(),
@@ -383,6 +383,7 @@ impl Reporter {
     /// One report and the publication of its reply.
     pub async fn once(&self, rules: &RuleSet) {
         let report = self.report(rules);
+        let seq = report.seq;
         // What the report names, for the keys a cut reply leaves out.
         let named: Vec<(String, String)> = report
             .entries
@@ -404,7 +405,7 @@ impl Reporter {
             Ok((reply, size)) => {
                 let age = Duration::from_millis(reply.age_ms).as_nanos() as Nanos;
                 let at = sent_at.saturating_sub(age);
-                let mut ratios = DropRatios::from_reply(&reply, &self.service, at);
+                let mut ratios = DropRatios::from_reply(&reply, &self.service, at).answering(seq);
                 ratios.keep_cut(
                     &self.ratios.load(),
                     named.iter().map(|(r, k)| (r.as_str(), k.as_str())),

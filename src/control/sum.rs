@@ -44,6 +44,10 @@ pub const MAX_RATIOS_PER_SERVICE: usize = 10_000;
 /// reporter reads ([`super::MAX_REPLY`]) however many services are flooded.
 pub const MAX_RATIOS: usize = 100_000;
 
+/// Rules of one service whose hints a reply carries (the busiest), and in all.
+pub const MAX_HINTS_PER_SERVICE: usize = 1_000;
+pub const MAX_HINTS: usize = 10_000;
+
 /// Replies use ratios at most this old (seconds), or older when rebuilding takes long.
 pub const SNAPSHOT_EVERY: f64 = 0.1;
 
@@ -88,6 +92,8 @@ struct RuleAcc {
     /// the tail do not leave its lagging load against an allowance that has already shrunk),
     /// and when that was brought up to date.
     distinct: Option<(f64, f64)>,
+    /// The union of the reporters' sketches, counted; `None` once a sketch changed.
+    union: Option<f64>,
     keys: HashMap<Arc<str>, KeySum>,
     /// The folded tail ("other").
     other: Option<KeySum>,
@@ -111,7 +117,13 @@ impl RuleAcc {
 
     /// Source `id` no longer states a limit here: the smallest of the others applies.
     fn forget_limit(&mut self, id: u64) {
-        self.reporters.remove(&id);
+        if self
+            .reporters
+            .remove(&id)
+            .is_some_and(|r| r.sketch.is_some())
+        {
+            self.union = None;
+        }
         if self.limits.remove(&id).is_some() && !self.limits.is_empty() {
             self.limit = smallest(self.limits.values());
         }
@@ -120,7 +132,14 @@ impl RuleAcc {
     /// The distinct keys the tails fold ([`Self::distinct_now`]), smoothed over `tau` up to
     /// `now`.
     fn smooth_distinct(&mut self, now: f64, tau: f64) -> f64 {
-        let now_count = self.distinct_now();
+        let now_count = match self.union {
+            Some(n) => n,
+            None => {
+                let n = self.distinct_now();
+                self.union = Some(n);
+                n
+            }
+        };
         let smoothed = match self.distinct {
             Some((d, at)) => {
                 let a = 1.0 - (-(now - at).max(0.0) / tau).exp();
@@ -139,8 +158,17 @@ impl RuleAcc {
     }
 
     /// The hosts reporting the rule, at least one.
-    fn hosts(&self) -> u32 {
-        self.reporters.values().map(|r| r.hosts).sum::<u32>().max(1)
+    fn hosts(&self) -> f64 {
+        let n: u64 = self.reporters.values().map(|r| u64::from(r.hosts)).sum();
+        n.max(1) as f64
+    }
+
+    /// Sketches to union when one changed: what a rebuild may cost beside its keys.
+    fn sketches(&self) -> usize {
+        self.reporters
+            .values()
+            .filter(|r| r.sketch.is_some())
+            .count()
     }
 
     /// The distinct keys the tails fold now: the union of the sources' sketches, or (for
@@ -392,12 +420,15 @@ impl Accumulator {
         // The service whose entries come now, and how many values it holds with them.
         let mut service_held: Option<(Arc<str>, usize)> = None;
         let secs = report.interval_ms as f64 / 1000.0;
+        let zone = report.source.starts_with("zone:");
         let mut bytes = 0usize;
         let mut new: Vec<HeldRule> = Vec::new();
         let mut limits_set: HashMap<(Arc<str>, Arc<str>), Limit> = HashMap::new();
         let mut group_limit: Option<Limit> = None;
         for e in &report.entries {
-            bytes += ENTRY_COST + e.key.as_ref().map_or(0, String::len);
+            bytes += ENTRY_COST
+                + e.key.as_ref().map_or(0, String::len)
+                + e.sketch.as_ref().map_or(0, String::len);
             if bytes > MAX_HELD_BYTES || self.tracked >= self.max_tracked {
                 self.refused += 1;
                 continue;
@@ -436,6 +467,7 @@ impl Accumulator {
                                 limits: HashMap::new(),
                                 reporters: HashMap::new(),
                                 distinct: None,
+                                union: None,
                                 keys: HashMap::new(),
                                 other: None,
                             },
@@ -475,13 +507,16 @@ impl Accumulator {
                         limits_set.insert(named, e.limit);
                         group_limit = Some(e.limit);
                         // This report's statement of the rule replaces the last one.
-                        rule.reporters.insert(
+                        let before = rule.reporters.insert(
                             id,
                             Reporter {
                                 hosts: 1,
                                 sketch: None,
                             },
                         );
+                        if before.is_some_and(|r| r.sketch.is_some()) {
+                            rule.union = None;
+                        }
                         match rule.limits.insert(id, e.limit) {
                             Some(l) if l == e.limit => {}
                             _ => {
@@ -495,9 +530,14 @@ impl Accumulator {
                 }
             }
             if let Some(r) = rule.reporters.get_mut(&id) {
-                r.hosts = r.hosts.max(e.hosts);
+                // Only a zone's sums stand for several hosts: a host saying otherwise would
+                // shrink every proxy's `name_above` and swell their reports.
+                if zone {
+                    r.hosts = r.hosts.max(e.hosts);
+                }
                 if let Some(d) = e.sketch.as_deref().and_then(Distinct::decode) {
                     r.sketch.get_or_insert_with(Distinct::default).union(&d);
+                    rule.union = None;
                 }
             }
             let (key, ks) = match &e.key {
@@ -605,7 +645,7 @@ impl Accumulator {
         // (ratio, offered, rule, key) per service: names are copied only for what travels.
         type Candidate<'a> = (f64, f64, &'a Arc<str>, Option<&'a Arc<str>>);
         let mut candidates: HashMap<&Arc<str>, Vec<Candidate>> = HashMap::new();
-        let mut hints: HashMap<Arc<str>, Vec<RuleHint>> = HashMap::new();
+        let mut hints: HashMap<Arc<str>, Vec<(f64, RuleHint)>> = HashMap::new();
         let mut totals = Vec::new();
         let mut keys = 0;
         for rules in self.rules.values_mut() {
@@ -620,7 +660,9 @@ impl Accumulator {
                 // Pigeonhole: a key offered past the limit fleet-wide is offered past
                 // limit / hosts on at least one host; half that leaves room for uneven
                 // intervals.
-                let name_above = limit / (2.0 * f64::from(hosts));
+                let name_above = limit / (2.0 * hosts);
+                // A union of sketches costs about what visiting eight keys does.
+                keys += rule.sketches() * 8;
                 let mut total = RuleTotal {
                     service: service.clone(),
                     rule: rule_name.clone(),
@@ -645,12 +687,16 @@ impl Accumulator {
                             .push((ratio, offered, rule_name, key));
                     }
                 }
-                hints.entry(service.clone()).or_default().push(RuleHint {
+                let hint = RuleHint {
                     service: service.to_string(),
                     rule: rule_name.to_string(),
                     name_above,
                     cut_below: None,
-                });
+                };
+                hints
+                    .entry(service.clone())
+                    .or_default()
+                    .push((total.offered, hint));
                 totals.push(total);
             }
         }
@@ -683,10 +729,28 @@ impl Accumulator {
         for (service, (ratio, _, rule, _)) in left_out {
             if let Some(h) = hints
                 .get_mut(service)
-                .and_then(|h| h.iter_mut().find(|h| *h.rule == **rule))
+                .and_then(|h| h.iter_mut().find(|h| *h.1.rule == **rule))
             {
-                h.cut_below = Some(h.cut_below.unwrap_or(0.0).max(ratio));
+                h.1.cut_below = Some(h.1.cut_below.unwrap_or(0.0).max(ratio));
             }
+        }
+        // Hints of the busiest rules only, so that invented rule names cannot swell a reply.
+        let by_offered = |a: &(f64, RuleHint), b: &(f64, RuleHint)| b.0.total_cmp(&a.0);
+        let mut kept: Vec<(f64, RuleHint)> = Vec::new();
+        for (_, mut h) in hints {
+            if h.len() > MAX_HINTS_PER_SERVICE {
+                h.select_nth_unstable_by(MAX_HINTS_PER_SERVICE - 1, by_offered);
+                h.truncate(MAX_HINTS_PER_SERVICE);
+            }
+            kept.extend(h);
+        }
+        if kept.len() > MAX_HINTS {
+            kept.select_nth_unstable_by(MAX_HINTS - 1, by_offered);
+            kept.truncate(MAX_HINTS);
+        }
+        let mut hints: HashMap<Arc<str>, Vec<RuleHint>> = HashMap::new();
+        for (_, h) in kept {
+            hints.entry(h.service.as_str().into()).or_default().push(h);
         }
         let mut by_service: HashMap<Arc<str>, Vec<Ratio>> = HashMap::new();
         for (service, (ratio, _, rule, key)) in all {

@@ -110,7 +110,7 @@ fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
         }
         for (name, z, phase) in [("zone:z/a", &mut a, 0), ("zone:z/b", &mut b, 5)] {
             if tick % 10 == phase && tick > 0 {
-                let (entries, ms) = z.take(t);
+                let (entries, ms) = z.take(t, false);
                 forwarded += entries.iter().map(|e| e.offered).sum::<u64>();
                 let mut r = report(name, entries);
                 r.interval_ms = ms;
@@ -124,7 +124,7 @@ fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
     let last: u64 = [&mut a, &mut b]
         .into_iter()
         // After the last report's interval: all of it.
-        .map(|z| z.take(41.0).0.iter().map(|e| e.offered).sum::<u64>())
+        .map(|z| z.take(41.0, false).0.iter().map(|e| e.offered).sum::<u64>())
         .sum();
     assert_eq!(
         forwarded + last,
@@ -271,8 +271,8 @@ fn one_source_holds_a_bounded_number_of_key_bytes() {
 
 #[test]
 fn an_absurd_rate_is_refused_not_clamped() {
-    let mut r = report("h", vec![entry(Some("k"), 20_000_000, 0)]);
-    r.interval_ms = 100; // 2 * 10^7 in 100 ms: 2 * 10^8 requests/s
+    let mut r = report("h", vec![entry(Some("k"), 20_000_000_000, 0)]);
+    r.interval_ms = 100; // 2 * 10^10 in 100 ms: 2 * 10^11 units/s
     assert!(matches!(r.validate(), Err(ReportError::Entry(0, _))));
     r.interval_ms = 1000;
     assert!(r.validate().is_ok());
@@ -297,7 +297,7 @@ fn a_report_already_counted_is_not_counted_again() {
     r.seq = 8;
     zone.record(r.clone(), "t", 0.3).unwrap();
     // Each report's units over its own interval: all of both by the end of the second one.
-    let (entries, _) = zone.take(1.3);
+    let (entries, _) = zone.take(1.3, false);
     assert_eq!(entries[0].offered, 20);
 }
 
@@ -325,7 +325,7 @@ fn a_flood_of_new_hosts_is_throttled_per_second_and_known_hosts_still_report() {
         "the next second has room again"
     );
     // Silent hosts are forgotten.
-    zone.take(100.0);
+    zone.take(100.0, false);
     assert_eq!(zone.hosts(), 0);
 }
 
@@ -626,7 +626,7 @@ fn hosts_reporting_every_250ms_1s_and_5s_are_forwarded_at_their_rates() {
             }
         }
         if tick % 20 == 10 {
-            let (entries, ms) = zone.take(now);
+            let (entries, ms) = zone.take(now, false);
             let sum: u64 = entries.iter().map(|e| e.offered).sum();
             windows.push((now, sum as f64 * 1000.0 / ms as f64));
             if let Some(e) = entries.first() {
@@ -649,7 +649,7 @@ fn a_zones_tail_carries_the_union_of_its_hosts_sketches() {
         let r = report(host, vec![tail(i * 20..i * 20 + 40, 10, true)]);
         zone.record(r, "t", 0.0).unwrap();
     }
-    let (entries, _) = zone.take(1.0);
+    let (entries, _) = zone.take(1.0, false);
     let tail = entries.iter().find(|e| e.key.is_none()).unwrap();
     let d = crate::limit::Distinct::decode(tail.sketch.as_deref().unwrap()).unwrap();
     assert!((d.count() - 60.0).abs() < 4.0, "{}", d.count());
@@ -660,4 +660,48 @@ fn a_zones_tail_carries_the_union_of_its_hosts_sketches() {
     }
     .validate()
     .is_ok());
+}
+
+#[test]
+fn only_a_zones_sums_may_say_they_stand_for_many_hosts() {
+    let mut acc = Accumulator::new(1.0);
+    let mut e = entry(Some("k"), 10, 10);
+    e.hosts = 1_000;
+    acc.record(&report("pod-a", vec![e.clone()]), "t", 0.0)
+        .unwrap();
+    let reply = acc.reply(Some(&["svc"]), 0.0);
+    assert_eq!(reply.rules[0].name_above, 100.0 / 2.0, "one host");
+    acc.record(&report("zone:z/r", vec![e]), "zones", 0.0)
+        .unwrap();
+    let reply = acc.reply(Some(&["svc"]), 0.0);
+    assert_eq!(reply.rules[0].name_above, 100.0 / (2.0 * 1001.0));
+}
+
+#[test]
+fn a_stopping_replica_hands_over_all_its_hosts_reports_hold() {
+    let mut zone = ZoneSums::new(0.0, 1000);
+    let mut r = report("slow", vec![entry(Some("k"), 500, 500)]);
+    r.interval_ms = 5000;
+    zone.record(r, "t", 0.0).unwrap();
+    let (first, _) = zone.take(1.0, false);
+    assert_eq!(first[0].offered, 100, "one second of five");
+    let (last, _) = zone.take(1.5, true);
+    assert_eq!(last[0].offered, 400, "the rest, at once");
+    assert!(zone.take(10.0, false).0.is_empty());
+}
+
+#[test]
+fn a_sketch_is_charged_against_the_replicas_room_as_its_bytes_are() {
+    // Room for 30 entries: a plain entry and a sketched tail (1 + 21) fit, a second tail not.
+    let mut zone = ZoneSums::new(0.0, 60);
+    let r = report(
+        "h",
+        vec![
+            entry(Some("k"), 1, 1),
+            tail(0..5, 1, true),
+            tail(5..9, 1, true),
+        ],
+    );
+    zone.record(r, "t", 0.0).unwrap();
+    assert_eq!(zone.refused, 1);
 }

@@ -78,6 +78,9 @@ struct Holding {
     accrued: f64,
     owner: Box<str>,
     rules: Vec<HeldRule>,
+    /// What it counts against `max_keys`: an entry each, and a sketch as many entries as its
+    /// bytes are.
+    charge: usize,
 }
 
 #[derive(Debug)]
@@ -99,11 +102,8 @@ struct HeldKey {
     admitted: f64,
 }
 
-impl Holding {
-    fn entries(&self) -> usize {
-        self.rules.iter().map(|r| r.keys.len()).sum()
-    }
-}
+/// Entries a tail's sketch is charged as.
+const SKETCH_CHARGE: usize = crate::limit::distinct::WIRE_LEN / 48;
 
 /// What the hosts holding values in a window say of one rule.
 #[derive(Default)]
@@ -146,7 +146,7 @@ impl ZoneSums {
         // held comes now, so that every unit a host reported is handed over once.
         let until = holding.until;
         accrue(holding, until, &mut self.pending, &mut self.conflicts);
-        let before = holding.entries();
+        let before = std::mem::take(&mut holding.charge);
         self.held = self.held.saturating_sub(before);
         if let Some(n) = self.held_by.get_mut(owner) {
             *n = n.saturating_sub(before);
@@ -166,12 +166,13 @@ impl ZoneSums {
             .min((self.max_keys / 2).saturating_sub(mine));
         let mut taken = 0;
         for e in report.entries {
-            if room == 0 {
+            let charge = 1 + if e.sketch.is_some() { SKETCH_CHARGE } else { 0 };
+            if room < charge {
                 self.refused += 1;
                 continue;
             }
-            room -= 1;
-            taken += 1;
+            room -= charge;
+            taken += charge;
             let same = holding
                 .rules
                 .last()
@@ -205,6 +206,7 @@ impl ZoneSums {
                 admitted: e.admitted.min(e.offered) as f64 / secs,
             });
         }
+        holding.charge = taken;
         self.held += taken;
         *self.held_by.entry(owner.into()).or_default() += taken;
         Ok(())
@@ -212,8 +214,9 @@ impl ZoneSums {
 
     /// Hands over what the hosts offered and admitted since the last take (whole units; the
     /// fractions wait for the next one), with the milliseconds it covers, and starts anew at
-    /// `now`; forgets hosts silent for three of their intervals.
-    pub fn take(&mut self, now: f64) -> (Vec<Entry>, u64) {
+    /// `now`; forgets hosts silent for three of their intervals. The `last` take (the replica
+    /// is stopping) hands over all that its hosts' reports hold, to the end of their intervals.
+    pub fn take(&mut self, now: f64, last: bool) -> (Vec<Entry>, u64) {
         let interval_ms = (((now - self.since) * 1000.0).round() as u64).clamp(100, 600_000);
         let since = self.since;
         self.since = now;
@@ -226,7 +229,8 @@ impl ZoneSums {
             }
             // Hosts whose values stood in this window say which rules they report.
             if h.until > since {
-                accrue(h, now, &mut self.pending, &mut self.conflicts);
+                let to = if last { h.until } else { now };
+                accrue(h, to, &mut self.pending, &mut self.conflicts);
                 for r in &h.rules {
                     let w = window
                         .entry((r.service.clone(), r.rule.clone()))
@@ -238,8 +242,8 @@ impl ZoneSums {
                     }
                 }
             }
-            if h.until <= now {
-                spent.push((h.owner.clone(), h.entries()));
+            if h.until <= now || last {
+                spent.push((h.owner.clone(), std::mem::take(&mut h.charge)));
                 h.rules.clear();
             }
         }
@@ -284,7 +288,9 @@ impl ZoneSums {
                 p.stated = false;
                 // A fraction accrued in no window since is handed on no more.
                 p.keys.retain(|_, k| std::mem::take(&mut k.touched));
-                std::mem::take(&mut p.tail.touched);
+                if !std::mem::take(&mut p.tail.touched) {
+                    p.tail = Pending::default();
+                }
             }
             rules.retain(|_, p| !p.keys.is_empty() || p.tail.offered > 0.0);
         }

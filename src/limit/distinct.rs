@@ -124,7 +124,12 @@ impl AtomicDistinct {
         let h = hash(key);
         let index = (h >> (64 - u32::from(PRECISION))) as usize;
         let rank = (1 + h.trailing_zeros()).min(63) as u8;
-        self.registers[index].fetch_max(rank, Ordering::Relaxed);
+        // Read first: under a flood of keys most find their register high enough already,
+        // and then write nothing to a line every worker reads.
+        let r = &self.registers[index];
+        if r.load(Ordering::Relaxed) < rank {
+            r.fetch_max(rank, Ordering::Relaxed);
+        }
     }
 
     /// What was inserted since the last take, and empty again.

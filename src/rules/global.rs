@@ -6,7 +6,7 @@
 //! hand one counter's interval to two reports.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::Rate;
@@ -17,6 +17,9 @@ use crate::limit::Nanos;
 pub struct DropRatios {
     /// When the control plane computed these, on the limiter clock.
     pub at: Nanos,
+    /// The sequence number of the report these answer: a key's choice (named or folded) in a
+    /// later report, whose answer has not come, does not apply yet.
+    pub answers: u64,
     rules: HashMap<String, RuleRatios>,
 }
 
@@ -47,8 +50,15 @@ impl DropRatios {
     pub fn empty(at: Nanos) -> Self {
         DropRatios {
             at,
+            answers: 0,
             rules: HashMap::new(),
         }
+    }
+
+    /// These ratios as the answer to the report numbered `seq`.
+    pub fn answering(mut self, seq: u64) -> Self {
+        self.answers = seq;
+        self
     }
 
     /// The ratios `(rule, key, ratio)` computed at `at`: a key of `None` is a rule's "other"
@@ -72,20 +82,25 @@ impl DropRatios {
                 None => rule.other = ratio,
             }
         }
-        DropRatios { at, rules }
+        DropRatios {
+            at,
+            answers: 0,
+            rules,
+        }
     }
 
     /// The ratio for `key` (its text form) under `rule`: its own if the control plane named
-    /// it; else the rule's "other" ratio if this proxy `folded` it into the tail of its last
-    /// report; else 0 (a key it named that the reply leaves out is under its limit).
+    /// it; else, if `tail` (this proxy folded the key into the tail of the last report these
+    /// answer, or has not reported it yet), the rule's "other" ratio; else 0 (a key the report
+    /// named that the reply leaves out is under its limit).
     #[inline]
-    pub fn ratio(&self, rule: &str, key: &[u8], folded: bool) -> f64 {
+    pub fn ratio(&self, rule: &str, key: &[u8], tail: bool) -> f64 {
         let Some(r) = self.rules.get(rule) else {
             return 0.0;
         };
         match std::str::from_utf8(key).ok().and_then(|k| r.keys.get(k)) {
             Some(ratio) => *ratio,
-            None if folded => r.other,
+            None if tail => r.other,
             None => 0.0,
         }
     }
@@ -165,10 +180,15 @@ pub struct GlobalCounters {
     // Relaxed: counters; the reporter's swap reads each exactly once.
     offered: AtomicU64,
     admitted: AtomicU64,
-    /// The last report folded this key into its tail. Relaxed: a flag the reporter sets once
-    /// per report, read by the decision with the ratios that answer it.
-    folded: AtomicBool,
+    /// What the last report this key was in did with it, staged until its answer comes: the
+    /// report's sequence number (high 48 bits), the choice before it (8 bits) and its own (low 8
+    /// bits): 0 not yet reported, [`NAMED`] or [`FOLDED`]. Relaxed: one word the reporter
+    /// writes once per report, read with the ratios that say which report they answer.
+    choice: AtomicU64,
 }
+
+const NAMED: u64 = 1;
+const FOLDED: u64 = 2;
 
 impl GlobalCounters {
     pub(super) fn offer(&self, units: u32) {
@@ -179,15 +199,29 @@ impl GlobalCounters {
         self.admitted.fetch_add(u64::from(units), Ordering::Relaxed);
     }
 
-    /// Whether the last report folded this key into its tail.
+    /// Whether the tail's ratio applies to this key under ratios answering report `answers`:
+    /// unless the last report they answer named it (a key not yet reported is limited as the
+    /// tail is, as it was before reports named keys).
     #[inline]
-    pub(super) fn folded(&self) -> bool {
-        self.folded.load(Ordering::Relaxed)
+    pub(super) fn in_tail(&self, answers: u64) -> bool {
+        let w = self.choice.load(Ordering::Relaxed);
+        let choice = if w >> 16 <= answers { w } else { w >> 8 };
+        choice & 0xff != NAMED
     }
 
-    /// Says whether the report being made folds this key.
-    pub(super) fn set_folded(&self, folded: bool) {
-        self.folded.store(folded, Ordering::Relaxed);
+    /// Says what report `seq` does with this key (`folded`, or named), the choice before it
+    /// standing until that report's answer comes.
+    pub(super) fn choose(&self, seq: u64, folded: bool) {
+        let w = self.choice.load(Ordering::Relaxed);
+        let now = if folded { FOLDED } else { NAMED };
+        // A second report under the same number (none is sent) keeps what stood before it.
+        let before = if w >> 16 < seq {
+            w & 0xff
+        } else {
+            (w >> 8) & 0xff
+        };
+        self.choice
+            .store((seq << 16) | (before << 8) | now, Ordering::Relaxed);
     }
 
     /// Offered and admitted since the last take, zeroed.
@@ -232,6 +266,7 @@ pub(super) fn choose_named(
     rule: &str,
     top_k: usize,
     secs: f64,
+    seq: u64,
 ) -> (Vec<Counted>, Vec<Counted>) {
     keys.sort_unstable_by_key(|k| std::cmp::Reverse(k.1));
     let watched = ratios.watch(rule);
@@ -247,7 +282,7 @@ pub(super) fn choose_named(
             extra += 1;
             name = true;
         }
-        counters.set_folded(!name);
+        counters.choose(seq, !name);
         if name {
             named.push((key, o, a));
         } else {

@@ -427,7 +427,8 @@ impl RuleSet {
                             (d, Some(slot))
                         }
                         _ => {
-                            let p = ratios.ratio(&rule.name, &key, counters.folded()) * factor;
+                            let tail = counters.in_tail(ratios.answers);
+                            let p = ratios.ratio(&rule.name, &key, tail) * factor;
                             let d = if p > 0.0 && fastrand::f64() < p {
                                 // The ratio may change with the next reply.
                                 let interval = self.report_interval.max(1);
@@ -600,9 +601,10 @@ impl RuleSet {
     }
 
     /// Takes the counts of every global rule since the last call (each counter is read and
-    /// zeroed once), naming keys as [`choose_named`] says (`secs`: the interval they cover)
-    /// and folding the rest, with a sketch of which keys those are.
-    pub fn drain_global(&self, top_k: usize, secs: f64) -> Vec<GlobalCounts> {
+    /// zeroed once) for the report numbered `seq`, naming keys as [`choose_named`] says
+    /// (`secs`: the interval they cover) and folding the rest, with a sketch of which keys
+    /// those are.
+    pub fn drain_global(&self, top_k: usize, secs: f64, seq: u64) -> Vec<GlobalCounts> {
         let ratios = self.ratios.load();
         let mut out = Vec::new();
         for rule in &self.rules {
@@ -630,10 +632,10 @@ impl RuleSet {
                     Some((key, o, a, e.value().clone()))
                 })
                 .collect();
-            let (named, tail) = choose_named(keys, &ratios, &rule.name, top_k, secs);
+            let (named, tail) = choose_named(keys, &ratios, &rule.name, top_k, secs, seq);
             // The keys a full store could not track are always in the tail.
             let (o, a) = take(&store.overflow);
-            store.overflow.set_folded(true);
+            store.overflow.choose(seq, true);
             let mut folded = overflow_keys.take();
             let mut other = (o, a, u64::from(o > 0));
             for (k, o, a) in tail {

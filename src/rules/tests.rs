@@ -381,19 +381,40 @@ fn a_key_the_report_named_and_the_reply_left_out_is_under_its_limit_and_only_fol
     for i in 0..10 {
         admitted(&rules, &format!("10.0.0.{i}"), if i == 0 { 50 } else { 1 });
     }
-    let report = rules.drain_global(1, 1.0);
+    let report = rules.drain_global(1, 1.0, 7);
     assert_eq!(report[0].keys.len(), 1);
     assert_eq!(report[0].other.2, 9, "nine folded");
     assert!((report[0].folded.count() - 9.0).abs() < 1.0);
-    // The reply: the tail at 1 (everything dropped), the named key left out (under its limit).
-    ratios.store(Arc::new(DropRatios::of(T0, [("g", None, 1.0)].into_iter())));
+    let tail_at_one = || DropRatios::of(T0, [("g", None, 1.0)].into_iter());
+    // Until report 7 is answered, what stood before it stands: nothing reported yet, so the
+    // tail's ratio, for every key.
+    ratios.store(Arc::new(tail_at_one().answering(6)));
+    assert_eq!(admitted(&rules, "10.0.0.0", 20), 0, "not yet named");
+    // The answer to report 7: the tail at 1 (everything dropped), the named key left out
+    // (under its limit).
+    ratios.store(Arc::new(tail_at_one().answering(7)));
     assert_eq!(admitted(&rules, "10.0.0.0", 20), 20, "named, left out: 0");
     assert_eq!(
         admitted(&rules, "10.0.0.5", 20),
         0,
         "folded: the tail's ratio"
     );
-    assert_eq!(admitted(&rules, "10.9.9.9", 20), 20, "never reported: 0");
+    assert_eq!(
+        admitted(&rules, "10.9.9.9", 20),
+        0,
+        "never reported: limited as the tail is"
+    );
+    // Report 8 names 10.0.0.0 again (the heaviest); report 9 folds it (one request beside
+    // 30 of another client): the fold applies once report 9 is answered, not before.
+    rules.drain_global(1, 1.0, 8);
+    admitted(&rules, "10.0.0.0", 1);
+    admitted(&rules, "10.0.0.5", 30);
+    let report = rules.drain_global(1, 1.0, 9);
+    assert_eq!(report[0].keys[0].0, "10.0.0.5");
+    ratios.store(Arc::new(tail_at_one().answering(8)));
+    assert_eq!(admitted(&rules, "10.0.0.0", 20), 20, "named in 8");
+    ratios.store(Arc::new(tail_at_one().answering(9)));
+    assert_eq!(admitted(&rules, "10.0.0.0", 20), 0, "folded in 9");
 }
 
 #[test]
@@ -412,7 +433,7 @@ fn keys_past_the_controllers_threshold_or_watched_by_it_are_named_beyond_top_k()
         };
         admitted(&rules, &format!("10.0.0.{i}"), n);
     }
-    let report = rules.drain_global(1, 1.0);
+    let report = rules.drain_global(1, 1.0, 1);
     let mut named: Vec<&str> = report[0].keys.iter().map(|k| k.0.as_str()).collect();
     named.sort_unstable();
     assert_eq!(
@@ -428,7 +449,7 @@ fn keys_a_full_store_cannot_track_are_counted_in_the_tails_sketch_and_get_its_ra
     for i in 0..50 {
         admitted(&rules, &format!("10.1.0.{i}"), 1);
     }
-    let report = rules.drain_global(10, 1.0);
+    let report = rules.drain_global(10, 1.0, 1);
     let tail_keys = report[0].folded.count();
     assert!(
         (tail_keys - 48.0).abs() < 4.0,
@@ -467,6 +488,6 @@ fn a_global_rule_counts_its_cost_in_units() {
     let config = Config::from_yaml(yaml, "t").unwrap_or_else(|e| panic!("{e}"));
     let rules = RuleSet::build(&config, &Metrics::new());
     admitted(&rules, "10.0.0.1", 3);
-    let report = rules.drain_global(10, 1.0);
+    let report = rules.drain_global(10, 1.0, 1);
     assert_eq!(report[0].keys, vec![("10.0.0.1".to_string(), 15, 15)]);
 }
