@@ -12,6 +12,11 @@ use std::sync::Arc;
 use crate::config::Rate;
 use crate::limit::Nanos;
 
+/// Looked up on every request a global rule decides: foldhash's quality variant, seeded per
+/// map, is much cheaper than SipHash on short keys, and its random seed keeps clients from
+/// choosing colliding keys blind (as in the rules' stores).
+type Map<V> = HashMap<String, V, foldhash::quality::RandomState>;
+
 /// Drop ratios per (rule, key) for one service, as of `at`.
 #[derive(Debug, Default)]
 pub struct DropRatios {
@@ -20,12 +25,12 @@ pub struct DropRatios {
     /// The sequence number of the report these answer: a key's choice (named or folded) in a
     /// later report, whose answer has not come, does not apply yet.
     pub answers: u64,
-    rules: HashMap<String, RuleRatios>,
+    rules: Map<RuleRatios>,
 }
 
 #[derive(Debug)]
 struct RuleRatios {
-    keys: HashMap<String, f64>,
+    keys: Map<f64>,
     /// For keys the reply does not name that this proxy folded into "other" in its report.
     other: f64,
     /// Units per second past which a key is reported by name whatever `top_k` says.
@@ -37,7 +42,7 @@ struct RuleRatios {
 impl Default for RuleRatios {
     fn default() -> Self {
         RuleRatios {
-            keys: HashMap::new(),
+            keys: Map::default(),
             other: 0.0,
             name_above: f64::INFINITY,
             cut_below: None,
@@ -51,7 +56,7 @@ impl DropRatios {
         DropRatios {
             at,
             answers: 0,
-            rules: HashMap::new(),
+            rules: Map::default(),
         }
     }
 
@@ -67,7 +72,7 @@ impl DropRatios {
         at: Nanos,
         ratios: impl Iterator<Item = (&'a str, Option<&'a str>, f64)>,
     ) -> Self {
-        let mut rules: HashMap<String, RuleRatios> = HashMap::new();
+        let mut rules: Map<RuleRatios> = Map::default();
         for (rule, key, ratio) in ratios {
             let ratio = if ratio.is_finite() {
                 ratio.clamp(0.0, 1.0)
@@ -95,12 +100,18 @@ impl DropRatios {
     /// named that the reply leaves out is under its limit).
     #[inline]
     pub fn ratio(&self, rule: &str, key: &[u8], tail: bool) -> f64 {
+        self.ratio_with(rule, key, || tail)
+    }
+
+    /// [`Self::ratio`], asking `tail` only for a key the reply does not name.
+    #[inline]
+    pub fn ratio_with(&self, rule: &str, key: &[u8], tail: impl FnOnce() -> bool) -> f64 {
         let Some(r) = self.rules.get(rule) else {
             return 0.0;
         };
         match std::str::from_utf8(key).ok().and_then(|k| r.keys.get(k)) {
             Some(ratio) => *ratio,
-            None if tail => r.other,
+            None if tail() => r.other,
             None => 0.0,
         }
     }

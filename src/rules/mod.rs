@@ -427,8 +427,8 @@ impl RuleSet {
                             (d, Some(slot))
                         }
                         _ => {
-                            let tail = counters.in_tail(ratios.answers);
-                            let p = ratios.ratio(&rule.name, &key, tail) * factor;
+                            let tail = || counters.in_tail(ratios.answers);
+                            let p = ratios.ratio_with(&rule.name, &key, tail) * factor;
                             let d = if p > 0.0 && fastrand::f64() < p {
                                 // The ratio may change with the next reply.
                                 let interval = self.report_interval.max(1);
