@@ -119,7 +119,6 @@ pub fn json<T: Serialize>(status: StatusCode, value: &T) -> Response<Body> {
     resp
 }
 
-/// A response of JSON already serialized.
 /// Whether a request's sender reads the fields past version 1 ([`super::WIRE_HEADER`]).
 pub fn speaks_wire2<B>(req: &Request<B>) -> bool {
     req.headers()
@@ -141,6 +140,7 @@ pub fn reply(mut reply: super::Reply, wire2: bool) -> Response<Body> {
     resp
 }
 
+/// A response of JSON already serialized.
 pub fn json_bytes(status: StatusCode, body: Bytes) -> Response<Body> {
     let mut resp = Response::new(Full::new(body));
     *resp.status_mut() = status;

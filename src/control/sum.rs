@@ -529,7 +529,12 @@ impl Accumulator {
                     }
                 }
             }
-            if let Some(r) = rule.reporters.get_mut(&id) {
+            // Looked up only when there is something to say: a zone's sums say their hosts on
+            // one entry of each rule, and most entries carry no sketch.
+            if let Some(r) = ((zone && e.hosts > 0) || e.sketch.is_some())
+                .then(|| rule.reporters.get_mut(&id))
+                .flatten()
+            {
                 // Only a zone's sums stand for several hosts: a host saying otherwise would
                 // shrink every proxy's `name_above` and swell their reports.
                 if zone {
@@ -661,6 +666,12 @@ impl Accumulator {
                 // limit / hosts on at least one host; half that leaves room for uneven
                 // intervals.
                 let name_above = limit / (2.0 * hosts);
+                // What proxies that fold a key can hide of it is under hosts x name_above,
+                // half the limit: a key over the limit shows more than half of it in the
+                // named counts, and one that shows less is under its limit wherever the rest
+                // of it is. Watching only keys past half the limit keeps replies small in a
+                // fleet of thousands of hosts, where name_above is a small fraction of a unit.
+                let watch_above = limit - hosts * name_above;
                 // A union of sketches costs about what visiting eight keys does.
                 keys += rule.sketches() * 8;
                 let mut total = RuleTotal {
@@ -680,7 +691,7 @@ impl Accumulator {
                     total.dropped += offered * ratio;
                     // Travels: every ratio above 0, and (as an explicit 0) every named key
                     // heavy enough to watch, so that every proxy names it from then on.
-                    if ratio > 0.0 || (key.is_some() && offered >= name_above) {
+                    if ratio > 0.0 || (key.is_some() && offered >= watch_above) {
                         candidates
                             .entry(service)
                             .or_default()
@@ -725,13 +736,23 @@ impl Accumulator {
             cut += all.len() - MAX_RATIOS;
             left_out.extend(all.drain(MAX_RATIOS..));
         }
-        // A rule whose ratios were cut says the most any of them was.
+        // A rule whose ratios were cut says the most any of them was: the most per rule
+        // first (left-out entries of one rule mostly come together), then one lookup each.
+        let mut cut_most: Vec<(&Arc<str>, &Arc<str>, f64)> = Vec::new();
         for (service, (ratio, _, rule, _)) in left_out {
+            match cut_most.last_mut() {
+                Some((s, r, most)) if Arc::ptr_eq(s, service) && Arc::ptr_eq(r, rule) => {
+                    *most = most.max(ratio);
+                }
+                _ => cut_most.push((service, rule, ratio)),
+            }
+        }
+        for (service, rule, most) in cut_most {
             if let Some(h) = hints
                 .get_mut(service)
                 .and_then(|h| h.iter_mut().find(|h| *h.1.rule == **rule))
             {
-                h.1.cut_below = Some(h.1.cut_below.unwrap_or(0.0).max(ratio));
+                h.1.cut_below = Some(h.1.cut_below.unwrap_or(0.0).max(most));
             }
         }
         // Hints of the busiest rules only, so that invented rule names cannot swell a reply.

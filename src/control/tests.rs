@@ -553,8 +553,13 @@ fn the_tails_allowance_is_the_fleets_distinct_tail_keys_not_one_sources() {
 #[test]
 fn a_key_heavy_enough_to_watch_travels_as_an_explicit_zero_with_the_rules_threshold() {
     let mut acc = Accumulator::new(1.0);
-    // Limit 100/s over four hosts (a zone's sums say three, a host one): name above 12.5/s.
-    let mut zone = vec![entry(Some("watched"), 40, 40), entry(Some("quiet"), 5, 5)];
+    // Limit 100/s over four hosts (a zone's sums say three, a host one): name above 12.5/s,
+    // watch from half the limit (what four hosts folding a key can hide of it is under 50/s).
+    let mut zone = vec![
+        entry(Some("watched"), 60, 60),
+        entry(Some("named"), 40, 40),
+        entry(Some("quiet"), 5, 5),
+    ];
     zone[0].hosts = 3;
     acc.record(&report("zone:z/r", zone), "zones", 0.0).unwrap();
     acc.record(&report("h", vec![entry(Some("over"), 150, 150)]), "t", 0.0)
@@ -567,7 +572,12 @@ fn a_key_heavy_enough_to_watch_travels_as_an_explicit_zero_with_the_rules_thresh
             .find(|r| r.key.as_deref() == Some(k))
             .map(|r| r.ratio)
     };
-    assert_eq!(ratio("watched"), Some(0.0), "past 12.5/s: watched");
+    assert_eq!(ratio("watched"), Some(0.0), "past 50/s: watched");
+    assert_eq!(
+        ratio("named"),
+        None,
+        "named, but under half the limit: not sent"
+    );
     assert_eq!(ratio("quiet"), None, "under: not sent");
     assert!(ratio("over").unwrap() > 0.0);
     assert_eq!(reply.rules.len(), 1);
