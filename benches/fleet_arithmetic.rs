@@ -71,6 +71,8 @@ struct Scenario {
     allowed: Vec<(&'static str, f64)>,
     /// Target, for the table.
     target: &'static str,
+    /// Before measuring: long enough for every proxy's reports to have been answered twice.
+    warm_up: Duration,
 }
 
 async fn control() -> anyhow::Result<Running> {
@@ -123,6 +125,7 @@ async fn flood(up: std::net::SocketAddr) -> anyhow::Result<Scenario> {
             ("4 legitimate keys at 0.5x", 4.0),
         ],
         target: "legitimate >= 99 %",
+        warm_up: WARM_UP,
     })
 }
 
@@ -148,6 +151,7 @@ async fn tails(up: std::net::SocketAddr) -> anyhow::Result<Scenario> {
         offers,
         allowed: vec![("90 clients at 0.6x", 270.0)],
         target: ">= 99 %",
+        warm_up: WARM_UP,
     })
 }
 
@@ -189,6 +193,7 @@ async fn hidden(up: std::net::SocketAddr) -> anyhow::Result<Scenario> {
             ("30 light keys at 0.2x", 60.0),
         ],
         target: "heavy keys +-10 %",
+        warm_up: WARM_UP,
     })
 }
 
@@ -215,6 +220,8 @@ async fn intervals(up: std::net::SocketAddr) -> anyhow::Result<Scenario> {
         offers,
         allowed: vec![("one key at 3x", 150.0)],
         target: "+-5 %",
+        // Two of the 5 s proxy's reports.
+        warm_up: Duration::from_secs(11),
     })
 }
 
@@ -240,13 +247,14 @@ async fn weighted(up: std::net::SocketAddr) -> anyhow::Result<Scenario> {
         offers,
         allowed: vec![("cost 5, 1500 units/s offered", 100.0)],
         target: "+-10 %",
+        warm_up: WARM_UP,
     })
 }
 
 async fn run(s: Scenario) -> anyhow::Result<()> {
     let client: Client<HttpConnector, Empty<Bytes>> =
         Client::builder(TokioExecutor::new()).build_http();
-    let deadline = tokio::time::Instant::now() + WARM_UP + Duration::from_secs(MEASURE);
+    let deadline = tokio::time::Instant::now() + s.warm_up + Duration::from_secs(MEASURE);
     let mut groups: Vec<(&'static str, Arc<Tally>)> = Vec::new();
     let mut generators = Vec::new();
     for o in &s.offers {
@@ -261,17 +269,20 @@ async fn run(s: Scenario) -> anyhow::Result<()> {
         let uri: http::Uri = format!("http://{}/api", s.proxies[o.proxy].addr()).parse()?;
         for k in &o.keys {
             let rps = o.rps;
-            generators.push(tokio::spawn(offer(
-                client.clone(),
-                uri.clone(),
-                vec![("x-api-key", k.clone())],
-                move |_| rps,
-                tally.clone(),
-                deadline,
-            )));
+            // Independent clients are not in lockstep: each starts at its own phase of its
+            // period (the golden ratio's multiples spread any number evenly), or all of a
+            // flood's keys would meet their ratio at the same point of its ripple.
+            let phase = (generators.len() as f64 * 0.618_033_988_75).fract();
+            let start = Duration::from_secs_f64(phase / rps.max(1) as f64);
+            let (client, uri, tally) = (client.clone(), uri.clone(), tally.clone());
+            let headers = vec![("x-api-key", k.clone())];
+            generators.push(tokio::spawn(async move {
+                tokio::time::sleep(start).await;
+                offer(client, uri, headers, move |_| rps, tally, deadline).await
+            }));
         }
     }
-    tokio::time::sleep(WARM_UP).await;
+    tokio::time::sleep(s.warm_up).await;
     for (_, t) in &groups {
         t.take();
     }
