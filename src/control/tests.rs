@@ -586,6 +586,35 @@ fn a_key_heavy_enough_to_watch_travels_as_an_explicit_zero_with_the_rules_thresh
 }
 
 #[test]
+fn in_a_fleet_of_thousands_of_hosts_a_reply_carries_only_keys_near_their_limit() {
+    let mut acc = Accumulator::new(1.0);
+    // 2 000 hosts of one rule at 100/s (reporting every 10 s, arriving 500 a second, as
+    // the new-source guard lets them): name_above is 0.025/s, so every host names its key at
+    // 1/s; one key is at 60/s across 60 hosts.
+    for h in 0..2000 {
+        let mut keys = vec![entry(Some(&format!("k{h}")), 10, 10)];
+        if h < 60 {
+            keys.push(entry(Some("busy"), 10, 10));
+        }
+        let mut r = report(&format!("h{h}"), keys);
+        r.interval_ms = 10_000;
+        acc.record(&r, "t", f64::from(h) * 0.002).unwrap();
+    }
+    let reply = acc.reply(Some(&["svc"]), 4.5);
+    assert_eq!(reply.rules[0].name_above, 100.0 / 4000.0);
+    let named: Vec<_> = reply
+        .ratios
+        .iter()
+        .filter_map(|r| r.key.as_deref())
+        .collect();
+    assert_eq!(
+        named,
+        ["busy"],
+        "only the key past half its limit is watched"
+    );
+}
+
+#[test]
 fn a_cut_reply_says_the_most_any_ratio_left_out_was_and_keeps_the_tail() {
     let mut acc = Accumulator::new(1.0);
     let n = super::sum::MAX_RATIOS_PER_SERVICE + 50;
