@@ -38,7 +38,14 @@ fn aggregator_with(controller: SocketAddr, zone: &str, extra: &[&str]) -> Proc {
 
 /// An aggregator for `zone` reporting to the controller at `url`.
 fn aggregator_at(url: &str, zone: &str, extra: &[&str]) -> Proc {
-    let mut args = vec![
+    let mut args = aggregator_args(url, zone, "100ms");
+    args.extend_from_slice(extra);
+    Proc::spawn(&args)
+}
+
+/// The arguments of an aggregator on loopback for `zone`, forwarding to `url` every `every`.
+fn aggregator_args<'a>(url: &'a str, zone: &'a str, every: &'a str) -> Vec<&'a str> {
+    vec![
         "aggregator",
         "--listen",
         "127.0.0.1:0",
@@ -49,10 +56,8 @@ fn aggregator_at(url: &str, zone: &str, extra: &[&str]) -> Proc {
         "--zone",
         zone,
         "--interval",
-        "100ms",
-    ];
-    args.extend_from_slice(extra);
-    Proc::spawn(&args)
+        every,
+    ]
 }
 
 const LIMIT: u64 = 100;
@@ -1002,6 +1007,30 @@ rules:
     Proc::spawn(&["proxy", "--config", path.to_str().unwrap()])
 }
 
+/// `n` proxies named `name1`, `name2`... as [`proxy_with`] starts them.
+fn named_proxies(
+    n: usize,
+    name: &str,
+    upstream: SocketAddr,
+    control: SocketAddr,
+    interval: &str,
+    top_k: u32,
+    rules: &str,
+) -> Vec<Proc> {
+    (1..=n)
+        .map(|i| {
+            proxy_with(
+                &format!("{name}{i}"),
+                upstream,
+                control,
+                interval,
+                top_k,
+                rules,
+            )
+        })
+        .collect()
+}
+
 /// One global rule per API key at `rate`, with `extra` YAML.
 fn per_key(rate: &str, extra: &str) -> String {
     format!(
@@ -1052,9 +1081,7 @@ async fn legitimate_keys_under_their_limit_lose_nothing_while_a_flood_of_keys_is
     // clients at half their limit, each sticking to one proxy. top_k 10: most keys are not
     // among a proxy's heaviest.
     let rules = per_key("2/s", "");
-    let p: Vec<Proc> = (1..=2)
-        .map(|i| proxy_with(&format!("flood{i}"), up.addr, ctl.addr, "250ms", 10, &rules))
-        .collect();
+    let p = named_proxies(2, "flood", up.addr, ctl.addr, "250ms", 10, &rules);
     let mut load = Vec::new();
     for i in 0..60 {
         let k = key_name("attacker", i);
@@ -1086,9 +1113,7 @@ async fn clients_under_their_limit_spread_over_three_proxies_beyond_top_k_are_al
     let (_one, up, ctl) = fleet().await;
     // 90 clients at 60 % of 5/s, 30 on each proxy, top_k 10.
     let rules = per_key("5/s", "");
-    let p: Vec<Proc> = (1..=3)
-        .map(|i| proxy_with(&format!("tail{i}"), up.addr, ctl.addr, "250ms", 10, &rules))
-        .collect();
+    let p = named_proxies(3, "tail", up.addr, ctl.addr, "250ms", 10, &rules);
     let load: Vec<_> = (0..90)
         .map(|i| (p[i % 3].addr, key_name("client", i), 3))
         .collect();
@@ -1107,9 +1132,7 @@ async fn a_key_light_on_each_proxy_but_over_its_limit_across_them_is_found_and_h
     // top_k 3: each proxy has three heavier keys of its own and ten light ones; the hidden
     // key offers 5/s on each of three proxies, 15/s against 5/s.
     let rules = per_key("5/s", "");
-    let p: Vec<Proc> = (1..=3)
-        .map(|i| proxy_with(&format!("hide{i}"), up.addr, ctl.addr, "250ms", 3, &rules))
-        .collect();
+    let p = named_proxies(3, "hide", up.addr, ctl.addr, "250ms", 3, &rules);
     let mut load = Vec::new();
     for (n, proxy) in p.iter().enumerate() {
         load.push((proxy.addr, "hidden", 5));
@@ -1135,19 +1158,7 @@ async fn a_key_light_on_each_proxy_but_over_its_limit_across_them_is_found_and_h
 async fn proxies_reporting_every_250ms_1s_and_5s_behind_one_aggregator_share_one_limit() {
     let (_one, up, ctl) = fleet().await;
     let control = format!("http://{}", ctl.addr);
-    let agg = Proc::spawn(&[
-        "aggregator",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--controller",
-        &control,
-        "--zone",
-        "eu-1",
-        "--interval",
-        "1s",
-    ]);
+    let agg = Proc::spawn(&aggregator_args(&control, "eu-1", "1s"));
     let rules = per_key(&format!("{LIMIT}/s"), "");
     let p: Vec<Proc> = ["250ms", "1s", "5s"]
         .iter()
@@ -1229,19 +1240,7 @@ async fn proxies_and_a_control_plane_one_version_apart_still_share_one_limit() {
     let (_one, up, ctl) = fleet().await;
     // Today's controller and aggregator with a proxy of each release behind the aggregator.
     let control = format!("http://{}", ctl.addr);
-    let agg_args = [
-        "aggregator",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--controller",
-        &control,
-        "--zone",
-        "eu-1",
-        "--interval",
-        "100ms",
-    ];
+    let agg_args = aggregator_args(&control, "eu-1", "100ms");
     let agg = Proc::spawn(&agg_args);
     let path_old = proxy_yaml("old-proxy", up.addr, agg.addr);
     let path_new = proxy_yaml("new-proxy", up.addr, agg.addr);
@@ -1267,19 +1266,7 @@ async fn proxies_and_a_control_plane_one_version_apart_still_share_one_limit() {
         ],
     );
     let control = format!("http://{}", ctl.addr);
-    let agg_args = [
-        "aggregator",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--controller",
-        &control,
-        "--zone",
-        "eu-1",
-        "--interval",
-        "100ms",
-    ];
+    let agg_args = aggregator_args(&control, "eu-1", "100ms");
     let agg = Proc::spawn_bin(&old, &agg_args);
     let a = proxy_yaml("new-a", up.addr, agg.addr);
     let b = proxy_yaml("new-b", up.addr, ctl.addr);
