@@ -1207,6 +1207,44 @@ fn previous() -> Option<String> {
     bin
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_folded_behind_a_previous_releases_aggregator_is_still_held() {
+    let Some(old) = previous() else { return };
+    let (_one, up, ctl) = fleet().await;
+    // One proxy straight to today's controller, two behind the previous release's aggregator
+    // (which relays ratios but no name_above, so its proxies fold what is past top_k 1).
+    // The key offers 40/s on each, 120/s against 100/s; on the two behind the aggregator a
+    // heavier key of their own folds it, so only 40/s of it is ever seen by name unless the
+    // controller has them name it.
+    let control = format!("http://{}", ctl.addr);
+    let agg = Proc::spawn_bin(&old, &aggregator_args(&control, "eu-1", "100ms"));
+    let rules = per_key(&format!("{LIMIT}/s"), "");
+    let p = [
+        proxy_with("seen", up.addr, ctl.addr, "250ms", 10, &rules),
+        proxy_with("folds1", up.addr, agg.addr, "250ms", 1, &rules),
+        proxy_with("folds2", up.addr, agg.addr, "250ms", 1, &rules),
+    ];
+    let mut load: Vec<_> = p.iter().map(|p| (p.addr, "spread", 40)).collect();
+    load.push((p[1].addr, "decoy-1", 60));
+    load.push((p[2].addr, "decoy-2", 60));
+    offer_keys(&load, 3.0).await;
+    let secs = 8.0;
+    let counts = offer_keys(&load, secs).await;
+    assert!(counts.iter().all(|c| c.2 == 0), "errors: {counts:?}");
+    let (spread, _) = sum(&counts[..3]);
+    assert_within(
+        spread,
+        secs,
+        0.1,
+        "a key folded behind a previous aggregator",
+    );
+    let (decoys, all) = sum(&counts[3..]);
+    assert!(
+        decoys as f64 >= 0.99 * all as f64,
+        "decoys under their limit: {decoys} of {all}"
+    );
+}
+
 fn proxy_yaml(name: &str, upstream: SocketAddr, control: SocketAddr) -> std::path::PathBuf {
     let yaml = format!(
         r#"service: shop

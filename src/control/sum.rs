@@ -163,6 +163,11 @@ impl RuleAcc {
         n.max(1) as f64
     }
 
+    /// Whether every proxy reporting the rule names keys past its `name_above`.
+    fn all_name_above(&self) -> bool {
+        self.reporters.values().all(|r| r.relays_hints)
+    }
+
     /// Sketches to union when one changed: what a rebuild may cost beside its keys.
     fn sketches(&self) -> usize {
         self.reporters
@@ -196,6 +201,10 @@ struct Reporter {
     hosts: u32,
     /// The distinct keys its tail folds.
     sketch: Option<Distinct>,
+    /// The proxies behind it learn the rule's `name_above`: a host, or a zone whose sums say
+    /// their hosts (a previous release's aggregator relays ratios but no hints, and its proxies
+    /// fold whatever is past their `top_k`).
+    relays_hints: bool,
 }
 
 /// One (service, rule, key): the sum of the values held for it and its smoothed history.
@@ -512,6 +521,7 @@ impl Accumulator {
                             Reporter {
                                 hosts: 1,
                                 sketch: None,
+                                relays_hints: !zone,
                             },
                         );
                         if before.is_some_and(|r| r.sketch.is_some()) {
@@ -539,6 +549,7 @@ impl Accumulator {
                 // shrink every proxy's `name_above` and swell their reports.
                 if zone {
                     r.hosts = r.hosts.max(e.hosts);
+                    r.relays_hints = true;
                 }
                 if let Some(d) = e.sketch.as_deref().and_then(Distinct::decode) {
                     r.sketch.get_or_insert_with(Distinct::default).union(&d);
@@ -663,15 +674,23 @@ impl Accumulator {
                 let limit = rule.limit.per_second();
                 let (hosts, distinct) = (rule.hosts(), rule.distinct());
                 // Pigeonhole: a key offered past the limit fleet-wide is offered past
-                // limit / hosts on at least one host; half that leaves room for uneven
-                // intervals.
+                // limit / hosts on at least one host; at half that, what proxies folding a
+                // key hide of it is under half the limit (see watch_above).
                 let name_above = limit / (2.0 * hosts);
-                // What proxies that fold a key can hide of it is under hosts x name_above,
-                // half the limit: a key over the limit shows more than half of it in the
-                // named counts, and one that shows less is under its limit wherever the rest
-                // of it is. Watching only keys past half the limit keeps replies small in a
-                // fleet of thousands of hosts, where name_above is a small fraction of a unit.
-                let watch_above = limit - hosts * name_above;
+                // Proxies that name every key past name_above hide less than hosts x
+                // name_above, half the limit, of any key: one over the limit shows more than
+                // half of it in the named counts, and one that shows less is under its limit
+                // wherever the rest is. Watching from half the limit keeps replies small in a
+                // fleet of thousands of hosts, where name_above is a fraction of a unit. Where
+                // some proxies do not learn name_above (behind a previous release's
+                // aggregator), every key seen past it is watched, so that they name it.
+                // (Past a proxy's 1 000 extra names, or in a store's overflow, a key can hide
+                // more; docs/fleet.md states the bound's conditions.)
+                let watch_above = if rule.all_name_above() {
+                    limit / 2.0
+                } else {
+                    name_above
+                };
                 // A union of sketches costs about what visiting eight keys does.
                 keys += rule.sketches() * 8;
                 let mut total = RuleTotal {

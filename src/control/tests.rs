@@ -586,6 +586,35 @@ fn a_key_heavy_enough_to_watch_travels_as_an_explicit_zero_with_the_rules_thresh
 }
 
 #[test]
+fn behind_an_aggregator_that_relays_no_hints_every_key_past_name_above_is_watched() {
+    // Limit 100/s; a host names "seen" at 40/s. A zone's sums that do not say their hosts
+    // come from a previous release's aggregator, whose proxies never learn name_above and
+    // fold what is past their top_k: the rest of "seen" may hide there, so it is watched
+    // from name_above (25/s over two reporters), not from half the limit.
+    let watched = |zone_says_hosts: bool| {
+        let mut acc = Accumulator::new(1.0);
+        let mut zone = vec![entry(Some("other"), 10, 10)];
+        if zone_says_hosts {
+            zone[0].hosts = 1;
+        }
+        acc.record(&report("zone:z/r", zone), "zones", 0.0).unwrap();
+        acc.record(&report("h", vec![entry(Some("seen"), 40, 40)]), "t", 0.0)
+            .unwrap();
+        let reply = acc.reply(Some(&["svc"]), 0.0);
+        assert_eq!(reply.rules[0].name_above, 25.0);
+        reply
+            .ratios
+            .iter()
+            .any(|r| r.key.as_deref() == Some("seen"))
+    };
+    assert!(watched(false), "zone of a previous release: watched");
+    assert!(
+        !watched(true),
+        "every proxy names past 25/s: not watched under 50/s"
+    );
+}
+
+#[test]
 fn in_a_fleet_of_thousands_of_hosts_a_reply_carries_only_keys_near_their_limit() {
     let mut acc = Accumulator::new(1.0);
     // 2 000 hosts of one rule at 100/s (reporting every 10 s, arriving 500 a second, as
