@@ -12,8 +12,10 @@ forwarded, from an HTTP/1.1 client and from an HTTP/2 one, a POST with a 64 KiB 
 proxy streams, over HTTP/1.1), the 1 KiB POST with its body
 written 0.3 ms after its head (by a small client here: h2load writes the two together), as a
 client's second write or a second TCP segment brings it; and GETs on connections that each
-began with a POST whose body came in chunks (which the proxy streams). Kernel time is not counted: it is the
-same syscalls for both proxies (see BENCHMARKS.md).
+began with a POST whose body came in chunks (which the proxy streams). Two more paths are Spillway's
+alone: a `scope: global` rule decided by the drop ratio of a real controller on loopback, at a
+limit the load stays under (admitted) and at 1/s (nearly every request refused). Kernel time is
+not counted: it is the same syscalls for both proxies (see BENCHMARKS.md).
 
 Everything listens on 127.0.0.1 and every process started here is stopped by its PID.
 """
@@ -27,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import compare as C  # noqa: E402
@@ -37,6 +40,8 @@ PATHS = [("forwarded", None, False, 0), ("refused (429)", 1, False, 0),
          ("forwarded, HTTP/2", None, True, 0), ("forwarded, 1 KiB POST", None, False, 1024),
          ("forwarded, HTTP/2 1 KiB POST", None, True, 1024), ("forwarded, 64 KiB POST", None, False, 65536)]
 SPLIT = "forwarded, 1 KiB POST, body after head"
+# (path, the global rule's limit): decided by a controller's drop ratio; Spillway only
+GLOBAL = [("global rule, admitted", 1000000000), ("global rule, refused (429)", 1)]
 AFTER = "forwarded, after a chunked POST"
 
 
@@ -136,13 +141,29 @@ class AfterChunked:
             self.serial.close()
 
 
-def counted(cmd, port, out_dir, requests, load):
+def answered(admin):
+    """Reports the proxy with admin port `admin` has had answered."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/metrics", timeout=10).read().decode()
+    m = re.search(r'^spillway_reports_total\{result="ok"[^}]*\} (\d+)', text, re.M)
+    return int(m.group(1)) if m else 0
+
+
+def counted(cmd, port, out_dir, requests, load, admin=None):
     """Runs `cmd` under callgrind and returns its instructions per request and the load's
-    status line; `load(n)` sends n requests and returns that line."""
+    status line; `load(n)` sends n requests and returns that line. With `admin` (a global
+    rule's proxy), the warm-up goes on until two reports were answered, so that the measured
+    requests are decided by a controller's ratio."""
     proc = subprocess.Popen(CALLGRIND + [f"--callgrind-out-file={out_dir}/cg.%p"] + cmd,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         C.wait_port(port, timeout=120)
+        load(2000)
+        for _ in range(200):
+            if admin is None or answered(admin) >= 2:
+                break
+            load(500)
+        else:
+            raise RuntimeError("the controller answered no report")
         load(2000)
         subprocess.run(["callgrind_control", "-z", str(proc.pid)], capture_output=True, check=True)
         out = load(requests)
@@ -161,8 +182,16 @@ def counted(cmd, port, out_dir, requests, load):
     return total / requests, status
 
 
-def spillway_cmd(binary, port, up, limit, d):
-    yaml = "workers: 1\n" + C.spillway_yaml(port, up, C.rule(f"{limit}/s" if limit else "1000000000/s"))
+def spillway_cmd(binary, port, up, limit, d, control=None):
+    """`control`: (controller port, admin port) for a global rule, else a local one."""
+    rate = f"{limit}/s" if limit else "1000000000/s"
+    if control:
+        ctl, admin = control
+        yaml = "workers: 1\n" + C.spillway_yaml(port, up, C.rule(rate, "global"), (
+            f"control_plane: {{ url: 'http://127.0.0.1:{ctl}', report_interval: 250ms, stale_after: 1h }}"))
+        yaml = yaml.replace("admin: 127.0.0.1:0", f"admin: 127.0.0.1:{admin}")
+    else:
+        yaml = "workers: 1\n" + C.spillway_yaml(port, up, C.rule(rate))
     path = os.path.join(d, f"spillway-{port}.yaml")
     with open(path, "w") as f:
         f.write(yaml)
@@ -200,16 +229,32 @@ def main():
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--conns", type=int, default=16)
     ap.add_argument("--baseline", help="another spillway binary to count beside this one")
+    ap.add_argument("--only", help="count only the paths whose name contains this")
     args = ap.parse_args()
 
     up_port, upstream = C.start_upstream()
+    ctl = None
     rows = []
     try:
-        for path_name, limit, h2, size in PATHS + [(SPLIT, None, False, 1024), (AFTER, None, False, 0)]:
+        paths = PATHS + [(SPLIT, None, False, 1024), (AFTER, None, False, 0)]
+        paths += [(p, limit, False, 0) for p, limit in GLOBAL]
+        paths = [p for p in paths if not args.only or args.only in p[0]]
+        if any(p[0] in dict(GLOBAL) for p in paths):
+            ctl_port = C.free_port()
+            ctl = C.Proc([C.SPILLWAY, "controller", "--listen", f"127.0.0.1:{ctl_port}",
+                          "--admin", "127.0.0.1:0"], ready_line=True)
+        for path_name, limit, h2, size in paths:
+            is_global = path_name in dict(GLOBAL)
             for name, binary in proxies(args.baseline):
+                if is_global and binary is None:
+                    continue
                 d = tempfile.mkdtemp(prefix="spillway-bench-cg-")
                 port = C.free_port()
-                cmd = proxy_cmd(binary, port, up_port, limit, d, h2)
+                admin = C.free_port() if is_global else None
+                if is_global:
+                    cmd = spillway_cmd(binary, port, up_port, limit, d, (ctl_port, admin))
+                else:
+                    cmd = proxy_cmd(binary, port, up_port, limit, d, h2)
                 after = AfterChunked(port, args.conns) if path_name == AFTER else None
                 if after:
                     load = after
@@ -224,7 +269,7 @@ def main():
                             h2load(port, args.conns, h2, body) + ["-n", str(n)],
                             capture_output=True, text=True, check=True).stdout
                 try:
-                    per, status = counted(cmd, port, d, args.requests, load)
+                    per, status = counted(cmd, port, d, args.requests, load, admin)
                 finally:
                     if after:
                         after.close()
@@ -233,6 +278,8 @@ def main():
                 rows.append((name, path_name, per))
     finally:
         upstream.stop()
+        if ctl:
+            ctl.stop()
 
     print(f"\n{args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10; body after head, after a "
           f"chunked POST: {args.conns} connections, one request at a time), one key, one worker; "
@@ -241,7 +288,8 @@ def main():
     print("|---|---|---|---|")
     nginx = {p: v for n, p, v in rows if n == "nginx"}
     for name, path_name, per in rows:
-        print(f"| {name} | {path_name} | {per:.0f} | {per / nginx[path_name]:.2f}x |")
+        vs = f"{per / nginx[path_name]:.2f}x" if path_name in nginx else "—"
+        print(f"| {name} | {path_name} | {per:.0f} | {vs} |")
 
 
 if __name__ == "__main__":
