@@ -185,12 +185,17 @@ impl Staleness {
     }
 }
 
-/// Offered and admitted units of one (global rule, key) since the last report.
-#[derive(Debug, Default)]
+/// Offered and admitted units of one (global rule, key) since the last report, and the key's
+/// share of what it offers.
+#[derive(Debug)]
 pub struct GlobalCounters {
     // Relaxed: counters; the reporter's swap reads each exactly once.
     offered: AtomicU64,
     admitted: AtomicU64,
+    /// The key's credit toward its next admission, in 1/[`UNIT`]s of a unit (high 48 bits,
+    /// signed), and where on the credit line that admission falls (low 16 bits): see
+    /// [`GlobalCounters::share`]. Relaxed: one word, changed by compare-and-swap.
+    share: AtomicU64,
     /// What the last report this key was in did with it, staged until its answer comes: the
     /// report's sequence number (high 48 bits), the choice before it (8 bits) and its own (low 8
     /// bits): 0 not yet reported, [`NAMED`] or [`FOLDED`]. Relaxed: one word the reporter
@@ -201,7 +206,78 @@ pub struct GlobalCounters {
 const NAMED: u64 = 1;
 const FOLDED: u64 = 2;
 
+/// One unit of credit in a key's share: fractions of a request to 1/65 536.
+const UNIT: i64 = 1 << 16;
+/// A request's units past this count as this in its share (what the credit's bits hold).
+const SHARE_MAX_UNITS: u32 = 1 << 24;
+
+fn pack(credit: i64, next: i64) -> u64 {
+    ((credit << 16) as u64) | (next as u64 & 0xffff)
+}
+
+fn unpack(word: u64) -> (i64, i64) {
+    ((word as i64) >> 16, (word & 0xffff) as i64)
+}
+
+impl Default for GlobalCounters {
+    fn default() -> Self {
+        GlobalCounters {
+            offered: AtomicU64::new(0),
+            admitted: AtomicU64::new(0),
+            // Where the first admission falls is drawn like every later one.
+            share: AtomicU64::new(pack(0, i64::from(fastrand::u16(..)))),
+            choice: AtomicU64::new(0),
+        }
+    }
+}
+
 impl GlobalCounters {
+    /// Whether the key's share `keep` (1 − its drop ratio) admits a request of `units`.
+    ///
+    /// Exact, not drawn: every request earns the key `keep × units` of credit, and a request
+    /// is admitted when the credit passes the next admission's place, then pays `units`. Each
+    /// admission's place is drawn afresh within its unit of credit (jittered, not at its
+    /// end): requests that come in a fixed cycle (clients of one key taking turns) would
+    /// otherwise find the admissions on the same places of the cycle every time, and the
+    /// others starve. The credit stays within (−1, 1) units of a request, so a new key's
+    /// first n requests admit n × keep within one, and any n in a row within two (the
+    /// jitter's price: a stretch may begin after a place drawn late and end before one
+    /// drawn early).
+    #[inline]
+    pub(super) fn share(&self, keep: f64, units: u32) -> bool {
+        let units = i64::from(units.min(SHARE_MAX_UNITS));
+        let earned = (keep.clamp(0.0, 1.0) * (units * UNIT) as f64) as i64;
+        let mut admitted = false;
+        let _ = self
+            .share
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+                let (credit, next) = unpack(word);
+                let credit = credit + earned;
+                admitted = credit >= (units - 1) * UNIT + next;
+                Some(if admitted {
+                    pack(credit - units * UNIT, i64::from(fastrand::u16(..)))
+                } else {
+                    pack(credit, next)
+                })
+            });
+        admitted
+    }
+
+    /// A request [`Self::share`] admitted was refused by a later rule: its units go back to
+    /// the key's credit, as if the share had refused it, so that its next request has the
+    /// place; never past the most a request of `units` holds unadmitted, so that refusals
+    /// bank no burst (the next n requests still admit fewer than n × keep + 2).
+    pub(super) fn give_back(&self, units: u32) {
+        let units = i64::from(units.min(SHARE_MAX_UNITS));
+        let _ = self
+            .share
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+                let (credit, next) = unpack(word);
+                let back = (credit + units * UNIT).min(units * UNIT - 1);
+                Some(pack(back.max(credit), next))
+            });
+    }
+
     pub(super) fn offer(&self, units: u32) {
         self.offered.fetch_add(u64::from(units), Ordering::Relaxed);
     }

@@ -184,8 +184,9 @@ pub enum Refusal {
 pub enum Taken {
     Rate(Slot, u32),
     Concurrency,
-    /// The key's counters, the fallback's slot if it decided, and the units.
-    Global(Arc<GlobalCounters>, Option<Slot>, u32),
+    /// The key's counters, the fallback's slot if it decided, the units, and whether the
+    /// key's share decided (and is owed them back on a refusal).
+    Global(Arc<GlobalCounters>, Option<Slot>, u32, bool),
     /// Admitted by Redis (nothing to give back there), or by the local fallback limit (its
     /// slot and the units it took).
     Redis(Option<(Slot, u32)>),
@@ -421,6 +422,7 @@ impl RuleSet {
                     let ratios = ratios.get_or_insert_with(|| self.ratios.load());
                     let age = now.saturating_sub(ratios.at);
                     let (factor, stale) = self.staleness.factor(age);
+                    let mut shared = false;
                     let (decision, slot) = match fallback {
                         Some(fallback) if stale => {
                             let (d, slot) = fallback.check(&key, now, cost);
@@ -429,7 +431,8 @@ impl RuleSet {
                         _ => {
                             let tail = || counters.in_tail(ratios.answers);
                             let p = ratios.ratio_with(&rule.name, &key, tail) * factor;
-                            let d = if p > 0.0 && fastrand::f64() < p {
+                            shared = p > 0.0;
+                            let d = if shared && !counters.share(1.0 - p, cost) {
                                 // The ratio may change with the next reply.
                                 let interval = self.report_interval.max(1);
                                 Decision::Deny {
@@ -446,7 +449,7 @@ impl RuleSet {
                         }
                     };
                     if decision.is_allowed() {
-                        taken.push((i, Taken::Global(counters, slot, cost)));
+                        taken.push((i, Taken::Global(counters, slot, cost, shared)));
                     }
                     decision
                 }
@@ -555,7 +558,7 @@ impl RuleSet {
     fn commit(&self, taken: &[(usize, Taken)]) {
         for (i, t) in taken {
             self.rules[*i].allowed.inc();
-            if let Taken::Global(counters, _, units) = t {
+            if let Taken::Global(counters, _, units, _) = t {
                 counters.admit(*units);
             }
         }
@@ -586,8 +589,11 @@ impl RuleSet {
                         fallback: Some(fallback),
                         ..
                     },
-                    Taken::Global(_, Some(slot), units),
+                    Taken::Global(_, Some(slot), units, _),
                 ) => fallback.refund(&key, *slot, now, *units),
+                (Kind::Global { .. }, Taken::Global(counters, None, units, true)) => {
+                    counters.give_back(*units)
+                }
                 (
                     Kind::Redis {
                         fallback: Some(fallback),

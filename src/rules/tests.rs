@@ -491,3 +491,134 @@ fn a_global_rule_counts_its_cost_in_units() {
     let report = rules.drain_global(10, 1.0, 1);
     assert_eq!(report[0].keys, vec![("10.0.0.1".to_string(), 15, 15)]);
 }
+
+/// A global rule (5/s per client) whose ratio for 10.0.0.1 is `p`, followed by `then` (more
+/// rules, YAML list items).
+fn global_at(p: f64, then: &str) -> RuleSet {
+    let yaml = format!(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: client_ip\n    limit: {{ rate: 5/s }}\n    scope: global\n{then}"
+    );
+    let config = Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+    let ratios = DropRatios::of(T0, [("g", Some("10.0.0.1"), p)].into_iter());
+    RuleSet::build_with_ratios(
+        &config,
+        &Metrics::new(),
+        Arc::new(ArcSwap::from_pointee(ratios)),
+    )
+}
+
+mod shares {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+        /// A key's share is exact: any n requests at ratio p admit round(n(1 − p)) ± 1.
+        #[test]
+        fn n_requests_at_ratio_p_admit_their_share_within_one(
+            p in 0.0f64..=1.0,
+            n in 1u32..600,
+        ) {
+            let rules = global_at(p, "");
+            let got = admitted(&rules, "10.0.0.1", n);
+            let want = (f64::from(n) * (1.0 - p)).round();
+            prop_assert!((f64::from(got) - want).abs() <= 1.0, "{got} of {n} at {p}, want {want}");
+        }
+
+        /// However it starts, every stretch of a key's requests admits its share within two
+        /// (each admission's place is drawn within its unit of credit).
+        #[test]
+        fn every_stretch_of_requests_admits_its_share_within_two(
+            p in 0.01f64..0.99,
+            before in 0u32..300,
+            n in 1u32..300,
+        ) {
+            let rules = global_at(p, "");
+            admitted(&rules, "10.0.0.1", before);
+            let got = admitted(&rules, "10.0.0.1", n);
+            let want = f64::from(n) * (1.0 - p);
+            prop_assert!((f64::from(got) - want).abs() < 2.0, "{got} of {n} at {p}, want {want}");
+        }
+    }
+
+    /// Requests of a key that come in a fixed cycle (its clients taking turns) are admitted
+    /// evenly across the cycle: none of them starves.
+    #[test]
+    fn a_key_whose_requests_come_in_a_fixed_cycle_starves_no_place_in_it() {
+        for (cycle, p) in [
+            (2usize, 0.5),
+            (3, 2.0 / 3.0),
+            (4, 0.75),
+            (8, 0.875),
+            (5, 0.5),
+        ] {
+            let rules = global_at(p, "");
+            let rounds = 400;
+            let mut by_place = vec![0u32; cycle];
+            for i in 0..cycle * rounds {
+                let r = req("GET", "/", &[]).from("10.0.0.1");
+                by_place[i % cycle] += u32::from(r.allowed(&rules, T0 + i as u64));
+            }
+            // Each place's share is binomial around rounds × (1 − p): at least a third of it.
+            let each = rounds as f64 * (1.0 - p);
+            for (place, got) in by_place.iter().enumerate() {
+                assert!(
+                    f64::from(*got) > each / 3.0,
+                    "cycle {cycle} at {p}: place {place} got {got}, about {each} each: {by_place:?}"
+                );
+            }
+        }
+    }
+
+    /// A request a later rule refuses gives its share back: the key's next request has it.
+    #[test]
+    fn a_request_a_later_rule_refuses_gives_its_share_back() {
+        // The later rule grants one request per x-b value an hour; without the header it does
+        // not apply.
+        let rules = global_at(
+            0.5,
+            "  - name: later\n    key: [header:x-b]\n    limit: { rate: 1/h }\n",
+        );
+        let refused = req("GET", "/", &[("x-b", "spent")]).from("10.0.0.1");
+        let clean = req("GET", "/", &[]).from("10.0.0.1");
+        let mut t = T0;
+        // Spend the later rule's one grant.
+        while !refused.allowed(&rules, t) {
+            t += 1;
+        }
+        let mut passed = 0;
+        for _ in 0..50 {
+            t += 1;
+            assert!(!refused.allowed(&rules, t));
+            t += 1;
+            passed += u32::from(clean.allowed(&rules, t));
+        }
+        // 100 requests offered at ratio 0.5: 50 admitted, and the later rule refused those
+        // the global rule would have taken, so the clean ones have their places.
+        assert!(passed >= 49, "{passed} of 50 clean requests admitted");
+    }
+
+    /// A later refusal gives back no more than one request's share: a key whose every
+    /// request a later rule refuses banks no burst for when it relents.
+    #[test]
+    fn refusals_by_a_later_rule_bank_no_burst() {
+        let rules = global_at(
+            0.5,
+            "  - name: later\n    key: [header:x-b]\n    limit: { rate: 1/h }\n",
+        );
+        let refused = req("GET", "/", &[("x-b", "spent")]).from("10.0.0.1");
+        let mut t = T0;
+        while !refused.allowed(&rules, t) {
+            t += 1;
+        }
+        for _ in 0..1000 {
+            t += 1;
+            refused.allowed(&rules, t);
+        }
+        t += 1;
+        let got = admitted(&rules, "10.0.0.1", 10);
+        assert!(got <= 6, "{got} of 10 admitted after 1000 refusals at 0.5");
+        let _ = t;
+    }
+}
