@@ -56,13 +56,17 @@ fn global_ruleset(ratio: f64) -> RuleSet {
         ip(1)
     ))
     .unwrap();
+    use spillway::internal::control::DropRatios;
     let now = MonotonicClock::new().now();
-    let ratios = spillway::internal::control::DropRatios::from_reply(&reply, "bench", now);
-    RuleSet::build_with_ratios(
-        &config,
-        &Metrics::new(),
-        Arc::new(arc_swap::ArcSwap::from_pointee(ratios)),
-    )
+    let ratios = Arc::new(arc_swap::ArcSwap::from_pointee(DropRatios::empty(now)));
+    let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
+    // The key assigned, as a reply answering a report that named it makes it.
+    Req::new().decide(&rules, ip(1));
+    rules.drain_global(10, 1.0, 1);
+    ratios.store(Arc::new(
+        DropRatios::from_reply(&reply, "bench", now).answering(1),
+    ));
+    rules
 }
 
 fn ip(i: u32) -> IpAddr {

@@ -459,20 +459,27 @@ rules:
 #[tokio::test]
 async fn while_the_control_plane_is_stale_the_fallback_limit_applies() {
     let (sc, _up, clock) = stale_sidecar("{ rate: 1/h, burst: 2 }").await;
-    let k = [("x-api-key", "k")];
-    // Fresh (no ratios yet): everything passes, the fallback is not used.
-    for _ in 0..5 {
-        assert_eq!(get(sc.addr(), "/", &k).await.0, StatusCode::OK);
-    }
-    clock.advance(Duration::from_secs(2));
-    let statuses: Vec<u16> = {
+    let addr = sc.addr();
+    let three = |key: &'static str| async move {
         let mut v = Vec::new();
         for _ in 0..3 {
-            v.push(get(sc.addr(), "/", &k).await.0.as_u16());
+            v.push(get(addr, "/", &[("x-api-key", key)]).await.0.as_u16());
         }
         v
     };
-    assert_eq!(statuses, [200, 200, 429], "the fallback's burst of 2");
+    // Fresh, but no reply has assigned the key: the fallback is its provisional limit.
+    assert_eq!(
+        three("k").await,
+        [200, 200, 429],
+        "provisional: the fallback"
+    );
+    clock.advance(Duration::from_secs(2));
+    assert_eq!(
+        three("k2").await,
+        [200, 200, 429],
+        "the fallback's burst of 2"
+    );
+    assert_eq!(three("k").await, [429, 429, 429], "the same fallback state");
 }
 
 /// `fallback.algorithm` is the fallback's: a sliding log of 2/s refuses a third request half
@@ -1327,4 +1334,57 @@ async fn proxies_and_a_control_plane_one_version_apart_still_share_one_limit() {
         );
         assert_eq!(metric(&metrics, &malformed), None, "{role}: {metrics}");
     }
+}
+
+/// Waits until the proxy at `p` has had `n` reports answered.
+async fn answered(p: &Proc, n: f64) {
+    for _ in 0..600 {
+        let (_, _, text) = get(p.admin, "/metrics", &[]).await;
+        let ok = text
+            .lines()
+            .find(|l| l.starts_with("spillway_reports_total{result=\"ok\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+        if ok.is_some_and(|ok| ok >= n) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("{n} reports were not answered");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_key_is_held_to_its_provisional_limit_until_its_first_ratio() {
+    let (_one, up, ctl) = fleet().await;
+    // 10/s, one proxy reporting every second: its provisional limit is the whole 10/s (the
+    // controller says one proxy reports the rule), ten at once.
+    let p = proxy_with("p1", up.addr, ctl.addr, "1s", 10, &per_key("10/s", ""));
+    // A first key, so that the controller has answered with the rule's hint.
+    send(&client(), p.addr, "GET", "/", &[("x-api-key", "first")]).await;
+    answered(&p, 2.0).await;
+    // A key nobody has seen: 400 requests as fast as they go, 16 at a time.
+    let c = client();
+    let start = tokio::time::Instant::now();
+    let mut ok = 0u64;
+    for _ in 0..25 {
+        let mut batch = tokio::task::JoinSet::new();
+        for _ in 0..16 {
+            let c = c.clone();
+            batch.spawn(async move {
+                send(&c, p.addr, "GET", "/", &[("x-api-key", "fresh")])
+                    .await
+                    .0
+            });
+        }
+        while let Some(s) = batch.join_next().await {
+            ok += u64::from(s.unwrap() == StatusCode::OK);
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    // Ten at once and 10/s after, until a ratio (at most as much again) takes over.
+    let bound = 2.0 * (10.0 + 10.0 * secs) + 2.0;
+    assert!(
+        (ok as f64) <= bound,
+        "{ok} of 400 admitted in {secs:.2} s for a new key against 10/s (at most {bound:.0})"
+    );
+    assert!(ok >= 10, "the provisional limit admits its burst: {ok}");
 }

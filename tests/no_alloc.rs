@@ -159,10 +159,14 @@ fn the_drop_ratio_path_does_not_allocate() {
         }],
         rules: Vec::new(),
     };
-    let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::from_reply(
-        &reply, "s", 0,
-    )));
-    let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios);
+    let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(0)));
+    let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
+    // A known key, assigned: a report named it and the reply answers that report.
+    assert!(decide(&rules, 0));
+    rules.drain_global(10, 1.0, 1);
+    ratios.store(Arc::new(
+        DropRatios::from_reply(&reply, "s", 0).answering(1),
+    ));
     // Warmed until both outcomes were seen, so that neither path's first use falls in the
     // measured loop (a rule's first refusal used to allocate once).
     let (mut seen_allow, mut seen_deny, mut now) = (false, false, 0);

@@ -133,6 +133,13 @@ pub struct Rate {
     pub period: Duration,
 }
 
+impl Rate {
+    /// The rate in units per second.
+    pub fn per_sec(&self) -> f64 {
+        f64::from(self.count.get()) / self.period.as_secs_f64().max(1e-9)
+    }
+}
+
 impl FromStr for Rate {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::Rate;
-use crate::limit::Nanos;
+use crate::limit::{Nanos, NANOS_PER_SEC};
 
 /// Looked up on every request a global rule decides: foldhash's quality variant, seeded per
 /// map, is much cheaper than SipHash on short keys, and its random seed keeps clients from
@@ -155,6 +155,18 @@ impl DropRatios {
         }
     }
 
+    /// The provisional limit of a key of `rule` (limit `limit` units a second) that no reply
+    /// has assigned: its share of the limit, limit / N over the N proxies the control plane
+    /// last said report the rule (as `name_above`, limit / 2N); the whole limit before it
+    /// has said.
+    pub fn provisional(&self, rule: &str, limit: f64) -> f64 {
+        self.rules
+            .get(rule)
+            .map(|r| 2.0 * r.name_above)
+            .filter(|p| p.is_finite() && *p > 0.0)
+            .map_or(limit, |p| p.min(limit))
+    }
+
     /// Whether the control plane named `key` under `rule` (a key it watches: reported by name
     /// from then on), and the rate past which any key is named.
     fn watch(&self, rule: &str) -> Option<&RuleRatios> {
@@ -196,6 +208,8 @@ pub struct GlobalCounters {
     /// signed), and where on the credit line that admission falls (low 16 bits): see
     /// [`GlobalCounters::share`]. Relaxed: one word, changed by compare-and-swap.
     share: AtomicU64,
+    /// The provisional limit's theoretical arrival time (a GCRA), on the limiter clock.
+    guard: AtomicU64,
     /// What the last report this key was in did with it, staged until its answer comes: the
     /// report's sequence number (high 48 bits), the choice before it (8 bits) and its own (low 8
     /// bits): 0 not yet reported, [`NAMED`] or [`FOLDED`]. Relaxed: one word the reporter
@@ -205,6 +219,15 @@ pub struct GlobalCounters {
 
 const NAMED: u64 = 1;
 const FOLDED: u64 = 2;
+
+/// What the last answered report did with a key: named it, folded it into the tail, or had
+/// not had it (the key is not yet *assigned*).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Choice {
+    New,
+    Named,
+    Folded,
+}
 
 /// One unit of credit in a key's share: fractions of a request to 1/65 536.
 const UNIT: i64 = 1 << 16;
@@ -226,6 +249,7 @@ impl Default for GlobalCounters {
             admitted: AtomicU64::new(0),
             // Where the first admission falls is drawn like every later one.
             share: AtomicU64::new(pack(0, i64::from(fastrand::u16(..)))),
+            guard: AtomicU64::new(0),
             choice: AtomicU64::new(0),
         }
     }
@@ -286,14 +310,54 @@ impl GlobalCounters {
         self.admitted.fetch_add(u64::from(units), Ordering::Relaxed);
     }
 
-    /// Whether the tail's ratio applies to this key under ratios answering report `answers`:
-    /// unless the last report they answer named it (a key not yet reported is limited as the
-    /// tail is, as it was before reports named keys).
+    /// What the last report answered by ratios answering report `answers` did with this key:
+    /// [`Choice::New`] if no such report had it.
     #[inline]
-    pub(super) fn in_tail(&self, answers: u64) -> bool {
+    pub(super) fn choice(&self, answers: u64) -> Choice {
         let w = self.choice.load(Ordering::Relaxed);
         let choice = if w >> 16 <= answers { w } else { w >> 8 };
-        choice & 0xff != NAMED
+        match choice & 0xff {
+            NAMED => Choice::Named,
+            FOLDED => Choice::Folded,
+            _ => Choice::New,
+        }
+    }
+
+    /// Whether the key's provisional limit of `per_sec` units a second, `window` of it at
+    /// once (at least one request), admits a request of `units` at `now`: `Ok` with what it
+    /// took (for [`Self::unguard`]), or `Err` with when a retry would be admitted. A GCRA.
+    pub(super) fn guard(
+        &self,
+        now: Nanos,
+        per_sec: f64,
+        window: Nanos,
+        units: u32,
+    ) -> Result<Nanos, Nanos> {
+        let per_unit = (NANOS_PER_SEC as f64 / per_sec.max(1e-9)).min(1e18) as Nanos;
+        let cost = per_unit.saturating_mul(u64::from(units)).max(1);
+        let burst = window.max(cost);
+        let mut retry = 0;
+        self.guard
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
+                let next = tat.max(now).saturating_add(cost);
+                if next - now <= burst {
+                    Some(next)
+                } else {
+                    retry = next - now - burst;
+                    None
+                }
+            })
+            .map(|_| cost)
+            .map_err(|_| retry)
+    }
+
+    /// Gives back what [`Self::guard`] took for a request a later rule refused.
+    pub(super) fn unguard(&self, took: Nanos) {
+        let _ = self
+            .guard
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
+                Some(tat.saturating_sub(took))
+            });
     }
 
     /// Says what report `seq` does with this key (`folded`, or named), the choice before it

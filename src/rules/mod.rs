@@ -184,12 +184,23 @@ pub enum Refusal {
 pub enum Taken {
     Rate(Slot, u32),
     Concurrency,
-    /// The key's counters, the fallback's slot if it decided, the units, and whether the
-    /// key's share decided (and is owed them back on a refusal).
-    Global(Arc<GlobalCounters>, Option<Slot>, u32, bool),
+    /// The key's counters, and what the decision took from them.
+    Global(Arc<GlobalCounters>, GlobalTaken),
     /// Admitted by Redis (nothing to give back there), or by the local fallback limit (its
     /// slot and the units it took).
     Redis(Option<(Slot, u32)>),
+}
+
+/// What a global rule's decision took, to be given back if a later rule refuses.
+#[derive(Debug, Default)]
+pub struct GlobalTaken {
+    /// The fallback's slot, if it decided (stale ratios, or a key not yet assigned).
+    slot: Option<Slot>,
+    units: u32,
+    /// The key's share decided.
+    shared: bool,
+    /// What the provisional limit took.
+    guard: Nanos,
 }
 
 /// The waiting room of an `on_limit: delay` rule.
@@ -422,34 +433,67 @@ impl RuleSet {
                     let ratios = ratios.get_or_insert_with(|| self.ratios.load());
                     let age = now.saturating_sub(ratios.at);
                     let (factor, stale) = self.staleness.factor(age);
-                    let mut shared = false;
-                    let (decision, slot) = match fallback {
+                    let mut took = GlobalTaken::default();
+                    let decision = match fallback {
                         Some(fallback) if stale => {
                             let (d, slot) = fallback.check(&key, now, cost);
-                            (d, Some(slot))
+                            took.slot = Some(slot);
+                            d
                         }
                         _ => {
-                            let tail = || counters.in_tail(ratios.answers);
+                            let choice = counters.choice(ratios.answers);
+                            let tail = || choice != Choice::Named;
                             let p = ratios.ratio_with(&rule.name, &key, tail) * factor;
-                            shared = p > 0.0;
-                            let d = if shared && !counters.share(1.0 - p, cost) {
-                                // The ratio may change with the next reply.
-                                let interval = self.report_interval.max(1);
-                                Decision::Deny {
-                                    retry_after: Some(interval - age % interval),
+                            took.shared = p > 0.0;
+                            // The ratio may change with the next reply.
+                            let interval = self.report_interval.max(1);
+                            let mut retry = interval - age % interval;
+                            let mut allowed = !took.shared || counters.share(1.0 - p, cost);
+                            if allowed && choice == Choice::New && !stale {
+                                // Not assigned yet: the provisional limit holds it until a
+                                // reply does.
+                                match fallback {
+                                    Some(fallback) => {
+                                        let (d, slot) = fallback.check(&key, now, cost);
+                                        allowed = d.is_allowed();
+                                        if let Decision::Deny { retry_after } = d {
+                                            retry = retry_after.unwrap_or(retry);
+                                        } else {
+                                            took.slot = Some(slot);
+                                        }
+                                    }
+                                    None => {
+                                        let per_sec =
+                                            ratios.provisional(&rule.name, rate.per_sec());
+                                        match counters.guard(now, per_sec, interval, cost) {
+                                            Ok(ns) => took.guard = ns,
+                                            Err(wait) => {
+                                                allowed = false;
+                                                retry = wait;
+                                            }
+                                        }
+                                    }
                                 }
-                            } else {
+                                if !allowed && took.shared {
+                                    counters.give_back(cost);
+                                }
+                            }
+                            if allowed {
                                 Decision::Allow {
                                     remaining: if p > 0.0 { 0 } else { rate.count.get() },
                                     reset_after: 0,
                                     wait: 0,
                                 }
-                            };
-                            (d, None)
+                            } else {
+                                Decision::Deny {
+                                    retry_after: Some(retry),
+                                }
+                            }
                         }
                     };
                     if decision.is_allowed() {
-                        taken.push((i, Taken::Global(counters, slot, cost, shared)));
+                        took.units = cost;
+                        taken.push((i, Taken::Global(counters, took)));
                     }
                     decision
                 }
@@ -558,8 +602,8 @@ impl RuleSet {
     fn commit(&self, taken: &[(usize, Taken)]) {
         for (i, t) in taken {
             self.rules[*i].allowed.inc();
-            if let Taken::Global(counters, _, units, _) = t {
-                counters.admit(*units);
+            if let Taken::Global(counters, took) = t {
+                counters.admit(took.units);
             }
         }
     }
@@ -584,15 +628,16 @@ impl RuleSet {
                 ) => {
                     store.refund(&key, *slot, quota, now, *cost, overflow);
                 }
-                (
-                    Kind::Global {
-                        fallback: Some(fallback),
-                        ..
-                    },
-                    Taken::Global(_, Some(slot), units, _),
-                ) => fallback.refund(&key, *slot, now, *units),
-                (Kind::Global { .. }, Taken::Global(counters, None, units, true)) => {
-                    counters.give_back(*units)
+                (Kind::Global { fallback, .. }, Taken::Global(counters, took)) => {
+                    if let (Some(fallback), Some(slot)) = (fallback, took.slot) {
+                        fallback.refund(&key, slot, now, took.units);
+                    }
+                    if took.shared {
+                        counters.give_back(took.units);
+                    }
+                    if took.guard > 0 {
+                        counters.unguard(took.guard);
+                    }
                 }
                 (
                     Kind::Redis {

@@ -493,18 +493,21 @@ fn a_global_rule_counts_its_cost_in_units() {
 }
 
 /// A global rule (5/s per client) whose ratio for 10.0.0.1 is `p`, followed by `then` (more
-/// rules, YAML list items).
+/// rules, YAML list items). The key is assigned (a report named it, and the ratio answers
+/// that report), and its share has decided nothing yet.
 fn global_at(p: f64, then: &str) -> RuleSet {
     let yaml = format!(
         "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: client_ip\n    limit: {{ rate: 5/s }}\n    scope: global\n{then}"
     );
     let config = Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"));
-    let ratios = DropRatios::of(T0, [("g", Some("10.0.0.1"), p)].into_iter());
-    RuleSet::build_with_ratios(
-        &config,
-        &Metrics::new(),
-        Arc::new(ArcSwap::from_pointee(ratios)),
-    )
+    let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(T0)));
+    let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
+    // At ratio 0 the share is not asked.
+    assert!(req("GET", "/", &[]).from("10.0.0.1").allowed(&rules, T0));
+    rules.drain_global(10, 1.0, 1);
+    let answer = DropRatios::of(T0, [("g", Some("10.0.0.1"), p)].into_iter()).answering(1);
+    ratios.store(Arc::new(answer));
+    rules
 }
 
 mod shares {
@@ -620,5 +623,76 @@ mod shares {
         let got = admitted(&rules, "10.0.0.1", 10);
         assert!(got <= 6, "{got} of 10 admitted after 1000 refusals at 0.5");
         let _ = t;
+    }
+}
+
+mod provisional {
+    use super::*;
+
+    /// A global rule of 10/s (1 s reports) with `extra` YAML on the rule; the control plane's
+    /// last reply answers report 3 and says there are `hosts` proxies (name_above is
+    /// limit / 2N).
+    fn fleet_of(hosts: f64, extra: &str) -> (RuleSet, Arc<ArcSwap<DropRatios>>) {
+        let yaml = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1', report_interval: 1s }}\nrules:\n  - name: g\n    key: client_ip\n    limit: {{ rate: 10/s }}\n    scope: global\n{extra}"
+        );
+        let config = Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+        let mut answer = DropRatios::of(T0, [("g", None, 0.0)].into_iter()).answering(3);
+        answer.hint("g", 10.0 / (2.0 * hosts), None);
+        let ratios = Arc::new(ArcSwap::from_pointee(answer));
+        let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
+        (rules, ratios)
+    }
+
+    fn admitted_at(rules: &RuleSet, ip: &str, n: u32, at: Nanos) -> u32 {
+        (0..n)
+            .map(|_| u32::from(req("GET", "/", &[]).from(ip).allowed(rules, at)))
+            .sum()
+    }
+
+    /// A key no reply has assigned yet is held to limit / N on each proxy (one interval's
+    /// worth at once), not let through until its first ratio.
+    #[test]
+    fn a_new_key_is_held_to_the_provisional_limit_until_assigned() {
+        let (rules, _) = fleet_of(5.0, "");
+        // 10/s over 5 proxies: 2/s here, two at once.
+        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 2);
+        assert_eq!(
+            admitted_at(&rules, "10.0.0.1", 400, T0 + NANOS_PER_SEC / 2),
+            1,
+            "half a second later: one more"
+        );
+        // Another new key has its own.
+        assert_eq!(admitted_at(&rules, "10.0.0.2", 400, T0), 2);
+    }
+
+    /// With no hint yet (no reply has said how many proxies there are), the provisional
+    /// limit is the rule's limit on each proxy.
+    #[test]
+    fn before_any_hint_the_provisional_limit_is_the_rules_limit() {
+        let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1', report_interval: 1s }\nrules:\n  - name: g\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: global\n";
+        let config = Config::from_yaml(yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+        let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(T0)));
+        let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios);
+        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 10);
+    }
+
+    /// A rule's `fallback` is its provisional limit when it has one.
+    #[test]
+    fn a_rules_fallback_is_its_provisional_limit() {
+        let (rules, _) = fleet_of(5.0, "    fallback: { rate: 7/s }\n");
+        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 7);
+    }
+
+    /// Once a reply answers a report that named or folded the key, its ratio decides alone.
+    #[test]
+    fn an_assigned_key_is_decided_by_its_ratio() {
+        let (rules, ratios) = fleet_of(5.0, "");
+        admitted_at(&rules, "10.0.0.1", 400, T0);
+        rules.drain_global(10, 1.0, 4);
+        let mut answer = DropRatios::of(T0, [("g", None, 0.0)].into_iter()).answering(4);
+        answer.hint("g", 1.0, None);
+        ratios.store(Arc::new(answer));
+        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0 + 1), 400);
     }
 }
