@@ -120,6 +120,11 @@ enum Command {
         /// Time constant of the smoothing of the fleet's sums, e.g. 1s.
         #[arg(long, env = "SPILLWAY_SMOOTHING", default_value = "1s", value_parser = parse_duration)]
         smoothing: std::time::Duration,
+        /// After a start, replies say the ratios are not authoritative yet for at least this
+        /// long (and for two of the longest intervals reported): proxies keep the ratios they
+        /// have meanwhile, e.g. 2s.
+        #[arg(long, env = "SPILLWAY_WARM_UP", default_value = "2s", value_parser = parse_duration)]
+        warm_up: std::time::Duration,
     },
     /// Run a zone aggregator replica: forwards its proxies' counts once and relays the ratios.
     Aggregator {
@@ -357,6 +362,7 @@ fn main() -> ExitCode {
             admin,
             security,
             smoothing,
+            warm_up,
         } => run(async move {
             let insecure = security.insecure;
             let (credentials, tls, _watching) = security.load()?;
@@ -367,6 +373,7 @@ fn main() -> ExitCode {
                 tls,
                 insecure,
                 smoothing,
+                warm_up,
             };
             serve_role(
                 "controller",

@@ -1388,3 +1388,85 @@ async fn a_new_key_is_held_to_its_provisional_limit_until_its_first_ratio() {
     );
     assert!(ok >= 10, "the provisional limit admits its burst: {ok}");
 }
+
+/// A free port on loopback, for a process that must come back at the same address.
+fn fixed_port() -> String {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .to_string()
+}
+
+/// A proxy named `name` reporting to `control` every second (stale after 2 s), with one
+/// global rule per API key of [`LIMIT`] and a fallback of a third of it.
+fn proxy_1s_with_fallback(name: &str, upstream: SocketAddr, control: SocketAddr) -> Proc {
+    let yaml = format!(
+        r#"service: shop
+listen: 127.0.0.1:0
+admin: 127.0.0.1:0
+upstream: http://{upstream}
+control_plane:
+  url: http://{control}
+  report_interval: 1s
+  stale_after: 2s
+  decay: 1s
+  host: {name}
+rules:
+  - name: per-key
+    key: [header:x-api-key]
+    limit: {{ rate: {LIMIT}/s }}
+    scope: global
+    fallback: {{ rate: 33/s, burst: 5 }}
+"#
+    );
+    let path = temp_file(&format!("{name}.yaml"), &yaml);
+    Proc::spawn(&["proxy", "--config", path.to_str().unwrap()])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_controller_warms_up_and_its_first_sums_do_not_release_the_fallback() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let up = upstream().await;
+    let listen = fixed_port();
+    let mut ctl = controller(&listen, &[]);
+    // Two aggregator replicas of one zone, forwarding every second; three proxies reporting
+    // every second, two to one replica and one to the other.
+    let url = format!("http://{}", ctl.addr);
+    let aggs: Vec<Proc> = (0..2)
+        .map(|_| Proc::spawn(&aggregator_args(&url, "z1", "1s")))
+        .collect();
+    let p: Vec<Proc> = (1..=3)
+        .map(|i| proxy_1s_with_fallback(&format!("p{i}"), up.addr, aggs[i % 2].addr))
+        .collect();
+    let refs: Vec<&Proc> = p.iter().collect();
+    let load = [100, 100, 100];
+    offer_all(&refs, "k", &load, 4.0).await;
+    ctl.kill();
+    // Stale after 2 s: the fallbacks hold the fleet at about the limit.
+    offer_all(&refs, "k", &load, 3.5).await;
+    let _ctl = controller(&listen, &[]);
+    // The 2 s after the restart: the controller's first sums are partial (its state is soft:
+    // one replica's forward before the other's), and a proxy that took them as fresh would
+    // leave its fallback for a ratio computed on part of the fleet.
+    let (ok, limited, other) = offer_all(&refs, "k", &load, 2.0).await;
+    assert_eq!(other, 0);
+    let allowance = 3.0 * (33.0 * 2.0 + 5.0);
+    eprintln!("the 2 s after the restart: {ok} admitted, {limited} refused");
+    assert!(
+        ok as f64 <= 1.1 * allowance,
+        "{ok} admitted ({limited} refused) in the 2 s after the restart; the fallbacks allow {allowance}"
+    );
+    // Warmed up, the controller's ratios hold the limit.
+    offer_all(&refs, "k", &load, 3.0).await;
+    holds_fleet(&refs, &load, 3.0, "after the warm-up").await;
+}
+
+/// Offers `load` to `proxies` for `secs`: the fleet admits the limit within 15 %, with no
+/// errors.
+async fn holds_fleet(proxies: &[&Proc], load: &[u64], secs: f64, what: &str) {
+    let (ok, limited, other) = offer_all(proxies, "k", load, secs).await;
+    assert_eq!(other, 0, "{what}: errors");
+    assert!(limited > 0, "{what}: nothing dropped");
+    assert_within(ok, secs, 0.15, what);
+}

@@ -158,6 +158,7 @@ fn the_drop_ratio_path_does_not_allocate() {
             ratio: 0.5,
         }],
         rules: Vec::new(),
+        warming: false,
     };
     let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(0)));
     let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());

@@ -69,10 +69,13 @@ impl AggregatorOptions {
 struct Relayed {
     by_service: std::collections::HashMap<String, (Vec<super::Ratio>, Vec<super::RuleHint>)>,
     at: tokio::time::Instant,
+    /// The controller said it is warming up: its ratios are relayed as not authoritative.
+    warming: bool,
 }
 
 impl Relayed {
     fn new(reply: Reply, at: tokio::time::Instant) -> Self {
+        let warming = reply.warming;
         let mut by_service: std::collections::HashMap<String, (Vec<_>, Vec<_>)> =
             Default::default();
         for r in reply.ratios {
@@ -81,7 +84,11 @@ impl Relayed {
         for h in reply.rules {
             by_service.entry(h.service.clone()).or_default().1.push(h);
         }
-        Relayed { by_service, at }
+        Relayed {
+            by_service,
+            at,
+            warming,
+        }
     }
 }
 
@@ -174,12 +181,13 @@ impl State {
             age_ms: relayed.at.elapsed().as_millis() as u64,
             ratios: Vec::new(),
             rules: Vec::new(),
+            warming: false,
         };
         for (ratios, hints) in services.iter().filter_map(|s| relayed.by_service.get(s)) {
             reply.ratios.extend(ratios.iter().cloned());
             reply.rules.extend(hints.iter().cloned());
         }
-        server::reply(reply, wire2)
+        server::warming(server::reply(reply, wire2), relayed.warming)
     }
 
     /// Forwards the zone's sums and keeps the controller's reply, every interval; once more,

@@ -33,10 +33,13 @@ pub struct ControllerOptions {
     pub insecure: bool,
     /// The time constant of the smoothing of the fleet's sums.
     pub smoothing: std::time::Duration,
+    /// The least time after a start during which replies say the controller is warming up
+    /// ([`super::WARMING_HEADER`]); never less than two of the longest intervals reported.
+    pub warm_up: std::time::Duration,
 }
 
 impl ControllerOptions {
-    /// Loopback-style defaults: no token, no TLS, 1 s smoothing.
+    /// Loopback-style defaults: no token, no TLS, 1 s smoothing, a 2 s warm-up.
     pub fn new(listen: SocketAddr, admin: SocketAddr) -> Self {
         ControllerOptions {
             listen,
@@ -45,12 +48,18 @@ impl ControllerOptions {
             tls: None,
             insecure: false,
             smoothing: std::time::Duration::from_secs(1),
+            warm_up: std::time::Duration::from_secs(2),
         }
     }
 }
 
 struct State {
     acc: Shared<Accumulator>,
+    /// The least warm-up, in seconds of `acc`'s clock (which starts with the controller).
+    warm_up: f64,
+    /// The longest `interval_ms` reported since the start.
+    longest_ms: std::sync::atomic::AtomicU64,
+    warming: IntGauge,
     credentials: Credentials,
     registry: Registry,
     reports: IntCounterVec,
@@ -76,6 +85,7 @@ impl State {
             };
         let services = server::reply_services(&report, &principal);
         let now = self.acc.now();
+        let warming = self.warming(report.interval_ms, now);
         let reply = {
             let mut acc = self.acc.lock();
             match acc.record(&report, principal.owner(&report.source), now) {
@@ -97,12 +107,26 @@ impl State {
                         super::WIRE_HEADER,
                         http::HeaderValue::from_static(super::WIRE),
                     );
-                    return resp;
+                    return server::warming(resp, warming);
                 }
                 Some(s) => acc.reply(Some(&s), now),
             }
         };
-        server::reply(reply, wire2)
+        server::warming(server::reply(reply, wire2), warming)
+    }
+
+    /// Whether, `now` seconds after the start, replies are still not authoritative: before
+    /// the warm-up, and before two of the longest intervals reported (`interval_ms` the
+    /// report's), so that every source has been heard and the sums have settled.
+    fn warming(&self, interval_ms: u64, now: f64) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let longest = self
+            .longest_ms
+            .fetch_max(interval_ms, Relaxed)
+            .max(interval_ms);
+        let warming = now < self.warm_up.max(2.0 * longest as f64 / 1000.0);
+        self.warming.set(i64::from(warming));
+        warming
     }
 
     /// Who may read state: a service's token sees that service (`Some`), the aggregators',
@@ -334,8 +358,20 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     registry
         .register(Box::new(refused.clone()))
         .expect("unique");
+    let warming = IntGauge::new(
+        "spillway_controller_warming",
+        "1 while the controller is warming up after its start: its replies say their ratios are not authoritative yet.",
+    )
+    .expect("valid metric");
+    registry
+        .register(Box::new(warming.clone()))
+        .expect("unique");
+    warming.set(1);
     let state = Arc::new(State {
         acc: Shared::new(Accumulator::new(opts.smoothing.as_secs_f64())),
+        warm_up: opts.warm_up.as_secs_f64(),
+        longest_ms: Default::default(),
+        warming,
         credentials: opts.credentials,
         reads,
         tracked,

@@ -42,6 +42,12 @@ pub const WIRE_HEADER: &str = "spillway-wire";
 /// What [`WIRE_HEADER`] carries.
 pub const WIRE: &str = "2";
 
+/// The header by which a reply says its ratios are not authoritative yet: the controller
+/// that computed them has not been up for its warm-up (its state is soft, so after a restart
+/// it has not heard every source yet). A proxy keeps the ratios it has (aged as any) until a
+/// reply without it; an aggregator relays it. A reader that does not know it ignores it.
+pub const WARMING_HEADER: &str = "spillway-warming";
+
 /// Largest request body the control plane reads (413 past it).
 pub const MAX_BODY: usize = 8 << 20;
 /// Largest reply a reporter reads (a controller's answer to zone sums carries every service's
@@ -158,6 +164,9 @@ pub struct Reply {
     /// ratios were left out. Sent only to a sender of [`WIRE_HEADER`].
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub rules: Vec<RuleHint>,
+    /// The reply came with [`WARMING_HEADER`]: not on the wire's JSON.
+    #[serde(skip)]
+    pub warming: bool,
 }
 
 impl Reply {

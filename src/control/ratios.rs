@@ -50,6 +50,7 @@ mod tests {
                 },
             ],
             rules: Vec::new(),
+            warming: false,
         };
         let d = DropRatios::from_reply(&reply, "s", 7);
         assert_eq!(d.ratio("r", b"k", false), 0.5);

@@ -156,6 +156,7 @@ pub async fn post_report(
             .headers()
             .get(super::WIRE_HEADER)
             .is_some_and(|v| v.as_bytes() == super::WIRE.as_bytes());
+        let warming = resp.headers().contains_key(super::WARMING_HEADER);
         let bytes = Limited::new(resp.into_body(), MAX_REPLY)
             .collect()
             .await
@@ -170,8 +171,9 @@ pub async fn post_report(
                 ),
             });
         }
-        let reply = serde_json::from_slice::<Reply>(&bytes)
+        let mut reply = serde_json::from_slice::<Reply>(&bytes)
             .map_err(|e| PostError::other(format!("malformed reply: {e}")))?;
+        reply.warming = warming;
         Ok((reply, wire2))
     };
     match tokio::time::timeout(timeout, exchange).await {
@@ -402,6 +404,11 @@ impl Reporter {
         )
         .await
         {
+            Ok((reply, _)) if reply.warming => {
+                // Not authoritative yet: the ratios held stand (and age) until a reply is.
+                self.metrics.reports_ok.inc();
+                tracing::debug!(url = %self.url, "the controller is warming up: ratios kept");
+            }
             Ok((reply, size)) => {
                 let age = Duration::from_millis(reply.age_ms).as_nanos() as Nanos;
                 let at = sent_at.saturating_sub(age);

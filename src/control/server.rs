@@ -140,6 +140,15 @@ pub fn reply(mut reply: super::Reply, wire2: bool) -> Response<Body> {
     resp
 }
 
+/// Marks `resp` as a reply whose ratios are not authoritative yet ([`super::WARMING_HEADER`]).
+pub fn warming(mut resp: Response<Body>, warming: bool) -> Response<Body> {
+    if warming {
+        resp.headers_mut()
+            .insert(super::WARMING_HEADER, http::HeaderValue::from_static("1"));
+    }
+    resp
+}
+
 /// A response of JSON already serialized.
 pub fn json_bytes(status: StatusCode, body: Bytes) -> Response<Body> {
     let mut resp = Response::new(Full::new(body));

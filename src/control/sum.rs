@@ -837,6 +837,7 @@ impl Accumulator {
             age_ms: 0,
             ratios: Vec::new(),
             rules: Vec::new(),
+            warming: false,
         };
         let mut add = |s: &str| {
             if let Some(r) = snap.by_service.get(s) {
