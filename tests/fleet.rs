@@ -1356,7 +1356,7 @@ async fn answered(p: &Proc, n: f64) {
 async fn a_new_key_is_held_to_its_provisional_limit_until_its_first_ratio() {
     let (_one, up, ctl) = fleet().await;
     // 10/s, one proxy reporting every second: its provisional limit is the whole 10/s (the
-    // controller says one proxy reports the rule), ten at once.
+    // controller says one proxy reports the rule), one request every 100 ms.
     let p = proxy_with("p1", up.addr, ctl.addr, "1s", 10, &per_key("10/s", ""));
     // A first key, so that the controller has answered with the rule's hint.
     send(&client(), p.addr, "GET", "/", &[("x-api-key", "first")]).await;
@@ -1380,13 +1380,13 @@ async fn a_new_key_is_held_to_its_provisional_limit_until_its_first_ratio() {
         }
     }
     let secs = start.elapsed().as_secs_f64();
-    // Ten at once and 10/s after, until a ratio (at most as much again) takes over.
-    let bound = 2.0 * (10.0 + 10.0 * secs) + 2.0;
+    // 10/s until a ratio (at most as much again) takes over.
+    let bound = 2.0 * (1.0 + 10.0 * secs) + 2.0;
     assert!(
         (ok as f64) <= bound,
         "{ok} of 400 admitted in {secs:.2} s for a new key against 10/s (at most {bound:.0})"
     );
-    assert!(ok >= 10, "the provisional limit admits its burst: {ok}");
+    assert!(ok >= 1, "the provisional limit admits");
 }
 
 /// A free port on loopback, for a process that must come back at the same address.

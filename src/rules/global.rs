@@ -323,27 +323,21 @@ impl GlobalCounters {
         }
     }
 
-    /// Whether the key's provisional limit of `per_sec` units a second, `window` of it at
-    /// once (at least one request), admits a request of `units` at `now`: `Ok` with what it
-    /// took (for [`Self::unguard`]), or `Err` with when a retry would be admitted. A GCRA.
-    pub(super) fn guard(
-        &self,
-        now: Nanos,
-        per_sec: f64,
-        window: Nanos,
-        units: u32,
-    ) -> Result<Nanos, Nanos> {
+    /// Whether the key's provisional limit of `per_sec` units a second admits a request of
+    /// `units` at `now`: `Ok` with what it took (for [`Self::unguard`]), or `Err` with when a
+    /// retry would be admitted. A GCRA with no burst beyond the request: a new key's first
+    /// second gets the provisional limit, not a bucket's worth on top of it.
+    pub(super) fn guard(&self, now: Nanos, per_sec: f64, units: u32) -> Result<Nanos, Nanos> {
         let per_unit = (NANOS_PER_SEC as f64 / per_sec.max(1e-9)).min(1e18) as Nanos;
         let cost = per_unit.saturating_mul(u64::from(units)).max(1);
-        let burst = window.max(cost);
         let mut retry = 0;
         self.guard
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
                 let next = tat.max(now).saturating_add(cost);
-                if next - now <= burst {
+                if next - now <= cost {
                     Some(next)
                 } else {
-                    retry = next - now - burst;
+                    retry = next - now - cost;
                     None
                 }
             })

@@ -465,7 +465,7 @@ impl RuleSet {
                                     None => {
                                         let per_sec =
                                             ratios.provisional(&rule.name, rate.per_sec());
-                                        match counters.guard(now, per_sec, interval, cost) {
+                                        match counters.guard(now, per_sec, cost) {
                                             Ok(ns) => took.guard = ns,
                                             Err(wait) => {
                                                 allowed = false;

@@ -650,20 +650,23 @@ mod provisional {
             .sum()
     }
 
-    /// A key no reply has assigned yet is held to limit / N on each proxy (one interval's
-    /// worth at once), not let through until its first ratio.
+    /// A key no reply has assigned yet is held to limit / N on each proxy, spaced evenly,
+    /// not let through until its first ratio.
     #[test]
     fn a_new_key_is_held_to_the_provisional_limit_until_assigned() {
         let (rules, _) = fleet_of(5.0, "");
-        // 10/s over 5 proxies: 2/s here, two at once.
-        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 2);
-        assert_eq!(
-            admitted_at(&rules, "10.0.0.1", 400, T0 + NANOS_PER_SEC / 2),
-            1,
-            "half a second later: one more"
-        );
+        // 10/s over 5 proxies: 2/s here, one every half second.
+        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 1);
+        let half = NANOS_PER_SEC / 2;
+        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0 + half - 1), 0);
+        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0 + half), 1);
+        // The next two seconds (the ratios still fresh), four.
+        let got: u32 = (1..=20)
+            .map(|i| admitted_at(&rules, "10.0.0.1", 4, T0 + half + i * NANOS_PER_SEC / 10))
+            .sum();
+        assert_eq!(got, 4);
         // Another new key has its own.
-        assert_eq!(admitted_at(&rules, "10.0.0.2", 400, T0), 2);
+        assert_eq!(admitted_at(&rules, "10.0.0.2", 400, T0), 1);
     }
 
     /// With no hint yet (no reply has said how many proxies there are), the provisional
@@ -674,7 +677,10 @@ mod provisional {
         let config = Config::from_yaml(yaml, "t").unwrap_or_else(|e| panic!("{e}"));
         let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(T0)));
         let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios);
-        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 10);
+        let got: u32 = (0..10)
+            .map(|i| admitted_at(&rules, "10.0.0.1", 40, T0 + i * NANOS_PER_SEC / 10))
+            .sum();
+        assert_eq!(got, 10, "10/s: one every 100 ms");
     }
 
     /// A rule's `fallback` is its provisional limit when it has one.
