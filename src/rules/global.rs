@@ -6,7 +6,7 @@
 //! hand one counter's interval to two reports.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::config::Rate;
@@ -210,6 +210,8 @@ pub struct GlobalCounters {
     share: AtomicU64,
     /// The provisional limit's theoretical arrival time (a GCRA), on the limiter clock.
     guard: AtomicU64,
+    /// The last report found nothing offered (or none has been taken yet).
+    quiet: AtomicBool,
     /// What the last report this key was in did with it, staged until its answer comes: the
     /// report's sequence number (high 48 bits), the choice before it (8 bits) and its own (low 8
     /// bits): 0 not yet reported, [`NAMED`] or [`FOLDED`]. Relaxed: one word the reporter
@@ -250,6 +252,7 @@ impl Default for GlobalCounters {
             // Where the first admission falls is drawn like every later one.
             share: AtomicU64::new(pack(0, i64::from(fastrand::u16(..)))),
             guard: AtomicU64::new(0),
+            quiet: AtomicBool::new(true),
             choice: AtomicU64::new(0),
         }
     }
@@ -369,12 +372,14 @@ impl GlobalCounters {
             .store((seq << 16) | (before << 8) | now, Ordering::Relaxed);
     }
 
-    /// Offered and admitted since the last take, zeroed.
+    /// Offered and admitted since the last take, zeroed; the key is quiet if nothing was.
     pub(super) fn take(&self) -> (u64, u64) {
-        (
+        let taken = (
             self.offered.swap(0, Ordering::Relaxed),
             self.admitted.swap(0, Ordering::Relaxed),
-        )
+        );
+        self.quiet.store(taken.0 == 0, Ordering::Relaxed);
+        taken
     }
 }
 
@@ -437,9 +442,13 @@ pub(super) fn choose_named(
     (named, tail)
 }
 
-/// Global counters with nothing to report (and no decision holding them) are as good as new.
+/// Global counters with nothing to report, none in the last report either (a whole interval
+/// unoffered: a sweep just after a report must not forget a busy key, which would be new
+/// again), and no decision holding them are as good as new.
 pub(super) fn global_idle(c: &Arc<GlobalCounters>) -> bool {
-    c.offered.load(Ordering::Relaxed) == 0 && Arc::strong_count(c) == 1
+    c.offered.load(Ordering::Relaxed) == 0
+        && c.quiet.load(Ordering::Relaxed)
+        && Arc::strong_count(c) == 1
 }
 
 #[cfg(test)]

@@ -574,22 +574,27 @@ mod shares {
         }
     }
 
-    /// A request a later rule refuses gives its share back: the key's next request has it.
-    #[test]
-    fn a_request_a_later_rule_refuses_gives_its_share_back() {
-        // The later rule grants one request per x-b value an hour; without the header it does
-        // not apply.
+    /// A global rule at ratio 0.5 for 10.0.0.1, then a rule that grants one request per x-b
+    /// value an hour (without the header it does not apply), its grant for `x-b: spent`
+    /// spent: the rules, a request that rule refuses, and the time.
+    fn after_a_spent_later_rule() -> (RuleSet, Req, Nanos) {
         let rules = global_at(
             0.5,
             "  - name: later\n    key: [header:x-b]\n    limit: { rate: 1/h }\n",
         );
         let refused = req("GET", "/", &[("x-b", "spent")]).from("10.0.0.1");
-        let clean = req("GET", "/", &[]).from("10.0.0.1");
         let mut t = T0;
-        // Spend the later rule's one grant.
         while !refused.allowed(&rules, t) {
             t += 1;
         }
+        (rules, refused, t)
+    }
+
+    /// A request a later rule refuses gives its share back: the key's next request has it.
+    #[test]
+    fn a_request_a_later_rule_refuses_gives_its_share_back() {
+        let (rules, refused, mut t) = after_a_spent_later_rule();
+        let clean = req("GET", "/", &[]).from("10.0.0.1");
         let mut passed = 0;
         for _ in 0..50 {
             t += 1;
@@ -606,23 +611,13 @@ mod shares {
     /// request a later rule refuses banks no burst for when it relents.
     #[test]
     fn refusals_by_a_later_rule_bank_no_burst() {
-        let rules = global_at(
-            0.5,
-            "  - name: later\n    key: [header:x-b]\n    limit: { rate: 1/h }\n",
-        );
-        let refused = req("GET", "/", &[("x-b", "spent")]).from("10.0.0.1");
-        let mut t = T0;
-        while !refused.allowed(&rules, t) {
-            t += 1;
-        }
+        let (rules, refused, mut t) = after_a_spent_later_rule();
         for _ in 0..1000 {
             t += 1;
             refused.allowed(&rules, t);
         }
-        t += 1;
         let got = admitted(&rules, "10.0.0.1", 10);
         assert!(got <= 6, "{got} of 10 admitted after 1000 refusals at 0.5");
-        let _ = t;
     }
 }
 
@@ -701,4 +696,19 @@ mod provisional {
         ratios.store(Arc::new(answer));
         assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0 + 1), 400);
     }
+}
+
+/// A key the last report had is not forgotten by a sweep right after that report (the
+/// sweeper and the reporter tick together): forgotten, it would be a new key again, held to
+/// its provisional limit until a reply assigns it anew. Idle means a whole interval unoffered.
+#[test]
+fn a_sweep_right_after_a_report_keeps_the_keys_that_report_had() {
+    let rules = global_at(0.5, "");
+    admitted(&rules, "10.0.0.1", 10);
+    rules.drain_global(10, 1.0, 2);
+    assert_eq!(rules.sweep(T0 + 10), 0, "offered in the last interval");
+    assert_eq!(rules.tracked_keys("g"), Some(1));
+    // An interval without requests: then it is idle.
+    rules.drain_global(10, 1.0, 3);
+    assert_eq!(rules.sweep(T0 + 20), 1);
 }
