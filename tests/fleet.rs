@@ -63,6 +63,19 @@ fn aggregator_args<'a>(url: &'a str, zone: &'a str, every: &'a str) -> Vec<&'a s
 const LIMIT: u64 = 100;
 
 fn proxy(name: &str, upstream: SocketAddr, control: SocketAddr, extra: &str) -> Proc {
+    proxy_every(name, upstream, control, ("100ms", "1s"), extra)
+}
+
+/// A proxy named `name` with one global rule per API key of [`LIMIT`] (and `extra` YAML on
+/// it), reporting to `control` every `every.0`, stale after `every.1`.
+fn proxy_every(
+    name: &str,
+    upstream: SocketAddr,
+    control: SocketAddr,
+    every: (&str, &str),
+    extra: &str,
+) -> Proc {
+    let (interval, stale_after) = every;
     let yaml = format!(
         r#"service: shop
 listen: 127.0.0.1:0
@@ -70,8 +83,8 @@ admin: 127.0.0.1:0
 upstream: http://{upstream}
 control_plane:
   url: http://{control}
-  report_interval: 100ms
-  stale_after: 1s
+  report_interval: {interval}
+  stale_after: {stale_after}
   decay: 1s
   host: {name}
 rules:
@@ -1398,32 +1411,6 @@ fn fixed_port() -> String {
         .to_string()
 }
 
-/// A proxy named `name` reporting to `control` every second (stale after 2 s), with one
-/// global rule per API key of [`LIMIT`] and a fallback of a third of it.
-fn proxy_1s_with_fallback(name: &str, upstream: SocketAddr, control: SocketAddr) -> Proc {
-    let yaml = format!(
-        r#"service: shop
-listen: 127.0.0.1:0
-admin: 127.0.0.1:0
-upstream: http://{upstream}
-control_plane:
-  url: http://{control}
-  report_interval: 1s
-  stale_after: 2s
-  decay: 1s
-  host: {name}
-rules:
-  - name: per-key
-    key: [header:x-api-key]
-    limit: {{ rate: {LIMIT}/s }}
-    scope: global
-    fallback: {{ rate: 33/s, burst: 5 }}
-"#
-    );
-    let path = temp_file(&format!("{name}.yaml"), &yaml);
-    Proc::spawn(&["proxy", "--config", path.to_str().unwrap()])
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_controller_warms_up_and_its_first_sums_do_not_release_the_fallback() {
     let _one = ONE_AT_A_TIME.lock().await;
@@ -1436,8 +1423,13 @@ async fn a_restarted_controller_warms_up_and_its_first_sums_do_not_release_the_f
     let aggs: Vec<Proc> = (0..2)
         .map(|_| Proc::spawn(&aggregator_args(&url, "z1", "1s")))
         .collect();
+    // Reporting every second, stale after 2 s, with a fallback of a third of the limit.
+    let fallback = "    fallback: { rate: 33/s, burst: 5 }\n";
     let p: Vec<Proc> = (1..=3)
-        .map(|i| proxy_1s_with_fallback(&format!("p{i}"), up.addr, aggs[i % 2].addr))
+        .map(|i| {
+            let name = format!("p{i}");
+            proxy_every(&name, up.addr, aggs[i % 2].addr, ("1s", "2s"), fallback)
+        })
         .collect();
     let refs: Vec<&Proc> = p.iter().collect();
     let load = [100, 100, 100];

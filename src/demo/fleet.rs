@@ -152,6 +152,40 @@ impl Fleet {
         fleet_rate: impl Fn(Duration) -> u64 + Clone + Send + 'static,
         deadline: tokio::time::Instant,
     ) -> anyhow::Result<Load> {
+        self.load_key("team-a", fleet_rate, deadline)
+    }
+
+    /// Stops the controller and starts a new one at its address (its state is soft: the new
+    /// one knows nothing).
+    pub async fn restart_controller(self) -> anyhow::Result<Fleet> {
+        let Fleet {
+            upstream,
+            controller,
+            aggregators,
+            proxies,
+        } = self;
+        let addr = controller.addr;
+        controller.shutdown();
+        controller.wait().await;
+        let any = "127.0.0.1:0".parse()?;
+        let controller = controller::start(controller::ControllerOptions::new(addr, any))
+            .await
+            .with_context(|| format!("a controller at {addr} again"))?;
+        Ok(Fleet {
+            upstream,
+            controller,
+            aggregators,
+            proxies,
+        })
+    }
+
+    /// [`Self::load`] for API key `key`.
+    pub fn load_key(
+        &self,
+        key: &str,
+        fleet_rate: impl Fn(Duration) -> u64 + Clone + Send + 'static,
+        deadline: tokio::time::Instant,
+    ) -> anyhow::Result<Load> {
         let client: Client<HttpConnector, Empty<Bytes>> =
             Client::builder(TokioExecutor::new()).build_http();
         let total: u64 = SHARES.iter().sum();
@@ -164,7 +198,7 @@ impl Fleet {
             generators.push(tokio::spawn(offer(
                 client.clone(),
                 format!("http://{}/api/orders", p.addr()).parse()?,
-                vec![("x-api-key", "team-a".to_string())],
+                vec![("x-api-key", key.to_string())],
                 move |elapsed| rate(elapsed) * share / total,
                 tally.clone(),
                 deadline,
