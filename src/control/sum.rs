@@ -84,9 +84,10 @@ struct HeldRule {
 #[derive(Debug)]
 struct RuleAcc {
     limit: Limit,
-    /// Which source (by id) said what limit: the smallest of those holding values applies.
+    /// Which source (by id) said what limit: the smallest of those whose statement stands
+    /// applies.
     limits: HashMap<u64, Limit>,
-    /// What each source holding values says of its hosts and its tail.
+    /// What each source says of its hosts and its tail, while its statement stands.
     reporters: HashMap<u64, Reporter>,
     /// The tail's distinct keys, smoothed as its offered load is (so that keys moving out of
     /// the tail do not leave its lagging load against an allowance that has already shrunk),
@@ -205,6 +206,10 @@ struct Reporter {
     /// their hosts (a previous release's aggregator relays ratios but no hints, and its proxies
     /// fold whatever is past their `top_k`).
     relays_hints: bool,
+    /// Until when its statement of the rule stands without another (its values' hold): a
+    /// zone forwarding more often than its hosts report says nothing of a rule in some
+    /// forwards, and is not gone from it.
+    until: f64,
 }
 
 /// One (service, rule, key): the sum of the values held for it and its smoothed history.
@@ -257,7 +262,9 @@ impl KeySum {
         }
     }
 
-    fn add(&mut self, r: Rate) {
+    /// Adds a source's rates, counted over `secs`, for a key of `limit` per second (`None`:
+    /// the tail).
+    fn add(&mut self, r: Rate, secs: f64, limit: Option<f64>) {
         self.offered += r.offered;
         self.admitted += r.admitted;
         self.contributors += 1;
@@ -267,9 +274,20 @@ impl KeySum {
         if self.fresh {
             // A key seen for the first time starts from its first sum (every source that
             // reported it at that instant), not from zero, which would under-drop while the
-            // average climbs.
-            self.smooth_offered = self.offered;
-            self.smooth_admitted = self.admitted;
+            // average climbs; but a count that chance alone puts within three standard
+            // deviations of the limit's (a Poisson count) starts at most at the limit: one
+            // request in a 250 ms report is what a client at 1/s sends as often as not, and
+            // no evidence of 4/s against 2/s.
+            let (mut offered, mut admitted) = (r.offered, r.admitted);
+            if let Some(limit) = limit {
+                let at_limit = limit * secs;
+                if offered * secs <= at_limit + 3.0 * at_limit.sqrt() && offered > limit {
+                    admitted *= limit / offered;
+                    offered = limit;
+                }
+            }
+            self.smooth_offered += offered;
+            self.smooth_admitted += admitted;
         }
     }
 
@@ -430,6 +448,8 @@ impl Accumulator {
         let mut service_held: Option<(Arc<str>, usize)> = None;
         let secs = report.interval_ms as f64 / 1000.0;
         let zone = report.source.starts_with("zone:");
+        // What it says of a rule stands as long as its values would (see `sweep`).
+        let hold = secs * if report.last { 1.0 } else { HOLD_FOR };
         let mut bytes = 0usize;
         let mut new: Vec<HeldRule> = Vec::new();
         let mut limits_set: HashMap<(Arc<str>, Arc<str>), Limit> = HashMap::new();
@@ -522,6 +542,7 @@ impl Accumulator {
                                 hosts: 1,
                                 sketch: None,
                                 relays_hints: !zone,
+                                until: now + hold,
                             },
                         );
                         if before.is_some_and(|r| r.sketch.is_some()) {
@@ -577,7 +598,7 @@ impl Accumulator {
                 folded: e.keys_folded,
             };
             ks.advance(now, tau);
-            ks.add(rate);
+            ks.add(rate, secs, key.is_some().then(|| e.limit.per_second()));
             group.keys.push((key, rate));
             self.tracked += 1;
         }
@@ -592,18 +613,6 @@ impl Accumulator {
             .get_mut(&report.source)
             .expect("admitted above");
         src.data.entries = new.iter().map(|g| g.keys.len()).sum();
-        // Rules this source no longer reports: its limit no longer counts there.
-        for hr in &old {
-            if !limits_set.contains_key(&(hr.service.clone(), hr.rule.clone())) {
-                if let Some(rule) = self
-                    .rules
-                    .get_mut(&*hr.service)
-                    .and_then(|r| r.get_mut(&*hr.rule))
-                {
-                    rule.forget_limit(id);
-                }
-            }
-        }
         src.data.rules = new;
         self.snapshot.dirty = true;
         Ok(())
@@ -639,6 +648,21 @@ impl Accumulator {
                     continue;
                 };
                 rule.forget_limit(id);
+            }
+        }
+        // A source that has said nothing of a rule for as long as its values are held no
+        // longer counts there: its limit, hosts and tail go.
+        for rules in self.rules.values_mut() {
+            for rule in rules.values_mut() {
+                let lapsed: Vec<u64> = rule
+                    .reporters
+                    .iter()
+                    .filter(|(_, r)| r.until < now)
+                    .map(|(id, _)| *id)
+                    .collect();
+                for id in lapsed {
+                    rule.forget_limit(id);
+                }
             }
         }
         // A key nobody holds values for is kept while its smoothed history still matters.

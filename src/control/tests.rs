@@ -615,6 +615,72 @@ fn behind_an_aggregator_that_relays_no_hints_every_key_past_name_above_is_watche
 }
 
 #[test]
+fn a_key_first_seen_in_a_short_report_is_judged_by_what_its_count_can_show() {
+    // Reports every 250 ms. A key's first count is all its history: one request in 250 ms
+    // is what a client at 1/s sends as often as not, and no evidence of 4/s against a
+    // limit of 2/s (nor are two); three, and 75 against 100/s (300/s), are, and are dropped
+    // from at once.
+    let first = |limit: u64, n: u64| {
+        let mut acc = Accumulator::new(1.0);
+        let mut e = entry(Some("k"), n, n);
+        e.limit.count = limit;
+        let mut r = report("h", vec![e]);
+        r.interval_ms = 250;
+        acc.record(&r, "t", 0.0).unwrap();
+        acc.ratios(Some(&["svc"]), 0.0)
+            .iter()
+            .find(|r| r.key.as_deref() == Some("k"))
+            .map_or(0.0, |r| r.ratio)
+    };
+    assert_eq!(first(2, 1), 0.0, "one request");
+    assert_eq!(first(2, 2), 0.0, "two requests");
+    assert_eq!(first(2, 3), 1.0 - 2.0 / 12.0, "three requests: past chance");
+    let heavy = first(100, 75);
+    assert!(
+        (0.5..=2.0 / 3.0).contains(&heavy),
+        "300/s against 100/s from its first report: {heavy}"
+    );
+}
+
+#[test]
+fn a_zone_forward_without_a_rule_does_not_forget_what_the_zone_said_of_it() {
+    // A previous release's aggregator forwards only what came since its last forward: with
+    // hosts reporting less often than it forwards, every other forward carries nothing of the
+    // rule. Its statement (a zone that relays no hints, one host) stands until it lapses, so
+    // "seen" stays watched from name_above (25/s over two reporters): were the zone forgotten
+    // between its forwards, the rule would look as if every proxy named past 50/s, and a
+    // reply built then would not watch "seen", which the zone's proxies then keep folding.
+    let mut acc = Accumulator::new(1.0);
+    let mut zone = report("zone:z/r", vec![entry(Some("other"), 10, 10)]);
+    zone.interval_ms = 100;
+    zone.seq = 1;
+    acc.record(&zone, "zones", 0.0).unwrap();
+    acc.record(&report("h", vec![entry(Some("seen"), 40, 40)]), "t", 0.0)
+        .unwrap();
+    zone.entries.clear();
+    zone.seq = 2;
+    acc.record(&zone, "zones", 0.1).unwrap();
+    let watched = |acc: &mut Accumulator, now: f64| {
+        let reply = acc.reply(Some(&["svc"]), now);
+        let seen = reply
+            .ratios
+            .iter()
+            .any(|r| r.key.as_deref() == Some("seen"));
+        (reply.rules[0].name_above, seen)
+    };
+    assert_eq!(watched(&mut acc, 0.15), (25.0, true), "between forwards");
+    // A zone that has said nothing of the rule for longer than it holds values no longer
+    // counts there: every reporter left names past name_above.
+    zone.seq = 3;
+    acc.record(&zone, "zones", 0.4).unwrap();
+    assert_eq!(
+        watched(&mut acc, 0.45),
+        (50.0, false),
+        "the zone's statement lapsed"
+    );
+}
+
+#[test]
 fn in_a_fleet_of_thousands_of_hosts_a_reply_carries_only_keys_near_their_limit() {
     let mut acc = Accumulator::new(1.0);
     // 2 000 hosts of one rule at 100/s (reporting every 10 s, arriving 500 a second, as
