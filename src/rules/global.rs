@@ -6,7 +6,7 @@
 //! hand one counter's interval to two reports.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use crate::config::Rate;
@@ -210,8 +210,9 @@ pub struct GlobalCounters {
     share: AtomicU64,
     /// The provisional limit's theoretical arrival time (a GCRA), on the limiter clock.
     guard: AtomicU64,
-    /// The last report found nothing offered (or none has been taken yet).
-    quiet: AtomicBool,
+    /// How many reports in a row found nothing offered (saturating; none taken yet counts as
+    /// [`QUIET_REPORTS`]).
+    quiet: AtomicU8,
     /// What the last report this key was in did with it, staged until its answer comes: the
     /// report's sequence number (high 48 bits), the choice before it (8 bits) and its own (low 8
     /// bits): 0 not yet reported, [`NAMED`] or [`FOLDED`]. Relaxed: one word the reporter
@@ -252,7 +253,7 @@ impl Default for GlobalCounters {
             // Where the first admission falls is drawn like every later one.
             share: AtomicU64::new(pack(0, i64::from(fastrand::u16(..)))),
             guard: AtomicU64::new(0),
-            quiet: AtomicBool::new(true),
+            quiet: AtomicU8::new(QUIET_REPORTS as u8),
             choice: AtomicU64::new(0),
         }
     }
@@ -328,19 +329,22 @@ impl GlobalCounters {
 
     /// Whether the key's provisional limit of `per_sec` units a second admits a request of
     /// `units` at `now`: `Ok` with what it took (for [`Self::unguard`]), or `Err` with when a
-    /// retry would be admitted. A GCRA with no burst beyond the request: a new key's first
-    /// second gets the provisional limit, not a bucket's worth on top of it.
+    /// retry would be admitted. A GCRA with no burst beyond the request (a new key's first
+    /// second gets the provisional limit, not a bucket's worth on top of it) that tolerates
+    /// a request up to half its spacing early: a client at the rate is not refused for its
+    /// timers' jitter.
     pub(super) fn guard(&self, now: Nanos, per_sec: f64, units: u32) -> Result<Nanos, Nanos> {
         let per_unit = (NANOS_PER_SEC as f64 / per_sec.max(1e-9)).min(1e18) as Nanos;
         let cost = per_unit.saturating_mul(u64::from(units)).max(1);
+        let allowed = cost.saturating_add(cost / 2);
         let mut retry = 0;
         self.guard
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
                 let next = tat.max(now).saturating_add(cost);
-                if next - now <= cost {
+                if next - now <= allowed {
                     Some(next)
                 } else {
-                    retry = next - now - cost;
+                    retry = next - now - allowed;
                     None
                 }
             })
@@ -372,13 +376,19 @@ impl GlobalCounters {
             .store((seq << 16) | (before << 8) | now, Ordering::Relaxed);
     }
 
-    /// Offered and admitted since the last take, zeroed; the key is quiet if nothing was.
+    /// Offered and admitted since the last take, zeroed; one more quiet report if nothing was.
     pub(super) fn take(&self) -> (u64, u64) {
         let taken = (
             self.offered.swap(0, Ordering::Relaxed),
             self.admitted.swap(0, Ordering::Relaxed),
         );
-        self.quiet.store(taken.0 == 0, Ordering::Relaxed);
+        let quiet = self.quiet.load(Ordering::Relaxed);
+        let quiet = if taken.0 == 0 {
+            quiet.saturating_add(1)
+        } else {
+            0
+        };
+        self.quiet.store(quiet, Ordering::Relaxed);
         taken
     }
 }
@@ -442,12 +452,27 @@ pub(super) fn choose_named(
     (named, tail)
 }
 
-/// Global counters with nothing to report, none in the last report either (a whole interval
-/// unoffered: a sweep just after a report must not forget a busy key, which would be new
-/// again), and no decision holding them are as good as new.
+/// Reports in a row that must find a global key unoffered before the sweep forgets it.
+/// Forgotten, a key is new again, held to its provisional limit until a reply assigns it
+/// anew: a client that pauses between requests, or a sweep just after a report, must not
+/// make it so.
+pub const QUIET_REPORTS: u64 = 4;
+
+/// Global counters the sweep may forget: nothing to report, [`QUIET_REPORTS`] reports in a
+/// row unoffered, and no decision holding them.
 pub(super) fn global_idle(c: &Arc<GlobalCounters>) -> bool {
+    quiet_for(c, QUIET_REPORTS as u8)
+}
+
+/// Global counters a full store may give to a new key: as [`global_idle`], but one quiet
+/// report is enough (a full store would otherwise send the new key to the shared overflow).
+pub(super) fn global_reclaimable(c: &Arc<GlobalCounters>) -> bool {
+    quiet_for(c, 1)
+}
+
+fn quiet_for(c: &Arc<GlobalCounters>, reports: u8) -> bool {
     c.offered.load(Ordering::Relaxed) == 0
-        && c.quiet.load(Ordering::Relaxed)
+        && c.quiet.load(Ordering::Relaxed) >= reports
         && Arc::strong_count(c) == 1
 }
 

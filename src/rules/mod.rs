@@ -424,7 +424,7 @@ impl RuleSet {
                     overflow_keys,
                     fallback,
                 } => {
-                    let (counters, at) = store.with(&key, now, global_idle, Arc::clone);
+                    let (counters, at) = store.with(&key, now, global_reclaimable, Arc::clone);
                     if at == Slot::Overflow {
                         overflow_keys.insert(&key);
                     }

@@ -652,9 +652,10 @@ mod provisional {
         let (rules, _) = fleet_of(5.0, "");
         // 10/s over 5 proxies: 2/s here, one every half second.
         assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 1);
+        // (Up to a quarter of a second early: see the next test.)
         let half = NANOS_PER_SEC / 2;
-        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0 + half - 1), 0);
-        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0 + half), 1);
+        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0 + half / 2 - 1), 0);
+        assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0 + half / 2), 1);
         // The next two seconds (the ratios still fresh), four.
         let got: u32 = (1..=20)
             .map(|i| admitted_at(&rules, "10.0.0.1", 4, T0 + half + i * NANOS_PER_SEC / 10))
@@ -662,6 +663,38 @@ mod provisional {
         assert_eq!(got, 4);
         // Another new key has its own.
         assert_eq!(admitted_at(&rules, "10.0.0.2", 400, T0), 1);
+    }
+
+    /// A client at the provisional rate is not refused for arriving a little early (timers,
+    /// scheduling, the network): the limit takes a request up to half a spacing early, and
+    /// still admits no burst beyond one request, nor over any stretch more than its rate and
+    /// one request.
+    #[test]
+    fn a_client_at_the_provisional_rate_with_jitter_is_not_refused() {
+        let (rules, _) = fleet_of(5.0, "");
+        // 2/s here: one every 500 ms, each up to 120 ms early or late (260 ms apart at worst).
+        let half = NANOS_PER_SEC / 2;
+        let jitter = [0, 120, -120, 100, -100, 0, 110, -110, 50, -50];
+        let got: u32 = jitter
+            .iter()
+            .enumerate()
+            .map(|(i, j)| {
+                let at = (T0 + i as u64 * half).saturating_add_signed(j * 1_000_000);
+                admitted_at(&rules, "10.0.0.1", 1, at)
+            })
+            .sum();
+        assert_eq!(got, 10, "every request at 2/s, jittered");
+        // A burst is still one request.
+        let at = T0;
+        assert_eq!(admitted_at(&rules, "10.0.0.2", 400, at), 1);
+        // And faster than the rate, no more than the rate over the stretch.
+        let got: u32 = (0..40)
+            .map(|i| admitted_at(&rules, "10.0.0.3", 1, at + i * NANOS_PER_SEC / 10))
+            .sum();
+        assert!(
+            (8..=9).contains(&got),
+            "10/s offered, 2/s held: {got} in 4 s"
+        );
     }
 
     /// With no hint yet (no reply has said how many proxies there are), the provisional
@@ -708,7 +741,26 @@ fn a_sweep_right_after_a_report_keeps_the_keys_that_report_had() {
     rules.drain_global(10, 1.0, 2);
     assert_eq!(rules.sweep(T0 + 10), 0, "offered in the last interval");
     assert_eq!(rules.tracked_keys("g"), Some(1));
-    // An interval without requests: then it is idle.
-    rules.drain_global(10, 1.0, 3);
+    // A client that pauses between requests (one a second, reports every 250 ms) keeps its
+    // key assigned: idle means QUIET_REPORTS reports in a row found it unoffered.
+    for seq in 3..2 + QUIET_REPORTS {
+        rules.drain_global(10, 0.25, seq);
+        assert_eq!(rules.sweep(T0 + 20), 0, "quiet for {} reports", seq - 2);
+    }
+    rules.drain_global(10, 0.25, 2 + QUIET_REPORTS);
     assert_eq!(rules.sweep(T0 + 20), 1);
+}
+
+/// A full store makes room sooner than the sweep forgets: a key one report found unoffered
+/// gives its place to a new key (nothing is lost but its assignment).
+#[test]
+fn a_full_store_takes_the_place_of_a_key_one_report_found_unoffered() {
+    let rules = global_at(0.0, "    max_keys: 1\n");
+    admitted(&rules, "10.0.0.1", 1);
+    rules.drain_global(10, 1.0, 2);
+    rules.drain_global(10, 1.0, 3);
+    admitted(&rules, "10.0.0.2", 1);
+    let counts = rules.drain_global(10, 1.0, 4);
+    assert_eq!(counts[0].keys, vec![("10.0.0.2".to_string(), 1, 1)]);
+    assert_eq!(rules.tracked_keys("g"), Some(1));
 }
