@@ -5,6 +5,7 @@
 //! published snapshot. A slow or dead control plane only makes reports late (each post is
 //! bounded by one interval), and the ratios it left behind age out (see [`super::Staleness`]).
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -234,6 +235,9 @@ pub struct Reporter {
     pub metrics: Arc<Metrics>,
     /// The control plane took the fields past version 1 last time.
     pub wire2: std::sync::atomic::AtomicBool,
+    /// When the last report was sent (limiter clock): which of this proxy's reports the sums
+    /// behind a reply hold (see [`DropRatios::own_lag`]).
+    pub last_sent: std::sync::atomic::AtomicU64,
 }
 
 /// The report of `rules`' global counts since the last one: per rule the keys
@@ -347,6 +351,7 @@ impl Reporter {
             clock: clock.clone(),
             metrics: metrics.clone(),
             wire2: Default::default(),
+            last_sent: Default::default(),
         })
     }
 
@@ -393,6 +398,7 @@ impl Reporter {
             .filter_map(|e| Some((e.rule.clone(), e.key.clone()?)))
             .collect();
         let sent_at = self.clock.now();
+        let before = self.last_sent.swap(sent_at, Ordering::Relaxed);
         let token = self.token.get();
         match post_negotiated(
             &self.client,
@@ -413,6 +419,15 @@ impl Reporter {
                 let age = Duration::from_millis(reply.age_ms).as_nanos() as Nanos;
                 let at = sent_at.saturating_sub(age);
                 let mut ratios = DropRatios::from_reply(&reply, &self.service, at).answering(seq);
+                // The sums behind the ratios were taken at `at`: they hold the last of this
+                // proxy's reports sent by then.
+                ratios.own_lag = if at >= sent_at {
+                    0
+                } else if at >= before {
+                    1
+                } else {
+                    2
+                };
                 ratios.keep_cut(
                     &self.ratios.load(),
                     named.iter().map(|(r, k)| (r.as_str(), k.as_str())),

@@ -732,13 +732,26 @@ impl Accumulator {
                     total.offered += offered;
                     total.admitted += admitted;
                     total.dropped += offered * ratio;
-                    // Travels: every ratio above 0, and (as an explicit 0) every named key
-                    // heavy enough to watch, so that every proxy names it from then on.
-                    if ratio > 0.0 || (key.is_some() && offered >= watch_above) {
+                    // Travels: every ratio above 0, and every named key heavy enough to watch,
+                    // so that every proxy names it from then on: under its limit, with its
+                    // ratio below 0, `(offered - limit) / offered`, from which a proxy knows
+                    // the share of the fleet's load the limit allows (one version back reads
+                    // it as 0).
+                    if ratio > 0.0 {
                         candidates
                             .entry(service)
                             .or_default()
                             .push((ratio, offered, rule_name, key));
+                    } else if key.is_some() && offered >= watch_above {
+                        let under = if offered > 0.0 && limit.is_finite() {
+                            ((offered - limit) / offered).clamp(-1e6, 0.0)
+                        } else {
+                            0.0
+                        };
+                        candidates
+                            .entry(service)
+                            .or_default()
+                            .push((under, offered, rule_name, key));
                     }
                 }
                 let hint = RuleHint {

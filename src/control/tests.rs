@@ -551,7 +551,7 @@ fn the_tails_allowance_is_the_fleets_distinct_tail_keys_not_one_sources() {
 }
 
 #[test]
-fn a_key_heavy_enough_to_watch_travels_as_an_explicit_zero_with_the_rules_threshold() {
+fn a_key_heavy_enough_to_watch_travels_with_how_far_under_its_limit_it_is() {
     let mut acc = Accumulator::new(1.0);
     // Limit 100/s over four hosts (a zone's sums say three, a host one): name above 12.5/s,
     // watch from half the limit (what four hosts folding a key can hide of it is under 50/s).
@@ -572,7 +572,10 @@ fn a_key_heavy_enough_to_watch_travels_as_an_explicit_zero_with_the_rules_thresh
             .find(|r| r.key.as_deref() == Some(k))
             .map(|r| r.ratio)
     };
-    assert_eq!(ratio("watched"), Some(0.0), "past 50/s: watched");
+    // Under its limit, a watched key's ratio is below 0: (offered - limit) / offered, so
+    // that a proxy knows the share of the fleet's load the limit allows (100 / 60).
+    let watched = ratio("watched").expect("past 50/s: watched");
+    assert!((watched - (60.0 - 100.0) / 60.0).abs() < 1e-9, "{watched}");
     assert_eq!(
         ratio("named"),
         None,

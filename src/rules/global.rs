@@ -6,7 +6,7 @@
 //! hand one counter's interval to two reports.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use crate::config::Rate;
@@ -25,6 +25,9 @@ pub struct DropRatios {
     /// The sequence number of the report these answer: a key's choice (named or folded) in a
     /// later report, whose answer has not come, does not apply yet.
     pub answers: u64,
+    /// How many reports before the one these answer the sums behind them hold this proxy's
+    /// last report of (0 straight to the controller; behind an aggregator, 1 or 2).
+    pub own_lag: u8,
     rules: Map<RuleRatios>,
 }
 
@@ -56,6 +59,7 @@ impl DropRatios {
         DropRatios {
             at,
             answers: 0,
+            own_lag: 0,
             rules: Map::default(),
         }
     }
@@ -67,7 +71,9 @@ impl DropRatios {
     }
 
     /// The ratios `(rule, key, ratio)` computed at `at`: a key of `None` is a rule's "other"
-    /// ratio; a ratio outside [0, 1] is clamped, one not finite is 0.
+    /// ratio; a ratio above 1 is 1, one not finite is 0, and one below 0 is kept for a key
+    /// (it says how far under its limit the key is: see [`Self::ratio_keep`]) and is 0 for
+    /// the tail.
     pub fn of<'a>(
         at: Nanos,
         ratios: impl Iterator<Item = (&'a str, Option<&'a str>, f64)>,
@@ -75,21 +81,23 @@ impl DropRatios {
         let mut rules: Map<RuleRatios> = Map::default();
         for (rule, key, ratio) in ratios {
             let ratio = if ratio.is_finite() {
-                ratio.clamp(0.0, 1.0)
+                ratio.min(1.0)
             } else {
                 0.0
             };
             let rule = rules.entry(rule.to_string()).or_default();
             match key {
+                // Below 0: how far under its limit the key is (see `ratio_keep`).
                 Some(k) => {
-                    rule.keys.insert(k.to_string(), ratio);
+                    rule.keys.insert(k.to_string(), ratio.max(MIN_RATIO));
                 }
-                None => rule.other = ratio,
+                None => rule.other = ratio.max(0.0),
             }
         }
         DropRatios {
             at,
             answers: 0,
+            own_lag: 0,
             rules,
         }
     }
@@ -106,13 +114,25 @@ impl DropRatios {
     /// [`Self::ratio`], asking `tail` only for a key the reply does not name.
     #[inline]
     pub fn ratio_with(&self, rule: &str, key: &[u8], tail: impl FnOnce() -> bool) -> f64 {
+        self.ratio_keep(rule, key, tail).0
+    }
+
+    /// [`Self::ratio_with`], and for a key the reply names with a ratio other than 0 the
+    /// fleet's share of its offered load that its limit allows, `limit / offered` (above 1
+    /// for a key under its limit), which bounds what this proxy admits of the key between
+    /// replies (0: no bound). A ratio is `(offered - limit) / offered`: the control plane
+    /// sends it below 0 for keys it watches under their limit, which readers of one version
+    /// back take as 0.
+    #[inline]
+    pub fn ratio_keep(&self, rule: &str, key: &[u8], tail: impl FnOnce() -> bool) -> (f64, f64) {
         let Some(r) = self.rules.get(rule) else {
-            return 0.0;
+            return (0.0, 0.0);
         };
         match std::str::from_utf8(key).ok().and_then(|k| r.keys.get(k)) {
-            Some(ratio) => *ratio,
-            None if tail() => r.other,
-            None => 0.0,
+            Some(0.0) => (0.0, 0.0),
+            Some(&ratio) => (ratio.max(0.0), 1.0 - ratio),
+            None if tail() => (r.other, 0.0),
+            None => (0.0, 0.0),
         }
     }
 
@@ -208,8 +228,14 @@ pub struct GlobalCounters {
     /// signed), and where on the credit line that admission falls (low 16 bits): see
     /// [`GlobalCounters::share`]. Relaxed: one word, changed by compare-and-swap.
     share: AtomicU64,
-    /// The provisional limit's theoretical arrival time (a GCRA), on the limiter clock.
+    /// The guard's theoretical arrival time (a GCRA), on the limiter clock: the provisional
+    /// limit's until the key is assigned, this proxy's allowance's after.
     guard: AtomicU64,
+    /// This proxy's offered units per second of the key, smoothed over [`OWN_SMOOTHING`], as
+    /// of the last report (high 32 bits) and of the one before (low 32 bits), and of the one
+    /// before that: `f32`s' bits; the reporter writes, decisions read.
+    rate: AtomicU64,
+    older: AtomicU32,
     /// How many reports in a row found nothing offered (saturating; none taken yet counts as
     /// [`QUIET_REPORTS`]).
     quiet: AtomicU8,
@@ -232,6 +258,14 @@ pub(super) enum Choice {
     Folded,
 }
 
+/// The least ratio a reply's key keeps: a key at a millionth of its limit.
+const MIN_RATIO: f64 = -1e6;
+
+/// The time constant (seconds) a proxy smooths its own offered rate of a key over: the
+/// controller's default `--smoothing`, so that this proxy's part of the fleet's smoothed
+/// sum is what its own smoothed rate says, through a surge too.
+pub const OWN_SMOOTHING: f64 = 1.0;
+
 /// One unit of credit in a key's share: fractions of a request to 1/65 536.
 const UNIT: i64 = 1 << 16;
 /// A request's units past this count as this in its share (what the credit's bits hold).
@@ -253,6 +287,8 @@ impl Default for GlobalCounters {
             // Where the first admission falls is drawn like every later one.
             share: AtomicU64::new(pack(0, i64::from(fastrand::u16(..)))),
             guard: AtomicU64::new(0),
+            rate: AtomicU64::new(0),
+            older: AtomicU32::new(0),
             quiet: AtomicU8::new(QUIET_REPORTS as u8),
             choice: AtomicU64::new(0),
         }
@@ -327,16 +363,23 @@ impl GlobalCounters {
         }
     }
 
-    /// Whether the key's provisional limit of `per_sec` units a second admits a request of
-    /// `units` at `now`: `Ok` with what it took (for [`Self::unguard`]), or `Err` with when a
-    /// retry would be admitted. A GCRA with no burst beyond the request (a new key's first
-    /// second gets the provisional limit, not a bucket's worth on top of it) that tolerates
-    /// a request up to half its spacing early: a client at the rate is not refused for its
-    /// timers' jitter.
-    pub(super) fn guard(&self, now: Nanos, per_sec: f64, units: u32) -> Result<Nanos, Nanos> {
+    /// Whether the key's guard of `per_sec` units a second admits a request of `units` at
+    /// `now`: `Ok` with what it took (for [`Self::unguard`]), or `Err` with when a retry
+    /// would be admitted. A GCRA that takes a request up to `early` or half its spacing early,
+    /// whichever is more. The provisional limit gives no more (no burst beyond the request:
+    /// a new key's first second gets the provisional limit, not a bucket's worth on top of
+    /// it, and a client at the rate is not refused for its timers' jitter); an assigned key's
+    /// allowance, a report interval (what a reply's lag may owe it).
+    pub(super) fn guard(
+        &self,
+        now: Nanos,
+        per_sec: f64,
+        units: u32,
+        early: Nanos,
+    ) -> Result<Nanos, Nanos> {
         let per_unit = (NANOS_PER_SEC as f64 / per_sec.max(1e-9)).min(1e18) as Nanos;
         let cost = per_unit.saturating_mul(u64::from(units)).max(1);
-        let allowed = cost.saturating_add(cost / 2);
+        let allowed = cost.saturating_add(early.max(cost / 2));
         let mut retry = 0;
         self.guard
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
@@ -376,12 +419,47 @@ impl GlobalCounters {
             .store((seq << 16) | (before << 8) | now, Ordering::Relaxed);
     }
 
-    /// Offered and admitted since the last take, zeroed; one more quiet report if nothing was.
-    pub(super) fn take(&self) -> (u64, u64) {
+    /// What this proxy may admit of the key a second while the fleet admits `keep` of what
+    /// it is offered: `keep` of this proxy's smoothed offered rate as of the report `lag`
+    /// reports before the last (at most 2), the one the fleet's sums behind `keep` hold.
+    /// Paired with a later report, a surge would be let through at its new rate times the
+    /// old share.
+    #[inline]
+    pub(super) fn allowance(&self, keep: f64, lag: u8) -> f64 {
+        let bits = match lag {
+            0 => (self.rate.load(Ordering::Relaxed) >> 32) as u32,
+            1 => self.rate.load(Ordering::Relaxed) as u32,
+            _ => self.older.load(Ordering::Relaxed),
+        };
+        f64::from(f32::from_bits(bits)) * keep
+    }
+
+    /// Offered and admitted over the last `secs`, zeroed; one more quiet report if nothing
+    /// was. The smoothed rate starts from the first rate offered, as the controller's sum
+    /// does.
+    pub(super) fn take(&self, secs: f64) -> (u64, u64) {
         let taken = (
             self.offered.swap(0, Ordering::Relaxed),
             self.admitted.swap(0, Ordering::Relaxed),
         );
+        let word = self.rate.load(Ordering::Relaxed);
+        let last = f64::from(f32::from_bits((word >> 32) as u32));
+        let now = taken.0 as f64 / secs.max(1e-9);
+        let bits = |r: f64| (r as f32).to_bits();
+        if last == 0.0 {
+            self.older.store(bits(now), Ordering::Relaxed);
+            self.rate.store(
+                u64::from(bits(now)) << 32 | u64::from(bits(now)),
+                Ordering::Relaxed,
+            );
+        } else {
+            let rate = last + (1.0 - (-secs / OWN_SMOOTHING).exp()) * (now - last);
+            self.older.store(word as u32, Ordering::Relaxed);
+            self.rate.store(
+                u64::from(bits(rate)) << 32 | (word >> 32),
+                Ordering::Relaxed,
+            );
+        }
         let quiet = self.quiet.load(Ordering::Relaxed);
         let quiet = if taken.0 == 0 {
             quiet.saturating_add(1)

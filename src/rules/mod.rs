@@ -443,7 +443,8 @@ impl RuleSet {
                         _ => {
                             let choice = counters.choice(ratios.answers);
                             let tail = || choice != Choice::Named;
-                            let p = ratios.ratio_with(&rule.name, &key, tail) * factor;
+                            let (p, keep) = ratios.ratio_keep(&rule.name, &key, tail);
+                            let p = p * factor;
                             took.shared = p > 0.0;
                             // The ratio may change with the next reply.
                             let interval = self.report_interval.max(1);
@@ -465,7 +466,7 @@ impl RuleSet {
                                     None => {
                                         let per_sec =
                                             ratios.provisional(&rule.name, rate.per_sec());
-                                        match counters.guard(now, per_sec, cost) {
+                                        match counters.guard(now, per_sec, cost, 0) {
                                             Ok(ns) => took.guard = ns,
                                             Err(wait) => {
                                                 allowed = false;
@@ -476,6 +477,24 @@ impl RuleSet {
                                 }
                                 if !allowed && took.shared {
                                     counters.give_back(cost);
+                                }
+                            } else if allowed && keep > 0.0 && !stale {
+                                // Assigned, with the fleet's share its limit allows: this
+                                // proxy admits at most that share of what it was offered,
+                                // however its load moved since (a surge, a burst), and a
+                                // report interval's worth more, until the next reply.
+                                let per_sec = counters.allowance(keep, ratios.own_lag).max(
+                                    ratios.provisional(&rule.name, rate.per_sec()) * keep.min(1.0),
+                                );
+                                match counters.guard(now, per_sec, cost, interval) {
+                                    Ok(ns) => took.guard = ns,
+                                    Err(wait) => {
+                                        allowed = false;
+                                        retry = wait;
+                                        if took.shared {
+                                            counters.give_back(cost);
+                                        }
+                                    }
                                 }
                             }
                             if allowed {
@@ -668,7 +687,7 @@ impl RuleSet {
             else {
                 continue;
             };
-            let take = GlobalCounters::take;
+            let take = |c: &GlobalCounters| c.take(secs);
             let keys: Vec<(String, u64, u64, Arc<GlobalCounters>)> = store
                 .map
                 .iter()

@@ -504,7 +504,9 @@ fn global_at(p: f64, then: &str) -> RuleSet {
     let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
     // At ratio 0 the share is not asked.
     assert!(req("GET", "/", &[]).from("10.0.0.1").allowed(&rules, T0));
-    rules.drain_global(10, 1.0, 1);
+    // Reported as one request in a nanosecond: the guard (its allowance, a share of what this
+    // proxy was offered) is far above what these tests offer, so that the share decides.
+    rules.drain_global(10, 1e-9, 1);
     let answer = DropRatios::of(T0, [("g", Some("10.0.0.1"), p)].into_iter()).answering(1);
     ratios.store(Arc::new(answer));
     rules
@@ -716,6 +718,56 @@ mod provisional {
     fn a_rules_fallback_is_its_provisional_limit() {
         let (rules, _) = fleet_of(5.0, "    fallback: { rate: 7/s }\n");
         assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 7);
+    }
+
+    /// Offers `key` `n` requests spread evenly over the second from `from`: how many pass.
+    fn second_of(rules: &RuleSet, key: &str, n: u64, from: Nanos) -> u32 {
+        (0..n)
+            .map(|i| admitted_at(rules, key, 1, from + i * NANOS_PER_SEC / n))
+            .sum()
+    }
+
+    /// `key` offered 10/s for the first second (so reported at 10/s), then a reply that
+    /// answers that report with the key's ratio `ratio`.
+    fn assigned(ratio: f64) -> RuleSet {
+        let (rules, ratios) = fleet_of(1.0, "");
+        assert_eq!(second_of(&rules, "10.0.0.1", 10, T0), 10);
+        rules.drain_global(10, 1.0, 4);
+        let at = T0 + NANOS_PER_SEC;
+        let answer = DropRatios::of(at, [("g", Some("10.0.0.1"), ratio)].into_iter());
+        ratios.store(Arc::new(answer.answering(4)));
+        rules
+    }
+
+    /// A surge between two replies: the key's ratio of 0.5 answered a report of 10/s here,
+    /// so this proxy's allowance is 5/s. Offered 30/s, the share alone would admit 15; the
+    /// guard admits the allowance and one report interval's worth of it (5 + 5).
+    #[test]
+    fn a_surge_on_an_assigned_key_is_held_to_its_allowance_until_the_next_reply() {
+        let rules = assigned(0.5);
+        let got = second_of(&rules, "10.0.0.1", 30, T0 + NANOS_PER_SEC);
+        assert!((10..=11).contains(&got), "{got} of 30 admitted");
+    }
+
+    /// A key under its limit travels with a ratio below 0, `(offered - limit) / offered`:
+    /// at -1 the fleet offers half its limit, so this proxy may grow to twice what it
+    /// reported (20/s, and a report interval's worth) before the next reply.
+    #[test]
+    fn a_key_under_its_limit_may_grow_to_its_share_of_the_limit() {
+        let rules = assigned(-1.0);
+        let got = second_of(&rules, "10.0.0.1", 60, T0 + NANOS_PER_SEC);
+        assert!((40..=41).contains(&got), "{got} of 60 admitted");
+        // And nothing is dropped below it.
+        let rules = assigned(-1.0);
+        assert_eq!(second_of(&rules, "10.0.0.1", 20, T0 + NANOS_PER_SEC), 20);
+    }
+
+    /// A ratio of exactly 0 (what a controller one version back sends for a key it watches)
+    /// says nothing of the fleet's load: no bound.
+    #[test]
+    fn a_ratio_of_zero_sets_no_bound() {
+        let rules = assigned(0.0);
+        assert_eq!(second_of(&rules, "10.0.0.1", 60, T0 + NANOS_PER_SEC), 60);
     }
 
     /// Once a reply answers a report that named or folded the key, its ratio decides alone.
