@@ -8,6 +8,8 @@
 //!   answer (the offered rate is whatever the answers allow);
 //! - step: 1x the limit for 10 s, then 3x;
 //! - new key: a second key starts at 3x its limit beside the first, under steady overload;
+//! - a key moving: 2.4x the limit offered 6:2:1 for 10 s, then 1:2:6 (the fleet's total
+//!   unchanged: clients moving to other replicas);
 //! - timed bursts: a key limited to 10/s offered 300/s for 1 s every 6 s (and about one
 //!   request a second per proxy between), the bursts timed against the report interval;
 //! - controller restart: under steady 2.4x, the controller is stopped and a new one (knowing
@@ -32,6 +34,7 @@ enum Scenario {
     Step,
     NewKey,
     Bursts,
+    Moving,
     Restart,
 }
 
@@ -43,6 +46,7 @@ impl Scenario {
             Scenario::Step => "1x -> 3x step, 300/s".into(),
             Scenario::NewKey => "a new key at 3x beside one at 2.4x, 300/s".into(),
             Scenario::Bursts => "timed bursts, 300/s for 1 s every 6 s, 10/s".into(),
+            Scenario::Moving => "a key moving from 6:2:1 to 1:2:6 at 2.4x, 300/s".into(),
             Scenario::Restart => "controller restart under 2.4x, 300/s".into(),
         }
     }
@@ -97,6 +101,7 @@ async fn main() -> anyhow::Result<()> {
         (Scenario::Step, 2, q),
         (Scenario::NewKey, 2, s),
         (Scenario::Bursts, 2, s),
+        (Scenario::Moving, 2, s),
         (Scenario::Restart, 2, s),
     ];
     // `cargo bench --bench fleet_convergence -- step`: only the scenarios whose name has one
@@ -198,6 +203,42 @@ async fn main() -> anyhow::Result<()> {
                 );
                 // Whole seconds are not the measure here (a burst is one second): none.
                 (Vec::new(), 0, event)
+            }
+            Scenario::Moving => {
+                let deadline = start + Duration::from_secs(25);
+                let moved_at = Duration::from_secs(10);
+                let (tallies, generators) = fleet.load_split(
+                    "team-a",
+                    move |t, i| {
+                        let shares = if t < moved_at { [6, 2, 1] } else { [1, 2, 6] };
+                        over * shares[i] / 9
+                    },
+                    deadline,
+                )?;
+                let samples = sample(&tallies, deadline).await;
+                for g in generators {
+                    let _ = g.await;
+                }
+                let moved = 100;
+                let after: Vec<f64> = window_errors(&samples, moved, limit);
+                let worst = after
+                    .iter()
+                    .copied()
+                    .fold(0.0, |w: f64, e| if e.abs() > w.abs() { e } else { w });
+                let within = (moved + PER_WINDOW..samples.len()).find(|&end| {
+                    let w: u64 = samples[end + 1 - PER_WINDOW..=end].iter().sum();
+                    w as f64 >= 0.9 * limit as f64
+                });
+                let event = format!(
+                    "worst second after the move: {}; within -10 % {} after it",
+                    pct(worst),
+                    within.map_or("never".into(), |end| format!(
+                        "{:.1} s",
+                        (end + 1 - moved) as f64 / 10.0
+                    ))
+                );
+                // From 2 s after the move.
+                (samples, moved + 20, event)
             }
             Scenario::Restart => {
                 let deadline = start + Duration::from_secs(30);

@@ -186,20 +186,34 @@ impl Fleet {
         fleet_rate: impl Fn(Duration) -> u64 + Clone + Send + 'static,
         deadline: tokio::time::Instant,
     ) -> anyhow::Result<Load> {
+        let total: u64 = SHARES.iter().sum();
+        self.load_split(
+            key,
+            move |elapsed, i| fleet_rate(elapsed) * SHARES[i] / total,
+            deadline,
+        )
+    }
+
+    /// Offers key `key` to proxy `i` at `rate(elapsed, i)` requests per second until
+    /// `deadline`.
+    pub fn load_split(
+        &self,
+        key: &str,
+        rate: impl Fn(Duration, usize) -> u64 + Clone + Send + 'static,
+        deadline: tokio::time::Instant,
+    ) -> anyhow::Result<Load> {
         let client: Client<HttpConnector, Empty<Bytes>> =
             Client::builder(TokioExecutor::new()).build_http();
-        let total: u64 = SHARES.iter().sum();
         let mut tallies = Vec::new();
         let mut generators = Vec::new();
         for (i, p) in self.proxies.iter().enumerate() {
-            let share = SHARES[i];
             let tally = Arc::new(Tally::default());
-            let rate = fleet_rate.clone();
+            let rate = rate.clone();
             generators.push(tokio::spawn(offer(
                 client.clone(),
                 format!("http://{}/api/orders", p.addr()).parse()?,
                 vec![("x-api-key", key.to_string())],
-                move |elapsed| rate(elapsed) * share / total,
+                move |elapsed| rate(elapsed, i),
                 tally.clone(),
                 deadline,
             )));

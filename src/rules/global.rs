@@ -232,10 +232,11 @@ pub struct GlobalCounters {
     /// limit's until the key is assigned, this proxy's allowance's after.
     guard: AtomicU64,
     /// This proxy's offered units per second of the key, smoothed over [`OWN_SMOOTHING`], as
-    /// of the last report (high 32 bits) and of the one before (low 32 bits), and of the one
-    /// before that: `f32`s' bits; the reporter writes, decisions read.
+    /// of the last report (high 32 bits) and of the one before (low 32 bits): `f32`s' bits;
+    /// the reporter writes, decisions read.
     rate: AtomicU64,
-    older: AtomicU32,
+    /// The last report's offered units per second, unsmoothed (an `f32`'s bits).
+    last: AtomicU32,
     /// How many reports in a row found nothing offered (saturating; none taken yet counts as
     /// [`QUIET_REPORTS`]).
     quiet: AtomicU8,
@@ -288,7 +289,7 @@ impl Default for GlobalCounters {
             share: AtomicU64::new(pack(0, i64::from(fastrand::u16(..)))),
             guard: AtomicU64::new(0),
             rate: AtomicU64::new(0),
-            older: AtomicU32::new(0),
+            last: AtomicU32::new(0),
             quiet: AtomicU8::new(QUIET_REPORTS as u8),
             choice: AtomicU64::new(0),
         }
@@ -420,18 +421,20 @@ impl GlobalCounters {
     }
 
     /// What this proxy may admit of the key a second while the fleet admits `keep` of what
-    /// it is offered: `keep` of this proxy's smoothed offered rate as of the report `lag`
-    /// reports before the last (at most 2), the one the fleet's sums behind `keep` hold.
-    /// Paired with a later report, a surge would be let through at its new rate times the
-    /// old share.
+    /// it is offered: `keep` of this proxy's offered rate, the more of two. Its smoothed rate
+    /// as of the report the fleet's sums behind `keep` hold (`lag` reports before the last),
+    /// the rate that pairs with them: paired with a later one, a surge would be let through
+    /// at its new rate times the old share. And the last report's rate as it was: when
+    /// clients move to this proxy (the fleet's load unchanged), the share is right at once,
+    /// and the guard must not hold them to what this proxy had before. So a burst shorter
+    /// than a report interval is held to what this proxy was offered before it; a surge that
+    /// lasts, from the report after it on, only by the share.
     #[inline]
     pub(super) fn allowance(&self, keep: f64, lag: u8) -> f64 {
-        let bits = match lag {
-            0 => (self.rate.load(Ordering::Relaxed) >> 32) as u32,
-            1 => self.rate.load(Ordering::Relaxed) as u32,
-            _ => self.older.load(Ordering::Relaxed),
-        };
-        f64::from(f32::from_bits(bits)) * keep
+        let word = self.rate.load(Ordering::Relaxed);
+        let paired = if lag == 0 { word >> 32 } else { word } as u32;
+        let last = self.last.load(Ordering::Relaxed);
+        f64::from(f32::from_bits(paired).max(f32::from_bits(last))) * keep
     }
 
     /// Offered and admitted over the last `secs`, zeroed; one more quiet report if nothing
@@ -446,15 +449,14 @@ impl GlobalCounters {
         let last = f64::from(f32::from_bits((word >> 32) as u32));
         let now = taken.0 as f64 / secs.max(1e-9);
         let bits = |r: f64| (r as f32).to_bits();
+        self.last.store(bits(now), Ordering::Relaxed);
         if last == 0.0 {
-            self.older.store(bits(now), Ordering::Relaxed);
             self.rate.store(
                 u64::from(bits(now)) << 32 | u64::from(bits(now)),
                 Ordering::Relaxed,
             );
         } else {
             let rate = last + (1.0 - (-secs / OWN_SMOOTHING).exp()) * (now - last);
-            self.older.store(word as u32, Ordering::Relaxed);
             self.rate.store(
                 u64::from(bits(rate)) << 32 | (word >> 32),
                 Ordering::Relaxed,

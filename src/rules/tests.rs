@@ -749,6 +749,28 @@ mod provisional {
         assert!((10..=11).contains(&got), "{got} of 30 admitted");
     }
 
+    /// Clients moving to this proxy (the fleet's load unchanged): reported at 10/s, then at
+    /// 30/s, and answered (behind an aggregator) by sums that hold the first report, with a
+    /// ratio of 0.5. The allowance is half the last report's 30/s, not half the 10/s the sums
+    /// paired with: offered 60/s, 15 and an interval's worth pass.
+    #[test]
+    fn clients_that_moved_here_are_not_held_to_what_this_proxy_had_before() {
+        let (rules, ratios) = fleet_of(1.0, "");
+        assert_eq!(second_of(&rules, "10.0.0.1", 10, T0), 10);
+        rules.drain_global(10, 1.0, 4);
+        let at = T0 + NANOS_PER_SEC;
+        let answer = DropRatios::of(at, [("g", Some("10.0.0.1"), 0.0)].into_iter());
+        ratios.store(Arc::new(answer.answering(4)));
+        assert_eq!(second_of(&rules, "10.0.0.1", 30, at), 30);
+        rules.drain_global(10, 1.0, 5);
+        let at = T0 + 2 * NANOS_PER_SEC;
+        let mut answer = DropRatios::of(at, [("g", Some("10.0.0.1"), 0.5)].into_iter());
+        answer.own_lag = 1;
+        ratios.store(Arc::new(answer.answering(5)));
+        let got = second_of(&rules, "10.0.0.1", 60, at);
+        assert!((30..=31).contains(&got), "{got} of 60 admitted");
+    }
+
     /// A key under its limit travels with a ratio below 0, `(offered - limit) / offered`:
     /// at -1 the fleet offers half its limit, so this proxy may grow to twice what it
     /// reported (20/s, and a report interval's worth) before the next reply.
