@@ -267,6 +267,11 @@ const MIN_RATIO: f64 = -1e6;
 /// sum is what its own smoothed rate says, through a surge too.
 pub const OWN_SMOOTHING: f64 = 1.0;
 
+/// How far above its allowance an assigned key's guard admits (see the guard in
+/// `RuleSet::check`): the allowance is estimated from a few counts, and below the share's
+/// own rate the guard would refuse what the share admits in steady state.
+pub const GUARD_HEADROOM: f64 = 1.25;
+
 /// One unit of credit in a key's share: fractions of a request to 1/65 536.
 const UNIT: i64 = 1 << 16;
 /// A request's units past this count as this in its share (what the credit's bits hold).

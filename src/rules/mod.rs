@@ -482,11 +482,17 @@ impl RuleSet {
                                 // Assigned, with the fleet's share its limit allows: this
                                 // proxy admits at most that share of what it was offered,
                                 // however its load moved since (a surge, a burst), and a
-                                // report interval's worth more, until the next reply.
+                                // report interval's worth more, until the next reply. The
+                                // allowance is an estimate from counts: with headroom, and
+                                // two requests' worth at least, so that the share decides
+                                // in steady state.
                                 let per_sec = counters.allowance(keep, ratios.own_lag).max(
                                     ratios.provisional(&rule.name, rate.per_sec()) * keep.min(1.0),
-                                );
-                                match counters.guard(now, per_sec, cost, interval) {
+                                ) * GUARD_HEADROOM;
+                                let two = (2.0 * NANOS_PER_SEC as f64 * f64::from(cost)
+                                    / per_sec.max(1e-9))
+                                .min(1e18) as Nanos;
+                                match counters.guard(now, per_sec, cost, interval.max(two)) {
                                     Ok(ns) => took.guard = ns,
                                     Err(wait) => {
                                         allowed = false;

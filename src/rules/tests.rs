@@ -739,20 +739,30 @@ mod provisional {
         rules
     }
 
+    /// What the guard admits in a second at an allowance of `per_sec`: its headroom over
+    /// it, and a report interval's worth (1 s here) more.
+    fn guarded_second(per_sec: f64) -> u32 {
+        (2.0 * per_sec * GUARD_HEADROOM) as u32
+    }
+
     /// A surge between two replies: the key's ratio of 0.5 answered a report of 10/s here,
     /// so this proxy's allowance is 5/s. Offered 30/s, the share alone would admit 15; the
-    /// guard admits the allowance and one report interval's worth of it (5 + 5).
+    /// guard admits the allowance (with its headroom) and one report interval's worth of it.
     #[test]
     fn a_surge_on_an_assigned_key_is_held_to_its_allowance_until_the_next_reply() {
         let rules = assigned(0.5);
         let got = second_of(&rules, "10.0.0.1", 30, T0 + NANOS_PER_SEC);
-        assert!((10..=11).contains(&got), "{got} of 30 admitted");
+        let bound = guarded_second(5.0);
+        assert!(
+            bound < 15 && (bound..=bound + 1).contains(&got),
+            "{got} of 30 admitted"
+        );
     }
 
     /// Clients moving to this proxy (the fleet's load unchanged): reported at 10/s, then at
     /// 30/s, and answered (behind an aggregator) by sums that hold the first report, with a
     /// ratio of 0.5. The allowance is half the last report's 30/s, not half the 10/s the sums
-    /// paired with: offered 60/s, 15 and an interval's worth pass.
+    /// paired with: offered 120/s (the share alone: 60), 15/s and an interval's worth pass.
     #[test]
     fn clients_that_moved_here_are_not_held_to_what_this_proxy_had_before() {
         let (rules, ratios) = fleet_of(1.0, "");
@@ -767,8 +777,12 @@ mod provisional {
         let mut answer = DropRatios::of(at, [("g", Some("10.0.0.1"), 0.5)].into_iter());
         answer.own_lag = 1;
         ratios.store(Arc::new(answer.answering(5)));
-        let got = second_of(&rules, "10.0.0.1", 60, at);
-        assert!((30..=31).contains(&got), "{got} of 60 admitted");
+        let got = second_of(&rules, "10.0.0.1", 120, at);
+        let bound = guarded_second(15.0);
+        assert!(
+            bound < 60 && (bound..=bound + 1).contains(&got),
+            "{got} of 120 admitted"
+        );
     }
 
     /// A key under its limit travels with a ratio below 0, `(offered - limit) / offered`:
@@ -777,8 +791,12 @@ mod provisional {
     #[test]
     fn a_key_under_its_limit_may_grow_to_its_share_of_the_limit() {
         let rules = assigned(-1.0);
-        let got = second_of(&rules, "10.0.0.1", 60, T0 + NANOS_PER_SEC);
-        assert!((40..=41).contains(&got), "{got} of 60 admitted");
+        let got = second_of(&rules, "10.0.0.1", 80, T0 + NANOS_PER_SEC);
+        let bound = guarded_second(20.0);
+        assert!(
+            bound < 80 && (bound..=bound + 1).contains(&got),
+            "{got} of 80 admitted"
+        );
         // And nothing is dropped below it.
         let rules = assigned(-1.0);
         assert_eq!(second_of(&rules, "10.0.0.1", 20, T0 + NANOS_PER_SEC), 20);
