@@ -72,6 +72,13 @@ async fn sample(tallies: &[std::sync::Arc<Tally>], deadline: tokio::time::Instan
     out
 }
 
+/// Seconds from sample `from` until the first sliding 1 s window of `samples` that `ok` takes.
+fn first_window(samples: &[u64], from: usize, ok: impl Fn(u64) -> bool) -> Option<f64> {
+    (from + PER_WINDOW..samples.len())
+        .find(|&end| ok(samples[end + 1 - PER_WINDOW..=end].iter().sum()))
+        .map(|end| (end + 1 - from) as f64 / PER_WINDOW as f64)
+}
+
 /// Whole 1 s windows of `samples` from sample `from` on, as errors against `limit`.
 fn window_errors(samples: &[u64], from: usize, limit: u64) -> Vec<f64> {
     samples[from.min(samples.len())..]
@@ -143,15 +150,11 @@ async fn main() -> anyhow::Result<()> {
                     let _ = g.await;
                 }
                 let step = 100;
-                let within = (step + PER_WINDOW..samples.len()).find(|&end| {
-                    let w: u64 = samples[end + 1 - PER_WINDOW..=end].iter().sum();
+                let within = first_window(&samples, step, |w| {
                     (w as f64 - limit as f64).abs() <= 0.1 * limit as f64
                 });
-                let event = within.map_or("not within the run".into(), |end| {
-                    format!(
-                        "within +-10 % {:.1} s after the step",
-                        (end + 1 - step) as f64 / 10.0
-                    )
+                let event = within.map_or("not within the run".into(), |secs| {
+                    format!("within +-10 % {secs:.1} s after the step")
                 });
                 // From 2 s after the step.
                 (samples, step + 20, event)
@@ -225,17 +228,11 @@ async fn main() -> anyhow::Result<()> {
                     .iter()
                     .copied()
                     .fold(0.0, |w: f64, e| if e.abs() > w.abs() { e } else { w });
-                let within = (moved + PER_WINDOW..samples.len()).find(|&end| {
-                    let w: u64 = samples[end + 1 - PER_WINDOW..=end].iter().sum();
-                    w as f64 >= 0.9 * limit as f64
-                });
+                let within = first_window(&samples, moved, |w| w as f64 >= 0.9 * limit as f64);
                 let event = format!(
                     "worst second after the move: {}; within -10 % {} after it",
                     pct(worst),
-                    within.map_or("never".into(), |end| format!(
-                        "{:.1} s",
-                        (end + 1 - moved) as f64 / 10.0
-                    ))
+                    within.map_or("never".into(), |secs| format!("{secs:.1} s"))
                 );
                 // From 2 s after the move.
                 (samples, moved + 20, event)

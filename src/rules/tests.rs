@@ -730,13 +730,18 @@ mod provisional {
     /// `key` offered 10/s for the first second (so reported at 10/s), then a reply that
     /// answers that report with the key's ratio `ratio`.
     fn assigned(ratio: f64) -> RuleSet {
+        assigned_with(ratio).0
+    }
+
+    /// [`assigned`], with the ratios the next reply is stored in.
+    fn assigned_with(ratio: f64) -> (RuleSet, Arc<ArcSwap<DropRatios>>) {
         let (rules, ratios) = fleet_of(1.0, "");
         assert_eq!(second_of(&rules, "10.0.0.1", 10, T0), 10);
         rules.drain_global(10, 1.0, 4);
         let at = T0 + NANOS_PER_SEC;
         let answer = DropRatios::of(at, [("g", Some("10.0.0.1"), ratio)].into_iter());
         ratios.store(Arc::new(answer.answering(4)));
-        rules
+        (rules, ratios)
     }
 
     /// What the guard admits in a second at an allowance of `per_sec`: its headroom over
@@ -765,12 +770,8 @@ mod provisional {
     /// paired with: offered 120/s (the share alone: 60), 15/s and an interval's worth pass.
     #[test]
     fn clients_that_moved_here_are_not_held_to_what_this_proxy_had_before() {
-        let (rules, ratios) = fleet_of(1.0, "");
-        assert_eq!(second_of(&rules, "10.0.0.1", 10, T0), 10);
-        rules.drain_global(10, 1.0, 4);
+        let (rules, ratios) = assigned_with(0.0);
         let at = T0 + NANOS_PER_SEC;
-        let answer = DropRatios::of(at, [("g", Some("10.0.0.1"), 0.0)].into_iter());
-        ratios.store(Arc::new(answer.answering(4)));
         assert_eq!(second_of(&rules, "10.0.0.1", 30, at), 30);
         rules.drain_global(10, 1.0, 5);
         let at = T0 + 2 * NANOS_PER_SEC;
