@@ -261,6 +261,14 @@ async fn main() -> anyhow::Result<()> {
         fleet.stop().await;
 
         let mut errors = window_errors(&samples, measured_from, limit);
+        if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
+            // Every whole second of the run, for reading one scenario's course.
+            let all: Vec<String> = window_errors(&samples, 0, limit)
+                .iter()
+                .map(|e| format!("{:+.0}", e * 100.0))
+                .collect();
+            eprintln!("{}: {}", scenario.name(), all.join(" "));
+        }
         let mean = errors.iter().sum::<f64>() / errors.len().max(1) as f64;
         errors.sort_by(|a, b| a.abs().total_cmp(&b.abs()));
         let worst = errors.last().copied().unwrap_or(0.0);

@@ -65,6 +65,16 @@ impl AggregatorOptions {
     }
 }
 
+/// How old relayed ratios are, `elapsed` since the forward behind them left: in whole
+/// milliseconds rounded up, never 0, which says the sums hold the report a reply answers (a
+/// proxy pairs its own rates by it, and the forward left before this report came).
+fn relay_age_ms(elapsed: std::time::Duration) -> u64 {
+    u64::try_from(elapsed.as_micros())
+        .unwrap_or(u64::MAX)
+        .div_ceil(1000)
+        .max(1)
+}
+
 /// The controller's last reply, by service, and when it came.
 struct Relayed {
     by_service: std::collections::HashMap<String, (Vec<super::Ratio>, Vec<super::RuleHint>)>,
@@ -178,7 +188,7 @@ impl State {
         };
         let mut reply = Reply {
             version: VERSION,
-            age_ms: relayed.at.elapsed().as_millis() as u64,
+            age_ms: relay_age_ms(relayed.at.elapsed()),
             ratios: Vec::new(),
             rules: Vec::new(),
             warming: false,
@@ -434,6 +444,17 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn relayed_ratios_are_never_as_fresh_as_the_report_they_answer() {
+        use std::time::Duration;
+        // A forward that left a few microseconds before the report came did not hold it.
+        assert_eq!(relay_age_ms(Duration::ZERO), 1);
+        assert_eq!(relay_age_ms(Duration::from_micros(400)), 1);
+        assert_eq!(relay_age_ms(Duration::from_micros(1_001)), 2);
+        assert_eq!(relay_age_ms(Duration::from_millis(250)), 250);
+        assert_eq!(relay_age_ms(Duration::MAX), u64::MAX.div_ceil(1000));
+    }
 
     #[test]
     fn a_large_forward_is_split_into_parts_the_controller_takes() {
