@@ -131,9 +131,15 @@ enum Command {
         /// Where the zone's proxies report.
         #[arg(long, env = "SPILLWAY_LISTEN", default_value = "0.0.0.0:7001")]
         listen: std::net::SocketAddr,
-        /// The controller, http://host:port or https://host:port.
-        #[arg(long, env = "SPILLWAY_CONTROLLER")]
-        controller: http::Uri,
+        /// The controller, http://host:port or https://host:port; with several (given again,
+        /// or comma-separated), each is sent every forward: controllers that serve at once.
+        #[arg(
+            long,
+            env = "SPILLWAY_CONTROLLER",
+            required = true,
+            value_delimiter = ','
+        )]
+        controller: Vec<http::Uri>,
         /// With an https:// controller: a PEM file of the CA that signed its certificate
         /// (default: the system's trust store).
         #[arg(long, env = "SPILLWAY_CA_FILE")]
@@ -401,7 +407,7 @@ fn main() -> ExitCode {
             let options = spillway::internal::control::aggregator::AggregatorOptions {
                 listen,
                 admin,
-                controller,
+                controllers: controller,
                 zone,
                 replica,
                 interval,

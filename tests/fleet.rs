@@ -1462,3 +1462,144 @@ async fn holds_fleet(proxies: &[&Proc], load: &[u64], secs: f64, what: &str) {
     assert!(limited > 0, "{what}: nothing dropped");
     assert_within(ok, secs, 0.15, what);
 }
+
+/// Two controllers serve at once (active-active): every aggregator forwards to both, and
+/// hosts get the first authoritative one's ratios. Restarted one at a time, then the
+/// aggregators, under 2.4x overload: no 1-second window of the fleet admits more than the
+/// limit and 10 %, and the fleet keeps limiting throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_two_controllers_then_the_aggregators_never_admits_past_the_limit() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let up = upstream().await;
+    let ctl_ports = [fixed_port(), fixed_port()];
+    let agg_ports = [fixed_port(), fixed_port()];
+    let urls = format!("http://{},http://{}", ctl_ports[0], ctl_ports[1]);
+    let spawn_agg = {
+        let urls = urls.clone();
+        move |port: String| {
+            let mut args = aggregator_args(&urls, "z1", "1s");
+            args[2] = &port;
+            Proc::spawn(&args)
+        }
+    };
+    let mut ctls: Vec<Proc> = ctl_ports.iter().map(|l| controller(l, &[])).collect();
+    let mut aggs: Vec<Proc> = agg_ports.iter().cloned().map(&spawn_agg).collect();
+    // Reporting every second, two to one replica and one to the other.
+    let p: Vec<Proc> = (1..=3)
+        .map(|i| {
+            proxy_every(
+                &format!("p{i}"),
+                up.addr,
+                aggs[i % 2].addr,
+                ("1s", "3s"),
+                "",
+            )
+        })
+        .collect();
+    // 2.4x the limit, evenly over the proxies, for the whole run; counted every second.
+    let counts = Arc::new(Counts::default());
+    let secs = 27.0;
+    let load: Vec<_> = p
+        .iter()
+        .map(|p| tokio::spawn(offer(p.addr, "k", LIMIT * 4 / 5, secs, counts.clone())))
+        .collect();
+    const PHASES: [&str; 5] = [
+        "warm-up",
+        "controller 1 restarted",
+        "controller 2 restarted",
+        "aggregator 1 restarted",
+        "aggregator 2 restarted",
+    ];
+    let phase = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let sampler = {
+        let (counts, phase) = (counts.clone(), phase.clone());
+        tokio::spawn(async move {
+            let mut windows = Vec::new();
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.tick().await;
+            for _ in 0..secs as usize {
+                tick.tick().await;
+                windows.push((PHASES[phase.load(Ordering::Relaxed)], counts.take()));
+            }
+            windows
+        })
+    };
+    let next = |i: usize| {
+        phase.store(i, Ordering::Relaxed);
+        tokio::time::sleep(Duration::from_secs(4))
+    };
+    // The warm-up: both controllers past theirs, the ratios settled.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    for i in 0..2 {
+        ctls[i].kill();
+        let listen = ctl_ports[i].clone();
+        ctls[i] = tokio::task::spawn_blocking(move || controller(&listen, &[]))
+            .await
+            .unwrap();
+        next(1 + i).await;
+    }
+    for i in 0..2 {
+        aggs[i].kill();
+        let (port, spawn) = (agg_ports[i].clone(), spawn_agg.clone());
+        aggs[i] = tokio::task::spawn_blocking(move || spawn(port))
+            .await
+            .unwrap();
+        next(3 + i).await;
+    }
+    for l in load {
+        l.await.unwrap();
+    }
+    let windows = sampler.await.unwrap();
+    eprintln!("admitted per second: {windows:?}");
+    let measured: Vec<_> = windows.iter().filter(|(w, _)| *w != "warm-up").collect();
+    assert!(measured.len() >= 14, "{windows:?}");
+    for (what, (ok, limited, other)) in &measured {
+        assert_eq!(*other, 0, "{what}: errors");
+        assert!(*limited > 0, "{what}: nothing refused at 2.4x the limit");
+        assert!(
+            *ok as f64 <= 1.1 * LIMIT as f64,
+            "{what}: {ok} admitted in one second against a limit of {LIMIT}/s"
+        );
+    }
+    let mean = measured.iter().map(|(_, c)| c.0).sum::<u64>() as f64 / measured.len() as f64;
+    assert!(
+        mean >= 0.85 * LIMIT as f64,
+        "{mean}/s admitted on average: {windows:?}"
+    );
+}
+
+/// A proxy reporting straight to two controllers sends each report to both (each computes
+/// ratios on the whole fleet), and one of them dying leaves the fleet limited by the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_reports_to_every_controller_of_its_list_and_one_dying_changes_nothing() {
+    let (_one, up, c1) = fleet().await;
+    let c2 = controller("127.0.0.1:0", &[]);
+    let p: Vec<Proc> = (1..=2)
+        .map(|i| {
+            let name = format!("p{i}");
+            let yaml = format!(
+                "service: shop\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{}\n\
+                 control_plane:\n  url: [http://{}, http://{}]\n  report_interval: 100ms\n  host: {name}\n\
+                 rules:\n  - name: per-key\n    key: [header:x-api-key]\n    limit: {{ rate: {LIMIT}/s }}\n    scope: global\n",
+                up.addr, c1.addr, c2.addr
+            );
+            let path = temp_file(&format!("{name}-two.yaml"), &yaml);
+            Proc::spawn(&["proxy", "--config", path.to_str().unwrap()])
+        })
+        .collect();
+    let refs: Vec<&Proc> = p.iter().collect();
+    let load = [120, 120];
+    offer_all(&refs, "k", &load, 3.0).await;
+    for c in [&c1, &c2] {
+        let (status, keys) = state_keys(c.addr, "any").await;
+        assert_eq!(status, StatusCode::OK);
+        assert!(
+            keys.contains(&"shop/k".to_string()),
+            "every controller sees the key: {keys:?}"
+        );
+    }
+    holds_fleet(&refs, &load, 3.0, "two controllers").await;
+    let mut c1 = c1;
+    c1.kill();
+    holds_fleet(&refs, &load, 3.0, "the first controller dead").await;
+}

@@ -76,12 +76,6 @@ string_schema!(
     "The app beside the proxy: http://host:port, or h2c://host:port for HTTP/2 with prior knowledge (gRPC)."
 );
 string_schema!(
-    ControlUrl,
-    "ControlUrl",
-    "^https?://[^/?#\\s]+/?$",
-    "The zone's aggregators (or a controller): http://host:port or https://host:port."
-);
-string_schema!(
     HostPattern,
     "HostPattern",
     "^(\\*\\.)?[A-Za-z0-9._-]+$",
@@ -134,6 +128,19 @@ impl JsonSchema for HeaderEquals {
             "description": "Each named header must be present with exactly this value.",
             "propertyNames": { "pattern": format!("^{HEADER}$") },
             "additionalProperties": { "type": "string" }
+        })
+    }
+}
+
+impl JsonSchema for ControlUrl {
+    fn schema_name() -> Cow<'static, str> {
+        "ControlUrl".into()
+    }
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        let url = json_schema!({ "type": "string", "pattern": "^https?://[^/?#\\s]+/?$" });
+        json_schema!({
+            "description": "The zone's aggregators (or a controller): http://host:port or https://host:port; or a list of controllers that serve at once (all http:// or all https://), each sent every report.",
+            "anyOf": [url, { "type": "array", "items": url, "minItems": 1, "maxItems": crate::config::MAX_CONTROL_URLS, "uniqueItems": true }]
         })
     }
 }

@@ -522,6 +522,42 @@ fn an_h2c_upstream_is_http2_and_prints_back() {
 
 const BASE: &str = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n";
 
+#[test]
+fn the_control_plane_is_one_url_or_a_list_of_controllers_of_one_scheme() {
+    let one = Config::from_yaml(
+        &format!("{BASE}control_plane: {{ url: 'http://c1:7000' }}\n"),
+        "t",
+    )
+    .unwrap();
+    let json = serde_json::to_value(&one).unwrap();
+    assert_eq!(json["control_plane"]["url"], "http://c1:7000/");
+    let two = Config::from_yaml(
+        &format!("{BASE}control_plane:\n  url: [http://c1:7000, 'http://c2:7000/']\n"),
+        "t",
+    )
+    .unwrap();
+    let urls = &two.control_plane.as_ref().unwrap().url;
+    assert_eq!(urls.0.len(), 2);
+    let json = serde_json::to_value(&two).unwrap();
+    assert_eq!(
+        json["control_plane"]["url"],
+        serde_json::json!(["http://c1:7000/", "http://c2:7000/"]),
+        "prints back as it parses"
+    );
+    for (list, why) in [
+        ("[]", "give at least one URL"),
+        ("[http://c1:7000, http://c1:7000/]", "is given twice"),
+        ("[http://c1:7000, https://c2:7000]", "all http:// or all https://"),
+        ("[http://c1:7000, 'http://c2:7000/x']", "expected http(s)://host:port"),
+        ("[http://c1:1, http://c1:2, http://c1:3, http://c1:4, http://c1:5, http://c1:6, http://c1:7, http://c1:8, http://c1:9]", "at most 8 URLs"),
+        ("{ a: b }", "http(s)://host:port, or a list of them"),
+    ] {
+        let e = err(&format!("{BASE}control_plane:\n  url: {list}\n"));
+        assert!(e.contains(why), "{list}: {e}");
+        assert!(e.contains("t.yaml:5"), "{list}: {e}");
+    }
+}
+
 const REDIS_RULE: &str =
     "  - name: login\n    key: client_ip\n    limit: { rate: 5/m, algorithm: sliding_window_log }\n    scope: redis\n";
 

@@ -246,39 +246,95 @@ impl Serialize for Upstream {
     }
 }
 
-/// The control plane's base URL: `http://host:port` or `https://host:port`.
+/// The control plane's base URL, `http://host:port` or `https://host:port`; or a list of
+/// them, all of one scheme: the controllers that serve at once, each sent every report.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ControlUrl(pub http::Uri);
+pub struct ControlUrl(pub Vec<http::Uri>);
 
 impl ControlUrl {
     pub fn tls(&self) -> bool {
-        self.0.scheme_str() == Some("https")
+        self.0.first().and_then(http::Uri::scheme_str) == Some("https")
     }
 }
 
+fn control_url(s: &str) -> Result<http::Uri, String> {
+    let uri: http::Uri = s
+        .parse()
+        .map_err(|e| err(format!("{s:?}: not a URL: {e}")))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err(err(format!(
+            "{s:?}: the control plane speaks http:// or https://"
+        )));
+    }
+    if uri.authority().is_none() || !matches!(uri.path(), "" | "/") || uri.query().is_some() {
+        return Err(err(format!("{s:?}: expected http(s)://host:port")));
+    }
+    Ok(uri)
+}
+
+/// The most controllers one proxy reports to.
+pub const MAX_CONTROL_URLS: usize = 8;
+
 impl<'de> Deserialize<'de> for ControlUrl {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        parse_str(d, |s: &str| {
-            let uri: http::Uri = s
-                .parse()
-                .map_err(|e| err(format!("{s:?}: not a URL: {e}")))?;
-            if !matches!(uri.scheme_str(), Some("http" | "https")) {
-                return Err(err(format!(
-                    "{s:?}: the control plane speaks http:// or https://"
-                )));
+        struct V;
+        impl<'de> de::Visitor<'de> for V {
+            type Value = ControlUrl;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("http(s)://host:port, or a list of them")
             }
-            if uri.authority().is_none() || !matches!(uri.path(), "" | "/") || uri.query().is_some()
-            {
-                return Err(err(format!("{s:?}: expected http(s)://host:port")));
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<ControlUrl, E> {
+                control_url(s)
+                    .map(|u| ControlUrl(vec![u]))
+                    .map_err(E::custom)
             }
-            Ok(ControlUrl(uri))
-        })
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<ControlUrl, A::Error> {
+                let mut out: Vec<http::Uri> = Vec::new();
+                while let Some(s) = seq.next_element::<String>()? {
+                    let u = control_url(&s).map_err(de::Error::custom)?;
+                    if out.iter().any(|o| o.authority() == u.authority()) {
+                        return Err(de::Error::custom(format!("{s:?} is given twice")));
+                    }
+                    if out.first().is_some_and(|o| o.scheme() != u.scheme()) {
+                        return Err(de::Error::custom(
+                            "the URLs must be all http:// or all https://",
+                        ));
+                    }
+                    out.push(u);
+                    if out.len() > MAX_CONTROL_URLS {
+                        return Err(de::Error::custom(format!(
+                            "at most {MAX_CONTROL_URLS} URLs"
+                        )));
+                    }
+                }
+                if out.is_empty() {
+                    return Err(de::Error::custom("give at least one URL"));
+                }
+                Ok(ControlUrl(out))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl fmt::Display for ControlUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, u) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{u}")?;
+        }
+        Ok(())
     }
 }
 
 impl Serialize for ControlUrl {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_str(&self.0)
+        match self.0.as_slice() {
+            [one] => s.collect_str(one),
+            all => s.collect_seq(all.iter().map(ToString::to_string)),
+        }
     }
 }
 

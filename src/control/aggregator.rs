@@ -20,7 +20,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Regist
 use tokio::sync::watch;
 
 use super::auth::Credentials;
-use super::reporter::{json_client, post_negotiated, JsonClient};
+use super::reporter::{json_client, JsonClient, Targets};
 use super::server::{self, Body, Running};
 use super::{Entry, Reply, Report, Shared, SourceRefusal, ZoneSums, VERSION};
 
@@ -29,8 +29,9 @@ use super::{Entry, Reply, Report, Shared, SourceRefusal, ZoneSums, VERSION};
 pub struct AggregatorOptions {
     pub listen: SocketAddr,
     pub admin: SocketAddr,
-    /// The controller's base URL, `http://host:port` or `https://host:port`.
-    pub controller: Uri,
+    /// The controllers' base URLs, `http://host:port` or `https://host:port`: every forward
+    /// goes to each (they serve at once), and hosts get the first authoritative one's ratios.
+    pub controllers: Vec<Uri>,
     pub zone: String,
     /// This replica's name in its zone (unique among the zone's replicas; default: the host
     /// name and a random suffix, so that a restart is a new replica).
@@ -53,7 +54,7 @@ impl AggregatorOptions {
         AggregatorOptions {
             listen,
             admin,
-            controller,
+            controllers: vec![controller],
             zone: zone.to_string(),
             replica: None,
             interval: Duration::from_secs(1),
@@ -113,7 +114,8 @@ struct State {
     source: String,
     /// Increases with every forward (starting from the wall clock, so across restarts too).
     seq: std::sync::atomic::AtomicU64,
-    url: Uri,
+    /// Each controller's `/v1/report`.
+    targets: Targets,
     client: JsonClient,
     registry: Registry,
     reports: IntCounterVec,
@@ -122,8 +124,6 @@ struct State {
     hosts: IntGauge,
     forwards: IntCounterVec,
     forward_seconds: Histogram,
-    /// The controller took the fields past version 1 last time.
-    wire2: std::sync::atomic::AtomicBool,
 }
 
 impl State {
@@ -249,29 +249,28 @@ impl State {
             };
             let started = tokio::time::Instant::now();
             let token = self.opts.credentials.outgoing();
-            match post_negotiated(
-                &self.client,
-                &self.url,
-                token.as_deref(),
-                report,
-                self.opts.interval,
-                &self.wire2,
-            )
-            .await
-            {
-                Ok((reply, _)) => {
-                    self.forward_seconds
-                        .observe(started.elapsed().as_secs_f64());
-                    self.forwards.with_label_values(&["ok"]).inc();
-                    // Only the first part's reply carries the ratios.
-                    if n == 0 {
-                        self.relayed
-                            .store(Arc::new(Some(Relayed::new(reply, started))));
+            let answers = self
+                .targets
+                .post_all(&self.client, token.as_deref(), report, self.opts.interval)
+                .await;
+            for (url, answer) in self.targets.urls().zip(&answers) {
+                match answer {
+                    Ok(_) => {
+                        self.forward_seconds
+                            .observe(started.elapsed().as_secs_f64());
+                        self.forwards.with_label_values(&["ok"]).inc();
+                    }
+                    Err(e) => {
+                        self.forwards.with_label_values(&["error"]).inc();
+                        tracing::debug!(error = %e, %url, "forward to the controller failed");
                     }
                 }
-                Err(e) => {
-                    self.forwards.with_label_values(&["error"]).inc();
-                    tracing::debug!(error = %e, "forward to the controller failed");
+            }
+            // Only the first part's reply carries the ratios: an authoritative controller's.
+            if n == 0 {
+                if let Some(Ok((reply, _))) = self.targets.pick(answers) {
+                    self.relayed
+                        .store(Arc::new(Some(Relayed::new(reply, started))));
                 }
             }
         }
@@ -338,13 +337,12 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     let listener = server::bind(opts.listen, "aggregator").await?;
     let admin = server::bind(opts.admin, "admin").await?;
     let (addr, admin_addr) = (listener.local_addr()?, admin.local_addr()?);
-    let (url, tls) = super::reporter::report_url(&opts.controller, opts.ca_file.as_deref())
-        .map_err(|e| {
-            std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                format!("--controller {}: {e}", opts.controller),
-            )
-        })?;
+    let (targets, tls) = Targets::new(&opts.controllers, opts.ca_file.as_deref()).map_err(|e| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("--controller: {e}"),
+        )
+    })?;
     let replica = opts.replica.clone().unwrap_or_else(|| {
         let host: String = std::env::var("HOSTNAME")
             .unwrap_or_else(|_| "aggregator".into())
@@ -371,7 +369,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     let forwards = IntCounterVec::new(
         Opts::new(
             "spillway_aggregator_forwards_total",
-            "Zone reports forwarded to the controller, by result (ok, error).",
+            "Zone reports forwarded, to each controller, by result (ok, error).",
         ),
         &["result"],
     )
@@ -400,7 +398,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         relayed: ArcSwap::from_pointee(None),
         parts: std::sync::atomic::AtomicUsize::new(0),
         opts,
-        url,
+        targets,
         client: json_client(tls)?,
         registry,
         reports,
@@ -408,7 +406,6 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         hosts,
         forwards,
         forward_seconds,
-        wire2: Default::default(),
     });
     let (stop, stopped) = watch::channel(false);
     let tls_server = state.opts.tls.clone();

@@ -86,9 +86,6 @@ pub fn report_url(
     base: &Uri,
     ca_file: Option<&std::path::Path>,
 ) -> Result<(Uri, Option<super::tls::ClientConfig>), String> {
-    let authority = base
-        .authority()
-        .ok_or("expected http://host:port or https://host:port")?;
     let tls = match base.scheme_str() {
         Some("http") => {
             if ca_file.is_some() {
@@ -99,11 +96,20 @@ pub fn report_url(
         Some("https") => Some(super::tls::client_config(ca_file).map_err(|e| e.to_string())?),
         _ => return Err("expected http://host:port or https://host:port".into()),
     };
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    let url = format!("{scheme}://{authority}/v1/report")
+    Ok((report_url_only(base)?, tls))
+}
+
+/// `<base>/v1/report`.
+fn report_url_only(base: &Uri) -> Result<Uri, String> {
+    let expected = "expected http://host:port or https://host:port";
+    let authority = base.authority().ok_or(expected)?;
+    let scheme = match base.scheme_str() {
+        Some(s @ ("http" | "https")) => s,
+        _ => return Err(expected.into()),
+    };
+    format!("{scheme}://{authority}/v1/report")
         .parse()
-        .map_err(|e| format!("{e}"))?;
-    Ok((url, tls))
+        .map_err(|e| format!("{e}"))
 }
 
 /// Why a post got no reply to use: the status the receiver answered, if it answered.
@@ -215,11 +221,127 @@ pub async fn post_negotiated(
     Ok((reply, size))
 }
 
+/// Where reports go: one aggregator Service, or each of the controllers that serve at once
+/// (active-active), each with whether it took the fields past version 1 last time. Every
+/// report goes to every target (a controller computes ratios on what it is sent, so each must
+/// see the whole fleet), and the answer taken is [`Targets::pick`]'s.
+pub struct Targets {
+    targets: Vec<(Uri, std::sync::atomic::AtomicBool)>,
+    /// Whose authoritative answer was taken last (see [`Targets::pick`]).
+    taken: std::sync::atomic::AtomicUsize,
+}
+
+impl Targets {
+    /// `<base>/v1/report` of each of `bases`, all `http://` or all `https://` (one client
+    /// speaks to them), and for `https://` the TLS configuration trusting `ca_file`.
+    pub fn new(
+        bases: &[Uri],
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<(Targets, Option<super::tls::ClientConfig>), String> {
+        let Some(first) = bases.first() else {
+            return Err("no URL given".into());
+        };
+        if bases.iter().any(|b| b.scheme() != first.scheme()) {
+            return Err("mixes http:// and https:// URLs".into());
+        }
+        let (_, tls) = report_url(first, ca_file)?;
+        let mut targets = Vec::with_capacity(bases.len());
+        for base in bases {
+            let url = report_url_only(base)?;
+            if targets.iter().any(|(u, _)| *u == url) {
+                return Err(format!("{base} is given twice"));
+            }
+            targets.push((url, Default::default()));
+        }
+        Ok((
+            Targets {
+                targets,
+                taken: Default::default(),
+            },
+            tls,
+        ))
+    }
+
+    /// The targets' report URLs, in the order given.
+    pub fn urls(&self) -> impl Iterator<Item = &Uri> {
+        self.targets.iter().map(|(u, _)| u)
+    }
+
+    /// Posts `report` to every target at once (see [`post_negotiated`]); the answers in the
+    /// targets' order.
+    pub async fn post_all(
+        &self,
+        client: &JsonClient,
+        token: Option<&[u8]>,
+        report: Report,
+        timeout: Duration,
+    ) -> Vec<Result<(Reply, usize), PostError>> {
+        // The last target takes the report itself: one target, no copy.
+        let mut reports: Vec<Report> = (1..self.targets.len()).map(|_| report.clone()).collect();
+        reports.push(report);
+        let posts = self
+            .targets
+            .iter()
+            .zip(reports)
+            .map(|((url, wire2), report)| {
+                post_negotiated(client, url, token, report, timeout, wire2)
+            });
+        futures_util::future::join_all(posts).await
+    }
+
+    /// The answer to take from `answers` (in the targets' order): the authoritative one of
+    /// the target taken last time, else the first authoritative one (taken from then on),
+    /// else the first from a controller warming up (through which the receiver keeps its
+    /// ratios), else the first failure. Sticking to one controller while it answers keeps the
+    /// ratios of one set of sums: a controller back from a restart has sums younger than its
+    /// peer's, and is taken only when its peer fails or warms up in turn.
+    pub fn pick(
+        &self,
+        answers: Vec<Result<(Reply, usize), PostError>>,
+    ) -> Option<Result<(Reply, usize), PostError>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let taken = self.taken.load(Relaxed);
+        let authoritative =
+            |a: &Result<(Reply, usize), PostError>| matches!(a, Ok(r) if !r.0.warming);
+        let i = if answers.get(taken).is_some_and(authoritative) {
+            Some(taken)
+        } else {
+            answers.iter().position(authoritative)
+        };
+        if let Some(i) = i {
+            self.taken.store(i, Relaxed);
+            return answers.into_iter().nth(i);
+        }
+        let mut failed = None;
+        for answer in answers {
+            match answer {
+                Ok(a) => return Some(Ok(a)),
+                Err(e) => {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        failed.map(Err)
+    }
+}
+
+impl std::fmt::Display for Targets {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, url) in self.urls().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{url}")?;
+        }
+        Ok(())
+    }
+}
+
 /// Everything the reporter needs, fixed at start.
 pub struct Reporter {
     pub client: JsonClient,
-    /// `<control plane>/v1/report`.
-    pub url: Uri,
+    /// `<control plane>/v1/report` of each URL the configuration gives.
+    pub targets: Targets,
     pub token: crate::control::auth::Token,
     pub service: String,
     pub source: String,
@@ -233,8 +355,6 @@ pub struct Reporter {
     pub ratios: Arc<ArcSwap<DropRatios>>,
     pub clock: AnyClock,
     pub metrics: Arc<Metrics>,
-    /// The control plane took the fields past version 1 last time.
-    pub wire2: std::sync::atomic::AtomicBool,
     /// When the last report was sent (limiter clock): which of this proxy's reports the sums
     /// behind a reply hold (see [`DropRatios::own_lag`]).
     pub last_sent: std::sync::atomic::AtomicU64,
@@ -318,16 +438,16 @@ impl Reporter {
             }
             None => Default::default(),
         };
-        let (url, tls) = report_url(&cp.url.0, cp.ca_file.as_deref()).map_err(|e| {
+        let (targets, tls) = Targets::new(&cp.url.0, cp.ca_file.as_deref()).map_err(|e| {
             std::io::Error::new(
                 std::io::ErrorKind::InvalidInput,
-                format!("control_plane.url {}: {e}", cp.url.0),
+                format!("control_plane.url {}: {e}", cp.url),
             )
         })?;
         let env = |name: &str| std::env::var(name).ok().filter(|v| !v.is_empty());
         Ok(Reporter {
             client: json_client(tls)?,
-            url,
+            targets,
             token,
             service: service.to_string(),
             source: cp
@@ -350,7 +470,6 @@ impl Reporter {
             ratios: ratios.clone(),
             clock: clock.clone(),
             metrics: metrics.clone(),
-            wire2: Default::default(),
             last_sent: Default::default(),
         })
     }
@@ -400,22 +519,29 @@ impl Reporter {
         let sent_at = self.clock.now();
         let before = self.last_sent.swap(sent_at, Ordering::Relaxed);
         let token = self.token.get();
-        match post_negotiated(
-            &self.client,
-            &self.url,
-            token.as_deref().map(Vec::as_slice),
-            report,
-            self.interval,
-            &self.wire2,
-        )
-        .await
-        {
-            Ok((reply, _)) if reply.warming => {
-                // Not authoritative yet: the ratios held stand (and age) until a reply is.
-                self.metrics.reports_ok.inc();
-                tracing::debug!(url = %self.url, "the controller is warming up: ratios kept");
+        let answers = self
+            .targets
+            .post_all(
+                &self.client,
+                token.as_deref().map(Vec::as_slice),
+                report,
+                self.interval,
+            )
+            .await;
+        for (url, answer) in self.targets.urls().zip(&answers) {
+            if let Err(e) = answer {
+                // Each target that failed: one of two controllers down shows here.
+                self.metrics.reports_failed.inc();
+                tracing::debug!(error = %e, %url, "report failed");
             }
-            Ok((reply, size)) => {
+        }
+        match self.targets.pick(answers) {
+            Some(Ok((reply, _))) if reply.warming => {
+                // Nothing authoritative yet: the ratios held stand (and age) until a reply is.
+                self.metrics.reports_ok.inc();
+                tracing::debug!(urls = %self.targets, "the controller is warming up: ratios kept");
+            }
+            Some(Ok((reply, size))) => {
                 let age = Duration::from_millis(reply.age_ms).as_nanos() as Nanos;
                 let at = sent_at.saturating_sub(age);
                 let mut ratios = DropRatios::from_reply(&reply, &self.service, at).answering(seq);
@@ -436,10 +562,7 @@ impl Reporter {
                 self.metrics.reports_ok.inc();
                 self.metrics.report_bytes.set(size as i64);
             }
-            Err(e) => {
-                self.metrics.reports_failed.inc();
-                tracing::debug!(error = %e, url = %self.url, "report failed");
-            }
+            Some(Err(_)) | None => {}
         }
     }
 
@@ -452,17 +575,109 @@ impl Reporter {
         if stale != was_stale {
             if stale {
                 tracing::warn!(
-                    url = %self.url,
+                    urls = %self.targets,
                     age_s = age as f64 / 1e9,
                     "control plane stale: holding the last drop ratios, then letting them decay (fail open)"
                 );
             } else {
-                tracing::info!(url = %self.url, "control plane answering again");
+                tracing::info!(urls = %self.targets, "control plane answering again");
             }
         }
         if stale && factor == 0.0 {
             tracing::debug!("stale drop ratios have decayed to zero");
         }
         stale
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn targets(n: usize) -> Targets {
+        let bases: Vec<Uri> = (1..=n)
+            .map(|i| format!("http://c{i}:7000").parse().unwrap())
+            .collect();
+        Targets::new(&bases, None).unwrap().0
+    }
+
+    /// An answer: authoritative or warming, told apart by its age.
+    fn answer(warming: bool, age_ms: u64) -> Result<(Reply, usize), PostError> {
+        Ok((
+            Reply {
+                version: crate::control::VERSION,
+                age_ms,
+                warming,
+                ..Default::default()
+            },
+            0,
+        ))
+    }
+
+    fn failed() -> Result<(Reply, usize), PostError> {
+        Err(PostError::other("connection refused"))
+    }
+
+    fn age(picked: Option<Result<(Reply, usize), PostError>>) -> Option<u64> {
+        picked.and_then(Result::ok).map(|(r, _)| r.age_ms)
+    }
+
+    #[test]
+    fn an_authoritative_controller_is_taken_and_kept_while_it_answers() {
+        let t = targets(2);
+        assert_eq!(
+            t.urls().map(ToString::to_string).collect::<Vec<_>>(),
+            ["http://c1:7000/v1/report", "http://c2:7000/v1/report"]
+        );
+        assert_eq!(
+            age(t.pick(vec![answer(false, 1), answer(false, 2)])),
+            Some(1)
+        );
+        // The first restarts: warming, then down; the second's answers are taken.
+        assert_eq!(
+            age(t.pick(vec![answer(true, 1), answer(false, 2)])),
+            Some(2)
+        );
+        assert_eq!(age(t.pick(vec![failed(), answer(false, 2)])), Some(2));
+        // Back and authoritative, it is not taken while the second answers.
+        assert_eq!(
+            age(t.pick(vec![answer(false, 1), answer(false, 2)])),
+            Some(2)
+        );
+        // Only when the second fails or warms up in turn.
+        assert_eq!(
+            age(t.pick(vec![answer(false, 1), answer(true, 2)])),
+            Some(1)
+        );
+        assert_eq!(
+            age(t.pick(vec![answer(false, 1), answer(false, 2)])),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn a_warming_answer_is_taken_only_when_none_is_authoritative_and_failures_last() {
+        let t = targets(3);
+        let picked = t.pick(vec![failed(), answer(true, 2), answer(true, 3)]);
+        let (reply, _) = picked.unwrap().unwrap();
+        assert!(reply.warming, "the receiver keeps its ratios through it");
+        assert_eq!(reply.age_ms, 2);
+        assert!(matches!(
+            t.pick(vec![failed(), failed(), failed()]),
+            Some(Err(_))
+        ));
+        assert_eq!(
+            age(t.pick(vec![failed(), answer(true, 2), answer(false, 3)])),
+            Some(3)
+        );
+    }
+
+    #[test]
+    fn targets_are_of_one_scheme_and_each_given_once() {
+        let uri = |s: &str| -> Uri { s.parse().unwrap() };
+        let e = |bases: &[Uri]| Targets::new(bases, None).err().unwrap();
+        assert!(e(&[]).contains("no URL"));
+        assert!(e(&[uri("http://a:1"), uri("https://b:1")]).contains("mixes"));
+        assert!(e(&[uri("http://a:1"), uri("http://a:1/")]).contains("twice"));
     }
 }

@@ -157,8 +157,9 @@ def lint_and_render():
             if name == "platform knobs":
                 knobs(doc, what)
 
-            if doc["kind"] == "Deployment" and doc["metadata"]["name"].endswith(("-controller", "-aggregator")) or (
-                    doc["kind"] == "Deployment" and "-aggregator-" in doc["metadata"]["name"]):
+            if doc["kind"] in ("Deployment", "StatefulSet") and (
+                    doc["metadata"]["name"].endswith(("-controller", "-aggregator"))
+                    or "-aggregator-" in doc["metadata"]["name"]):
                 args = doc["spec"]["template"]["spec"]["containers"][0]["args"]
                 check("--log-format=json" in args, f"{what}: logs JSON lines")
     return configmaps
@@ -171,14 +172,17 @@ def releases(name, docs):
     for d in docs:
         by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
     deployments = by_kind.get("Deployment", {})
-    control = [n for n in deployments if n.endswith("-controller") or "-aggregator-" in n]
+    statefulsets = by_kind.get("StatefulSet", {})
+    control = [n for n in {**deployments, **statefulsets} if n.endswith("-controller") or "-aggregator-" in n]
+    if "spillway-controller" in statefulsets:
+        active_active(name, by_kind)
     if name == "control plane alone":
         check("spillway-limits" not in by_kind.get("ConfigMap", {}) and "PodMonitor" not in by_kind,
               f"{name}: no limits ConfigMap and no PodMonitor")
-        check(len(control) == 2, f"{name}: the controller and an aggregator {control}")
+        check(len(control) == 2, f"{name}: the controllers and an aggregator {control}")
         tokens = by_kind.get("Secret", {}).get("spillway-tokens", {}).get("data", {})
         check(sorted(tokens) == ["_admin", "_aggregators", "cart", "shop"], f"{name}: a token per service {sorted(tokens)}")
-        args = deployments["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        args = statefulsets["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
         check("--tokens=/var/run/secrets/spillway" in args, f"{name}: the controller reads the per-service tokens")
     if name == "sidecar only, another release's control plane":
         check(not control and "Secret" not in by_kind, f"{name}: no control plane and no token of its own {control}")
@@ -195,6 +199,27 @@ def releases(name, docs):
         check(len(init) == 1 and init[0].get("restartPolicy") == "Always"
               and all(c["name"] != "spillway" for c in spec["containers"]),
               f"{name}: the sidecar is an init container with restartPolicy: Always")
+
+
+def active_active(name, by_kind):
+    """The controllers serve at once: a StatefulSet of two by default, each reached by name through
+    a headless Service that publishes them while they warm up, a PodDisruptionBudget letting one
+    go at a time, and every aggregator forwarding to each of them by name."""
+    sts = by_kind["StatefulSet"]["spillway-controller"]["spec"]
+    replicas = sts["replicas"]
+    check(replicas >= 2 and sts["serviceName"] == "spillway-controller-pods"
+          and sts["podManagementPolicy"] == "Parallel" and sts["minReadySeconds"] >= 10,
+          f"{name}: {replicas} controllers in a StatefulSet, restarted one at a time past their warm-up")
+    pods = by_kind["Service"]["spillway-controller-pods"]["spec"]
+    check(pods["clusterIP"] == "None" and pods["publishNotReadyAddresses"] is True,
+          f"{name}: a headless Service names each controller, warming ones too")
+    pdb = by_kind["PodDisruptionBudget"]["spillway-controller"]["spec"]
+    check(pdb.get("maxUnavailable") == 1, f"{name}: a PodDisruptionBudget lets one controller go at a time")
+    scheme = "https" if "spillway-tls" in json.dumps(sts) else "http"
+    want = ",".join(f"{scheme}://spillway-controller-{i}.spillway-controller-pods.shop.svc:7000" for i in range(replicas))
+    aggs = [d for n, d in by_kind.get("Deployment", {}).items() if "-aggregator-" in n]
+    check(aggs and all(f"--controller={want}" in d["spec"]["template"]["spec"]["containers"][0]["args"] for d in aggs),
+          f"{name}: every aggregator forwards to each controller by name ({want})")
 
 
 def knobs(doc, what):
@@ -256,7 +281,7 @@ def bad_values():
         ({"limits": {"rules": [{"name": "x", "key": []}]}}, "limit"),
         ({"limits": {"rules": [{"name": "x", "key": [], "limit": {"rate": "10/sec"}}]}}, "10/sec"),
         ({"limits": {"rules": [{"name": "x", "key": [], "limit": {"rate": "1/s"}, "scop": "global"}]}}, "scop"),
-        ({"controlPlane": {"controller": {"replicas": 3}}}, "replicas"),
+        ({"controlPlane": {"controller": {"replicas": 9}}}, "replicas"),
         ({"sidecar": {"port": 8080, "adminPort": 9901, "appPort": 8081, "prot": 1}}, "prot"),
     ]:
         try:

@@ -75,6 +75,18 @@ app.kubernetes.io/component: {{ .component }}
 {{- if .controlPlane.tls.existingSecret }}https{{ else }}http{{ end -}}
 {{- end -}}
 
+{{/* Every controller's URL, comma-separated: <full>-controller-<i>.<full>-controller-pods. */}}
+{{- define "spillway.controllerUrls" -}}
+{{- $cp := .Values.controlPlane -}}
+{{- $name := printf "%s-controller" (include "spillway.fullname" .) -}}
+{{- $scheme := include "spillway.controlScheme" .Values -}}
+{{- $urls := list -}}
+{{- range $i := until (int $cp.controller.replicas) -}}
+{{- $urls = append $urls (printf "%s://%s-%d.%s-pods.%s.svc:%d" $scheme $name $i $name $.Release.Namespace (int $cp.controller.port)) -}}
+{{- end -}}
+{{- join "," $urls -}}
+{{- end -}}
+
 {{- define "spillway.tokenSecret" -}}
 {{- .Values.controlPlane.token.existingSecret | default (printf "%s-token" (include "spillway.fullname" .)) -}}
 {{- end -}}
