@@ -354,7 +354,7 @@ impl Metrics {
         let reports = IntCounterVec::new(
             Opts::new(
                 "spillway_reports_total",
-                "Reports sent to the control plane, by result (ok, error).",
+                "Reports sent to the control plane, by result: ok once per report answered, error once per URL that failed.",
             ),
             &["result"],
         )
