@@ -60,6 +60,7 @@ pub async fn serve<H, F>(
         };
         let handler = handler.clone();
         let tls = tls.clone();
+        let stop = stop.clone();
         tokio::spawn(async move {
             let _permit = permit;
             let service = service_fn(move |req| {
@@ -71,14 +72,16 @@ pub async fn serve<H, F>(
                 .header_read_timeout(Duration::from_secs(10));
             match tls {
                 None => {
-                    let _ = http.serve_connection(TokioIo::new(stream), service).await;
+                    let conn = http.serve_connection(TokioIo::new(stream), service);
+                    until_stopped(conn, stop).await;
                 }
                 Some(tls) => {
                     let handshake =
                         tokio::time::timeout(super::tls::HANDSHAKE_TIMEOUT, tls.accept(stream));
                     match handshake.await {
                         Ok(Ok(tls)) => {
-                            let _ = http.serve_connection(TokioIo::new(tls), service).await;
+                            let conn = http.serve_connection(TokioIo::new(tls), service);
+                            until_stopped(conn, stop).await;
                         }
                         Ok(Err(e)) => tracing::debug!(error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!("TLS handshake timed out"),
@@ -87,6 +90,29 @@ pub async fn serve<H, F>(
             }
         });
     }
+}
+
+/// Serves `conn` until it ends or the server stops; then its request in flight is answered
+/// and it closes: a kept-alive connection must not keep reaching a stopped replica (whose
+/// relayed ratios only age) while a new one serves its address.
+async fn until_stopped<I, S>(
+    conn: hyper::server::conn::http1::Connection<I, S>,
+    mut stop: watch::Receiver<bool>,
+) where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + 'static,
+    S: hyper::service::HttpService<Incoming>,
+    S::ResBody: 'static,
+    <S::ResBody as hyper::body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    tokio::pin!(conn);
+    if !*stop.borrow_and_update() {
+        tokio::select! {
+            _ = conn.as_mut() => return,
+            _ = stop.changed() => {}
+        }
+    }
+    conn.as_mut().graceful_shutdown();
+    let _ = conn.await;
 }
 
 /// Connections one control-plane listener holds at once (pooled proxy connections stay open:

@@ -822,8 +822,12 @@ fn a_stopping_replica_hands_over_all_its_hosts_reports_hold() {
     zone.record(r, "t", 0.0).unwrap();
     let (first, _) = zone.take(1.0, false);
     assert_eq!(first[0].offered, 100, "one second of five");
-    let (last, _) = zone.take(1.5, true);
+    let (last, ms) = zone.take(1.5, true);
     assert_eq!(last[0].offered, 400, "the rest, at once");
+    // Over the time it covers, to the end of the host's interval: at the host's rate (100/s),
+    // not 400 units over the half second since the last take (800/s, which the controller
+    // would hold as the zone's rate while the host's next report lands on another replica).
+    assert_eq!(ms, 4000);
     assert!(zone.take(10.0, false).0.is_empty());
 }
 

@@ -217,7 +217,18 @@ impl ZoneSums {
     /// `now`; forgets hosts silent for three of their intervals. The `last` take (the replica
     /// is stopping) hands over all that its hosts' reports hold, to the end of their intervals.
     pub fn take(&mut self, now: f64, last: bool) -> (Vec<Entry>, u64) {
-        let interval_ms = (((now - self.since) * 1000.0).round() as u64).clamp(100, 600_000);
+        // The last take covers its hosts' intervals to their ends: its counts are rates over
+        // that time, not over the moment since the last take (which would multiply them).
+        let to = if last {
+            self.hosts
+                .iter_mut()
+                .filter(|(_, s)| !s.data.rules.is_empty())
+                .map(|(_, s)| s.data.until)
+                .fold(now, f64::max)
+        } else {
+            now
+        };
+        let interval_ms = (((to - self.since) * 1000.0).round() as u64).clamp(100, 600_000);
         let since = self.since;
         self.since = now;
         let mut window: HashMap<(Box<str>, Box<str>), WindowRule> = HashMap::new();

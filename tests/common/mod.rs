@@ -392,6 +392,13 @@ impl Proc {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+
+    /// Stops it as Kubernetes does (SIGTERM) and waits for it to exit, its drain done.
+    pub fn terminate(&mut self) {
+        // SAFETY: a signal to our own child, by its PID.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let _ = self.child.wait();
+    }
 }
 
 /// A controller process on loopback ports of its own choosing, no token.
