@@ -13,7 +13,9 @@
 //! - timed bursts: a key limited to 10/s offered 300/s for 1 s every 6 s (and about one
 //!   request a second per proxy between), the bursts timed against the report interval;
 //! - controller restart: under steady 2.4x, the controller is stopped and a new one (knowing
-//!   nothing) started at its address.
+//!   nothing) started at its address;
+//! - rolling restart: two controllers serving at once, each restarted in turn, then every
+//!   aggregator replica (a new name at the same address), 4 s apart, under steady 2.4x.
 //!
 //! Admitted requests are counted every 100 ms and summed into whole 1-second windows. Reported:
 //! the mean error over the measured part, the worst and the 95th-percentile window's error
@@ -36,6 +38,7 @@ enum Scenario {
     Bursts,
     Moving,
     Restart,
+    Rolling,
 }
 
 impl Scenario {
@@ -48,6 +51,10 @@ impl Scenario {
             Scenario::Bursts => "timed bursts, 300/s for 1 s every 6 s, 10/s".into(),
             Scenario::Moving => "a key moving from 6:2:1 to 1:2:6 at 2.4x, 300/s".into(),
             Scenario::Restart => "controller restart under 2.4x, 300/s".into(),
+            Scenario::Rolling => {
+                "two controllers, then the aggregators, restarted one at a time under 2.4x, 300/s"
+                    .into()
+            }
         }
     }
 
@@ -93,6 +100,10 @@ fn pct(x: f64) -> String {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
     println!("| scenario | eu-1 aggregators | report interval | mean error | worst 1 s window | 95th percentile 1 s window | after the event |");
     println!("|---|---|---|---|---|---|---|");
     let s = Duration::from_secs(1);
@@ -110,6 +121,7 @@ async fn main() -> anyhow::Result<()> {
         (Scenario::Bursts, 2, s),
         (Scenario::Moving, 2, s),
         (Scenario::Restart, 2, s),
+        (Scenario::Rolling, 2, s),
     ];
     // `cargo bench --bench fleet_convergence -- step`: only the scenarios whose name has one
     // of the words given.
@@ -122,7 +134,12 @@ async fn main() -> anyhow::Result<()> {
             continue;
         }
         let limit = scenario.limit();
-        let mut fleet = Fleet::start_with(limit, interval, replicas).await?;
+        let controllers = if matches!(scenario, Scenario::Rolling) {
+            2
+        } else {
+            1
+        };
+        let mut fleet = Fleet::start_full(limit, interval, replicas, controllers).await?;
         let start = tokio::time::Instant::now();
         let over = limit * 12 / 5;
         let (samples, measured_from, event) = match scenario {
@@ -241,7 +258,7 @@ async fn main() -> anyhow::Result<()> {
                 let deadline = start + Duration::from_secs(30);
                 let (tallies, generators) = fleet.load(move |_| over, deadline)?;
                 let before = sample(&tallies, start + Duration::from_secs(12)).await;
-                fleet = fleet.restart_controller().await?;
+                fleet.restart_controller(0).await?;
                 let after = sample(&tallies, deadline).await;
                 for g in generators {
                     let _ = g.await;
@@ -256,6 +273,38 @@ async fn main() -> anyhow::Result<()> {
                 samples.truncate(samples.len() / PER_WINDOW * PER_WINDOW);
                 samples.extend(after);
                 (samples, from, event)
+            }
+            Scenario::Rolling => {
+                let deadline = start + Duration::from_secs(29);
+                let (tallies, generators) = fleet.load(move |_| over, deadline)?;
+                let sampler = tokio::spawn(async move { sample(&tallies, deadline).await });
+                let from = 8;
+                tokio::time::sleep_until(start + Duration::from_secs(from)).await;
+                // As a rolling update does: each one only once the last is back (a
+                // controller past its warm-up), 4 s apart.
+                for i in 0..2 {
+                    fleet.restart_controller(i).await?;
+                    tokio::time::sleep(Duration::from_secs(4)).await;
+                }
+                for i in 0..=replicas {
+                    fleet.restart_aggregator(i, 1).await?;
+                    tokio::time::sleep(Duration::from_secs(4)).await;
+                }
+                let samples = sampler.await?;
+                for g in generators {
+                    let _ = g.await;
+                }
+                let during = window_errors(&samples, from as usize * PER_WINDOW, limit);
+                let worst = during
+                    .iter()
+                    .copied()
+                    .fold(0.0, |w: f64, e| if e.abs() > w.abs() { e } else { w });
+                let event = format!(
+                    "worst second of the {} s of restarts: {}",
+                    during.len(),
+                    pct(worst)
+                );
+                (samples, from as usize * PER_WINDOW, event)
             }
         };
         fleet.stop().await;

@@ -65,8 +65,11 @@ pub type Load = (Vec<Arc<Tally>>, Vec<tokio::task::JoinHandle<()>>);
 /// (two in eu-1, one in eu-2) and one app. Reused by the convergence benchmark.
 pub struct Fleet {
     pub upstream: std::net::SocketAddr,
-    pub controller: Running,
+    /// One, or controllers that serve at once (every aggregator forwards to each).
+    pub controllers: Vec<Running>,
     pub aggregators: Vec<Running>,
+    /// How each aggregator was started, for [`Self::restart_aggregator`].
+    aggregator_options: Vec<aggregator::AggregatorOptions>,
     pub proxies: Vec<Sidecar>,
 }
 
@@ -83,21 +86,37 @@ impl Fleet {
         interval: Duration,
         replicas: usize,
     ) -> anyhow::Result<Fleet> {
+        Self::start_full(limit, interval, replicas, 1).await
+    }
+
+    /// [`Self::start_with`], with `controllers` controllers serving at once.
+    pub async fn start_full(
+        limit: u64,
+        interval: Duration,
+        replicas: usize,
+        controllers: usize,
+    ) -> anyhow::Result<Fleet> {
         let upstream = start_upstream().await?;
         let any = "127.0.0.1:0".parse()?;
-        let controller = controller::start(controller::ControllerOptions::new(any, any)).await?;
+        let mut ctls = Vec::new();
+        for _ in 0..controllers.max(1) {
+            ctls.push(controller::start(controller::ControllerOptions::new(any, any)).await?);
+        }
+        let urls = ctls
+            .iter()
+            .map(|c| format!("http://{}", c.addr).parse())
+            .collect::<Result<Vec<http::Uri>, _>>()?;
         let mut aggregators = Vec::new();
+        let mut aggregator_options = Vec::new();
         let zones = std::iter::repeat_n("eu-1", replicas.max(1)).chain(["eu-2"]);
         for (i, zone) in zones.enumerate() {
-            let mut opts = aggregator::AggregatorOptions::new(
-                any,
-                any,
-                format!("http://{}", controller.addr).parse()?,
-                zone,
-            );
+            let mut opts = aggregator::AggregatorOptions::new(any, any, urls[0].clone(), zone);
+            opts.controllers = urls.clone();
             opts.interval = interval;
             opts.replica = Some(format!("{zone}-{i}"));
-            aggregators.push(aggregator::start(opts).await?);
+            aggregators.push(aggregator::start(opts.clone()).await?);
+            opts.listen = aggregators[i].addr;
+            aggregator_options.push(opts);
         }
         let eu2 = aggregators.len() - 1;
         let mut proxies = Vec::new();
@@ -113,8 +132,9 @@ impl Fleet {
         }
         Ok(Fleet {
             upstream,
-            controller,
+            controllers: ctls,
             aggregators,
+            aggregator_options,
             proxies,
         })
     }
@@ -157,26 +177,33 @@ impl Fleet {
 
     /// Stops the controller and starts a new one at its address (its state is soft: the new
     /// one knows nothing).
-    pub async fn restart_controller(self) -> anyhow::Result<Fleet> {
-        let Fleet {
-            upstream,
-            controller,
-            aggregators,
-            proxies,
-        } = self;
-        let addr = controller.addr;
-        controller.shutdown();
-        controller.wait().await;
+    pub async fn restart_controller(&mut self, i: usize) -> anyhow::Result<()> {
+        let old = self.controllers.remove(i);
+        let addr = old.addr;
+        old.shutdown();
+        old.wait().await;
         let any = "127.0.0.1:0".parse()?;
-        let controller = controller::start(controller::ControllerOptions::new(addr, any))
+        let new = controller::start(controller::ControllerOptions::new(addr, any))
             .await
             .with_context(|| format!("a controller at {addr} again"))?;
-        Ok(Fleet {
-            upstream,
-            controller,
-            aggregators,
-            proxies,
-        })
+        self.controllers.insert(i, new);
+        Ok(())
+    }
+
+    /// Stops aggregator `i` (its last forward goes out) and starts a new replica at its
+    /// address under a new name, as a rolling update of its Deployment would.
+    pub async fn restart_aggregator(&mut self, i: usize, generation: usize) -> anyhow::Result<()> {
+        let old = self.aggregators.remove(i);
+        let addr = old.addr;
+        old.shutdown();
+        old.wait().await;
+        let mut opts = self.aggregator_options[i].clone();
+        opts.replica = Some(format!("{}-{i}-{generation}", opts.zone));
+        let new = aggregator::start(opts)
+            .await
+            .with_context(|| format!("an aggregator at {addr} again"))?;
+        self.aggregators.insert(i, new);
+        Ok(())
     }
 
     /// [`Self::load`] for API key `key`.
@@ -232,15 +259,17 @@ impl Fleet {
             a.shutdown();
             a.wait().await;
         }
-        self.controller.shutdown();
-        self.controller.wait().await;
+        for c in self.controllers {
+            c.shutdown();
+            c.wait().await;
+        }
     }
 }
 
 /// Runs the fleet demo for 30 s.
 pub async fn run() -> anyhow::Result<()> {
     let fleet = Fleet::start(LIMIT, Duration::from_millis(250)).await?;
-    let (ctl, aggs, p) = (&fleet.controller, &fleet.aggregators, &fleet.proxies);
+    let (ctl, aggs, p) = (&fleet.controllers[0], &fleet.aggregators, &fleet.proxies);
     println!(
         "Spillway fleet demo: controller {}, two aggregator replicas for eu-1 ({} and {}), one for eu-2 ({}),",
         ctl.addr, aggs[0].addr, aggs[1].addr, aggs[2].addr
