@@ -355,7 +355,9 @@ async fn reports_need_the_token_and_must_be_well_formed() {
     let post = |auth: Option<&'static str>, body: String| {
         let c = c.clone();
         async move {
-            let mut req = http::Request::post(format!("http://{}/v1/report", ctl.addr));
+            // As this release's reporters (a previous one gets 503 while the controller warms).
+            let mut req = http::Request::post(format!("http://{}/v1/report", ctl.addr))
+                .header("spillway-wire", "2");
             if let Some(a) = auth {
                 req = req.header("authorization", a);
             }
@@ -537,10 +539,24 @@ async fn a_request_dropped_by_a_global_rule_gets_429_with_retry_after_and_rateli
     ctl.shutdown();
 }
 
-/// POSTs `body` to `addr`'s `/v1/report` with `Authorization: Bearer <token>`.
+/// POSTs `body` to `addr`'s `/v1/report` with `Authorization: Bearer <token>`, as this
+/// release's reporters do (`spillway-wire: 2`).
 async fn post_as(addr: SocketAddr, token: Option<&str>, body: String) -> (StatusCode, String) {
+    post_wire(addr, token, body, Some("2")).await
+}
+
+/// [`post_as`] with `spillway-wire: <wire>`, or none (a previous release's reporter).
+async fn post_wire(
+    addr: SocketAddr,
+    token: Option<&str>,
+    body: String,
+    wire: Option<&str>,
+) -> (StatusCode, String) {
     use http_body_util::BodyExt;
     let mut req = http::Request::post(format!("http://{addr}/v1/report"));
+    if let Some(w) = wire {
+        req = req.header("spillway-wire", w);
+    }
     if let Some(t) = token {
         req = req.header("authorization", format!("Bearer {t}"));
     }
@@ -1634,4 +1650,39 @@ async fn a_stopped_control_server_closes_kept_alive_connections() {
     .await;
     assert!(closed.is_ok(), "the connection outlived its server");
     ctl.wait().await;
+}
+
+/// A previous release cannot read the warming header: while warming, a controller (and an
+/// aggregator relaying a warming one) answers it 503, so that it keeps the ratios it holds
+/// instead of taking ones computed on part of the fleet; this release's reporters get the
+/// ratios with the header. The report counts either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warming_control_plane_gives_a_previous_release_no_ratios() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    // A warm-up longer than the test.
+    let ctl = controller("127.0.0.1:0", &["--warm-up", "10m"]);
+    let agg = aggregator(ctl.addr, "z");
+    let report = |source: &str| one_key(source, "svc", "k", 10);
+    let (status, body) = post_wire(ctl.addr, None, report("old-host"), None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body.contains("warming up"), "{body}");
+    let (status, body) = post_as(ctl.addr, None, report("new-host")).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(body.contains("\"ratios\""), "{body}");
+    let (status, keys) = state_keys(ctl.addr, "any").await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(keys, ["svc/k"], "both reports counted");
+    // The aggregator relays the warming controller's ratios once it has forwarded.
+    let relayed = loop {
+        let (status, body) = post_as(agg.addr, None, report("new-host-2")).await;
+        if status == StatusCode::OK {
+            break body;
+        }
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(relayed.contains("\"ratios\""), "{relayed}");
+    let (status, body) = post_wire(agg.addr, None, report("old-host-2"), None).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert!(body.contains("warming up"), "{body}");
 }

@@ -186,6 +186,10 @@ impl State {
             );
             return resp;
         };
+        if relayed.warming && !wire2 {
+            // As the controller does (see `server::warming_refused`).
+            return server::warming_refused();
+        }
         let mut reply = Reply {
             version: VERSION,
             age_ms: relay_age_ms(relayed.at.elapsed()),

@@ -99,6 +99,13 @@ impl State {
                     return server::source_refused(&refusal, &self.reports);
                 }
             }
+            if warming && !wire2 {
+                // A previous release cannot read the warming header and would take these
+                // ratios, computed on part of the fleet, as fresh: it gets none, and keeps
+                // (and ages) the ones it holds, as on any failed report.
+                drop(acc);
+                return server::warming_refused();
+            }
             match services {
                 // Zone sums get every ratio: one serialization per snapshot, not per reply.
                 None => {

@@ -175,6 +175,20 @@ pub fn warming(mut resp: Response<Body>, warming: bool) -> Response<Body> {
     resp
 }
 
+/// What a sender that cannot read [`warming`]'s header gets instead of ratios that are not
+/// authoritative yet: 503 with `Retry-After`, counted and held as any failed report.
+pub fn warming_refused() -> Response<Body> {
+    let mut resp = error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "warming up: no authoritative ratios yet",
+    );
+    resp.headers_mut().insert(
+        http::header::RETRY_AFTER,
+        http::HeaderValue::from_static("1"),
+    );
+    warming(resp, true)
+}
+
 /// A response of JSON already serialized.
 pub fn json_bytes(status: StatusCode, body: Bytes) -> Response<Body> {
     let mut resp = Response::new(Full::new(body));

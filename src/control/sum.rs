@@ -439,6 +439,17 @@ impl Accumulator {
         let id = held.id;
         held.last = report.last;
         let old = std::mem::take(&mut held.rules);
+        // A last report's rates, each at most what the source held before (see below).
+        type Caps<'a> = HashMap<(&'a str, &'a str, Option<&'a str>), Rate>;
+        let last_caps: Option<Caps> = report.last.then(|| {
+            old.iter()
+                .flat_map(|g| {
+                    g.keys
+                        .iter()
+                        .map(move |(k, r)| ((&*g.service, &*g.rule, k.as_deref()), *r))
+                })
+                .collect()
+        });
         self.tracked = self.tracked.saturating_sub(held.entries);
         held.entries = 0;
         for hr in &old {
@@ -592,11 +603,21 @@ impl Accumulator {
                 }
                 None => (None, rule.other.get_or_insert_with(|| KeySum::new(now))),
             };
-            let rate = Rate {
+            let mut rate = Rate {
                 offered: e.offered as f64 / secs,
                 admitted: e.admitted as f64 / secs,
                 folded: e.keys_folded,
             };
+            if let Some(before) = last_caps
+                .as_ref()
+                .and_then(|caps| caps.get(&(&*group.service, &*group.rule, e.key.as_deref())))
+            {
+                // A stopping sender's last report holds what is left of its intervals: no
+                // more than it was sending (a previous release's aggregator stated too short
+                // an interval for it, multiplying its zone's rates as it stopped).
+                rate.offered = rate.offered.min(before.offered);
+                rate.admitted = rate.admitted.min(before.admitted);
+            }
             ks.advance(now, tau);
             ks.add(rate, secs, key.is_some().then(|| e.limit.per_second()));
             group.keys.push((key, rate));

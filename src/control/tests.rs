@@ -846,3 +846,34 @@ fn a_sketch_is_charged_against_the_replicas_room_as_its_bytes_are() {
     zone.record(r, "t", 0.0).unwrap();
     assert_eq!(zone.refused, 1);
 }
+
+#[test]
+fn a_stopping_senders_last_report_counts_no_more_than_it_was_sending() {
+    // A previous release's aggregator hands over the rest of its hosts' intervals in its last
+    // forward, over the half second since its previous one: 400 units in 500 ms.
+    let mut acc = Accumulator::new(1.0);
+    acc.record(
+        &report("zone:z/old", vec![entry(Some("k"), 100, 100)]),
+        "t",
+        0.0,
+    )
+    .unwrap();
+    let mut last = report("zone:z/old", vec![entry(Some("k"), 400, 100)]);
+    last.interval_ms = 500;
+    last.last = true;
+    last.seq = 1;
+    acc.record(&last, "t", 0.5).unwrap();
+    // Held for its half second: the sum stays at 100/s, where 800/s would have pulled it to
+    // about 330/s by then.
+    let view = acc.view(None, 0.9);
+    assert!(
+        (key(&view, "k").offered_rps - 100.0).abs() < 1e-6,
+        "{view:?}"
+    );
+    // Another sender's ordinary report is taken as it says.
+    let mut more = report("zone:z/other", vec![entry(Some("k"), 400, 100)]);
+    more.interval_ms = 500;
+    acc.record(&more, "t", 0.9).unwrap();
+    let view = acc.view(None, 1.0);
+    assert!(key(&view, "k").offered_rps > 150.0, "{view:?}");
+}
