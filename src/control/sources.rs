@@ -162,14 +162,7 @@ impl<T: Default> Sources<T> {
             }
         }
         s.last = now;
-        // A last report holds the rest of its sender's intervals, however short a time it
-        // says it covers (a previous release's aggregator said too short a one): its values
-        // stand at least as long as the sender's reports did.
-        s.interval = if report.last {
-            interval.max(s.interval)
-        } else {
-            interval
-        };
+        s.interval = interval;
         s.seq = s.seq.max(report.seq);
         Ok(s)
     }

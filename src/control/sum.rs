@@ -430,6 +430,7 @@ impl Accumulator {
     pub fn record(&mut self, report: &Report, owner: &str, now: f64) -> Result<(), SourceRefusal> {
         self.sweep(now);
         let tau = self.tau;
+        let interval_before = self.sources.get_mut(&report.source).map(|s| s.interval);
         let src = self.sources.admit(report, owner, now)?;
         let held = &mut src.data;
         if held.id == 0 {
@@ -440,6 +441,7 @@ impl Accumulator {
         held.last = report.last;
         let old = std::mem::take(&mut held.rules);
         // A last report's rates, each at most what the source held before (see below).
+        let mut capped = false;
         type Caps<'a> = HashMap<(&'a str, &'a str, Option<&'a str>), Rate>;
         let last_caps: Option<Caps> = report.last.then(|| {
             old.iter()
@@ -615,6 +617,7 @@ impl Accumulator {
                 // A stopping sender's last report holds what is left of its intervals: no
                 // more than it was sending (a previous release's aggregator stated too short
                 // an interval for it, multiplying its zone's rates as it stopped).
+                capped |= rate.offered > before.offered;
                 rate.offered = rate.offered.min(before.offered);
                 rate.admitted = rate.admitted.min(before.admitted);
             }
@@ -634,6 +637,11 @@ impl Accumulator {
             .get_mut(&report.source)
             .expect("admitted above");
         src.data.entries = new.iter().map(|g| g.keys.len()).sum();
+        if let (true, Some(before)) = (capped, interval_before) {
+            // Its rates were over what it was sending: its interval was too short for what
+            // the report holds, which stands as long as the sender's reports did.
+            src.interval = src.interval.max(before);
+        }
         src.data.rules = new;
         self.snapshot.dirty = true;
         Ok(())
