@@ -358,6 +358,10 @@ pub struct Reporter {
     /// When the last report was sent (limiter clock): which of this proxy's reports the sums
     /// behind a reply hold (see [`DropRatios::own_lag`]).
     pub last_sent: std::sync::atomic::AtomicU64,
+    /// When the reporter was made (tokio's clock), and how long after that the last report's
+    /// counts were taken, in nanoseconds: each report states the time its counts cover.
+    pub started: tokio::time::Instant,
+    pub drained: std::sync::atomic::AtomicU64,
 }
 
 /// The report of `rules`' global counts since the last one: per rule the keys
@@ -471,17 +475,26 @@ impl Reporter {
             clock: clock.clone(),
             metrics: metrics.clone(),
             last_sent: Default::default(),
+            started: tokio::time::Instant::now(),
+            drained: Default::default(),
         })
     }
 
-    /// The report of the counts since the last one.
+    /// The report of the counts since the last one, over the time since then: not the
+    /// configured interval, which a report delayed (one controller of several not answering
+    /// before its timeout) or cut short (the last, at stop) does not cover, and whose counts
+    /// it would then state as rates over the wrong time.
     pub fn report(&self, rules: &RuleSet) -> Report {
+        let now = u64::try_from(self.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        let since = self.drained.swap(now, std::sync::atomic::Ordering::Relaxed);
+        let covered = Duration::from_nanos(now.saturating_sub(since))
+            .clamp(Duration::from_millis(100), Duration::from_secs(600));
         build_report(
             rules,
             &self.service,
             &self.source,
             &self.zone,
-            self.interval,
+            covered,
             self.top_k,
             self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         )
@@ -669,6 +682,37 @@ mod tests {
         assert_eq!(
             age(t.pick(vec![failed(), answer(true, 2), answer(false, 3)])),
             Some(3)
+        );
+    }
+
+    /// Each report states the time its counts cover: one delayed (a controller of several
+    /// slow to answer) or cut short (the last, at stop) is not stated as one interval.
+    #[tokio::test(start_paused = true)]
+    async fn a_report_states_the_time_its_counts_cover() {
+        let config = crate::Config::from_yaml(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n\
+             control_plane: { url: 'http://127.0.0.1:9', report_interval: 1s }\n",
+            "t",
+        )
+        .unwrap();
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let rules = RuleSet::build(&config, &metrics);
+        let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(0)));
+        let (_stop, stopped) = watch::channel(false);
+        let cp = config.control_plane.as_ref().unwrap();
+        let reporter =
+            Reporter::new("s", cp, &ratios, &AnyClock::default(), &metrics, stopped).unwrap();
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(reporter.report(&rules).interval_ms, 1000);
+        tokio::time::advance(Duration::from_millis(1750)).await;
+        assert_eq!(reporter.report(&rules).interval_ms, 1750, "delayed");
+        tokio::time::advance(Duration::from_millis(300)).await;
+        assert_eq!(reporter.report(&rules).interval_ms, 300, "cut short");
+        tokio::time::advance(Duration::from_millis(10)).await;
+        assert_eq!(
+            reporter.report(&rules).interval_ms,
+            100,
+            "what receivers take at least"
         );
     }
 
