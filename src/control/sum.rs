@@ -617,7 +617,9 @@ impl Accumulator {
                 // A stopping sender's last report holds what is left of its intervals: no
                 // more than it was sending (a previous release's aggregator stated too short
                 // an interval for it, multiplying its zone's rates as it stopped).
-                capped |= rate.offered > before.offered;
+                // Past what chance puts a count over (three standard deviations): inflated.
+                let (now_units, before_units) = (rate.offered * secs, before.offered * secs);
+                capped |= now_units > before_units + 3.0 * before_units.max(1.0).sqrt();
                 rate.offered = rate.offered.min(before.offered);
                 rate.admitted = rate.admitted.min(before.admitted);
             }
