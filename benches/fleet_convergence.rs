@@ -24,7 +24,7 @@
 
 use std::time::Duration;
 
-use spillway::internal::demo::fleet::{Fleet, Tally};
+use spillway::internal::demo::fleet::{judge, Fleet, Tally};
 
 const SAMPLE: Duration = Duration::from_millis(100);
 const PER_WINDOW: usize = 10;
@@ -309,7 +309,7 @@ async fn main() -> anyhow::Result<()> {
         };
         fleet.stop().await;
 
-        let mut errors = window_errors(&samples, measured_from, limit);
+        let errors = window_errors(&samples, measured_from, limit);
         if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
             // Every whole second of the run, for reading one scenario's course.
             let all: Vec<String> = window_errors(&samples, 0, limit)
@@ -318,13 +318,7 @@ async fn main() -> anyhow::Result<()> {
                 .collect();
             eprintln!("{}: {}", scenario.name(), all.join(" "));
         }
-        let mean = errors.iter().sum::<f64>() / errors.len().max(1) as f64;
-        errors.sort_by(|a, b| a.abs().total_cmp(&b.abs()));
-        let worst = errors.last().copied().unwrap_or(0.0);
-        let p95 = errors
-            .get(((errors.len() as f64 * 0.95).ceil() as usize).saturating_sub(1))
-            .copied()
-            .unwrap_or(0.0);
+        let (mean, worst, p95) = judge(errors.clone());
         let pct = |x| {
             if errors.is_empty() {
                 "-".into()

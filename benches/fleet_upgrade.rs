@@ -19,6 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{temp_file, upstream, Proc, BIN};
+use spillway::internal::demo::fleet::judge;
 use spillway::internal::demo::{offer, Tally};
 
 const LIMIT: u64 = 100;
@@ -70,19 +71,13 @@ fn port() -> String {
 }
 
 /// (mean, worst, 95th percentile) error of `windows` against the limit.
-fn judge(windows: &[u64]) -> (f64, f64, f64) {
-    let mut errors: Vec<f64> = windows
-        .iter()
-        .map(|&w| (w as f64 - LIMIT as f64) / LIMIT as f64)
-        .collect();
-    let mean = errors.iter().sum::<f64>() / errors.len().max(1) as f64;
-    errors.sort_by(|a, b| a.abs().total_cmp(&b.abs()));
-    let worst = errors.last().copied().unwrap_or(0.0);
-    let p95 = errors
-        .get(((errors.len() as f64 * 0.95).ceil() as usize).saturating_sub(1))
-        .copied()
-        .unwrap_or(0.0);
-    (mean, worst, p95)
+fn judge_windows(windows: &[u64]) -> (f64, f64, f64) {
+    judge(
+        windows
+            .iter()
+            .map(|&w| (w as f64 - LIMIT as f64) / LIMIT as f64)
+            .collect(),
+    )
 }
 
 fn pct(x: f64) -> String {
@@ -204,7 +199,7 @@ async fn main() -> anyhow::Result<()> {
     let admitted: Vec<u64> = windows.iter().map(|w| w.0).collect();
     let during = &admitted[upgrade_from.min(admitted.len())..];
     let failed: u64 = windows.iter().map(|w| w.1).sum();
-    let (mean, worst, p95) = judge(during);
+    let (mean, worst, p95) = judge_windows(during);
     println!("| scenario | eu-1 aggregators | report interval | mean error | worst 1 s window | 95th percentile 1 s window | after the event |");
     println!("|---|---|---|---|---|---|---|");
     println!(
@@ -217,7 +212,7 @@ async fn main() -> anyhow::Result<()> {
     // (from a controller step in, to the first proxy replaced).
     let mixed_from = upgrade_from + STEP.as_secs() as usize;
     let mixed_to = (mixed_until.as_secs() as usize).min(admitted.len());
-    let (mean, worst, p95) = judge(&admitted[mixed_from.min(mixed_to)..mixed_to]);
+    let (mean, worst, p95) = judge_windows(&admitted[mixed_from.min(mixed_to)..mixed_to]);
     println!(
         "| mixed versions: the previous proxies behind this release's aggregators and controller, {LIMIT}/s | 2 | 1000 ms | {} | {} | {} | {} s |",
         pct(mean),

@@ -1,6 +1,7 @@
 //! A zone aggregator replica: adds up the counts its hosts reported since its last forward,
-//! hands them to the controller every interval as this replica's (`zone:<zone>/<replica>`),
-//! and answers hosts with the controller's last ratios for their own services.
+//! hands them to each controller every interval as this replica's (`zone:<zone>/<replica>`),
+//! and answers hosts with an authoritative controller's last ratios for their own services
+//! (never a warming one's to a host that cannot tell).
 //!
 //! Any number of replicas may serve a zone behind one Service, a host's reports landing on any
 //! of them: a replica keeps no rate of a host past its next forward, so each host interval is

@@ -57,6 +57,19 @@ rules:
     )
 }
 
+/// The mean, the worst and the 95th-percentile (by size) of 1-second windows' `errors`
+/// against a limit, as the fleet benches judge a scenario (0 for none).
+pub fn judge(mut errors: Vec<f64>) -> (f64, f64, f64) {
+    let mean = errors.iter().sum::<f64>() / errors.len().max(1) as f64;
+    errors.sort_by(|a, b| a.abs().total_cmp(&b.abs()));
+    let worst = errors.last().copied().unwrap_or(0.0);
+    let p95 = errors
+        .get(((errors.len() as f64 * 0.95).ceil() as usize).saturating_sub(1))
+        .copied()
+        .unwrap_or(0.0);
+    (mean, worst, p95)
+}
+
 /// A tally per proxy, and the load generators to await.
 pub type Load = (Vec<Arc<Tally>>, Vec<tokio::task::JoinHandle<()>>);
 
