@@ -7,7 +7,7 @@ use std::num::NonZeroU32;
 use std::time::Duration;
 
 use schemars::JsonSchema;
-use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::de::Deserializer;
 use serde::{Deserialize, Serialize, Serializer};
 
 use super::*;
@@ -131,29 +131,10 @@ pub fn redact_url(s: &str) -> String {
 
 impl<'de> Deserialize<'de> for RedisUrls {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> Visitor<'de> for V {
-            type Value = RedisUrls;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a redis:// URL or a list of them")
-            }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<RedisUrls, E> {
-                check_redis_url(s)
-                    .map(|u| RedisUrls(vec![u]))
-                    .map_err(E::custom)
-            }
-            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<RedisUrls, A::Error> {
-                let mut out = Vec::new();
-                while let Some(s) = seq.next_element::<String>()? {
-                    out.push(check_redis_url(&s).map_err(de::Error::custom)?);
-                }
-                if out.is_empty() {
-                    return Err(de::Error::custom("give at least one URL"));
-                }
-                Ok(RedisUrls(out))
-            }
-        }
-        d.deserialize_any(V)
+        parse_one_or_list(d, "a redis:// URL or a list of them", |s, _| {
+            check_redis_url(s)
+        })
+        .map(RedisUrls)
     }
 }
 

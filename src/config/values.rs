@@ -24,6 +24,40 @@ where
     d.deserialize_str(ParseVisitor(parse))
 }
 
+/// Deserializes one string or a non-empty list of them, each parsed inside the visitor (as
+/// [`parse_str`] does) by `parse`, which is given the items parsed before it.
+pub(super) fn parse_one_or_list<'de, D, T, F>(
+    d: D,
+    expecting: &'static str,
+    parse: F,
+) -> Result<Vec<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    F: Fn(&str, &[T]) -> Result<T, String>,
+{
+    struct OneOrList<T, F>(&'static str, F, std::marker::PhantomData<T>);
+    impl<'de, T, F: Fn(&str, &[T]) -> Result<T, String>> Visitor<'de> for OneOrList<T, F> {
+        type Value = Vec<T>;
+        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+            f.write_str(self.0)
+        }
+        fn visit_str<E: de::Error>(self, s: &str) -> Result<Vec<T>, E> {
+            (self.1)(s, &[]).map(|t| vec![t]).map_err(E::custom)
+        }
+        fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<T>, A::Error> {
+            let mut out = Vec::new();
+            while let Some(s) = seq.next_element::<String>()? {
+                out.push((self.1)(&s, &out).map_err(de::Error::custom)?);
+            }
+            if out.is_empty() {
+                return Err(de::Error::custom("give at least one URL"));
+            }
+            Ok(out)
+        }
+    }
+    d.deserialize_any(OneOrList(expecting, parse, std::marker::PhantomData))
+}
+
 pub(super) fn err(message: impl fmt::Display) -> String {
     message.to_string()
 }
@@ -277,43 +311,23 @@ pub const MAX_CONTROL_URLS: usize = 8;
 
 impl<'de> Deserialize<'de> for ControlUrl {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> de::Visitor<'de> for V {
-            type Value = ControlUrl;
-            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("http(s)://host:port, or a list of them")
+        parse_one_or_list(d, "http(s)://host:port, or a list of them", |s, before| {
+            let u = control_url(s)?;
+            if before
+                .iter()
+                .any(|o: &http::Uri| o.authority() == u.authority())
+            {
+                return Err(format!("{s:?} is given twice"));
             }
-            fn visit_str<E: de::Error>(self, s: &str) -> Result<ControlUrl, E> {
-                control_url(s)
-                    .map(|u| ControlUrl(vec![u]))
-                    .map_err(E::custom)
+            if before.first().is_some_and(|o| o.scheme() != u.scheme()) {
+                return Err("the URLs must be all http:// or all https://".into());
             }
-            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<ControlUrl, A::Error> {
-                let mut out: Vec<http::Uri> = Vec::new();
-                while let Some(s) = seq.next_element::<String>()? {
-                    let u = control_url(&s).map_err(de::Error::custom)?;
-                    if out.iter().any(|o| o.authority() == u.authority()) {
-                        return Err(de::Error::custom(format!("{s:?} is given twice")));
-                    }
-                    if out.first().is_some_and(|o| o.scheme() != u.scheme()) {
-                        return Err(de::Error::custom(
-                            "the URLs must be all http:// or all https://",
-                        ));
-                    }
-                    out.push(u);
-                    if out.len() > MAX_CONTROL_URLS {
-                        return Err(de::Error::custom(format!(
-                            "at most {MAX_CONTROL_URLS} URLs"
-                        )));
-                    }
-                }
-                if out.is_empty() {
-                    return Err(de::Error::custom("give at least one URL"));
-                }
-                Ok(ControlUrl(out))
+            if before.len() >= MAX_CONTROL_URLS {
+                return Err(format!("at most {MAX_CONTROL_URLS} URLs"));
             }
-        }
-        d.deserialize_any(V)
+            Ok(u)
+        })
+        .map(ControlUrl)
     }
 }
 

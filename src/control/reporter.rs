@@ -80,27 +80,26 @@ fn https(http: HttpConnector, tls: Option<rustls::ClientConfig>) -> std::io::Res
     Ok(Client::builder(TokioExecutor::new()).build(connector))
 }
 
-/// `<base>/v1/report` for a control-plane base URL (`http://` or `https://`), and for
-/// `https://` the TLS configuration trusting `ca_file` (or the system's roots).
-pub fn report_url(
-    base: &Uri,
+/// For a control-plane base URL of `scheme` (`http` or `https`), the TLS configuration
+/// trusting `ca_file` (or the system's roots) for `https`, none for `http`.
+fn client_tls(
+    scheme: Option<&str>,
     ca_file: Option<&std::path::Path>,
-) -> Result<(Uri, Option<super::tls::ClientConfig>), String> {
-    let tls = match base.scheme_str() {
-        Some("http") => {
-            if ca_file.is_some() {
-                return Err("ca_file is given but the URL is http://; use https://".into());
-            }
-            None
-        }
-        Some("https") => Some(super::tls::client_config(ca_file).map_err(|e| e.to_string())?),
-        _ => return Err("expected http://host:port or https://host:port".into()),
-    };
-    Ok((report_url_only(base)?, tls))
+) -> Result<Option<super::tls::ClientConfig>, String> {
+    match scheme {
+        Some("http") => match ca_file {
+            Some(_) => Err("ca_file is given but the URL is http://; use https://".into()),
+            None => Ok(None),
+        },
+        Some("https") => Ok(Some(
+            super::tls::client_config(ca_file).map_err(|e| e.to_string())?,
+        )),
+        _ => Err("expected http://host:port or https://host:port".into()),
+    }
 }
 
 /// `<base>/v1/report`.
-fn report_url_only(base: &Uri) -> Result<Uri, String> {
+fn report_url(base: &Uri) -> Result<Uri, String> {
     let expected = "expected http://host:port or https://host:port";
     let authority = base.authority().ok_or(expected)?;
     let scheme = match base.scheme_str() {
@@ -244,10 +243,10 @@ impl Targets {
         if bases.iter().any(|b| b.scheme() != first.scheme()) {
             return Err("mixes http:// and https:// URLs".into());
         }
-        let (_, tls) = report_url(first, ca_file)?;
+        let tls = client_tls(first.scheme_str(), ca_file)?;
         let mut targets = Vec::with_capacity(bases.len());
         for base in bases {
-            let url = report_url_only(base)?;
+            let url = report_url(base)?;
             if targets.iter().any(|(u, _)| *u == url) {
                 return Err(format!("{base} is given twice"));
             }
