@@ -200,6 +200,10 @@ pub struct Metrics {
     pub send_timeouts: IntCounter,
     /// `spillway_upstream_connection_waiters`.
     pub upstream_waiters: IntGauge,
+    /// `spillway_h2_response_bytes_held`: the process's HTTP/2 response bytes not yet written.
+    pub h2_held: IntGauge,
+    /// `spillway_h2_connections_shed_total`: closed at `limits.max_response_buffer`.
+    pub h2_shed: IntCounter,
     pub bad_requests: IntCounterVec,
     /// `bad_requests{reason="header_too_large"}`, resolved once.
     pub header_too_large: IntCounter,
@@ -344,6 +348,16 @@ impl Metrics {
             "Requests waiting now for an upstream connection under limits.max_upstream_connections.",
         )
         .expect("valid metric");
+        let h2_held = IntGauge::new(
+            "spillway_h2_response_bytes_held",
+            "HTTP/2 response bytes handed to client connections and not yet written to them (limits.max_response_buffer).",
+        )
+        .expect("valid metric");
+        let h2_shed = IntCounter::new(
+            "spillway_h2_connections_shed_total",
+            "HTTP/2 connections closed because the process held limits.max_response_buffer of response bytes and they held the most.",
+        )
+        .expect("valid metric");
         let connections = IntGauge::new("spillway_connections", "Client connections open now.")
             .expect("valid metric");
         let draining = IntGauge::new(
@@ -388,6 +402,8 @@ impl Metrics {
             Box::new(discarded.clone()),
             Box::new(send_timeouts.clone()),
             Box::new(upstream_waiters.clone()),
+            Box::new(h2_held.clone()),
+            Box::new(h2_shed.clone()),
             Box::new(bad_requests.clone()),
             Box::new(connections.clone()),
             Box::new(draining.clone()),
@@ -475,6 +491,8 @@ impl Metrics {
             upstream_discards,
             send_timeouts,
             upstream_waiters,
+            h2_held,
+            h2_shed,
             header_too_large: bad_requests.with_label_values(&["header_too_large"]),
             rapid_reset: bad_requests.with_label_values(&["rapid_reset"]),
             bad_body: bad_requests.with_label_values(&["body"]),

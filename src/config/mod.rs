@@ -345,6 +345,12 @@ pub struct Limits {
     pub max_upstream_connections: Option<NonZeroU32>,
     /// Upstream connections one client connection uses at once (its HTTP/2 streams).
     pub max_upstream_per_client: NonZeroU32,
+    /// HTTP/2 response bytes held for clients in all (handed to a connection and not yet
+    /// written to its socket): at it, the connection holding the most is closed, and
+    /// responses wait, their upstreams unread.
+    pub max_response_buffer: BufferBytes,
+    /// The same for one HTTP/2 connection: at it, its responses wait for the client to read.
+    pub max_response_buffer_per_connection: BufferBytes,
 }
 
 impl Limits {
@@ -361,9 +367,11 @@ impl Default for Limits {
         Self {
             max_header_bytes: HeaderBytes(16 * 1024),
             max_connections: NonZeroU32::new(10_000).expect("non-zero"),
-            max_h2_streams: NonZeroU32::new(256).expect("non-zero"),
+            max_h2_streams: NonZeroU32::new(128).expect("non-zero"),
             max_upstream_connections: None,
             max_upstream_per_client: NonZeroU32::new(32).expect("non-zero"),
+            max_response_buffer: BufferBytes(32 << 20),
+            max_response_buffer_per_connection: BufferBytes(1 << 20),
         }
     }
 }

@@ -118,6 +118,15 @@ impl JsonSchema for HeaderBytes {
     }
 }
 
+impl JsonSchema for BufferBytes {
+    fn schema_name() -> Cow<'static, str> {
+        "BufferBytes".into()
+    }
+    fn json_schema(_: &mut SchemaGenerator) -> Schema {
+        json_schema!({ "type": "integer", "minimum": 65536u64, "maximum": 17179869184u64 })
+    }
+}
+
 impl JsonSchema for HeaderEquals {
     fn schema_name() -> Cow<'static, str> {
         "HeaderEquals".into()

@@ -370,6 +370,24 @@ impl<'de> Deserialize<'de> for HeaderBytes {
     }
 }
 
+/// A budget of bytes held in memory: 64 KiB to 16 GiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(transparent)]
+pub struct BufferBytes(pub u64);
+
+impl<'de> Deserialize<'de> for BufferBytes {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        if ((64 << 10)..=(16 << 30)).contains(&n) {
+            Ok(BufferBytes(n))
+        } else {
+            Err(de::Error::custom(format!(
+                "{n}: must be between 65536 (64 KiB) and 17179869184 (16 GiB)"
+            )))
+        }
+    }
+}
+
 /// A compiled `path_regex`.
 #[derive(Debug, Clone)]
 pub struct PathRegex(pub regex::Regex);

@@ -78,6 +78,8 @@ pub struct Shared {
     upstream_cap: Arc<affine::Cap>,
     /// `limits.max_upstream_per_client`.
     upstream_per_client: usize,
+    /// `limits.max_response_buffer` and its per-connection part, for HTTP/2 responses.
+    h2_budget: Arc<http2::held::Budget>,
     pub clock: AnyClock,
     pub metrics: Arc<Metrics>,
     /// Who the client is, and whose forwarded fields and costs are believed.
@@ -201,6 +203,12 @@ impl Sidecar {
                 metrics.upstream_waiters.clone(),
             ),
             upstream_per_client: config.limits.max_upstream_per_client.get() as usize,
+            h2_budget: http2::held::Budget::new(
+                config.limits.max_response_buffer.0,
+                config.limits.max_response_buffer_per_connection.0,
+                metrics.h2_held.clone(),
+                metrics.h2_shed.clone(),
+            ),
             clock,
             metrics,
             client_ip: config.client_ip.policy(),
@@ -436,6 +444,7 @@ async fn worker(
     builder
         .timer(TokioTimer::new())
         .max_concurrent_streams(config.limits.max_h2_streams.get())
+        .max_send_buf_size(shared.h2_budget.per_stream())
         .max_header_list_size(config.limits.max_header_bytes.0 as u32)
         .max_pending_accept_reset_streams(64)
         .keep_alive_interval(Some(config.timeouts.upstream_idle()))
@@ -558,6 +567,8 @@ async fn anchor_timer(
         idle.prune(shared.clock.now(), shared.affine_upstream.idle);
         if let Some(load) = &mut load {
             load.sample(tokio::time::Instant::now());
+            // Once per process (the first worker's tick).
+            shared.h2_budget.settle();
         }
     }
 }

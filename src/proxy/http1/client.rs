@@ -54,6 +54,9 @@ pub fn woke() {
 /// syscalls for a large body).
 const ROOM: [usize; 3] = [4 * 1024, 16 * 1024, 64 * 1024];
 
+/// The most a response's read buffer holds: what an exchange whose body waits pins.
+pub(crate) const MAX_ROOM: usize = ROOM[ROOM.len() - 1];
+
 /// An upstream connection between exchanges. Boxed once, when connected: it moves between the
 /// worker's idle list, an exchange and the response body it reads, and a response moves by
 /// value through the request path's futures.

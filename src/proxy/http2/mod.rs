@@ -4,6 +4,7 @@
 //! never opens its window ([`Stalls`]), at most `max_upstream_per_client` of its streams at the
 //! upstream at once. Must never: keep a connection past `client_idle` without a stream.
 
+pub(crate) mod held;
 pub(crate) mod stalls;
 
 use std::future::Future;
@@ -39,11 +40,14 @@ pub(in crate::proxy) async fn serve_h2(
     let Ok(stream) = Arc::try_unwrap(s.stream) else {
         return Ok(());
     };
+    let held = conn.shared.h2_budget.open();
     let io = TokioIo::new(Rewind {
         read: s.buf.freeze(),
         stream,
         clock: s.clock,
+        held: held.clone(),
     });
+    let shed = held.clone();
     let stalls = lane.stalls.clone();
     let open = Arc::new(Open::default());
     let watched = open.clone();
@@ -54,6 +58,7 @@ pub(in crate::proxy) async fn serve_h2(
         let busy = Busy::new(&open);
         let req = req.map(|b| Either::Left(Streamed::new(b)));
         let stalls = stalls.clone();
+        let held = held.clone();
         async move {
             // A client's streams use at most `max_upstream_per_client` upstream connections
             // at once: the others wait for a place, then get 503.
@@ -62,11 +67,11 @@ pub(in crate::proxy) async fn serve_h2(
                 Err(mut refused) => {
                     guard.disarm();
                     respond::whole(&mut refused);
-                    return Ok(refused.map(|b| stalls.guard(b, None, busy)));
+                    return Ok(refused.map(|b| stalls.guard(b, None, busy, &held)));
                 }
             };
             let resp = answer(guard, req).await;
-            Ok::<_, std::convert::Infallible>(resp.map(|b| stalls.guard(b, slot, busy)))
+            Ok::<_, std::convert::Infallible>(resp.map(|b| stalls.guard(b, slot, busy, &held)))
         }
     });
     let mut served = pin!(lane.hyper.serve_connection(io, service));
@@ -75,6 +80,9 @@ pub(in crate::proxy) async fn serve_h2(
     let done = tokio::select! {
         biased;
         done = served.as_mut() => done,
+        // The process holds its budget of response bytes, this connection the most: it is
+        // closed, and what hyper held for it freed.
+        () = shed.shed.notified() => return Ok(()),
         _ = drained => {
             served.as_mut().graceful_shutdown();
             served.await
@@ -106,6 +114,8 @@ pub(super) struct Rewind {
     pub(super) stream: TcpStream,
     /// hyper's writes are bounded by `timeouts.send` too.
     pub(super) clock: SendClock,
+    /// What the connection's responses hold, less what is written.
+    pub(super) held: Arc<held::Held>,
 }
 
 impl AsyncRead for Rewind {
@@ -133,6 +143,11 @@ impl AsyncWrite for Rewind {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.stream).poll_write(cx, buf);
+        match polled {
+            Poll::Ready(Ok(n)) => this.held.wrote(n),
+            Poll::Pending => this.held.blocked(true),
+            _ => {}
+        }
         this.clock.bound(cx, polled)
     }
 
@@ -143,6 +158,11 @@ impl AsyncWrite for Rewind {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let polled = Pin::new(&mut this.stream).poll_write_vectored(cx, bufs);
+        match polled {
+            Poll::Ready(Ok(n)) => this.held.wrote(n),
+            Poll::Pending => this.held.blocked(true),
+            _ => {}
+        }
         this.clock.bound(cx, polled)
     }
 

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use http_body::{Body as _, Frame};
 
+use super::held::Held;
 use crate::proxy::coarse::{Sleep, Timers};
 use crate::proxy::respond::Body;
 
@@ -51,6 +52,20 @@ pub(super) struct Watch {
     pub(super) idle: u32,
     /// The last poll found the body pending: the stream waits on the upstream, not the client.
     pub(super) ours: bool,
+    /// Its connection's bytes held for the client: the body reads its upstream only with
+    /// room in them.
+    pub(super) held: Arc<Held>,
+    /// Waiting for that room, and charged for it.
+    pub(super) waits: bool,
+}
+
+impl Drop for Watch {
+    fn drop(&mut self) {
+        if self.waits {
+            self.held.charge(false);
+        }
+        self.held.body(false);
+    }
 }
 
 impl Stall {
@@ -80,12 +95,14 @@ impl Stalls {
         }
     }
 
-    /// `body` for hyper's server; an HTTP/2 stream's watched, holding `slot` to its end.
+    /// `body` for hyper's server; an HTTP/2 stream's watched, holding `slot` until its
+    /// connection has written it, and reading only with room in what `held` may hold.
     pub(super) fn guard(
         &self,
         body: Body,
         slot: Option<tokio::sync::OwnedSemaphorePermit>,
         busy: Busy,
+        held: &Arc<Held>,
     ) -> Guarded {
         if body.is_end_stream() {
             return Guarded {
@@ -93,6 +110,7 @@ impl Stalls {
                 _busy: busy,
             };
         }
+        held.body(true);
         let stall = Arc::new(Stall {
             // See `Stall::state`.
             #[allow(clippy::disallowed_types)]
@@ -102,6 +120,8 @@ impl Stalls {
                 polled: false,
                 idle: 0,
                 ours: false,
+                held: held.clone(),
+                waits: false,
             }),
         });
         self.list
@@ -137,6 +157,9 @@ impl Stalls {
                 if w.idle > self.limit {
                     w.body = None;
                     w.slot = None;
+                    if std::mem::take(&mut w.waits) {
+                        w.held.charge(false);
+                    }
                     self.timeouts.inc();
                     return false;
                 }
@@ -158,17 +181,35 @@ impl http_body::Body for Guarded {
             Kind::Watched(stall) => {
                 let mut w = stall.state();
                 w.polled = true;
+                let w = &mut *w;
                 let Some(body) = &mut w.body else {
                     return Poll::Ready(Some(Err(
                         "the client took no bytes within timeouts.send".into()
                     )));
                 };
+                // No room: the client has not read what its connection holds. The upstream
+                // is left unread, and the wait counts as the client's.
+                if !w.held.room(cx) {
+                    w.ours = false;
+                    if !std::mem::replace(&mut w.waits, true) {
+                        w.held.charge(true);
+                    }
+                    return Poll::Pending;
+                }
+                if std::mem::take(&mut w.waits) {
+                    w.held.charge(false);
+                }
                 let polled = Pin::new(body).poll_frame(cx);
                 w.ours = polled.is_pending();
+                if let Poll::Ready(Some(Ok(frame))) = &polled {
+                    if let Some(data) = frame.data_ref() {
+                        w.held.hand(data.len());
+                    }
+                }
                 if matches!(polled, Poll::Ready(None))
                     || w.body.as_ref().is_some_and(|b| b.is_end_stream())
                 {
-                    w.slot = None;
+                    w.held.release(w.slot.take());
                 }
                 polled
             }

@@ -1,0 +1,420 @@
+//! HTTP/2 response bytes held for clients: handed to hyper's server by a stream's body and not
+//! yet written to the client's socket (hyper and h2 buffer them while the client reads
+//! nothing). [`Budget`] is the process's (`limits.max_response_buffer`), [`Held`] one
+//! connection's (`limits.max_response_buffer_per_connection`). A body asks for room before
+//! it reads its upstream: past its connection's budget it waits for that client to read;
+//! past the process's, the connection holding the most is closed (its buffers go with it)
+//! and the body waits for room. A body that waits is charged the read buffer its upstream
+//! exchange pins ([`WAIT_COST`]) against the process's budget (not its connection's, which
+//! only reading empties). A stream's upstream slot is kept until its connection has written
+//! what it held, not given back when its body has been read. What h2 drops unwritten (a
+//! stream the client reset) is never seen written: a connection whose socket takes every
+//! write is settled down to what its open bodies can hold ([`Budget::settle`]).
+//! Must never: let a body read its upstream past either budget (one chunk per stream at
+//! most, checked before reading), or take a lock on a body's way while under both budgets.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::task::{Context, Waker};
+
+use prometheus::{IntCounter, IntGauge};
+
+/// A connection that holds less than this is not closed for the process's budget: closing
+/// it would free little, and it is most likely one whose client reads.
+const SHED_AT_LEAST: u64 = 64 << 10;
+
+/// What a body waiting for room costs besides its bytes: its upstream exchange's read buffer.
+pub const WAIT_COST: u64 = crate::proxy::http1::client::MAX_ROOM as u64;
+
+/// The process's budget: every HTTP/2 connection's held bytes summed (the gauge
+/// `spillway_h2_response_bytes_held` is the count itself).
+pub struct Budget {
+    limit: u64,
+    per_connection: u64,
+    held: IntGauge,
+    shed: IntCounter,
+    /// Connections that may hold bytes, to find the one to close. Locked when an HTTP/2
+    /// connection starts and when the process is at its budget, never on a body's way.
+    #[allow(clippy::disallowed_types)]
+    connections: std::sync::Mutex<Vec<Weak<Held>>>,
+    /// Bodies waiting for the process's budget (any worker's).
+    #[allow(clippy::disallowed_types)]
+    waiting: std::sync::Mutex<Vec<Waker>>,
+    any_waiting: AtomicBool,
+}
+
+impl Budget {
+    pub fn new(limit: u64, per_connection: u64, held: IntGauge, shed: IntCounter) -> Arc<Self> {
+        Arc::new(Budget {
+            limit,
+            per_connection: per_connection.min(limit),
+            held,
+            shed,
+            connections: Default::default(),
+            waiting: Default::default(),
+            any_waiting: AtomicBool::new(false),
+        })
+    }
+
+    /// The bytes one stream may have buffered in hyper (its send buffer): a sixteenth of a
+    /// connection's budget, so that a few slow streams do not take all of it.
+    pub fn per_stream(&self) -> usize {
+        (self.per_connection / 16).clamp(16 << 10, 400 << 10) as usize
+    }
+
+    /// A new connection's account.
+    pub fn open(self: &Arc<Self>) -> Arc<Held> {
+        let held = Arc::new(Held {
+            budget: self.clone(),
+            pending: AtomicU64::new(0),
+            charged: AtomicU64::new(0),
+            open: Default::default(),
+            blocked: AtomicBool::new(false),
+            waiting: Default::default(),
+            any_waiting: AtomicBool::new(false),
+            parked: Default::default(),
+            shed: tokio::sync::Notify::new(),
+        });
+        let mut list = lock(&self.connections);
+        if list.len() == list.capacity() {
+            list.retain(|c| c.strong_count() > 0);
+        }
+        list.push(Arc::downgrade(&held));
+        held
+    }
+
+    /// Closes the connection holding the most (at least [`SHED_AT_LEAST`]).
+    fn shed_one(&self) {
+        let mut list = lock(&self.connections);
+        list.retain(|c| c.strong_count() > 0);
+        let hog = list
+            .iter()
+            .filter_map(Weak::upgrade)
+            .filter(|c| !c.closing())
+            .max_by_key(|c| c.cost());
+        drop(list);
+        if let Some(hog) = hog.filter(|c| c.cost() >= SHED_AT_LEAST) {
+            self.shed.inc();
+            hog.shed.notify_one();
+            // Its bytes are freed when its connection ends; until then it counts as closing.
+            hog.pending.fetch_or(CLOSING, Ordering::Relaxed);
+        }
+    }
+
+    fn held(&self) -> u64 {
+        self.held.get().max(0) as u64
+    }
+
+    /// At most one stream's bytes in hyper: its send buffer and the chunk past it.
+    fn per_body(&self) -> u64 {
+        self.per_stream() as u64 + WAIT_COST
+    }
+
+    /// Brings each connection whose last write was taken whole down to what its open bodies
+    /// can hold: h2 frees the bytes of a stream the client resets without writing them, and a
+    /// socket that takes every write holds nothing back (what h2 keeps for a shut window is
+    /// at most a chunk per stream). Run every tick of one worker.
+    pub fn settle(&self) {
+        let list = lock(&self.connections);
+        for c in list.iter().filter_map(Weak::upgrade) {
+            if c.blocked.load(Ordering::Relaxed) {
+                continue;
+            }
+            let most = u64::from(c.open.load(Ordering::Relaxed)) * self.per_body();
+            let bytes = c.bytes();
+            if bytes > most {
+                c.forget(bytes - most);
+            }
+        }
+    }
+
+    fn wake_all(&self) {
+        if self.any_waiting.swap(false, Ordering::Relaxed) {
+            for w in lock(&self.waiting).drain(..) {
+                w.wake();
+            }
+        }
+    }
+}
+
+/// Set in [`Held::pending`] once the connection was told to close.
+const CLOSING: u64 = 1 << 63;
+
+/// One HTTP/2 connection's held bytes, its waiting bodies and the upstream slots of streams
+/// whose bytes it has not yet written.
+pub struct Held {
+    budget: Arc<Budget>,
+    /// Bytes held (and [`CLOSING`]). Relaxed: one connection's task changes it.
+    pending: AtomicU64,
+    /// [`WAIT_COST`] for each of its bodies waiting for room.
+    charged: AtomicU64,
+    /// Its bodies not yet dropped.
+    open: std::sync::atomic::AtomicU32,
+    /// Its socket's last write was refused for want of room (the client is not reading).
+    blocked: AtomicBool,
+    /// Bodies waiting for this connection's client to read. Locked by the connection's
+    /// worker, and by the tick that settles it; never across an await.
+    #[allow(clippy::disallowed_types)]
+    waiting: std::sync::Mutex<Vec<Waker>>,
+    any_waiting: AtomicBool,
+    #[allow(clippy::disallowed_types)]
+    parked: std::sync::Mutex<Vec<tokio::sync::OwnedSemaphorePermit>>,
+    /// Told when the process's budget closes this connection.
+    pub(super) shed: tokio::sync::Notify,
+}
+
+impl Held {
+    fn closing(&self) -> bool {
+        self.pending.load(Ordering::Relaxed) & CLOSING != 0
+    }
+
+    fn bytes(&self) -> u64 {
+        self.pending.load(Ordering::Relaxed) & !CLOSING
+    }
+
+    /// What closing it would free.
+    fn cost(&self) -> u64 {
+        self.bytes() + self.charged.load(Ordering::Relaxed)
+    }
+
+    /// A body of this connection begins (`true`) or ends (`false`) a wait for room.
+    pub(super) fn charge(&self, waits: bool) {
+        if waits {
+            self.charged.fetch_add(WAIT_COST, Ordering::Relaxed);
+            self.budget.held.add(WAIT_COST as i64);
+        } else {
+            self.charged.fetch_sub(WAIT_COST, Ordering::Relaxed);
+            self.budget.held.sub(WAIT_COST as i64);
+            if self.budget.held() < self.budget.limit {
+                self.budget.wake_all();
+            }
+        }
+    }
+
+    /// Whether a body of this connection may read its next chunk; if not, `cx` is woken
+    /// when it may look again.
+    pub(super) fn room(&self, cx: &Context<'_>) -> bool {
+        let budget = &*self.budget;
+        if self.bytes() < budget.per_connection && budget.held() < budget.limit {
+            return true;
+        }
+        if self.bytes() >= budget.per_connection {
+            lock(&self.waiting).push(cx.waker().clone());
+            self.any_waiting.store(true, Ordering::Relaxed);
+            // Written meanwhile (one thread: only a write of this task's could have).
+            return self.bytes() < budget.per_connection && budget.held() < budget.limit;
+        }
+        lock(&budget.waiting).push(cx.waker().clone());
+        budget.any_waiting.store(true, Ordering::Relaxed);
+        budget.shed_one();
+        // Another worker's connection may have written (or closed) meanwhile.
+        budget.held() < budget.limit
+    }
+
+    /// A body handed `n` bytes to hyper.
+    #[inline]
+    pub(super) fn hand(&self, n: usize) {
+        self.pending.fetch_add(n as u64, Ordering::Relaxed);
+        self.budget.held.add(n as i64);
+    }
+
+    /// A body of this connection is made (`true`) or dropped.
+    pub(super) fn body(&self, open: bool) {
+        if open {
+            self.open.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.open.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The socket refused a write for want of room (`true`), or took one.
+    #[inline]
+    pub(super) fn blocked(&self, blocked: bool) {
+        if self.blocked.load(Ordering::Relaxed) != blocked {
+            self.blocked.store(blocked, Ordering::Relaxed);
+        }
+    }
+
+    /// The connection wrote `n` bytes to its client (frame headers too: they count against
+    /// what it held, which errs toward more room by 9 bytes a frame).
+    #[inline]
+    pub(super) fn wrote(&self, n: usize) {
+        self.blocked(false);
+        if self.bytes() == 0 {
+            return;
+        }
+        self.forget(n as u64);
+    }
+
+    /// `n` of the bytes it held are gone (written, or dropped by h2). Also from another
+    /// worker's tick ([`Budget::settle`]): never below zero.
+    fn forget(&self, n: u64) {
+        let mut gone = 0;
+        let word = self
+            .pending
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                gone = n.min(w & !CLOSING);
+                Some(w - gone)
+            })
+            .unwrap_or_else(|w| w);
+        let bytes = word & !CLOSING;
+        let n = gone;
+        self.budget.held.sub(n as i64);
+        if self.any_waiting.load(Ordering::Relaxed) && bytes - n < self.budget.per_connection {
+            self.any_waiting.store(false, Ordering::Relaxed);
+            for w in lock(&self.waiting).drain(..) {
+                w.wake();
+            }
+        }
+        if self.budget.held() < self.budget.limit {
+            self.budget.wake_all();
+        }
+        if bytes == n {
+            lock(&self.parked).clear();
+        }
+    }
+
+    /// A stream's body has ended: its upstream slot is given back once this connection has
+    /// written what it holds.
+    pub(super) fn release(&self, slot: Option<tokio::sync::OwnedSemaphorePermit>) {
+        if let Some(slot) = slot {
+            if self.bytes() > 0 {
+                lock(&self.parked).push(slot);
+            }
+        }
+    }
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        let bytes = self.cost();
+        if bytes > 0 {
+            self.budget.held.sub(bytes as i64);
+            self.budget.wake_all();
+        }
+    }
+}
+
+// The locks above say why each is taken.
+#[allow(clippy::disallowed_types)]
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::task::Wake;
+
+    struct Count(std::sync::atomic::AtomicU32);
+    impl Wake for Count {
+        fn wake(self: Arc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn budget(limit: u64, per: u64) -> Arc<Budget> {
+        Budget::new(
+            limit,
+            per,
+            IntGauge::new("held", "h").unwrap(),
+            IntCounter::new("shed", "s").unwrap(),
+        )
+    }
+
+    #[test]
+    fn a_connection_at_its_budget_waits_until_its_client_reads() {
+        let b = budget(1 << 20, 100 << 10);
+        let c = b.open();
+        let woken = Arc::new(Count(Default::default()));
+        let waker = Waker::from(woken.clone());
+        let cx = Context::from_waker(&waker);
+        assert!(c.room(&cx));
+        c.hand(100 << 10);
+        assert!(!c.room(&cx), "at its budget");
+        assert_eq!(b.held(), 100 << 10);
+        c.wrote(10);
+        assert_eq!(woken.0.load(Ordering::SeqCst), 1, "woken once below");
+        assert!(c.room(&cx));
+        // More written than held (frame headers) takes nothing below zero.
+        c.wrote(1 << 20);
+        assert_eq!((c.bytes(), b.held()), (0, 0));
+    }
+
+    #[test]
+    fn at_the_process_budget_the_connection_holding_most_is_closed() {
+        let b = budget(256 << 10, 200 << 10);
+        let (small, big, asking) = (b.open(), b.open(), b.open());
+        small.hand(80 << 10);
+        big.hand(180 << 10);
+        let waker = Waker::from(Arc::new(Count(Default::default())));
+        let cx = Context::from_waker(&waker);
+        assert!(!asking.room(&cx), "the process is at its budget");
+        assert!(big.closing() && !small.closing());
+        assert_eq!(b.shed.get(), 1);
+        // Its bytes are freed when the connection ends, and the waiting bodies woken.
+        drop(big);
+        assert_eq!(b.held(), 80 << 10);
+        assert!(asking.room(&cx));
+    }
+
+    #[test]
+    fn waiting_bodies_count_against_the_process_not_their_connection() {
+        let b = budget(4 * WAIT_COST, 1 << 20);
+        let (c, other) = (b.open(), b.open());
+        let waker = Waker::from(Arc::new(Count(Default::default())));
+        let cx = Context::from_waker(&waker);
+        for _ in 0..3 {
+            c.charge(true);
+        }
+        assert!(c.room(&cx), "its own budget is bytes only");
+        c.charge(true);
+        assert!(!other.room(&cx), "the process's counts the waits");
+        assert!(c.closing(), "and closes the connection they are on");
+        drop(c);
+        assert_eq!(b.held(), 0);
+        assert!(other.room(&cx));
+    }
+
+    #[test]
+    fn bytes_h2_dropped_unwritten_are_settled_once_the_socket_takes_writes() {
+        let b = budget(1 << 30, 1 << 20);
+        let c = b.open();
+        c.body(true);
+        c.hand(900 << 10);
+        // The client resets the stream: h2 drops what it held, nothing is written.
+        c.body(false);
+        c.blocked(true);
+        b.settle();
+        assert_eq!(
+            c.bytes(),
+            900 << 10,
+            "a blocked socket may still hold it all"
+        );
+        c.wrote(100);
+        b.settle();
+        assert_eq!((c.bytes(), b.held()), (0, 0), "no body left to hold any");
+        c.body(true);
+        c.hand(900 << 10);
+        b.settle();
+        assert_eq!(
+            c.bytes(),
+            b.per_body(),
+            "an open body holds a stream's worth at most"
+        );
+    }
+
+    #[test]
+    fn a_slot_waits_for_its_connections_bytes_to_be_written() {
+        let b = budget(1 << 20, 1 << 20);
+        let c = b.open();
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        c.hand(1000);
+        c.release(Some(slots.clone().try_acquire_owned().unwrap()));
+        assert_eq!(slots.available_permits(), 0, "held while unsent");
+        c.wrote(600);
+        assert_eq!(slots.available_permits(), 0);
+        c.wrote(600);
+        assert_eq!(slots.available_permits(), 1, "given back once written");
+    }
+}

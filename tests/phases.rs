@@ -1,0 +1,253 @@
+//! Every phase of a request past its head is bounded (issue 40), tried as the attacker sends
+//! it against the release binary's code on loopback: HTTP/2 response buffers a client never
+//! reads.
+
+mod common;
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use common::*;
+use http_body_util::Full;
+use hyper::service::service_fn;
+use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+
+/// What the big-response app answers with: about the size the issue's attacker asked for.
+static BIG: [u8; 400_000] = [b'x'; 400_000];
+
+/// An app that answers every request with [`BIG`] (sent from static memory, so that the app
+/// costs the test process nothing per response), counting the requests it has seen.
+async fn big_app() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(AtomicUsize::new(0));
+    let counted = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let counted = counted.clone();
+            tokio::spawn(async move {
+                let service = service_fn(move |_req| {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                    async move {
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                            Bytes::from_static(&BIG),
+                        )))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// A TCP connection that stops reading when told (its writes go on): the client of an
+/// attacker that asks and never takes the answers.
+struct StopReading {
+    tcp: TcpStream,
+    stop: Arc<AtomicBool>,
+}
+
+impl AsyncRead for StopReading {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if self.stop.load(Ordering::SeqCst) {
+            return Poll::Pending;
+        }
+        Pin::new(&mut self.get_mut().tcp).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for StopReading {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().tcp).poll_write(cx, buf)
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().tcp).poll_shutdown(cx)
+    }
+}
+
+/// The issue's attacker on one connection: the largest windows HTTP/2 allows, `streams`
+/// requests for big responses, and not one byte read after them. Returns what keeps the
+/// connection open.
+async fn never_reading_h2(proxy: std::net::SocketAddr, streams: usize) -> impl Drop {
+    let stop = Arc::new(AtomicBool::new(false));
+    let io = StopReading {
+        tcp: TcpStream::connect(proxy).await.unwrap(),
+        stop: stop.clone(),
+    };
+    let (mut h2, conn) = h2::client::Builder::new()
+        .initial_window_size(i32::MAX as u32)
+        .initial_connection_window_size(i32::MAX as u32)
+        .handshake::<_, Bytes>(io)
+        .await
+        .unwrap();
+    let driver = tokio::spawn(conn);
+    let mut pending = Vec::new();
+    for _ in 0..streams {
+        let Ok(ready) = h2.ready().await else { break };
+        h2 = ready;
+        let req = http::Request::get(format!("http://{proxy}/big"))
+            .body(())
+            .unwrap();
+        // Past the proxy's `max_h2_streams` the client is refused: the attacker gets what
+        // it allows.
+        let Ok((resp, _)) = h2.send_request(req, true) else {
+            break;
+        };
+        pending.push(resp);
+    }
+    // The requests are written by the driver whatever the reads do.
+    stop.store(true, Ordering::SeqCst);
+    /// The connection's driver and its streams: dropping a stream's handle would reset it.
+    struct Held {
+        driver: tokio::task::JoinHandle<Result<(), h2::Error>>,
+        _streams: Vec<h2::client::ResponseFuture>,
+    }
+    impl Drop for Held {
+        fn drop(&mut self) {
+            self.driver.abort();
+        }
+    }
+    Held {
+        driver,
+        _streams: pending,
+    }
+}
+
+/// The most memory the process has been resident in, from its start (`VmHWM`), in bytes.
+fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// Waits until the app has seen no new request and the proxy's resident memory has not
+/// grown for a second (the attack has taken what it can), at most `within`.
+async fn settled(pid: u32, seen: &AtomicUsize, within: Duration) {
+    let end = tokio::time::Instant::now() + within;
+    let mut last = (usize::MAX, 0);
+    let mut still = 0;
+    while tokio::time::Instant::now() < end && still < 10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = (seen.load(Ordering::SeqCst), peak_rss(pid));
+        still = if now == last { still + 1 } else { 0 };
+        last = now;
+    }
+}
+
+fn proxy_config(app: std::net::SocketAddr, extra: &str) -> std::path::PathBuf {
+    let yaml = format!(
+        "service: t\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{app}\n{extra}rules: []\n"
+    );
+    temp_file(&format!("phases-{}.yaml", fastrand_name()), &yaml)
+}
+
+fn fastrand_name() -> String {
+    format!(
+        "{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    )
+}
+
+/// What an attack of `connections` never-reading HTTP/2 connections left: the proxy's peak
+/// resident memory before and after, the responses the app was asked for, and the
+/// connections the proxy closed for its budget.
+struct Aftermath {
+    before: u64,
+    peak: u64,
+    asked: usize,
+    shed: f64,
+}
+
+async fn never_read(connections: usize) -> Aftermath {
+    let (app, seen) = big_app().await;
+    let path = proxy_config(app, "");
+    let mut proxy = Proc::spawn(&["proxy", "--config", path.to_str().unwrap()]);
+    let pid = proxy.child.id();
+    let before = peak_rss(pid);
+    let mut attackers = Vec::new();
+    for _ in 0..connections {
+        attackers.push(never_reading_h2(proxy.addr, 256).await);
+    }
+    settled(pid, &seen, Duration::from_secs(30)).await;
+
+    // A well-behaved client on its own connection still gets a whole big response.
+    let (status, _, body) = send(&h2_client(), proxy.addr, "GET", "/big", &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(body.len(), BIG.len());
+
+    let peak = peak_rss(pid);
+    let (_, _, metrics) = get(proxy.admin, "/metrics", &[]).await;
+    let shed = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("spillway_h2_connections_shed_total"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or(0.0);
+    proxy.kill();
+    drop(attackers);
+    Aftermath {
+        before,
+        peak,
+        asked: seen.load(Ordering::SeqCst),
+        shed,
+    }
+}
+
+/// 1. HTTP/2 response buffers: 16 connections of 256 streams each, every one asking for
+/// 400 KB and reading nothing, fit the chart's 128 Mi with room to spare (they held 1.5 GiB
+/// before the budgets), and a client on another connection is served meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_read_http2_responses_stay_within_the_memory_budget() {
+    let a = never_read(16).await;
+    assert!(
+        a.peak < 96 << 20,
+        "the proxy's memory peaked at {} MiB (from {} MiB) for {} never-read responses",
+        a.peak >> 20,
+        a.before >> 20,
+        a.asked
+    );
+}
+
+/// The next attacker opens more such connections than the process's budget holds: the
+/// connections holding the most are closed, and memory stays where it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn past_the_process_budget_the_connections_holding_most_are_closed() {
+    let a = never_read(48).await;
+    assert!(a.shed >= 1.0, "no connection was closed for the budget");
+    assert!(
+        a.peak < 96 << 20,
+        "the proxy's memory peaked at {} MiB (from {} MiB) for {} never-read responses",
+        a.peak >> 20,
+        a.before >> 20,
+        a.asked
+    );
+}
