@@ -72,7 +72,10 @@ impl Budget {
             blocked: AtomicBool::new(false),
             waiting: Default::default(),
             any_waiting: AtomicBool::new(false),
+            handed: AtomicU64::new(0),
+            gone: AtomicU64::new(0),
             parked: Default::default(),
+            any_parked: AtomicBool::new(false),
             shed: tokio::sync::Notify::new(),
         });
         let mut list = lock(&self.connections);
@@ -157,8 +160,15 @@ pub struct Held {
     #[allow(clippy::disallowed_types)]
     waiting: std::sync::Mutex<Vec<Waker>>,
     any_waiting: AtomicBool,
+    /// Bytes ever handed, and ever gone (written or dropped): a parked slot is given back
+    /// once as many are gone as had been handed when its body ended (h2 writes its streams'
+    /// bytes about in the order they came).
+    handed: AtomicU64,
+    gone: AtomicU64,
+    /// Upstream slots of ended bodies, with the `handed` count they wait for (in order).
     #[allow(clippy::disallowed_types)]
-    parked: std::sync::Mutex<Vec<tokio::sync::OwnedSemaphorePermit>>,
+    parked: std::sync::Mutex<std::collections::VecDeque<(u64, tokio::sync::OwnedSemaphorePermit)>>,
+    any_parked: AtomicBool,
     /// Told when the process's budget closes this connection.
     pub(super) shed: tokio::sync::Notify,
 }
@@ -214,6 +224,7 @@ impl Held {
     /// A body handed `n` bytes to hyper.
     #[inline]
     pub(super) fn hand(&self, n: usize) {
+        self.handed.fetch_add(n as u64, Ordering::Relaxed);
         self.pending.fetch_add(n as u64, Ordering::Relaxed);
         self.budget.held.add(n as i64);
     }
@@ -249,16 +260,16 @@ impl Held {
     /// `n` of the bytes it held are gone (written, or dropped by h2). Also from another
     /// worker's tick ([`Budget::settle`]): never below zero.
     fn forget(&self, n: u64) {
-        let mut gone = 0;
+        let mut taken = 0;
         let word = self
             .pending
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
-                gone = n.min(w & !CLOSING);
-                Some(w - gone)
+                taken = n.min(w & !CLOSING);
+                Some(w - taken)
             })
             .unwrap_or_else(|w| w);
         let bytes = word & !CLOSING;
-        let n = gone;
+        let n = taken;
         self.budget.held.sub(n as i64);
         if self.any_waiting.load(Ordering::Relaxed) && bytes - n < self.budget.per_connection {
             self.any_waiting.store(false, Ordering::Relaxed);
@@ -269,8 +280,15 @@ impl Held {
         if self.budget.held() < self.budget.limit {
             self.budget.wake_all();
         }
-        if bytes == n {
-            lock(&self.parked).clear();
+        let gone = self.gone.fetch_add(n, Ordering::Relaxed) + n;
+        if self.any_parked.load(Ordering::Relaxed) {
+            let mut parked = lock(&self.parked);
+            // All written: whatever order h2 took them in, every parked slot is free.
+            let all = bytes == n;
+            while parked.front().is_some_and(|(at, _)| all || *at <= gone) {
+                parked.pop_front();
+            }
+            self.any_parked.store(!parked.is_empty(), Ordering::Relaxed);
         }
     }
 
@@ -279,7 +297,9 @@ impl Held {
     pub(super) fn release(&self, slot: Option<tokio::sync::OwnedSemaphorePermit>) {
         if let Some(slot) = slot {
             if self.bytes() > 0 {
-                lock(&self.parked).push(slot);
+                let at = self.handed.load(Ordering::Relaxed);
+                lock(&self.parked).push_back((at, slot));
+                self.any_parked.store(true, Ordering::Relaxed);
             }
         }
     }
@@ -416,5 +436,26 @@ mod tests {
         assert_eq!(slots.available_permits(), 0);
         c.wrote(600);
         assert_eq!(slots.available_permits(), 1, "given back once written");
+    }
+
+    #[test]
+    fn a_slot_is_not_held_behind_another_streams_endless_bytes() {
+        let b = budget(1 << 30, 1 << 20);
+        let c = b.open();
+        let slots = Arc::new(tokio::sync::Semaphore::new(1));
+        // A long download keeps the connection holding bytes while a short answer ends.
+        c.hand(5000);
+        c.hand(300);
+        c.release(Some(slots.clone().try_acquire_owned().unwrap()));
+        c.hand(5000);
+        c.wrote(5000);
+        assert_eq!(slots.available_permits(), 0);
+        c.wrote(300);
+        assert_eq!(
+            slots.available_permits(),
+            1,
+            "as much written as was handed when it ended, though the connection still holds 5000"
+        );
+        assert_eq!(c.bytes(), 5000);
     }
 }
