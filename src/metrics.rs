@@ -23,15 +23,18 @@ pub enum UpstreamError {
     /// No upstream connection came free within `timeouts.upstream_connect` under
     /// `limits.max_upstream_connections` or `max_upstream_per_client` (503).
     Saturated,
+    /// A response body with no byte for `timeouts.upstream_body_idle` (given up).
+    BodyIdle,
 }
 
 impl UpstreamError {
-    pub const ALL: [UpstreamError; 5] = [
+    pub const ALL: [UpstreamError; 6] = [
         UpstreamError::Connect,
         UpstreamError::ConnectTimeout,
         UpstreamError::ResponseTimeout,
         UpstreamError::Protocol,
         UpstreamError::Saturated,
+        UpstreamError::BodyIdle,
     ];
     pub fn label(self) -> &'static str {
         match self {
@@ -40,6 +43,7 @@ impl UpstreamError {
             UpstreamError::ResponseTimeout => "response_timeout",
             UpstreamError::Protocol => "protocol",
             UpstreamError::Saturated => "saturated",
+            UpstreamError::BodyIdle => "body_idle",
         }
     }
 }
@@ -193,7 +197,7 @@ pub struct Metrics {
     pub delay_queue: IntGaugeVec,
     pub delayed: IntCounterVec,
     durations: [Histogram; 3],
-    upstream_errors: [IntCounter; 5],
+    upstream_errors: [IntCounter; 6],
     /// `spillway_upstream_connections_discarded_total{reason}`, by [`Unusable`].
     pub upstream_discards: [IntCounter; 3],
     /// `spillway_client_send_timeouts_total`.

@@ -251,3 +251,153 @@ async fn past_the_process_budget_the_connections_holding_most_are_closed() {
     assert!(a.shed >= 1.0, "no connection was closed for the budget");
     a.fits_a_sidecar();
 }
+
+/// An app that answers every request with a head and the first bytes of a body it never
+/// finishes; each connection's end (the proxy closing it) is told on `closed`.
+async fn stalling_app() -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<()>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let addr = raw_server(move |mut s| {
+        let tx = tx.clone();
+        async move {
+            let mut buf = vec![0u8; 4096];
+            let mut head = Vec::new();
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = s
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\nfirst bytes")
+                .await;
+            // Stalled: nothing more, until the proxy closes its end.
+            while let Ok(n) = s.read(&mut buf).await {
+                if n == 0 {
+                    break;
+                }
+            }
+            let _ = tx.send(());
+        }
+    })
+    .await;
+    (addr, rx)
+}
+
+/// Reads a response's head from a raw HTTP/1 connection: its status line.
+async fn read_head(c: &mut tokio::io::BufReader<TcpStream>) -> String {
+    use tokio::io::AsyncBufReadExt;
+    let mut status = String::new();
+    c.read_line(&mut status).await.unwrap();
+    loop {
+        let mut line = String::new();
+        c.read_line(&mut line).await.unwrap();
+        if line == "\r\n" || line.is_empty() {
+            return status.trim_end().to_string();
+        }
+    }
+}
+
+/// Whether the proxy closes `c` within 10 s, whatever it sent before.
+async fn closes(c: &mut tokio::io::BufReader<TcpStream>) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut rest = Vec::new();
+    matches!(
+        tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut rest)).await,
+        Ok(Ok(_))
+    )
+}
+
+/// 2. An app that sends a head and stalls is given up after `timeouts.upstream_body_idle`:
+/// the HTTP/1 client's connection closes (its response cut short), and the upstream
+/// connection is closed too.
+#[tokio::test]
+async fn an_upstream_body_silent_past_its_idle_timeout_is_given_up() {
+    let (app, mut closed) = stalling_app().await;
+    let sc = spillway::Sidecar::start(config(
+        app,
+        "timeouts: { upstream_body_idle: 1s }\nrules: []\n",
+    ))
+    .await
+    .unwrap();
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /stall HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
+    assert!(
+        closes(&mut c).await,
+        "the client's connection was never closed"
+    );
+    assert!(
+        tokio::time::timeout(Duration::from_secs(10), closed.recv())
+            .await
+            .is_ok(),
+        "the upstream connection was never closed"
+    );
+    let (_, m) = admin(&sc, "/metrics").await;
+    assert_eq!(
+        metric(&m, "spillway_upstream_errors_total{kind=\"body_idle\"}"),
+        Some(1.0)
+    );
+}
+
+/// The same for an HTTP/2 client: its stream is reset, its connection and other streams go on.
+#[tokio::test]
+async fn an_http2_streams_upstream_body_silent_past_its_idle_timeout_is_reset() {
+    let (app, mut closed) = stalling_app().await;
+    let sc = spillway::Sidecar::start(config(
+        app,
+        "timeouts: { upstream_body_idle: 1s }\nrules: []\n",
+    ))
+    .await
+    .unwrap();
+    let client = h2_client();
+    let resp = client
+        .request(
+            http::Request::get(format!("http://{}/stall", sc.addr()))
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = tokio::time::timeout(
+        Duration::from_secs(10),
+        http_body_util::BodyExt::collect(resp.into_body()),
+    )
+    .await
+    .expect("the stream was never reset");
+    assert!(body.is_err(), "a body cut short must not look whole");
+    assert!(
+        tokio::time::timeout(Duration::from_secs(10), closed.recv())
+            .await
+            .is_ok(),
+        "the upstream connection was never closed"
+    );
+}
+
+/// An HTTP/1 client that leaves while its response waits on the app releases the upstream
+/// connection at once, not at the idle timeout (here the default, 60 s).
+#[tokio::test]
+async fn an_http1_client_that_leaves_mid_response_releases_the_upstream() {
+    let (app, mut closed) = stalling_app().await;
+    let sc = spillway::Sidecar::start(config(app, "rules: []\n"))
+        .await
+        .unwrap();
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /stall HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
+    drop(c);
+    assert!(
+        tokio::time::timeout(Duration::from_secs(10), closed.recv())
+            .await
+            .is_ok(),
+        "the upstream connection is still held for a client that left"
+    );
+}

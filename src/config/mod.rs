@@ -271,6 +271,10 @@ pub struct Timeouts {
     pub upstream_connect: Dur,
     /// From the request sent upstream to the response head received.
     pub upstream_response: Dur,
+    /// A response body the upstream sends no byte of for this long is given up (nginx's
+    /// `proxy_read_timeout`): the HTTP/1 client's connection closes, the HTTP/2 stream is
+    /// reset, and the upstream connection is closed.
+    pub upstream_body_idle: Dur,
     /// A client that accepts no byte of a response for this long is disconnected (an HTTP/2
     /// stream whose window stays shut: its response is dropped), freeing its slots.
     pub send: Dur,
@@ -320,6 +324,7 @@ impl Default for Timeouts {
             header_read: Dur(Duration::from_secs(10)),
             upstream_connect: Dur(Duration::from_secs(3)),
             upstream_response: Dur(Duration::from_secs(30)),
+            upstream_body_idle: Dur(Duration::from_secs(60)),
             send: Dur(Duration::from_secs(60)),
             client_idle: Dur(Duration::from_secs(75)),
             upstream_idle: Dur(Duration::from_secs(60)),

@@ -363,6 +363,11 @@ pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Response<Body> {
             StatusCode::SERVICE_UNAVAILABLE,
             "no upstream connection came free in time",
         ),
+        // Its head is sent by then; a status is only for completeness.
+        UpstreamError::BodyIdle => (
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream stopped sending the response body",
+        ),
     };
     let mut resp = respond::error(status, detail);
     if kind == UpstreamError::Saturated {

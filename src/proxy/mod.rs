@@ -452,10 +452,17 @@ async fn worker(
     // Tells this worker's connections that it drains; each holds `alive` until it ends.
     let (drain_tx, draining) = watch::channel(false);
     let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
+    let body_idle_errors = shared
+        .metrics
+        .upstream_error(crate::metrics::UpstreamError::BodyIdle)
+        .clone();
     let stalls = Arc::new(http2::stalls::Stalls::new(
-        config.timeouts.send.0,
+        (config.timeouts.send.0, shared.metrics.send_timeouts.clone()),
+        (
+            config.timeouts.upstream_body_idle.0,
+            body_idle_errors.clone(),
+        ),
         anchor_period(&config.timeouts),
-        shared.metrics.send_timeouts.clone(),
     ));
     let lane = Arc::new(http1::conn::Lane {
         hyper: builder,
@@ -463,6 +470,8 @@ async fn worker(
         header_read: config.timeouts.header_read.0,
         client_idle: config.timeouts.client_idle.0,
         send: config.timeouts.send.0,
+        body_idle: config.timeouts.upstream_body_idle.0,
+        body_idle_errors,
         timers: timers.clone(),
         stalls: stalls.clone(),
         draining,
@@ -575,8 +584,13 @@ async fn anchor_timer(
 
 /// Half the shortest per-request timer, at most a second.
 fn anchor_period(t: &crate::config::Timeouts) -> Duration {
-    (t.header_read.0.min(t.upstream_response.0).min(t.send.0) / 2)
-        .clamp(Duration::from_millis(1), Duration::from_secs(1))
+    (t.header_read
+        .0
+        .min(t.upstream_response.0)
+        .min(t.send.0)
+        .min(t.upstream_body_idle.0)
+        / 2)
+    .clamp(Duration::from_millis(1), Duration::from_secs(1))
 }
 
 /// Forgets idle keys in the background. The sweep locks one shard at a time.

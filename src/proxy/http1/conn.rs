@@ -31,6 +31,10 @@ pub struct Lane {
     pub client_idle: Duration,
     /// `timeouts.send`: a client that takes no byte of a response for this long is dropped.
     pub send: Duration,
+    /// `timeouts.upstream_body_idle`: a response body silent this long is given up, counted
+    /// in `body_idle`.
+    pub body_idle: Duration,
+    pub body_idle_errors: prometheus::IntCounter,
     /// The worker's timers (the header-read and send deadlines).
     pub timers: Arc<Timers>,
     /// The worker's HTTP/2 responses, watched for a window that stays shut.
@@ -52,6 +56,8 @@ pub(crate) struct Served {
     pub(crate) clock: SendClock,
     /// A response was written and the connection kept: the next wait is `client_idle`'s.
     pub(crate) kept: bool,
+    /// `timeouts.upstream_body_idle`, and where giving up a body for it is counted.
+    pub(crate) body_idle: (Duration, prometheus::IntCounter),
 }
 
 /// `timeouts.send` for a client's writes (nginx's `send_timeout`): a write that takes no byte

@@ -64,6 +64,7 @@ pub(in crate::proxy) async fn serve(
         out: Vec::with_capacity(512),
         clock: SendClock::new(&lane),
         kept: false,
+        body_idle: (lane.body_idle, lane.body_idle_errors.clone()),
     };
     // Where each request is made: it is borrowed by the request path (each move down its
     // futures would copy it) and dropped before its response is written.
@@ -106,7 +107,9 @@ pub(in crate::proxy) async fn serve(
             }
         }
         let written = match continued {
-            Ok(()) => s.respond(&mut resp, asked).await,
+            // A client that leaves while its response waits on the app is watched for, unless
+            // its body may still be coming (the body's to read).
+            Ok(()) => s.respond(&mut resp, asked, streamed.is_none()).await,
             Err(e) => Err(e),
         };
         let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
@@ -324,7 +327,7 @@ impl Served {
             http10: false,
             keep_alive: false,
         };
-        self.respond(&mut resp, asked).await?;
+        self.respond(&mut resp, asked, false).await?;
         self.close();
         Ok(())
     }
@@ -351,7 +354,15 @@ impl Served {
 
     /// Writes `resp`; whether the connection may serve another request. Borrows it where the
     /// caller has it: moved into this future, a response (264 bytes) would be copied again.
-    async fn respond(&mut self, resp: &mut Response<Body>, asked: Asked) -> io::Result<bool> {
+    /// Writes `resp`; `Ok` with whether the connection stays. While the body waits on the
+    /// upstream, at most `timeouts.upstream_body_idle` (then the response is cut short and the
+    /// connection closes), and, when `watch`, not for a client that has left (an error).
+    async fn respond(
+        &mut self,
+        resp: &mut Response<Body>,
+        asked: Asked,
+        watch: bool,
+    ) -> io::Result<bool> {
         let status = resp.status();
         let mut stay = asked.keep_alive && !asks_close(resp.headers());
         let given = resp
@@ -399,14 +410,35 @@ impl Served {
             // the first piece; in chunks, the chunks the upstream sent together and the chunked
             // end. Before waiting for more (a slow app, a stream of events) what is queued is
             // written, so that nothing waits behind a piece still to come.
-            let frame =
-                match std::future::poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx))).await {
-                    Poll::Ready(f) => f,
-                    Poll::Pending => {
-                        self.flush().await?;
-                        std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)).await
+            let frame = match std::future::poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx)))
+                .await
+            {
+                Poll::Ready(f) => f,
+                Poll::Pending => {
+                    self.flush().await?;
+                    let deadline =
+                        Sleep::until(self.clock.timers.clone(), Timers::now() + self.body_idle.0);
+                    let waited = unless_left(
+                        &self.stream,
+                        crate::proxy::coarse::timeout(
+                            deadline,
+                            std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)),
+                        ),
+                        watch,
+                    );
+                    match waited.await {
+                        Some(Some(frame)) => frame,
+                        // Silent past `upstream_body_idle`: the client learns it from
+                        // the close, the upstream connection goes with the body.
+                        Some(None) => {
+                            self.body_idle.1.inc();
+                            self.flush().await?;
+                            return Ok(false);
+                        }
+                        None => return Err(io::ErrorKind::ConnectionAborted.into()),
                     }
-                };
+                }
+            };
             let mut data = match frame {
                 None => break,
                 Some(Ok(f)) => match f.into_data() {
@@ -650,9 +682,10 @@ fn is_gone(e: &io::Error) -> bool {
 /// Bytes the client sends meanwhile (a pipelined request) stay in the socket.
 async fn unless_left<F: Future>(
     stream: &TcpStream,
-    mut answer: Pin<&mut F>,
+    answer: F,
     mut watching: bool,
 ) -> Option<F::Output> {
+    let mut answer = pin!(answer);
     std::future::poll_fn(|cx| {
         if let Poll::Ready(out) = answer.as_mut().poll(cx) {
             return Poll::Ready(Some(out));

@@ -215,11 +215,19 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
         header_read: Duration::from_secs(30),
         client_idle: Duration::from_secs(30),
         send: Duration::from_secs(30),
+        body_idle: Duration::from_secs(30),
+        body_idle_errors: prometheus::IntCounter::new("b", "b").unwrap(),
         timers: Arc::new(Timers::default()),
         stalls: Arc::new(Stalls::new(
-            Duration::from_secs(30),
+            (
+                Duration::from_secs(30),
+                prometheus::IntCounter::new("t", "t").unwrap(),
+            ),
+            (
+                Duration::from_secs(30),
+                prometheus::IntCounter::new("b", "b").unwrap(),
+            ),
             Duration::from_secs(1),
-            prometheus::IntCounter::new("t", "t").unwrap(),
         )),
         draining,
     };
@@ -229,6 +237,7 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
         out: Vec::new(),
         clock: SendClock::new(&lane),
         kept: false,
+        body_idle: (lane.body_idle, lane.body_idle_errors.clone()),
     };
     // On a thread of its own: each byte its own segment, most read on their own.
     let writer = std::thread::spawn(move || {

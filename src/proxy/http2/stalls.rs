@@ -52,6 +52,11 @@ pub(super) struct Watch {
     pub(super) idle: u32,
     /// The last poll found the body pending: the stream waits on the upstream, not the client.
     pub(super) ours: bool,
+    /// Ticks in a row the body waited on the upstream without a poll (the upstream silent).
+    pub(super) silent: u32,
+    /// The stream's task, as of the last poll that found the upstream silent: woken when the
+    /// body is given up for `timeouts.upstream_body_idle`, so that hyper resets the stream.
+    pub(super) waker: Option<std::task::Waker>,
     /// Its connection's bytes held for the client: the body reads its upstream only with
     /// room in them.
     pub(super) held: Arc<Held>,
@@ -82,16 +87,31 @@ pub struct Stalls {
     /// `timeouts.send` in ticks of the worker: a response not polled for more is dropped.
     limit: u32,
     pub(crate) timeouts: prometheus::IntCounter,
+    /// `timeouts.upstream_body_idle` in ticks: a body its upstream sent nothing of for more
+    /// is given up, counted in `body_idle`.
+    body_idle: u32,
+    body_idle_errors: prometheus::IntCounter,
 }
 
 impl Stalls {
-    /// `limit`: `timeouts.send`; `tick`: how often [`Stalls::tick`] runs.
-    pub fn new(limit: Duration, tick: Duration, timeouts: prometheus::IntCounter) -> Self {
-        let ticks = limit.as_nanos().div_ceil(tick.as_nanos().max(1));
+    /// `limit`: `timeouts.send`; `body_idle`: `timeouts.upstream_body_idle`; `tick`: how
+    /// often [`Stalls::tick`] runs.
+    pub fn new(
+        (limit, timeouts): (Duration, prometheus::IntCounter),
+        (body_idle, body_idle_errors): (Duration, prometheus::IntCounter),
+        tick: Duration,
+    ) -> Self {
+        let ticks = |d: Duration| {
+            u32::try_from(d.as_nanos().div_ceil(tick.as_nanos().max(1)))
+                .unwrap_or(u32::MAX)
+                .max(1)
+        };
         Stalls {
             list: Default::default(),
-            limit: u32::try_from(ticks).unwrap_or(u32::MAX).max(1),
+            limit: ticks(limit),
             timeouts,
+            body_idle: ticks(body_idle),
+            body_idle_errors,
         }
     }
 
@@ -120,6 +140,8 @@ impl Stalls {
                 polled: false,
                 idle: 0,
                 ours: false,
+                silent: 0,
+                waker: None,
                 held: held.clone(),
                 waits: false,
             }),
@@ -149,7 +171,24 @@ impl Stalls {
                 if body.is_end_stream() {
                     return false;
                 }
-                if std::mem::take(&mut w.polled) || w.ours {
+                let polled = std::mem::take(&mut w.polled);
+                if w.ours {
+                    w.idle = 0;
+                    w.silent = if polled { 0 } else { w.silent + 1 };
+                    if w.silent > self.body_idle {
+                        // The upstream connection goes with the body; hyper resets the
+                        // stream at its next look, which the waker asks for.
+                        w.body = None;
+                        w.slot = None;
+                        self.body_idle_errors.inc();
+                        if let Some(waker) = w.waker.take() {
+                            waker.wake();
+                        }
+                        return false;
+                    }
+                    return true;
+                }
+                if polled {
                     w.idle = 0;
                     return true;
                 }
@@ -184,7 +223,7 @@ impl http_body::Body for Guarded {
                 let w = &mut *w;
                 let Some(body) = &mut w.body else {
                     return Poll::Ready(Some(Err(
-                        "the client took no bytes within timeouts.send".into()
+                        "the response was given up: its client took no bytes within timeouts.send, or its upstream sent none within timeouts.upstream_body_idle".into()
                     )));
                 };
                 // No room: the client has not read what its connection holds. The upstream
@@ -201,6 +240,9 @@ impl http_body::Body for Guarded {
                 }
                 let polled = Pin::new(body).poll_frame(cx);
                 w.ours = polled.is_pending();
+                if w.ours && !w.waker.as_ref().is_some_and(|k| k.will_wake(cx.waker())) {
+                    w.waker = Some(cx.waker().clone());
+                }
                 if let Poll::Ready(Some(Ok(frame))) = &polled {
                     if let Some(data) = frame.data_ref() {
                         w.held.hand(data.len());
