@@ -208,6 +208,11 @@ pub struct Metrics {
     pub h2_held: IntGauge,
     /// `spillway_h2_connections_shed_total`: closed at `limits.max_response_buffer`.
     pub h2_shed: IntCounter,
+    /// `spillway_connections_refused_total{reason="per_client"}`.
+    pub refused_per_client: IntCounter,
+    /// `spillway_connections_closed_for_room_total`: idle kept-alive connections closed for
+    /// a new client at `limits.max_connections`.
+    pub closed_for_room: IntCounter,
     pub bad_requests: IntCounterVec,
     /// `bad_requests{reason="header_too_large"}`, resolved once.
     pub header_too_large: IntCounter,
@@ -362,6 +367,19 @@ impl Metrics {
             "HTTP/2 connections closed because the process held limits.max_response_buffer of response bytes and they held the most.",
         )
         .expect("valid metric");
+        let refused = IntCounterVec::new(
+            Opts::new(
+                "spillway_connections_refused_total",
+                "Client connections answered 429 and closed as they came, by reason (per_client: limits.max_connections_per_client).",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        let closed_for_room = IntCounter::new(
+            "spillway_connections_closed_for_room_total",
+            "Idle kept-alive client connections closed for a new client at limits.max_connections.",
+        )
+        .expect("valid metric");
         let connections = IntGauge::new("spillway_connections", "Client connections open now.")
             .expect("valid metric");
         let draining = IntGauge::new(
@@ -408,6 +426,8 @@ impl Metrics {
             Box::new(upstream_waiters.clone()),
             Box::new(h2_held.clone()),
             Box::new(h2_shed.clone()),
+            Box::new(refused.clone()),
+            Box::new(closed_for_room.clone()),
             Box::new(bad_requests.clone()),
             Box::new(connections.clone()),
             Box::new(draining.clone()),
@@ -497,6 +517,8 @@ impl Metrics {
             upstream_waiters,
             h2_held,
             h2_shed,
+            refused_per_client: refused.with_label_values(&["per_client"]),
+            closed_for_room,
             header_too_large: bad_requests.with_label_values(&["header_too_large"]),
             rapid_reset: bad_requests.with_label_values(&["rapid_reset"]),
             bad_body: bad_requests.with_label_values(&["body"]),

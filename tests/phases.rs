@@ -401,3 +401,101 @@ async fn an_http1_client_that_leaves_mid_response_releases_the_upstream() {
         "the upstream connection is still held for a client that left"
     );
 }
+
+/// A connection to `to` from the loopback address `from` (127.0.0.x: each its own client).
+async fn connect_from(from: [u8; 4], to: std::net::SocketAddr) -> tokio::io::BufReader<TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(std::net::SocketAddr::from((from, 0))).unwrap();
+    tokio::io::BufReader::new(socket.connect(to).await.unwrap())
+}
+
+/// One request on a kept-alive connection; its status line.
+async fn one_get(c: &mut tokio::io::BufReader<TcpStream>) -> String {
+    ask(c, "GET / HTTP/1.1\r\nHost: app\r\n\r\n").await.status
+}
+
+/// 3a. One address is stopped at `max_connections_per_client`: its next connection is
+/// refused with 429 and closed, while another address is served.
+#[tokio::test]
+async fn one_address_is_stopped_at_its_connection_cap() {
+    let (sc, _up) = sidecar(
+        "limits: { max_connections_per_client: 4, connections_per_client_exempt: [] }\nrules: []\n",
+    )
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut c = connect_from([127, 0, 0, 2], sc.addr()).await;
+        assert_eq!(one_get(&mut c).await, "HTTP/1.1 200 OK");
+        held.push(c);
+    }
+    let mut fifth = connect_from([127, 0, 0, 2], sc.addr()).await;
+    tokio::io::AsyncWriteExt::write_all(fifth.get_mut(), b"GET / HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    let a = read_answer(&mut fifth).await;
+    assert_eq!(a.status, "HTTP/1.1 429 Too Many Requests", "{}", a.head);
+    assert!(a.head.contains("connection: close"), "{}", a.head);
+    assert!(closes(&mut fifth).await);
+    let mut other = connect_from([127, 0, 0, 3], sc.addr()).await;
+    assert_eq!(one_get(&mut other).await, "HTTP/1.1 200 OK");
+    // A place given back is taken again, once the proxy has seen it closed (3 held, 1 other).
+    drop(held.pop());
+    for _ in 0..500 {
+        let (_, m) = admin(&sc, "/metrics").await;
+        if metric(&m, "spillway_connections") == Some(4.0) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut again = connect_from([127, 0, 0, 2], sc.addr()).await;
+    assert_eq!(one_get(&mut again).await, "HTTP/1.1 200 OK");
+    let (_, m) = admin(&sc, "/metrics").await;
+    assert!(
+        metric(
+            &m,
+            "spillway_connections_refused_total{reason=\"per_client\"}"
+        ) >= Some(1.0),
+        "{m}"
+    );
+}
+
+/// 3b. Clients that hold every connection idle between requests do not lock a new client
+/// out: at `max_connections`, an idle kept-alive connection is closed for it (loopback
+/// addresses are exempt from the per-client cap, as a mesh's proxy would be).
+#[tokio::test]
+async fn at_the_connection_cap_an_idle_kept_alive_connection_makes_room() {
+    let (sc, _up) = sidecar("workers: 1\nlimits: { max_connections: 8 }\nrules: []\n").await;
+    let mut idle = Vec::new();
+    for i in 0..8u8 {
+        let mut c = connect_from([127, 0, 0, 10 + i], sc.addr()).await;
+        assert_eq!(one_get(&mut c).await, "HTTP/1.1 200 OK");
+        idle.push(c);
+    }
+    let mut new = connect_from([127, 0, 0, 30], sc.addr()).await;
+    tokio::io::AsyncWriteExt::write_all(new.get_mut(), b"GET / HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    // Without room made, it would wait for a kept-alive connection's `client_idle` (75 s).
+    let a = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut new))
+        .await
+        .expect("the new client was not served while others idled on every connection");
+    assert_eq!(a.status, "HTTP/1.1 200 OK");
+    let mut closed = 0;
+    for c in &mut idle {
+        closed += closes_now(c).await as usize;
+    }
+    assert_eq!(
+        closed, 1,
+        "exactly one idle connection is closed for the newcomer"
+    );
+}
+
+/// Whether the proxy has closed `c` (read at once, without waiting for more).
+async fn closes_now(c: &mut tokio::io::BufReader<TcpStream>) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut one = [0u8; 1];
+    matches!(
+        tokio::time::timeout(Duration::from_millis(200), c.read(&mut one)).await,
+        Ok(Ok(0)) | Ok(Err(_))
+    )
+}

@@ -240,7 +240,8 @@ impl From<ClientIp> for RawClientIp {
 }
 
 /// A CIDR block as written in YAML.
-struct CidrStr(crate::key::Cidr);
+#[derive(Debug, Clone)]
+pub struct CidrStr(pub crate::key::Cidr);
 
 impl<'de> Deserialize<'de> for CidrStr {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -356,6 +357,12 @@ pub struct Limits {
     pub max_response_buffer: BufferBytes,
     /// The same for one HTTP/2 connection: at it, its responses wait for the client to read.
     pub max_response_buffer_per_connection: BufferBytes,
+    /// Connections one client (its address; IPv6, its /64) may hold at once; past it, new
+    /// ones get 429 and are closed.
+    pub max_connections_per_client: NonZeroU32,
+    /// Peers without that cap besides `client_ip.trusted_proxies`: a mesh's or an
+    /// ingress's proxy, through which every client comes (default: loopback).
+    pub connections_per_client_exempt: Vec<CidrStr>,
 }
 
 impl Limits {
@@ -377,6 +384,11 @@ impl Default for Limits {
             max_upstream_per_client: NonZeroU32::new(32).expect("non-zero"),
             max_response_buffer: BufferBytes(32 << 20),
             max_response_buffer_per_connection: BufferBytes(1 << 20),
+            max_connections_per_client: NonZeroU32::new(256).expect("non-zero"),
+            connections_per_client_exempt: ["127.0.0.0/8", "::1/128"]
+                .iter()
+                .map(|c| CidrStr(c.parse().expect("a valid block")))
+                .collect(),
         }
     }
 }

@@ -21,6 +21,7 @@ mod accept;
 mod admin;
 mod affine;
 mod body;
+mod clients;
 mod coarse;
 mod failure;
 mod fds;
@@ -80,6 +81,10 @@ pub struct Shared {
     upstream_per_client: usize,
     /// `limits.max_response_buffer` and its per-connection part, for HTTP/2 responses.
     h2_budget: Arc<http2::held::Budget>,
+    /// `limits.max_connections_per_client`.
+    per_client: Arc<clients::PerClient>,
+    /// Each worker's idle kept-alive connections, one closed for a new client at the cap.
+    idles: clients::Idles,
     pub clock: AnyClock,
     pub metrics: Arc<Metrics>,
     /// Who the client is, and whose forwarded fields and costs are believed.
@@ -209,6 +214,19 @@ impl Sidecar {
                 metrics.h2_held.clone(),
                 metrics.h2_shed.clone(),
             ),
+            per_client: clients::PerClient::new(
+                config.limits.max_connections_per_client.get(),
+                (config.client_ip.trusted_proxies.iter().copied())
+                    .chain(
+                        config
+                            .limits
+                            .connections_per_client_exempt
+                            .iter()
+                            .map(|c| c.0),
+                    )
+                    .collect(),
+            ),
+            idles: clients::Idles::default(),
             clock,
             metrics,
             client_ip: config.client_ip.policy(),
@@ -464,7 +482,9 @@ async fn worker(
         ),
         anchor_period(&config.timeouts),
     ));
+    let idle_conns = shared.idles.add();
     let lane = Arc::new(http1::conn::Lane {
+        idle: idle_conns,
         hyper: builder,
         max_head,
         header_read: config.timeouts.header_read.0,
@@ -492,10 +512,15 @@ async fn worker(
 
     loop {
         // Take a connection slot before accepting, so at the cap new clients wait in the
-        // kernel's backlog instead of being accepted and starved.
-        let permit = tokio::select! {
-            _ = stop.wait_for(|stopped| *stopped) => break,
-            p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        // kernel's backlog instead of being accepted and starved; unless an idle kept-alive
+        // connection can be closed for the client that comes.
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => tokio::select! {
+                _ = stop.wait_for(|stopped| *stopped) => break,
+                p = slots.clone().acquire_owned() => match p { Ok(p) => Some(p), Err(_) => break },
+                () = shared.idles.some_idle() => None,
+            },
         };
         let (stream, peer) = tokio::select! {
             _ = stop.wait_for(|stopped| *stopped) => break,
@@ -510,6 +535,23 @@ async fn worker(
             },
         };
         let _ = stream.set_nodelay(true);
+        let Some(place) = shared.per_client.admit(peer.ip()) else {
+            shared.metrics.refused_per_client.inc();
+            tokio::spawn(clients::refuse(stream, config.timeouts.header_read.0));
+            continue;
+        };
+        let permit = match permit {
+            Some(p) => p,
+            None => {
+                if shared.idles.close_one() {
+                    shared.metrics.closed_for_room.inc();
+                }
+                tokio::select! {
+                    _ = stop.wait_for(|stopped| *stopped) => break,
+                    p = slots.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+                }
+            }
+        };
         let conn = Arc::new(Conn {
             abandoned: Abandoned::default(),
             shared: shared.clone(),
@@ -537,6 +579,7 @@ async fn worker(
                 }
             }
             metrics.connections.dec();
+            drop(place);
             drop(permit);
         });
     }
