@@ -499,3 +499,25 @@ async fn closes_now(c: &mut tokio::io::BufReader<TcpStream>) -> bool {
         Ok(Ok(0)) | Ok(Err(_))
     )
 }
+
+/// 3c. An HTTP/2 connection that sends its preface (and settings) but never a request is
+/// closed at `header_read`, as an HTTP/1 connection that never sends its head is, not kept
+/// for `client_idle` and a GOAWAY's wait on top.
+#[tokio::test]
+async fn an_http2_connection_without_a_first_request_is_closed_at_header_read() {
+    let (sc, _up) = sidecar("timeouts: { header_read: 1s }\nrules: []\n").await;
+    for opening in [
+        &b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..],
+        // The preface and an empty SETTINGS frame.
+        &b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00"[..],
+    ] {
+        let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+        tokio::io::AsyncWriteExt::write_all(c.get_mut(), opening)
+            .await
+            .unwrap();
+        assert!(
+            closes(&mut c).await,
+            "held past header_read after {opening:?}"
+        );
+    }
+}

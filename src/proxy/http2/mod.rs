@@ -75,8 +75,10 @@ pub(in crate::proxy) async fn serve_h2(
         }
     });
     let mut served = pin!(lane.hyper.serve_connection(io, service));
-    // A connection without a stream for `client_idle` is closed with GOAWAY.
-    let idle = watched.idle(&lane.timers, lane.client_idle);
+    // A connection without a stream for `client_idle` is closed with GOAWAY; one that has
+    // sent none within `header_read` of its preface too, as an HTTP/1 connection that never
+    // sends its head is closed.
+    let idle = watched.idle(&lane.timers, lane.header_read, lane.client_idle);
     let done = tokio::select! {
         biased;
         done = served.as_mut() => done,
@@ -90,8 +92,10 @@ pub(in crate::proxy) async fn serve_h2(
         () = idle => {
             served.as_mut().graceful_shutdown();
             // h2 sends its last GOAWAY once the client answers a PING: one that never does
-            // is dropped after another `client_idle`.
-            let limit = Sleep::until(lane.timers.clone(), Timers::now() + lane.client_idle);
+            // is dropped after another `client_idle` (`header_read` before a first request).
+            let never = watched.begun.load(std::sync::atomic::Ordering::Relaxed) == 0;
+            let grace = if never { lane.header_read } else { lane.client_idle };
+            let limit = Sleep::until(lane.timers.clone(), Timers::now() + grace);
             crate::proxy::coarse::timeout(limit, served).await.unwrap_or(Ok(()))
         }
     };

@@ -288,15 +288,17 @@ impl http_body::Body for Guarded {
 pub(super) struct Open {
     /// Requests whose response body has not ended or been dropped (Relaxed: one thread).
     pub(super) count: AtomicU32,
-    /// Requests begun: an idle spell that saw one start is over.
+    /// Requests begun: an idle spell that saw one start is over (none: the connection has
+    /// not yet sent its first request).
     pub(super) begun: AtomicU32,
     /// Told when `count` falls to zero.
     pub(super) none: tokio::sync::Notify,
 }
 
 impl Open {
-    /// Ready once the connection has had no open request for `idle`.
-    pub(super) async fn idle(&self, timers: &Arc<Timers>, idle: Duration) {
+    /// Ready once the connection has had no open request for `idle` (for `first` before its
+    /// first request).
+    pub(super) async fn idle(&self, timers: &Arc<Timers>, first: Duration, idle: Duration) {
         loop {
             let mut none = pin!(self.none.notified());
             none.as_mut().enable();
@@ -305,7 +307,8 @@ impl Open {
                 continue;
             }
             let spell = self.begun.load(Ordering::Relaxed);
-            Sleep::until(timers.clone(), Timers::now() + idle).await;
+            let wait = if spell == 0 { first } else { idle };
+            Sleep::until(timers.clone(), Timers::now() + wait).await;
             if self.count.load(Ordering::Relaxed) == 0
                 && self.begun.load(Ordering::Relaxed) == spell
             {
