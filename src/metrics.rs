@@ -25,16 +25,19 @@ pub enum UpstreamError {
     Saturated,
     /// A response body with no byte for `timeouts.upstream_body_idle` (given up).
     BodyIdle,
+    /// The upstream took no byte of a request body for `timeouts.send` (504).
+    UploadStalled,
 }
 
 impl UpstreamError {
-    pub const ALL: [UpstreamError; 6] = [
+    pub const ALL: [UpstreamError; 7] = [
         UpstreamError::Connect,
         UpstreamError::ConnectTimeout,
         UpstreamError::ResponseTimeout,
         UpstreamError::Protocol,
         UpstreamError::Saturated,
         UpstreamError::BodyIdle,
+        UpstreamError::UploadStalled,
     ];
     pub fn label(self) -> &'static str {
         match self {
@@ -44,6 +47,7 @@ impl UpstreamError {
             UpstreamError::Protocol => "protocol",
             UpstreamError::Saturated => "saturated",
             UpstreamError::BodyIdle => "body_idle",
+            UpstreamError::UploadStalled => "upload_stalled",
         }
     }
 }
@@ -197,7 +201,7 @@ pub struct Metrics {
     pub delay_queue: IntGaugeVec,
     pub delayed: IntCounterVec,
     durations: [Histogram; 3],
-    upstream_errors: [IntCounter; 6],
+    upstream_errors: [IntCounter; 7],
     /// `spillway_upstream_connections_discarded_total{reason}`, by [`Unusable`].
     pub upstream_discards: [IntCounter; 3],
     /// `spillway_client_send_timeouts_total`.

@@ -521,3 +521,99 @@ async fn an_http2_connection_without_a_first_request_is_closed_at_header_read() 
         );
     }
 }
+
+/// Sends a POST head announcing `length` bytes and the first `first` of them.
+async fn post_head(
+    c: &mut tokio::io::BufReader<TcpStream>,
+    path: &str,
+    length: usize,
+    first: usize,
+) {
+    let head = format!("POST {path} HTTP/1.1\r\nHost: app\r\ncontent-length: {length}\r\n\r\n");
+    let mut out = head.into_bytes();
+    out.extend(std::iter::repeat_n(b'u', first));
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), &out)
+        .await
+        .unwrap();
+}
+
+/// 5. `upstream_response` starts when the upload is whole: an upload that takes longer than
+/// it, its pieces coming steadily, is answered by the app.
+#[tokio::test]
+async fn a_slow_steady_upload_is_not_cut_by_the_response_timeout() {
+    let (sc, up) = sidecar("timeouts: { upstream_response: 1s }\nrules: []\n").await;
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    let piece = 8 * 1024;
+    post_head(&mut c, "/upload", 10 * piece, piece * 3).await;
+    up.signals.first_bytes.notified().await;
+    for _ in 3..10 {
+        // Steady, and slower than the response timeout in all.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::io::AsyncWriteExt::write_all(c.get_mut(), &vec![b'u'; piece])
+            .await
+            .unwrap();
+    }
+    let a = read_answer(&mut c).await;
+    assert_eq!(a.status, "HTTP/1.1 200 OK", "{}", a.body);
+    assert_eq!(a.body, (10 * piece).to_string());
+}
+
+/// 2. A client body that stops coming gets 408 after `timeouts.client_body_idle`, not the
+/// app's 504 at `upstream_response` (here longer than the test waits).
+#[tokio::test]
+async fn a_client_body_that_stops_gets_408() {
+    let (sc, up) = sidecar("timeouts: { client_body_idle: 1s }\nrules: []\n").await;
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    post_head(&mut c, "/upload", 100_000, 20_000).await;
+    up.signals.first_bytes.notified().await;
+    let a = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut c))
+        .await
+        .expect("no answer to a body that stopped");
+    assert_eq!(a.status, "HTTP/1.1 408 Request Timeout", "{}", a.body);
+    assert!(a.head.contains("connection: close"), "{}", a.head);
+}
+
+/// 2. An app that takes no byte of an upload for `timeouts.send` gets the request 504.
+#[tokio::test]
+async fn an_app_that_takes_no_byte_of_an_upload_gets_504() {
+    use tokio::io::AsyncReadExt;
+    // Reads the head, then nothing: the upload fills the sockets' buffers and stops.
+    let app = raw_server(|mut s| async move {
+        let mut buf = vec![0u8; 1024];
+        let _ = s.read(&mut buf).await;
+        std::future::pending::<()>().await;
+    })
+    .await;
+    let sc = spillway::Sidecar::start(config(app, "timeouts: { send: 1s }\nrules: []\n"))
+        .await
+        .unwrap();
+    let c = TcpStream::connect(sc.addr()).await.unwrap();
+    let (mut r, mut w) = c.into_split();
+    let length = 64 << 20;
+    let writer = tokio::spawn(async move {
+        let head = format!("POST /x HTTP/1.1\r\nHost: app\r\ncontent-length: {length}\r\n\r\n");
+        tokio::io::AsyncWriteExt::write_all(&mut w, head.as_bytes()).await?;
+        let piece = vec![b'u'; 64 * 1024];
+        for _ in 0..(length / piece.len()) {
+            tokio::io::AsyncWriteExt::write_all(&mut w, &piece).await?;
+        }
+        Ok::<_, std::io::Error>(w)
+    });
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(20), async {
+        let mut buf = [0u8; 4096];
+        while !answer.windows(4).any(|w| w == b"\r\n\r\n") {
+            let n = r.read(&mut buf).await?;
+            if n == 0 {
+                break;
+            }
+            answer.extend_from_slice(&buf[..n]);
+        }
+        Ok::<_, std::io::Error>(())
+    })
+    .await;
+    writer.abort();
+    assert!(read.is_ok(), "no answer while the app took nothing");
+    let text = String::from_utf8_lossy(&answer);
+    assert!(text.starts_with("HTTP/1.1 504"), "{text}");
+}

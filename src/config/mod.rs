@@ -276,6 +276,9 @@ pub struct Timeouts {
     /// `proxy_read_timeout`): the HTTP/1 client's connection closes, the HTTP/2 stream is
     /// reset, and the upstream connection is closed.
     pub upstream_body_idle: Dur,
+    /// A request body the client sends no byte of for this long gets 408 (nginx's
+    /// `client_body_timeout`); the upstream connection it went to is closed.
+    pub client_body_idle: Dur,
     /// A client that accepts no byte of a response for this long is disconnected (an HTTP/2
     /// stream whose window stays shut: its response is dropped), freeing its slots.
     pub send: Dur,
@@ -326,6 +329,7 @@ impl Default for Timeouts {
             upstream_connect: Dur(Duration::from_secs(3)),
             upstream_response: Dur(Duration::from_secs(30)),
             upstream_body_idle: Dur(Duration::from_secs(60)),
+            client_body_idle: Dur(Duration::from_secs(60)),
             send: Dur(Duration::from_secs(60)),
             client_idle: Dur(Duration::from_secs(75)),
             upstream_idle: Dur(Duration::from_secs(60)),

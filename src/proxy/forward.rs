@@ -10,6 +10,7 @@
 //! on: it is written with the head. Otherwise the client's body is streamed upstream as it
 //! comes, and the upstream's body is streamed back as it comes.
 
+use std::future::Future as _;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,6 +32,7 @@ use super::coarse::{timeout, Sleep, Timers};
 pub use super::failure::{Failure, Saturated};
 pub use super::forwarded::Added;
 use super::http1::framing::{has_token, one_length};
+use super::http1::upload::Progress;
 pub use super::respond::UpstreamBody;
 use super::respond::{self, Body};
 use crate::config::UpgradeProtocol;
@@ -161,6 +163,16 @@ impl hyper_util::client::legacy::connect::Connection for CappedIo {
     }
 }
 
+/// Which deadline passed while a request was forwarded.
+enum Late {
+    /// No response head within `upstream_response` of the request sent whole.
+    Response,
+    /// The upstream took no byte of the body for `timeouts.send`.
+    Upstream,
+    /// The client sent no byte of its body for `timeouts.client_body_idle`.
+    Client,
+}
+
 /// What the request path knows when it forwards.
 pub struct Forward<'a> {
     pub client: &'a UpstreamClient,
@@ -169,6 +181,9 @@ pub struct Forward<'a> {
     /// Whether `X-Forwarded-Proto`/`-Host` from a trusted hop are kept rather than replaced.
     pub trust_forwarded: bool,
     pub response_timeout: Duration,
+    /// `timeouts.send` and `timeouts.client_body_idle`: how long a body still coming may
+    /// wait on the upstream and on the client while it goes up.
+    pub upload_timeouts: (Duration, Duration),
     /// Where the response deadline is kept (the worker's tick fires it).
     pub timers: &'a Arc<Timers>,
     pub metrics: &'a Metrics,
@@ -239,13 +254,18 @@ impl Forward<'_> {
         );
         added.upgrade = asked;
         added.close = self.close;
+        // A body still coming goes up before the response timeout starts.
+        let progress = matches!(req.body(), Either::Left(b) if !b.is_end_stream())
+            .then(|| self.affine.is_some())
+            .filter(|affine| *affine)
+            .map(|_| Arc::new(Progress::default()));
+        added.progress = progress.clone();
         if self.affine.is_none() {
             if let Err(resp) = self.rewrite(req, &added) {
                 return resp;
             }
         }
-        let deadline = Sleep::until(self.timers.clone(), Timers::now() + self.response_timeout);
-        let result = timeout(deadline, async {
+        let exchange = async {
             match self.affine {
                 Some((conn, upstream)) => {
                     let resp = conn.send(upstream, req, &added, self.now).await?;
@@ -257,8 +277,21 @@ impl Forward<'_> {
                     Ok::<_, Failure>(resp.map(Either::Left))
                 }
             }
-        })
-        .await;
+        };
+        let result = match &progress {
+            None => {
+                let deadline =
+                    Sleep::until(self.timers.clone(), Timers::now() + self.response_timeout);
+                timeout(deadline, exchange).await.ok_or(Late::Response)
+            }
+            Some(progress) => self.uploading(exchange, progress).await,
+        };
+        let result = match result {
+            Ok(r) => Some(r),
+            Err(Late::Response) => None,
+            Err(Late::Upstream) => return self.failed(UpstreamError::UploadStalled),
+            Err(Late::Client) => return self.body_timeout(),
+        };
         let resp = match result {
             Some(Ok(resp)) => {
                 // The upstream's latency, for adaptive limits: to the response head.
@@ -297,6 +330,65 @@ impl Forward<'_> {
         let mut resp = respond::error(
             StatusCode::BAD_REQUEST,
             "the request body was malformed or ended early",
+        );
+        resp.headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        resp
+    }
+
+    /// `exchange` while its body still goes up: the response timeout starts once it is whole;
+    /// until then the upload may wait `timeouts.send` on the upstream and
+    /// `timeouts.client_body_idle` on the client without progress (checked when the deadline
+    /// passes: a stall is found between one and two of them after the last progress).
+    async fn uploading<T>(
+        &self,
+        exchange: impl std::future::Future<Output = T>,
+        progress: &Progress,
+    ) -> Result<T, Late> {
+        let (send, client) = self.upload_timeouts;
+        let mut exchange = std::pin::pin!(exchange);
+        let mut deadline = Sleep::until(self.timers.clone(), Timers::now() + send.min(client));
+        let mut seen = progress.moved();
+        let mut over = false;
+        std::future::poll_fn(|cx| loop {
+            if let std::task::Poll::Ready(out) = exchange.as_mut().poll(cx) {
+                return std::task::Poll::Ready(Ok(out));
+            }
+            if !over && progress.over() {
+                over = true;
+                deadline = Sleep::until(self.timers.clone(), Timers::now() + self.response_timeout);
+            }
+            if std::pin::Pin::new(&mut deadline).poll(cx).is_pending() {
+                return std::task::Poll::Pending;
+            }
+            if over {
+                return std::task::Poll::Ready(Err(Late::Response));
+            }
+            let moved = progress.moved();
+            if moved == seen {
+                return std::task::Poll::Ready(Err(if progress.on_client() {
+                    Late::Client
+                } else {
+                    Late::Upstream
+                }));
+            }
+            seen = moved;
+            let wait = if progress.on_client() { client } else { send };
+            deadline = Sleep::until(self.timers.clone(), Timers::now() + wait);
+        })
+        .await
+    }
+
+    /// The client's body stopped coming for `timeouts.client_body_idle`: 408, and the
+    /// connection closes (what of the body is still coming cannot be told from a request).
+    fn body_timeout(&self) -> Response<Body> {
+        self.metrics
+            .bad_requests
+            .with_label_values(&["body_timeout"])
+            .inc();
+        let mut resp = respond::error(
+            StatusCode::REQUEST_TIMEOUT,
+            "the request body stopped coming",
         );
         resp.headers_mut()
             .insert(header::CONNECTION, HeaderValue::from_static("close"));
@@ -367,6 +459,10 @@ pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Response<Body> {
         UpstreamError::BodyIdle => (
             StatusCode::GATEWAY_TIMEOUT,
             "upstream stopped sending the response body",
+        ),
+        UpstreamError::UploadStalled => (
+            StatusCode::GATEWAY_TIMEOUT,
+            "upstream stopped taking the request body",
         ),
     };
     let mut resp = respond::error(status, detail);

@@ -37,6 +37,8 @@ pub struct Added {
     /// `Connection: upgrade` go upstream (not `close`), and the connection is the tunnel's or,
     /// unswitched, not reused.
     pub upgrade: Option<&'static str>,
+    /// A body still coming tells its progress here, for the exchange's deadlines.
+    pub progress: Option<std::sync::Arc<super::http1::upload::Progress>>,
 }
 
 /// Bytes of `X-Forwarded-For` kept in [`Added`] without an allocation.
@@ -110,6 +112,7 @@ impl Added {
             trusted: trust_forwarded,
             close: false,
             upgrade: None,
+            progress: None,
         }
     }
 

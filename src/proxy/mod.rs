@@ -92,6 +92,8 @@ pub struct Shared {
     /// What is done to a request's target and headers before the rules see it.
     hygiene: Hygiene,
     response_timeout: Duration,
+    /// `timeouts.send` and `timeouts.client_body_idle`, for a body still coming upstream.
+    upload_timeouts: (Duration, Duration),
     // Relaxed: a flag read by /readyz; nothing else is published through it.
     pub draining: AtomicBool,
     /// Redis of `scope: redis` rules, kept across reloads while its section is unchanged.
@@ -232,6 +234,7 @@ impl Sidecar {
             client_ip: config.client_ip.policy(),
             hygiene: Hygiene::of(&config),
             response_timeout: t.upstream_response.0,
+            upload_timeouts: (t.send.0, t.client_body_idle.0),
             draining: AtomicBool::new(false),
             #[cfg(feature = "redis")]
             exact: arc_swap::ArcSwapOption::new(exact),
@@ -632,6 +635,7 @@ fn anchor_period(t: &crate::config::Timeouts) -> Duration {
         .min(t.upstream_response.0)
         .min(t.send.0)
         .min(t.upstream_body_idle.0)
+        .min(t.client_body_idle.0)
         / 2)
     .clamp(Duration::from_millis(1), Duration::from_secs(1))
 }

@@ -190,6 +190,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
         peer: peer.ip(),
         trust_forwarded: trusted,
         response_timeout: shared.response_timeout,
+        upload_timeouts: shared.upload_timeouts,
         timers: &conn.timers,
         metrics,
         affine: (!shared.upstream_h2).then_some((&conn.affine, &shared.affine_upstream)),

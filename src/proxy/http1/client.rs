@@ -256,7 +256,7 @@ pub async fn exchange(
     }
     if streamed {
         if let Either::Left(body) = std::mem::replace(req.body_mut(), emptied()) {
-            raw.upload = Some(Upload::new(body, chunked));
+            raw.upload = Some(Upload::new(body, chunked, added.progress.clone()));
         }
     }
     // The upstream stopped taking the upload: the connection is not reused.

@@ -25,7 +25,7 @@ pub(crate) mod request_body;
 pub(crate) mod request_head;
 pub(crate) mod server;
 mod tunnel;
-mod upload;
+pub(crate) mod upload;
 
 #[cfg(test)]
 mod tests;

@@ -4,10 +4,15 @@
 //! connection's, an HTTP/2 stream's). Framed upstream by its
 //! one `Content-Length`, else in chunks (trailers are not passed on).
 //!
+//! Its progress is told to whoever times the exchange ([`Progress`]): the response timeout
+//! starts when the upload is whole, and a stalled one is the client's or the app's.
+//!
 //! Must never: write a byte past what the body gave, or let an upload that stopped (the
 //! client's body broke, the upstream stopped taking it) leave its connection reusable.
 
 use std::io::{self, IoSlice};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -26,10 +31,40 @@ pub(crate) enum Stopped {
     Upstream,
 }
 
+/// How an upload is getting on, for its exchange's deadlines (Relaxed: read by the same task).
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Bumped whenever a byte was written or the body gave a frame.
+    moved: AtomicU64,
+    /// It waits on the client's body (else on the upstream's socket).
+    on_client: AtomicBool,
+    /// Sent whole, or stopped.
+    over: AtomicBool,
+}
+
+impl Progress {
+    pub fn moved(&self) -> u64 {
+        self.moved.load(Ordering::Relaxed)
+    }
+
+    pub fn on_client(&self) -> bool {
+        self.on_client.load(Ordering::Relaxed)
+    }
+
+    pub fn over(&self) -> bool {
+        self.over.load(Ordering::Relaxed)
+    }
+
+    fn bump(&self) {
+        self.moved.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
 /// A request body being written upstream.
 pub(crate) struct Upload {
     body: Streamed,
     chunked: bool,
+    progress: Option<Arc<Progress>>,
     /// Written next, in order: a chunk's size line, its data, its end.
     pending: SmallVec<[Bytes; 3]>,
     /// The body gave its last frame (and the chunked end is queued).
@@ -38,10 +73,11 @@ pub(crate) struct Upload {
 
 impl Upload {
     /// `body`, framed in chunks unless the head gave its length (`chunked: false`).
-    pub(crate) fn new(body: Streamed, chunked: bool) -> Self {
+    pub(crate) fn new(body: Streamed, chunked: bool, progress: Option<Arc<Progress>>) -> Self {
         Upload {
             body,
             chunked,
+            progress,
             pending: SmallVec::new(),
             ended: false,
         }
@@ -54,10 +90,29 @@ impl Upload {
         cx: &mut Context<'_>,
         stream: &TcpStream,
     ) -> Poll<Result<(), Stopped>> {
+        let polled = self.poll_inner(cx, stream);
+        if let Some(p) = &self.progress {
+            if polled.is_ready() {
+                p.over.store(true, Ordering::Relaxed);
+            }
+        }
+        polled
+    }
+
+    fn poll_inner(
+        &mut self,
+        cx: &mut Context<'_>,
+        stream: &TcpStream,
+    ) -> Poll<Result<(), Stopped>> {
         loop {
             while !self.pending.is_empty() {
                 match stream.poll_write_ready(cx) {
-                    Poll::Pending => return Poll::Pending,
+                    Poll::Pending => {
+                        if let Some(p) = &self.progress {
+                            p.on_client.store(false, Ordering::Relaxed);
+                        }
+                        return Poll::Pending;
+                    }
                     Poll::Ready(Err(_)) => return Poll::Ready(Err(Stopped::Upstream)),
                     Poll::Ready(Ok(())) => {}
                 }
@@ -69,6 +124,9 @@ impl Upload {
                 match written {
                     Ok(0) => return Poll::Ready(Err(Stopped::Upstream)),
                     Ok(mut n) => {
+                        if let Some(p) = &self.progress {
+                            p.bump();
+                        }
                         while n > 0 {
                             let first = &mut self.pending[0];
                             if n >= first.len() {
@@ -88,9 +146,17 @@ impl Upload {
                 return Poll::Ready(Ok(()));
             }
             match std::pin::Pin::new(&mut self.body).poll_frame(cx) {
-                Poll::Pending => return Poll::Pending,
+                Poll::Pending => {
+                    if let Some(p) = &self.progress {
+                        p.on_client.store(true, Ordering::Relaxed);
+                    }
+                    return Poll::Pending;
+                }
                 Poll::Ready(Some(Err(_))) => return Poll::Ready(Err(Stopped::Client)),
                 Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(p) = &self.progress {
+                        p.bump();
+                    }
                     // Trailers are not passed on (an HTTP/1 upstream may not take them).
                     let Ok(data) = frame.into_data() else {
                         continue;
