@@ -617,3 +617,68 @@ async fn an_app_that_takes_no_byte_of_an_upload_gets_504() {
     let text = String::from_utf8_lossy(&answer);
     assert!(text.starts_with("HTTP/1.1 504"), "{text}");
 }
+
+/// An app that answers a HEAD with a head and, late (when the connection's next request
+/// comes), the body a GET would have had: a response of its own to whoever asks next.
+async fn late_head_body_app() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    raw_server(|mut s| async move {
+        let mut buf = Vec::new();
+        let mut owed = false;
+        loop {
+            let mut chunk = [0u8; 4096];
+            let end = loop {
+                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                    break i + 4;
+                }
+                match s.read(&mut chunk).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                }
+            };
+            let head: Vec<u8> = buf.drain(..end).collect();
+            if head.starts_with(b"HEAD ") {
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 46\r\n\r\n")
+                    .await;
+                owed = true;
+                continue;
+            }
+            if std::mem::take(&mut owed) {
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nPOISONED")
+                    .await;
+            }
+            let _ = s
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await;
+        }
+    })
+    .await
+}
+
+/// 6. A HEAD's upstream connection never serves another client: the app's late body cannot
+/// become the answer to someone else's request, however the attacker times it.
+#[tokio::test]
+async fn a_heads_late_body_never_answers_another_client() {
+    let app = late_head_body_app().await;
+    let sc = spillway::Sidecar::start(config(app, "workers: 1\nrules: []\n"))
+        .await
+        .unwrap();
+    for _ in 0..5 {
+        // The attacker: a fresh connection per HEAD, gone once answered.
+        let mut attacker = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+        tokio::io::AsyncWriteExt::write_all(
+            attacker.get_mut(),
+            b"HEAD / HTTP/1.1\r\nHost: app\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        assert_eq!(read_head(&mut attacker).await, "HTTP/1.1 200 OK");
+        drop(attacker);
+        // Someone else, on a fresh connection of their own.
+        let mut victim = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+        let a = ask(&mut victim, "GET / HTTP/1.1\r\nHost: app\r\n\r\n").await;
+        assert_eq!(a.body, "ok", "another client's answer: {}", a.body);
+    }
+}

@@ -93,10 +93,15 @@ async fn raw_upstream(late: Arc<Notify>) -> SocketAddr {
                     } else if let Some(x) = path.strip_prefix("/echo/") {
                         format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{x}", x.len())
                             .into_bytes()
-                    } else if path == "/late" && method == "HEAD" {
-                        let _ = s
-                            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 13\r\n\r\n")
-                            .await;
+                    } else if path == "/late" {
+                        // Answered whole (a HEAD by its head alone), then, once told, bytes
+                        // nobody asked for on the idle connection.
+                        let whole: &[u8] = if method == "HEAD" {
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 13\r\n\r\n"
+                        } else {
+                            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok"
+                        };
+                        let _ = s.write_all(whole).await;
                         late.notified().await;
                         b"ATTACKER-BODY".to_vec()
                     } else {
@@ -162,7 +167,9 @@ async fn bytes_past_a_responses_framing_never_reach_the_next_client() {
         }
     }
     let text = admin(&sc, "/metrics").await.1;
-    assert!(discarded(&text, "leftover") >= 10.0, "{text}");
+    // The three shapes with a body, over both client kinds, went to the pool and were
+    // found out there; a HEAD's and a 204's connection never reach it.
+    assert!(discarded(&text, "leftover") >= 6.0, "{text}");
 }
 
 /// A 204 that announces a body (which RFC 9110 forbids) may be followed by it at any time,
@@ -190,8 +197,9 @@ async fn bytes_an_upstream_sends_while_its_connection_is_idle_close_it() {
     let late = Arc::new(Notify::new());
     let up = raw_upstream(late.clone()).await;
     let sc = proxy_for(up).await;
-    // The attacker's HEAD gets its head; the connection goes back to the pool.
-    let (status, _, _) = send(&client(), sc.addr(), "HEAD", "/late", &[]).await;
+    // The attacker's GET is answered whole; the connection goes back to the pool (a HEAD's
+    // would stay with its client: `tests/phases.rs`).
+    let (status, _, _) = send(&client(), sc.addr(), "GET", "/late", &[]).await;
     assert_eq!(status, StatusCode::OK);
     // Now the app writes a body nobody asked for, on the idle connection.
     late.notify_one();

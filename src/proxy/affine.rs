@@ -170,8 +170,9 @@ impl Slot {
 
 impl h1::Home for Slot {
     fn put(&self, raw: Raw, since: u64) {
-        // A request waits for a connection: the worker's list gives it this one.
-        if self.idle.cap.wanted() {
+        // A request waits for a connection: the worker's list gives it this one (unless it
+        // serves this client only: then it stays).
+        if self.idle.cap.wanted() && !raw.own_only() {
             h1::Home::put(&*self.idle, raw, since);
             return;
         }
@@ -236,12 +237,18 @@ impl Affine {
         } else {
             self.slot.clone()
         };
-        let failed = match h1::exchange(raw, req, added, home.clone(), now).await {
+        // After an answer without a body, the connection stays with this client (an HTTP/1
+        // one; an HTTP/2 stream has no connection of its own, so it is closed): a late body
+        // from the app then reaches, at worst, the client that asked for it.
+        let bodiless: Option<Arc<dyn h1::Home>> =
+            (req.version() != Version::HTTP_2).then(|| self.slot.clone() as Arc<dyn h1::Home>);
+        let homes = (home.clone(), bodiless.clone());
+        let failed = match h1::exchange(raw, req, added, homes, now).await {
             Ok(resp) => return Ok(resp),
             // A reused connection the upstream closed just now: once more on another.
             Err(h1::Failed::Unsent(_)) if reused => {
                 let (raw, _) = Box::pin(self.connect(upstream, now)).await?;
-                h1::exchange(raw, req, added, home, now).await
+                h1::exchange(raw, req, added, (home, bodiless), now).await
             }
             Err(e) => Err(e),
         };
@@ -347,7 +354,8 @@ pub async fn drive<F: Future>(mut server: Pin<&mut F>, affine: &Affine) -> Optio
 /// client connection, if it is between exchanges.
 fn park(affine: &Affine) {
     let mut state = affine.slot.state();
-    if let Some(raw) = state.raw.take() {
+    // One that serves this client only is closed with it.
+    if let Some(raw) = state.raw.take().filter(|raw| !raw.own_only()) {
         affine.idle.put(Parked {
             raw,
             since: state.last_used,
@@ -396,6 +404,10 @@ const MAX_IDLE: usize = 256;
 
 impl h1::Home for Idle {
     fn put(&self, raw: Raw, since: u64) {
+        // Never another client's (an exchange hands such a one to its own client's slot).
+        if raw.own_only() {
+            return;
+        }
         if self.cap.wanted() {
             // A request of this worker waits: it takes this one. Else one of another
             // worker's: closed, to give it this one's permit.

@@ -91,6 +91,16 @@ pub struct Connection {
     /// The exchange's request body, while it is still being written ([`Upload`]): kept with
     /// the connection it goes on, not in the response, which moves through the request path.
     upload: Option<Upload>,
+    /// It answered without a body (a HEAD, a 204, a 304): an app may still send one, so it
+    /// serves the client connection that asked only, never the worker's list.
+    own_only: bool,
+}
+
+impl Raw {
+    /// Whether it may serve only the client connection it last served (see `own_only`).
+    pub fn own_only(&self) -> bool {
+        self.0.own_only
+    }
 }
 
 /// Where a connection goes when the body that holds it has been read to its end.
@@ -146,6 +156,7 @@ impl Raw {
             filled: 0,
             _permit: permit,
             upload: None,
+            own_only: false,
         }))
     }
 
@@ -214,12 +225,14 @@ impl Raw {
 /// is taken out of `req` and written as it is read ([`Upload`]), while the response is
 /// awaited and then while its body is read: an app may answer before the upload's end. An
 /// upgrade `added` asks for is answered by a `101` whose body gives the connection to the
-/// tunnel ([`RawBody::take_switched`]).
+/// tunnel ([`RawBody::take_switched`]). An answer without a body (to a HEAD, a 204, a 304)
+/// hands the connection to `bodiless` instead: an app may send a body after it anyway, and
+/// that must never reach another client (`None`: the connection is closed).
 pub async fn exchange(
     mut raw: Raw,
     req: &mut Request<ReqBody>,
     added: &Added,
-    home: Arc<dyn Home>,
+    (home, bodiless): (Arc<dyn Home>, Option<Arc<dyn Home>>),
     now: u64,
 ) -> Result<Response<RawBody>, Failed> {
     // An HTTP/2 client's stream is answered by hyper's server, which writes from the map.
@@ -291,7 +304,13 @@ pub async fn exchange(
                 let refused = head.status >= 400 && (in_hand || streamed);
                 let early = raw.0.upload.is_some();
                 let kept = !added.close && added.upgrade.is_none() && !refused && !early && !cut;
-                let home = kept.then_some(home);
+                let home = match head_only || head.status == 204 || head.status == 304 {
+                    true => {
+                        raw.0.own_only = true;
+                        bodiless.filter(|_| kept)
+                    }
+                    false => kept.then_some(home),
+                };
                 return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
             }
             Ok(None) => {
