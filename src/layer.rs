@@ -238,6 +238,7 @@ where
             };
             let resp = inner.call(req).await?;
             admit.permits.iter_mut().for_each(Permit::responded);
+            admit.permits.retain(|p| !p.releases_at_head());
             let mut resp = resp.map(|b| Either::Left(PermitBody::new(b, admit.permits)));
             // `states` is filled only under `headers: always`, so this is a no-op otherwise.
             respond::add_rate_headers(resp.headers_mut(), &admit.states);

@@ -682,3 +682,82 @@ async fn a_heads_late_body_never_answers_another_client() {
         assert_eq!(a.body, "ok", "another client's answer: {}", a.body);
     }
 }
+
+/// Opens `n` long-lived responses (a head, then a body that never ends) through `proxy`;
+/// returns their connections, held open.
+async fn open_streams(
+    proxy: std::net::SocketAddr,
+    n: usize,
+) -> Vec<tokio::io::BufReader<TcpStream>> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        let mut c = tokio::io::BufReader::new(TcpStream::connect(proxy).await.unwrap());
+        tokio::io::AsyncWriteExt::write_all(
+            c.get_mut(),
+            b"GET /events HTTP/1.1\r\nHost: app\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
+        held.push(c);
+    }
+    held
+}
+
+/// The status of one more request through `proxy`, on a connection of its own.
+async fn one_more(proxy: std::net::SocketAddr) -> String {
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(proxy).await.unwrap());
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /other HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    read_head(&mut c).await
+}
+
+/// 4. Long-lived responses (event streams) do not lock a shared adaptive limit: it measures
+/// to the response head and releases there, so the shipped rule (`config/exact.yaml`) still
+/// serves others while 8 streams stay open.
+#[tokio::test]
+async fn event_streams_do_not_lock_a_shared_adaptive_limit() {
+    let (app, _closed) = stalling_app().await;
+    let sc = spillway::Sidecar::start(config(
+        app,
+        "rules:\n  - name: app-capacity\n    key: []\n    limit: { adaptive: { min: 8, max: 512, tolerance: 2.0 } }\n",
+    ))
+    .await
+    .unwrap();
+    let _streams = open_streams(sc.addr(), 12).await;
+    assert_eq!(one_more(sc.addr()).await, "HTTP/1.1 200 OK");
+}
+
+/// A fixed `concurrency:` counts to the response's end (it is for time-heavy endpoints), unless
+/// the rule says `release: head`.
+#[tokio::test]
+async fn a_fixed_concurrency_counts_to_the_end_unless_it_releases_at_the_head() {
+    let (app, _closed) = stalling_app().await;
+    let sc = spillway::Sidecar::start(config(
+        app,
+        "rules:\n  - name: to-the-end\n    match: { path: /events }\n    key: []\n    limit: { concurrency: 2 }\n  - name: at-the-head\n    match: { path_prefix: /live }\n    key: []\n    limit: { concurrency: 2 }\n    release: head\n",
+    ))
+    .await
+    .unwrap();
+    let _streams = open_streams(sc.addr(), 2).await;
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    let a = ask(&mut c, "GET /events HTTP/1.1\r\nHost: app\r\n\r\n").await;
+    assert!(
+        a.status.starts_with("HTTP/1.1 429") || a.status.starts_with("HTTP/1.1 503"),
+        "{}",
+        a.status
+    );
+    let mut live = Vec::new();
+    for _ in 0..4 {
+        let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+        tokio::io::AsyncWriteExt::write_all(
+            c.get_mut(),
+            b"GET /live HTTP/1.1\r\nHost: app\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
+        live.push(c);
+    }
+}

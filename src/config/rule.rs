@@ -30,6 +30,20 @@ pub struct Rule {
     pub max_keys: NonZeroU32,
     /// The size of that sketch.
     pub sketch: SketchSize,
+    /// When a concurrency slot is given back: at the response's end (default), or at its
+    /// head (`concurrency:` with `release: head`; an adaptive limit always does).
+    pub release: Release,
+}
+
+/// When a request gives back its concurrency slot.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum Release {
+    /// When the response body ends (for endpoints whose work is the response's time).
+    #[default]
+    End,
+    /// When the response head comes (for event streams and long downloads).
+    Head,
 }
 
 /// A count-min sketch's shape: `depth` rows of `width` counters, for each of two windows.
@@ -77,6 +91,13 @@ pub(super) struct RawRule {
     pub(super) max_keys: NonZeroU32,
     #[serde(default)]
     pub(super) sketch: SketchSize,
+    /// Only with `concurrency:` (default `end`).
+    #[serde(default, skip_serializing_if = "is_end")]
+    pub(super) release: Release,
+}
+
+fn is_end(r: &Release) -> bool {
+    *r == Release::End
 }
 
 pub(super) fn default_max_keys() -> NonZeroU32 {
@@ -116,6 +137,7 @@ impl TryFrom<RawRule> for Rule {
             mode: r.mode,
             max_keys: r.max_keys,
             sketch: r.sketch,
+            release: r.release,
         })
     }
 }
@@ -190,6 +212,17 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
     }
     if u64::from(r.sketch.width.get()) * u64::from(r.sketch.depth.get()) > 1 << 24 {
         return Err("sketch: width x depth must be at most 16777216 counters".into());
+    }
+    match (&r.limit, r.release) {
+        (_, Release::End) | (Limit::Concurrency(_), Release::Head) => {}
+        (Limit::Adaptive(_), Release::Head) => {
+            return Err(
+                "release: an adaptive limit always gives its slot back at the response head".into(),
+            )
+        }
+        (Limit::Rate { .. }, Release::Head) => {
+            return Err("release: applies to concurrency limits, not to rates".into())
+        }
     }
     if let Limit::Adaptive(_) = r.limit {
         if r.scope != Scope::Local {
@@ -310,6 +343,7 @@ impl From<Rule> for RawRule {
             mode: r.mode,
             max_keys: r.max_keys,
             sketch: r.sketch,
+            release: r.release,
         }
     }
 }

@@ -287,6 +287,23 @@ fn every_algorithm_and_concurrency_parse() {
 }
 
 #[test]
+fn an_adaptive_limit_is_told_it_releases_at_the_head_already() {
+    let e = err(&with_rule(
+        "  - name: a\n    key: []\n    limit: { adaptive: { max: 10 } }\n    release: head\n",
+    ));
+    assert!(
+        e.contains("always gives its slot back at the response head"),
+        "{e}"
+    );
+    let c = Config::from_yaml(
+        &with_rule("  - name: a\n    key: []\n    limit: { concurrency: 2 }\n    release: head\n"),
+        "t.yaml",
+    )
+    .unwrap();
+    assert_eq!(c.rules[0].release, Release::Head);
+}
+
+#[test]
 fn cost_delay_and_limits_are_checked_against_each_other() {
     for (rule, want) in [
         ("limit: { rate: 1/s, concurrency: 2 }", "not both"),
@@ -306,6 +323,10 @@ fn cost_delay_and_limits_are_checked_against_each_other() {
         (
             "limit: { concurrency: 2 }\n    on_limit: delay",
             "on_limit: delay applies to rate limits",
+        ),
+        (
+            "limit: { rate: 1/s }\n    release: head",
+            "release: applies to concurrency limits",
         ),
         (
             "limit: { rate: 10/s, burst: 5 }\n    cost: 6",

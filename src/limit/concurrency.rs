@@ -19,13 +19,15 @@ pub struct Concurrency {
 
 impl Concurrency {
     /// Takes a slot if fewer than `max` are taken.
-    pub fn try_acquire(self: &Arc<Self>, max: u32) -> Option<Permit> {
+    /// A slot when fewer than `max` are taken; `at_head`: given back at the response head
+    /// ([`Permit::releases_at_head`]), else when dropped.
+    pub fn try_acquire(self: &Arc<Self>, max: u32, at_head: bool) -> Option<Permit> {
         self.in_flight
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 (n < max).then_some(n + 1)
             })
             .ok()
-            .map(|_| Permit(Held::Fixed(self.clone())))
+            .map(|_| Permit(Held::Fixed(self.clone(), at_head)))
     }
 
     pub fn in_flight(&self) -> u32 {
@@ -39,7 +41,8 @@ pub struct Permit(Held);
 
 #[derive(Debug)]
 enum Held {
-    Fixed(Arc<Concurrency>),
+    /// With whether it is given back at the response head.
+    Fixed(Arc<Concurrency>, bool),
     Adaptive(AdaptivePermit),
 }
 
@@ -47,7 +50,7 @@ impl Permit {
     /// Slots of this key (or adaptive rule) taken now, this one included.
     pub fn in_flight(&self) -> u32 {
         match &self.0 {
-            Held::Fixed(c) => c.in_flight(),
+            Held::Fixed(c, _) => c.in_flight(),
             Held::Adaptive(p) => p.limiter().in_flight(),
         }
     }
@@ -57,6 +60,16 @@ impl Permit {
     pub fn responded(&mut self) {
         if let Held::Adaptive(p) = &mut self.0 {
             p.responded();
+        }
+    }
+
+    /// Whether the slot is given back once the response head has come (it is dropped then):
+    /// an adaptive limit's always (it measures to the head, as Envoy's does, so a long-lived
+    /// response never holds it), a fixed one's with `release: head`.
+    pub fn releases_at_head(&self) -> bool {
+        match &self.0 {
+            Held::Fixed(_, at_head) => *at_head,
+            Held::Adaptive(_) => true,
         }
     }
 }
@@ -70,7 +83,7 @@ impl From<AdaptivePermit> for Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         // An adaptive permit frees its slot in its own Drop.
-        if let Held::Fixed(c) = &self.0 {
+        if let Held::Fixed(c, _) = &self.0 {
             c.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
     }
@@ -83,12 +96,12 @@ mod tests {
     #[test]
     fn at_most_n_permits_exist_and_dropping_one_frees_a_slot() {
         let c = Arc::new(Concurrency::default());
-        let a = c.try_acquire(2).unwrap();
-        let _b = c.try_acquire(2).unwrap();
-        assert!(c.try_acquire(2).is_none());
+        let a = c.try_acquire(2, false).unwrap();
+        let _b = c.try_acquire(2, false).unwrap();
+        assert!(c.try_acquire(2, false).is_none());
         drop(a);
         assert_eq!(c.in_flight(), 1);
-        assert!(c.try_acquire(2).is_some());
+        assert!(c.try_acquire(2, false).is_some());
     }
 
     #[test]
@@ -100,7 +113,7 @@ mod tests {
                 let (c, peak) = (c.clone(), peak.clone());
                 std::thread::spawn(move || {
                     for _ in 0..20_000 {
-                        if let Some(p) = c.try_acquire(3) {
+                        if let Some(p) = c.try_acquire(3, false) {
                             peak.fetch_max(c.in_flight(), Ordering::Relaxed);
                             drop(p);
                         }

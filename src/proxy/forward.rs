@@ -294,8 +294,11 @@ impl Forward<'_> {
         };
         let resp = match result {
             Some(Ok(resp)) => {
-                // The upstream's latency, for adaptive limits: to the response head.
+                // The upstream's latency, for adaptive limits: to the response head. Slots
+                // given back at the head (adaptive ones, `release: head`) go now: a long-lived
+                // response must not hold a shared limit.
                 permits.iter_mut().for_each(Permit::responded);
+                permits.retain(|p| !p.releases_at_head());
                 Ok(resp)
             }
             // The client's own body was malformed (a bad chunk) or cut off: its fault, not the

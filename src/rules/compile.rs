@@ -196,6 +196,7 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
         Limit::Concurrency(n) => Kind::Concurrency {
             max: n.get(),
             store: Store::new(parts),
+            at_head: r.release == crate::config::Release::Head,
         },
         Limit::Adaptive(spec) => {
             let limit = metrics.adaptive_limit.with_label_values(&[label]);

@@ -121,6 +121,8 @@ enum Kind {
     Concurrency {
         max: u32,
         store: Store<Arc<Concurrency>>,
+        /// `release: head`: the slot is given back at the response head.
+        at_head: bool,
     },
     /// In flight at once for the whole rule, a limit that follows the upstream's latency.
     Adaptive { limiter: Arc<Adaptive> },
@@ -413,9 +415,14 @@ impl RuleSet {
                         continue;
                     }
                 },
-                Kind::Concurrency { max, store } => {
-                    let (permit, _) =
-                        store.with(&key, now, concurrency_idle, |c| c.try_acquire(*max));
+                Kind::Concurrency {
+                    max,
+                    store,
+                    at_head,
+                } => {
+                    let (permit, _) = store.with(&key, now, concurrency_idle, |c| {
+                        c.try_acquire(*max, *at_head)
+                    });
                     slot(permit, *max, i, &mut admit, &mut taken)
                 }
                 Kind::Global {
