@@ -761,3 +761,41 @@ async fn a_fixed_concurrency_counts_to_the_end_unless_it_releases_at_the_head() 
         live.push(c);
     }
 }
+
+/// A rule's own `upstream_body_idle` replaces the global one for the requests it applies to
+/// (here shorter, so that the test need not wait for the global 60 s).
+#[tokio::test]
+async fn a_rules_upstream_body_idle_applies_to_its_requests() {
+    let (app, mut closed) = stalling_app().await;
+    let sc = spillway::Sidecar::start(config(
+        app,
+        "rules:\n  - name: feeds\n    match: { path_prefix: /feed }\n    key: []\n    limit: { rate: 100/s }\n    upstream_body_idle: 1s\n",
+    ))
+    .await
+    .unwrap();
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /feed HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
+    assert!(closes(&mut c).await, "the rule's 1 s did not apply");
+    assert!(tokio::time::timeout(Duration::from_secs(10), closed.recv())
+        .await
+        .is_ok());
+    // The same over HTTP/2.
+    let resp = h2_client()
+        .request(
+            http::Request::get(format!("http://{}/feed", sc.addr()))
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let body = tokio::time::timeout(
+        Duration::from_secs(10),
+        http_body_util::BodyExt::collect(resp.into_body()),
+    )
+    .await
+    .expect("the rule's 1 s did not apply over HTTP/2");
+    assert!(body.is_err());
+}

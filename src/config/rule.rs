@@ -33,6 +33,9 @@ pub struct Rule {
     /// When a concurrency slot is given back: at the response's end (default), or at its
     /// head (`concurrency:` with `release: head`; an adaptive limit always does).
     pub release: Release,
+    /// `timeouts.upstream_body_idle` for the requests this rule applies to (event streams):
+    /// the longest of the rules that apply and set it wins over the global one.
+    pub upstream_body_idle: Option<Dur>,
 }
 
 /// When a request gives back its concurrency slot.
@@ -94,6 +97,8 @@ pub(super) struct RawRule {
     /// Only with `concurrency:` (default `end`).
     #[serde(default, skip_serializing_if = "is_end")]
     pub(super) release: Release,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) upstream_body_idle: Option<Dur>,
 }
 
 fn is_end(r: &Release) -> bool {
@@ -138,6 +143,7 @@ impl TryFrom<RawRule> for Rule {
             max_keys: r.max_keys,
             sketch: r.sketch,
             release: r.release,
+            upstream_body_idle: r.upstream_body_idle,
         })
     }
 }
@@ -344,6 +350,7 @@ impl From<Rule> for RawRule {
             max_keys: r.max_keys,
             sketch: r.sketch,
             release: r.release,
+            upstream_body_idle: r.upstream_body_idle,
         }
     }
 }

@@ -200,6 +200,10 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
     };
     let mut resp = fwd.send(req, admit.permits).await;
     let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
+        // A rule's own `upstream_body_idle` (an event stream's) goes with its body.
+        if let Some(idle) = admit.body_idle {
+            resp.extensions_mut().insert(respond::BodyIdle(idle));
+        }
         Outcome::Upstream
     } else {
         Outcome::Error

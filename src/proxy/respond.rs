@@ -14,6 +14,11 @@ pub type UpstreamBody = Either<Incoming, super::http1::client::RawBody>;
 /// Response bodies of the sidecar: the upstream's, streamed, or a short one of ours.
 pub type Body = Either<PermitBody<UpstreamBody>, Own>;
 
+/// In a response's extensions: the `upstream_body_idle` its rules set, in place of the
+/// global one.
+#[derive(Debug, Clone, Copy)]
+pub struct BodyIdle(pub std::time::Duration);
+
 /// Puts all of `resp`'s header fields in its map, for a server that writes its own heads
 /// (hyper's) or a change to the map: a kept 429's, or those an upstream response of our own
 /// connection passes as the upstream wrote them (`http1::client::Passed`). Fields

@@ -275,6 +275,7 @@ pub(super) fn compile(
         }),
     });
     CompiledRule {
+        body_idle: r.upstream_body_idle.map(|d| d.0),
         matcher: Matcher::from(&r.matcher),
         key: r.key.0.clone(),
         mode: r.mode,

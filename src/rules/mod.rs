@@ -80,6 +80,8 @@ struct CompiledRule {
     shadow_rejected: IntCounter,
     /// Rejections logged in the current second.
     logged: LogBudget,
+    /// The rule's `upstream_body_idle`.
+    body_idle: Option<std::time::Duration>,
 }
 
 /// How many of a rule's rejections were logged in the current second: the log answers "why
@@ -288,6 +290,8 @@ pub struct Admit {
     pub permits: SmallVec<[Permit; 1]>,
     /// How long a shaping rule (leaky bucket) wants the request to wait before it goes on.
     pub wait: Nanos,
+    /// The longest `upstream_body_idle` of the rules that applied, if any set one.
+    pub body_idle: Option<std::time::Duration>,
 }
 
 /// A rule's state after a decision, for the `RateLimit` headers.
@@ -353,7 +357,11 @@ impl RuleSet {
                 continue;
             }
             match rule.key_of(req, &mut key) {
-                Extract::Found => {}
+                Extract::Found => {
+                    if rule.body_idle.is_some() {
+                        admit.body_idle = admit.body_idle.max(rule.body_idle);
+                    }
+                }
                 Extract::Missing => continue,
                 Extract::Repeated => {
                     self.refund(req, &taken, now);

@@ -124,6 +124,23 @@ fn a_rule_whose_key_part_is_missing_does_not_apply() {
 }
 
 #[test]
+fn the_longest_upstream_body_idle_of_the_rules_that_apply_wins() {
+    let (rules, _) = ruleset(
+        "  - name: events\n    match: { path_prefix: /events }\n    key: []\n    limit: { rate: 100/s }\n    upstream_body_idle: 1h\n  - name: short\n    key: []\n    limit: { rate: 100/s }\n    upstream_body_idle: 5s\n  - name: by-key\n    key: [header:x-k]\n    limit: { rate: 100/s }\n    upstream_body_idle: 2h\n",
+        "on_reject",
+    );
+    let idle = |r: &Req| match r.check(&rules, T0) {
+        Verdict::Allow(admit) => admit.body_idle,
+        _ => panic!("refused"),
+    };
+    let secs = |s| Some(std::time::Duration::from_secs(s));
+    assert_eq!(idle(&req("GET", "/events/1", &[])), secs(3600));
+    assert_eq!(idle(&req("GET", "/other", &[])), secs(5));
+    // A rule whose key is missing does not apply, nor does its setting.
+    assert_eq!(idle(&req("GET", "/other", &[("x-k", "a")])), secs(7200));
+}
+
+#[test]
 fn tuple_keys_count_each_combination_apart() {
     let (rules, _) = ruleset(
         "  - name: r\n    key: [client_ip, method]\n    limit: { rate: 1/h, burst: 1 }\n",

@@ -401,6 +401,10 @@ impl Served {
         );
         // Not kept while the body streams.
         drop(std::mem::take(resp.headers_mut()));
+        let body_idle = resp
+            .extensions()
+            .get::<crate::proxy::respond::BodyIdle>()
+            .map_or(self.body_idle.0, |b| b.0);
         let mut body = Pin::new(resp.body_mut());
         if let ResponseFraming::None = framing {
             send_all(&self.stream, &mut self.clock, &self.out).await?;
@@ -415,35 +419,34 @@ impl Served {
             // the first piece; in chunks, the chunks the upstream sent together and the chunked
             // end. Before waiting for more (a slow app, a stream of events) what is queued is
             // written, so that nothing waits behind a piece still to come.
-            let frame = match std::future::poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx)))
-                .await
-            {
-                Poll::Ready(f) => f,
-                Poll::Pending => {
-                    self.flush().await?;
-                    let deadline =
-                        Sleep::until(self.clock.timers.clone(), Timers::now() + self.body_idle.0);
-                    let waited = unless_left(
-                        &self.stream,
-                        crate::proxy::coarse::timeout(
-                            deadline,
-                            std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)),
-                        ),
-                        watch,
-                    );
-                    match waited.await {
-                        Some(Some(frame)) => frame,
-                        // Silent past `upstream_body_idle`: the client learns it from
-                        // the close, the upstream connection goes with the body.
-                        Some(None) => {
-                            self.body_idle.1.inc();
-                            self.flush().await?;
-                            return Ok(false);
+            let frame =
+                match std::future::poll_fn(|cx| Poll::Ready(body.as_mut().poll_frame(cx))).await {
+                    Poll::Ready(f) => f,
+                    Poll::Pending => {
+                        self.flush().await?;
+                        let deadline =
+                            Sleep::until(self.clock.timers.clone(), Timers::now() + body_idle);
+                        let waited = unless_left(
+                            &self.stream,
+                            crate::proxy::coarse::timeout(
+                                deadline,
+                                std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)),
+                            ),
+                            watch,
+                        );
+                        match waited.await {
+                            Some(Some(frame)) => frame,
+                            // Silent past `upstream_body_idle`: the client learns it from
+                            // the close, the upstream connection goes with the body.
+                            Some(None) => {
+                                self.body_idle.1.inc();
+                                self.flush().await?;
+                                return Ok(false);
+                            }
+                            None => return Err(io::ErrorKind::ConnectionAborted.into()),
                         }
-                        None => return Err(io::ErrorKind::ConnectionAborted.into()),
                     }
-                }
-            };
+                };
             let mut data = match frame {
                 None => break,
                 Some(Ok(f)) => match f.into_data() {

@@ -27,8 +27,22 @@ pub(super) async fn tunnel(s: Served, upstream: Raw, lane: &Lane) -> io::Result<
         return Ok(());
     };
     let (mut upstream, from_upstream, _place) = upstream.into_tunnel();
-    upstream.write_all(&s.buf).await?;
-    client.write_all(&from_upstream).await?;
+    // What each side sent past its head goes to the other first, within `timeouts.send`
+    // (a side that never reads would hold the tunnel before its idle watch begins).
+    let first = async {
+        upstream.write_all(&s.buf).await?;
+        client.write_all(&from_upstream).await
+    };
+    let limit = Sleep::until(lane.timers.clone(), Timers::now() + lane.send);
+    match crate::proxy::coarse::timeout(limit, first).await {
+        Some(written) => written?,
+        None => {
+            tracing::debug!(
+                "closed a tunnel whose first bytes were not taken within timeouts.send"
+            );
+            return Ok(());
+        }
+    }
     let start = Timers::now();
     let last = AtomicU64::new(0);
     let mut client = Watched {

@@ -71,7 +71,10 @@ pub(in crate::proxy) async fn serve_h2(
                 }
             };
             let resp = answer(guard, req).await;
-            Ok::<_, std::convert::Infallible>(resp.map(|b| stalls.guard(b, slot, busy, &held)))
+            let idle = resp.extensions().get::<respond::BodyIdle>().map(|b| b.0);
+            Ok::<_, std::convert::Infallible>(
+                resp.map(|b| stalls.guard(b, slot, busy, &held).idle_after(idle)),
+            )
         }
     });
     let mut served = pin!(lane.hyper.serve_connection(io, service));

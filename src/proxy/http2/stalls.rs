@@ -54,6 +54,10 @@ pub(super) struct Watch {
     pub(super) ours: bool,
     /// Ticks in a row the body waited on the upstream without a poll (the upstream silent).
     pub(super) silent: u32,
+    /// Its rules' `upstream_body_idle`, in ticks, in place of the worker's.
+    pub(super) body_idle: Option<u32>,
+    /// The worker's tick (what `body_idle` counts).
+    pub(super) tick: Duration,
     /// The stream's task, as of the last poll that found the upstream silent: woken when the
     /// body is given up for `timeouts.upstream_body_idle`, so that hyper resets the stream.
     pub(super) waker: Option<std::task::Waker>,
@@ -70,6 +74,14 @@ impl Drop for Watch {
             self.held.charge(false);
         }
         self.held.body(false);
+    }
+}
+
+impl Watch {
+    fn ticks_of(&self, d: Duration) -> u32 {
+        u32::try_from(d.as_nanos().div_ceil(self.tick.as_nanos().max(1)))
+            .unwrap_or(u32::MAX)
+            .max(1)
     }
 }
 
@@ -91,6 +103,8 @@ pub struct Stalls {
     /// is given up, counted in `body_idle`.
     body_idle: u32,
     body_idle_errors: prometheus::IntCounter,
+    /// The worker's tick, to turn a rule's `upstream_body_idle` into ticks.
+    tick: Duration,
 }
 
 impl Stalls {
@@ -112,6 +126,7 @@ impl Stalls {
             timeouts,
             body_idle: ticks(body_idle),
             body_idle_errors,
+            tick,
         }
     }
 
@@ -141,6 +156,8 @@ impl Stalls {
                 idle: 0,
                 ours: false,
                 silent: 0,
+                body_idle: None,
+                tick: self.tick,
                 waker: None,
                 held: held.clone(),
                 waits: false,
@@ -175,7 +192,7 @@ impl Stalls {
                 if w.ours {
                     w.idle = 0;
                     w.silent = if polled { 0 } else { w.silent + 1 };
-                    if w.silent > self.body_idle {
+                    if w.silent > w.body_idle.unwrap_or(self.body_idle) {
                         // The upstream connection goes with the body; hyper resets the
                         // stream at its next look, which the waker asks for.
                         w.body = None;
@@ -204,6 +221,17 @@ impl Stalls {
                 }
                 true
             });
+    }
+}
+
+impl Guarded {
+    /// With its rules' `upstream_body_idle`, when they set one.
+    pub(super) fn idle_after(self, idle: Option<Duration>) -> Self {
+        if let (Some(idle), Kind::Watched(stall)) = (idle, &self.body) {
+            let mut w = stall.state();
+            w.body_idle = Some(w.ticks_of(idle));
+        }
+        self
     }
 }
 
