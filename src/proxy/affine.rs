@@ -170,9 +170,9 @@ impl Slot {
 
 impl h1::Home for Slot {
     fn put(&self, raw: Raw, since: u64) {
-        // A request waits for a connection: the worker's list gives it this one (unless it
-        // serves this client only: then it stays).
-        if self.idle.cap.wanted() && !raw.own_only() {
+        // A request waits for a connection: the worker's list gives it this one (one that
+        // serves this client only is closed for it instead).
+        if self.idle.cap.wanted() {
             h1::Home::put(&*self.idle, raw, since);
             return;
         }
@@ -237,18 +237,12 @@ impl Affine {
         } else {
             self.slot.clone()
         };
-        // After an answer without a body, the connection stays with this client (an HTTP/1
-        // one; an HTTP/2 stream has no connection of its own, so it is closed): a late body
-        // from the app then reaches, at worst, the client that asked for it.
-        let bodiless: Option<Arc<dyn h1::Home>> =
-            (req.version() != Version::HTTP_2).then(|| self.slot.clone() as Arc<dyn h1::Home>);
-        let homes = (home.clone(), bodiless.clone());
-        let failed = match h1::exchange(raw, req, added, homes, now).await {
+        let failed = match h1::exchange(raw, req, added, home.clone(), now).await {
             Ok(resp) => return Ok(resp),
             // A reused connection the upstream closed just now: once more on another.
             Err(h1::Failed::Unsent(_)) if reused => {
                 let (raw, _) = Box::pin(self.connect(upstream, now)).await?;
-                h1::exchange(raw, req, added, (home, bodiless), now).await
+                h1::exchange(raw, req, added, home, now).await
             }
             Err(e) => Err(e),
         };
@@ -404,7 +398,8 @@ const MAX_IDLE: usize = 256;
 
 impl h1::Home for Idle {
     fn put(&self, raw: Raw, since: u64) {
-        // Never another client's (an exchange hands such a one to its own client's slot).
+        // Never another client's: a connection that serves only its client is closed when it
+        // would come here (a client's first exchange, an HTTP/2 stream's, a waiter's turn).
         if raw.own_only() {
             return;
         }

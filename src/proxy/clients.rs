@@ -1,10 +1,10 @@
 //! Client connections as the acceptors count them: per client address
 //! (`limits.max_connections_per_client`; IPv6 by its /64, the listed proxies and
-//! `connections_per_client_exempt` without a cap), and, per worker, the kept-alive HTTP/1
-//! connections idle between two requests, one of which is closed when a new client finds
-//! every place (`limits.max_connections`) taken, as nginx does. Must never: take a lock per
-//! request (the count's is taken per accepted connection and per closed one), or close a
-//! connection with a request in flight.
+//! `connections_per_client_exempt` without a cap), and the kept-alive HTTP/1 connections idle
+//! between two requests (each waits on a closable timer of its worker's), one of which is
+//! closed when a new client finds every place (`limits.max_connections`) taken, as nginx
+//! does. Must never: take a lock per request (the count's is taken per accepted connection
+//! and per closed one), or close a connection with a request in flight.
 
 use std::collections::HashMap;
 use std::net::IpAddr;
@@ -12,11 +12,15 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::key::Cidr;
+use crate::proxy::coarse::Timers;
 
 /// Connections open per client address.
 pub struct PerClient {
     cap: u32,
     exempt: Vec<Cidr>,
+    /// Connections being answered 429 at once: past it, closed without an answer (a flood
+    /// of refused connections holds no more descriptors than this).
+    refusing: Arc<tokio::sync::Semaphore>,
     // Locked once per accepted connection and once per closed one, never across an await.
     #[allow(clippy::disallowed_types)]
     open: std::sync::Mutex<HashMap<IpAddr, u32>>,
@@ -28,6 +32,7 @@ impl PerClient {
         Arc::new(PerClient {
             cap,
             exempt,
+            refusing: Arc::new(tokio::sync::Semaphore::new(REFUSING)),
             open: Default::default(),
         })
     }
@@ -79,94 +84,102 @@ impl Drop for Place {
     }
 }
 
-/// One worker's kept-alive connections idle between requests.
-pub struct Idle {
+/// Acceptors waiting for a kept-alive connection to go idle (every place taken, none idle).
+#[derive(Default)]
+pub struct Wanted {
     count: AtomicUsize,
-    /// Told to close one of them.
-    pub close: tokio::sync::Notify,
-    /// An acceptor found every place taken and no idle connection: told when one goes idle.
-    wanted: Arc<(std::sync::atomic::AtomicBool, tokio::sync::Notify)>,
+    armed: tokio::sync::Notify,
 }
 
-impl Idle {
-    /// One of this worker's connections is idle until the guard is dropped.
-    pub fn enter(&self) -> IdleGuard<'_> {
-        self.count.fetch_add(1, Ordering::Relaxed);
-        if self.wanted.0.load(Ordering::Relaxed) {
-            self.wanted.1.notify_waiters();
+impl Wanted {
+    /// A kept-alive connection began to wait for its next request (one relaxed load when no
+    /// acceptor waits).
+    pub fn armed(&self) {
+        if self.count.load(Ordering::Relaxed) > 0 {
+            self.armed.notify_waiters();
         }
-        IdleGuard(self)
     }
 }
 
-pub struct IdleGuard<'a>(&'a Idle);
+/// One acceptor's wait, counted while it lasts (also when its future is dropped).
+struct Waiting<'a>(&'a Wanted);
 
-impl Drop for IdleGuard<'_> {
+impl Drop for Waiting<'_> {
     fn drop(&mut self) {
         self.0.count.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
-/// Every worker's [`Idle`].
+/// Every worker's timers: a kept-alive HTTP/1 connection waiting for its next request waits
+/// on a closable one ([`Timers`]), which is fired early to close it for a new client.
 #[derive(Default)]
 pub struct Idles {
     // Locked as each worker starts and when every place is taken, never across an await.
     #[allow(clippy::disallowed_types)]
-    workers: std::sync::Mutex<Vec<Arc<Idle>>>,
-    wanted: Arc<(std::sync::atomic::AtomicBool, tokio::sync::Notify)>,
+    workers: std::sync::Mutex<Vec<Arc<Timers>>>,
+    wanted: Arc<Wanted>,
 }
 
 impl Idles {
-    pub fn add(&self) -> Arc<Idle> {
-        let idle = Arc::new(Idle {
-            count: AtomicUsize::new(0),
-            close: tokio::sync::Notify::new(),
-            wanted: self.wanted.clone(),
-        });
-        self.workers
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(idle.clone());
-        idle
+    pub fn add(&self, timers: &Arc<Timers>) {
+        let _ = timers.wanted.set(self.wanted.clone());
+        self.lock().push(timers.clone());
     }
 
-    /// Whether any worker has an idle kept-alive connection.
+    #[allow(clippy::disallowed_types)]
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Arc<Timers>>> {
+        self.workers.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether any worker has a kept-alive connection idle between requests.
     pub fn any(&self) -> bool {
-        let workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
-        workers.iter().any(|w| w.count.load(Ordering::Relaxed) > 0)
+        self.lock().iter().any(|t| t.any_closable())
     }
 
     /// Ready once some worker has an idle kept-alive connection (at once if one has).
     pub async fn some_idle(&self) {
-        let appeared = self.wanted.1.notified();
-        let mut appeared = std::pin::pin!(appeared);
-        appeared.as_mut().enable();
-        self.wanted.0.store(true, Ordering::Relaxed);
+        let wanted = &*self.wanted;
+        wanted.count.fetch_add(1, Ordering::Relaxed);
+        let _waiting = Waiting(wanted);
+        let armed = wanted.armed.notified();
+        let mut armed = std::pin::pin!(armed);
+        armed.as_mut().enable();
         if !self.any() {
-            appeared.await;
+            armed.await;
         }
-        self.wanted.0.store(false, Ordering::Relaxed);
     }
 
-    /// Closes one idle kept-alive connection, of the worker that has the most; whether there
-    /// was one.
+    /// Closes one idle kept-alive connection; whether there was one.
     pub fn close_one(&self) -> bool {
-        let workers = self.workers.lock().unwrap_or_else(|e| e.into_inner());
-        let most = workers
+        self.lock()
             .iter()
-            .max_by_key(|w| w.count.load(Ordering::Relaxed))
-            .filter(|w| w.count.load(Ordering::Relaxed) > 0);
-        if let Some(w) = most {
-            w.close.notify_one();
+            .any(|t| t.any_closable() && t.close_one())
+    }
+}
+
+/// Refused connections answered at once, at most.
+const REFUSING: usize = 64;
+
+/// The longest a refused connection is kept while its answer goes out.
+const REFUSE_WITHIN: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl PerClient {
+    /// Answers a connection past its client's cap 429, or closes it at once when
+    /// [`REFUSING`] are being answered already.
+    pub fn refuse(&self, stream: tokio::net::TcpStream) {
+        if let Ok(permit) = self.refusing.clone().try_acquire_owned() {
+            tokio::spawn(async move {
+                refuse(stream, REFUSE_WITHIN).await;
+                drop(permit);
+            });
         }
-        most.is_some()
     }
 }
 
 /// A connection past its client's cap: answered 429 (`Connection: close`) without reading
 /// its request, then closed once the client has closed its end or `within` has passed (so
 /// that the kernel does not reset it over unread bytes before the answer is read).
-pub async fn refuse(mut stream: tokio::net::TcpStream, within: std::time::Duration) {
+async fn refuse(mut stream: tokio::net::TcpStream, within: std::time::Duration) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     const ANSWER: &[u8] = b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/plain\r\ncontent-length: 40\r\nretry-after: 1\r\ncache-control: no-store\r\nconnection: close\r\n\r\ntoo many connections from this client.\r\n";
     let _ = tokio::time::timeout(within, async {
@@ -210,19 +223,33 @@ mod tests {
         assert!(per.admit("::ffff:192.0.2.7".parse().unwrap()).is_none());
     }
 
-    #[test]
-    fn the_worker_with_the_most_idle_connections_is_asked_to_close_one() {
+    fn poll_once<F: std::future::Future>(f: std::pin::Pin<&mut F>) -> std::task::Poll<F::Output> {
+        f.poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+    }
+
+    #[tokio::test]
+    async fn an_idle_connections_timer_is_fired_for_a_newcomer() {
+        use crate::proxy::coarse::Sleep;
         let idles = Idles::default();
-        let (a, b) = (idles.add(), idles.add());
+        let (a, b) = (Arc::new(Timers::default()), Arc::new(Timers::default()));
+        idles.add(&a);
+        idles.add(&b);
         assert!(!idles.close_one(), "none idle");
-        let _one = a.enter();
-        let (_two, _three) = (b.enter(), b.enter());
+        let far = Timers::now() + std::time::Duration::from_secs(3600);
+        // A wait that is not closable (a head's deadline) is never fired early.
+        let mut head = std::pin::pin!(Sleep::until(a.clone(), far));
+        assert!(poll_once(head.as_mut()).is_pending());
+        assert!(!idles.any());
+        // An acceptor waits; a connection goes idle on b: the acceptor is told.
+        let waiting = idles.some_idle();
+        let mut waiting = std::pin::pin!(waiting);
+        assert!(poll_once(waiting.as_mut()).is_pending());
+        let mut idle = std::pin::pin!(Sleep::closable(b.clone(), far));
+        assert!(poll_once(idle.as_mut()).is_pending());
+        assert!(poll_once(waiting.as_mut()).is_ready());
         assert!(idles.close_one());
-        // b was told (a stored permit: its next waiter closes at once).
-        let told = b.close.notified();
-        let mut told = std::pin::pin!(told);
-        assert!(futures_util::FutureExt::now_or_never(told.as_mut()).is_some());
-        let untold = a.close.notified();
-        assert!(futures_util::FutureExt::now_or_never(untold).is_none());
+        assert!(poll_once(idle.as_mut()).is_ready(), "fired early");
+        assert!(!idles.any() && !idles.close_one());
+        assert!(poll_once(head.as_mut()).is_pending());
     }
 }

@@ -14,6 +14,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 
@@ -22,16 +23,22 @@ use tokio::time::Instant;
 /// One worker's timers.
 #[derive(Default)]
 pub struct Timers {
-    // Locked by the worker's own thread only (its connections' tasks and its anchor tick), never
-    // across an await: never contended.
+    // Locked by the worker's own thread (its connections' tasks and its anchor tick), never
+    // across an await; by another worker's acceptor only when every connection place is taken.
     #[allow(clippy::disallowed_types)]
     slots: std::sync::Mutex<Slots>,
+    /// Armed closable timers ([`Sleep::closable`]), as of the last change (read without the
+    /// lock by acceptors).
+    closable: std::sync::atomic::AtomicUsize,
+    /// Acceptors waiting for a closable timer to be armed: told when one is.
+    pub(crate) wanted: std::sync::OnceLock<Arc<crate::proxy::clients::Wanted>>,
 }
 
 #[derive(Default)]
 struct Slots {
     entries: Vec<Entry>,
     free: Vec<usize>,
+    closable: usize,
 }
 
 struct Entry {
@@ -39,6 +46,8 @@ struct Entry {
     /// `None` once fired, or while the slot is free.
     waker: Option<Waker>,
     fired: bool,
+    /// A kept-alive connection's wait for its next request: fired early to make room.
+    closable: bool,
 }
 
 impl Timers {
@@ -52,17 +61,49 @@ impl Timers {
         let mut due = Vec::new();
         {
             let mut slots = self.lock();
+            let mut closed = 0;
             for e in slots.entries.iter_mut() {
                 if !e.fired && e.deadline <= now {
                     if let Some(w) = e.waker.take() {
                         e.fired = true;
+                        closed += usize::from(e.closable);
                         due.push(w);
                     }
                 }
             }
+            if closed > 0 {
+                slots.closable -= closed;
+                self.closable.store(slots.closable, Ordering::Relaxed);
+            }
         }
         // Outside the lock: a wake may poll (or drop) a timer at once.
         due.into_iter().for_each(Waker::wake);
+    }
+
+    /// Whether a closable timer is armed.
+    pub fn any_closable(&self) -> bool {
+        self.closable.load(Ordering::Relaxed) > 0
+    }
+
+    /// Fires one armed closable timer now (its connection closes); whether there was one.
+    pub fn close_one(&self) -> bool {
+        let woken = {
+            let mut slots = self.lock();
+            let found = slots
+                .entries
+                .iter_mut()
+                .find(|e| e.closable && !e.fired && e.waker.is_some());
+            let woken = found.and_then(|e| {
+                e.fired = true;
+                e.waker.take()
+            });
+            if woken.is_some() {
+                slots.closable -= 1;
+                self.closable.store(slots.closable, Ordering::Relaxed);
+            }
+            woken
+        };
+        woken.map(Waker::wake).is_some()
     }
 
     /// Armed timers.
@@ -84,6 +125,7 @@ pub struct Sleep {
     deadline: Instant,
     /// Taken on first poll.
     slot: Option<usize>,
+    closable: bool,
 }
 
 impl Sleep {
@@ -92,6 +134,18 @@ impl Sleep {
             timers,
             deadline,
             slot: None,
+            closable: false,
+        }
+    }
+
+    /// The same, for a kept-alive connection's wait for its next request: fired early by
+    /// [`Timers::close_one`] when a new client needs its place.
+    pub fn closable(timers: Arc<Timers>, deadline: Instant) -> Self {
+        Self {
+            timers,
+            deadline,
+            slot: None,
+            closable: true,
         }
     }
 }
@@ -108,7 +162,17 @@ impl Future for Sleep {
                     deadline: this.deadline,
                     waker: Some(cx.waker().clone()),
                     fired: false,
+                    closable: this.closable,
                 };
+                if this.closable {
+                    slots.closable += 1;
+                    this.timers
+                        .closable
+                        .store(slots.closable, Ordering::Relaxed);
+                    if let Some(wanted) = this.timers.wanted.get() {
+                        wanted.armed();
+                    }
+                }
                 let i = match slots.free.pop() {
                     Some(i) => {
                         slots.entries[i] = entry;
@@ -141,8 +205,17 @@ impl Drop for Sleep {
     fn drop(&mut self) {
         if let Some(i) = self.slot.take() {
             let mut slots = self.timers.lock();
-            slots.entries[i].waker = None;
-            slots.entries[i].fired = true;
+            let e = &mut slots.entries[i];
+            let armed = e.closable && !e.fired;
+            e.waker = None;
+            e.fired = true;
+            e.closable = false;
+            if armed {
+                slots.closable -= 1;
+                self.timers
+                    .closable
+                    .store(slots.closable, Ordering::Relaxed);
+            }
             slots.free.push(i);
         }
     }

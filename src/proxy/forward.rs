@@ -341,8 +341,8 @@ impl Forward<'_> {
 
     /// `exchange` while its body still goes up: the response timeout starts once it is whole;
     /// until then the upload may wait `timeouts.send` on the upstream and
-    /// `timeouts.client_body_idle` on the client without progress (checked when the deadline
-    /// passes: a stall is found between one and two of them after the last progress).
+    /// `timeouts.client_body_idle` on the client without progress (looked at every shorter of
+    /// the two: a stall is found up to one of those, and a tick, after its own limit).
     async fn uploading<T>(
         &self,
         exchange: impl std::future::Future<Output = T>,
@@ -350,7 +350,9 @@ impl Forward<'_> {
     ) -> Result<T, Late> {
         let (send, client) = self.upload_timeouts;
         let mut exchange = std::pin::pin!(exchange);
-        let mut deadline = Sleep::until(self.timers.clone(), Timers::now() + send.min(client));
+        // Checked at the shorter of the two; a wait is judged by its own side's.
+        let mut since = Timers::now();
+        let mut deadline = Sleep::until(self.timers.clone(), since + send.min(client));
         let mut seen = progress.moved();
         let mut over = false;
         std::future::poll_fn(|cx| loop {
@@ -367,17 +369,22 @@ impl Forward<'_> {
             if over {
                 return std::task::Poll::Ready(Err(Late::Response));
             }
+            let now = Timers::now();
             let moved = progress.moved();
-            if moved == seen {
-                return std::task::Poll::Ready(Err(if progress.on_client() {
-                    Late::Client
-                } else {
-                    Late::Upstream
-                }));
+            if moved != seen {
+                (seen, since) = (moved, now);
             }
-            seen = moved;
-            let wait = if progress.on_client() { client } else { send };
-            deadline = Sleep::until(self.timers.clone(), Timers::now() + wait);
+            let (limit, late) = match progress.on_client() {
+                true => (client, Late::Client),
+                false => (send, Late::Upstream),
+            };
+            if now >= since + limit {
+                return std::task::Poll::Ready(Err(late));
+            }
+            deadline = Sleep::until(
+                self.timers.clone(),
+                (since + limit).min(now + send.min(client)),
+            );
         })
         .await
     }

@@ -485,9 +485,8 @@ async fn worker(
         ),
         anchor_period(&config.timeouts),
     ));
-    let idle_conns = shared.idles.add();
+    shared.idles.add(&timers);
     let lane = Arc::new(http1::conn::Lane {
-        idle: idle_conns,
         hyper: builder,
         max_head,
         header_read: config.timeouts.header_read.0,
@@ -540,7 +539,7 @@ async fn worker(
         let _ = stream.set_nodelay(true);
         let Some(place) = shared.per_client.admit(peer.ip()) else {
             shared.metrics.refused_per_client.inc();
-            tokio::spawn(clients::refuse(stream, config.timeouts.header_read.0));
+            shared.per_client.refuse(stream);
             continue;
         };
         let permit = match permit {

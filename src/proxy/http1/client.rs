@@ -225,14 +225,15 @@ impl Raw {
 /// is taken out of `req` and written as it is read ([`Upload`]), while the response is
 /// awaited and then while its body is read: an app may answer before the upload's end. An
 /// upgrade `added` asks for is answered by a `101` whose body gives the connection to the
-/// tunnel ([`RawBody::take_switched`]). An answer without a body (to a HEAD, a 204, a 304)
-/// hands the connection to `bodiless` instead: an app may send a body after it anyway, and
-/// that must never reach another client (`None`: the connection is closed).
+/// tunnel ([`RawBody::take_switched`]). After an answer without a body (to a HEAD; a 204 or
+/// 304 that announces one) the connection serves only the client connection that asked
+/// ([`Raw::own_only`]): an app may send the body anyway, and that must never reach another
+/// client.
 pub async fn exchange(
     mut raw: Raw,
     req: &mut Request<ReqBody>,
     added: &Added,
-    (home, bodiless): (Arc<dyn Home>, Option<Arc<dyn Home>>),
+    home: Arc<dyn Home>,
     now: u64,
 ) -> Result<Response<RawBody>, Failed> {
     // An HTTP/2 client's stream is answered by hyper's server, which writes from the map.
@@ -304,13 +305,17 @@ pub async fn exchange(
                 let refused = head.status >= 400 && (in_hand || streamed);
                 let early = raw.0.upload.is_some();
                 let kept = !added.close && added.upgrade.is_none() && !refused && !early && !cut;
-                let home = match head_only || head.status == 204 || head.status == 304 {
-                    true => {
-                        raw.0.own_only = true;
-                        bodiless.filter(|_| kept)
-                    }
-                    false => kept.then_some(home),
+                let announced = || {
+                    head.fields.iter().any(|f| {
+                        f.named == Named::TransferEncoding
+                            || (f.named == Named::ContentLength
+                                && &head.bytes[f.value.0 as usize..f.value.1 as usize] != b"0")
+                    })
                 };
+                if head_only || ((head.status == 204 || head.status == 304) && announced()) {
+                    raw.0.own_only = true;
+                }
+                let home = kept.then_some(home);
                 return respond(head, head_only, mapped, raw, home, now).map_err(Failed::Upstream);
             }
             Ok(None) => {

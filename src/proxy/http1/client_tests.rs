@@ -38,16 +38,10 @@ async fn a_trickled_response_head_costs_parse_work_linear_in_its_size() {
     let added = Added::of(req.headers(), None, None, [127, 0, 0, 1].into(), false);
     PARSED.set(0);
     woke();
-    let resp = exchange(
-        raw,
-        &mut req,
-        &added,
-        (Arc::new(Nowhere), Some(Arc::new(Nowhere))),
-        0,
-    )
-    .await
-    .map_err(|_| "failed")
-    .unwrap();
+    let resp = exchange(raw, &mut req, &added, Arc::new(Nowhere), 0)
+        .await
+        .map_err(|_| "failed")
+        .unwrap();
     assert_eq!(resp.status(), StatusCode::OK);
     let work = PARSED.get();
     assert!(work <= 3 * n, "{work} bytes parsed for a head of {n}");
@@ -337,14 +331,7 @@ async fn exchanged(raw: Raw) -> Result<StatusCode, ()> {
         .unwrap();
     let peer = "192.0.2.7".parse().unwrap();
     let added = Added::of(req.headers(), None, None, peer, false);
-    let resp = exchange(
-        raw,
-        &mut req,
-        &added,
-        (Arc::new(Dropped), Some(Arc::new(Dropped))),
-        0,
-    )
-    .await;
+    let resp = exchange(raw, &mut req, &added, Arc::new(Dropped), 0).await;
     resp.map(|r| r.status()).map_err(|_| ())
 }
 

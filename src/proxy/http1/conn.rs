@@ -22,9 +22,6 @@ pub(crate) use super::framing::READ;
 
 /// What a worker's connections share.
 pub struct Lane {
-    /// This worker's kept-alive connections idle between requests (one closed for a new
-    /// client at `limits.max_connections`).
-    pub idle: Arc<crate::proxy::clients::Idle>,
     /// hyper's HTTP/2 server, for the connections that begin with its preface.
     pub hyper: http2::Builder<TokioExecutor>,
     /// A partial head at least this long is answered 431.

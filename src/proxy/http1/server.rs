@@ -224,10 +224,12 @@ impl Served {
         } else {
             lane.header_read
         };
-        let mut deadline = Sleep::until(lane.timers.clone(), Timers::now() + wait);
-        // Counted idle while it waits between requests: one such connection is closed for a
+        // Between requests the wait is closable: fired early to close the connection for a
         // new client when every place is taken.
-        let mut idle_between = between.then(|| lane.idle.enter());
+        let mut deadline = match between {
+            true => Sleep::closable(lane.timers.clone(), Timers::now() + wait),
+            false => Sleep::until(lane.timers.clone(), Timers::now() + wait),
+        };
         // The head's first byte came after an idle wait: its own deadline is made only if a
         // read has to wait for the rest (most heads come whole in that first read).
         let mut begun = false;
@@ -291,13 +293,11 @@ impl Served {
                     return Ok(Next::Closed);
                 }
                 _ = drained.as_mut(), if idle => return Ok(Next::Closed),
-                () = lane.idle.close.notified(), if idle_between.is_some() => return Ok(Next::Closed),
             };
             match n {
                 Ok(0) => return Ok(Next::Closed),
                 Ok(_) if between => {
                     between = false;
-                    idle_between = None;
                     begun = true;
                 }
                 Ok(_) => {}

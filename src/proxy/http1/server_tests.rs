@@ -210,7 +210,6 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
     let n = head.len();
     let (_drain, draining) = watch::channel(false);
     let lane = Lane {
-        idle: crate::proxy::clients::Idles::default().add(),
         hyper: hyper::server::conn::http2::Builder::new(TokioExecutor::new()),
         max_head: 64 * 1024,
         header_read: Duration::from_secs(30),

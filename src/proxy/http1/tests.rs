@@ -588,15 +588,7 @@ async fn ours_reads(listener: &tokio::net::TcpListener, method: &str, bytes: &[u
     let added = Added::of(req.headers(), None, None, [10, 0, 0, 1].into(), false);
     let record = Arc::new(Record::default());
     client::woke();
-    let answer = match client::exchange(
-        raw,
-        &mut req,
-        &added,
-        (record.clone(), Some(record.clone())),
-        0,
-    )
-    .await
-    {
+    let answer = match client::exchange(raw, &mut req, &added, record.clone(), 0).await {
         Err(_) => Answer::Failed,
         Ok(resp) => {
             let status = resp.status().as_u16();

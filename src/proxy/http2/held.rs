@@ -41,6 +41,18 @@ pub struct Budget {
     #[allow(clippy::disallowed_types)]
     waiting: std::sync::Mutex<Vec<Waker>>,
     any_waiting: AtomicBool,
+    /// What the connections told to close still hold (freed when they end): not shed again.
+    closing: AtomicU64,
+}
+
+/// Whether a body may read its next chunk, and if not, whose the wait is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Room {
+    Yes,
+    /// Its connection holds its budget and the client takes nothing: the client's wait.
+    Client,
+    /// The process holds its budget: other connections' doing.
+    Process,
 }
 
 impl Budget {
@@ -53,6 +65,7 @@ impl Budget {
             connections: Default::default(),
             waiting: Default::default(),
             any_waiting: AtomicBool::new(false),
+            closing: AtomicU64::new(0),
         })
     }
 
@@ -68,6 +81,7 @@ impl Budget {
             budget: self.clone(),
             pending: AtomicU64::new(0),
             charged: AtomicU64::new(0),
+            closing_cost: AtomicU64::new(0),
             open: Default::default(),
             blocked: AtomicBool::new(false),
             waiting: Default::default(),
@@ -86,21 +100,31 @@ impl Budget {
         held
     }
 
-    /// Closes the connection holding the most (at least [`SHED_AT_LEAST`]).
+    /// Closes the connection holding the most unwritten bytes (at least [`SHED_AT_LEAST`]:
+    /// a client that reads is not closed for others' doing), unless those already closing
+    /// will bring the process under its budget.
     fn shed_one(&self) {
+        let closing = self.closing.load(Ordering::SeqCst);
+        if self.held().saturating_sub(closing) < self.limit {
+            return;
+        }
         let mut list = lock(&self.connections);
         list.retain(|c| c.strong_count() > 0);
         let hog = list
             .iter()
             .filter_map(Weak::upgrade)
             .filter(|c| !c.closing())
-            .max_by_key(|c| c.cost());
+            .max_by_key(|c| c.bytes());
         drop(list);
-        if let Some(hog) = hog.filter(|c| c.cost() >= SHED_AT_LEAST) {
+        let Some(hog) = hog.filter(|c| c.bytes() >= SHED_AT_LEAST) else {
+            return;
+        };
+        if hog.pending.fetch_or(CLOSING, Ordering::SeqCst) & CLOSING == 0 {
+            // Its bytes are freed when its connection ends; until then they count as closing.
+            self.closing.fetch_add(hog.cost(), Ordering::SeqCst);
+            hog.closing_cost.store(hog.cost(), Ordering::SeqCst);
             self.shed.inc();
             hog.shed.notify_one();
-            // Its bytes are freed when its connection ends; until then it counts as closing.
-            hog.pending.fetch_or(CLOSING, Ordering::Relaxed);
         }
     }
 
@@ -132,7 +156,8 @@ impl Budget {
     }
 
     fn wake_all(&self) {
-        if self.any_waiting.swap(false, Ordering::Relaxed) {
+        if self.any_waiting.load(Ordering::SeqCst) && self.any_waiting.swap(false, Ordering::SeqCst)
+        {
             for w in lock(&self.waiting).drain(..) {
                 w.wake();
             }
@@ -149,8 +174,10 @@ pub struct Held {
     budget: Arc<Budget>,
     /// Bytes held (and [`CLOSING`]). Relaxed: one connection's task changes it.
     pending: AtomicU64,
-    /// [`WAIT_COST`] for each of its bodies waiting for room.
+    /// [`WAIT_COST`] for each of its bodies waiting for its client to read.
     charged: AtomicU64,
+    /// What it held when told to close (counted in [`Budget::closing`] until it ends).
+    closing_cost: AtomicU64,
     /// Its bodies not yet dropped.
     open: std::sync::atomic::AtomicU32,
     /// Its socket's last write was refused for want of room (the client is not reading).
@@ -187,7 +214,8 @@ impl Held {
         self.bytes() + self.charged.load(Ordering::Relaxed)
     }
 
-    /// A body of this connection begins (`true`) or ends (`false`) a wait for room.
+    /// A body of this connection begins (`true`) or ends (`false`) a wait for its client
+    /// to read (its upstream exchange's read buffer stays pinned meanwhile).
     pub(super) fn charge(&self, waits: bool) {
         if waits {
             self.charged.fetch_add(WAIT_COST, Ordering::Relaxed);
@@ -201,24 +229,33 @@ impl Held {
         }
     }
 
-    /// Whether a body of this connection may read its next chunk; if not, `cx` is woken
-    /// when it may look again.
-    pub(super) fn room(&self, cx: &Context<'_>) -> bool {
+    /// Whether a body of this connection may read its next chunk; if not, whose the wait is,
+    /// and `cx` is woken when it may look again. Its connection's budget stops it only while
+    /// the client takes nothing (its socket refused the last write): bytes h2 keeps for a
+    /// stream's shut window are the client's flow control, not a stall.
+    pub(super) fn room(&self, cx: &Context<'_>) -> Room {
         let budget = &*self.budget;
-        if self.bytes() < budget.per_connection && budget.held() < budget.limit {
-            return true;
+        let full = || self.bytes() >= budget.per_connection && self.blocked.load(Ordering::SeqCst);
+        if !full() && budget.held() < budget.limit {
+            return Room::Yes;
         }
-        if self.bytes() >= budget.per_connection {
-            lock(&self.waiting).push(cx.waker().clone());
-            self.any_waiting.store(true, Ordering::Relaxed);
-            // Written meanwhile (one thread: only a write of this task's could have).
-            return self.bytes() < budget.per_connection && budget.held() < budget.limit;
+        if full() {
+            push(&mut lock(&self.waiting), cx);
+            self.any_waiting.store(true, Ordering::SeqCst);
+            // Written meanwhile (by this task, or forgotten by another worker's tick).
+            return match full() {
+                true => Room::Client,
+                false => self.room(cx),
+            };
         }
-        lock(&budget.waiting).push(cx.waker().clone());
-        budget.any_waiting.store(true, Ordering::Relaxed);
+        push(&mut lock(&budget.waiting), cx);
+        budget.any_waiting.store(true, Ordering::SeqCst);
         budget.shed_one();
         // Another worker's connection may have written (or closed) meanwhile.
-        budget.held() < budget.limit
+        match budget.held() < budget.limit {
+            true => Room::Yes,
+            false => Room::Process,
+        }
     }
 
     /// A body handed `n` bytes to hyper.
@@ -238,11 +275,18 @@ impl Held {
         }
     }
 
-    /// The socket refused a write for want of room (`true`), or took one.
+    /// The socket refused a write for want of room (`true`), or took one (then its waiting
+    /// bodies look again: its budget stops them only while it refuses).
     #[inline]
     pub(super) fn blocked(&self, blocked: bool) {
         if self.blocked.load(Ordering::Relaxed) != blocked {
-            self.blocked.store(blocked, Ordering::Relaxed);
+            self.blocked.store(blocked, Ordering::SeqCst);
+            if !blocked && self.any_waiting.load(Ordering::SeqCst) {
+                self.any_waiting.store(false, Ordering::SeqCst);
+                for w in lock(&self.waiting).drain(..) {
+                    w.wake();
+                }
+            }
         }
     }
 
@@ -263,7 +307,7 @@ impl Held {
         let mut taken = 0;
         let word = self
             .pending
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |w| {
                 taken = n.min(w & !CLOSING);
                 Some(w - taken)
             })
@@ -271,8 +315,8 @@ impl Held {
         let bytes = word & !CLOSING;
         let n = taken;
         self.budget.held.sub(n as i64);
-        if self.any_waiting.load(Ordering::Relaxed) && bytes - n < self.budget.per_connection {
-            self.any_waiting.store(false, Ordering::Relaxed);
+        if self.any_waiting.load(Ordering::SeqCst) && bytes - n < self.budget.per_connection {
+            self.any_waiting.store(false, Ordering::SeqCst);
             for w in lock(&self.waiting).drain(..) {
                 w.wake();
             }
@@ -307,11 +351,23 @@ impl Held {
 
 impl Drop for Held {
     fn drop(&mut self) {
+        let closing = self.closing_cost.load(Ordering::SeqCst);
+        if closing > 0 {
+            self.budget.closing.fetch_sub(closing, Ordering::SeqCst);
+        }
         let bytes = self.cost();
         if bytes > 0 {
             self.budget.held.sub(bytes as i64);
             self.budget.wake_all();
         }
+    }
+}
+
+/// Adds `cx`'s waker to `list` unless it is there already (a body polled again while it
+/// waits).
+fn push(list: &mut Vec<Waker>, cx: &Context<'_>) {
+    if !list.iter().any(|w| w.will_wake(cx.waker())) {
+        list.push(cx.waker().clone());
     }
 }
 
@@ -343,57 +399,75 @@ mod tests {
     }
 
     #[test]
-    fn a_connection_at_its_budget_waits_until_its_client_reads() {
+    fn a_connection_at_its_budget_waits_while_its_client_reads_nothing() {
         let b = budget(1 << 20, 100 << 10);
         let c = b.open();
         let woken = Arc::new(Count(Default::default()));
         let waker = Waker::from(woken.clone());
         let cx = Context::from_waker(&waker);
-        assert!(c.room(&cx));
+        assert_eq!(c.room(&cx), Room::Yes);
         c.hand(100 << 10);
-        assert!(!c.room(&cx), "at its budget");
+        assert_eq!(
+            c.room(&cx),
+            Room::Yes,
+            "bytes a shut window keeps are the client's flow control, not a stall"
+        );
+        c.blocked(true);
+        assert_eq!(c.room(&cx), Room::Client, "at its budget, its socket full");
         assert_eq!(b.held(), 100 << 10);
         c.wrote(10);
-        assert_eq!(woken.0.load(Ordering::SeqCst), 1, "woken once below");
-        assert!(c.room(&cx));
+        assert_eq!(woken.0.load(Ordering::SeqCst), 1, "woken once it reads");
+        assert_eq!(c.room(&cx), Room::Yes);
         // More written than held (frame headers) takes nothing below zero.
         c.wrote(1 << 20);
         assert_eq!((c.bytes(), b.held()), (0, 0));
     }
 
     #[test]
-    fn at_the_process_budget_the_connection_holding_most_is_closed() {
+    fn at_the_process_budget_the_connection_holding_most_is_closed_once() {
         let b = budget(256 << 10, 200 << 10);
         let (small, big, asking) = (b.open(), b.open(), b.open());
         small.hand(80 << 10);
         big.hand(180 << 10);
         let waker = Waker::from(Arc::new(Count(Default::default())));
         let cx = Context::from_waker(&waker);
-        assert!(!asking.room(&cx), "the process is at its budget");
+        assert_eq!(
+            asking.room(&cx),
+            Room::Process,
+            "the process is at its budget"
+        );
         assert!(big.closing() && !small.closing());
+        // Asked again before the closed one has ended: no second connection goes for it.
+        assert_eq!(asking.room(&cx), Room::Process);
+        assert!(!small.closing());
         assert_eq!(b.shed.get(), 1);
         // Its bytes are freed when the connection ends, and the waiting bodies woken.
         drop(big);
         assert_eq!(b.held(), 80 << 10);
-        assert!(asking.room(&cx));
+        assert_eq!(b.closing.load(Ordering::SeqCst), 0);
+        assert_eq!(asking.room(&cx), Room::Yes);
     }
 
     #[test]
-    fn waiting_bodies_count_against_the_process_not_their_connection() {
+    fn a_client_that_reads_is_not_closed_for_the_waits_of_others() {
         let b = budget(4 * WAIT_COST, 1 << 20);
         let (c, other) = (b.open(), b.open());
         let waker = Waker::from(Arc::new(Count(Default::default())));
         let cx = Context::from_waker(&waker);
-        for _ in 0..3 {
+        for _ in 0..4 {
             c.charge(true);
         }
-        assert!(c.room(&cx), "its own budget is bytes only");
-        c.charge(true);
-        assert!(!other.room(&cx), "the process's counts the waits");
-        assert!(c.closing(), "and closes the connection they are on");
-        drop(c);
+        assert_eq!(
+            other.room(&cx),
+            Room::Process,
+            "the process's budget counts the waits"
+        );
+        assert!(!c.closing(), "no unwritten bytes: nothing to close it for");
+        for _ in 0..4 {
+            c.charge(false);
+        }
         assert_eq!(b.held(), 0);
-        assert!(other.room(&cx));
+        assert_eq!(other.room(&cx), Room::Yes);
     }
 
     #[test]

@@ -90,7 +90,10 @@ pub(in crate::proxy) async fn serve_h2(
         () = shed.shed.notified() => return Ok(()),
         _ = drained => {
             served.as_mut().graceful_shutdown();
-            served.await
+            tokio::select! {
+                done = served => done,
+                () = shed.shed.notified() => return Ok(()),
+            }
         }
         () = idle => {
             served.as_mut().graceful_shutdown();
@@ -99,7 +102,10 @@ pub(in crate::proxy) async fn serve_h2(
             let never = watched.begun.load(std::sync::atomic::Ordering::Relaxed) == 0;
             let grace = if never { lane.header_read } else { lane.client_idle };
             let limit = Sleep::until(lane.timers.clone(), Timers::now() + grace);
-            crate::proxy::coarse::timeout(limit, served).await.unwrap_or(Ok(()))
+            tokio::select! {
+                done = crate::proxy::coarse::timeout(limit, served) => done.unwrap_or(Ok(())),
+                () = shed.shed.notified() => return Ok(()),
+            }
         }
     };
     Ok(done?)

@@ -13,7 +13,12 @@ use std::time::Duration;
 
 use http_body::{Body as _, Frame};
 
-use super::held::Held;
+use super::held::{Held, Room};
+
+/// The most of a response a body hands hyper at once: h2 takes a whole piece past a stream's
+/// shut window, so this bounds what a client's flow control can make it keep (h2's default
+/// frame size: no more frames than hyper would write anyway).
+const PIECE: usize = 16 * 1024;
 use crate::proxy::coarse::{Sleep, Timers};
 use crate::proxy::respond::Body;
 
@@ -66,6 +71,8 @@ pub(super) struct Watch {
     pub(super) held: Arc<Held>,
     /// Waiting for that room, and charged for it.
     pub(super) waits: bool,
+    /// What is left of a chunk the upstream gave past [`PIECE`], handed next.
+    pub(super) rest: Option<bytes::Bytes>,
 }
 
 impl Drop for Watch {
@@ -161,6 +168,7 @@ impl Stalls {
                 waker: None,
                 held: held.clone(),
                 waits: false,
+                rest: None,
             }),
         });
         self.list
@@ -191,7 +199,11 @@ impl Stalls {
                 let polled = std::mem::take(&mut w.polled);
                 if w.ours {
                     w.idle = 0;
-                    w.silent = if polled { 0 } else { w.silent + 1 };
+                    w.silent = if polled {
+                        0
+                    } else {
+                        w.silent.saturating_add(1)
+                    };
                     if w.silent > w.body_idle.unwrap_or(self.body_idle) {
                         // The upstream connection goes with the body; hyper resets the
                         // stream at its next look, which the waker asks for.
@@ -254,30 +266,52 @@ impl http_body::Body for Guarded {
                         "the response was given up: its client took no bytes within timeouts.send, or its upstream sent none within timeouts.upstream_body_idle".into()
                     )));
                 };
-                // No room: the client has not read what its connection holds. The upstream
-                // is left unread, and the wait counts as the client's.
-                if !w.held.room(cx) {
-                    w.ours = false;
-                    if !std::mem::replace(&mut w.waits, true) {
-                        w.held.charge(true);
+                // No room: the client has not read what its connection holds (its wait,
+                // charged for the upstream buffer it pins), or the process holds its budget
+                // (not the client's wait). The upstream is left unread meanwhile.
+                match w.held.room(cx) {
+                    Room::Yes => {}
+                    Room::Client => {
+                        w.ours = false;
+                        if !std::mem::replace(&mut w.waits, true) {
+                            w.held.charge(true);
+                        }
+                        return Poll::Pending;
                     }
-                    return Poll::Pending;
+                    Room::Process => {
+                        w.ours = true;
+                        return Poll::Pending;
+                    }
                 }
                 if std::mem::take(&mut w.waits) {
                     w.held.charge(false);
                 }
-                let polled = Pin::new(body).poll_frame(cx);
+                let polled = match w.rest.take() {
+                    Some(rest) => Poll::Ready(Some(Ok(Frame::data(rest)))),
+                    None => Pin::new(body).poll_frame(cx),
+                };
+                let polled = polled.map(|f| {
+                    f.map(|f| {
+                        f.map(|frame| match frame.into_data() {
+                            Ok(mut data) => {
+                                if data.len() > PIECE {
+                                    let piece = data.split_to(PIECE);
+                                    w.rest = Some(data);
+                                    data = piece;
+                                }
+                                w.held.hand(data.len());
+                                Frame::data(data)
+                            }
+                            Err(frame) => frame,
+                        })
+                    })
+                });
                 w.ours = polled.is_pending();
                 if w.ours && !w.waker.as_ref().is_some_and(|k| k.will_wake(cx.waker())) {
                     w.waker = Some(cx.waker().clone());
                 }
-                if let Poll::Ready(Some(Ok(frame))) = &polled {
-                    if let Some(data) = frame.data_ref() {
-                        w.held.hand(data.len());
-                    }
-                }
                 if matches!(polled, Poll::Ready(None))
-                    || w.body.as_ref().is_some_and(|b| b.is_end_stream())
+                    || (w.rest.is_none() && w.body.as_ref().is_some_and(|b| b.is_end_stream()))
                 {
                     w.held.release(w.slot.take());
                 }
@@ -289,11 +323,10 @@ impl http_body::Body for Guarded {
     fn is_end_stream(&self) -> bool {
         match &self.body {
             Kind::Plain(body) => body.is_end_stream(),
-            Kind::Watched(stall) => stall
-                .state()
-                .body
-                .as_ref()
-                .is_none_or(|b| b.is_end_stream()),
+            Kind::Watched(stall) => {
+                let w = stall.state();
+                w.rest.is_none() && w.body.as_ref().is_none_or(|b| b.is_end_stream())
+            }
         }
     }
 
