@@ -255,17 +255,18 @@ impl Forward<'_> {
         added.upgrade = asked;
         added.close = self.close;
         // A body still coming goes up before the response timeout starts.
-        let progress = matches!(req.body(), Either::Left(b) if !b.is_end_stream())
-            .then(|| self.affine.is_some())
-            .filter(|affine| *affine)
-            .map(|_| Arc::new(Progress::default()));
+        // (Still a stream if it was one and was not read whole above: asking again would
+        // lock an HTTP/2 stream's state.)
+        let progress = (coming && self.affine.is_some() && matches!(req.body(), Either::Left(_)))
+            .then(|| Arc::new(Progress::default()));
         added.progress = progress.clone();
         if self.affine.is_none() {
             if let Err(resp) = self.rewrite(req, &added) {
                 return resp;
             }
         }
-        let exchange = async {
+        // Pinned where it is made: the exchange's future is large, and each move copies it.
+        let mut exchange = std::pin::pin!(async {
             match self.affine {
                 Some((conn, upstream)) => {
                     let resp = conn.send(upstream, req, &added, self.now).await?;
@@ -277,14 +278,16 @@ impl Forward<'_> {
                     Ok::<_, Failure>(resp.map(Either::Left))
                 }
             }
-        };
+        });
         let result = match &progress {
             None => {
                 let deadline =
                     Sleep::until(self.timers.clone(), Timers::now() + self.response_timeout);
-                timeout(deadline, exchange).await.ok_or(Late::Response)
+                timeout(deadline, exchange.as_mut())
+                    .await
+                    .ok_or(Late::Response)
             }
-            Some(progress) => self.uploading(exchange, progress).await,
+            Some(progress) => self.uploading(exchange.as_mut(), progress).await,
         };
         let result = match result {
             Ok(r) => Some(r),
