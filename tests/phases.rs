@@ -191,6 +191,14 @@ struct Aftermath {
 impl Aftermath {
     /// The chart's sidecar limit is 128 Mi: the proxy stays well under it.
     fn fits_a_sidecar(&self) {
+        // For BENCHMARKS.md (`-- --nocapture`).
+        eprintln!(
+            "peak {} MiB (from {} MiB), {} responses asked of the app, {} connections closed",
+            self.peak >> 20,
+            self.before >> 20,
+            self.asked,
+            self.shed
+        );
         assert!(
             self.peak < 96 << 20,
             "the proxy's memory peaked at {} MiB (from {} MiB) for {} never-read responses",

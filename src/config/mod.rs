@@ -386,7 +386,7 @@ impl Default for Limits {
             max_h2_streams: NonZeroU32::new(128).expect("non-zero"),
             max_upstream_connections: None,
             max_upstream_per_client: NonZeroU32::new(32).expect("non-zero"),
-            max_response_buffer: BufferBytes(32 << 20),
+            max_response_buffer: BufferBytes(16 << 20),
             max_response_buffer_per_connection: BufferBytes(1 << 20),
             max_connections_per_client: NonZeroU32::new(256).expect("non-zero"),
             connections_per_client_exempt: ["127.0.0.0/8", "::1/128"]

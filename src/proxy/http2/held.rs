@@ -1,17 +1,15 @@
 //! HTTP/2 response bytes held for clients: handed to hyper's server by a stream's body and not
-//! yet written to the client's socket (hyper and h2 buffer them while the client reads
-//! nothing). [`Budget`] is the process's (`limits.max_response_buffer`), [`Held`] one
-//! connection's (`limits.max_response_buffer_per_connection`). A body asks for room before
-//! it reads its upstream: past its connection's budget it waits for that client to read;
-//! past the process's, the connection holding the most is closed (its buffers go with it)
-//! and the body waits for room. A body that waits is charged the read buffer its upstream
-//! exchange pins ([`WAIT_COST`]) against the process's budget (not its connection's, which
-//! only reading empties). A stream's upstream slot is kept until its connection has written
-//! what it held, not given back when its body has been read. What h2 drops unwritten (a
-//! stream the client reset) is never seen written: a connection whose socket takes every
-//! write is settled down to what its open bodies can hold ([`Budget::settle`]).
-//! Must never: let a body read its upstream past either budget (one chunk per stream at
-//! most, checked before reading), or take a lock on a body's way while under both budgets.
+//! yet written to the client's socket. [`Budget`] is the process's
+//! (`limits.max_response_buffer`), [`Held`] one connection's
+//! (`limits.max_response_buffer_per_connection`). A body asks for [`Room`] before it reads its
+//! upstream: past its connection's budget while the socket refuses writes, it waits for that
+//! client (charged the read buffer its exchange pins, [`WAIT_COST`]); past the process's, the
+//! connection with the most unwritten bytes is closed, one at a time, and the body waits. A
+//! stream's upstream slot is kept until as much is written as had been handed when it ended.
+//! What h2 drops unwritten (a reset stream) is settled once the socket takes writes
+//! ([`Budget::settle`]). Must never: let a body read past either budget (one 16 KiB piece per
+//! stream at most), count a shut flow-control window as a stalled client, or take a lock on
+//! a body's way while under both budgets.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
