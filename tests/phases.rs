@@ -319,6 +319,44 @@ async fn closes(c: &mut tokio::io::BufReader<TcpStream>) -> bool {
     )
 }
 
+/// Asks `path` of the stalling app over HTTP/1 and sees its head; the connection, held.
+async fn stalled_h1(proxy: std::net::SocketAddr, path: &str) -> tokio::io::BufReader<TcpStream> {
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(proxy).await.unwrap());
+    let ask = format!("GET {path} HTTP/1.1\r\nHost: app\r\n\r\n");
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), ask.as_bytes())
+        .await
+        .unwrap();
+    assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
+    c
+}
+
+/// Asks `path` of the stalling app over HTTP/2: its stream must be reset within 10 s.
+async fn reset_h2(proxy: std::net::SocketAddr, path: &str) {
+    let resp = h2_client()
+        .request(
+            http::Request::get(format!("http://{proxy}{path}"))
+                .body(empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = tokio::time::timeout(
+        Duration::from_secs(10),
+        http_body_util::BodyExt::collect(resp.into_body()),
+    )
+    .await
+    .expect("the stream was never reset");
+    assert!(body.is_err(), "a body cut short must not look whole");
+}
+
+/// Whether the stalling app saw a connection of its closed within 10 s.
+async fn upstream_closed(closed: &mut tokio::sync::mpsc::UnboundedReceiver<()>) -> bool {
+    tokio::time::timeout(Duration::from_secs(10), closed.recv())
+        .await
+        .is_ok()
+}
+
 /// 2. An app that sends a head and stalls is given up after `timeouts.upstream_body_idle`:
 /// the HTTP/1 client's connection closes (its response cut short), and the upstream
 /// connection is closed too.
@@ -331,19 +369,13 @@ async fn an_upstream_body_silent_past_its_idle_timeout_is_given_up() {
     ))
     .await
     .unwrap();
-    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
-    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /stall HTTP/1.1\r\nHost: app\r\n\r\n")
-        .await
-        .unwrap();
-    assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
+    let mut c = stalled_h1(sc.addr(), "/stall").await;
     assert!(
         closes(&mut c).await,
         "the client's connection was never closed"
     );
     assert!(
-        tokio::time::timeout(Duration::from_secs(10), closed.recv())
-            .await
-            .is_ok(),
+        upstream_closed(&mut closed).await,
         "the upstream connection was never closed"
     );
     let (_, m) = admin(&sc, "/metrics").await;
@@ -363,27 +395,9 @@ async fn an_http2_streams_upstream_body_silent_past_its_idle_timeout_is_reset() 
     ))
     .await
     .unwrap();
-    let client = h2_client();
-    let resp = client
-        .request(
-            http::Request::get(format!("http://{}/stall", sc.addr()))
-                .body(empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200);
-    let body = tokio::time::timeout(
-        Duration::from_secs(10),
-        http_body_util::BodyExt::collect(resp.into_body()),
-    )
-    .await
-    .expect("the stream was never reset");
-    assert!(body.is_err(), "a body cut short must not look whole");
+    reset_h2(sc.addr(), "/stall").await;
     assert!(
-        tokio::time::timeout(Duration::from_secs(10), closed.recv())
-            .await
-            .is_ok(),
+        upstream_closed(&mut closed).await,
         "the upstream connection was never closed"
     );
 }
@@ -396,16 +410,9 @@ async fn an_http1_client_that_leaves_mid_response_releases_the_upstream() {
     let sc = spillway::Sidecar::start(config(app, "rules: []\n"))
         .await
         .unwrap();
-    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
-    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /stall HTTP/1.1\r\nHost: app\r\n\r\n")
-        .await
-        .unwrap();
-    assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
-    drop(c);
+    drop(stalled_h1(sc.addr(), "/stall").await);
     assert!(
-        tokio::time::timeout(Duration::from_secs(10), closed.recv())
-            .await
-            .is_ok(),
+        upstream_closed(&mut closed).await,
         "the upstream connection is still held for a client that left"
     );
 }
@@ -781,29 +788,9 @@ async fn a_rules_upstream_body_idle_applies_to_its_requests() {
     ))
     .await
     .unwrap();
-    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
-    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /feed HTTP/1.1\r\nHost: app\r\n\r\n")
-        .await
-        .unwrap();
-    assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
+    let mut c = stalled_h1(sc.addr(), "/feed").await;
     assert!(closes(&mut c).await, "the rule's 1 s did not apply");
-    assert!(tokio::time::timeout(Duration::from_secs(10), closed.recv())
-        .await
-        .is_ok());
+    assert!(upstream_closed(&mut closed).await);
     // The same over HTTP/2.
-    let resp = h2_client()
-        .request(
-            http::Request::get(format!("http://{}/feed", sc.addr()))
-                .body(empty())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    let body = tokio::time::timeout(
-        Duration::from_secs(10),
-        http_body_util::BodyExt::collect(resp.into_body()),
-    )
-    .await
-    .expect("the rule's 1 s did not apply over HTTP/2");
-    assert!(body.is_err());
+    reset_h2(sc.addr(), "/feed").await;
 }

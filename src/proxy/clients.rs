@@ -8,11 +8,11 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::key::Cidr;
-use crate::proxy::coarse::Timers;
+use crate::proxy::coarse::{Timers, Wanted};
 
 /// Connections open per client address.
 pub struct PerClient {
@@ -80,23 +80,6 @@ impl Drop for Place {
                     open.remove(&client);
                 }
             }
-        }
-    }
-}
-
-/// Acceptors waiting for a kept-alive connection to go idle (every place taken, none idle).
-#[derive(Default)]
-pub struct Wanted {
-    count: AtomicUsize,
-    armed: tokio::sync::Notify,
-}
-
-impl Wanted {
-    /// A kept-alive connection began to wait for its next request (one relaxed load when no
-    /// acceptor waits).
-    pub fn armed(&self) {
-        if self.count.load(Ordering::Relaxed) > 0 {
-            self.armed.notify_waiters();
         }
     }
 }

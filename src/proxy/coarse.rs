@@ -1,5 +1,7 @@
 //! Per-worker timers at the anchor's tick, for the deadlines every request arms: its head's
-//! read (`timeouts.header_read`) and the upstream response timeout.
+//! read (`timeouts.header_read`), the upstream response timeout, and a kept-alive
+//! connection's wait for its next request, which an acceptor may fire early ([`Wanted`]) to
+//! close the connection for a new client.
 //!
 //! Both almost never fire. On tokio's timer wheel each is an entry built per request,
 //! registered under the time driver's lock on first poll and deregistered on drop. Here a timer
@@ -20,6 +22,23 @@ use std::task::{Context, Poll, Waker};
 
 use tokio::time::Instant;
 
+/// Acceptors waiting for a kept-alive connection to go idle (every place taken, none idle).
+#[derive(Default)]
+pub struct Wanted {
+    pub(crate) count: std::sync::atomic::AtomicUsize,
+    pub(crate) armed: tokio::sync::Notify,
+}
+
+impl Wanted {
+    /// A kept-alive connection began to wait for its next request (one relaxed load when no
+    /// acceptor waits).
+    pub fn armed(&self) {
+        if self.count.load(Ordering::Relaxed) > 0 {
+            self.armed.notify_waiters();
+        }
+    }
+}
+
 /// One worker's timers.
 #[derive(Default)]
 pub struct Timers {
@@ -31,7 +50,7 @@ pub struct Timers {
     /// lock by acceptors).
     closable: std::sync::atomic::AtomicUsize,
     /// Acceptors waiting for a closable timer to be armed: told when one is.
-    pub(crate) wanted: std::sync::OnceLock<Arc<crate::proxy::clients::Wanted>>,
+    pub(crate) wanted: std::sync::OnceLock<Arc<Wanted>>,
 }
 
 #[derive(Default)]
