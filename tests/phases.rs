@@ -319,6 +319,17 @@ async fn closes(c: &mut tokio::io::BufReader<TcpStream>) -> bool {
     )
 }
 
+/// The stalling app behind a sidecar of `yaml` (timeouts and rules); its closed connections.
+async fn stalling_sidecar(
+    yaml: &str,
+) -> (spillway::Sidecar, tokio::sync::mpsc::UnboundedReceiver<()>) {
+    let (app, closed) = stalling_app().await;
+    (
+        spillway::Sidecar::start(config(app, yaml)).await.unwrap(),
+        closed,
+    )
+}
+
 /// Asks `path` of the stalling app over HTTP/1 and sees its head; the connection, held.
 async fn stalled_h1(proxy: std::net::SocketAddr, path: &str) -> tokio::io::BufReader<TcpStream> {
     let mut c = tokio::io::BufReader::new(TcpStream::connect(proxy).await.unwrap());
@@ -362,13 +373,8 @@ async fn upstream_closed(closed: &mut tokio::sync::mpsc::UnboundedReceiver<()>) 
 /// connection is closed too.
 #[tokio::test]
 async fn an_upstream_body_silent_past_its_idle_timeout_is_given_up() {
-    let (app, mut closed) = stalling_app().await;
-    let sc = spillway::Sidecar::start(config(
-        app,
-        "timeouts: { upstream_body_idle: 1s }\nrules: []\n",
-    ))
-    .await
-    .unwrap();
+    let (sc, mut closed) =
+        stalling_sidecar("timeouts: { upstream_body_idle: 1s }\nrules: []\n").await;
     let mut c = stalled_h1(sc.addr(), "/stall").await;
     assert!(
         closes(&mut c).await,
@@ -388,13 +394,8 @@ async fn an_upstream_body_silent_past_its_idle_timeout_is_given_up() {
 /// The same for an HTTP/2 client: its stream is reset, its connection and other streams go on.
 #[tokio::test]
 async fn an_http2_streams_upstream_body_silent_past_its_idle_timeout_is_reset() {
-    let (app, mut closed) = stalling_app().await;
-    let sc = spillway::Sidecar::start(config(
-        app,
-        "timeouts: { upstream_body_idle: 1s }\nrules: []\n",
-    ))
-    .await
-    .unwrap();
+    let (sc, mut closed) =
+        stalling_sidecar("timeouts: { upstream_body_idle: 1s }\nrules: []\n").await;
     reset_h2(sc.addr(), "/stall").await;
     assert!(
         upstream_closed(&mut closed).await,
@@ -406,10 +407,7 @@ async fn an_http2_streams_upstream_body_silent_past_its_idle_timeout_is_reset() 
 /// connection at once, not at the idle timeout (here the default, 60 s).
 #[tokio::test]
 async fn an_http1_client_that_leaves_mid_response_releases_the_upstream() {
-    let (app, mut closed) = stalling_app().await;
-    let sc = spillway::Sidecar::start(config(app, "rules: []\n"))
-        .await
-        .unwrap();
+    let (sc, mut closed) = stalling_sidecar("rules: []\n").await;
     drop(stalled_h1(sc.addr(), "/stall").await);
     assert!(
         upstream_closed(&mut closed).await,
@@ -733,13 +731,10 @@ async fn one_more(proxy: std::net::SocketAddr) -> String {
 /// serves others while 8 streams stay open.
 #[tokio::test]
 async fn event_streams_do_not_lock_a_shared_adaptive_limit() {
-    let (app, _closed) = stalling_app().await;
-    let sc = spillway::Sidecar::start(config(
-        app,
+    let (sc, _closed) = stalling_sidecar(
         "rules:\n  - name: app-capacity\n    key: []\n    limit: { adaptive: { min: 8, max: 512, tolerance: 2.0 } }\n",
-    ))
-    .await
-    .unwrap();
+    )
+    .await;
     let _streams = open_streams(sc.addr(), 12).await;
     assert_eq!(one_more(sc.addr()).await, "HTTP/1.1 200 OK");
 }
@@ -748,13 +743,7 @@ async fn event_streams_do_not_lock_a_shared_adaptive_limit() {
 /// the rule says `release: head`.
 #[tokio::test]
 async fn a_fixed_concurrency_counts_to_the_end_unless_it_releases_at_the_head() {
-    let (app, _closed) = stalling_app().await;
-    let sc = spillway::Sidecar::start(config(
-        app,
-        "rules:\n  - name: to-the-end\n    match: { path: /events }\n    key: []\n    limit: { concurrency: 2 }\n  - name: at-the-head\n    match: { path_prefix: /live }\n    key: []\n    limit: { concurrency: 2 }\n    release: head\n",
-    ))
-    .await
-    .unwrap();
+    let (sc, _closed) = stalling_sidecar("rules:\n  - name: to-the-end\n    match: { path: /events }\n    key: []\n    limit: { concurrency: 2 }\n  - name: at-the-head\n    match: { path_prefix: /live }\n    key: []\n    limit: { concurrency: 2 }\n    release: head\n").await;
     let _streams = open_streams(sc.addr(), 2).await;
     let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
     let a = ask(&mut c, "GET /events HTTP/1.1\r\nHost: app\r\n\r\n").await;
@@ -781,13 +770,7 @@ async fn a_fixed_concurrency_counts_to_the_end_unless_it_releases_at_the_head() 
 /// (here shorter, so that the test need not wait for the global 60 s).
 #[tokio::test]
 async fn a_rules_upstream_body_idle_applies_to_its_requests() {
-    let (app, mut closed) = stalling_app().await;
-    let sc = spillway::Sidecar::start(config(
-        app,
-        "rules:\n  - name: feeds\n    match: { path_prefix: /feed }\n    key: []\n    limit: { rate: 100/s }\n    upstream_body_idle: 1s\n",
-    ))
-    .await
-    .unwrap();
+    let (sc, mut closed) = stalling_sidecar("rules:\n  - name: feeds\n    match: { path_prefix: /feed }\n    key: []\n    limit: { rate: 100/s }\n    upstream_body_idle: 1s\n").await;
     let mut c = stalled_h1(sc.addr(), "/feed").await;
     assert!(closes(&mut c).await, "the rule's 1 s did not apply");
     assert!(upstream_closed(&mut closed).await);

@@ -333,13 +333,10 @@ impl Forward<'_> {
     /// told apart, so the connection closes.
     fn bad_body(&self) -> Response<Body> {
         self.metrics.bad_body.inc();
-        let mut resp = respond::error(
+        closing(
             StatusCode::BAD_REQUEST,
             "the request body was malformed or ended early",
-        );
-        resp.headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        resp
+        )
     }
 
     /// `exchange` while its body still goes up: the response timeout starts once it is whole;
@@ -399,13 +396,10 @@ impl Forward<'_> {
             .bad_requests
             .with_label_values(&["body_timeout"])
             .inc();
-        let mut resp = respond::error(
+        closing(
             StatusCode::REQUEST_TIMEOUT,
             "the request body stopped coming",
-        );
-        resp.headers_mut()
-            .insert(header::CONNECTION, HeaderValue::from_static("close"));
-        resp
+        )
     }
 
     fn failed(&self, kind: UpstreamError) -> Response<Body> {
@@ -445,6 +439,15 @@ impl Forward<'_> {
         }
         Ok(())
     }
+}
+
+/// An error answer after which the client connection closes: what of the request body is
+/// still coming cannot be told from a next request.
+fn closing(status: StatusCode, detail: &'static str) -> Response<Body> {
+    let mut resp = respond::error(status, detail);
+    resp.headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    resp
 }
 
 /// The answer to a request the upstream did not answer, counted in `metrics` by `kind`.

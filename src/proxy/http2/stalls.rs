@@ -84,12 +84,11 @@ impl Drop for Watch {
     }
 }
 
-impl Watch {
-    fn ticks_of(&self, d: Duration) -> u32 {
-        u32::try_from(d.as_nanos().div_ceil(self.tick.as_nanos().max(1)))
-            .unwrap_or(u32::MAX)
-            .max(1)
-    }
+/// `d` in ticks of `tick` (at least one), as the worker's tick counts it.
+fn ticks(d: Duration, tick: Duration) -> u32 {
+    u32::try_from(d.as_nanos().div_ceil(tick.as_nanos().max(1)))
+        .unwrap_or(u32::MAX)
+        .max(1)
 }
 
 impl Stall {
@@ -122,16 +121,11 @@ impl Stalls {
         (body_idle, body_idle_errors): (Duration, prometheus::IntCounter),
         tick: Duration,
     ) -> Self {
-        let ticks = |d: Duration| {
-            u32::try_from(d.as_nanos().div_ceil(tick.as_nanos().max(1)))
-                .unwrap_or(u32::MAX)
-                .max(1)
-        };
         Stalls {
             list: Default::default(),
-            limit: ticks(limit),
+            limit: ticks(limit, tick),
             timeouts,
-            body_idle: ticks(body_idle),
+            body_idle: ticks(body_idle, tick),
             body_idle_errors,
             tick,
         }
@@ -241,7 +235,7 @@ impl Guarded {
     pub(super) fn idle_after(self, idle: Option<Duration>) -> Self {
         if let (Some(idle), Kind::Watched(stall)) = (idle, &self.body) {
             let mut w = stall.state();
-            w.body_idle = Some(w.ticks_of(idle));
+            w.body_idle = Some(ticks(idle, w.tick));
         }
         self
     }
