@@ -1,6 +1,7 @@
 //! What is checked and rewritten in a request before any rule sees it, by the sidecar and by
 //! the tower layer alike: a method in capitals, one valid `Host`, one canonical path, no field
-//! the app will not get, no client-written claim the app might believe.
+//! the app will not get, no client-written claim the app might believe, one `Cookie` line, a
+//! host the app answers for.
 //!
 //! Owns those checks and their refusals' reasons (`spillway_bad_requests_total{reason}`).
 //! Must never: answer (the caller renders the refusal), or let a request the app would read
@@ -25,6 +26,10 @@ pub struct Hygiene {
     pub(crate) upgrades: Vec<crate::config::UpgradeProtocol>,
     /// `bodies_on_get: reject`: a GET or HEAD with a body is answered 400.
     pub(crate) reject_get_bodies: bool,
+    /// `hosts:`; empty, any host.
+    hosts: Vec<crate::config::ServedHost>,
+    /// `trusted_headers:`, removed unless the peer is a trusted proxy.
+    trusted_headers: Vec<http::HeaderName>,
 }
 
 impl Default for Hygiene {
@@ -39,6 +44,8 @@ impl Default for Hygiene {
             strict_path: false,
             upgrades: crate::config::default_upgrades(),
             reject_get_bodies: false,
+            hosts: Vec::new(),
+            trusted_headers: Vec::new(),
         }
     }
 }
@@ -53,6 +60,8 @@ impl Hygiene {
             strict_path: config.path_match == crate::config::PathMatch::Strict,
             upgrades: config.upgrades.clone(),
             reject_get_bodies: config.bodies_on_get == crate::config::BodiesOnGet::Reject,
+            hosts: config.hosts.clone(),
+            trusted_headers: config.trusted_headers.iter().map(|h| h.0.clone()).collect(),
         }
     }
 
@@ -80,6 +89,7 @@ impl Hygiene {
         // One pass over the fields (standard names compare as enums), not a lookup for each;
         // it also sums the head's bytes as sent (name, ": ", value, CRLF per field).
         let (mut host, mut hosts, mut connection, mut claims) = (None, 0u32, false, false);
+        let mut cookies = 0u32;
         let mut bytes = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
         for (name, value) in req.headers() {
             bytes += name.as_str().len() + value.len() + 4;
@@ -88,6 +98,8 @@ impl Hygiene {
                 hosts += 1;
             } else if name == http::header::CONNECTION {
                 connection = true;
+            } else if name == http::header::COOKIE {
+                cookies += 1;
             } else if key::is_client_claim(name.as_str()) {
                 claims = true;
             }
@@ -110,6 +122,16 @@ impl Hygiene {
             }
             _ => {}
         }
+        if !self.hosts.is_empty() {
+            // Absolute form names its host in the target (HTTP/1.0 may send no `Host`).
+            let named = key::request_host(req.uri(), req.headers());
+            if named.is_some_and(|h| !self.hosts.iter().any(|s| s.serves(h))) {
+                return Err((
+                    MISDIRECTED,
+                    "this service does not answer for the request's host".into(),
+                ));
+            }
+        }
         if self.normalize_path {
             match crate::target::canonical_uri(req.uri(), self.reject_separators) {
                 Ok(Some(uri)) => *req.uri_mut() = uri,
@@ -119,6 +141,9 @@ impl Hygiene {
         }
         if connection {
             drop_listed(req.headers_mut())?;
+        }
+        if cookies > 1 && req.version() == http::Version::HTTP_2 {
+            join_cookies(req.headers_mut());
         }
         if claims {
             let names: Vec<http::HeaderName> = req
@@ -134,6 +159,35 @@ impl Hygiene {
         Ok(())
     }
 }
+
+impl Hygiene {
+    /// Removes the `trusted_headers` from a request whose peer is not a trusted proxy: a
+    /// client must not name its own tier.
+    pub fn untrusted<B>(&self, req: &mut Request<B>) {
+        for name in &self.trusted_headers {
+            req.headers_mut().remove(name);
+        }
+    }
+}
+
+/// Joins the `Cookie` fields of an HTTP/2 request into one, with `; ` (RFC 9113 §8.2.3): an
+/// HTTP/1 app reads one `Cookie` line, and might read only the first or the last of several.
+fn join_cookies(headers: &mut http::HeaderMap) {
+    let mut joined = Vec::new();
+    for value in headers.get_all(http::header::COOKIE) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(value.as_bytes());
+    }
+    // Made of field values and "; ": a valid value.
+    if let Ok(value) = http::HeaderValue::from_bytes(&joined) {
+        headers.insert(http::header::COOKIE, value);
+    }
+}
+
+/// The reason [`Hygiene::apply`] gives a request for a host not in `hosts:` (answered 421).
+pub(crate) const MISDIRECTED: &str = "misdirected";
 
 /// The reason [`Hygiene::apply`] gives a head over `limits.max_header_bytes` (answered 431).
 pub(crate) const TOO_LARGE: &str = "header_too_large";

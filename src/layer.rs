@@ -218,7 +218,7 @@ where
                 .map(|p| p.0)
                 .or_else(|| req.extensions().get::<SocketAddr>().copied())
                 .map_or(IpAddr::V4(Ipv4Addr::UNSPECIFIED), |a| a.ip());
-            let grpc = respond::is_grpc(req.headers());
+            let grpc = respond::form(req.method(), req.version(), req.headers());
             // The inner service is given what the rules saw: the sidecar's request hygiene,
             // with its defaults.
             if let Err((_, detail)) = shared.hygiene.apply(&mut req) {

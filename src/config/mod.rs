@@ -34,8 +34,17 @@ pub struct Config {
     /// Admin listener: `/metrics`, `/healthz`, `/readyz`, `/config`.
     #[serde(default = "default_admin")]
     pub admin: SocketAddr,
+    /// The hosts the app answers for; a request naming another gets 421 (empty: any host).
+    /// A request without a host (HTTP/1.0) is served, and every host rule counts it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<ServedHost>,
     #[serde(default)]
     pub client_ip: ClientIp,
+    /// Request headers only a proxy in `client_ip.trusted_proxies` may set (a tier, a customer
+    /// id): removed from any other peer's requests before the rules or the app see them. The
+    /// ingress must overwrite them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub trusted_headers: Vec<HeaderNameStr>,
     /// Normalise each request's path (escapes, dot segments, repeated slashes) before rules
     /// see it and forward the normalised one; `false` keeps the raw target (signed URLs).
     #[serde(default = "yes")]

@@ -82,6 +82,12 @@ string_schema!(
     "A host name such as api.example.com, or *.example.com for any subdomain."
 );
 string_schema!(
+    ServedHost,
+    "ServedHost",
+    "^(\\*\\.)?[A-Za-z0-9._-]+(:[0-9]{1,5})?$|^\\[?[0-9A-Fa-f:.]+\\]?(:[0-9]{1,5})?$",
+    "A host the app answers for: api.example.com, svc.ns, *.example.com (any subdomain), or an address (10.1.2.3, fd00::1); a port is ignored."
+);
+string_schema!(
     MethodName,
     "Method",
     "^[A-Z]+$",

@@ -434,6 +434,86 @@ impl<'de> Deserialize<'de> for HostPattern {
     }
 }
 
+/// An entry of `hosts:`: a name (`api.example.com`, `svc.ns`), `*.example.com` for any
+/// subdomain, or an address (`10.1.2.3`, `fd00::1` or `[fd00::1]`). A port is ignored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServedHost {
+    /// Lower case, without a trailing dot.
+    Name(String),
+    /// The suffix after `*`, lower case: `.example.com`.
+    Subdomains(String),
+    Ip(std::net::IpAddr),
+}
+
+impl ServedHost {
+    /// Whether a request's host (without port and trailing dot, as
+    /// [`crate::key::request_host`] gives it) is this one.
+    pub fn serves(&self, host: &str) -> bool {
+        match self {
+            ServedHost::Name(name) => host.eq_ignore_ascii_case(name),
+            ServedHost::Subdomains(suffix) => {
+                host.len() > suffix.len()
+                    && host.is_char_boundary(host.len() - suffix.len())
+                    && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+            }
+            ServedHost::Ip(ip) => host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|h| h.to_canonical() == *ip),
+        }
+    }
+}
+
+impl FromStr for ServedHost {
+    type Err = String;
+    fn from_str(raw: &str) -> Result<Self, String> {
+        let s = raw.trim().to_ascii_lowercase();
+        // `[v6]`, `[v6]:port`, `v6`, `v4:port`, `name:port`.
+        let bare = if let Some(rest) = s.strip_prefix('[') {
+            rest.split(']').next().unwrap_or(rest).to_owned()
+        } else if s.matches(':').count() == 1 {
+            s.split(':').next().unwrap_or(&s).to_owned()
+        } else {
+            s.clone()
+        };
+        if let Ok(ip) = bare.parse::<std::net::IpAddr>() {
+            return Ok(ServedHost::Ip(ip.to_canonical()));
+        }
+        let name = bare.strip_suffix('.').unwrap_or(&bare);
+        let plain = name.strip_prefix("*.").unwrap_or(name);
+        if plain.is_empty()
+            || plain.starts_with('.')
+            || plain.contains("..")
+            || !plain
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+        {
+            return Err(format!(
+                "{raw:?}: expected a host name (api.example.com, svc.ns), *.example.com or an address"
+            ));
+        }
+        Ok(match name.strip_prefix('*') {
+            Some(suffix) => ServedHost::Subdomains(suffix.to_owned()),
+            None => ServedHost::Name(name.to_owned()),
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for ServedHost {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        parse_str(d, |s: &str| s.parse().map_err(err))
+    }
+}
+
+impl Serialize for ServedHost {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            ServedHost::Name(n) => s.serialize_str(n),
+            ServedHost::Subdomains(suffix) => s.serialize_str(&format!("*{suffix}")),
+            ServedHost::Ip(ip) => s.serialize_str(&ip.to_string()),
+        }
+    }
+}
+
 /// An HTTP method name.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MethodName(pub http::Method);

@@ -52,7 +52,7 @@ use crate::config::{Config, ConfigError};
 use crate::control::reporter::Reporter;
 use crate::control::DropRatios;
 use crate::gate;
-use crate::hygiene::{Hygiene, TOO_LARGE};
+use crate::hygiene::{Hygiene, MISDIRECTED, TOO_LARGE};
 use crate::key::{self, RequestView};
 use crate::limit::{AnyClock, Clock};
 use crate::metrics::{Metrics, Outcome};

@@ -158,6 +158,11 @@ fn restart_fields(old: &Config, new: &Config) -> Vec<&'static str> {
     check("upstream", !same(&old.upstream, &new.upstream));
     check("admin", old.admin != new.admin);
     check("client_ip", !same(&old.client_ip, &new.client_ip));
+    check("hosts", old.hosts != new.hosts);
+    check(
+        "trusted_headers",
+        !same(&old.trusted_headers, &new.trusted_headers),
+    );
     check("normalize_path", old.normalize_path != new.normalize_path);
     check("path_escapes", old.path_escapes != new.path_escapes);
     check("path_match", old.path_match != new.path_match);

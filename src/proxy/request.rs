@@ -131,6 +131,10 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
             return respond::error(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, &detail);
         }
         metrics.bad_requests.with_label_values(&[reason]).inc();
+        if reason == MISDIRECTED {
+            // Well formed, for another host: the connection stays usable.
+            return respond::error(StatusCode::MISDIRECTED_REQUEST, &detail);
+        }
         let mut resp = respond::error(StatusCode::BAD_REQUEST, &detail);
         // What follows on the connection may be as malformed: nginx closes after a 400 too.
         resp.headers_mut().insert(
@@ -139,10 +143,13 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
         );
         return resp;
     }
-    let grpc = respond::is_grpc(req.headers());
+    let grpc = respond::form(req.method(), req.version(), req.headers());
     // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
     // and never holds the rule snapshot across that wait.
     let trusted = shared.client_ip.trusts(peer.ip());
+    if !trusted {
+        shared.hygiene.untrusted(req);
+    }
     let client_ip = shared.client_ip.client(req.headers(), peer.ip());
     let view = RequestView::for_proxy(req, client_ip, trusted, shared.hygiene.strict_path);
     let admitted = gate::admit(&shared.rules, &shared.clock, &view).await;

@@ -8,7 +8,7 @@
 use std::fmt::Write as _;
 
 use bytes::{BufMut, BytesMut};
-use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 
 pub use crate::rules::{Answer, Answers};
 
@@ -16,7 +16,7 @@ pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub(crate) static PROBLEM_JSON: HeaderValue = HeaderValue::from_static("application/problem+json");
 
-/// Renders a rule's 429 for a retry hint: `Content-Type`, `Retry-After`, `RateLimit-Policy`
+/// Renders a rule's 429 for a retry hint: `Content-Type`, `Cache-Control`, `Retry-After`, `RateLimit-Policy`
 /// and `RateLimit` (`r=0`), as a map and as the lines of an HTTP/1 head, and the problem
 /// document. The rule keeps what this renders ([`Answers`]).
 pub(crate) fn render(rule: &str, policy: &HeaderValue, retry: Option<u64>) -> Answer {
@@ -30,8 +30,9 @@ pub(crate) fn render(rule: &str, policy: &HeaderValue, retry: Option<u64>) -> An
         let _ = write!(body, ",\"retry_after\":{secs}");
     }
     body.put_slice(b"}\n");
-    let mut headers = HeaderMap::with_capacity(4);
+    let mut headers = HeaderMap::with_capacity(5);
     headers.insert(CONTENT_TYPE, PROBLEM_JSON.clone());
+    headers.insert(CACHE_CONTROL, super::NO_STORE.clone());
     if let Some(secs) = retry {
         headers.insert(RETRY_AFTER, HeaderValue::from(secs));
     }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::{BufMut, Bytes, BytesMut};
-use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{HeaderMap, HeaderName, HeaderValue, CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{Either, Full};
@@ -44,16 +44,59 @@ static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
 static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
 
-/// True for gRPC requests (`content-type: application/grpc*`).
-pub fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+/// The form of an answer of ours: a problem document, or the status a gRPC client reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Form {
+    Http,
+    /// gRPC over HTTP/2.
+    Grpc,
+    /// gRPC-Web (any version), with the content type to answer in.
+    GrpcWeb(&'static str),
 }
+
+/// The form a request is answered in: gRPC only for a `POST` of `application/grpc` over
+/// HTTP/2 or of `application/grpc-web*` over any version. Anything else saying gRPC (a GET, a
+/// plain HTTP/1.1 request) gets HTTP's answer: a `200` to it is a success to a cache.
+pub fn form(method: &http::Method, version: http::Version, headers: &HeaderMap) -> Form {
+    if method != http::Method::POST {
+        return Form::Http;
+    }
+    let Some(ct) = headers.get(CONTENT_TYPE) else {
+        return Form::Http;
+    };
+    let ct = ct.as_bytes();
+    if let Some(rest) = strip_prefix_ignore_case(ct, b"application/grpc-web") {
+        let proto = rest.ends_with(b"+proto");
+        return Form::GrpcWeb(match strip_prefix_ignore_case(rest, b"-text") {
+            Some(_) if proto => "application/grpc-web-text+proto",
+            Some(_) => "application/grpc-web-text",
+            None if proto => "application/grpc-web+proto",
+            None => "application/grpc-web",
+        });
+    }
+    match strip_prefix_ignore_case(ct, b"application/grpc") {
+        Some(rest)
+            if version == http::Version::HTTP_2
+                && matches!(rest.first(), None | Some(b'+' | b';')) =>
+        {
+            Form::Grpc
+        }
+        _ => Form::Http,
+    }
+}
+
+fn strip_prefix_ignore_case<'a>(s: &'a [u8], prefix: &[u8]) -> Option<&'a [u8]> {
+    (s.len() >= prefix.len() && s[..prefix.len()].eq_ignore_ascii_case(prefix))
+        .then(|| &s[prefix.len()..])
+}
+
+/// `Cache-Control` of every answer of ours: a refusal or an error is about this request now,
+/// never a page for a cache to serve.
+pub(crate) static NO_STORE: HeaderValue = HeaderValue::from_static("no-store");
 
 /// The answer to a refused request, in its response's map (the tower layer's, and the sidecar's
 /// when the rule keeps none: see [`answer_kept`]).
-pub fn answer<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: bool) -> Ours<L, R> {
+pub fn answer<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: Form) -> Ours<L, R> {
     match refusal {
         Refusal::Limited(denial) => too_many_requests(denial, grpc),
         Refusal::BadRequest(bad) => {
@@ -73,14 +116,14 @@ pub fn answer<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: bool) -> Ours<L,
 /// the retry hint in whole seconds, so they come from the rule's [`Answers`]: shared bytes,
 /// built on a rule's first refusal with that hint (nginx answers `limit_req` with a static
 /// page; this is as close as we get while saying which rule and when).
-pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -> Ours<L, R> {
+pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -> Ours<L, R> {
     if denial.capacity {
         return reduced_capacity(denial, grpc);
     }
     let rule = &denial.state.rule;
     let retry = denial.retry_after_secs();
-    if grpc {
-        return grpc_exhausted(denial, rule, retry);
+    if grpc != Form::Http {
+        return grpc_exhausted(denial, rule, retry, grpc);
     }
     // A denial's state is `r=0;t=<retry, or 0 for never>` (rules.rs), which is what the
     // cached `RateLimit` value says.
@@ -118,9 +161,9 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -
 /// holds the rule's `Answer`, whose fields our HTTP/1 side writes as they are kept (no map
 /// cloned, walked and dropped per refusal) and [`whole`](crate::proxy::respond::whole) puts in
 /// the map for hyper's server.
-pub fn answer_kept<L>(refusal: &Refusal, grpc: bool) -> Ours<L, Own> {
+pub fn answer_kept<L>(refusal: &Refusal, grpc: Form) -> Ours<L, Own> {
     if let Refusal::Limited(denial) = refusal {
-        if !grpc && !denial.capacity {
+        if grpc == Form::Http && !denial.capacity {
             if let Some(answer) = denial.answers.get(denial.retry_after_secs(), render) {
                 let canned = Canned {
                     answer: answer.clone(),
@@ -210,10 +253,12 @@ fn grpc_exhausted<L, R: From<Full<Bytes>>>(
     denial: &Denial,
     rule: &str,
     retry: Option<u64>,
+    form: Form,
 ) -> Ours<L, R> {
     let mut resp = Response::new(Either::Right(Full::new(Bytes::new()).into()));
     let h = resp.headers_mut();
-    h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    h.insert(CONTENT_TYPE, grpc_type(form));
+    h.insert(CACHE_CONTROL, NO_STORE.clone());
     h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("8"));
     // grpc-message is percent-encoded; the detail is plain ASCII without '%'.
     let mut msg = String::with_capacity(96);
@@ -233,20 +278,29 @@ fn grpc_exhausted<L, R: From<Full<Bytes>>>(
     resp
 }
 
+/// The content type of a gRPC answer in `form`.
+fn grpc_type(form: Form) -> HeaderValue {
+    HeaderValue::from_static(match form {
+        Form::GrpcWeb(ct) => ct,
+        _ => "application/grpc",
+    })
+}
+
 /// The problem type of draft-ietf-httpapi-ratelimit-headers for capacity, not quota.
 const REDUCED_CAPACITY: &str =
     "https://iana.org/assignments/http-problem-types#temporary-reduced-capacity";
 
 /// 503 with `Retry-After` for a request an adaptive limit refused: the upstream is at the
 /// concurrency its latency allows now. No `RateLimit` headers: this is not the client's quota.
-fn reduced_capacity<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: bool) -> Ours<L, R> {
+fn reduced_capacity<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -> Ours<L, R> {
     let rule = &denial.state.rule;
     let secs = denial.retry_after_secs().unwrap_or(1);
-    let mut resp = if grpc {
+    let mut resp = if grpc != Form::Http {
         // UNAVAILABLE: gRPC clients retry it with back-off.
         let mut resp = Response::new(Either::Right(Full::new(Bytes::new()).into()));
         let h = resp.headers_mut();
-        h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        h.insert(CONTENT_TYPE, grpc_type(grpc));
+        h.insert(CACHE_CONTROL, NO_STORE.clone());
         h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("14"));
         resp
     } else {
@@ -301,8 +355,9 @@ pub fn error<L, R: From<Full<Bytes>>>(status: StatusCode, detail: &str) -> Ours<
 fn problem<L, R: From<Full<Bytes>>>(status: StatusCode, body: Bytes) -> Ours<L, R> {
     let mut resp = Response::new(Either::Right(Full::new(body).into()));
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, PROBLEM_JSON.clone());
+    let h = resp.headers_mut();
+    h.insert(CONTENT_TYPE, PROBLEM_JSON.clone());
+    h.insert(CACHE_CONTROL, NO_STORE.clone());
     resp
 }
 
@@ -400,7 +455,7 @@ mod tests {
         // 3 s is kept, 61 s and "never" are formatted per refusal: all must read the same way.
         for secs in [Some(3), Some(3), Some(61), None] {
             let (status, headers, body) =
-                parts(too_many_requests(&denial(&answers, secs), false)).await;
+                parts(too_many_requests(&denial(&answers, secs), Form::Http)).await;
             assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
             assert_eq!(
                 headers
@@ -449,9 +504,9 @@ mod tests {
         for mode in [HeaderMode::OnReject, HeaderMode::Always, HeaderMode::Never] {
             let mut d = denial(&answers, Some(7));
             d.header_mode = mode;
-            let (status, headers, body) = parts(too_many_requests(&d, false)).await;
+            let (status, headers, body) = parts(too_many_requests(&d, Form::Http)).await;
             let refusal = Refusal::Limited(d);
-            let kept = answer_kept(&refusal, false);
+            let kept = answer_kept(&refusal, Form::Http);
             let Either::Right(Own::Canned(canned)) = kept.body() else {
                 panic!("a 7 s hint is kept: {mode:?}")
             };
@@ -470,25 +525,29 @@ mod tests {
     fn a_429_not_kept_comes_with_its_map_and_a_field_added_to_a_kept_one_stays() {
         let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
         // A hint over a minute, "never", and gRPC are built per refusal.
-        for (secs, grpc) in [(Some(61), false), (None, false), (Some(7), true)] {
+        for (secs, grpc) in [
+            (Some(61), Form::Http),
+            (None, Form::Http),
+            (Some(7), Form::Grpc),
+        ] {
             let resp = answer_kept::<()>(&Refusal::Limited(denial(&answers, secs)), grpc);
             assert!(
                 matches!(resp.body(), Either::Right(Own::Doc(_))),
-                "{secs:?} {grpc}"
+                "{secs:?} {grpc:?}"
             );
             assert!(resp.headers().contains_key(RETRY_AFTER) || secs.is_none());
         }
-        let mut kept = answer_kept(&Refusal::Limited(denial(&answers, Some(7))), false);
+        let mut kept = answer_kept(&Refusal::Limited(denial(&answers, Some(7))), Form::Http);
         kept.headers_mut()
             .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         let mut resp = kept;
         whole(&mut resp);
         assert_eq!(resp.headers()[http::header::CONNECTION], "close");
         assert_eq!(resp.headers()[RETRY_AFTER], "7");
-        assert_eq!(resp.headers().len(), 5);
+        assert_eq!(resp.headers().len(), 6);
         // The fields are in the map now, not in the body: once more adds nothing.
         whole(&mut resp);
-        assert_eq!(resp.headers().len(), 5);
+        assert_eq!(resp.headers().len(), 6);
         assert!(matches!(resp.body(), Either::Right(Own::Doc(_))));
     }
 
@@ -497,7 +556,7 @@ mod tests {
         let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
         let mut d = denial(&answers, Some(1));
         d.header_mode = HeaderMode::Never;
-        let (_, headers, _) = parts(too_many_requests(&d, false)).await;
+        let (_, headers, _) = parts(too_many_requests(&d, Form::Http)).await;
         assert_eq!(headers[RETRY_AFTER], "1");
         assert!(!headers.contains_key(&RATELIMIT));
         assert!(!headers.contains_key(&RATELIMIT_POLICY));

@@ -1,0 +1,291 @@
+//! Rules that mean what they say (issue 41, "What was seen", in its order): each test sends
+//! what a client sent to get past a rule, or what a reviewer found in an answer, against the
+//! real proxy on loopback, raw bytes where the spelling matters. Each asserts the answer.
+
+mod common;
+
+use std::net::SocketAddr;
+
+use common::*;
+use http::StatusCode;
+use spillway::Sidecar;
+use tokio::io::BufReader;
+
+/// Sends `text` on a fresh connection and reads one answer.
+async fn raw(addr: SocketAddr, text: impl AsRef<str>) -> Answer {
+    let s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    ask(&mut BufReader::new(s), text.as_ref()).await
+}
+
+fn status(a: &Answer) -> u16 {
+    a.status
+        .get(9..12)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A rule that admits one request in an hour, for everyone, on what `matches` says.
+fn one_an_hour(matches: &str) -> String {
+    format!(
+        "rules:\n  - name: once\n    key: []\n    match: {{ {matches} }}\n    limit: {{ rate: 1/h, burst: 1 }}\n"
+    )
+}
+
+// 1. A prefix with a trailing slash matches the path it names.
+#[tokio::test]
+async fn a_prefix_with_a_trailing_slash_matches_its_own_path_in_every_spelling() {
+    let (sc, _up) = sidecar(&one_an_hour("path_prefix: /api/")).await;
+    let first = raw(sc.addr(), "GET /api/x HTTP/1.1\r\nHost: app\r\n\r\n").await;
+    assert_eq!(status(&first), 200, "{}", first.status);
+    for target in [
+        "/api/",
+        "/api",
+        "/API/",
+        "//api//",
+        "/api/.",
+        "/Api",
+        "/api;x=1/",
+    ] {
+        let a = raw(
+            sc.addr(),
+            format!("GET {target} HTTP/1.1\r\nHost: app\r\n\r\n"),
+        )
+        .await;
+        assert_eq!(status(&a), 429, "{target} escaped /api/: {}", a.status);
+    }
+    // What never was under it stays outside.
+    for target in ["/apix", "/ap", "/", "/v1/api/"] {
+        let a = raw(
+            sc.addr(),
+            format!("GET {target} HTTP/1.1\r\nHost: app\r\n\r\n"),
+        )
+        .await;
+        assert_eq!(status(&a), 200, "{target} is not under /api/: {}", a.status);
+    }
+}
+
+#[tokio::test]
+async fn the_create_endpoint_is_under_its_collection_s_prefix_and_a_regex_prefix_too() {
+    let (sc, _up) = sidecar(&one_an_hour("path_prefix: /api/users/, methods: [POST]")).await;
+    let post = |target: &'static str| {
+        raw(
+            sc.addr(),
+            format!("POST {target} HTTP/1.1\r\nHost: app\r\nContent-Length: 0\r\n\r\n"),
+        )
+    };
+    assert_eq!(status(&post("/api/users/7").await), 200);
+    assert_eq!(status(&post("/api/users/").await), 429);
+    assert_eq!(status(&post("/api/users").await), 429);
+    // An anchored regex that names a directory matches the directory itself.
+    let (sc, _up) = sidecar(&one_an_hour("path_regex: \"^/api/\"")).await;
+    let get = |target: &'static str| {
+        raw(
+            sc.addr(),
+            format!("GET {target} HTTP/1.1\r\nHost: app\r\n\r\n"),
+        )
+    };
+    assert_eq!(status(&get("/api/x").await), 200);
+    assert_eq!(status(&get("/api").await), 429);
+    assert_eq!(status(&get("/API/").await), 429);
+    assert_eq!(status(&get("/apix").await), 200);
+}
+
+// 2. A host the app does not serve is not served at all.
+#[tokio::test]
+async fn a_host_not_listed_is_misdirected_whatever_its_spelling() {
+    let (sc, up) = sidecar(&format!(
+        "hosts: [api.example.com, \"*.example.org\", 10.1.2.3, \"[fd00::1]\"]\n{}",
+        one_an_hour("host: api.example.com")
+    ))
+    .await;
+    for host in [
+        "",
+        "127.0.0.1",
+        "x",
+        "api.example.com..",
+        "example.org",
+        "10.1.2.4",
+    ] {
+        let a = raw(sc.addr(), format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n")).await;
+        assert_eq!(status(&a), 421, "Host: {host:?} -> {}", a.status);
+        assert!(a.head.contains("cache-control: no-store"), "{}", a.head);
+        assert!(a.body.contains("\"status\":421"), "{}", a.body);
+    }
+    // Absolute form names the host in the target: the same list applies.
+    let a = raw(sc.addr(), "GET http://evil.example/ HTTP/1.0\r\n\r\n").await;
+    assert_eq!(status(&a), 421, "{}", a.status);
+    assert_eq!(
+        up.signals
+            .requests
+            .load(std::sync::atomic::Ordering::SeqCst),
+        0
+    );
+    // Listed hosts pass, with port, case and a fully qualified name's dot.
+    for host in [
+        "10.1.2.3:8080",
+        "[fd00::1]:80",
+        "a.example.org",
+        "b.a.example.org",
+    ] {
+        let a = raw(sc.addr(), format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n")).await;
+        assert_eq!(status(&a), 200, "Host: {host:?} -> {}", a.status);
+    }
+    // The host rule sees every spelling of its host as one.
+    for (host, want) in [
+        ("api.example.com", 200),
+        ("API.Example.COM:443", 429),
+        ("api.example.com.", 429),
+    ] {
+        let a = raw(sc.addr(), format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n")).await;
+        assert_eq!(status(&a), want, "Host: {host:?} -> {}", a.status);
+    }
+    // HTTP/1.0 without a Host: the one app serves it, and every host rule counts it.
+    let a = raw(sc.addr(), "GET / HTTP/1.0\r\n\r\n").await;
+    assert_eq!(status(&a), 429, "{}", a.status);
+    // The admin port answers whatever the Host.
+    let (code, _) = admin(&sc, "/healthz").await;
+    assert_eq!(code, StatusCode::OK);
+}
+
+// 4. Our answers: never cached, and gRPC only to gRPC.
+#[tokio::test]
+async fn a_refused_plain_http_request_saying_grpc_gets_a_429_never_a_200() {
+    let (sc, _up) = sidecar(&one_an_hour("path_prefix: /")).await;
+    let post = "POST /svc/Call HTTP/1.1\r\nHost: app\r\nContent-Type: application/grpc\r\nContent-Length: 0\r\n\r\n";
+    assert_eq!(status(&raw(sc.addr(), post).await), 200);
+    let a = raw(sc.addr(), post).await;
+    assert_eq!(status(&a), 429, "{}", a.status);
+    assert!(a.head.contains("cache-control: no-store"), "{}", a.head);
+    assert!(!a.head.contains("grpc-status"), "{}", a.head);
+    // A GET saying gRPC is no gRPC call either.
+    let a = raw(
+        sc.addr(),
+        "GET / HTTP/1.1\r\nHost: app\r\nContent-Type: application/grpc\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status(&a), 429, "{}", a.status);
+    // gRPC-Web runs over HTTP/1.1: its refusal is in its own form.
+    let a = raw(
+        sc.addr(),
+        "POST /svc/Call HTTP/1.1\r\nHost: app\r\nContent-Type: application/grpc-web+proto\r\nContent-Length: 0\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status(&a), 200, "{}", a.status);
+    assert!(a.head.contains("grpc-status: 8"), "{}", a.head);
+    assert!(
+        a.head.contains("content-type: application/grpc-web+proto"),
+        "{}",
+        a.head
+    );
+    assert!(a.head.contains("cache-control: no-store"), "{}", a.head);
+    // gRPC over HTTP/2 keeps its form.
+    let client = h2_client();
+    let (code, headers, _) = send(
+        &client,
+        sc.addr(),
+        "POST",
+        "/svc/Call",
+        &[("content-type", "application/grpc")],
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK);
+    assert_eq!(headers["grpc-status"], "8");
+    assert_eq!(headers["cache-control"], "no-store");
+}
+
+#[tokio::test]
+async fn every_answer_of_the_proxy_says_no_store() {
+    let (sc, _up) = sidecar(&one_an_hour("path_prefix: /limited")).await;
+    let get = "GET /limited HTTP/1.1\r\nHost: app\r\n\r\n";
+    assert_eq!(status(&raw(sc.addr(), get).await), 200);
+    let mut seen = Vec::new();
+    // A kept 429, a 400 of the head, a 400 of the target, a 431.
+    seen.push(raw(sc.addr(), get).await);
+    seen.push(raw(sc.addr(), "GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n").await);
+    seen.push(raw(sc.addr(), "GET /../x HTTP/1.1\r\nHost: app\r\n\r\n").await);
+    seen.push(
+        raw(
+            sc.addr(),
+            format!(
+                "GET / HTTP/1.1\r\nHost: app\r\nx-big: {}\r\n\r\n",
+                "a".repeat(70_000)
+            ),
+        )
+        .await,
+    );
+    for a in &seen {
+        assert!(status(a) >= 400, "{}", a.status);
+        assert!(
+            a.head.contains("cache-control: no-store"),
+            "{}: {}",
+            a.status,
+            a.head
+        );
+    }
+    // A 502: the app is gone.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let sc = Sidecar::start(config(dead, "")).await.unwrap();
+    let a = raw(sc.addr(), "GET / HTTP/1.1\r\nHost: app\r\n\r\n").await;
+    assert_eq!(status(&a), 502, "{}", a.status);
+    assert!(a.head.contains("cache-control: no-store"), "{}", a.head);
+}
+
+// 7. HTTP/2 cookies reach an HTTP/1 app as one field.
+#[tokio::test]
+async fn http2_cookie_fields_reach_an_http1_app_joined_in_one_line() {
+    let (sc, _up) = sidecar("").await;
+    let client = h2_client();
+    let (code, _, body) = send(
+        &client,
+        sc.addr(),
+        "GET",
+        "/echo",
+        &[("cookie", "a=1"), ("cookie", "b=2"), ("cookie", "c=3")],
+    )
+    .await;
+    assert_eq!(code, StatusCode::OK);
+    let seen: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(seen["headers"]["cookie"], "a=1; b=2; c=3", "{body}");
+}
+
+/// A connection to `to` from the loopback address `from` (127.0.0.x: each its own client).
+async fn connect_from(from: [u8; 4], to: SocketAddr) -> BufReader<tokio::net::TcpStream> {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((from, 0))).unwrap();
+    BufReader::new(socket.connect(to).await.unwrap())
+}
+
+// 6. A tier in a header is the ingress's to say, never the client's.
+#[tokio::test]
+async fn a_trusted_header_from_a_client_is_removed_and_from_the_ingress_kept() {
+    let (sc, _up) = sidecar(
+        "client_ip: { trusted_proxies: [127.0.0.2/32] }\ntrusted_headers: [x-plan]\nrules:\n  - name: free\n    key: [client_ip]\n    match: { headers_absent: [x-plan] }\n    limit: { rate: 1/h, burst: 1 }\n",
+    )
+    .await;
+    let echo = "GET /echo HTTP/1.1\r\nHost: app\r\nX-Plan: premium\r\n\r\n";
+    // The client names its own plan: removed, so the free tier counts it, and the app never
+    // reads it.
+    let mut c = connect_from([127, 0, 0, 1], sc.addr()).await;
+    let a = ask(&mut c, echo).await;
+    assert_eq!(status(&a), 200, "{}", a.status);
+    let seen: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+    assert!(seen["headers"].get("x-plan").is_none(), "{}", a.body);
+    let a = ask(&mut c, echo).await;
+    assert_eq!(
+        status(&a),
+        429,
+        "a self-upgrade escaped the free tier: {}",
+        a.status
+    );
+    // The ingress says it: kept, and the free tier does not apply.
+    let mut ingress = connect_from([127, 0, 0, 2], sc.addr()).await;
+    for _ in 0..3 {
+        let a = ask(&mut ingress, echo).await;
+        assert_eq!(status(&a), 200, "{}", a.status);
+        let seen: serde_json::Value = serde_json::from_str(&a.body).unwrap();
+        assert_eq!(seen["headers"]["x-plan"], "premium", "{}", a.body);
+    }
+}
