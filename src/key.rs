@@ -25,8 +25,15 @@ pub type KeyBuf = SmallVec<[u8; 128]>;
 /// One component of a rule's key.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KeyPart {
-    /// The client address: the socket peer, or what a trusted proxy in front said.
+    /// The client address: the socket peer, or what a trusted proxy in front said; public
+    /// addresses cut to `client_ip.ipv4_prefix` / `ipv6_prefix`.
     ClientIp,
+    /// The same, cut to this rule's own prefixes (`client_ip/24`, `client_ip/48`,
+    /// `client_ip/24/48`); `None`, the configured one.
+    ClientNet {
+        v4: Option<u8>,
+        v6: Option<u8>,
+    },
     /// A request header's value; absent header = rule does not apply; sent twice = 400.
     Header(HeaderName),
     /// A query parameter's value, percent-decoded (`%XX` and `+`).
@@ -47,6 +54,9 @@ impl FromStr for KeyPart {
             "method" => Ok(KeyPart::Method),
             "host" => Ok(KeyPart::Host),
             _ => {
+                if let Some(lengths) = s.strip_prefix("client_ip/") {
+                    return client_net(s, lengths);
+                }
                 if let Some(name) = s.strip_prefix("header:") {
                     HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes())
                         .map(KeyPart::Header)
@@ -59,7 +69,7 @@ impl FromStr for KeyPart {
                     }
                 } else {
                     Err(format!(
-                        "{s:?}: unknown key part (expected client_ip, header:NAME, query:NAME, path, method or host)"
+                        "{s:?}: unknown key part (expected client_ip, client_ip/PREFIX, header:NAME, query:NAME, path, method or host)"
                     ))
                 }
             }
@@ -67,10 +77,45 @@ impl FromStr for KeyPart {
     }
 }
 
+/// `client_ip/N` (N up to 32: IPv4's prefix; over 32: IPv6's) or `client_ip/V4/V6`.
+fn client_net(s: &str, lengths: &str) -> Result<KeyPart, String> {
+    let bad = || {
+        format!(
+            "{s:?}: expected client_ip/N (1-32 for IPv4 clients, 33-128 for IPv6 ones) or client_ip/V4/V6 (client_ip/24/48)"
+        )
+    };
+    let num = |t: &str| t.parse::<u8>().map_err(|_| bad());
+    match lengths.split_once('/') {
+        None => match num(lengths)? {
+            n @ 1..=32 => Ok(KeyPart::ClientNet {
+                v4: Some(n),
+                v6: None,
+            }),
+            n @ 33..=128 => Ok(KeyPart::ClientNet {
+                v4: None,
+                v6: Some(n),
+            }),
+            _ => Err(bad()),
+        },
+        Some((v4, v6)) => match (num(v4)?, num(v6)?) {
+            (v4 @ 1..=32, v6 @ 1..=128) => Ok(KeyPart::ClientNet {
+                v4: Some(v4),
+                v6: Some(v6),
+            }),
+            _ => Err(bad()),
+        },
+    }
+}
+
 impl fmt::Display for KeyPart {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             KeyPart::ClientIp => f.write_str("client_ip"),
+            KeyPart::ClientNet { v4, v6 } => match (v4, v6) {
+                (Some(a), Some(b)) => write!(f, "client_ip/{a}/{b}"),
+                (Some(n), None) | (None, Some(n)) => write!(f, "client_ip/{n}"),
+                (None, None) => f.write_str("client_ip"),
+            },
             KeyPart::Header(h) => write!(f, "header:{h}"),
             KeyPart::Query(q) => write!(f, "query:{q}"),
             KeyPart::Path => f.write_str("path"),
@@ -87,6 +132,9 @@ pub struct RequestView<'a> {
     pub uri: &'a Uri,
     pub headers: &'a HeaderMap,
     pub client_ip: IpAddr,
+    /// The client's address before `client_ip`'s prefixes cut it (an address inside NAT64,
+    /// 6to4 or Teredo already taken out): what `client_ip/N` key parts cut to their own.
+    pub client_addr: IpAddr,
     /// The socket peer is a listed trusted proxy: its cost headers are honoured.
     pub trusted_peer: bool,
     /// `path_match: strict`: paths compare as written, case and `;params` included.
@@ -116,6 +164,7 @@ impl<'a> RequestView<'a> {
             uri,
             headers,
             client_ip,
+            client_addr: client_ip,
             trusted_peer: false,
             strict_path: false,
             host: OnceLock::new(),
@@ -123,11 +172,11 @@ impl<'a> RequestView<'a> {
         }
     }
 
-    /// The view the proxy decides by: `client_ip` behind a `trusted` peer or not, paths
+    /// The view the proxy decides by: `client` behind a `trusted` peer or not, paths
     /// compared as written when `strict` (one construction, no builder moves).
     pub fn for_proxy<B>(
         req: &'a http::Request<B>,
-        client_ip: IpAddr,
+        client: Client,
         trusted: bool,
         strict: bool,
     ) -> Self {
@@ -135,7 +184,8 @@ impl<'a> RequestView<'a> {
             method: req.method(),
             uri: req.uri(),
             headers: req.headers(),
-            client_ip,
+            client_ip: client.keyed,
+            client_addr: client.addr,
             trusted_peer: trusted,
             strict_path: strict,
             host: OnceLock::new(),
@@ -325,6 +375,19 @@ fn each_part(
     for (i, part) in parts.iter().enumerate() {
         match part {
             KeyPart::ClientIp => put(i, Value::Ip(req.client_ip)),
+            KeyPart::ClientNet { v4, v6 } => put(
+                i,
+                Value::Ip(match req.client_addr {
+                    IpAddr::V4(a) if v4.is_some() && !private_v4(a) => {
+                        IpAddr::V4(mask_v4(a, v4.unwrap_or(32)))
+                    }
+                    IpAddr::V6(a) if v6.is_some() && !private_v6(a) => {
+                        IpAddr::V6(mask_v6(a, v6.unwrap_or(128)))
+                    }
+                    // The configured prefix for the other family.
+                    _ => req.client_ip,
+                }),
+            ),
             KeyPart::Header(name) => {
                 let mut values = req.headers.get_all(name).iter();
                 match (values.next(), values.next()) {
@@ -518,6 +581,40 @@ pub struct Cidr {
 }
 
 impl Cidr {
+    /// The prefix length.
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    pub fn is_v6(&self) -> bool {
+        self.addr.is_ipv6()
+    }
+
+    /// Whether every address in the block is private, loopback, link-local or shared (the
+    /// addresses of a cluster and its network, never of a client on the internet).
+    pub fn is_private(&self) -> bool {
+        match self.addr {
+            IpAddr::V4(v4) => {
+                let inside = |net: [u8; 4], len: u8| {
+                    self.prefix >= len && mask_v4(v4, len) == Ipv4Addr::from(net)
+                };
+                inside([10, 0, 0, 0], 8)
+                    || inside([172, 16, 0, 0], 12)
+                    || inside([192, 168, 0, 0], 16)
+                    || inside([127, 0, 0, 0], 8)
+                    || inside([169, 254, 0, 0], 16)
+                    || inside([100, 64, 0, 0], 10)
+            }
+            IpAddr::V6(v6) => {
+                let inside =
+                    |net: u128, len: u8| self.prefix >= len && u128::from(mask_v6(v6, len)) == net;
+                inside(1, 128) || inside(0xfc00 << 112, 7) || inside(0xfe80 << 112, 10)
+            }
+        }
+    }
+}
+
+impl Cidr {
     /// Whether `ip` (canonical: IPv4-mapped IPv6 as IPv4) is in the block.
     pub fn contains(&self, ip: IpAddr) -> bool {
         match (self.addr, ip.to_canonical()) {
@@ -594,6 +691,8 @@ pub struct ClientIpPolicy {
     pub max_hops: usize,
     pub ipv4_prefix: u8,
     pub ipv6_prefix: u8,
+    /// NAT64 prefixes (RFC 6052 lengths): an address in one is its IPv4 client.
+    pub nat64: Vec<Cidr>,
 }
 
 impl Default for ClientIpPolicy {
@@ -603,8 +702,26 @@ impl Default for ClientIpPolicy {
             max_hops: usize::MAX,
             ipv4_prefix: 32,
             ipv6_prefix: 64,
+            nat64: vec![WELL_KNOWN_NAT64],
         }
     }
+}
+
+/// `64:ff9b::/96` (RFC 6052).
+pub const WELL_KNOWN_NAT64: Cidr = Cidr {
+    addr: IpAddr::V6(Ipv6Addr::new(0x64, 0xff9b, 0, 0, 0, 0, 0, 0)),
+    prefix: 96,
+};
+
+/// The prefix lengths RFC 6052 embeds an IPv4 address after.
+pub const NAT64_LENGTHS: [u8; 6] = [32, 40, 48, 56, 64, 96];
+
+/// Who a request's client is: its address with any IPv4 inside taken out, and that cut to
+/// the configured prefixes (what `client_ip` keys by).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Client {
+    pub addr: IpAddr,
+    pub keyed: IpAddr,
 }
 
 impl ClientIpPolicy {
@@ -616,11 +733,21 @@ impl ClientIpPolicy {
 
     /// The client's address as rules key it.
     pub fn client(&self, headers: &HeaderMap, peer: IpAddr) -> IpAddr {
+        self.who(headers, peer).keyed
+    }
+
+    /// The client's address, and as `client_ip` keys it.
+    #[inline]
+    pub fn who(&self, headers: &HeaderMap, peer: IpAddr) -> Client {
         let mut client = peer.to_canonical();
         if self.trusts(client) && self.max_hops > 0 {
             client = self.walk(headers, client);
         }
-        self.keyed(client)
+        let addr = self.unwrapped(client);
+        Client {
+            addr,
+            keyed: self.cut(addr),
+        }
     }
 
     /// The first untrusted address from the right of `X-Forwarded-For`; an entry that is not
@@ -652,16 +779,45 @@ impl ClientIpPolicy {
         client
     }
 
-    /// `ip` cut to the prefix it is keyed by. A NAT64 address (`64:ff9b::/96`) is its IPv4
-    /// client: all of a gateway's clients share its /64.
+    /// `ip` cut to the prefix it is keyed by (see [`Self::unwrapped`]).
     pub fn keyed(&self, ip: IpAddr) -> IpAddr {
-        let ip = match ip {
-            IpAddr::V6(v6) if v6.segments()[..6] == [0x64, 0xff9b, 0, 0, 0, 0] => {
-                let [.., a, b, c, d] = v6.octets();
-                IpAddr::V4(Ipv4Addr::new(a, b, c, d))
+        self.cut(self.unwrapped(ip))
+    }
+
+    /// The IPv4 client inside an IPv6 address that carries one, else `ip`: NAT64 (the listed
+    /// prefixes; else all of a gateway's clients share its /64), 6to4 (`2002::/16`, else each
+    /// IPv4 address has a /48 of keys) and Teredo (`2001::/32`, else a relay's clients share
+    /// one /64).
+    pub fn unwrapped(&self, ip: IpAddr) -> IpAddr {
+        let IpAddr::V6(v6) = ip else { return ip };
+        let o = v6.octets();
+        let v4 = |a: u8, b: u8, c: u8, d: u8| IpAddr::V4(Ipv4Addr::new(a, b, c, d));
+        if o[0] == 0x20 && o[1] == 0x02 {
+            return v4(o[2], o[3], o[4], o[5]);
+        }
+        if o[..4] == [0x20, 0x01, 0, 0] {
+            return v4(!o[12], !o[13], !o[14], !o[15]);
+        }
+        for net in &self.nat64 {
+            if net.contains(ip) {
+                // RFC 6052 §2.2: the IPv4 bits follow the prefix, skipping bits 64-71.
+                let at: [usize; 4] = match net.prefix {
+                    32 => [4, 5, 6, 7],
+                    40 => [5, 6, 7, 9],
+                    48 => [6, 7, 9, 10],
+                    56 => [7, 9, 10, 11],
+                    64 => [9, 10, 11, 12],
+                    _ => [12, 13, 14, 15],
+                };
+                return v4(o[at[0]], o[at[1]], o[at[2]], o[at[3]]);
             }
-            other => other,
-        };
+        }
+        ip
+    }
+
+    /// `ip` cut to the configured prefixes; private addresses whole.
+    #[inline]
+    pub fn cut(&self, ip: IpAddr) -> IpAddr {
         match ip {
             IpAddr::V4(v4) if !private_v4(v4) => IpAddr::V4(mask_v4(v4, self.ipv4_prefix)),
             IpAddr::V6(v6) if !private_v6(v6) => IpAddr::V6(mask_v6(v6, self.ipv6_prefix)),

@@ -271,3 +271,140 @@ fn key_parts_parse_and_print_back() {
     assert!("cookie:x".parse::<KeyPart>().is_err());
     assert!("query:".parse::<KeyPart>().is_err());
 }
+
+#[test]
+fn an_ipv4_client_inside_an_ipv6_address_is_keyed_as_that_ipv4_client() {
+    let rfc6052 = [
+        ("2001:db8::/32", "2001:db8:c000:221::"),
+        ("2001:db8:100::/40", "2001:db8:1c0:2:21::"),
+        ("2001:db8:122::/48", "2001:db8:122:c000:2:2100::"),
+        ("2001:db8:122:300::/56", "2001:db8:122:3c0:0:221::"),
+        ("2001:db8:122:344::/64", "2001:db8:122:344:c0:2:2100:0"),
+        ("2001:db8:122:344::/96", "2001:db8:122:344::192.0.2.33"),
+    ];
+    for (net, addr) in rfc6052 {
+        let policy = ClientIpPolicy {
+            nat64: vec![net.parse().unwrap()],
+            ..ClientIpPolicy::default()
+        };
+        assert_eq!(policy.unwrapped(ip(addr)), ip("192.0.2.33"), "{net} {addr}");
+    }
+    let policy = ClientIpPolicy::default();
+    // The well-known NAT64 prefix by default; 6to4; Teredo (RFC 4380's example).
+    assert_eq!(policy.unwrapped(ip("64:ff9b::c000:221")), ip("192.0.2.33"));
+    assert_eq!(policy.unwrapped(ip("2002:c000:221:1::9")), ip("192.0.2.33"));
+    assert_eq!(
+        policy.unwrapped(ip("2001:0:4136:e378:8000:63bf:3fff:fdd2")),
+        ip("192.0.2.45")
+    );
+    // Any other IPv6 address is itself.
+    assert_eq!(policy.unwrapped(ip("2001:db8::1")), ip("2001:db8::1"));
+    // Two 6to4 sites of one IPv4 address share its key; two Teredo clients of one relay do not.
+    assert_eq!(
+        policy.keyed(ip("2002:c000:221:1::9")),
+        policy.keyed(ip("2002:c000:221:ffff::9"))
+    );
+    assert_ne!(
+        policy.keyed(ip("2001:0:4136:e378:8000:63bf:3fff:fdd2")),
+        policy.keyed(ip("2001:0:4136:e378:8000:63bf:3fff:fdd3"))
+    );
+}
+
+#[test]
+fn a_rule_s_own_prefix_cuts_its_family_and_leaves_the_other_as_configured() {
+    for (text, v4, v6) in [
+        ("client_ip/48", None, Some(48)),
+        ("client_ip/24", Some(24), None),
+        ("client_ip/24/56", Some(24), Some(56)),
+        ("client_ip/32/32", Some(32), Some(32)),
+    ] {
+        let part: KeyPart = text.parse().unwrap();
+        assert_eq!(part, KeyPart::ClientNet { v4, v6 }, "{text}");
+        assert_eq!(part.to_string(), text);
+    }
+    for bad in [
+        "client_ip/0",
+        "client_ip/129",
+        "client_ip/x",
+        "client_ip/33/48",
+        "client_ip/",
+    ] {
+        let e = bad.parse::<KeyPart>().unwrap_err();
+        assert!(e.contains("client_ip/N"), "{bad}: {e}");
+    }
+    let policy = ClientIpPolicy::default();
+    let key = |part: &str, addr: &str| {
+        let who = policy.who(&HeaderMap::new(), ip(addr));
+        let (method, uri, headers) = (
+            http::Method::GET,
+            http::Uri::from_static("/"),
+            HeaderMap::new(),
+        );
+        let mut view = RequestView::new(&method, &uri, &headers, who.keyed);
+        view.client_addr = who.addr;
+        let mut out = KeyBuf::new();
+        extract(&[part.parse().unwrap()], &view, &mut out);
+        out
+    };
+    // /48: one bucket for a site's /64s; the plain part keys each /64.
+    assert_eq!(
+        key("client_ip/48", "2a01:1:2:3::1"),
+        key("client_ip/48", "2a01:1:2:4::1")
+    );
+    assert_ne!(
+        key("client_ip", "2a01:1:2:3::1"),
+        key("client_ip", "2a01:1:2:4::1")
+    );
+    // An IPv6-only prefix leaves IPv4 clients keyed as configured (whole), and the reverse.
+    assert_eq!(
+        key("client_ip/48", "198.51.100.7"),
+        key("client_ip", "198.51.100.7")
+    );
+    assert_ne!(
+        key("client_ip/48", "198.51.100.7"),
+        key("client_ip/48", "198.51.100.8")
+    );
+    assert_eq!(
+        key("client_ip/24", "198.51.100.7"),
+        key("client_ip/24", "198.51.100.8")
+    );
+    assert_eq!(
+        key("client_ip/24", "2a01:1:2:3::1"),
+        key("client_ip", "2a01:1:2:3::1")
+    );
+    // Private addresses (callers in the cluster) stay whole under any prefix.
+    assert_ne!(
+        key("client_ip/8", "10.0.0.1"),
+        key("client_ip/8", "10.0.0.2")
+    );
+    // A 6to4 client is its IPv4 address, cut by the IPv4 prefix.
+    assert_eq!(
+        key("client_ip/24", "2002:c633:6407::1"),
+        key("client_ip/24", "198.51.100.9")
+    );
+}
+
+#[test]
+fn private_blocks_are_told_from_ones_that_reach_the_internet() {
+    for block in [
+        "10.0.0.0/8",
+        "10.1.0.0/16",
+        "192.168.1.1",
+        "127.0.0.0/8",
+        "fd00::/8",
+        "::1",
+        "100.64.0.0/10",
+    ] {
+        assert!(block.parse::<Cidr>().unwrap().is_private(), "{block}");
+    }
+    for block in [
+        "0.0.0.0/0",
+        "8.0.0.0/8",
+        "10.0.0.0/7",
+        "::/0",
+        "2001:db8::/32",
+        "203.0.113.0/24",
+    ] {
+        assert!(!block.parse::<Cidr>().unwrap().is_private(), "{block}");
+    }
+}

@@ -224,14 +224,11 @@ where
             if let Err((_, detail)) = shared.hygiene.apply(&mut req) {
                 return Ok(respond::error(http::StatusCode::BAD_REQUEST, &detail));
             }
-            let client_ip = shared.client_ip.client(req.headers(), peer);
+            let client = shared.client_ip.who(req.headers(), peer);
             let trusted = shared.client_ip.trusts(peer);
-            let admitted = admit(
-                &shared.rules,
-                &shared.clock,
-                &RequestView::of(&req, client_ip).trusted(trusted),
-            )
-            .await;
+            let mut view = RequestView::of(&req, client.keyed).trusted(trusted);
+            view.client_addr = client.addr;
+            let admitted = admit(&shared.rules, &shared.clock, &view).await;
             let mut admit = match admitted {
                 Ok(a) => a,
                 Err(refusal) => return Ok(respond::answer(&refusal, grpc)),

@@ -289,3 +289,51 @@ async fn a_trusted_header_from_a_client_is_removed_and_from_the_ingress_kept() {
         assert_eq!(seen["headers"]["x-plan"], "premium", "{}", a.body);
     }
 }
+
+// 3. IPv6 clients keyed as the rule says, and IPv4 clients inside IPv6 addresses as themselves.
+#[tokio::test]
+async fn each_rule_keys_ipv6_clients_by_its_own_prefix_and_tunnels_by_their_ipv4_client() {
+    let (sc, _up) = sidecar(
+        "client_ip: { trusted_proxies: [127.0.0.0/8], nat64_prefixes: [\"64:ff9b::/96\", \"64:ff9b:1:abcd::/96\"] }\nrules:\n  - name: site\n    key: [client_ip/48]\n    match: { path_prefix: /site }\n    limit: { rate: 1/h, burst: 1 }\n  - name: host\n    key: [client_ip]\n    match: { path_prefix: /host }\n    limit: { rate: 1/h, burst: 1 }\n",
+    )
+    .await;
+    let from = |path: &str, client: &str| {
+        raw(
+            sc.addr(),
+            format!("GET {path} HTTP/1.1\r\nHost: app\r\nX-Forwarded-For: {client}\r\n\r\n"),
+        )
+    };
+    // A /48 holder's 65 536 /64s are one bucket under the /48 rule...
+    assert_eq!(status(&from("/site", "2a01:1:2:3::1").await), 200);
+    assert_eq!(status(&from("/site", "2a01:1:2:4::1").await), 429);
+    // ...and each /64 its own under the other.
+    assert_eq!(status(&from("/host", "2a01:1:2:3::1").await), 200);
+    assert_eq!(status(&from("/host", "2a01:1:2:4::1").await), 200);
+    // 6to4: every /64 of 2002:c633:6407::/48 is the one IPv4 address 198.51.100.7.
+    assert_eq!(status(&from("/host", "2002:c633:6407:1::1").await), 200);
+    assert_eq!(status(&from("/host", "2002:c633:6407:2::1").await), 429);
+    assert_eq!(status(&from("/host", "198.51.100.7").await), 429);
+    // Two Teredo clients of one relay are two clients.
+    assert_eq!(
+        status(&from("/host", "2001:0:4136:e378:8000:63bf:3fff:fdd2").await),
+        200
+    );
+    assert_eq!(
+        status(&from("/host", "2001:0:4136:e378:8000:63bf:3fff:fdd3").await),
+        200
+    );
+    assert_eq!(
+        status(&from("/host", "2001:0:4136:e378:8000:63bf:3fff:fdd2").await),
+        429
+    );
+    // Two clients behind a local-use NAT64 prefix are two clients.
+    assert_eq!(
+        status(&from("/host", "64:ff9b:1:abcd::c633:6410").await),
+        200
+    );
+    assert_eq!(
+        status(&from("/host", "64:ff9b:1:abcd::c633:6411").await),
+        200
+    );
+    assert_eq!(status(&from("/host", "198.51.100.16").await), 429);
+}

@@ -164,6 +164,9 @@ pub struct ClientIp {
     pub ipv4_prefix: u8,
     /// Public IPv6 clients are keyed by this prefix (default 64: one host's whole block).
     pub ipv6_prefix: u8,
+    /// NAT64 prefixes whose addresses are keyed by the IPv4 client inside (default the
+    /// well-known `64:ff9b::/96`; add a local-use one such as `64:ff9b:1:abcd::/96`).
+    pub nat64_prefixes: Vec<crate::key::Cidr>,
 }
 
 impl Default for ClientIp {
@@ -173,6 +176,7 @@ impl Default for ClientIp {
             trusted_hops: None,
             ipv4_prefix: 32,
             ipv6_prefix: 64,
+            nat64_prefixes: vec![crate::key::WELL_KNOWN_NAT64],
         }
     }
 }
@@ -188,6 +192,7 @@ impl ClientIp {
                 .map_or(usize::MAX, usize::from),
             ipv4_prefix: self.ipv4_prefix,
             ipv6_prefix: self.ipv6_prefix,
+            nat64: self.nat64_prefixes.clone(),
         }
     }
 }
@@ -203,6 +208,12 @@ struct RawClientIp {
     ipv4_prefix: u8,
     #[serde(default = "default_v6_prefix")]
     ipv6_prefix: u8,
+    #[serde(default = "default_nat64")]
+    nat64_prefixes: Vec<CidrStr>,
+}
+
+fn default_nat64() -> Vec<CidrStr> {
+    vec![CidrStr(crate::key::WELL_KNOWN_NAT64)]
 }
 
 fn default_v4_prefix() -> u8 {
@@ -228,11 +239,20 @@ impl TryFrom<RawClientIp> for ClientIp {
         if !(1..=128).contains(&r.ipv6_prefix) {
             return Err(format!("ipv6_prefix: {}: must be 1 to 128", r.ipv6_prefix));
         }
+        for net in &r.nat64_prefixes {
+            if !net.0.is_v6() || !crate::key::NAT64_LENGTHS.contains(&net.0.prefix()) {
+                return Err(format!(
+                    "nat64_prefixes: {}: must be an IPv6 block of length 32, 40, 48, 56, 64 or 96 (RFC 6052)",
+                    net.0
+                ));
+            }
+        }
         Ok(ClientIp {
             trusted_proxies: r.trusted_proxies.into_iter().map(|c| c.0).collect(),
             trusted_hops: r.trusted_hops,
             ipv4_prefix: r.ipv4_prefix,
             ipv6_prefix: r.ipv6_prefix,
+            nat64_prefixes: r.nat64_prefixes.into_iter().map(|c| c.0).collect(),
         })
     }
 }
@@ -244,6 +264,7 @@ impl From<ClientIp> for RawClientIp {
             trusted_hops: c.trusted_hops,
             ipv4_prefix: c.ipv4_prefix,
             ipv6_prefix: c.ipv6_prefix,
+            nat64_prefixes: c.nat64_prefixes.into_iter().map(CidrStr).collect(),
         }
     }
 }

@@ -180,10 +180,10 @@ impl JsonSchema for KeySpec {
     fn json_schema(_: &mut SchemaGenerator) -> Schema {
         let part = json_schema!({
             "type": "string",
-            "pattern": format!("^(client_ip|path|method|host|header:{HEADER}|query:.+)$")
+            "pattern": format!("^(client_ip(/[0-9]{{1,3}}){{0,2}}|path|method|host|header:{HEADER}|query:.+)$")
         });
         json_schema!({
-            "description": "What a rule counts by: client_ip, header:NAME, query:NAME, path, method or host, or a list of up to 8 of them ([] is one bucket for everyone).",
+            "description": "What a rule counts by: client_ip (or client_ip/N with the rule's own prefix: 1-32 for IPv4, 33-128 for IPv6, client_ip/V4/V6 for both), header:NAME, query:NAME, path, method or host, or a list of up to 8 of them ([] is one bucket for everyone).",
             "anyOf": [part, { "type": "array", "items": part, "maxItems": 8, "uniqueItems": true }]
         })
     }

@@ -150,8 +150,8 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
     if !trusted {
         shared.hygiene.untrusted(req);
     }
-    let client_ip = shared.client_ip.client(req.headers(), peer.ip());
-    let view = RequestView::for_proxy(req, client_ip, trusted, shared.hygiene.strict_path);
+    let client = shared.client_ip.who(req.headers(), peer.ip());
+    let view = RequestView::for_proxy(req, client, trusted, shared.hygiene.strict_path);
     let admitted = gate::admit(&shared.rules, &shared.clock, &view).await;
     let admit = match admitted {
         Ok(admit) => admit,
