@@ -392,14 +392,14 @@ fn each_part(
                 let mut values = req.headers.get_all(name).iter();
                 match (values.next(), values.next()) {
                     (None, _) => return Extract::Missing,
-                    (Some(v), None) => put(i, Value::Bytes(v.as_bytes())),
+                    (Some(v), None) => put(i, Value::Private(v.as_bytes())),
                     (Some(_), Some(_)) => return Extract::Repeated,
                 }
             }
             KeyPart::Query(name) => match query_param(req.uri.query(), name) {
                 Param::Missing => return Extract::Missing,
                 Param::Repeated => return Extract::Repeated,
-                Param::One(v) => put(i, Value::Bytes(&crate::target::decode_query(v))),
+                Param::One(v) => put(i, Value::Private(&crate::target::decode_query(v))),
             },
             KeyPart::Path => put(
                 i,
@@ -418,9 +418,11 @@ fn each_part(
     Extract::Found
 }
 
-/// One part's value: bytes as they are, bytes compared without case, or an address.
+/// One part's value: bytes as they are, bytes compared without case, or an address; a
+/// header's or query parameter's bytes are private (shown and sent as a digest).
 enum Value<'a> {
     Bytes(&'a [u8]),
+    Private(&'a [u8]),
     Folded(&'a [u8]),
     Ip(IpAddr),
 }
@@ -429,7 +431,7 @@ enum Value<'a> {
 pub fn extract(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> Extract {
     out.clear();
     each_part(parts, req, |_, v| match v {
-        Value::Bytes(b) => push(out, b),
+        Value::Bytes(b) | Value::Private(b) => push(out, b),
         Value::Folded(b) => {
             out.extend_from_slice(&(b.len() as u32).to_le_bytes());
             out.extend(b.iter().map(u8::to_ascii_lowercase));
@@ -453,9 +455,41 @@ pub fn extract_text(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) 
             out.push(0x1f);
         }
         match v {
-            Value::Bytes(b) => out.extend_from_slice(b),
+            Value::Bytes(b) | Value::Private(b) => out.extend_from_slice(b),
             Value::Folded(b) => out.extend(b.iter().map(u8::to_ascii_lowercase)),
             // Formatting into the stack buffer: no allocation.
+            Value::Ip(ip) => {
+                let _ = write!(out, "{ip}");
+            }
+        }
+    })
+}
+
+/// Whether a key of `parts` has a private part (a `header:` or `query:` value).
+pub fn has_private(parts: &[KeyPart]) -> bool {
+    parts
+        .iter()
+        .any(|p| matches!(p, KeyPart::Header(_) | KeyPart::Query(_)))
+}
+
+/// [`extract_text`], each private part written by `digest` instead (see `crate::digest`):
+/// the form a key is logged and reported in. Not for a known key's decision.
+pub fn extract_shown(
+    parts: &[KeyPart],
+    req: &RequestView<'_>,
+    digest: impl Fn(&[u8], &mut KeyBuf),
+    out: &mut KeyBuf,
+) -> Extract {
+    use std::io::Write;
+    out.clear();
+    each_part(parts, req, |i, v| {
+        if i > 0 {
+            out.push(0x1f);
+        }
+        match v {
+            Value::Bytes(b) => out.extend_from_slice(b),
+            Value::Private(b) => digest(b, out),
+            Value::Folded(b) => out.extend(b.iter().map(u8::to_ascii_lowercase)),
             Value::Ip(ip) => {
                 let _ = write!(out, "{ip}");
             }

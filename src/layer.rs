@@ -48,6 +48,9 @@ struct Policy {
     client_ip: ClientIp,
     #[serde(default)]
     headers: HeaderMode,
+    /// As the sidecar's: the secret private key parts are digested under.
+    #[serde(default)]
+    key_secret_file: Option<std::path::PathBuf>,
     #[serde(default)]
     rules: Vec<Rule>,
 }
@@ -123,8 +126,11 @@ impl RateLimitLayer {
         // Fresh from the start, as a sidecar's: a control plane that never answers makes them
         // stale after `stale_after`.
         let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(clock.now())));
+        let secret = crate::digest::Secret::of(policy.key_secret_file.as_deref())
+            .map_err(|e| invalid(None, e))?;
         let rules = RuleSet::from_rules(&policy.rules, policy.headers, &metrics)
-            .in_fleet(cp, ratios.clone());
+            .in_fleet(cp, ratios.clone())
+            .with_secret(secret);
         let rules = Arc::new(ArcSwap::from_pointee(rules));
         let reporting = match cp {
             Some(cp) => {

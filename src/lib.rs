@@ -9,6 +9,7 @@
 //! - `limit`: the limiter cores, pure, clock injected: one module per algorithm.
 //! - `config`: the YAML schema, parsed and validated with file/line/field errors.
 //! - `key`: which bucket a request belongs to; the client address; bounded key forms.
+//! - `digest`: the keyed digest a key's private parts are shown and sent as.
 //! - `target`: the canonical request path, and the form rules match it in.
 //! - `rules`: compiled rules and the synchronous in-path decision.
 //! - `gate`: admission around the decision: waiting (delay, shaping), remote stores, slots.
@@ -34,6 +35,7 @@
 mod config;
 mod control;
 mod demo;
+mod digest;
 #[cfg(feature = "redis")]
 mod exact;
 mod gate;
@@ -78,6 +80,9 @@ pub mod internal {
     #[cfg(feature = "redis")]
     pub mod exact {
         pub use crate::exact::*;
+    }
+    pub mod digest {
+        pub use crate::digest::*;
     }
     pub mod gate {
         pub use crate::gate::*;

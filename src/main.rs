@@ -33,6 +33,39 @@ enum CheckOutput {
 
 /// Checks one configuration: `-` is stdin. The files it names (token, CAs) must be readable
 /// too, or the proxy would start without them.
+/// `spillway digest`: the digests of `values` under the configured (or given) secret.
+fn digest(
+    config: Option<&std::path::Path>,
+    secret_file: Option<&std::path::Path>,
+    values: &[String],
+) -> Result<(), String> {
+    let file = match config {
+        Some(path) => {
+            spillway::Config::load(path)
+                .map_err(|e| e.to_string())?
+                .key_secret_file
+        }
+        None => secret_file.map(std::path::Path::to_path_buf),
+    };
+    let secret = spillway::internal::digest::Secret::of(file.as_deref())?;
+    if secret.built_in() {
+        eprintln!("warning: no key_secret_file: the digests under the built-in secret");
+    }
+    let mut lines = Vec::new();
+    for value in values {
+        if value == "-" {
+            let text = read_input(std::path::Path::new("-"))?;
+            lines.extend(text.lines().map(str::to_owned));
+        } else {
+            lines.push(value.clone());
+        }
+    }
+    for line in lines {
+        println!("{}", secret.of_value(line.as_bytes()));
+    }
+    Ok(())
+}
+
 fn check_one(file: &std::path::Path, skip_files: bool) -> Result<spillway::Config, String> {
     let config = if file.as_os_str() == "-" {
         spillway::Config::from_yaml(&read_input(file)?, "<stdin>")
@@ -65,6 +98,10 @@ fn check_one(file: &std::path::Path, skip_files: bool) -> Result<spillway::Confi
             std::fs::File::open(&path)
                 .map_err(|e| format!("{}: {field}: {}: {e}", file.display(), path.display()))?;
         }
+    }
+    if let Some(path) = config.key_secret_file.as_deref().filter(|_| !skip_files) {
+        spillway::internal::digest::Secret::load(path)
+            .map_err(|e| format!("{}: {e}", file.display()))?;
     }
     Ok(config)
 }
@@ -188,6 +225,20 @@ enum Command {
     },
     /// Print the JSON Schema of the configuration file (for editors: the one in schema/).
     Schema,
+    /// Print the digest each value (a header's or query parameter's, as a client sends it) is
+    /// logged and reported as: how support finds a customer's key in logs and in the control
+    /// plane. One line per value.
+    Digest {
+        /// The configuration whose key_secret_file to use.
+        #[arg(long, short, env = "SPILLWAY_CONFIG", conflicts_with = "secret_file")]
+        config: Option<PathBuf>,
+        /// The secret file itself (as mounted in the pod).
+        #[arg(long)]
+        secret_file: Option<PathBuf>,
+        /// The values; `-` reads one per line from stdin.
+        #[arg(required = true)]
+        values: Vec<String>,
+    },
     /// Run an upstream, the proxy and a load generator on loopback, and show the limiter work.
     Demo {
         /// How long to offer load, in seconds.
@@ -298,6 +349,7 @@ fn main() -> ExitCode {
                 let name = file.display().to_string();
                 match check_one(file, skip_files) {
                     Ok(config) => {
+                        let warnings = config.warnings();
                         if output == CheckOutput::Text {
                             println!(
                                 "{name}: ok (service {}, {} rule{})",
@@ -305,10 +357,14 @@ fn main() -> ExitCode {
                                 config.rules.len(),
                                 if config.rules.len() == 1 { "" } else { "s" }
                             );
+                            for w in &warnings {
+                                eprintln!("warning: {name}: {w}");
+                            }
                         }
                         report.push(serde_json::json!({
                             "file": name, "ok": true,
                             "service": config.service.to_string(), "rules": config.rules.len(),
+                            "warnings": warnings,
                         }));
                     }
                     Err(e) => {
@@ -469,6 +525,17 @@ wrote {}",
             print!("{}", spillway::internal::config::schema::text());
             ExitCode::SUCCESS
         }
+        Command::Digest {
+            config,
+            secret_file,
+            values,
+        } => match digest(config.as_deref(), secret_file.as_deref(), &values) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
         Command::Inject { file, opts } => {
             let text = match read_input(&file) {
                 Ok(text) => text,

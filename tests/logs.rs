@@ -12,15 +12,26 @@ use common::*;
 /// Runs the proxy with `format` and a rule that refuses all but the first request of each
 /// key, sends `n` requests, and returns what it wrote to stderr.
 async fn stderr_of(format: &str, n: usize) -> String {
+    stderr_with(format, n, "", "").await.0
+}
+
+/// [`stderr_of`] with `top` added to the configuration and `rule` to its rule; also the
+/// configuration's path.
+async fn stderr_with(
+    format: &str,
+    n: usize,
+    top: &str,
+    rule: &str,
+) -> (String, std::path::PathBuf) {
     let up = upstream().await;
     let config = temp_file(
-        &format!("logs-{format}.yaml"),
+        &format!("logs-{format}-{}.yaml", fastrand::u32(..)),
         &format!(
-            "service: logs\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{}\nlog_rejections: 3\nrules:\n  - name: one-per-hour\n    key: [header:x-client]\n    limit: {{ rate: 1/h, burst: 1 }}\n",
+            "service: logs\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: http://{}\nlog_rejections: 3\n{top}rules:\n  - name: one-per-hour\n    key: [header:x-client]\n    limit: {{ rate: 1/h, burst: 1 }}\n{rule}",
             up.addr
         ),
     );
-    let err = temp_file(&format!("logs-{format}.err"), "");
+    let err = temp_file(&format!("logs-{format}-{}.err", fastrand::u32(..)), "");
     let mut child = Command::new(BIN)
         .args(["--log-format", format, "proxy", "--config"])
         .arg(&config)
@@ -50,7 +61,76 @@ async fn stderr_of(format: &str, n: usize) -> String {
     }
     let _ = child.kill();
     let _ = child.wait();
-    std::fs::read_to_string(&err).unwrap()
+    (std::fs::read_to_string(&err).unwrap(), config)
+}
+
+/// What `spillway digest` prints for `value` with `args`.
+fn digest_of(args: &[&str], value: &str) -> String {
+    let out = Command::new(BIN)
+        .arg("digest")
+        .args(args)
+        .arg(value)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+/// The keys of the rejections logged in JSON `text`.
+fn logged_keys(text: &str) -> Vec<String> {
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|l| l["target"] == "spillway::rejection")
+        .map(|l| l["key"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+#[tokio::test]
+async fn a_key_from_a_header_is_logged_as_the_digest_support_can_compute_never_in_clear() {
+    let secret = temp_file(
+        &format!("logs-secret-{}", fastrand::u32(..)),
+        "5f0c6c0ad7a54a5b8d1e3c2f9a7b6e41\n",
+    );
+    let top = format!("key_secret_file: {}\n", secret.display());
+    let (text, config) = stderr_with("json", 3, &top, "").await;
+    let keys = logged_keys(&text);
+    assert!(!keys.is_empty(), "no rejection logged: {text}");
+    assert!(!text.contains("alice"), "the key in clear: {text}");
+    let want = digest_of(&["--config", config.to_str().unwrap()], "alice");
+    assert!(want.starts_with('~') && want.len() == 33, "{want}");
+    assert!(keys.iter().all(|k| *k == want), "{keys:?} vs {want}");
+    // The same from the secret file itself; another secret, another digest.
+    assert_eq!(
+        digest_of(&["--secret-file", secret.to_str().unwrap()], "alice"),
+        want
+    );
+    assert_ne!(digest_of(&[], "alice"), want);
+    // `log_keys: clear` opts the rule out.
+    let (text, _) = stderr_with("json", 3, &top, "    log_keys: clear\n").await;
+    let keys = logged_keys(&text);
+    assert!(
+        !keys.is_empty() && keys.iter().all(|k| k == "alice"),
+        "{keys:?}"
+    );
+    // A secret too short to be one is refused at start, naming the file.
+    let short = temp_file(&format!("logs-short-{}", fastrand::u32(..)), "abc\n");
+    let out = Command::new(BIN)
+        .args(["check-config"])
+        .arg(temp_file(
+            &format!("logs-short-{}.yaml", fastrand::u32(..)),
+            &format!(
+                "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nkey_secret_file: {}\n",
+                short.display()
+            ),
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("at least 16") && err.contains(&short.display().to_string()),
+        "{err}"
+    );
 }
 
 #[tokio::test]
@@ -68,7 +148,8 @@ async fn json_logs_carry_each_rejection_within_the_rules_budget() {
     for r in &rejections {
         assert_eq!(r["rule"], "one-per-hour");
         assert_eq!(r["decision"], "rejected");
-        assert_eq!(r["key"], "alice");
+        // The built-in secret's digest (no key_secret_file): never the value.
+        assert_eq!(r["key"], digest_of(&[], "alice").as_str());
         assert_eq!(r["client"], "127.0.0.1");
         assert_eq!(r["method"], "GET");
         assert_eq!(r["path"], "/api/x");

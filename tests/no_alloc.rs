@@ -51,10 +51,20 @@ fn decide(rules: &RuleSet, now: u64) -> bool {
 }
 
 fn decide_for(rules: &RuleSet, now: u64, ip: Ipv4Addr) -> bool {
-    let (uri, headers) = (Uri::from_static("/api/x"), HeaderMap::new());
-    let view = RequestView::new(&Method::GET, &uri, &headers, IpAddr::V4(ip));
+    let uri = Uri::from_static("/api/x");
+    let view = RequestView::new(&Method::GET, &uri, &HEADERS, IpAddr::V4(ip));
     matches!(rules.check(&view, now), Verdict::Allow(_))
 }
+
+/// The `x-api-key` every request here sends.
+const API_KEY: &str = "sk_live_4eC39HqLyjWDarjtT1zdp7dc";
+
+/// Every request's fields, made once (a map's first insert allocates).
+static HEADERS: std::sync::LazyLock<HeaderMap> = std::sync::LazyLock::new(|| {
+    let mut headers = HeaderMap::new();
+    headers.insert("x-api-key", http::HeaderValue::from_static(API_KEY));
+    headers
+});
 
 #[test]
 fn a_known_key_is_decided_without_allocating_for_every_algorithm() {
@@ -149,30 +159,50 @@ fn the_drop_ratio_path_does_not_allocate() {
     // Reported as one request in a nanosecond, the key's allowance is far above what is
     // offered here and its share decides; reported as one in a second, its allowance (half a
     // request a second, and a report interval's worth) refuses nearly all.
-    let (admitted, n) = drop_ratio_decisions(1e-9);
-    assert_eq!(n, 0, "{n} allocations in 1000 global decisions");
-    // The ratio is applied: the key's share is exact, half within two.
-    assert!(
-        (498..=502).contains(&admitted),
-        "{admitted} of 1000 admitted at ratio 0.5"
-    );
-    let (admitted, n) = drop_ratio_decisions(1.0);
-    assert_eq!(n, 0, "{n} allocations in 1000 guarded global decisions");
-    assert!(admitted <= 2, "{admitted} of 1000 admitted by the guard");
+    for key in ["client_ip", "[client_ip, header:x-api-key]"] {
+        let (admitted, n, digests) = drop_ratio_decisions(key, 1e-9);
+        assert_eq!(n, 0, "{key}: {n} allocations in 1000 global decisions");
+        // A known key's digest (its name to the control plane) is kept, never recomputed.
+        assert_eq!(digests, 0, "{key}: {digests} digests in 1000 decisions");
+        // The ratio is applied: the key's share is exact, half within two.
+        assert!(
+            (498..=502).contains(&admitted),
+            "{key}: {admitted} of 1000 admitted at ratio 0.5"
+        );
+        let (admitted, n, digests) = drop_ratio_decisions(key, 1.0);
+        assert_eq!(
+            n, 0,
+            "{key}: {n} allocations in 1000 guarded global decisions"
+        );
+        assert_eq!(digests, 0, "{key}: {digests} digests in 1000 decisions");
+        assert!(
+            admitted <= 2,
+            "{key}: {admitted} of 1000 admitted by the guard"
+        );
+    }
 }
 
-/// 1000 decisions of a key at ratio 0.5 in a microsecond, its last report of one request
-/// over `secs`: how many were admitted, and the allocations they made.
-fn drop_ratio_decisions(secs: f64) -> (u32, u64) {
-    let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1' }\nrules:\n  - name: g\n    key: client_ip\n    limit: { rate: 5/s }\n    scope: global\n";
-    let config = Config::from_yaml(yaml, "t").unwrap();
+/// 1000 decisions of a key (of the rule's `key` parts) at ratio 0.5 in a microsecond, its last
+/// report of one request over `secs`: how many were admitted, the allocations they made and
+/// the digests they computed.
+fn drop_ratio_decisions(key: &str, secs: f64) -> (u32, u64, u64) {
+    // No rejection logged: a logged key is digested (that is allowed; deciding is not).
+    let yaml = format!("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nlog_rejections: 0\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: {key}\n    limit: {{ rate: 5/s }}\n    scope: global\n");
+    let config = Config::from_yaml(&yaml, "t").unwrap();
+    // What the control plane knows the key by: the address, and the digest of the API key.
+    let name = if key.contains("header") {
+        let digest = spillway::internal::digest::Secret::default().of_value(API_KEY.as_bytes());
+        format!("10.1.2.3\u{1f}{digest}")
+    } else {
+        "10.1.2.3".to_string()
+    };
     let reply = Reply {
         version: VERSION,
         age_ms: 0,
         ratios: vec![Ratio {
             service: "s".into(),
             rule: "g".into(),
-            key: Some("10.1.2.3".into()),
+            key: Some(name),
             ratio: 0.5,
         }],
         rules: Vec::new(),
@@ -200,10 +230,15 @@ fn drop_ratio_decisions(secs: f64) -> (u32, u64) {
         "a ratio of 0.5 admitted or refused everything"
     );
     let mut admitted = 0;
+    let digests = spillway::internal::digest::computed();
     let n = allocations_during(|| {
         for i in 0..1000 {
             admitted += u32::from(decide(&rules, now + i));
         }
     });
-    (admitted, n)
+    (
+        admitted,
+        n,
+        spillway::internal::digest::computed() - digests,
+    )
 }

@@ -337,3 +337,182 @@ async fn each_rule_keys_ipv6_clients_by_its_own_prefix_and_tunnels_by_their_ipv4
     );
     assert_eq!(status(&from("/host", "198.51.100.16").await), 429);
 }
+
+// 5. Keys kept private: what the control plane holds of a header key is its digest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_plane_knows_a_header_key_by_its_digest_and_still_holds_its_limit() {
+    let ctl = controller_in_process().await;
+    let secret = temp_file(
+        &format!("promises-secret-{}", fastrand::u32(..)),
+        "0b7c1e9f2a4d6e8f0a1c3e5f7a9b1d3f\n",
+    );
+    let (sc, _up) = sidecar(&format!(
+        "key_secret_file: {}\n{}",
+        secret.display(),
+        global_rule(ctl.addr)
+    ))
+    .await;
+    let token = [("x-api-key", "sk_live_4eC39HqLyjWDarjtT1zdp7dc")];
+    let digest = spillway::internal::digest::Secret::load(&secret)
+        .unwrap()
+        .of_value(token[0].1.as_bytes());
+    // Requests until the controller holds the key (bounded: 3000 requests).
+    let mut state = String::new();
+    for _ in 0..300 {
+        for _ in 0..10 {
+            get(sc.addr(), "/", &token).await;
+        }
+        state = get(ctl.addr, "/v1/state", &[]).await.2;
+        if state.contains("\"key\"") {
+            break;
+        }
+    }
+    assert!(state.contains(&digest), "{digest} not in {state}");
+    assert!(!state.contains("sk_live"), "the key in clear: {state}");
+    ctl.shutdown();
+}
+
+// 6. The shipped examples, with the bypasses that got past them.
+
+/// The example `file` in front of `upstream`, its listeners on loopback (and its Redis at
+/// `redis`), its limiters on a clock that does not move: each bucket holds its burst exactly.
+async fn example(file: &str, upstream: SocketAddr, redis: Option<String>) -> Sidecar {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+    let text = std::fs::read_to_string(&path).unwrap();
+    let text: String = text
+        .lines()
+        .map(|l| {
+            if l.starts_with("listen:") {
+                "listen: 127.0.0.1:0".to_string()
+            } else if l.starts_with("admin:") {
+                "admin: 127.0.0.1:0".to_string()
+            } else if l.starts_with("upstream:") {
+                format!("upstream: http://{upstream}")
+            } else if let (Some(url), true) = (&redis, l.trim_start().starts_with("url: redis://"))
+            {
+                format!("  url: {url}")
+            } else {
+                l.to_string()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    let config = spillway::Config::from_yaml(&text, file).unwrap_or_else(|e| panic!("{e}"));
+    let clock = spillway::internal::limit::ManualClock::new(1_000_000_000);
+    Sidecar::start_with_clock(config, spillway::internal::limit::AnyClock::Manual(clock))
+        .await
+        .unwrap()
+}
+
+/// Sends `n` requests from `from` with the fields `extra(i)` adds; how many were admitted.
+async fn admitted_of(
+    sc: &Sidecar,
+    from: [u8; 4],
+    n: usize,
+    extra: impl Fn(usize) -> String,
+) -> usize {
+    let mut c = connect_from(from, sc.addr()).await;
+    let mut ok = 0;
+    for i in 0..n {
+        let a = ask(
+            &mut c,
+            &format!("GET /api/x HTTP/1.1\r\nHost: app\r\n{}\r\n", extra(i)),
+        )
+        .await;
+        ok += usize::from(status(&a) == 200);
+    }
+    ok
+}
+
+#[tokio::test]
+async fn the_tiers_example_holds_against_made_up_keys_and_self_named_plans() {
+    let up = upstream().await;
+    let sc = example("config/tiers.yaml", up.addr, None).await;
+    // A new X-Api-Key on every request: anonymous all the same (burst 10).
+    let ok = admitted_of(&sc, [127, 0, 0, 11], 40, |i| format!("X-Api-Key: k{i}\r\n")).await;
+    assert_eq!(ok, 10, "made-up keys escaped the anonymous limit");
+    // A plan named by the client itself: removed, anonymous.
+    let ok = admitted_of(&sc, [127, 0, 0, 12], 40, |i| {
+        format!("X-Api-Key: k{i}\r\nX-Plan: premium\r\n")
+    })
+    .await;
+    assert_eq!(ok, 10, "a self-upgrade to premium");
+    let ok = admitted_of(&sc, [127, 0, 0, 13], 40, |_| {
+        "X-Api-Key: mine\r\nX-Plan: other\r\n".to_string()
+    })
+    .await;
+    assert_eq!(ok, 10, "a plan no tier names went unlimited");
+}
+
+#[tokio::test]
+async fn the_fleet_example_holds_a_client_that_makes_up_a_key_per_request() {
+    let up = upstream().await;
+    let sc = example("config/fleet.yaml", up.addr, None).await;
+    let ok = admitted_of(&sc, [127, 0, 0, 21], 450, |i| {
+        format!("X-Api-Key: k{i}\r\n")
+    })
+    .await;
+    assert_eq!(ok, 400, "the per-address backstop (burst 400) did not hold");
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_exact_example_holds_a_client_that_makes_up_a_key_per_request() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = example("config/exact.yaml", up.addr, Some(redis.url())).await;
+    let ok = admitted_of(&sc, [127, 0, 0, 31], 250, |i| {
+        format!("X-Api-Key: k{i}\r\n")
+    })
+    .await;
+    assert_eq!(ok, 200, "the per-address backstop (burst 200) did not hold");
+}
+
+#[test]
+fn check_config_warns_of_a_trusted_block_of_the_internet_and_a_host_rule_without_hosts() {
+    let file = temp_file(
+        &format!("promises-warn-{}.yaml", fastrand::u32(..)),
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nclient_ip: { trusted_proxies: [0.0.0.0/0, 8.8.8.0/24, 10.0.0.0/8, \"2001:db8::/32\", \"::/0\"] }\nrules:\n  - name: api\n    key: client_ip\n    match: { host: api.example.com }\n    limit: { rate: 1/s }\n",
+    );
+    let out = std::process::Command::new(BIN)
+        .args(["check-config", "--output", "json"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let warnings: Vec<String> = report[0]["warnings"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w.as_str().unwrap().to_string())
+        .collect();
+    for block in ["0.0.0.0/0", "8.8.8.0/24", "2001:db8::/32", "::/0"] {
+        assert!(
+            warnings.iter().any(|w| w.contains(&format!(" {block} "))),
+            "{block}: {warnings:?}"
+        );
+    }
+    assert!(
+        !warnings.iter().any(|w| w.contains("10.0.0.0/8")),
+        "{warnings:?}"
+    );
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.contains("rule api") && w.contains("hosts:")),
+        "{warnings:?}"
+    );
+    // With the hosts listed, the rule means what it says.
+    let listed = temp_file(
+        &format!("promises-hosts-{}.yaml", fastrand::u32(..)),
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nhosts: [api.example.com]\nrules:\n  - name: api\n    key: client_ip\n    match: { host: api.example.com }\n    limit: { rate: 1/s }\n",
+    );
+    let out = std::process::Command::new(BIN)
+        .args(["check-config", "--output", "json"])
+        .arg(&listed)
+        .output()
+        .unwrap();
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report[0]["warnings"], serde_json::json!([]), "{report}");
+}

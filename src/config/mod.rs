@@ -45,6 +45,11 @@ pub struct Config {
     /// ingress must overwrite them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub trusted_headers: Vec<HeaderNameStr>,
+    /// The secret the `header:` and `query:` parts of keys are digested under in logs and
+    /// reports: one per service, the same file on every replica (the chart mounts a Secret).
+    /// Without it, a built-in secret: digests anyone can recompute for a value they guess.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_secret_file: Option<std::path::PathBuf>,
     /// Normalise each request's path (escapes, dot segments, repeated slashes) before rules
     /// see it and forward the normalised one; `false` keeps the raw target (signed URLs).
     #[serde(default = "yes")]
@@ -467,6 +472,53 @@ fn location(line: Option<usize>, column: Option<usize>) -> String {
 }
 
 impl Config {
+    /// What is valid but likely not meant: said by `check-config` and at start-up, never
+    /// refused (a configuration that ran yesterday still runs).
+    pub fn warnings(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        if self.hosts.is_empty() {
+            for rule in self.rules.iter().filter(|r| r.matcher.host.is_some()) {
+                out.push(format!(
+                    "rule {}: matches on host, but no hosts: list is set; a request naming any other host (an address, an empty Host) skips the rule and the app serves it: list the hosts the app answers for",
+                    rule.name
+                ));
+            }
+        }
+        let blocks = self
+            .client_ip
+            .trusted_proxies
+            .iter()
+            .map(|c| ("client_ip.trusted_proxies", c))
+            .chain(
+                self.limits
+                    .connections_per_client_exempt
+                    .iter()
+                    .map(|c| ("limits.connections_per_client_exempt", &c.0)),
+            );
+        for (field, block) in blocks {
+            let wide = block.prefix() < if block.is_v6() { 32 } else { 8 };
+            if wide || !block.is_private() {
+                out.push(format!(
+                    "{field}: {block} {}: every client in it is trusted as a proxy would be; list your ingress's or mesh's own addresses",
+                    if wide {
+                        "is wider than a /8 (IPv4) or /32 (IPv6)"
+                    } else {
+                        "holds public addresses"
+                    }
+                ));
+            }
+        }
+        if self.key_secret_file.is_none()
+            && self
+                .rules
+                .iter()
+                .any(|r| r.log_keys == LogKeys::Digest && crate::key::has_private(&r.key.0))
+        {
+            out.push("key_secret_file: not set; the header and query parts of keys are logged and reported as digests under a built-in secret, which anyone can recompute for a value they guess".into());
+        }
+        out
+    }
+
     /// Reads and validates the file at `path`.
     pub fn load(path: impl AsRef<Path>) -> Result<Config, ConfigError> {
         let path = path.as_ref();

@@ -36,6 +36,20 @@ pub struct Rule {
     /// `timeouts.upstream_body_idle` for the requests this rule applies to (event streams):
     /// the longest of the rules that apply and set it wins over the global one.
     pub upstream_body_idle: Option<Dur>,
+    /// How the key's `header:` and `query:` parts are shown in logs and sent to the control
+    /// plane: as a keyed digest (default), or in clear.
+    pub log_keys: LogKeys,
+}
+
+/// How a rule's private key parts are shown and sent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum LogKeys {
+    /// `~` and the HMAC of the value under `key_secret_file` (see `spillway digest`).
+    #[default]
+    Digest,
+    /// As the client sent them (tokens and API keys in the log: opt in knowingly).
+    Clear,
 }
 
 /// When a request gives back its concurrency slot.
@@ -99,6 +113,12 @@ pub(super) struct RawRule {
     pub(super) release: Release,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) upstream_body_idle: Option<Dur>,
+    #[serde(default, skip_serializing_if = "is_digest")]
+    pub(super) log_keys: LogKeys,
+}
+
+fn is_digest(l: &LogKeys) -> bool {
+    *l == LogKeys::Digest
 }
 
 fn is_end(r: &Release) -> bool {
@@ -144,6 +164,7 @@ impl TryFrom<RawRule> for Rule {
             sketch: r.sketch,
             release: r.release,
             upstream_body_idle: r.upstream_body_idle,
+            log_keys: r.log_keys,
         })
     }
 }
@@ -351,6 +372,7 @@ impl From<Rule> for RawRule {
             sketch: r.sketch,
             release: r.release,
             upstream_body_idle: r.upstream_body_idle,
+            log_keys: r.log_keys,
         }
     }
 }

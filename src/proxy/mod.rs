@@ -175,7 +175,13 @@ impl Sidecar {
             }
             None => None,
         };
-        let rules = RuleSet::build_with_ratios(&config, &metrics, ratios.clone());
+        let secret = crate::digest::Secret::of(config.key_secret_file.as_deref())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        for warning in config.warnings() {
+            tracing::warn!("{warning}");
+        }
+        let rules =
+            RuleSet::build_with_ratios(&config, &metrics, ratios.clone()).with_secret(secret);
         #[cfg(feature = "redis")]
         let rules = rules.with_store(crate::exact::store(&exact));
         let (stop, stopped) = watch::channel(false);

@@ -31,6 +31,10 @@ impl RuleSet {
         let mut set = Self::from_rules_keeping(&config.rules, config.headers, metrics, previous)
             .in_fleet(config.control_plane.as_ref(), ratios);
         set.log_rejections = config.log_rejections;
+        // The secret is read once, at start (a restart field): a reload keeps it.
+        if let Some(previous) = previous {
+            set.secret = previous.secret.clone();
+        }
         set
     }
 
@@ -89,6 +93,7 @@ impl RuleSet {
             report_interval: NANOS_PER_SEC,
             log_rejections: crate::config::DEFAULT_LOG_REJECTIONS,
             store: None,
+            secret: crate::digest::Secret::default(),
         }
     }
 
@@ -246,8 +251,8 @@ pub(super) fn slot(
 /// What a rule's per-key state depends on: while these are equal, the state stays valid.
 pub(super) fn identity(r: &Rule) -> String {
     format!(
-        "{:?}|{:?}|{:?}|{:?}|{:?}|{}",
-        r.name, r.key, r.limit, r.scope, r.fallback, r.max_keys
+        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}",
+        r.name, r.key, r.limit, r.scope, r.fallback, r.max_keys, r.log_keys
     )
 }
 
@@ -276,6 +281,7 @@ pub(super) fn compile(
     });
     CompiledRule {
         body_idle: r.upstream_body_idle.map(|d| d.0),
+        digested: r.log_keys == LogKeys::Digest && crate::key::has_private(&r.key.0),
         matcher: Matcher::from(&r.matcher),
         key: r.key.0.clone(),
         mode: r.mode,

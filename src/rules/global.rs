@@ -245,6 +245,9 @@ pub struct GlobalCounters {
     /// bits): 0 not yet reported, [`NAMED`] or [`FOLDED`]. Relaxed: one word the reporter
     /// writes once per report, read with the ratios that say which report they answer.
     choice: AtomicU64,
+    /// The name reports and ratios know the key by when it is not the key itself (a digest
+    /// of its private parts): worked out on the key's first decision.
+    name: std::sync::OnceLock<Box<[u8]>>,
 }
 
 const NAMED: u64 = 1;
@@ -297,11 +300,24 @@ impl Default for GlobalCounters {
             last: AtomicU32::new(0),
             quiet: AtomicU8::new(QUIET_REPORTS as u8),
             choice: AtomicU64::new(0),
+            name: std::sync::OnceLock::new(),
         }
     }
 }
 
 impl GlobalCounters {
+    /// The key's reported name, worked out by `shown` the first time.
+    #[inline]
+    pub(super) fn name(&self, shown: impl FnOnce() -> crate::key::KeyBuf) -> &[u8] {
+        self.name
+            .get_or_init(|| shown().into_vec().into_boxed_slice())
+    }
+
+    /// The name the key's reports carry: its own name if it has one, else `key`.
+    pub(super) fn reported<'a>(&'a self, key: &'a [u8]) -> &'a [u8] {
+        self.name.get().map_or(key, |n| &n[..])
+    }
+
     /// Whether the key's share `keep` (1 − its drop ratio) admits a request of `units`.
     ///
     /// Exact, not drawn: every request earns the key `keep × units` of credit, and a request

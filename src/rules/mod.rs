@@ -28,11 +28,12 @@ use smallvec::SmallVec;
 
 use crate::config::OnError;
 use crate::config::{
-    Config, ControlPlane, Cost, CostFrom, HeaderMode, HostPattern, Limit, Match, Mode, OnLimit,
-    Rate, Rule, Scope, SketchSize,
+    Config, ControlPlane, Cost, CostFrom, HeaderMode, HostPattern, Limit, LogKeys, Match, Mode,
+    OnLimit, Rate, Rule, Scope, SketchSize,
 };
 use crate::key::{
-    bound_local, canonical_text, extract, extract_text, Extract, KeyBuf, KeyPart, RequestView,
+    bound_local, canonical_text, extract, extract_shown, extract_text, Extract, KeyBuf, KeyPart,
+    RequestView,
 };
 use crate::limit::{
     ceil_secs, Adaptive, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter,
@@ -54,6 +55,8 @@ pub struct RuleSet {
     log_rejections: u32,
     /// Redis, for `scope: redis` rules; kept across reloads by whoever builds the set.
     store: Option<Arc<dyn RemoteStore>>,
+    /// What private key parts are shown and reported as (`key_secret_file`).
+    secret: crate::digest::Secret,
 }
 
 struct CompiledRule {
@@ -82,6 +85,8 @@ struct CompiledRule {
     logged: LogBudget,
     /// The rule's `upstream_body_idle`.
     body_idle: Option<std::time::Duration>,
+    /// Its key has a private part, shown and reported as a digest (`log_keys: digest`).
+    digested: bool,
 }
 
 /// How many of a rule's rejections were logged in the current second: the log answers "why
@@ -440,8 +445,19 @@ impl RuleSet {
                     fallback,
                 } => {
                     let (counters, at) = store.with(&key, now, global_reclaimable, Arc::clone);
+                    // The name the control plane knows the key by: a digest is worked out
+                    // once per key and kept with its counters, never for a known key.
+                    let overflow;
+                    let name: &[u8] = if !rule.digested {
+                        &key
+                    } else if at == Slot::Overflow {
+                        overflow = self.shown_key(rule, req);
+                        &overflow
+                    } else {
+                        counters.name(|| self.shown_key(rule, req))
+                    };
                     if at == Slot::Overflow {
-                        overflow_keys.insert(&key);
+                        overflow_keys.insert(name);
                     }
                     counters.offer(cost);
                     // One snapshot load per request, however many global rules match.
@@ -458,7 +474,7 @@ impl RuleSet {
                         _ => {
                             let choice = counters.choice(ratios.answers);
                             let tail = || choice != Choice::Named;
-                            let (p, keep) = ratios.ratio_keep(&rule.name, &key, tail);
+                            let (p, keep) = ratios.ratio_keep(&rule.name, name, tail);
                             let p = p * factor;
                             took.shared = p > 0.0;
                             // The ratio may change with the next reply.
@@ -617,9 +633,7 @@ impl RuleSet {
             return;
         }
         // Worked out again in text form: a local rule keeps its key as bytes.
-        let mut text = KeyBuf::new();
-        extract_text(&rule.key, req, &mut text);
-        crate::key::canonical_text(&mut text);
+        let text = self.shown_key(rule, req);
         let traceparent = req
             .headers
             .get("traceparent")
@@ -636,6 +650,25 @@ impl RuleSet {
             traceparent,
             "request refused by a rule"
         );
+    }
+
+    /// `rule`'s key for `req` as it is logged and reported: its private parts as digests
+    /// (unless `log_keys: clear`), bounded as [`canonical_text`] bounds it.
+    fn shown_key(&self, rule: &CompiledRule, req: &RequestView<'_>) -> KeyBuf {
+        let mut text = KeyBuf::new();
+        if rule.digested {
+            extract_shown(&rule.key, req, |v, out| self.secret.push(v, out), &mut text);
+        } else {
+            extract_text(&rule.key, req, &mut text);
+        }
+        canonical_text(&mut text);
+        text
+    }
+
+    /// Uses `secret` for the digests of private key parts (`key_secret_file`).
+    pub fn with_secret(mut self, secret: crate::digest::Secret) -> Self {
+        self.secret = secret;
+        self
     }
 
     /// Counts an admitted request on every rule that granted it.
@@ -719,7 +752,7 @@ impl RuleSet {
                         // control plane sees it.
                         return None;
                     }
-                    let key = String::from_utf8_lossy(e.key()).into_owned();
+                    let key = String::from_utf8_lossy(e.value().reported(e.key())).into_owned();
                     Some((key, o, a, e.value().clone()))
                 })
                 .collect();

@@ -874,3 +874,35 @@ fn a_full_store_takes_the_place_of_a_key_one_report_found_unoffered() {
     assert_eq!(counts[0].keys, vec![("10.0.0.2".to_string(), 1, 1)]);
     assert_eq!(rules.tracked_keys("g"), Some(1));
 }
+
+/// A global rule keyed by a header reports its keys by their digest, and a ratio for that
+/// digest applies to the key; the key in clear is nowhere in the report.
+#[test]
+fn a_global_key_with_a_header_is_reported_and_dropped_by_its_digest() {
+    let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1' }\nrules:\n  - name: g\n    key: [client_ip, header:x-api-key]\n    limit: { rate: 5/s }\n    scope: global\n";
+    let config = Config::from_yaml(yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+    let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(T0)));
+    let secret = crate::digest::Secret::default();
+    let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone())
+        .with_secret(secret.clone());
+    let r = req("GET", "/", &[("x-api-key", "sk_live_abc")]).from("10.0.0.1");
+    assert!(r.allowed(&rules, T0));
+    let report = rules.drain_global(10, 1.0, 1);
+    let named: Vec<&str> = report[0].keys.iter().map(|k| k.0.as_str()).collect();
+    let digest = format!("10.0.0.1\u{1f}{}", secret.of_value(b"sk_live_abc"));
+    assert_eq!(named, [digest.as_str()]);
+    // The answer names the digest: the key is dropped.
+    ratios.store(Arc::new(
+        DropRatios::of(T0, [("g", Some(digest.as_str()), 1.0)].into_iter()).answering(1),
+    ));
+    assert!(
+        !r.allowed(&rules, T0 + 1),
+        "the digest's ratio did not apply"
+    );
+    // A ratio for the key in clear is no ratio of this key.
+    let clear = "10.0.0.1\u{1f}sk_live_abc";
+    ratios.store(Arc::new(
+        DropRatios::of(T0, [("g", Some(clear), 1.0)].into_iter()).answering(1),
+    ));
+    assert!(r.allowed(&rules, T0 + 2));
+}

@@ -17,6 +17,7 @@
 usage: check.py ROOT SPILLWAY_BINARY
 """
 
+import base64
 import http.server
 import json
 import os
@@ -185,7 +186,9 @@ def releases(name, docs):
         args = statefulsets["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
         check("--tokens=/var/run/secrets/spillway" in args, f"{name}: the controller reads the per-service tokens")
     if name == "sidecar only, another release's control plane":
-        check(not control and "Secret" not in by_kind, f"{name}: no control plane and no token of its own {control}")
+        secrets = sorted(by_kind.get("Secret", {}))
+        check(not control and secrets == ["spillway-key-secret"],
+              f"{name}: no control plane and no token of its own, only its key secret {control} {secrets}")
         conf = yaml.safe_load(by_kind["ConfigMap"]["spillway-limits"]["data"]["spillway.yaml"])
         check(conf["control_plane"]["url"] == "https://spillway-aggregator.spillway-system:7001"
               and conf["control_plane"]["ca_file"] == "/var/run/secrets/spillway-tls/ca.crt",
@@ -193,6 +196,13 @@ def releases(name, docs):
         vols = {v["name"]: v for v in deployments["spillway-example"]["spec"]["template"]["spec"]["volumes"]}
         check(vols["spillway-token"]["secret"]["secretName"] == "spillway-token"
               and vols["spillway-tls"]["secret"]["secretName"] == "spillway-ca", f"{name}: mounts the team's Secrets")
+    limits = by_kind.get("ConfigMap", {}).get("spillway-limits")
+    if limits:
+        # Keys' private parts are digested under one secret per service, the chart's own.
+        key = by_kind.get("Secret", {}).get("spillway-key-secret", {}).get("data", {})
+        check("key_secret_file: /var/run/secrets/spillway-key/secret" in limits["data"]["spillway.yaml"]
+              and len(base64.b64decode(key.get("secret", ""))) >= 16,
+              f"{name}: the sidecar's config names the key secret the chart creates")
     if name == "native sidecar":
         spec = deployments["spillway-example"]["spec"]["template"]["spec"]
         init = [c for c in spec.get("initContainers", []) if c["name"] == "spillway"]

@@ -170,6 +170,7 @@ while the sidecar stops taking requests. With `sidecar.native`, put the sidecar 
     # A directory mount, not subPath: ConfigMap updates arrive (the ..data symlink swap)
     # and the sidecar reloads them.
     - { name: spillway-config, mountPath: /etc/spillway, readOnly: true }
+    - { name: spillway-key-secret, mountPath: /var/run/secrets/spillway-key, readOnly: true }
     {{- if or $v.controlPlane.enabled $v.controlPlane.url }}
     - { name: spillway-token, mountPath: /var/run/secrets/spillway, readOnly: true }
     {{- if $v.controlPlane.tls.existingSecret }}
@@ -182,6 +183,11 @@ while the sidecar stops taking requests. With `sidecar.native`, put the sidecar 
 - name: spillway-config
   configMap:
     name: {{ .release }}-limits
+- name: spillway-key-secret
+  secret:
+    secretName: {{ (.values.sidecar.keySecret | default dict).existingSecret | default (printf "%s-key-secret" .release) }}
+    items:
+      - { key: secret, path: secret }
 {{- $cp := .values.controlPlane }}
 {{- if or $cp.enabled $cp.url }}
 - name: spillway-token
