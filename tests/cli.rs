@@ -136,3 +136,22 @@ fn sigterm_drains_and_exits_zero() {
     let status = proxy.child.wait().unwrap();
     assert_eq!(status.code(), Some(0));
 }
+
+/// The README's full configuration, every field with its default, is one that loads.
+#[cfg(feature = "redis")]
+#[test]
+fn the_readmes_full_configuration_passes_check_config() {
+    let readme = include_str!("../README.md");
+    let from = readme
+        .find("## Configuration reference")
+        .expect("the README has its reference");
+    let start = readme[from..].find("```yaml\n").expect("a yaml block") + from + 8;
+    let end = readme[start..].find("```").expect("the block ends") + start;
+    let file = temp_file("readme-full.yaml", &readme[start..end]);
+    let out = Command::new(BIN)
+        .args(["check-config", "--skip-files"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+}
