@@ -73,6 +73,20 @@ struct State {
     admitted: GaugeVec,
     limit: GaugeVec,
     ratio: GaugeVec,
+    /// The principals reading state now: one read at a time each.
+    reading: dashmap::DashSet<String>,
+}
+
+/// A principal's one state read in progress; the next may start when it is dropped.
+struct Reading<'a> {
+    state: &'a State,
+    who: String,
+}
+
+impl Drop for Reading<'_> {
+    fn drop(&mut self) {
+        self.state.reading.remove(&self.who);
+    }
 }
 
 impl State {
@@ -137,72 +151,94 @@ impl State {
     }
 
     /// Who may read state: a service's token sees that service (`Some`), the aggregators',
-    /// admin or shared token everything; else the 401 to answer.
+    /// admin or shared token everything; else the 401 to answer, or 429 while the same
+    /// principal's last read is still being served (one at a time each: readers in a loop
+    /// cannot multiply what state costs).
     #[allow(clippy::result_large_err)]
-    fn reader<B>(&self, req: &Request<B>) -> Result<Option<String>, http::Response<Body>> {
+    fn reader<B>(
+        &self,
+        req: &Request<B>,
+    ) -> Result<(Option<String>, Reading<'_>), http::Response<Body>> {
         let principal = server::authenticate(req, &self.credentials, &self.reads)?;
         self.reads.with_label_values(&[principal.kind()]).inc();
-        Ok(match principal {
+        let only = match &principal {
             Principal::Service(s) => Some(s.to_string()),
             _ => None,
-        })
+        };
+        let who = format!("{}/{}", principal.kind(), only.as_deref().unwrap_or(""));
+        if !self.reading.insert(who.clone()) {
+            let mut resp = server::error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "a state read of this token is in progress; read again when it ends",
+            );
+            resp.headers_mut().insert(
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from_static("1"),
+            );
+            return Err(resp);
+        }
+        Ok((only, Reading { state: self, who }))
     }
 
-    fn view(&self, only: Option<&str>) -> (Vec<crate::control::KeyView>, Vec<(String, f64)>) {
-        let acc = self.acc.lock();
+    /// The state readers see, from the snapshot: the lock is held for two reference counts.
+    fn view(&self) -> super::StateView {
+        let mut acc = self.acc.lock();
         let now = self.acc.now();
-        let only = only.map(|s| [s]);
-        let view = acc.view(only.as_ref().map(|s| &s[..]), now);
-        // A service's token does not learn which other hosts report.
-        let sources = if only.is_some() {
-            Vec::new()
-        } else {
-            acc.source_ages(now)
-        };
-        (view, sources)
+        acc.state(now)
     }
 
     fn state<B>(&self, req: &Request<B>) -> http::Response<Body> {
-        let only = match self.reader(req) {
+        let (only, _reading) = match self.reader(req) {
             Ok(o) => o,
             Err(resp) => return resp,
         };
-        let (mut view, _) = self.view(only.as_deref());
-        view.sort_by(|a, b| (&a.service, &a.rule, &a.key).cmp(&(&b.service, &b.rule, &b.key)));
-        server::json(StatusCode::OK, &serde_json::json!({ "keys": view }))
+        let view = self.view();
+        let rules: Vec<&super::RuleState> = view
+            .rules
+            .iter()
+            .filter(|r| only.as_deref().is_none_or(|s| r.service == s))
+            .collect();
+        let mut keys: Vec<&crate::control::KeyView> =
+            rules.iter().flat_map(|r| r.heaviest.iter()).collect();
+        keys.sort_by(|a, b| (&a.service, &a.rule, &a.key).cmp(&(&b.service, &b.rule, &b.key)));
+        // Each rule's heaviest keys, and how many it has in all.
+        let counts: Vec<serde_json::Value> = rules
+            .iter()
+            .map(|r| {
+                serde_json::json!({
+                    "service": r.service, "rule": r.rule, "keys": r.keys, "shown": r.heaviest.len(),
+                })
+            })
+            .collect();
+        server::json(
+            StatusCode::OK,
+            &serde_json::json!({ "keys": keys, "rules": counts }),
+        )
     }
 
     /// What the status page shows: per (service, rule) totals with the heaviest keys, and
     /// the sources reporting with the age of their last report.
     #[cfg(feature = "ui")]
     fn ui_state<B>(&self, req: &Request<B>) -> http::Response<Body> {
-        let only = match self.reader(req) {
+        let (only, _reading) = match self.reader(req) {
             Ok(o) => o,
             Err(resp) => return resp,
         };
-        let (view, sources) = self.view(only.as_deref());
-        let mut rules: std::collections::BTreeMap<(String, String), Vec<&crate::control::KeyView>> =
-            Default::default();
-        for v in &view {
-            rules
-                .entry((v.service.clone(), v.rule.clone()))
-                .or_default()
-                .push(v);
-        }
-        let rules: Vec<serde_json::Value> = rules
-            .into_iter()
-            .map(|((service, rule), mut keys)| {
-                let offered: f64 = keys.iter().map(|k| k.offered_rps).sum();
-                let admitted: f64 = keys.iter().map(|k| k.admitted_rps).sum();
-                let dropped: f64 = keys.iter().map(|k| k.offered_rps * k.ratio).sum();
+        let view = self.view();
+        // A service's token does not learn which other hosts report.
+        let sources: &[(String, f64)] = if only.is_some() { &[] } else { &view.sources };
+        let rules: Vec<serde_json::Value> = view
+            .rules
+            .iter()
+            .filter(|r| only.as_deref().is_none_or(|s| r.service == s))
+            .map(|r| {
+                let (service, rule) = (&r.service, &r.rule);
+                let (offered, admitted, dropped) = (r.offered_rps, r.admitted_rps, r.dropped_rps);
                 // What the limit lets through at this demand: the target of `admitted`.
-                let allowed: f64 = keys.iter().map(|k| k.offered_rps.min(k.limit_rps)).sum();
-                let limit = keys
-                    .iter()
-                    .find(|k| k.key.is_some())
-                    .map_or(0.0, |k| k.limit_rps);
-                keys.sort_by(|a, b| b.offered_rps.total_cmp(&a.offered_rps));
-                let heaviest: Vec<serde_json::Value> = keys
+                let allowed = r.allowed_rps;
+                let limit = r.limit_rps;
+                let heaviest: Vec<serde_json::Value> = r
+                    .heaviest
                     .iter()
                     .filter(|k| k.key.is_some())
                     .take(10)
@@ -218,12 +254,12 @@ impl State {
                     "limit": format!("{limit:.1}/s per key"),
                     "offered_rps": offered, "admitted_rps": admitted, "limit_rps": allowed,
                     "drop_ratio": if offered > 0.0 { dropped / offered } else { 0.0 },
-                    "keys": keys.len(), "heaviest": heaviest,
+                    "keys": r.keys, "heaviest": heaviest,
                 })
             })
             .collect();
         let sources: Vec<serde_json::Value> = sources
-            .into_iter()
+            .iter()
             .map(|(name, age)| serde_json::json!({ "name": name, "age_s": age }))
             .collect();
         server::json(
@@ -403,6 +439,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
             "spillway_controller_drop_ratio",
             "Share of the rule's offered load being dropped.",
         ),
+        reading: Default::default(),
         registry,
         reports,
         sources,

@@ -26,7 +26,7 @@ pub mod zone;
 
 pub use crate::rules::{DropRatios, Staleness};
 pub use sources::SourceRefusal;
-pub use sum::{Accumulator, KeyView};
+pub use sum::{Accumulator, KeyView, RuleState, StateView};
 pub use zone::ZoneSums;
 
 use serde::{Deserialize, Serialize};

@@ -9,8 +9,9 @@
 //! Must never: copy a source's name per entry; hold more than [`MAX_TRACKED`] contributions, a
 //! quarter of them for one service, or [`MAX_HELD_BYTES`] per source; walk every key on each
 //! report (replies and metrics come from a snapshot rebuilt at most every [`SNAPSHOT_EVERY`],
-//! or ten times its own cost); or put more than [`MAX_RATIOS_PER_SERVICE`] of one service's
-//! ratios, or [`MAX_RATIOS`] in all, in a reply.
+//! or ten times its own cost; state readers get what was built once per snapshot); or put
+//! more than [`MAX_RATIOS_PER_SERVICE`] of one service's ratios, or [`MAX_RATIOS`] in all, in
+//! a reply, or more than [`STATE_KEYS`] keys of a rule in what state readers get.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -53,6 +54,9 @@ pub const SNAPSHOT_EVERY: f64 = 0.1;
 
 /// Up to this many keys, the snapshot is rebuilt after every change.
 const SMALL: usize = 1024;
+
+/// Keys of one (service, rule) that `/v1/state` and the status page show: the heaviest.
+pub const STATE_KEYS: usize = 100;
 
 /// A held value stands for at most this many of its source's intervals without a new report.
 const HOLD_FOR: f64 = 2.0;
@@ -347,6 +351,33 @@ pub struct RuleTotal {
     pub dropped: f64,
 }
 
+/// What `/v1/state` and the status page show of one (service, rule): its sums, its keys'
+/// count and its [`STATE_KEYS`] heaviest keys (a rule's tail among them).
+#[derive(Debug, Clone, Serialize)]
+pub struct RuleState {
+    pub service: String,
+    pub rule: String,
+    /// Keys summed (a tail counts as one).
+    pub keys: usize,
+    /// The limit per key, requests/s.
+    pub limit_rps: f64,
+    pub offered_rps: f64,
+    pub admitted_rps: f64,
+    pub dropped_rps: f64,
+    /// What the limit lets through at this demand (the target of `admitted_rps`).
+    pub allowed_rps: f64,
+    /// The heaviest first.
+    pub heaviest: Vec<KeyView>,
+}
+
+/// What state readers get: built at most once per snapshot, however many read, and shared.
+#[derive(Debug, Clone, Default)]
+pub struct StateView {
+    pub rules: Arc<Vec<RuleState>>,
+    /// Every live source and the seconds since its last report, most recent first.
+    pub sources: Arc<Vec<(String, f64)>>,
+}
+
 /// The controller's sums: see the module's documentation.
 #[derive(Debug)]
 pub struct Accumulator {
@@ -388,6 +419,8 @@ struct Snapshot {
     keys: usize,
     by_service: HashMap<Arc<str>, Vec<Ratio>>,
     hints: HashMap<Arc<str>, Vec<RuleHint>>,
+    /// What state readers were shown since this snapshot was built.
+    state: Option<StateView>,
 }
 
 impl Accumulator {
@@ -881,7 +914,83 @@ impl Accumulator {
             keys,
             by_service,
             hints,
+            state: None,
         };
+    }
+
+    /// What state readers are shown: built on the first read after each snapshot (one walk of
+    /// the keys, keeping [`STATE_KEYS`] per rule), then shared by every read until the next
+    /// one; nothing is copied per read but two reference counts.
+    pub fn state(&mut self, now: f64) -> StateView {
+        self.refresh(now);
+        if self.snapshot.state.is_none() {
+            self.snapshot.state = Some(self.build_state(now));
+        }
+        self.snapshot.state.clone().unwrap_or_default()
+    }
+
+    fn build_state(&self, now: f64) -> StateView {
+        type Seen<'a> = (f64, f64, f64, f64, u32, Option<&'a Arc<str>>);
+        let heaviest = |a: &Seen, b: &Seen| b.0.total_cmp(&a.0);
+        let mut rules = Vec::new();
+        for (service, by_rule) in &self.rules {
+            for (rule_name, rule) in by_rule {
+                let limit = rule.limit.per_second();
+                let distinct = rule.distinct();
+                let mut state = RuleState {
+                    service: service.to_string(),
+                    rule: rule_name.to_string(),
+                    keys: 0,
+                    limit_rps: limit,
+                    offered_rps: 0.0,
+                    admitted_rps: 0.0,
+                    dropped_rps: 0.0,
+                    allowed_rps: 0.0,
+                    heaviest: Vec::new(),
+                };
+                // Kept to twice what is shown, cut back whenever it fills: bounded however
+                // many keys the rule has.
+                let mut seen: Vec<Seen> = Vec::new();
+                for (key, k) in rule.all_keys() {
+                    let (offered, admitted) = k.smoothed(now, self.tau);
+                    let limit_here = KeySum::limit(key, limit, distinct);
+                    let ratio = drop_ratio(offered, limit_here);
+                    state.keys += 1;
+                    state.offered_rps += offered;
+                    state.admitted_rps += admitted;
+                    state.dropped_rps += offered * ratio;
+                    state.allowed_rps += offered.min(limit_here);
+                    seen.push((offered, admitted, ratio, limit_here, k.contributors, key));
+                    if seen.len() == 2 * STATE_KEYS {
+                        seen.select_nth_unstable_by(STATE_KEYS - 1, heaviest);
+                        seen.truncate(STATE_KEYS);
+                    }
+                }
+                seen.sort_by(heaviest);
+                seen.truncate(STATE_KEYS);
+                state.heaviest = seen
+                    .into_iter()
+                    .map(
+                        |(offered, admitted, ratio, limit_here, sources, key)| KeyView {
+                            service: service.to_string(),
+                            rule: rule_name.to_string(),
+                            key: key.map(|k| k.to_string()),
+                            limit_rps: limit_here,
+                            offered_rps: offered,
+                            admitted_rps: admitted,
+                            ratio,
+                            sources: sources as usize,
+                        },
+                    )
+                    .collect();
+                rules.push(state);
+            }
+        }
+        rules.sort_by(|a, b| (&a.service, &a.rule).cmp(&(&b.service, &b.rule)));
+        StateView {
+            rules: Arc::new(rules),
+            sources: Arc::new(self.source_ages(now)),
+        }
     }
 
     /// Rebuilds the snapshot when due. A small fleet's costs little: it is rebuilt whenever
@@ -959,7 +1068,9 @@ impl Accumulator {
     }
 
     /// Every (service, rule, key) with its smoothed rates and drop ratio at `now`, optionally
-    /// only for `services`.
+    /// only for `services`: for tests; readers get [`Self::state`], which walks the keys at
+    /// most once per snapshot and keeps [`STATE_KEYS`] of each rule.
+    #[cfg(test)]
     pub fn view(&self, services: Option<&[&str]>, now: f64) -> Vec<KeyView> {
         let mut out = Vec::new();
         for (service, rules) in &self.rules {

@@ -877,3 +877,34 @@ fn a_stopping_senders_last_report_counts_no_more_than_it_was_sending() {
     let view = acc.view(None, 1.0);
     assert!(key(&view, "k").offered_rps > 150.0, "{view:?}");
 }
+
+#[test]
+fn state_readers_share_one_walk_per_snapshot_and_see_each_rules_heaviest_keys() {
+    let mut acc = Accumulator::new(1.0);
+    let entries: Vec<Entry> = (0..5_000u64)
+        .map(|i| entry(Some(&format!("k{i}")), i + 1, 1))
+        .collect();
+    acc.record(&report("h", entries), "t", 0.0).unwrap();
+    let first = acc.state(0.0);
+    let again = acc.state(0.0);
+    assert!(
+        std::sync::Arc::ptr_eq(&first.rules, &again.rules),
+        "a second read walked the keys again"
+    );
+    let rule = &first.rules[0];
+    assert_eq!(
+        (rule.keys, rule.heaviest.len()),
+        (5_000, super::sum::STATE_KEYS)
+    );
+    assert_eq!(rule.heaviest[0].key.as_deref(), Some("k4999"));
+    assert!(rule
+        .heaviest
+        .windows(2)
+        .all(|w| w[0].offered_rps >= w[1].offered_rps));
+    // The totals are every key's, not the shown ones'.
+    let all: f64 = acc.view(None, 0.0).iter().map(|v| v.offered_rps).sum();
+    assert!((rule.offered_rps - all).abs() < 1e-6 * all);
+    assert_eq!(first.sources.len(), 1);
+    // A later snapshot, a new walk.
+    assert!(!std::sync::Arc::ptr_eq(&acc.state(5.0).rules, &first.rules));
+}

@@ -1,0 +1,118 @@
+//! The control plane against a tenant with a token (issue 42, "What was seen"): each test is
+//! what a compromised pod of one service sends, against the real controller on loopback, and
+//! asserts what the other services and the controller keep.
+
+mod common;
+
+use std::net::SocketAddr;
+
+use common::*;
+use http::StatusCode;
+use http_body_util::BodyExt;
+
+/// A controller with a token per service (`shop`, `books`) and the admin's, in a process.
+fn controller_with_tokens() -> Proc {
+    let dir = std::env::temp_dir().join(format!(
+        "spillway-tenant-{}-{}",
+        std::process::id(),
+        fastrand::u32(..)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, token) in [
+        ("shop", "shop-t"),
+        ("books", "books-t"),
+        ("_aggregators", "agg-t"),
+        ("_admin", "admin-t"),
+    ] {
+        std::fs::write(dir.join(name), token).unwrap();
+    }
+    Proc::spawn(&[
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--tokens",
+        dir.to_str().unwrap(),
+    ])
+}
+
+/// POSTs a report with `token`, as this release's reporters do.
+async fn report(addr: SocketAddr, token: &str, body: String) -> StatusCode {
+    let req = http::Request::post(format!("http://{addr}/v1/report"))
+        .header("spillway-wire", "2")
+        .header("authorization", format!("Bearer {token}"))
+        .body(
+            http_body_util::Full::new(bytes::Bytes::from(body))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    let status = resp.status();
+    let _ = resp.into_body().collect().await;
+    status
+}
+
+/// A report of `keys` keys of `service`'s rule `r` (key `k<i>` offered `i + 1`).
+fn many_keys(source: &str, service: &str, keys: usize) -> String {
+    let entries: Vec<String> = (0..keys)
+        .map(|i| {
+            format!(
+                r#"{{"service":"{service}","rule":"r","limit":{{"count":10,"period_ms":1000}},"key":"k{i}","offered":{},"admitted":1}}"#,
+                i + 1
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"version":1,"source":"{source}","zone":"z","interval_ms":1000,"entries":[{}]}}"#,
+        entries.join(",")
+    )
+}
+
+// 3. A service reading its own state: the heaviest keys of each rule, never every key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_read_shows_each_rules_heaviest_keys_not_every_key() {
+    let ctl = controller_with_tokens();
+    assert_eq!(
+        report(ctl.addr, "shop-t", many_keys("s1", "shop", 20_000)).await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        report(ctl.addr, "books-t", many_keys("b1", "books", 3)).await,
+        StatusCode::OK
+    );
+    let read = |token: &'static str| async move {
+        let auth = format!("Bearer {token}");
+        let (status, _, body) = get(ctl.addr, "/v1/state", &[("authorization", &auth)]).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        (
+            body.len(),
+            serde_json::from_str::<serde_json::Value>(&body).unwrap(),
+        )
+    };
+    let (bytes, state) = read("shop-t").await;
+    let keys = state["keys"].as_array().unwrap();
+    assert_eq!(keys.len(), 100, "the heaviest 100 of 20 000");
+    assert!(bytes < 64 << 10, "{bytes} bytes for one read");
+    assert!(keys.iter().all(|k| k["service"] == "shop"));
+    // The heaviest are those shown: k19999 offered the most.
+    assert!(keys.iter().any(|k| k["key"] == "k19999"), "{keys:?}");
+    assert!(!keys.iter().any(|k| k["key"] == "k0"), "{keys:?}");
+    // And the rule says how many it holds in all.
+    assert_eq!(
+        state["rules"],
+        serde_json::json!([{ "service": "shop", "rule": "r", "keys": 20_000, "shown": 100 }])
+    );
+    // The admin sees both services, each cut the same way.
+    let (_, state) = read("admin-t").await;
+    assert_eq!(state["keys"].as_array().unwrap().len(), 103);
+    // Reading in a loop costs the reports nothing they can see: they are still answered.
+    for _ in 0..20 {
+        read("shop-t").await;
+    }
+    assert_eq!(
+        report(ctl.addr, "books-t", many_keys("b1", "books", 3)).await,
+        StatusCode::OK
+    );
+}
