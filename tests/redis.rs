@@ -752,3 +752,112 @@ fn scripts_never_fail_on_any_cost_or_key() {
         0.0
     );
 }
+
+/// A TCP forwarder on loopback to a backend that can be changed: what a Service or a DNS name
+/// does when a failover repoints it (connections made before go on to the old backend).
+struct Repointable {
+    addr: SocketAddr,
+    to: std::sync::Arc<arc_swap::ArcSwap<SocketAddr>>,
+}
+
+impl Repointable {
+    async fn start(to: SocketAddr) -> Repointable {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let to = std::sync::Arc::new(arc_swap::ArcSwap::from_pointee(to));
+        let target = to.clone();
+        tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                let backend = **target.load();
+                tokio::spawn(async move {
+                    if let Ok(mut outbound) = tokio::net::TcpStream::connect(backend).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                    }
+                });
+            }
+        });
+        Repointable { addr, to }
+    }
+
+    fn repoint(&self, to: SocketAddr) {
+        self.to.store(std::sync::Arc::new(to));
+    }
+}
+
+/// Waits until `replica` has synced with its primary (bounded: 10 s).
+async fn synced(replica: &RedisServer) {
+    let mut c = replica.conn().await;
+    for _ in 0..200 {
+        let info: String = redis::cmd("INFO")
+            .arg("replication")
+            .query_async(&mut c)
+            .await
+            .unwrap();
+        if info.contains("master_link_status:up") {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the replica never synced");
+}
+
+// Issue 42, 5: behind a name a failover repoints, the proxy follows the new primary.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_failover_behind_one_name_the_limit_holds_again_on_the_new_primary() {
+    let a = RedisServer::start();
+    let b = RedisServer::start_with(&["--replicaof", "127.0.0.1", &a.port.to_string()]);
+    synced(&b).await;
+    let name = Repointable::start(SocketAddr::from(([127, 0, 0, 1], a.port))).await;
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &format!(
+            "redis:\n  url: redis://{}\n  timeout: 250ms\n  on_error: allow\n  breaker: {{ failures: 3, cooldown: 200ms }}\nrules:\n  - name: r\n    key: [header:x-client]\n    limit: {{ rate: 5/h, algorithm: fixed_window }}\n    scope: redis\n",
+            name.addr
+        ),
+    )
+    .await;
+    let admitted = |key: &'static str| {
+        let addr = sc.addr();
+        async move {
+            let mut ok = 0;
+            for _ in 0..8 {
+                ok += usize::from(answered(addr, key).await == 200);
+            }
+            ok
+        }
+    };
+    assert_eq!(admitted("before").await, 5);
+    // The failover: b is promoted, a follows it (read-only now), the name points at b.
+    let mut bc = b.conn().await;
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async(&mut bc)
+        .await
+        .unwrap();
+    let mut ac = a.conn().await;
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(b.port)
+        .query_async(&mut ac)
+        .await
+        .unwrap();
+    name.repoint(SocketAddr::from(([127, 0, 0, 1], b.port)));
+    // Until the proxy is on b, on_error admits; then b refuses past the limit (bounded: 10 s).
+    let mut limited = false;
+    for _ in 0..200 {
+        if answered(sc.addr(), "after").await == 429 {
+            limited = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        limited,
+        "the proxy stayed on the demoted primary, admitting everything"
+    );
+    // And a fresh key is held to its limit exactly.
+    assert_eq!(admitted("fresh").await, 5);
+    sc.shutdown();
+}

@@ -13,7 +13,10 @@
 //! Cost per decision: the key written into a fresh buffer, an `ArcSwap` load of the connection,
 //! one `EVALSHA` round trip (the script is loaded once per connection; a `NOSCRIPT` after a
 //! Redis restart loads it again and retries), bounded by `timeout`. While the breaker is open
-//! nothing is sent and the caller applies `on_error` at once.
+//! nothing is sent and the caller applies `on_error` at once. A server that says it is not the
+//! primary (`READONLY`, `MASTERDOWN`, `LOADING`), a broken connection or a failed probe drops
+//! the connection; a new one is made only to a server whose `ROLE` is master. Must never:
+//! keep asking a demoted primary.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
@@ -93,6 +96,11 @@ pub enum Failure {
     /// this never opens the breaker; `on_error` still decides the request.
     Script,
 }
+
+/// Error codes of a server that is not (or not yet) the primary: after a failover behind a
+/// name or a Service that now points elsewhere, the connection is dropped and made again, so
+/// that the proxy follows the primary rather than ask the old one until it restarts.
+const NOT_PRIMARY: [&str; 3] = ["READONLY", "MASTERDOWN", "LOADING"];
 
 /// Error codes that say Redis itself cannot serve now (as opposed to a script's mistake).
 const SERVER_STATE: [&str; 9] = [
@@ -332,17 +340,15 @@ impl Exact {
                     || e.is_unrecoverable_error()
                 {
                     // The connection is gone: forget it and make another in the background.
-                    let current = self.conn.load();
-                    if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn)) {
-                        self.conn.store(None);
-                        self.metrics.connected.set(0);
-                    }
-                    self.reconnect();
+                    self.drop_connection(&conn, "the connection to redis broke");
                     Failure::Connection
                 } else if e.is_timeout() {
                     Failure::Timeout
                 } else if e.code().is_some_and(|c| SERVER_STATE.contains(&c)) {
                     tracing::debug!(error = %e, "redis cannot serve now");
+                    if e.code().is_some_and(|c| NOT_PRIMARY.contains(&c)) {
+                        self.drop_connection(&conn, "redis is not the primary now");
+                    }
                     Failure::Server
                 } else {
                     tracing::warn!(error = %e, "a redis script failed");
@@ -352,10 +358,27 @@ impl Exact {
                 Err(kind)
             }
             Err(_) => {
+                // The probe after a cool-down found no answer either: the server may be gone
+                // for good behind its name; a fresh connection looks it up again.
+                if probe {
+                    self.drop_connection(&conn, "redis did not answer the breaker's probe");
+                }
                 self.failed(Failure::Timeout, probe);
                 Err(Failure::Timeout)
             }
         }
+    }
+
+    /// Forgets `conn` (unless another has replaced it already) and makes a new connection in
+    /// the background.
+    fn drop_connection(self: &Arc<Self>, conn: &Arc<Conn>, why: &str) {
+        let current = self.conn.load();
+        if current.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            tracing::info!("{why}; connecting again");
+            self.conn.store(None);
+            self.metrics.connected.set(0);
+        }
+        self.reconnect();
     }
 
     /// The script and its arguments (after the cost) for `algorithm`.
@@ -446,6 +469,19 @@ impl Exact {
             ),
             Client::Cluster(c) => Conn::Cluster(c.get_async_connection().await?),
         };
+        // A server that is a replica now (a failover the name has not caught up with) is no
+        // connection: the connector tries again until the name leads to the primary.
+        if let Conn::Single(c) = &mut conn {
+            let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(c).await?;
+            if let Some(redis::Value::BulkString(r)) = role.first() {
+                if r.as_slice() != b"master" {
+                    return Err(redis::RedisError::from((
+                        redis::ErrorKind::Client,
+                        "the server is a replica",
+                    )));
+                }
+            }
+        }
         // Load every script now, so the first decisions are one EVALSHA each.
         for s in self.scripts.all() {
             let load = s.prepare_invoke();
