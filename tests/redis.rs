@@ -861,3 +861,41 @@ async fn after_a_failover_behind_one_name_the_limit_holds_again_on_the_new_prima
     assert_eq!(admitted("fresh").await, 5);
     sc.shutdown();
 }
+
+// Issue 42, 6: a Redis out of memory refuses every script's write, the sliding log's too.
+#[tokio::test]
+async fn a_redis_out_of_memory_refuses_every_script_and_on_error_decides() {
+    let redis = RedisServer::start_with(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
+    // Filled past its limit by someone else's keys.
+    let mut c = redis.conn().await;
+    let blob = "x".repeat(64 << 10);
+    for i in 0..1000 {
+        let r: redis::RedisResult<()> = redis::cmd("SET")
+            .arg(format!("fill:{i}"))
+            .arg(&blob)
+            .query_async(&mut c)
+            .await;
+        if r.is_err() {
+            break;
+        }
+    }
+    let up = upstream().await;
+    for algorithm in ALGORITHMS {
+        let sc = proxy(
+            &up,
+            &redis,
+            "  on_error: deny\n",
+            &limit("100/s", algorithm),
+            "",
+        )
+        .await;
+        // No write reaches Redis past its memory: on_error (deny) decides.
+        assert_eq!(answered(sc.addr(), "k").await, 429, "{algorithm}");
+        let m = metrics(&sc).await;
+        assert!(
+            count(&m, "spillway_redis_errors_total{kind=\"server\"}") >= 1.0,
+            "{algorithm}: {m}"
+        );
+        sc.shutdown();
+    }
+}

@@ -136,8 +136,14 @@ struct Scripts {
     gcra: Script,
 }
 
+/// A script: the shebang first (Redis 7: a script with one is refused whole, `OOM`, while
+/// Redis is past `maxmemory`, whatever its first command; without one, a script whose first
+/// write is not a deny-OOM command wrote past the limit), then the prelude and `body`.
 fn script(body: &str) -> Script {
-    Script::new(&format!("{}\n{body}", include_str!("lua/prelude.lua")))
+    Script::new(&format!(
+        "#!lua\n{}\n{body}",
+        include_str!("lua/prelude.lua")
+    ))
 }
 
 impl Scripts {
@@ -472,6 +478,22 @@ impl Exact {
         // A server that is a replica now (a failover the name has not caught up with) is no
         // connection: the connector tries again until the name leads to the primary.
         if let Conn::Single(c) = &mut conn {
+            // The scripts' shebang needs Redis 7: say so rather than fail to load them forever.
+            let info: String = redis::cmd("INFO").arg("server").query_async(c).await?;
+            let major = info
+                .lines()
+                .find_map(|l| l.strip_prefix("redis_version:"))
+                .and_then(|v| v.split('.').next()?.trim().parse::<u32>().ok());
+            if major.is_some_and(|m| m < 7) {
+                tracing::error!(
+                    "redis {} is too old: Spillway's scripts need Redis 7.0 or later",
+                    major.unwrap_or(0)
+                );
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::Client,
+                    "the server is older than Redis 7.0",
+                )));
+            }
             let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(c).await?;
             if let Some(redis::Value::BulkString(r)) = role.first() {
                 if r.as_slice() != b"master" {
