@@ -13,7 +13,7 @@ use std::sync::Arc;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
-/// Marks a digested part in a key's text form (a value that starts with it is digested too).
+/// Marks a digested part in a key's text form.
 pub const MARK: u8 = b'~';
 
 /// Bytes of the HMAC kept: 128 bits.

@@ -90,9 +90,18 @@ impl Hygiene {
         // it also sums the head's bytes as sent (name, ": ", value, CRLF per field).
         let (mut host, mut hosts, mut connection, mut claims) = (None, 0u32, false, false);
         let mut cookies = 0u32;
+        // RFC 9113 §8.2.1: an HTTP/2 field value never starts or ends with a space or a tab.
+        // An HTTP/1 app trims them, so `k` and `k ` would be one key to it and two to a rule.
+        let h2 = req.version() == http::Version::HTTP_2;
+        let mut padded = false;
         let mut bytes = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
         for (name, value) in req.headers() {
             bytes += name.as_str().len() + value.len() + 4;
+            if h2 {
+                let v = value.as_bytes();
+                padded |= matches!(v.first(), Some(b' ' | b'\t'))
+                    || matches!(v.last(), Some(b' ' | b'\t'));
+            }
             if name == http::header::HOST {
                 host = Some(value);
                 hosts += 1;
@@ -110,12 +119,24 @@ impl Hygiene {
                 "request headers are larger than this proxy accepts".into(),
             ));
         }
+        if padded {
+            return Err((
+                "malformed",
+                "an HTTP/2 field value starts or ends with whitespace (RFC 9113 8.2.1)".into(),
+            ));
+        }
         match host {
             _ if hosts > 1 => {
                 return Err(("host", "the request has more than one Host header".into()));
             }
             None if self.require_host && req.version() == http::Version::HTTP_11 => {
                 return Err(("host", "an HTTP/1.1 request must have a Host header".into()));
+            }
+            None if self.require_host && h2 && req.uri().authority().is_none() => {
+                return Err((
+                    "host",
+                    "an HTTP/2 request must have :authority or Host (RFC 9113 8.3.1)".into(),
+                ));
             }
             Some(h) if !key::valid_host(h.as_bytes()) => {
                 return Err(("host", "the Host header is not a host and port".into()));

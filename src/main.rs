@@ -225,9 +225,9 @@ enum Command {
     },
     /// Print the JSON Schema of the configuration file (for editors: the one in schema/).
     Schema,
-    /// Print the digest each value (a header's or query parameter's, as a client sends it) is
-    /// logged and reported as: how support finds a customer's key in logs and in the control
-    /// plane. One line per value.
+    /// Print the digest each value (a header's as sent, a query parameter's percent-decoded)
+    /// is logged and reported as: how support finds a customer's key in logs and in the
+    /// control plane. One line per value.
     Digest {
         /// The configuration whose key_secret_file to use.
         #[arg(long, short, env = "SPILLWAY_CONFIG", conflicts_with = "secret_file")]

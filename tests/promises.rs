@@ -516,3 +516,43 @@ fn check_config_warns_of_a_trusted_block_of_the_internet_and_a_host_rule_without
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(report[0]["warnings"], serde_json::json!([]), "{report}");
 }
+
+// The review's: whitespace around an HTTP/2 value is one key to the app, two to a rule.
+#[tokio::test]
+async fn an_http2_value_padded_with_whitespace_is_refused_not_a_new_key() {
+    let (sc, _up) = sidecar(
+        "rules:\n  - name: k\n    key: [header:x-api-key]\n    limit: { rate: 1/h, burst: 1 }\n",
+    )
+    .await;
+    let client = h2_client();
+    let (code, _, _) = send(&client, sc.addr(), "GET", "/", &[("x-api-key", "w2k")]).await;
+    assert_eq!(code, StatusCode::OK);
+    for padded in ["w2k ", " w2k", "w2k\t", "w2k  "] {
+        let (code, _, body) = send(&client, sc.addr(), "GET", "/", &[("x-api-key", padded)]).await;
+        assert_eq!(code, StatusCode::BAD_REQUEST, "{padded:?}: {body}");
+    }
+    let (code, _, _) = send(&client, sc.addr(), "GET", "/", &[("x-api-key", "w2k")]).await;
+    assert_eq!(code, StatusCode::TOO_MANY_REQUESTS);
+}
+
+#[test]
+fn trusted_headers_cannot_name_a_field_the_proxy_frames_or_forwards_by() {
+    for field in [
+        "content-length",
+        "Transfer-Encoding",
+        "host",
+        "x-forwarded-for",
+        "te",
+    ] {
+        let yaml = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ntrusted_headers: [x-plan, {field}]\n"
+        );
+        let e = spillway::Config::from_yaml(&yaml, "t.yaml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("trusted_headers") && e.contains(":4"),
+            "{field}: {e}"
+        );
+    }
+}

@@ -865,7 +865,8 @@ async fn after_a_failover_behind_one_name_the_limit_holds_again_on_the_new_prima
 // Issue 42, 6: a Redis out of memory refuses every script's write, the sliding log's too.
 #[tokio::test]
 async fn a_redis_out_of_memory_refuses_every_script_and_on_error_decides() {
-    let redis = RedisServer::start_with(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
+    let redis =
+        RedisServer::start_with(&["--maxmemory", "2mb", "--maxmemory-policy", "noeviction"]);
     // Filled past its limit by someone else's keys.
     let mut c = redis.conn().await;
     let blob = "x".repeat(64 << 10);

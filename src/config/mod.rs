@@ -471,6 +471,36 @@ fn location(line: Option<usize>, column: Option<usize>) -> String {
     }
 }
 
+/// Fields `trusted_headers` cannot name: the proxy frames, routes or forwards by them, and
+/// removing a client's would let its body be read as a request no rule saw.
+const UNTRUSTABLE: [&str; 14] = [
+    "content-length",
+    "transfer-encoding",
+    "host",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "te",
+    "trailer",
+    "upgrade",
+    "expect",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "forwarded",
+];
+
+/// `trusted_headers`, refused when it names a field the proxy itself relies on.
+pub(crate) fn check_trusted_headers(headers: &[HeaderNameStr]) -> Result<(), String> {
+    match headers.iter().find(|h| UNTRUSTABLE.contains(&h.0.as_str())) {
+        Some(h) => Err(format!(
+            "trusted_headers: {}: the proxy frames or forwards requests by it; list headers that say who the client is (a tier, a customer id)",
+            h.0
+        )),
+        None => Ok(()),
+    }
+}
+
 impl Config {
     /// What is valid but likely not meant: said by `check-config` and at start-up, never
     /// refused (a configuration that ran yesterday still runs).
@@ -561,6 +591,15 @@ impl Config {
         check_rule_names(&config.rules, text, file)?;
         check_control_plane(config.control_plane.as_ref(), &config.rules, text, file)?;
         config.check_redis(text, file)?;
+        check_trusted_headers(&config.trusted_headers).map_err(|message| ConfigError::Invalid {
+            file: file.to_string(),
+            line: text
+                .lines()
+                .position(|l| l.starts_with("trusted_headers:"))
+                .map(|i| i + 1),
+            column: None,
+            message,
+        })?;
         Ok(config)
     }
 }

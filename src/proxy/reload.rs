@@ -163,6 +163,10 @@ fn restart_fields(old: &Config, new: &Config) -> Vec<&'static str> {
         "trusted_headers",
         !same(&old.trusted_headers, &new.trusted_headers),
     );
+    check(
+        "key_secret_file",
+        old.key_secret_file != new.key_secret_file,
+    );
     check("normalize_path", old.normalize_path != new.normalize_path);
     check("path_escapes", old.path_escapes != new.path_escapes);
     check("path_match", old.path_match != new.path_match);

@@ -64,20 +64,33 @@ pub fn form(method: &http::Method, version: http::Version, headers: &HeaderMap) 
     let Some(ct) = headers.get(CONTENT_TYPE) else {
         return Form::Http;
     };
+    // The media type without its parameters (`; charset=...`).
     let ct = ct.as_bytes();
+    let ct = ct
+        .split(|&b| b == b';')
+        .next()
+        .unwrap_or(ct)
+        .trim_ascii_end();
     if let Some(rest) = strip_prefix_ignore_case(ct, b"application/grpc-web") {
-        let proto = rest.ends_with(b"+proto");
-        return Form::GrpcWeb(match strip_prefix_ignore_case(rest, b"-text") {
-            Some(_) if proto => "application/grpc-web-text+proto",
-            Some(_) => "application/grpc-web-text",
-            None if proto => "application/grpc-web+proto",
-            None => "application/grpc-web",
+        let (text, rest) = match strip_prefix_ignore_case(rest, b"-text") {
+            Some(after) => (true, after),
+            None => (false, rest),
+        };
+        // `application/grpc-web`, `-text`, and either with a `+format`; not `grpc-webx`.
+        if !(rest.is_empty() || rest.starts_with(b"+")) {
+            return Form::Http;
+        }
+        let proto = rest.eq_ignore_ascii_case(b"+proto");
+        return Form::GrpcWeb(match (text, proto) {
+            (true, true) => "application/grpc-web-text+proto",
+            (true, false) => "application/grpc-web-text",
+            (false, true) => "application/grpc-web+proto",
+            (false, false) => "application/grpc-web",
         });
     }
     match strip_prefix_ignore_case(ct, b"application/grpc") {
         Some(rest)
-            if version == http::Version::HTTP_2
-                && matches!(rest.first(), None | Some(b'+' | b';')) =>
+            if version == http::Version::HTTP_2 && matches!(rest.first(), None | Some(b'+')) =>
         {
             Form::Grpc
         }
@@ -519,6 +532,39 @@ mod tests {
             let bytes = http_body_util::BodyExt::collect(own).await.unwrap();
             assert_eq!(bytes.to_bytes(), body);
         }
+    }
+
+    #[test]
+    fn only_a_grpc_call_is_answered_in_grpcs_form() {
+        let form = |method: &str, version, ct: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(CONTENT_TYPE, HeaderValue::from_str(ct).unwrap());
+            super::form(&method.parse().unwrap(), version, &h)
+        };
+        let (h1, h2) = (http::Version::HTTP_11, http::Version::HTTP_2);
+        assert_eq!(form("POST", h2, "application/grpc"), Form::Grpc);
+        assert_eq!(form("POST", h2, "application/grpc+proto; x=y"), Form::Grpc);
+        assert_eq!(form("POST", h1, "application/grpc"), Form::Http);
+        assert_eq!(form("GET", h2, "application/grpc"), Form::Http);
+        assert_eq!(form("POST", h2, "application/grpcx"), Form::Http);
+        for (ct, answered) in [
+            ("application/grpc-web", "application/grpc-web"),
+            ("application/grpc-web+proto", "application/grpc-web+proto"),
+            (
+                "application/grpc-web+proto; charset=x",
+                "application/grpc-web+proto",
+            ),
+            ("application/grpc-web-text", "application/grpc-web-text"),
+            (
+                "Application/gRPC-Web-Text+Proto",
+                "application/grpc-web-text+proto",
+            ),
+            ("application/grpc-web+json", "application/grpc-web"),
+        ] {
+            assert_eq!(form("POST", h1, ct), Form::GrpcWeb(answered), "{ct}");
+        }
+        assert_eq!(form("POST", h1, "application/grpc-webx"), Form::Http);
+        assert_eq!(form("POST", h1, "application/grpc-web-textual"), Form::Http);
     }
 
     #[test]

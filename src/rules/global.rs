@@ -313,6 +313,11 @@ impl GlobalCounters {
             .get_or_init(|| shown().into_vec().into_boxed_slice())
     }
 
+    /// Whether the key's own name is set.
+    pub(super) fn named(&self) -> bool {
+        self.name.get().is_some()
+    }
+
     /// The name the key's reports carry: its own name if it has one, else `key`.
     pub(super) fn reported<'a>(&'a self, key: &'a [u8]) -> &'a [u8] {
         self.name.get().map_or(key, |n| &n[..])

@@ -746,6 +746,11 @@ impl RuleSet {
                 .map
                 .iter()
                 .filter_map(|e| {
+                    // A digested key is reported by its digest only: one whose name is not
+                    // visible yet waits for the next report, its counts kept.
+                    if rule.digested && !e.value().named() {
+                        return None;
+                    }
                     let (o, a) = take(e.value());
                     if o == 0 {
                         // Not in this report: the last report it was in still says how the
