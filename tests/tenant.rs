@@ -116,3 +116,38 @@ async fn a_state_read_shows_each_rules_heaviest_keys_not_every_key() {
         StatusCode::OK
     );
 }
+
+// 1. One tenant's slow bodies hold no other service's turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_services_slow_report_bodies_leave_every_other_service_reporting() {
+    use tokio::io::AsyncWriteExt;
+    let ctl = controller_with_tokens();
+    // 40 reports announcing 1 MB each, sending one byte of it and then nothing.
+    let mut slow = Vec::new();
+    for _ in 0..40 {
+        let mut s = tokio::net::TcpStream::connect(ctl.addr).await.unwrap();
+        s.write_all(
+            b"POST /v1/report HTTP/1.1\r\nHost: c\r\nAuthorization: Bearer shop-t\r\nspillway-wire: 2\r\nContent-Length: 1000000\r\n\r\n{",
+        )
+        .await
+        .unwrap();
+        slow.push(s);
+    }
+    // Meanwhile the other service's reports, small and large, are answered within what its
+    // proxies wait for a reply (their report interval, 1 s here).
+    for keys in [1, 3_000] {
+        let body = many_keys("b1", "books", keys);
+        assert!(keys == 1 || body.len() > 64 << 10);
+        let answered = tokio::time::timeout(
+            std::time::Duration::from_secs(1),
+            report(ctl.addr, "books-t", body),
+        )
+        .await;
+        assert_eq!(
+            answered.ok(),
+            Some(StatusCode::OK),
+            "a report of {keys} keys behind another tenant's slow bodies"
+        );
+    }
+    drop(slow);
+}

@@ -8,12 +8,13 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{Request, Response, StatusCode};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -119,12 +120,33 @@ async fn until_stopped<I, S>(
 /// this is well above what one replica serves, and below the file-descriptor limit).
 pub const MAX_CONNECTIONS: usize = 32_768;
 
-/// Request bodies read at once, per process: each may be up to [`MAX_BODY`], so memory held
-/// for bodies stays bounded whatever the number of connections.
+/// Large request bodies read at once, per process: each may be up to [`MAX_BODY`], so memory
+/// held for bodies stays bounded whatever the number of connections.
 static BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(32);
 
-/// The longest a request body may take to arrive.
+/// Of those, what one principal (a service's token, the aggregators', the admin's, the shared
+/// one) may hold at once: one tenant's slow or huge bodies never take every turn.
+pub const BODIES_PER_PRINCIPAL: usize = 4;
+
+/// A body announced at most this long is read without a turn: its memory is small, and the
+/// reports of a healthy fleet never wait behind a tenant's large ones.
+pub const SMALL_BODY: u64 = 64 << 10;
+
+/// The longest a report waits for a turn to have its body read (not charged to its sender's
+/// body clock): then 503 with `Retry-After`.
+pub const TURN_WAIT: Duration = Duration::from_secs(5);
+
+/// A body must arrive at least this fast (bytes a second) once [`BODY_GRACE`] has passed...
+pub const MIN_BODY_RATE: u64 = 64 << 10;
+/// ...and within this however fast it comes.
 pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// What a body may take before its rate counts.
+pub const BODY_GRACE: Duration = Duration::from_secs(1);
+
+/// Each principal's turns, made when it first sends a large body (principals are the
+/// configured tokens: a bounded set).
+static TURNS: std::sync::LazyLock<dashmap::DashMap<String, Arc<tokio::sync::Semaphore>>> =
+    std::sync::LazyLock::new(dashmap::DashMap::new);
 
 /// Binds `addr` with a message that names it when that fails.
 pub async fn bind(addr: SocketAddr, what: &str) -> std::io::Result<TcpListener> {
@@ -205,31 +227,90 @@ pub fn error(status: StatusCode, message: &str) -> Response<Body> {
     json(status, &serde_json::json!({ "error": message }))
 }
 
-/// Reads a JSON body of at most [`MAX_BODY`] bytes: 413 past it, 400 when it is not `T`.
-pub async fn read_json<T: DeserializeOwned>(req: Request<Incoming>) -> Result<T, Response<Body>> {
-    let body = tokio::time::timeout(BODY_TIMEOUT, async {
-        // Waiting for a turn counts against the same 10 s.
-        let _turn = BODIES.acquire().await;
-        Limited::new(req.into_body(), MAX_BODY).collect().await
-    });
-    let Ok(collected) = body.await else {
-        return Err(error(
-            StatusCode::REQUEST_TIMEOUT,
-            "the body did not arrive within 10 s",
-        ));
+/// Reads a JSON body of `who`'s of at most [`MAX_BODY`] bytes: 413 past it, 400 when it is
+/// not `T`, 408 when it comes slower than [`MIN_BODY_RATE`] (after [`BODY_GRACE`]) or takes
+/// longer than [`BODY_TIMEOUT`], 503 when no turn comes within [`TURN_WAIT`]. A body announced
+/// at most [`SMALL_BODY`] long needs no turn; a larger one (or one of unknown length) takes
+/// one of `who`'s [`BODIES_PER_PRINCIPAL`], then one of the process's, before its clock starts.
+pub async fn read_json<T: DeserializeOwned>(
+    req: Request<Incoming>,
+    who: &str,
+) -> Result<T, Response<Body>> {
+    let small = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
+        .is_some_and(|n| n <= SMALL_BODY);
+    let busy = || {
+        let mut resp = error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many report bodies are being read; retry",
+        );
+        resp.headers_mut().insert(
+            http::header::RETRY_AFTER,
+            http::HeaderValue::from_static("1"),
+        );
+        resp
     };
-    let bytes = match collected {
-        Ok(c) => c.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return Err(error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body larger than 8 MiB",
-            ))
+    let _turns = if small {
+        None
+    } else {
+        let own = TURNS
+            .entry(who.to_string())
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(BODIES_PER_PRINCIPAL)))
+            .clone();
+        let turns = tokio::time::timeout(TURN_WAIT, async {
+            let own = own.acquire_owned().await.ok()?;
+            let any = BODIES.acquire().await.ok()?;
+            Some((own, any))
+        })
+        .await;
+        match turns {
+            Ok(Some(t)) => Some(t),
+            _ => return Err(busy()),
         }
-        Err(_) => return Err(error(StatusCode::BAD_REQUEST, "body could not be read")),
+    };
+    let bytes = match timely_body(req.into_body()).await {
+        Ok(bytes) => bytes,
+        Err(resp) => return Err(resp),
     };
     serde_json::from_slice(&bytes)
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("malformed body: {e}")))
+}
+
+/// Collects `body` within the size, rate and time bounds of [`read_json`].
+async fn timely_body(mut body: Incoming) -> Result<bytes::Bytes, Response<Body>> {
+    let start = tokio::time::Instant::now();
+    let deadline = start + BODY_TIMEOUT;
+    let mut out = bytes::BytesMut::new();
+    let slow = || {
+        error(
+            StatusCode::REQUEST_TIMEOUT,
+            "the body came too slowly (at least 64 KiB/s after 1 s, all within 10 s)",
+        )
+    };
+    loop {
+        // The rate's next check: when what has come so far stops being enough.
+        let due =
+            start + BODY_GRACE + Duration::from_secs_f64(out.len() as f64 / MIN_BODY_RATE as f64);
+        let frame = match tokio::time::timeout_at(due.min(deadline), body.frame()).await {
+            Err(_) => return Err(slow()),
+            Ok(None) => return Ok(out.freeze()),
+            Ok(Some(Err(_))) => {
+                return Err(error(StatusCode::BAD_REQUEST, "body could not be read"))
+            }
+            Ok(Some(Ok(frame))) => frame,
+        };
+        if let Ok(data) = frame.into_data() {
+            if out.len() + data.len() > MAX_BODY {
+                return Err(error(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body larger than 8 MiB",
+                ));
+            }
+            out.extend_from_slice(&data);
+        }
+    }
 }
 
 /// The answer to a report whose source was refused: 429 (a flood of new sources; retry) or
@@ -360,7 +441,8 @@ pub async fn receive_report(
         Err(resp)
     };
     let principal = authenticate(&req, creds, reports)?;
-    let mut report: super::Report = match read_json(req).await {
+    let who = format!("{}/{}", principal.kind(), principal.service().unwrap_or(""));
+    let mut report: super::Report = match read_json(req, &who).await {
         Ok(r) => r,
         Err(resp) => return refuse("malformed", resp),
     };
