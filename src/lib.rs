@@ -10,6 +10,7 @@
 //! - `config`: the YAML schema, parsed and validated with file/line/field errors.
 //! - `key`: which bucket a request belongs to; the client address; bounded key forms.
 //! - `digest`: the keyed digest a key's private parts are shown and sent as.
+//! - `fds`: room for the descriptors a process's connections need (proxy and control plane).
 //! - `target`: the canonical request path, and the form rules match it in.
 //! - `rules`: compiled rules and the synchronous in-path decision.
 //! - `gate`: admission around the decision: waiting (delay, shaping), remote stores, slots.
@@ -38,6 +39,7 @@ mod demo;
 mod digest;
 #[cfg(feature = "redis")]
 mod exact;
+mod fds;
 mod gate;
 mod hop;
 mod hygiene;

@@ -1,5 +1,5 @@
 //! The proxy makes room for the descriptors its connection cap needs before its first client
-//! (src/proxy/fds.rs). Alone in its test binary: it lowers the process's open-files limit.
+//! (src/fds.rs). Alone in its test binary: it lowers the process's open-files limit.
 
 mod common;
 

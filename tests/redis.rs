@@ -900,3 +900,65 @@ async fn a_redis_out_of_memory_refuses_every_script_and_on_error_decides() {
         sc.shutdown();
     }
 }
+
+/// The ACL user docs/redis.md gives a service: its decisions work, and it reaches no other
+/// service's keys.
+#[tokio::test]
+async fn a_service_with_its_own_acl_user_decides_and_reaches_only_its_keys() {
+    let redis = RedisServer::start();
+    let mut admin = redis.conn().await;
+    let _: () = redis::cmd("ACL")
+        .arg(&[
+            "SETUSER",
+            "test",
+            "on",
+            ">s3cret-pw",
+            "~{test:*",
+            "+@all",
+            "-@dangerous",
+            "+info",
+            "+role",
+        ])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("SET")
+        .arg("{books:r:x}")
+        .arg("1")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let up = upstream().await;
+    for algorithm in ALGORITHMS {
+        let sc = start(
+            up.addr,
+            &format!(
+                "redis:\n  url: redis://test:s3cret-pw@127.0.0.1:{}\n  timeout: 250ms\n  on_error: allow\nrules:\n  - name: r\n    key: [header:x-client]\n    limit: {}\n    scope: redis\n",
+                redis.port,
+                limit("3/h", algorithm)
+            ),
+        )
+        .await;
+        let mut ok = 0;
+        for _ in 0..5 {
+            ok += usize::from(answered(sc.addr(), algorithm).await == 200);
+        }
+        assert_eq!(ok, 3, "{algorithm}: the user's scripts did not decide");
+        let m = metrics(&sc).await;
+        assert_eq!(
+            count(&m, "spillway_redis_on_error_total{action=\"allow\"}"),
+            0.0,
+            "{algorithm}: {m}"
+        );
+        sc.shutdown();
+    }
+    // The user cannot read another service's key.
+    let client =
+        redis::Client::open(format!("redis://test:s3cret-pw@127.0.0.1:{}", redis.port)).unwrap();
+    let mut c = client.get_multiplexed_async_connection().await.unwrap();
+    let other: redis::RedisResult<Option<String>> = redis::cmd("GET")
+        .arg("{books:r:x}")
+        .query_async(&mut c)
+        .await;
+    assert!(other.is_err(), "{other:?}");
+}

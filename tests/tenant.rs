@@ -151,3 +151,52 @@ async fn one_services_slow_report_bodies_leave_every_other_service_reporting() {
     }
     drop(slow);
 }
+
+// 7. The control plane makes room for its connections as the proxy does.
+#[test]
+fn the_controller_raises_a_low_soft_open_files_limit() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.args([
+        "controller",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+    ])
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::null());
+    // SAFETY: setrlimit is async-signal-safe; it lowers the child's own soft limit only.
+    unsafe {
+        cmd.pre_exec(|| {
+            let mut lim = libc::rlimit {
+                rlim_cur: 0,
+                rlim_max: 0,
+            };
+            libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim);
+            lim.rlim_cur = 1024.min(lim.rlim_max);
+            libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", child.id())).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let open_files = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .unwrap();
+    let fields: Vec<&str> = open_files.split_whitespace().collect();
+    let (soft, hard) = (fields[3], fields[4]);
+    let want = (2 * 32_768 + 256).to_string();
+    assert!(
+        soft == want || soft == hard,
+        "the soft limit stayed low: {open_files} (ready: {line:?})"
+    );
+}

@@ -538,6 +538,16 @@ impl Config {
                 ));
             }
         }
+        if let Some(redis) = &self.redis {
+            for url in &redis.url.0 {
+                if url.starts_with("rediss://") && url.contains("#insecure") {
+                    out.push("redis.url: #insecure turns off the check of Redis's certificate: anyone on the path can read and change every count; give redis.ca_file instead".into());
+                }
+                if !url.contains('@') {
+                    out.push("redis.url: no user: every service that shares this Redis can read and change this one's counts; give each service an ACL user of its own (docs/redis.md)".into());
+                }
+            }
+        }
         if self.key_secret_file.is_none()
             && self
                 .rules

@@ -160,8 +160,9 @@ impl State {
                     != minute
                 {
                     tracing::warn!(
-                        source = %source,
-                        zone = %zone,
+                        // Debug-quoted: a name is the sender's, and must not forge log lines.
+                        source = ?source,
+                        zone = ?zone,
                         "a host of another zone reports here (counted): its control_plane.url names this zone's aggregators ({})",
                         self.opts.zone
                     );
@@ -341,6 +342,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     }
     let listener = server::bind(opts.listen, "aggregator").await?;
     let admin = server::bind(opts.admin, "admin").await?;
+    server::room_for_connections(&listener, "aggregator");
     let (addr, admin_addr) = (listener.local_addr()?, admin.local_addr()?);
     let (targets, tls) = Targets::new(&opts.controllers, opts.ca_file.as_deref()).map_err(|e| {
         std::io::Error::new(

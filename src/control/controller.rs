@@ -337,6 +337,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     )?;
     let listener = server::bind(opts.listen, "controller").await?;
     let admin = server::bind(opts.admin, "admin").await?;
+    server::room_for_connections(&listener, "controller");
     let (addr, admin_addr) = (listener.local_addr()?, admin.local_addr()?);
     let registry = Registry::new();
     crate::metrics::register_process(&registry);

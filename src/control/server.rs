@@ -148,6 +148,22 @@ pub const BODY_GRACE: Duration = Duration::from_secs(1);
 static TURNS: std::sync::LazyLock<dashmap::DashMap<String, Arc<tokio::sync::Semaphore>>> =
     std::sync::LazyLock::new(dashmap::DashMap::new);
 
+/// Raises the soft open-files limit to what a server's two listeners may hold
+/// ([`MAX_CONNECTIONS`] each), as the proxy does for its own: container runtimes start
+/// processes at 1 024, which idle connections would fill long before the cap.
+pub fn room_for_connections(listener: &TcpListener, what: &str) {
+    let needed = 2 * MAX_CONNECTIONS as u64 + 256;
+    match crate::fds::prepare(needed, std::os::fd::AsFd::as_fd(listener)) {
+        Ok(room) if room.limit < room.needed => tracing::warn!(
+            limit = room.limit,
+            needed = room.needed,
+            "the {what}'s open-files limit is below what its connections may need: raise it (ulimit -n)"
+        ),
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
+    }
+}
+
 /// Binds `addr` with a message that names it when that fails.
 pub async fn bind(addr: SocketAddr, what: &str) -> std::io::Result<TcpListener> {
     TcpListener::bind(addr)
