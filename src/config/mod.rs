@@ -614,11 +614,52 @@ impl Config {
     }
 }
 
+/// The deepest nesting a configuration may have (its own is under 10): a file nested
+/// thousands deep costs the parser seconds of CPU for nothing.
+pub const MAX_DEPTH: usize = 64;
+
+/// The line of the first place `text` nests deeper than [`MAX_DEPTH`]: flow collections
+/// (`[`, `{`) outside quotes, and block indentation (two spaces a level, at most).
+fn too_deep(text: &str) -> Option<usize> {
+    let mut flow = 0usize;
+    for (n, line) in text.lines().enumerate() {
+        let indent = line.len() - line.trim_start_matches([' ', '-']).len();
+        let mut quote = None;
+        for c in line.chars() {
+            match (quote, c) {
+                (None, '#') => break,
+                (None, '"' | '\'') => quote = Some(c),
+                (Some(q), c) if c == q => quote = None,
+                (None, '[' | '{') => {
+                    flow += 1;
+                    if flow > MAX_DEPTH {
+                        return Some(n + 1);
+                    }
+                }
+                (None, ']' | '}') => flow = flow.saturating_sub(1),
+                _ => {}
+            }
+        }
+        if indent > 2 * MAX_DEPTH {
+            return Some(n + 1);
+        }
+    }
+    None
+}
+
 /// Deserializes YAML into `T`, turning the parser's error into file:line:column: path: what.
 pub(crate) fn parse_yaml<T: serde::de::DeserializeOwned>(
     text: &str,
     file: &str,
 ) -> Result<T, ConfigError> {
+    if let Some(line) = too_deep(text) {
+        return Err(ConfigError::Invalid {
+            file: file.to_string(),
+            line: Some(line),
+            column: None,
+            message: format!("nested deeper than {MAX_DEPTH} levels"),
+        });
+    }
     serde_norway::from_str(text).map_err(|e| {
         let loc = e.location();
         let mut message = e.to_string();

@@ -830,3 +830,30 @@ fn https_needs_the_tls_feature() {
          spillway lacks (cargo build --features tls)"
     );
 }
+
+#[test]
+fn a_file_nested_thousands_deep_is_refused_before_it_is_parsed() {
+    let flow = format!(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules: {}{}\n",
+        "[".repeat(100_000),
+        "]".repeat(100_000)
+    );
+    let e = err(&flow);
+    assert!(
+        e.contains("nested deeper than 64") && e.contains(":4"),
+        "{e}"
+    );
+    let mut block =
+        String::from("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nx:\n");
+    for depth in 1..200 {
+        block.push_str(&format!("{}a:\n", "  ".repeat(depth)));
+    }
+    assert!(err(&block).contains("nested deeper than 64"));
+    // Brackets inside quotes and comments are not nesting.
+    let quoted = format!(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: a\n    key: client_ip\n    match: {{ path_regex: \"{}\" }}  # {}\n    limit: {{ rate: 1/s }}\n",
+        "[a]".repeat(100),
+        "[".repeat(100)
+    );
+    assert!(Config::from_yaml(&quoted, "t").is_ok());
+}

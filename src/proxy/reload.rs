@@ -72,7 +72,23 @@ pub(super) async fn reload(
     if trigger == Trigger::File && version == shared.loaded.load().version {
         return Ok(None);
     }
-    let new = Config::from_yaml(&text, &file)?;
+    // Parsed on a blocking thread: a large or deeply nested file never stalls the requests
+    // this runtime serves.
+    let parsed = {
+        let file = file.clone();
+        tokio::task::spawn_blocking(move || Config::from_yaml(&text, &file)).await
+    };
+    let new = match parsed {
+        Ok(result) => result?,
+        Err(e) => {
+            return Err(ConfigError::Invalid {
+                file,
+                line: None,
+                column: None,
+                message: format!("the configuration could not be parsed: {e}"),
+            })
+        }
+    };
     let old = shared.config.load_full();
     let pending_restart = restart_fields(&old, &new);
 
