@@ -4,9 +4,10 @@
 //! (`key_secret_file`), so one value has one digest on every replica, in the rejection log,
 //! in reports and in the control plane's state; `spillway digest` computes it for support.
 //!
-//! Owns the secret and the digest. Must never: run on a known key's decision (a global key
-//! keeps its digest with its counters), show or send the secret, or leave a digest that two
-//! replicas with one secret would compute apart.
+//! Owns the secret and the digest. Must never: run on a known key's local or global decision
+//! (a global key keeps its digest with its counters; a Redis decision, a round trip anyway,
+//! names its Redis key with one), show or send the secret, or leave a digest that two replicas
+//! with one secret would compute apart.
 
 use std::sync::Arc;
 

@@ -30,7 +30,9 @@ fn yaml(redis: &RedisServer, section: &str, limit: &str, extra: &str) -> String 
 
 /// The Redis key of rule `r` of service `test` for client key `key`, then `suffix`.
 fn rkey(key: &str, suffix: &str) -> String {
-    let base = spillway::internal::exact::redis_key("test", "r", key.as_bytes());
+    // No key_secret_file in these tests: the built-in secret.
+    let secret = spillway::internal::digest::Secret::default();
+    let base = spillway::internal::exact::redis_key(&secret, "test", "r", key.as_bytes());
     format!("{}{suffix}", String::from_utf8(base).unwrap())
 }
 
@@ -653,7 +655,8 @@ async fn a_client_s_key_never_sizes_or_moves_a_redis_key() {
         .await
         .unwrap();
     assert_eq!(keys.len(), 2 * 4, "{keys:?}");
-    let base = "{test:r:".len() + 64 + 1;
+    // `~` and 32 hex digits of the keyed digest, and the closing brace.
+    let base = "{test:r:".len() + 33 + 1;
     for k in &keys {
         // The tag is the service, the rule and a digest: no brace of a client's inside.
         assert!(k.starts_with("{test:r:"), "{k}");
@@ -711,6 +714,7 @@ fn scripts_never_fail_on_any_cost_or_key() {
     let exact = spillway::internal::exact::Exact::new(
         config.redis.as_ref().unwrap(),
         "s",
+        &spillway::internal::digest::Secret::default(),
         metrics.redis.clone(),
         AnyClock::default(),
     )
@@ -961,4 +965,51 @@ async fn a_service_with_its_own_acl_user_decides_and_reaches_only_its_keys() {
         .query_async(&mut c)
         .await;
     assert!(other.is_err(), "{other:?}");
+}
+
+// Issue 42, 6: Redis key names another service sharing the Redis cannot compute.
+#[tokio::test]
+async fn redis_key_names_hold_a_digest_under_the_services_secret() {
+    let redis = RedisServer::start();
+    let secret = temp_file(
+        &format!("redis-secret-{}", fastrand::u32(..)),
+        "7d1e0c9b8a7f6e5d4c3b2a1908f7e6d5\n",
+    );
+    let up = upstream().await;
+    let sc = start(
+        up.addr,
+        &format!(
+            "key_secret_file: {}\n{}",
+            secret.display(),
+            yaml(&redis, "", &limit("5/h", "fixed_window"), "")
+        ),
+    )
+    .await;
+    assert_eq!(answered(sc.addr(), "alice").await, 200);
+    let mut c = redis.conn().await;
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut c)
+        .await
+        .unwrap();
+    let loaded = spillway::internal::digest::Secret::load(&secret).unwrap();
+    let ours = String::from_utf8(spillway::internal::exact::redis_key(
+        &loaded, "test", "r", b"alice",
+    ))
+    .unwrap();
+    assert!(
+        !keys.is_empty() && keys.iter().all(|k| k.starts_with(&ours)),
+        "{keys:?} vs {ours}"
+    );
+    // Neither the bare SHA-256 of the key nor the built-in secret's digest names it.
+    use sha2::Digest as _;
+    let sha = sha2::Sha256::digest(b"alice");
+    let sha: String = sha.iter().map(|b| format!("{b:02x}")).collect();
+    let built_in = spillway::internal::digest::Secret::default().of_value(b"alice");
+    assert!(
+        keys.iter()
+            .all(|k| !k.contains(&sha) && !k.contains(&built_in)),
+        "{keys:?}"
+    );
+    sc.shutdown();
 }

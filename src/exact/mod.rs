@@ -169,6 +169,8 @@ impl Scripts {
 /// The Redis side of a proxy: shared by every worker and kept across reloads.
 pub struct Exact {
     service: String,
+    /// The service's key secret: Redis key names hold the keyed digest of a client's key.
+    secret: crate::digest::Secret,
     client: Client,
     conn: ArcSwapOption<Conn>,
     /// True while a connector task runs, so that failures start at most one.
@@ -187,6 +189,7 @@ impl Exact {
     pub fn new(
         config: &RedisConfig,
         service: &str,
+        secret: &crate::digest::Secret,
         metrics: RedisMetrics,
         clock: AnyClock,
     ) -> Result<Arc<Exact>, String> {
@@ -223,6 +226,7 @@ impl Exact {
         metrics.breaker_state.set(0);
         Ok(Arc::new(Exact {
             service: service.to_string(),
+            secret: secret.clone(),
             client,
             conn: ArcSwapOption::empty(),
             connecting: AtomicBool::new(false),
@@ -312,7 +316,7 @@ impl Exact {
             self.failed(Failure::NotConnected, probe);
             return Err(Failure::NotConnected);
         };
-        let redis_key = redis_key(&self.service, rule, key);
+        let redis_key = redis_key(&self.secret, &self.service, rule, key);
         let (script, args) = self.invocation(algorithm, quota, cost);
         let mut call = script.key(redis_key);
         for a in &args {
@@ -535,20 +539,20 @@ async fn connector(exact: Weak<Exact>) {
     }
 }
 
-/// `{service:rule:<digest>}`: the braces make the whole name the hash tag, so every key a
+/// `{service:rule:~<digest>}`: the braces make the whole name the hash tag, so every key a
 /// script derives from it (`:log`, `:fw:<window>`...) lives on the same cluster node. The
-/// client's part is the hex SHA-256 of its key: every Redis key has one size whatever the
-/// client sent, and no `{` or `}` of a client's can move the tag (service and rule names
-/// hold neither).
-pub fn redis_key(service: &str, rule: &str, key: &[u8]) -> Vec<u8> {
-    use sha2::Digest as _;
+/// client's part is the keyed digest of its key under the service's `key_secret_file`
+/// ([`crate::digest`]): every Redis key has one size whatever the client sent, no `{` or `}`
+/// of a client's can move the tag (service and rule names hold neither), and another service
+/// sharing the Redis cannot compute which name a client's key has.
+pub fn redis_key(secret: &crate::digest::Secret, service: &str, rule: &str, key: &[u8]) -> Vec<u8> {
     let mut out = crate::key::KeyBuf::new();
     out.push(b'{');
     out.extend_from_slice(service.as_bytes());
     out.push(b':');
     out.extend_from_slice(rule.as_bytes());
     out.push(b':');
-    crate::key::push_hex(&mut out, &sha2::Sha256::digest(key));
+    secret.push(key, &mut out);
     out.push(b'}');
     out.to_vec()
 }

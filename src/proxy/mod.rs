@@ -160,12 +160,18 @@ impl Sidecar {
         // Ratios count as fresh from start-up, so a control plane that never answers makes
         // the proxy stale (fail open, or the fallback limits) after `stale_after`.
         let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(clock.now())));
+        let secret = crate::digest::Secret::of(config.key_secret_file.as_deref())
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        for warning in config.warnings() {
+            tracing::warn!("{warning}");
+        }
         #[cfg(feature = "redis")]
         let exact = match &config.redis {
             Some(redis) => {
                 let exact = crate::exact::Exact::new(
                     redis,
                     &config.service.0,
+                    &secret,
                     metrics.redis.clone(),
                     clock.clone(),
                 )
@@ -175,11 +181,6 @@ impl Sidecar {
             }
             None => None,
         };
-        let secret = crate::digest::Secret::of(config.key_secret_file.as_deref())
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        for warning in config.warnings() {
-            tracing::warn!("{warning}");
-        }
         let rules =
             RuleSet::build_with_ratios(&config, &metrics, ratios.clone()).with_secret(secret);
         #[cfg(feature = "redis")]

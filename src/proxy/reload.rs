@@ -228,6 +228,7 @@ async fn redis(
     let exact = Exact::new(
         redis,
         &old.service.0,
+        shared.rules.load().secret(),
         shared.metrics.redis.clone(),
         shared.clock.clone(),
     )

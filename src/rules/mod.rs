@@ -665,6 +665,11 @@ impl RuleSet {
         text
     }
 
+    /// The secret private key parts are digested under.
+    pub fn secret(&self) -> &crate::digest::Secret {
+        &self.secret
+    }
+
     /// Uses `secret` for the digests of private key parts (`key_secret_file`).
     pub fn with_secret(mut self, secret: crate::digest::Secret) -> Self {
         self.secret = secret;
