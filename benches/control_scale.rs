@@ -116,7 +116,10 @@ async fn blast(
                     r#"{{"version":1,"source":"{name}","interval_ms":{interval_ms},"seq":{},"entries":[{body}]}}"#,
                     n + 1
                 );
+                // As this release's reporters: a warming controller (its warm-up is two of
+                // the longest intervals reported) answers them, and refuses older ones 503.
                 let req = http::Request::post(format!("http://{addr}/v1/report"))
+                    .header("spillway-wire", "2")
                     .body(Full::new(Bytes::from(report)))
                     .unwrap();
                 let Ok(resp) = client.request(req).await else {
