@@ -26,15 +26,7 @@ fn controller_with_tokens() -> Proc {
     ] {
         std::fs::write(dir.join(name), token).unwrap();
     }
-    Proc::spawn(&[
-        "controller",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin",
-        "127.0.0.1:0",
-        "--tokens",
-        dir.to_str().unwrap(),
-    ])
+    controller_with(&["--tokens", dir.to_str().unwrap()])
 }
 
 /// POSTs a report with `token`, as this release's reporters do.

@@ -339,6 +339,30 @@ pub struct KeyView {
     pub sources: usize,
 }
 
+impl KeyView {
+    /// The view of `key` of `rule` of `service` with its limit, smoothed (offered, admitted)
+    /// rates and how many sources hold values of it; its ratio follows from those.
+    fn of(
+        service: &str,
+        rule: &str,
+        key: Option<&Arc<str>>,
+        limit_rps: f64,
+        (offered_rps, admitted_rps): (f64, f64),
+        sources: u32,
+    ) -> KeyView {
+        KeyView {
+            service: service.to_string(),
+            rule: rule.to_string(),
+            key: key.map(|k| k.to_string()),
+            limit_rps,
+            offered_rps,
+            admitted_rps,
+            ratio: drop_ratio(offered_rps, limit_rps),
+            sources: sources as usize,
+        }
+    }
+}
+
 /// One (service, rule) summed over its keys: smoothed offered and admitted requests/s, the
 /// limit per key, and the expected dropped rate (offered x ratio, per key).
 #[derive(Debug, Clone)]
@@ -930,7 +954,7 @@ impl Accumulator {
     }
 
     fn build_state(&self, now: f64) -> StateView {
-        type Seen<'a> = (f64, f64, f64, f64, u32, Option<&'a Arc<str>>);
+        type Seen<'a> = (f64, f64, f64, u32, Option<&'a Arc<str>>);
         let heaviest = |a: &Seen, b: &Seen| b.0.total_cmp(&a.0);
         let mut rules = Vec::new();
         for (service, by_rule) in &self.rules {
@@ -960,7 +984,7 @@ impl Accumulator {
                     state.admitted_rps += admitted;
                     state.dropped_rps += offered * ratio;
                     state.allowed_rps += offered.min(limit_here);
-                    seen.push((offered, admitted, ratio, limit_here, k.contributors, key));
+                    seen.push((offered, admitted, limit_here, k.contributors, key));
                     if seen.len() == 2 * STATE_KEYS {
                         seen.select_nth_unstable_by(STATE_KEYS - 1, heaviest);
                         seen.truncate(STATE_KEYS);
@@ -970,18 +994,16 @@ impl Accumulator {
                 seen.truncate(STATE_KEYS);
                 state.heaviest = seen
                     .into_iter()
-                    .map(
-                        |(offered, admitted, ratio, limit_here, sources, key)| KeyView {
-                            service: service.to_string(),
-                            rule: rule_name.to_string(),
-                            key: key.map(|k| k.to_string()),
-                            limit_rps: limit_here,
-                            offered_rps: offered,
-                            admitted_rps: admitted,
-                            ratio,
-                            sources: sources as usize,
-                        },
-                    )
+                    .map(|(offered, admitted, limit_here, sources, key)| {
+                        KeyView::of(
+                            service,
+                            rule_name,
+                            key,
+                            limit_here,
+                            (offered, admitted),
+                            sources,
+                        )
+                    })
                     .collect();
                 rules.push(state);
             }
@@ -1083,16 +1105,14 @@ impl Accumulator {
                 for (key, k) in rule.all_keys() {
                     let (offered, admitted) = k.smoothed(now, self.tau);
                     let limit_here = KeySum::limit(key, limit, distinct);
-                    out.push(KeyView {
-                        service: service.to_string(),
-                        rule: rule_name.to_string(),
-                        key: key.map(|k| k.to_string()),
-                        limit_rps: limit_here,
-                        offered_rps: offered,
-                        admitted_rps: admitted,
-                        ratio: drop_ratio(offered, limit_here),
-                        sources: k.contributors as usize,
-                    });
+                    out.push(KeyView::of(
+                        service,
+                        rule_name,
+                        key,
+                        limit_here,
+                        (offered, admitted),
+                        k.contributors,
+                    ));
                 }
             }
         }

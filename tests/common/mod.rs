@@ -403,13 +403,20 @@ impl Proc {
 
 /// A controller process on loopback ports of its own choosing, no token.
 pub fn controller() -> Proc {
-    Proc::spawn(&[
+    controller_with(&[])
+}
+
+/// A controller on loopback with `extra` arguments.
+pub fn controller_with(extra: &[&str]) -> Proc {
+    let mut args = vec![
         "controller",
         "--listen",
         "127.0.0.1:0",
         "--admin",
         "127.0.0.1:0",
-    ])
+    ];
+    args.extend_from_slice(extra);
+    Proc::spawn(&args)
 }
 
 impl Drop for Proc {
