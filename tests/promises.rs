@@ -556,3 +556,25 @@ fn trusted_headers_cannot_name_a_field_the_proxy_frames_or_forwards_by() {
         );
     }
 }
+
+// The review's: an HTTP/2 request naming no host at all (neither :authority nor Host).
+#[tokio::test]
+async fn an_http2_request_without_authority_or_host_is_refused() {
+    let (sc, up) = sidecar("").await;
+    let io = tokio::net::TcpStream::connect(sc.addr()).await.unwrap();
+    let (mut h2, conn) = h2::client::handshake(io).await.unwrap();
+    tokio::spawn(conn);
+    // A relative target: the h2 crate sends :scheme and :path, and no :authority.
+    let req = http::Request::get("/echo").body(()).unwrap();
+    let answered = match h2.send_request(req, true) {
+        Ok((resp, _)) => resp.await.map(|r| r.status()).ok(),
+        Err(_) => None,
+    };
+    assert_eq!(answered, Some(StatusCode::BAD_REQUEST));
+    assert_eq!(
+        up.signals
+            .requests
+            .load(std::sync::atomic::Ordering::SeqCst),
+        0
+    );
+}

@@ -161,15 +161,25 @@ async fn settings_a_reload_cannot_apply_are_reported_and_keep_running() {
     let sc = start(&path, false).await;
     let changed = yaml(up.addr, &rule("a", "1/h")).replace(
         "rules:",
-        "timeouts: { upstream_response: 3s }\nworkers: 1\nrules:",
+        "hosts: [app]\ntrusted_headers: [x-plan]\nkey_secret_file: /run/other-secret\ntimeouts: { upstream_response: 3s }\nworkers: 1\nrules:",
     );
     std::fs::write(&path, changed).unwrap();
     let r = sc.reload_file(&path).await.unwrap();
-    assert_eq!(r.pending_restart, ["timeouts", "workers"]);
+    // A new key secret would rename every key in logs and reports mid-run: a restart's.
+    assert_eq!(
+        r.pending_restart,
+        [
+            "hosts",
+            "trusted_headers",
+            "key_secret_file",
+            "timeouts",
+            "workers"
+        ]
+    );
     assert_eq!(r.kept, ["a"]);
     let (_, config) = admin(&sc, "/config").await;
     let doc: serde_json::Value = serde_json::from_str(&config).unwrap();
-    assert_eq!(doc["pending_restart"][0], "timeouts");
+    assert_eq!(doc["pending_restart"][3], "timeouts");
     assert_eq!(
         doc["timeouts"]["upstream_response"], "30s",
         "the running value"
