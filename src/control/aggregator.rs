@@ -110,6 +110,8 @@ struct State {
     relayed: ArcSwap<Option<Relayed>>,
     /// How many parts the last forward had.
     parts: std::sync::atomic::AtomicUsize,
+    /// Forwards in a row that needed fewer parts than that (see [`parts_now`]).
+    fewer: std::sync::atomic::AtomicUsize,
     opts: AggregatorOptions,
     /// `zone:<zone>/<replica>`.
     source: String,
@@ -232,14 +234,19 @@ impl State {
             (sums.take(self.sums.now(), last), sums.hosts())
         };
         self.hosts.set(hosts as i64);
-        // Never fewer parts than before: a key keeps its part from one forward to the next, so
-        // one part lost in transit loses its own keys and counts no other's twice.
-        let before = self.parts.load(std::sync::atomic::Ordering::Relaxed);
-        let parts = split(entries, before);
-        self.parts
-            .store(parts.len(), std::sync::atomic::Ordering::Relaxed);
+        // A key keeps its part from one forward to the next, so one part lost in transit loses
+        // its own keys and counts no other's twice; the parts shrink back only after
+        // [`SHRINK_AFTER`] forwards in a row needed fewer, and the parts dropped then are sent
+        // empty, so that their values leave the controller in the same forward.
+        use std::sync::atomic::Ordering::Relaxed;
+        let before = self.parts.load(Relaxed);
+        let (count, fewer) = parts_now(before, needed_parts(&entries), self.fewer.load(Relaxed));
+        self.fewer.store(fewer, Relaxed);
+        let parts = split(entries, count);
+        self.parts.store(parts.len(), Relaxed);
+        let sent = parts.len().max(before);
         let mut parts = parts.into_iter();
-        for n in 0..parts.len() {
+        for n in 0..sent {
             let source = match n {
                 0 => self.source.clone(),
                 n => format!("{}#{n}", self.source),
@@ -287,17 +294,40 @@ impl State {
 /// and under what the controller holds per source.
 const PART_BYTES: usize = 3 << 20;
 
+/// Forwards in a row that must need fewer parts before the parts shrink: a count that wavers
+/// around a boundary does not move keys between parts each time.
+pub const SHRINK_AFTER: usize = 10;
+
+/// The parts this forward has, and the forwards in a row that needed fewer: never fewer than
+/// `before` until [`SHRINK_AFTER`] forwards in a row needed only `needed`.
+fn parts_now(before: usize, needed: usize, fewer: usize) -> (usize, usize) {
+    if needed >= before {
+        return (needed, 0);
+    }
+    match fewer + 1 {
+        n if n >= SHRINK_AFTER => (needed, 0),
+        n => (before, n),
+    }
+}
+
+/// The parts of about [`PART_BYTES`] of JSON at most that `entries` need (at least one).
+fn needed_parts(entries: &[Entry]) -> usize {
+    let total: usize = entries.iter().map(entry_cost).sum();
+    total.div_ceil(PART_BYTES).max(1)
+}
+
+/// An entry's estimated size in a report's JSON.
+fn entry_cost(e: &Entry) -> usize {
+    160 + e.service.len()
+        + e.rule.len()
+        + e.key.as_ref().map_or(0, String::len)
+        + e.sketch.as_ref().map_or(0, String::len)
+}
+
 /// `entries` in at least `at_least` (and at least one) parts of about [`PART_BYTES`] of JSON
 /// at most, each key in the part its hash picks, so that it stays there while the count does.
 fn split(entries: Vec<Entry>, at_least: usize) -> Vec<Vec<Entry>> {
-    let cost = |e: &Entry| {
-        160 + e.service.len()
-            + e.rule.len()
-            + e.key.as_ref().map_or(0, String::len)
-            + e.sketch.as_ref().map_or(0, String::len)
-    };
-    let total: usize = entries.iter().map(cost).sum();
-    let n = total.div_ceil(PART_BYTES).max(at_least).max(1);
+    let n = needed_parts(&entries).max(at_least).max(1);
     let mut parts: Vec<Vec<Entry>> = (0..n).map(|_| Vec::new()).collect();
     for e in entries {
         let mut h = std::hash::DefaultHasher::new();
@@ -404,6 +434,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         seq: std::sync::atomic::AtomicU64::new(start_seq),
         relayed: ArcSwap::from_pointee(None),
         parts: std::sync::atomic::AtomicUsize::new(0),
+        fewer: std::sync::atomic::AtomicUsize::new(0),
         opts,
         targets,
         client: json_client(tls)?,
@@ -458,6 +489,27 @@ mod tests {
         assert_eq!(relay_age_ms(Duration::from_micros(1_001)), 2);
         assert_eq!(relay_age_ms(Duration::from_millis(250)), 250);
         assert_eq!(relay_age_ms(Duration::MAX), u64::MAX.div_ceil(1000));
+    }
+
+    #[test]
+    fn parts_shrink_back_only_after_forwards_in_a_row_need_fewer() {
+        // Growing is at once.
+        assert_eq!(parts_now(1, 42, 0), (42, 0));
+        // Shrinking waits for SHRINK_AFTER forwards in a row.
+        let (mut parts, mut fewer) = (42, 0);
+        for _ in 0..SHRINK_AFTER - 1 {
+            (parts, fewer) = parts_now(parts, 1, fewer);
+            assert_eq!(parts, 42);
+        }
+        (parts, fewer) = parts_now(parts, 1, fewer);
+        assert_eq!((parts, fewer), (1, 0));
+        // One forward that needs as many again starts the count over.
+        let (mut parts, mut fewer) = (42, 0);
+        for i in 0..3 * SHRINK_AFTER {
+            let needed = if i % 5 == 4 { 42 } else { 3 };
+            (parts, fewer) = parts_now(parts, needed, fewer);
+            assert_eq!(parts, 42, "at {i}");
+        }
     }
 
     #[test]
