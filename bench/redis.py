@@ -30,8 +30,8 @@ def start_redis(port, d):
     return proc
 
 
-def yaml(port, up_port, redis_port, scope, rate, algorithm, cache=True):
-    section = (f"redis: {{ url: 'redis://127.0.0.1:{redis_port}', timeout: 50ms, "
+def yaml(port, up_port, redis_port, scope, rate, algorithm, cache=True, timeout="50ms"):
+    section = (f"redis: {{ url: 'redis://127.0.0.1:{redis_port}', timeout: {timeout}, "
                f"cache_refusals: {'true' if cache else 'false'} }}")
     rules = f"""rules:
   - name: r
@@ -42,11 +42,22 @@ def yaml(port, up_port, redis_port, scope, rate, algorithm, cache=True):
     return c.spillway_yaml(port, up_port, rules, section)
 
 
-def redis_round_trips(proc):
+def redis_metric(proc, pattern):
     m = re.search(r"\(admin ([^)]+)\)", proc.line)
     text = urllib.request.urlopen(f"http://{m.group(1)}/metrics").read().decode()
-    m = re.search(r"^spillway_redis_duration_seconds_count (\S+)", text, re.M)
+    m = re.search(pattern, text, re.M)
     return float(m.group(1)) if m else 0.0
+
+
+def redis_round_trips(proc):
+    return redis_metric(proc, r"^spillway_redis_duration_seconds_count(?:\{[^}]*\})? (\S+)")
+
+
+def redis_failures(proc):
+    """Decisions Redis did not answer in time, and times the breaker opened."""
+    timeouts = redis_metric(proc, r'^spillway_redis_errors_total\{[^}]*kind="timeout"[^}]*\} (\S+)')
+    opened = redis_metric(proc, r"^spillway_redis_breaker_opened_total(?:\{[^}]*\})? (\S+)")
+    return timeouts, opened
 
 
 def main():
@@ -55,6 +66,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--conns", type=int, default=16)
     ap.add_argument("--algorithm", default="gcra")
+    ap.add_argument("--timeout", default="50ms", help="redis.timeout of the proxies")
     args = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="spillway-bench-redis-")
     keys_script = os.path.join(tmp, "keys.lua")
@@ -81,11 +93,13 @@ def main():
             for name, scope, rate, script, cache in scenarios:
                 subprocess.run(["redis-cli", "-p", str(redis_port), "flushall"], capture_output=True)
                 port = c.free_port()
-                proxy = c.start_spillway(yaml(port, up_port, redis_port, scope, rate, alg, cache), port)
+                proxy = c.start_spillway(
+                    yaml(port, up_port, redis_port, scope, rate, alg, cache, args.timeout), port)
                 try:
                     before = redis_round_trips(proxy)
                     r = c.wrk(port, args.conns, args.seconds, script)
                     r["redis_per_s"] = (redis_round_trips(proxy) - before) / args.seconds
+                    r["timeouts"], r["opened"] = redis_failures(proxy)
                     results[name].append(r)
                     print(f"round {rnd + 1}: {name}: {r['rps']:.0f} req/s", file=sys.stderr)
                 finally:
@@ -96,13 +110,14 @@ def main():
 
     med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
     print(f"\n{args.rounds} rounds x {args.seconds} s, medians; wrk -t1 -c{args.conns}, keep-alive; "
-          f"algorithm {alg}; Redis {redis_version()} on loopback, redis.timeout 50ms.\n")
-    print("| scenario | req/s | 2xx/s | p50 ms | p99 ms | p99.9 ms | Redis round trips/s |")
-    print("|---|---|---|---|---|---|---|")
+          f"algorithm {alg}; Redis {redis_version()} on loopback, redis.timeout {args.timeout}.\n")
+    print("| scenario | req/s | 2xx/s | p50 ms | p99 ms | p99.9 ms | Redis round trips/s | timeouts | breaker opened |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, *_ in scenarios:
         rs = results[name]
         print(f"| {name} | {med(rs, 'rps'):.0f} | {med(rs, 'ok_rps'):.0f} | {med(rs, 'p50'):.2f} | "
-              f"{med(rs, 'p99'):.2f} | {med(rs, 'p999'):.2f} | {med(rs, 'redis_per_s'):.0f} |")
+              f"{med(rs, 'p99'):.2f} | {med(rs, 'p999'):.2f} | {med(rs, 'redis_per_s'):.0f} | "
+              f"{med(rs, 'timeouts'):.0f} | {med(rs, 'opened'):.0f} |")
     local, remote = results["local rule, admits all"], results["redis rule, admits all"]
     print(f"\nAdded by the Redis round trip: p50 {med(remote, 'p50') - med(local, 'p50'):+.2f} ms, "
           f"p99 {med(remote, 'p99') - med(local, 'p99'):+.2f} ms.")

@@ -41,7 +41,7 @@ fn default_true() -> bool {
 }
 
 fn default_redis_timeout() -> Dur {
-    Dur(Duration::from_millis(5))
+    Dur(Duration::from_millis(50))
 }
 
 /// What a decision does when Redis fails, times out, or the breaker is open.

@@ -593,7 +593,7 @@ fn a_redis_section_and_redis_rules_parse_with_defaults() {
     let r = c.redis.as_ref().unwrap();
     assert_eq!(r.url.0, ["redis://127.0.0.1:6379"]);
     assert!(!r.url.is_cluster());
-    assert_eq!(r.timeout.0, Duration::from_millis(5));
+    assert_eq!(r.timeout.0, Duration::from_millis(50));
     assert_eq!(r.on_error, OnError::Allow);
     assert_eq!(r.breaker.failures.get(), 5);
     assert_eq!(c.rules[0].scope, Scope::Redis);
