@@ -192,3 +192,49 @@ fn the_controller_raises_a_low_soft_open_files_limit() {
         "the soft limit stayed low: {open_files} (ready: {line:?})"
     );
 }
+
+/// A connection to `to` from the loopback address `from` (127.0.0.x: each its own address).
+async fn connect_from(from: [u8; 4], to: SocketAddr) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::from((from, 0))).unwrap();
+    socket.connect(to).await.unwrap()
+}
+
+/// Whether `s` is answered when it asks for the state (401 without a token: it was served).
+async fn served(s: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    if s.write_all(b"GET /v1/state HTTP/1.1\r\nHost: c\r\n\r\n")
+        .await
+        .is_err()
+    {
+        return false;
+    }
+    let mut buf = [0u8; 12];
+    matches!(s.read(&mut buf).await, Ok(n) if n > 0 && buf.starts_with(b"HTTP/1.1"))
+}
+
+// 7. One address's idle connections take at most its share of the places.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_holds_at_most_its_share_of_the_controllers_connections() {
+    let ctl = controller_with_tokens();
+    let mut idle = Vec::new();
+    for _ in 0..520 {
+        idle.push(connect_from([127, 0, 0, 9], ctl.addr).await);
+    }
+    // The last ones, past the address's 512, were closed; the first is served.
+    let mut over = idle.pop().unwrap();
+    assert!(
+        !served(&mut over).await,
+        "a connection past the share was kept"
+    );
+    assert!(
+        served(&mut idle[0]).await,
+        "a connection within the share was not served"
+    );
+    // Another address reports, and the admin port answers.
+    assert_eq!(
+        report(ctl.addr, "books-t", many_keys("b1", "books", 1)).await,
+        StatusCode::OK
+    );
+    assert_eq!(get(ctl.admin, "/healthz", &[]).await.0, StatusCode::OK);
+}

@@ -42,11 +42,12 @@ pub async fn serve<H, F>(
     F: Future<Output = Response<Body>> + Send + 'static,
 {
     let open = std::sync::Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let by_address: Arc<dashmap::DashMap<std::net::IpAddr, usize>> = Arc::default();
     loop {
-        let stream = tokio::select! {
+        let (stream, peer) = tokio::select! {
             _ = stop.changed() => return,
             accepted = listener.accept() => match accepted {
-                Ok((s, _)) => s,
+                Ok((s, peer)) => (s, peer.ip()),
                 Err(e) => {
                     tracing::warn!(error = %e, "accept failed");
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -59,11 +60,26 @@ pub async fn serve<H, F>(
             drop(stream);
             continue;
         };
+        // And past one address's share: a pod's idle connections cannot take every place.
+        let Some(_share) = AddressShare::take(&by_address, peer) else {
+            drop(stream);
+            continue;
+        };
         let handler = handler.clone();
         let tls = tls.clone();
         let stop = stop.clone();
         tokio::spawn(async move {
             let _permit = permit;
+            let _share = _share;
+            // A connection that says nothing is closed: it would hold its place for nothing.
+            if tls.is_none()
+                && !matches!(
+                    tokio::time::timeout(FIRST_BYTE, stream.readable()).await,
+                    Ok(Ok(()))
+                )
+            {
+                return;
+            }
             let service = service_fn(move |req| {
                 let handler = handler.clone();
                 async move { Ok::<_, Infallible>(handler(req).await) }
@@ -119,6 +135,48 @@ async fn until_stopped<I, S>(
 /// Connections one control-plane listener holds at once (pooled proxy connections stay open:
 /// this is well above what one replica serves, and below the file-descriptor limit).
 pub const MAX_CONNECTIONS: usize = 32_768;
+
+/// Of those, what one address holds at once: a proxy or an aggregator keeps a few pooled
+/// connections; a pod opening idle ones by the thousand is cut off at this.
+pub const MAX_PER_ADDRESS: usize = 512;
+
+/// A new plain-text connection must send its first byte within this (TLS: the handshake's own
+/// timeout).
+pub const FIRST_BYTE: Duration = Duration::from_secs(5);
+
+/// One connection's place in its address's share; given back when dropped.
+struct AddressShare {
+    map: Arc<dashmap::DashMap<std::net::IpAddr, usize>>,
+    peer: std::net::IpAddr,
+}
+
+impl AddressShare {
+    fn take(
+        map: &Arc<dashmap::DashMap<std::net::IpAddr, usize>>,
+        peer: std::net::IpAddr,
+    ) -> Option<Self> {
+        let mut held = map.entry(peer).or_insert(0);
+        if *held >= MAX_PER_ADDRESS {
+            return None;
+        }
+        *held += 1;
+        drop(held);
+        Some(AddressShare {
+            map: map.clone(),
+            peer,
+        })
+    }
+}
+
+impl Drop for AddressShare {
+    fn drop(&mut self) {
+        // The last connection of an address takes its entry with it.
+        self.map.remove_if_mut(&self.peer, |_, held| {
+            *held -= 1;
+            *held == 0
+        });
+    }
+}
 
 /// Large request bodies read at once, per process: each may be up to [`MAX_BODY`], so memory
 /// held for bodies stays bounded whatever the number of connections.
