@@ -619,29 +619,30 @@ impl Config {
 pub const MAX_DEPTH: usize = 64;
 
 /// The line of the first place `text` nests deeper than [`MAX_DEPTH`]: flow collections
-/// (`[`, `{`) outside quotes, and block indentation (two spaces a level, at most).
+/// (every `[` and `{` counts, in quotes and comments too: telling them apart is the parser's
+/// job, and a legitimate file comes nowhere near the bound), counted afresh at each top-level
+/// line, and block indentation (two spaces or a `- ` a level, at most).
 fn too_deep(text: &str) -> Option<usize> {
     let mut flow = 0usize;
     for (n, line) in text.lines().enumerate() {
+        if line.starts_with(|c: char| !c.is_whitespace() && c != '-' && c != ']' && c != '}') {
+            flow = 0;
+        }
         let indent = line.len() - line.trim_start_matches([' ', '-']).len();
-        let mut quote = None;
-        for c in line.chars() {
-            match (quote, c) {
-                (None, '#') => break,
-                (None, '"' | '\'') => quote = Some(c),
-                (Some(q), c) if c == q => quote = None,
-                (None, '[' | '{') => {
+        if indent > 2 * MAX_DEPTH {
+            return Some(n + 1);
+        }
+        for b in line.bytes() {
+            match b {
+                b'[' | b'{' => {
                     flow += 1;
                     if flow > MAX_DEPTH {
                         return Some(n + 1);
                     }
                 }
-                (None, ']' | '}') => flow = flow.saturating_sub(1),
+                b']' | b'}' => flow = flow.saturating_sub(1),
                 _ => {}
             }
-        }
-        if indent > 2 * MAX_DEPTH {
-            return Some(n + 1);
         }
     }
     None

@@ -849,11 +849,29 @@ fn a_file_nested_thousands_deep_is_refused_before_it_is_parsed() {
         block.push_str(&format!("{}a:\n", "  ".repeat(depth)));
     }
     assert!(err(&block).contains("nested deeper than 64"));
-    // Brackets inside quotes and comments are not nesting.
+    // Balanced brackets in a value, and a few in a comment, are no nesting to speak of.
     let quoted = format!(
         "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: a\n    key: client_ip\n    match: {{ path_regex: \"{}\" }}  # {}\n    limit: {{ rate: 1/s }}\n",
         "[a]".repeat(100),
-        "[".repeat(100)
+        "[".repeat(10)
     );
     assert!(Config::from_yaml(&quoted, "t").is_ok());
+    // Quotes and comment marks do not hide brackets from the count...
+    for hidden in ["x: [a\", ", "x: [a#b, ", "x: ['a, "] {
+        let bomb = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n{hidden}{}{}]\n",
+            "[".repeat(20_000),
+            "]".repeat(20_000)
+        );
+        assert!(err(&bomb).contains("nested deeper than 64"), "{hidden}");
+    }
+    // ...and what a rule leaves open on its line does not add up over many rules.
+    let mut many =
+        String::from("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n");
+    for i in 0..70 {
+        many.push_str(&format!(
+            "  - name: r{i}\n    key: client_ip\n    match: {{ path_regex: \"^/a{i}/[#x]\" }}\n    limit: {{ rate: 1/s }}\n"
+        ));
+    }
+    assert!(Config::from_yaml(&many, "t").is_ok());
 }

@@ -245,8 +245,11 @@ impl State {
         let parts = split(entries, count);
         self.parts.store(parts.len(), Relaxed);
         let sent = parts.len().max(before);
-        let mut parts = parts.into_iter();
-        for n in 0..sent {
+        let mut parts: Vec<Vec<Entry>> = parts;
+        parts.resize_with(sent, Vec::new);
+        // The parts dropped (sent empty) go first: a key that moved out of one is never
+        // counted in two parts at once.
+        for n in (0..sent).rev() {
             let source = match n {
                 0 => self.source.clone(),
                 n => format!("{}#{n}", self.source),
@@ -258,7 +261,7 @@ impl State {
                 interval_ms,
                 seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 last,
-                entries: parts.next().unwrap_or_default(),
+                entries: std::mem::take(&mut parts[n]),
             };
             let started = tokio::time::Instant::now();
             let token = self.opts.credentials.outgoing();

@@ -186,8 +186,8 @@ static BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(32);
 /// one) may hold at once: one tenant's slow or huge bodies never take every turn.
 pub const BODIES_PER_PRINCIPAL: usize = 4;
 
-/// A body announced at most this long is read without a turn: its memory is small, and the
-/// reports of a healthy fleet never wait behind a tenant's large ones.
+/// A body announced at most this long takes a small turn, of which there are many: its memory
+/// is small, and the reports of a healthy fleet never wait behind a tenant's large ones.
 pub const SMALL_BODY: u64 = 64 << 10;
 
 /// The longest a report waits for a turn to have its body read (not charged to its sender's
@@ -204,6 +204,13 @@ pub const BODY_GRACE: Duration = Duration::from_secs(1);
 /// Each principal's turns, made when it first sends a large body (principals are the
 /// configured tokens: a bounded set).
 static TURNS: std::sync::LazyLock<dashmap::DashMap<String, Arc<tokio::sync::Semaphore>>> =
+    std::sync::LazyLock::new(dashmap::DashMap::new);
+
+/// Small bodies read at once, per process (64 MiB at most) and per principal (16 MiB): they
+/// need no turn, but a tenant's thousands of connections must not hold one each.
+static SMALL_BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1024);
+pub const SMALL_PER_PRINCIPAL: usize = 256;
+static SMALL_TURNS: std::sync::LazyLock<dashmap::DashMap<String, Arc<tokio::sync::Semaphore>>> =
     std::sync::LazyLock::new(dashmap::DashMap::new);
 
 /// Raises the soft open-files limit to what a server's two listeners may hold
@@ -304,8 +311,9 @@ pub fn error(status: StatusCode, message: &str) -> Response<Body> {
 /// Reads a JSON body of `who`'s of at most [`MAX_BODY`] bytes: 413 past it, 400 when it is
 /// not `T`, 408 when it comes slower than [`MIN_BODY_RATE`] (after [`BODY_GRACE`]) or takes
 /// longer than [`BODY_TIMEOUT`], 503 when no turn comes within [`TURN_WAIT`]. A body announced
-/// at most [`SMALL_BODY`] long needs no turn; a larger one (or one of unknown length) takes
-/// one of `who`'s [`BODIES_PER_PRINCIPAL`], then one of the process's, before its clock starts.
+/// at most [`SMALL_BODY`] long takes one of `who`'s [`SMALL_PER_PRINCIPAL`] small turns and
+/// one of the process's 1 024; a larger one (or one of unknown length) one of `who`'s
+/// [`BODIES_PER_PRINCIPAL`], then one of the process's 32; before its clock starts.
 pub async fn read_json<T: DeserializeOwned>(
     req: Request<Incoming>,
     who: &str,
@@ -326,23 +334,24 @@ pub async fn read_json<T: DeserializeOwned>(
         );
         resp
     };
-    let _turns = if small {
-        None
+    let (turns, per, all) = if small {
+        (&SMALL_TURNS, SMALL_PER_PRINCIPAL, &SMALL_BODIES)
     } else {
-        let own = TURNS
-            .entry(who.to_string())
-            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(BODIES_PER_PRINCIPAL)))
-            .clone();
-        let turns = tokio::time::timeout(TURN_WAIT, async {
-            let own = own.acquire_owned().await.ok()?;
-            let any = BODIES.acquire().await.ok()?;
-            Some((own, any))
-        })
-        .await;
-        match turns {
-            Ok(Some(t)) => Some(t),
-            _ => return Err(busy()),
-        }
+        (&TURNS, BODIES_PER_PRINCIPAL, &BODIES)
+    };
+    let own = turns
+        .entry(who.to_string())
+        .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(per)))
+        .clone();
+    let turn = tokio::time::timeout(TURN_WAIT, async {
+        let own = own.acquire_owned().await.ok()?;
+        let any = all.acquire().await.ok()?;
+        Some((own, any))
+    })
+    .await;
+    let _turn = match turn {
+        Ok(Some(t)) => t,
+        _ => return Err(busy()),
     };
     let bytes = match timely_body(req.into_body()).await {
         Ok(bytes) => bytes,

@@ -483,8 +483,14 @@ impl Exact {
         // connection: the connector tries again until the name leads to the primary.
         if let Conn::Single(c) = &mut conn {
             // The scripts' shebang needs Redis 7: say so rather than fail to load them forever.
-            let info: String = redis::cmd("INFO").arg("server").query_async(c).await?;
+            // A user without INFO or ROLE (a managed Redis, a narrow ACL) skips the check.
+            let info: Option<String> = checked(
+                redis::cmd("INFO").arg("server").query_async(c).await,
+                "INFO",
+            )?;
             let major = info
+                .as_deref()
+                .unwrap_or("")
                 .lines()
                 .find_map(|l| l.strip_prefix("redis_version:"))
                 .and_then(|v| v.split('.').next()?.trim().parse::<u32>().ok());
@@ -498,9 +504,11 @@ impl Exact {
                     "the server is older than Redis 7.0",
                 )));
             }
-            let role: Vec<redis::Value> = redis::cmd("ROLE").query_async(c).await?;
-            if let Some(redis::Value::BulkString(r)) = role.first() {
+            let role: Option<Vec<redis::Value>> =
+                checked(redis::cmd("ROLE").query_async(c).await, "ROLE")?;
+            if let Some(redis::Value::BulkString(r)) = role.as_deref().and_then(|r| r.first()) {
                 if r.as_slice() != b"master" {
+                    tracing::warn!("the redis server behind redis.url is a replica now; connecting again until it leads to the primary");
                     return Err(redis::RedisError::from((
                         redis::ErrorKind::Client,
                         "the server is a replica",
@@ -517,6 +525,19 @@ impl Exact {
             };
         }
         Ok(conn)
+    }
+}
+
+/// A check's answer, or `None` when the server refused the command itself (no permission, an
+/// unknown command): the check is skipped, with a warning. A broken connection is an error.
+fn checked<T>(answer: redis::RedisResult<T>, what: &str) -> redis::RedisResult<Option<T>> {
+    match answer {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.is_io_error() || e.is_connection_dropped() || e.is_timeout() => Err(e),
+        Err(e) => {
+            tracing::warn!(error = %e, "redis refuses {what}: its check is skipped (docs/redis.md: the user needs +info +role)");
+            Ok(None)
+        }
     }
 }
 
