@@ -247,6 +247,14 @@ pub fn request_host<'a>(uri: &'a Uri, headers: &'a HeaderMap) -> Option<&'a str>
     })
 }
 
+/// Whether `host` is a subdomain under `suffix` (`.example.com`), without case: something
+/// before the suffix, and the suffix at a character boundary.
+pub fn under_domain(host: &str, suffix: &str) -> bool {
+    host.len() > suffix.len()
+        && host.is_char_boundary(host.len() - suffix.len())
+        && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+}
+
 /// Whether `value` is a `Host` as RFC 9110 §7.2 allows: a registered name or an IPv4
 /// address, or an IPv6 literal in brackets, then an optional port of digits.
 pub fn valid_host(value: &[u8]) -> bool {
@@ -448,21 +456,7 @@ pub fn extract(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> Ex
 /// or address holds (a decoded query value could: it is then one more part, still counted).
 /// Bounded by [`canonical_text`] before use.
 pub fn extract_text(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> Extract {
-    use std::io::Write;
-    out.clear();
-    each_part(parts, req, |i, v| {
-        if i > 0 {
-            out.push(0x1f);
-        }
-        match v {
-            Value::Bytes(b) | Value::Private(b) => out.extend_from_slice(b),
-            Value::Folded(b) => out.extend(b.iter().map(u8::to_ascii_lowercase)),
-            // Formatting into the stack buffer: no allocation.
-            Value::Ip(ip) => {
-                let _ = write!(out, "{ip}");
-            }
-        }
-    })
+    extract_shown(parts, req, |v, out| out.extend_from_slice(v), out)
 }
 
 /// Whether a key of `parts` has a private part (a `header:` or `query:` value).

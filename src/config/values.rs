@@ -451,11 +451,7 @@ impl ServedHost {
     pub fn serves(&self, host: &str) -> bool {
         match self {
             ServedHost::Name(name) => host.eq_ignore_ascii_case(name),
-            ServedHost::Subdomains(suffix) => {
-                host.len() > suffix.len()
-                    && host.is_char_boundary(host.len() - suffix.len())
-                    && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
-            }
+            ServedHost::Subdomains(suffix) => crate::key::under_domain(host, suffix),
             ServedHost::Ip(ip) => host
                 .parse::<std::net::IpAddr>()
                 .is_ok_and(|h| h.to_canonical() == *ip),

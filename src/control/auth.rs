@@ -73,6 +73,11 @@ impl Principal {
     }
 
     /// Its name in metrics and logs (never the token).
+    /// Who it is, as budgets per principal count it: its kind, and a service's name.
+    pub fn id(&self) -> String {
+        format!("{}/{}", self.kind(), self.service().unwrap_or(""))
+    }
+
     pub fn kind(&self) -> &'static str {
         match self {
             Principal::Open => "open",

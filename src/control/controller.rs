@@ -165,7 +165,7 @@ impl State {
             Principal::Service(s) => Some(s.to_string()),
             _ => None,
         };
-        let who = format!("{}/{}", principal.kind(), only.as_deref().unwrap_or(""));
+        let who = principal.id();
         if !self.reading.insert(who.clone()) {
             let mut resp = server::error(
                 StatusCode::TOO_MANY_REQUESTS,

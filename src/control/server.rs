@@ -524,8 +524,7 @@ pub async fn receive_report(
         Err(resp)
     };
     let principal = authenticate(&req, creds, reports)?;
-    let who = format!("{}/{}", principal.kind(), principal.service().unwrap_or(""));
-    let mut report: super::Report = match read_json(req, &who).await {
+    let mut report: super::Report = match read_json(req, &principal.id()).await {
         Ok(r) => r,
         Err(resp) => return refuse("malformed", resp),
     };

@@ -149,11 +149,7 @@ fn lenient_regex_match(re: &regex::Regex, path: &str) -> bool {
 pub(super) fn host_matches(pattern: &str, host: Option<&str>) -> bool {
     let Some(host) = host else { return true };
     match pattern.strip_prefix('*') {
-        Some(suffix) => {
-            host.len() > suffix.len()
-                && host.is_char_boundary(host.len() - suffix.len())
-                && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
-        }
+        Some(suffix) => crate::key::under_domain(host, suffix),
         None => host.eq_ignore_ascii_case(pattern),
     }
 }
