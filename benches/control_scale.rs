@@ -176,7 +176,7 @@ fn main() -> anyhow::Result<()> {
         let url = format!("http://{}", ctl.addr);
         let agg = Server::start(
             &[
-                &["aggregator", "--controller", &url, "--zone", "z", "--interval", "1s"][..],
+                &["aggregator", "--controller", &url, "--zone", "z", "--interval", "1s", "--max-entries", "400000"][..],
                 &loopback,
             ]
             .concat(),

@@ -193,6 +193,11 @@ enum Command {
         /// How often the zone's sums go to the controller, e.g. 1s or 250ms.
         #[arg(long, env = "SPILLWAY_INTERVAL", default_value = "1s", value_parser = parse_duration)]
         interval: std::time::Duration,
+        /// The most entries (keys) its proxies' reports may hold at once, half of them for one
+        /// service: its memory's bound (about 1 KiB each at most with the bodies' budget; the
+        /// default fits 256 MiB). Entries past it are refused and counted.
+        #[arg(long, env = "SPILLWAY_MAX_ENTRIES", default_value_t = spillway::internal::control::aggregator::DEFAULT_MAX_ENTRIES as u64, value_parser = clap::value_parser!(u64).range(1000..=10_000_000))]
+        max_entries: u64,
         #[command(flatten)]
         security: Security,
     },
@@ -451,6 +456,7 @@ fn main() -> ExitCode {
             replica,
             admin,
             interval,
+            max_entries,
             security,
         } => run(async move {
             let insecure = security.insecure;
@@ -471,6 +477,7 @@ fn main() -> ExitCode {
                 tls,
                 ca_file,
                 insecure,
+                max_entries: max_entries as usize,
             };
             serve_role(
                 "aggregator",

@@ -12,6 +12,12 @@ use http_body_util::BodyExt;
 
 /// A controller with a token per service (`shop`, `books`) and the admin's, in a process.
 fn controller_with_tokens() -> Proc {
+    let dir = tokens_dir();
+    controller_with(&["--tokens", dir.to_str().unwrap()])
+}
+
+/// A `--tokens` directory: `shop-t`, `books-t`, `agg-t` (the aggregators), `admin-t`.
+fn tokens_dir() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!(
         "spillway-tenant-{}-{}",
         std::process::id(),
@@ -21,12 +27,13 @@ fn controller_with_tokens() -> Proc {
     for (name, token) in [
         ("shop", "shop-t"),
         ("books", "books-t"),
+        ("maps", "maps-t"),
         ("_aggregators", "agg-t"),
         ("_admin", "admin-t"),
     ] {
         std::fs::write(dir.join(name), token).unwrap();
     }
-    controller_with(&["--tokens", dir.to_str().unwrap()])
+    dir
 }
 
 /// POSTs a report with `token`, as this release's reporters do.
@@ -237,4 +244,169 @@ async fn one_address_holds_at_most_its_share_of_the_controllers_connections() {
         StatusCode::OK
     );
     assert_eq!(get(ctl.admin, "/healthz", &[]).await.0, StatusCode::OK);
+}
+
+/// The most memory `pid` has held (VmHWM), in MiB.
+fn peak_mib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmHWM:")).unwrap();
+    line.split_whitespace()
+        .nth(1)
+        .unwrap()
+        .parse::<u64>()
+        .unwrap()
+        / 1024
+}
+
+/// A report as large as a body may be (8 MiB), of keys of about 90 bytes that no other source
+/// reports.
+fn maximal_report(source: &str, service: &str) -> String {
+    let pad = "x".repeat(80);
+    let mut entries = Vec::new();
+    let mut len = 0;
+    for i in 0.. {
+        let e = format!(
+            r#"{{"service":"{service}","rule":"r","limit":{{"count":10,"period_ms":1000}},"key":"{source}-{pad}-{i}","offered":2,"admitted":1}}"#
+        );
+        len += e.len() + 1;
+        if len > (8 << 20) - 200 {
+            break;
+        }
+        entries.push(e);
+    }
+    format!(
+        r#"{{"version":1,"source":"{source}","zone":"z","interval_ms":1000,"entries":[{}]}}"#,
+        entries.join(",")
+    )
+}
+
+/// An aggregator forwarding to `ctl`, taking the tokens of [`tokens_dir`].
+fn aggregator_with_tokens(ctl: &Proc, dir: &std::path::Path) -> Proc {
+    let url = format!("http://{}", ctl.addr);
+    Proc::spawn(&[
+        "aggregator",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--controller",
+        &url,
+        "--zone",
+        "z",
+        "--tokens",
+        dir.to_str().unwrap(),
+    ])
+}
+
+// 2 and 1. A tenant's values are not held for long, nor replaced many times a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_source_reports_at_most_once_per_interval_and_not_for_minutes() {
+    let dir = tokens_dir();
+    let ctl = controller_with(&["--tokens", dir.to_str().unwrap()]);
+    let agg = aggregator_with_tokens(&ctl, &dir);
+    let with_interval = |source: &str, ms: u64| {
+        many_keys(source, "shop", 3)
+            .replace(r#""interval_ms":1000"#, &format!(r#""interval_ms":{ms}"#))
+    };
+    // Ten minutes' values, held for half an hour: refused; a minute's taken.
+    assert_eq!(
+        report(agg.addr, "shop-t", with_interval("s1", 600_000)).await,
+        StatusCode::BAD_REQUEST
+    );
+    // Twenty reports of one source at once: two pass (a late one, then the next on time), the
+    // rest are refused until the source's interval has passed.
+    let mut taken = 0;
+    let mut refused = 0;
+    for seq in 1..=20 {
+        let body = with_interval("s2", 60_000)
+            .replace(r#""interval_ms""#, &format!(r#""seq":{seq},"interval_ms""#));
+        match report(agg.addr, "shop-t", body).await {
+            StatusCode::TOO_MANY_REQUESTS => refused += 1,
+            // Counted (no ratios from the controller for it yet).
+            _ => taken += 1,
+        }
+    }
+    assert_eq!((taken, refused), (2, 18));
+    // Other sources of the same service still report.
+    assert_ne!(
+        report(agg.addr, "shop-t", with_interval("s3", 1000)).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+// 2. One service's maximal reports stay within the aggregator's stated budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_services_maximal_reports_keep_the_aggregator_within_its_memory_budget() {
+    let dir = tokens_dir();
+    let ctl = controller_with(&["--tokens", dir.to_str().unwrap()]);
+    let agg = aggregator_with_tokens(&ctl, &dir);
+    // Two services' hosts, 8 at a time, each with an 8 MiB report of its own keys: the most
+    // either may hold, and what both may hold together.
+    let mut answered = 0;
+    for (service, token) in [("shop", "shop-t"), ("books", "books-t")] {
+        for batch in 0..2 {
+            let sends = (0..8).map(|i| {
+                let body = maximal_report(&format!("{service}-{}", batch * 8 + i), service);
+                report(agg.addr, token, body)
+            });
+            for status in futures_util::future::join_all(sends).await {
+                answered += usize::from(status == StatusCode::OK);
+            }
+        }
+        // A third service's hosts still report in between.
+        let status = report(agg.addr, "maps-t", many_keys("m-{service}", "maps", 3)).await;
+        assert_eq!(status, StatusCode::OK);
+    }
+    assert!(answered > 0, "no maximal report was taken at all");
+    let peak = peak_mib(agg.child.id());
+    eprintln!("aggregator peak {peak} MiB, controller peak {} MiB, {answered} of 32 maximal reports taken", peak_mib(ctl.child.id()));
+    assert!(
+        peak <= AGGREGATOR_BUDGET_MIB,
+        "the aggregator held {peak} MiB at its peak (budget {AGGREGATOR_BUDGET_MIB} MiB)"
+    );
+}
+
+/// What docs/fleet.md states the aggregator holds at most, within the chart's 256 Mi.
+const AGGREGATOR_BUDGET_MIB: u64 = 200;
+
+// 7. The controller's /metrics shows a rule's rates only to a token that may read them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_controllers_metrics_show_rules_only_to_who_may_read_them() {
+    let ctl = controller_with_tokens();
+    for (token, source, service) in [("shop-t", "s1", "shop"), ("books-t", "b1", "books")] {
+        assert_eq!(
+            report(ctl.addr, token, many_keys(source, service, 3)).await,
+            StatusCode::OK
+        );
+    }
+    let rows = |body: &str, service: &str| {
+        body.lines()
+            .filter(|l| {
+                l.starts_with("spillway_controller_offered_requests_per_second{")
+                    && l.contains(&format!("service=\"{service}\""))
+            })
+            .count()
+    };
+    let scrape = |token: Option<&'static str>| async move {
+        let auth = token.map(|t| format!("Bearer {t}"));
+        let headers: Vec<(&str, &str)> =
+            auth.iter().map(|a| ("authorization", a.as_str())).collect();
+        let (status, _, body) = get(ctl.admin, "/metrics", &headers).await;
+        assert_eq!(status, StatusCode::OK);
+        body
+    };
+    let anyone = scrape(None).await;
+    assert!(
+        anyone.contains("spillway_controller_sources"),
+        "the process's own metrics stay public"
+    );
+    assert_eq!(
+        (rows(&anyone, "shop"), rows(&anyone, "books")),
+        (0, 0),
+        "{anyone}"
+    );
+    let shop = scrape(Some("shop-t")).await;
+    assert_eq!((rows(&shop, "shop"), rows(&shop, "books")), (1, 0));
+    let admin = scrape(Some("admin-t")).await;
+    assert_eq!((rows(&admin, "shop"), rows(&admin, "books")), (1, 1));
 }

@@ -159,7 +159,8 @@ pub struct ControlPlane {
     /// instead of the system's trust store.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ca_file: Option<std::path::PathBuf>,
-    /// How often counts are reported: 100ms to 600s, whatever the aggregators' interval.
+    /// How often counts are reported: 100ms to 600s (to aggregators, at most 60 of their
+    /// intervals, and at least 60s, whatever theirs).
     #[serde(default = "default_report_interval")]
     pub report_interval: Dur,
     /// No good reply for this long: the control plane is stale.

@@ -47,7 +47,24 @@ pub struct AggregatorOptions {
     pub ca_file: Option<std::path::PathBuf>,
     /// Serve a non-loopback address without a token anyway.
     pub insecure: bool,
+    /// The most entries its hosts' reports may hold at once (a key past 64 bytes counts as
+    /// several), half of them for one service's hosts: what bounds its memory
+    /// ([`DEFAULT_MAX_ENTRIES`]).
+    pub max_entries: usize,
 }
+
+/// A host's report interval may be at most this many of the aggregator's forward intervals
+/// (and 60 s whatever they are): a host's values are held for three of its intervals, and a
+/// tenant's must not be held for tens of minutes.
+pub const INTERVALS_HELD: u32 = 60;
+
+/// The longest report interval an aggregator forwarding every `interval` takes.
+pub fn longest_report_interval(interval: Duration) -> Duration {
+    (interval * INTERVALS_HELD).max(Duration::from_secs(60))
+}
+
+/// Entries an aggregator holds by default: with its bodies' budget, within 256 MiB.
+pub const DEFAULT_MAX_ENTRIES: usize = 150_000;
 
 impl AggregatorOptions {
     /// Loopback-style defaults: no token, no TLS, 1 s interval.
@@ -63,6 +80,7 @@ impl AggregatorOptions {
             tls: None,
             ca_file: None,
             insecure: false,
+            max_entries: DEFAULT_MAX_ENTRIES,
         }
     }
 }
@@ -142,6 +160,16 @@ impl State {
                 StatusCode::BAD_REQUEST,
                 "an aggregator takes host reports; zone sums go to the controller",
             );
+        }
+        let most = longest_report_interval(self.opts.interval);
+        if report.interval_ms > most.as_millis() as u64 {
+            self.reports.with_label_values(&["invalid"]).inc();
+            let msg = format!(
+                "interval_ms {} is longer than this aggregator takes ({} ms: {INTERVALS_HELD} of its forward intervals, at least 60 s); report more often",
+                report.interval_ms,
+                most.as_millis()
+            );
+            return server::error(StatusCode::BAD_REQUEST, &msg);
         }
         let owner = principal.owner(&report.source).to_string();
         let services: Vec<String> = server::reply_services(&report, &principal)
@@ -432,7 +460,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     server::insecure_gauge(&registry, "aggregator", insecure);
     let start_seq = super::reporter::first_seq();
     let state = Arc::new(State {
-        sums: Shared::new(ZoneSums::new(0.0, super::sum::MAX_TRACKED)),
+        sums: Shared::new(ZoneSums::new(0.0, opts.max_entries)),
         source,
         seq: std::sync::atomic::AtomicU64::new(start_seq),
         relayed: ArcSwap::from_pointee(None),

@@ -69,10 +69,6 @@ struct State {
     ratios_cut: IntGauge,
     conflicts: IntCounter,
     refused: IntCounter,
-    offered: GaugeVec,
-    admitted: GaugeVec,
-    limit: GaugeVec,
-    ratio: GaugeVec,
     /// The principals reading state now: one read at a time each.
     reading: dashmap::DashSet<String>,
 }
@@ -268,8 +264,12 @@ impl State {
         )
     }
 
-    /// Per-rule gauges (never per key), refreshed at scrape time.
-    fn metrics(&self) -> Vec<u8> {
+    /// The process's metrics, and per-rule gauges (never per key) refreshed at scrape time for
+    /// the rules `who` may read: every service's for the admin (or with no tokens), a
+    /// service's own for its token, none without a token (the admin port is not
+    /// authenticated: rule names and rates are a tenant's to see, not a stranger's).
+    fn metrics<B>(&self, req: &Request<B>) -> Vec<u8> {
+        let who = self.credentials.authenticate(req.headers());
         // From the ratio snapshot's per-rule totals: a scrape never walks every key under the
         // lock (the admin port needs no token).
         let (totals, sources, conflicts, refused, tracked, cut) = {
@@ -291,22 +291,49 @@ impl State {
         self.refused
             .inc_by(refused.saturating_sub(self.refused.get()));
         self.ratios_cut.set(cut as i64);
-        for g in [&self.offered, &self.admitted, &self.limit, &self.ratio] {
-            g.reset();
-        }
-        for t in &totals {
+        let mut out = server::render(&self.registry);
+        let visible = |service: &str| match &who {
+            Some(Principal::Open | Principal::Shared | Principal::Admin) => true,
+            Some(p @ Principal::Service(_)) => p.may_report(service),
+            Some(Principal::Aggregator) | None => false,
+        };
+        // A registry of this scrape's own: two scrapes by different principals never see each
+        // other's rows.
+        let rules = Registry::new();
+        let offered = gauge(
+            &rules,
+            "spillway_controller_offered_requests_per_second",
+            "Offered requests/s per rule, fleet-wide.",
+        );
+        let admitted = gauge(
+            &rules,
+            "spillway_controller_admitted_requests_per_second",
+            "Admitted requests/s per rule, fleet-wide.",
+        );
+        let limit = gauge(
+            &rules,
+            "spillway_controller_limit_requests_per_second",
+            "The rule's limit per key, requests/s.",
+        );
+        let drop_ratio = gauge(
+            &rules,
+            "spillway_controller_drop_ratio",
+            "Share of the rule's offered load being dropped.",
+        );
+        for t in totals.iter().filter(|t| visible(&t.service)) {
             let l = [&*t.service, &*t.rule];
-            self.offered.with_label_values(&l).set(t.offered);
-            self.admitted.with_label_values(&l).set(t.admitted);
-            self.limit.with_label_values(&l).set(t.limit);
+            offered.with_label_values(&l).set(t.offered);
+            admitted.with_label_values(&l).set(t.admitted);
+            limit.with_label_values(&l).set(t.limit);
             let ratio = if t.offered > 0.0 {
                 t.dropped / t.offered
             } else {
                 0.0
             };
-            self.ratio.with_label_values(&l).set(ratio);
+            drop_ratio.with_label_values(&l).set(ratio);
         }
-        server::render(&self.registry)
+        out.extend(server::render(&rules));
+        out
     }
 }
 
@@ -420,26 +447,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
         reads,
         tracked,
         ratios_cut,
-        offered: gauge(
-            &registry,
-            "spillway_controller_offered_requests_per_second",
-            "Offered requests/s per rule, fleet-wide.",
-        ),
-        admitted: gauge(
-            &registry,
-            "spillway_controller_admitted_requests_per_second",
-            "Admitted requests/s per rule, fleet-wide.",
-        ),
-        limit: gauge(
-            &registry,
-            "spillway_controller_limit_requests_per_second",
-            "The rule's limit per key, requests/s.",
-        ),
-        ratio: gauge(
-            &registry,
-            "spillway_controller_drop_ratio",
-            "Share of the rule's offered load being dropped.",
-        ),
+
         reading: Default::default(),
         registry,
         reports,
@@ -482,7 +490,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
                 "/ui" => crate::ui::page(),
                 #[cfg(feature = "ui")]
                 "/ui/state.json" => s.ui_state(&req),
-                path => server::admin_route(path, || s.metrics()),
+                path => server::admin_route(path, || s.metrics(&req)),
             }
         }
     }));

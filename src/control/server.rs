@@ -178,13 +178,20 @@ impl Drop for AddressShare {
     }
 }
 
-/// Large request bodies read at once, per process: each may be up to [`MAX_BODY`], so memory
-/// held for bodies stays bounded whatever the number of connections.
-static BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(32);
+/// Large request bodies are read within a budget of bytes, in units of [`BODY_UNIT`]: a body
+/// takes as many as its `Content-Length` announces (one of unknown length, [`MAX_BODY`]'s),
+/// before its first byte is read. A body in flight costs about three times its size (its bytes
+/// and what they parse into), so the process holds at most 3 x 16 MiB for them, whatever the
+/// number of connections.
+pub const BODY_UNIT: usize = 64 << 10;
+pub const BODY_BUDGET: usize = 16 << 20;
+static BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(BODY_BUDGET / BODY_UNIT);
 
-/// Of those, what one principal (a service's token, the aggregators', the admin's, the shared
-/// one) may hold at once: one tenant's slow or huge bodies never take every turn.
+/// Of that budget, what one principal (a service's token, the aggregators', the admin's, the
+/// shared one) may hold at once: half, and at most [`BODIES_PER_PRINCIPAL`] bodies; one
+/// tenant's slow or huge bodies never take every turn.
 pub const BODIES_PER_PRINCIPAL: usize = 4;
+const PRINCIPAL_BUDGET: usize = BODY_BUDGET / 2;
 
 /// A body announced at most this long takes a small turn, of which there are many: its memory
 /// is small, and the reports of a healthy fleet never wait behind a tenant's large ones.
@@ -201,15 +208,35 @@ pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// What a body may take before its rate counts.
 pub const BODY_GRACE: Duration = Duration::from_secs(1);
 
-/// Each principal's turns, made when it first sends a large body (principals are the
+/// Each principal's turns and bytes, made when it first sends a large body (principals are the
 /// configured tokens: a bounded set).
-static TURNS: std::sync::LazyLock<dashmap::DashMap<String, Arc<tokio::sync::Semaphore>>> =
+static TURNS: std::sync::LazyLock<dashmap::DashMap<String, Budget>> =
     std::sync::LazyLock::new(dashmap::DashMap::new);
 
-/// Small bodies read at once, per process (64 MiB at most) and per principal (16 MiB): they
-/// need no turn, but a tenant's thousands of connections must not hold one each.
-static SMALL_BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(1024);
-pub const SMALL_PER_PRINCIPAL: usize = 256;
+/// One principal's large-body turns and bytes.
+#[derive(Clone)]
+struct Budget {
+    turns: Arc<tokio::sync::Semaphore>,
+    bytes: Arc<tokio::sync::Semaphore>,
+}
+
+/// What a body being read holds until it is parsed (dropped: given back).
+enum Turn {
+    Small(
+        #[allow(dead_code)] tokio::sync::OwnedSemaphorePermit,
+        #[allow(dead_code)] tokio::sync::SemaphorePermit<'static>,
+    ),
+    Large(
+        #[allow(dead_code)] tokio::sync::OwnedSemaphorePermit,
+        #[allow(dead_code)] tokio::sync::OwnedSemaphorePermit,
+        #[allow(dead_code)] tokio::sync::SemaphorePermit<'static>,
+    ),
+}
+
+/// Small bodies read at once, per process (16 MiB at most) and per principal (4 MiB): they
+/// need no byte count, but a tenant's thousands of connections must not hold one each.
+static SMALL_BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(256);
+pub const SMALL_PER_PRINCIPAL: usize = 64;
 static SMALL_TURNS: std::sync::LazyLock<dashmap::DashMap<String, Arc<tokio::sync::Semaphore>>> =
     std::sync::LazyLock::new(dashmap::DashMap::new);
 
@@ -312,17 +339,20 @@ pub fn error(status: StatusCode, message: &str) -> Response<Body> {
 /// not `T`, 408 when it comes slower than [`MIN_BODY_RATE`] (after [`BODY_GRACE`]) or takes
 /// longer than [`BODY_TIMEOUT`], 503 when no turn comes within [`TURN_WAIT`]. A body announced
 /// at most [`SMALL_BODY`] long takes one of `who`'s [`SMALL_PER_PRINCIPAL`] small turns and
-/// one of the process's 1 024; a larger one (or one of unknown length) one of `who`'s
-/// [`BODIES_PER_PRINCIPAL`], then one of the process's 32; before its clock starts.
+/// one of the process's 256; a larger one (or one of unknown length) one of `who`'s
+/// [`BODIES_PER_PRINCIPAL`] turns and its bytes of `who`'s half of [`BODY_BUDGET`] and of the
+/// process's; before its clock starts. The turn is held until the body is parsed.
 pub async fn read_json<T: DeserializeOwned>(
     req: Request<Incoming>,
     who: &str,
 ) -> Result<T, Response<Body>> {
-    let small = req
+    let announced = req
         .headers()
         .get(http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok())
-        .is_some_and(|n| n <= SMALL_BODY);
+        .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if announced.is_some_and(|n| n > MAX_BODY as u64) {
+        return Err(too_large());
+    }
     let busy = || {
         let mut resp = error(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -334,26 +364,42 @@ pub async fn read_json<T: DeserializeOwned>(
         );
         resp
     };
-    let (turns, per, all) = if small {
-        (&SMALL_TURNS, SMALL_PER_PRINCIPAL, &SMALL_BODIES)
+    let turn = if announced.is_some_and(|n| n <= SMALL_BODY) {
+        let own = SMALL_TURNS
+            .entry(who.to_string())
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(SMALL_PER_PRINCIPAL)))
+            .clone();
+        tokio::time::timeout(TURN_WAIT, async {
+            let own = own.acquire_owned().await.ok()?;
+            let any = SMALL_BODIES.acquire().await.ok()?;
+            Some(Turn::Small(own, any))
+        })
+        .await
     } else {
-        (&TURNS, BODIES_PER_PRINCIPAL, &BODIES)
+        let units = announced
+            .map_or(MAX_BODY, |n| n as usize)
+            .div_ceil(BODY_UNIT) as u32;
+        let own = TURNS
+            .entry(who.to_string())
+            .or_insert_with(|| Budget {
+                turns: Arc::new(tokio::sync::Semaphore::new(BODIES_PER_PRINCIPAL)),
+                bytes: Arc::new(tokio::sync::Semaphore::new(PRINCIPAL_BUDGET / BODY_UNIT)),
+            })
+            .clone();
+        tokio::time::timeout(TURN_WAIT, async {
+            let turn = own.turns.acquire_owned().await.ok()?;
+            let bytes = own.bytes.acquire_many_owned(units).await.ok()?;
+            let any = BODIES.acquire_many(units).await.ok()?;
+            Some(Turn::Large(turn, bytes, any))
+        })
+        .await
     };
-    let own = turns
-        .entry(who.to_string())
-        .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(per)))
-        .clone();
-    let turn = tokio::time::timeout(TURN_WAIT, async {
-        let own = own.acquire_owned().await.ok()?;
-        let any = all.acquire().await.ok()?;
-        Some((own, any))
-    })
-    .await;
     let _turn = match turn {
         Ok(Some(t)) => t,
         _ => return Err(busy()),
     };
-    let bytes = match timely_body(req.into_body()).await {
+    let capacity = announced.map_or(0, |n| n as usize);
+    let bytes = match timely_body(req.into_body(), capacity).await {
         Ok(bytes) => bytes,
         Err(resp) => return Err(resp),
     };
@@ -361,11 +407,16 @@ pub async fn read_json<T: DeserializeOwned>(
         .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("malformed body: {e}")))
 }
 
+fn too_large() -> Response<Body> {
+    error(StatusCode::PAYLOAD_TOO_LARGE, "body larger than 8 MiB")
+}
+
 /// Collects `body` within the size, rate and time bounds of [`read_json`].
-async fn timely_body(mut body: Incoming) -> Result<bytes::Bytes, Response<Body>> {
+/// `capacity`: what the body announced (held in one allocation, not grown by doubling).
+async fn timely_body(mut body: Incoming, capacity: usize) -> Result<bytes::Bytes, Response<Body>> {
     let start = tokio::time::Instant::now();
     let deadline = start + BODY_TIMEOUT;
-    let mut out = bytes::BytesMut::new();
+    let mut out = bytes::BytesMut::with_capacity(capacity.min(MAX_BODY));
     let slow = || {
         error(
             StatusCode::REQUEST_TIMEOUT,
@@ -386,17 +437,15 @@ async fn timely_body(mut body: Incoming) -> Result<bytes::Bytes, Response<Body>>
         };
         if let Ok(data) = frame.into_data() {
             if out.len() + data.len() > MAX_BODY {
-                return Err(error(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body larger than 8 MiB",
-                ));
+                return Err(too_large());
             }
             out.extend_from_slice(&data);
         }
     }
 }
 
-/// The answer to a report whose source was refused: 429 (a flood of new sources; retry) or
+/// The answer to a report whose source was refused: 429 (a flood of new sources, or a source
+/// past one report per interval; retry) or
 /// 403 (a host reporting for a service that is not its own), counted by kind. A duplicate is
 /// not answered here: its sender gets the usual reply.
 pub fn source_refused(
@@ -404,8 +453,13 @@ pub fn source_refused(
     reports: &prometheus::IntCounterVec,
 ) -> Response<Body> {
     match refusal {
-        crate::control::SourceRefusal::Flood => {
-            reports.with_label_values(&["throttled"]).inc();
+        crate::control::SourceRefusal::Flood | crate::control::SourceRefusal::TooSoon => {
+            let label = if matches!(refusal, crate::control::SourceRefusal::Flood) {
+                "throttled"
+            } else {
+                "too_soon"
+            };
+            reports.with_label_values(&[label]).inc();
             let mut resp = error(StatusCode::TOO_MANY_REQUESTS, &refusal.to_string());
             resp.headers_mut().insert(
                 http::header::RETRY_AFTER,

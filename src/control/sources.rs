@@ -4,11 +4,12 @@
 //! reported, its interval, its sequence number, the services it reports for and its owner (the
 //! service whose token sent it, or the aggregators, or the shared token). From those it refuses
 //! a flood of new sources ([`NEW_SOURCES_PER_SEC`] and [`MAX_SOURCES_PER_OWNER`], per owner, so
-//! that one service's token cannot crowd out another's hosts), a host reporting for a service
-//! other than those its first report named, and a report it has already counted (a retry or a
-//! replay to the same replica: same or older `seq`). Must never: hold more than one record per
-//! source, keep one past three of its intervals, drop a returning source's data unseen (its
-//! owner must take its values out first), or count a report twice.
+//! that one service's token cannot crowd out another's hosts; a full owner's idle sources make
+//! room first), a host reporting for a service other than those its first report named, a
+//! report it has already counted (a retry or a replay to the same replica: same or older
+//! `seq`), and a source's reports past one per interval (two in a row pass). Must never: hold
+//! more than one record per source, keep one past three of its intervals, drop a returning
+//! source's data unseen (its owner must take its values out first), or count a report twice.
 
 use std::collections::HashMap;
 
@@ -27,6 +28,8 @@ pub enum SourceRefusal {
     /// Not an error for the sender: its counts are in already.
     #[error("report {0} of this source was already counted")]
     Duplicate(u64),
+    #[error("this source reports more often than once per its interval; retry")]
+    TooSoon,
 }
 
 /// One live source.
@@ -37,6 +40,9 @@ pub struct Source<T> {
     /// The source's own report interval, in seconds.
     pub interval: f64,
     seq: u64,
+    /// When its next report is due at the earliest, on the owner's clock: one report per its
+    /// interval, two in a row allowed (a reply that came late, then the next on time).
+    due: f64,
     services: Vec<Box<str>>,
     owner: Box<str>,
     /// What the owner keeps per source.
@@ -55,6 +61,7 @@ pub struct Sources<T> {
     pub throttled: u64,
     pub foreign: u64,
     pub duplicates: u64,
+    pub too_soon: u64,
 }
 
 impl<T> Default for Sources<T> {
@@ -67,12 +74,16 @@ impl<T> Default for Sources<T> {
             throttled: 0,
             foreign: 0,
             duplicates: 0,
+            too_soon: 0,
         }
     }
 }
 
 /// A source is forgotten after this many of its intervals without a report.
 const FORGET_AFTER: f64 = 3.0;
+
+/// ...or after this many, when its owner has no room for another source.
+const IDLE_AT_CAP: f64 = 1.5;
 
 impl<T> Source<T> {
     /// Whose budget it counts against.
@@ -122,6 +133,7 @@ impl<T: Default> Sources<T> {
                             last: now,
                             interval,
                             seq: 0,
+                            due: now,
                             services: Vec::new(),
                             owner: owner.into(),
                             data: T::default(),
@@ -137,6 +149,13 @@ impl<T: Default> Sources<T> {
         if report.seq != 0 && report.seq <= s.seq {
             self.duplicates += 1;
             return Err(SourceRefusal::Duplicate(report.seq));
+        }
+        // At most one report per interval (a stopping source's last one aside): a tenant's
+        // source cannot have its values replaced and its sums walked many times a second.
+        let due = s.due.max(now);
+        if live && !report.last && due - now > interval {
+            self.too_soon += 1;
+            return Err(SourceRefusal::TooSoon);
         }
         if pinned {
             if s.services.is_empty() {
@@ -164,16 +183,28 @@ impl<T: Default> Sources<T> {
         s.last = now;
         s.interval = interval;
         s.seq = s.seq.max(report.seq);
+        s.due = due + interval;
         Ok(s)
     }
 
-    /// Forgets the sources silent for three of their intervals, handing each one's data to
-    /// `gone` first.
+    /// Forgets the sources silent for three of their intervals, and those of an owner at its
+    /// [`MAX_SOURCES_PER_OWNER`] silent for [`IDLE_AT_CAP`] of theirs (its newcomers are
+    /// refused meanwhile, so idle ones make room first), handing each one's data to `gone`
+    /// first.
     pub fn expire(&mut self, now: f64, mut gone: impl FnMut(&str, Source<T>)) {
+        let full = |owner: &str| {
+            self.live
+                .get(owner)
+                .is_some_and(|n| *n >= MAX_SOURCES_PER_OWNER)
+        };
         let dead: Vec<Box<str>> = self
             .index
             .iter()
-            .filter(|(_, s)| now - s.last > FORGET_AFTER * s.interval)
+            .filter(|(_, s)| {
+                let silent = now - s.last;
+                silent > FORGET_AFTER * s.interval
+                    || (silent > IDLE_AT_CAP * s.interval && full(&s.owner))
+            })
             .map(|(n, _)| n.clone())
             .collect();
         for name in dead {

@@ -302,6 +302,60 @@ fn a_report_already_counted_is_not_counted_again() {
 }
 
 #[test]
+fn a_source_reporting_faster_than_its_interval_is_refused_past_two_in_a_row() {
+    let mut zone = ZoneSums::new(0.0, 100);
+    let mut seq = 0;
+    let mut send = |zone: &mut ZoneSums, at: f64, last: bool| {
+        seq += 1;
+        let mut r = report("h", vec![entry(Some("k"), 10, 10)]);
+        r.seq = seq;
+        r.last = last;
+        zone.record(r, "t", at)
+    };
+    // On time, then a late reply's report and the next on time back to back: all taken.
+    for at in [0.0, 1.0, 2.9, 3.0, 4.0] {
+        assert!(send(&mut zone, at, false).is_ok(), "at {at}");
+    }
+    // Ten a second: past the second in a row, refused until its interval has passed.
+    let refused = (0..10)
+        .filter(|i| send(&mut zone, 4.1 + f64::from(*i) / 10.0, false).is_err())
+        .count();
+    assert_eq!(refused, 9);
+    assert_eq!(zone.refusals_too_soon(), 9);
+    // A stopping source's last report is taken however soon.
+    assert!(send(&mut zone, 5.05, true).is_ok());
+}
+
+#[test]
+fn an_owner_at_its_source_cap_has_its_idle_sources_evicted_before_newcomers_wait_long() {
+    use super::sources::MAX_SOURCES_PER_OWNER;
+    let mut zone = ZoneSums::new(0.0, 100);
+    let with_minute = |name: &str| {
+        let mut r = report(name, vec![]);
+        r.interval_ms = 60_000;
+        r
+    };
+    // The owner's cap reached within 50 s, at the most new sources a second.
+    let per_sec = NEW_SOURCES_PER_SEC as usize;
+    for i in 0..MAX_SOURCES_PER_OWNER {
+        let at = (i / per_sec) as f64;
+        zone.record(with_minute(&format!("h-{i}")), "t", at)
+            .unwrap();
+    }
+    let newcomer = with_minute("new");
+    assert_eq!(
+        zone.record(newcomer.clone(), "t", 140.0),
+        Err(SourceRefusal::Flood)
+    );
+    // A minute and a half silent is idle for a full owner (not yet forgotten otherwise: three
+    // minutes), so the next sweep makes room; the one that kept reporting stays.
+    zone.record(with_minute("h-0"), "t", 130.0).unwrap();
+    zone.take(141.0, false);
+    assert_eq!(zone.hosts(), 1);
+    assert!(zone.record(newcomer, "t", 141.5).is_ok());
+}
+
+#[test]
 fn a_flood_of_new_hosts_is_throttled_per_second_and_known_hosts_still_report() {
     let mut zone = ZoneSums::new(0.0, 100);
     let known = report("known", vec![entry(Some("k"), 10, 10)]);
@@ -845,6 +899,27 @@ fn a_sketch_is_charged_against_the_replicas_room_as_its_bytes_are() {
     );
     zone.record(r, "t", 0.0).unwrap();
     assert_eq!(zone.refused, 1);
+}
+
+#[test]
+fn a_long_key_is_charged_against_the_replicas_room_as_its_bytes_are() {
+    // Room for 20 entries (10 per owner): a 640-byte key takes 10 of them, so a second one
+    // and any more of the same owner's keys find none, while another owner's still do.
+    let mut zone = ZoneSums::new(0.0, 20);
+    let long = "k".repeat(640);
+    let r = report(
+        "h",
+        vec![
+            entry(Some(&long), 1, 1),
+            entry(Some(&format!("{long}2")), 1, 1),
+            entry(Some("k"), 1, 1),
+        ],
+    );
+    zone.record(r, "t", 0.0).unwrap();
+    assert_eq!(zone.refused, 2);
+    zone.record(report("other", vec![entry(Some("k"), 1, 1)]), "u", 0.0)
+        .unwrap();
+    assert_eq!(zone.refused, 2);
 }
 
 #[test]

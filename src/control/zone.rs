@@ -9,8 +9,8 @@
 //! unit are carried to the next forward, never rounded away. Tails' sketches are unioned and
 //! the hosts of each rule counted. Smoothing is the controller's ([`super::sum`]), after the
 //! zone's sums meet.
-//! Must never: hold more than `max_keys` entries, or more than half of them for one
-//! service's hosts; hand one host's unit to two forwards.
+//! Must never: hold more than `max_keys` entries (a long key is charged as several), or more
+//! than half of them for one service's hosts; hand one host's unit to two forwards.
 
 use std::collections::HashMap;
 
@@ -102,6 +102,11 @@ struct HeldKey {
     admitted: f64,
 }
 
+/// Key bytes one entry's charge covers; a longer key is charged as that many entries (it is
+/// held twice: with its host's values and in the pending sums), so that the room bounds memory
+/// and not only a count.
+const KEY_BYTES: usize = 64;
+
 /// Entries a tail's sketch is charged as.
 const SKETCH_CHARGE: usize = crate::limit::distinct::WIRE_LEN / 48;
 
@@ -126,6 +131,11 @@ impl ZoneSums {
             conflicts: 0,
             refused: 0,
         }
+    }
+
+    /// Reports refused for coming sooner than one per their source's interval.
+    pub fn refusals_too_soon(&self) -> u64 {
+        self.hosts.too_soon
     }
 
     /// Reports refused by kind: (throttled, foreign, duplicate).
@@ -166,7 +176,11 @@ impl ZoneSums {
             .min((self.max_keys / 2).saturating_sub(mine));
         let mut taken = 0;
         for e in report.entries {
-            let charge = 1 + if e.sketch.is_some() { SKETCH_CHARGE } else { 0 };
+            let key_units = e
+                .key
+                .as_ref()
+                .map_or(1, |k| k.len().div_ceil(KEY_BYTES).max(1));
+            let charge = key_units + if e.sketch.is_some() { SKETCH_CHARGE } else { 0 };
             if room < charge {
                 self.refused += 1;
                 continue;
