@@ -101,6 +101,7 @@ VALUE_SETS.update({
         "example": {"enabled": True},
     },
     "native sidecar": {"sidecar": {"native": True}, "example": {"enabled": True}},
+    "shared token, asked for": {"controlPlane": {"enabled": True, "token": {"shared": True}}, "example": {"enabled": True}},
 })
 
 OPERATOR_REQUIRED = {
@@ -185,6 +186,27 @@ def releases(name, docs):
         check(sorted(tokens) == ["_admin", "_aggregators", "cart", "shop"], f"{name}: a token per service {sorted(tokens)}")
         args = statefulsets["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
         check("--tokens=/var/run/secrets/spillway" in args, f"{name}: the controller reads the per-service tokens")
+    if name == "full control plane":
+        # Without a word about tokens, each service gets its own: this release's, the
+        # aggregators' and the admin's; the sidecar mounts only its own.
+        tokens = by_kind.get("Secret", {}).get("spillway-tokens", {}).get("data", {})
+        check(sorted(tokens) == ["_admin", "_aggregators", "my-app"] and "spillway-token" not in by_kind.get("Secret", {}),
+              f"{name}: per-service tokens by default {sorted(tokens)}")
+        vols = {v["name"]: v for v in deployments["spillway-example"]["spec"]["template"]["spec"]["volumes"]}
+        check(vols["spillway-token"]["secret"]["secretName"] == "spillway-tokens"
+              and vols["spillway-token"]["secret"]["items"] == [{"key": "my-app", "path": "token"}],
+              f"{name}: the sidecar mounts its own service's token {vols['spillway-token']}")
+    monitor = by_kind.get("ServiceMonitor", {}).get("spillway-control-plane")
+    if monitor:
+        auth = monitor["spec"]["endpoints"][0].get("authorization", {})
+        check(auth.get("type") == "Bearer" and auth["credentials"] == {"name": "spillway-tokens", "key": "_admin", "optional": True},
+              f"{name}: Prometheus scrapes the controllers' per-rule rates with the admin token {auth}")
+    if name == "shared token, asked for":
+        secrets = by_kind.get("Secret", {})
+        args = statefulsets["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        check("spillway-token" in secrets and "spillway-tokens" not in secrets
+              and "--token-file=/var/run/secrets/spillway/token" in args,
+              f"{name}: one shared token {sorted(secrets)} {args}")
     if name == "sidecar only, another release's control plane":
         secrets = sorted(by_kind.get("Secret", {}))
         check(not control and secrets == ["spillway-key-secret"],
@@ -309,6 +331,7 @@ def bad_releases():
         ({"controlPlane": {"url": "http://agg:7001"}, "example": {"enabled": True}}, "token.existingSecret"),
         ({"controlPlane": {"url": "http://agg:7001"}}, "token.existingSecret"),
         ({"service": "shop", "controlPlane": {"enabled": True, "tokens": {"services": ["cart"]}}}, "must list this release's service"),
+        ({"sidecar": {"enabled": False}, "controlPlane": {"enabled": True}}, "controlPlane.tokens.services"),
     ]:
         try:
             chart.render(values, name="spillway", namespace="shop", is_install=True)

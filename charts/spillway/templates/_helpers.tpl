@@ -30,11 +30,30 @@ app.kubernetes.io/component: {{ .component }}
 {{ .image.repository }}:{{ .image.tag }}
 {{- end -}}
 
-{{/* The per-service tokens Secret (given, or generated from tokens.services), or nothing. */}}
+{{/* "true" when the control plane gives each service its own token (the default), from the
+controlPlane values: one shared token only when asked for (token.shared, token.value or
+token.existingSecret) and no per-service tokens are named. */}}
+{{- define "spillway.perServiceTokens" -}}
+{{- if or .tokens.existingSecret .tokens.services (not (or .token.shared .token.value .token.existingSecret)) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The services given a generated token: tokens.services, or this release's own service. */}}
+{{- define "spillway.tokenServices" -}}
+{{- $cp := .Values.controlPlane -}}
+{{- if $cp.tokens.services -}}
+{{- join "," $cp.tokens.services -}}
+{{- else if .Values.sidecar.enabled -}}
+{{- .Values.service -}}
+{{- else -}}
+{{- fail "controlPlane.tokens.services: list the services whose proxies report to this control plane (each gets its own token), or set controlPlane.token.shared: true for one token shared by all" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The per-service tokens Secret (given, or generated), or nothing (a shared token). */}}
 {{- define "spillway.tokensSecret" -}}
 {{- if .Values.controlPlane.tokens.existingSecret -}}
 {{- .Values.controlPlane.tokens.existingSecret -}}
-{{- else if .Values.controlPlane.tokens.services -}}
+{{- else if include "spillway.perServiceTokens" .Values.controlPlane -}}
 {{- printf "%s-tokens" (include "spillway.fullname" .) -}}
 {{- end -}}
 {{- end -}}
@@ -195,7 +214,7 @@ while the sidecar stops taking requests. With `sidecar.native`, put the sidecar 
     {{- if $cp.url }}
     # This service's token, in its own namespace (the control plane is another release's).
     secretName: {{ required "controlPlane.url needs controlPlane.token.existingSecret: a Secret with this service's token (key: token)" $cp.token.existingSecret }}
-    {{- else if or $cp.tokens.existingSecret $cp.tokens.services }}
+    {{- else if include "spillway.perServiceTokens" $cp }}
     # Only this service's token, as the file `token`.
     secretName: {{ $cp.tokens.existingSecret | default (printf "%s-tokens" .release) }}
     items:
