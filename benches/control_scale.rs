@@ -6,7 +6,9 @@
 //! - aggregator: host reports per second with 100 keys each (2 000 hosts over 1 000 keys);
 //! - controller: host reports per second with 100 keys each from 10 000 sources of eight
 //!   services, then the values it holds and its resident memory with all 10 000 x 100 live;
-//! - controller: zone sums per second with 1 000 keys each (20 aggregator replicas).
+//! - controller: zone sums per second with 1 000 keys each (200 aggregator replicas).
+//!   Each source states an interval that lets it report as often as the server takes it
+//!   (a source past one report per interval is refused).
 //!   Reports that the new-source guard turns away (429, 1 000 new sources a second) are
 //!   retried and not counted.
 
@@ -33,9 +35,14 @@ struct Server {
 
 impl Server {
     fn start(args: &[&str]) -> Server {
+        // SPILLWAY_BENCH_BIN: another build (a baseline) run through the same load.
+        let bin = std::env::var("SPILLWAY_BENCH_BIN").unwrap_or_else(|_| BIN.to_string());
         let mut child = std::process::Command::new("taskset")
-            .args(["-c", "0", BIN])
+            .args(["-c", "0", &bin])
             .args(args)
+            // A 2 000-host zone of one service (an environment variable: a baseline without
+            // the flag ignores it).
+            .env("SPILLWAY_MAX_ENTRIES", "400000")
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -98,9 +105,11 @@ async fn blast(
     let next = Arc::new(AtomicU64::new(0));
     let ok = Arc::new(AtomicU64::new(0));
     let counting = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let end = Instant::now() + warmup + secs;
+    let started = Instant::now();
+    let end = started + warmup + secs;
     let mut tasks = Vec::new();
     for _ in 0..SENDERS {
+        let started = started;
         let (client, sources, next, ok, counting) = (
             client.clone(),
             sources.clone(),
@@ -111,7 +120,10 @@ async fn blast(
         tasks.push(tokio::spawn(async move {
             while Instant::now() < end {
                 let n = next.fetch_add(1, Ordering::Relaxed);
-                let (name, body) = &sources[(n % sources.len() as u64) as usize];
+                // New sources come in at 900 a second (the server takes 1 000): each joins the
+                // round once it may, and stays live from then on.
+                let joined = (900.0 * (started.elapsed().as_secs_f64() + 1.0)) as u64;
+                let (name, body) = &sources[(n % joined.min(sources.len() as u64)) as usize];
                 let report = format!(
                     r#"{{"version":1,"source":"{name}","interval_ms":{interval_ms},"seq":{},"entries":[{body}]}}"#,
                     n + 1
@@ -135,11 +147,11 @@ async fn blast(
     }
     tokio::time::sleep(warmup).await;
     counting.store(true, Ordering::Relaxed);
-    let started = Instant::now();
+    let counted = Instant::now();
     for t in tasks {
         let _ = t.await;
     }
-    ok.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64()
+    ok.load(Ordering::Relaxed) as f64 / counted.elapsed().as_secs_f64()
 }
 
 async fn metric(admin: SocketAddr, name: &str) -> f64 {
@@ -176,7 +188,7 @@ fn main() -> anyhow::Result<()> {
         let url = format!("http://{}", ctl.addr);
         let agg = Server::start(
             &[
-                &["aggregator", "--controller", &url, "--zone", "z", "--interval", "1s", "--max-entries", "400000"][..],
+                &["aggregator", "--controller", &url, "--zone", "z", "--interval", "1s"][..],
                 &loopback,
             ]
             .concat(),
@@ -184,10 +196,11 @@ fn main() -> anyhow::Result<()> {
         let hosts: Vec<(String, String)> = (0..2000)
             .map(|i| (format!("host-{i}"), entries("svc", 100, i, 1000)))
             .collect();
+        // Each host at most four reports a second (its interval), as the server allows.
         let rate = blast(
             agg.addr,
             Arc::new(hosts),
-            1000,
+            250,
             Duration::from_secs(3),
             Duration::from_secs(10),
         )
@@ -208,11 +221,12 @@ fn main() -> anyhow::Result<()> {
                 (format!("host-{i}"), entries(&service, 100, i * 100, 1_000_000))
             })
             .collect();
-        // A long interval keeps all 10 000 live while they are sent round-robin.
+        // Half a second keeps all 10 000 live while they are sent round-robin (each about once
+        // a second), and lets each report as often as the server takes them.
         let rate = blast(
             ctl.addr,
             Arc::new(sources),
-            600_000,
+            500,
             Duration::from_secs(12),
             Duration::from_secs(10),
         )
@@ -226,7 +240,9 @@ fn main() -> anyhow::Result<()> {
         drop(ctl);
 
         let ctl = Server::start(&[&["controller"][..], &loopback].concat());
-        let zones: Vec<(String, String)> = (0..20)
+        // 200 replicas forwarding up to ten times a second each: a source reports at most once
+        // per its interval.
+        let zones: Vec<(String, String)> = (0..200)
             .map(|i| {
                 let source = format!("zone:z{}/r{i}", i / 2);
                 (source, entries("svc", 1000, i * 1000, 20_000))
@@ -235,14 +251,14 @@ fn main() -> anyhow::Result<()> {
         let rate = blast(
             ctl.addr,
             Arc::new(zones),
-            1000,
+            100,
             Duration::from_secs(2),
             Duration::from_secs(10),
         )
         .await;
         let held = metric(ctl.admin, "spillway_controller_tracked").await;
         println!(
-            "| controller | zone sums, 1 000 keys each, 20 replicas | {rate:.0} sums | {held:.0} values | {:.0} MiB |",
+            "| controller | zone sums, 1 000 keys each, 200 replicas | {rate:.0} sums | {held:.0} values | {:.0} MiB |",
             ctl.rss_mib()
         );
         Ok(())
