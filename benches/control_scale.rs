@@ -109,7 +109,6 @@ async fn blast(
     let end = started + warmup + secs;
     let mut tasks = Vec::new();
     for _ in 0..SENDERS {
-        let started = started;
         let (client, sources, next, ok, counting) = (
             client.clone(),
             sources.clone(),

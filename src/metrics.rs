@@ -98,6 +98,8 @@ pub struct RedisMetrics {
     pub on_error_fallback: IntCounter,
     /// Refusals answered from the local cache of keys known to be refused, per rule.
     pub cache_answers: IntCounterVec,
+    /// Keys not seen lately refused before Redis, past the rule's `new_keys`, per rule.
+    pub new_keys_refused: IntCounterVec,
 }
 
 impl RedisMetrics {
@@ -154,8 +156,17 @@ impl RedisMetrics {
             &["rule"],
         )
         .expect("valid metric");
+        let new_keys_refused = IntCounterVec::new(
+            Opts::new(
+                "spillway_redis_new_keys_refused_total",
+                "Keys not seen lately refused here, before Redis, past the rule's new_keys a second.",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
         for c in [
             Box::new(duration.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(new_keys_refused.clone()),
             Box::new(errors.clone()),
             Box::new(breaker_state.clone()),
             Box::new(breaker_opened.clone()),
@@ -175,6 +186,7 @@ impl RedisMetrics {
             on_error_deny: on_error.with_label_values(&["deny"]),
             on_error_fallback: on_error.with_label_values(&["fallback"]),
             cache_answers,
+            new_keys_refused,
         }
     }
 }

@@ -1704,3 +1704,160 @@ async fn a_warming_control_plane_gives_a_previous_release_no_ratios() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
     assert!(body.contains("warming up"), "{body}");
 }
+
+/// A proxy of `service` in front of `up`, reporting to `agg` with `token` every second, one
+/// global rule per API key of [`LIMIT`].
+fn service_proxy(service: &str, up: SocketAddr, agg: SocketAddr, token: &str) -> Proc {
+    let token_file = temp_file(&format!("{service}-token"), &format!("{token}\n"));
+    let yaml = format!(
+        r#"service: {service}
+listen: 127.0.0.1:0
+admin: 127.0.0.1:0
+upstream: http://{up}
+control_plane:
+  url: http://{agg}
+  token_file: {}
+  report_interval: 1s
+  stale_after: 3s
+  host: {service}-1
+rules:
+  - name: per-key
+    key: [header:x-api-key]
+    limit: {{ rate: {LIMIT}/s }}
+    scope: global
+"#,
+        token_file.display()
+    );
+    let path = temp_file(&format!("{service}-proxy.yaml"), &yaml);
+    Proc::spawn(&["proxy", "--config", path.to_str().unwrap()])
+}
+
+/// What each of `proxies` admitted of 3x [`LIMIT`] over `secs`, and the reports it failed to
+/// get answered meanwhile (a reply past its timeout, or an error).
+async fn offered_apart(proxies: &[&Proc], secs: f64) -> Vec<(u64, f64)> {
+    let failed = |p: &Proc| {
+        let admin = p.admin;
+        async move {
+            let (_, _, text) = get(admin, "/metrics", &[]).await;
+            metric(&text, "spillway_reports_total{result=\"error\"}").unwrap_or(0.0)
+        }
+    };
+    let mut before = Vec::new();
+    for p in proxies {
+        before.push(failed(p).await);
+    }
+    let counts: Vec<Arc<Counts>> = proxies.iter().map(|_| Arc::default()).collect();
+    let tasks: Vec<_> = proxies
+        .iter()
+        .zip(&counts)
+        .map(|(p, c)| tokio::spawn(offer(p.addr, "hot", 3 * LIMIT, secs, c.clone())))
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let mut out = Vec::new();
+    for ((p, c), b) in proxies.iter().zip(&counts).zip(before) {
+        let (ok, _, other) = c.take();
+        assert_eq!(other, 0, "errors from a proxy");
+        out.push((ok, failed(p).await - b));
+    }
+    out
+}
+
+// Issue 42, item 1: one service's token at its worst (slow bodies, maximal reports, state reads
+// in a loop, a flood of new sources) while two other services' proxies report through the same
+// aggregator and controller: their limits and their reports are as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_they_were() {
+    use tokio::io::AsyncWriteExt;
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tokens_dir();
+    let dir = dir.to_str().unwrap();
+    let ctl = controller("127.0.0.1:0", &["--tokens", dir]);
+    let agg = aggregator_with(ctl.addr, "z1", &["--tokens", dir]);
+    let up = upstream().await;
+    let books = service_proxy("books", up.addr, agg.addr, "books-t");
+    let maps = service_proxy("maps", up.addr, agg.addr, "maps-t");
+    let fleets = [&books, &maps];
+    // The chart's 1 s reports (a reply is waited for that long): settled, then as it is calm.
+    offered_apart(&fleets, 4.0).await;
+    for ((ok, failed), service) in offered_apart(&fleets, 4.0)
+        .await
+        .into_iter()
+        .zip(["books", "maps"])
+    {
+        eprintln!("{service} calm: {ok} admitted, {failed} reports failed");
+    }
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // What the tenant got through: maximal reports, state reads, new sources.
+    let sent = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
+    let mut attack = tokio::task::JoinSet::new();
+    let (agg_addr, ctl_addr) = (agg.addr, ctl.addr);
+    // Slow bodies: forty reports announcing 1 MB and sending one byte, renewed every second.
+    let s = stop.clone();
+    attack.spawn(async move {
+        while !s.load(Ordering::Relaxed) {
+            let mut held = Vec::new();
+            for _ in 0..40 {
+                if let Ok(mut c) = tokio::net::TcpStream::connect(agg_addr).await {
+                    let _ = c
+                        .write_all(b"POST /v1/report HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer shop-t\r\nspillway-wire: 2\r\nContent-Length: 1000000\r\n\r\n{")
+                        .await;
+                    held.push(c);
+                }
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    });
+    // Maximal reports, two at a time, each from a host of its own.
+    for lane in 0..2 {
+        let (s, sent) = (stop.clone(), sent.clone());
+        attack.spawn(async move {
+            let mut i = 0;
+            while !s.load(Ordering::Relaxed) {
+                let body = maximal_report(&format!("big-{lane}-{i}"), "shop");
+                let status = report(agg_addr, "shop-t", body).await;
+                sent[0].fetch_add(
+                    u64::from(status != StatusCode::SERVICE_UNAVAILABLE),
+                    Ordering::Relaxed,
+                );
+                i += 1;
+            }
+        });
+    }
+    // State reads in a loop, and a flood of new sources.
+    let (s, read) = (stop.clone(), sent.clone());
+    attack.spawn(async move {
+        while !s.load(Ordering::Relaxed) {
+            let auth = [("authorization", "Bearer shop-t")];
+            let (status, _, _) = get(ctl_addr, "/v1/state", &auth).await;
+            read[1].fetch_add(u64::from(status == StatusCode::OK), Ordering::Relaxed);
+        }
+    });
+    let (s, flood) = (stop.clone(), sent.clone());
+    attack.spawn(async move {
+        let mut i = 0;
+        while !s.load(Ordering::Relaxed) {
+            let body = many_keys(&format!("flood-{i}"), "shop", 1);
+            let status = report(agg_addr, "shop-t", body).await;
+            let taken = status != StatusCode::TOO_MANY_REQUESTS;
+            flood[2].fetch_add(u64::from(taken), Ordering::Relaxed);
+            i += 1;
+        }
+    });
+    let under_attack = offered_apart(&fleets, 4.0).await;
+    stop.store(true, Ordering::Relaxed);
+    while attack.join_next().await.is_some() {}
+    let sent: Vec<u64> = sent.iter().map(|n| n.load(Ordering::Relaxed)).collect();
+    eprintln!("the tenant got through: {sent:?} (maximal reports, state reads, new sources)");
+    assert!(
+        sent.iter().all(|n| *n > 0),
+        "the attack did not run: {sent:?}"
+    );
+    for ((ok, failed), service) in under_attack.into_iter().zip(["books", "maps"]) {
+        eprintln!("{service}: {ok} admitted, {failed} reports failed");
+        assert_eq!(failed, 0.0, "{service}'s reports failed under attack");
+        assert_within(ok, 4.0, 0.05, &format!("{service} under attack"));
+    }
+}

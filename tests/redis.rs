@@ -1013,3 +1013,37 @@ async fn redis_key_names_hold_a_digest_under_the_services_secret() {
     );
     sc.shutdown();
 }
+
+/// Issue 42, item 6: a client rotating keys creates at most the rule's `new_keys` a second in
+/// Redis (and its burst), the rest refused here; a key already seen still goes to Redis.
+#[tokio::test]
+async fn a_client_rotating_keys_creates_at_most_new_keys_a_second_in_redis() {
+    let (redis, _up, sc) = started("", &limit("100/s", "gcra"), "    new_keys: 20\n").await;
+    // A key seen before the flood is answered by Redis throughout.
+    assert_eq!(answered(sc.addr(), "regular").await, 200);
+    let client = client();
+    let mut statuses = std::collections::BTreeMap::new();
+    let began = tokio::time::Instant::now();
+    for i in 0..400 {
+        let key = format!("rotated-{i}");
+        let (status, _, _) = send(&client, sc.addr(), "GET", "/", &[("x-client", &key)]).await;
+        *statuses.entry(status.as_u16()).or_insert(0) += 1;
+    }
+    // A burst of 20 and 20 a second over the time the flood took.
+    let most = 20 + (20.0 * began.elapsed().as_secs_f64()).ceil() as u64;
+    let mut conn = redis.conn().await;
+    let keys: u64 = redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap();
+    assert!(
+        keys <= most + 1,
+        "{keys} keys in Redis after 400 rotated keys, at most {most} new ({statuses:?})"
+    );
+    let refused = statuses.get(&429).copied().unwrap_or(0);
+    assert!(refused >= 400 - most, "{statuses:?}");
+    assert_eq!(answered(sc.addr(), "regular").await, 200);
+    let m = metrics(&sc).await;
+    assert_eq!(
+        count(&m, "spillway_redis_new_keys_refused_total{rule=\"r\"}"),
+        refused as f64,
+        "{m}"
+    );
+}

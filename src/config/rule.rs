@@ -39,6 +39,10 @@ pub struct Rule {
     /// How the key's `header:` and `query:` parts are shown in logs and sent to the control
     /// plane: as a keyed digest (default), or in clear.
     pub log_keys: LogKeys,
+    /// For `scope: redis`: the keys this proxy has not seen lately that it may send to Redis
+    /// each second (as many again at once); past it such a key gets 429 here, so that a client
+    /// rotating keys cannot fill Redis.
+    pub new_keys: NonZeroU32,
 }
 
 /// How a rule's private key parts are shown and sent.
@@ -115,6 +119,9 @@ pub(super) struct RawRule {
     pub(super) upstream_body_idle: Option<Dur>,
     #[serde(default, skip_serializing_if = "is_digest")]
     pub(super) log_keys: LogKeys,
+    /// Only with `scope: redis` (default 1 000 a second).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) new_keys: Option<NonZeroU32>,
 }
 
 fn is_digest(l: &LogKeys) -> bool {
@@ -127,6 +134,10 @@ fn is_end(r: &Release) -> bool {
 
 pub(super) fn default_max_keys() -> NonZeroU32 {
     NonZeroU32::new(100_000).expect("non-zero")
+}
+
+pub(super) fn default_new_keys() -> NonZeroU32 {
+    NonZeroU32::new(1000).expect("non-zero")
 }
 
 pub(super) fn default_max_queue() -> NonZeroU32 {
@@ -165,6 +176,7 @@ impl TryFrom<RawRule> for Rule {
             release: r.release,
             upstream_body_idle: r.upstream_body_idle,
             log_keys: r.log_keys,
+            new_keys: r.new_keys.unwrap_or_else(default_new_keys),
         })
     }
 }
@@ -313,6 +325,9 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
     } else if r.fallback.is_some() {
         return Err("fallback: applies to scope: global and scope: redis rules only".into());
     }
+    if r.new_keys.is_some() && r.scope != Scope::Redis {
+        return Err("new_keys: applies to scope: redis rules only".into());
+    }
     {
         match (&r.limit, &r.cost) {
             (Limit::Concurrency(_), Some(_)) => {
@@ -373,6 +388,7 @@ impl From<Rule> for RawRule {
             release: r.release,
             upstream_body_idle: r.upstream_body_idle,
             log_keys: r.log_keys,
+            new_keys: (r.scope == Scope::Redis).then_some(r.new_keys),
         }
     }
 }

@@ -342,7 +342,7 @@ pub fn error(status: StatusCode, message: &str) -> Response<Body> {
 /// one of the process's 256; a larger one (or one of unknown length) one of `who`'s
 /// [`BODIES_PER_PRINCIPAL`] turns and its bytes of `who`'s half of [`BODY_BUDGET`] and of the
 /// process's; before its clock starts. The turn is held until the body is parsed.
-pub async fn read_json<T: DeserializeOwned>(
+pub async fn read_json<T: DeserializeOwned + Send + 'static>(
     req: Request<Incoming>,
     who: &str,
 ) -> Result<T, Response<Body>> {
@@ -403,8 +403,20 @@ pub async fn read_json<T: DeserializeOwned>(
         Ok(bytes) => bytes,
         Err(resp) => return Err(resp),
     };
-    serde_json::from_slice(&bytes)
-        .map_err(|e| error(StatusCode::BAD_REQUEST, &format!("malformed body: {e}")))
+    let malformed =
+        |e: serde_json::Error| error(StatusCode::BAD_REQUEST, &format!("malformed body: {e}"));
+    if bytes.len() as u64 <= SMALL_BODY {
+        return serde_json::from_slice(&bytes).map_err(malformed);
+    }
+    // A large body parses off the runtime: a tenant's 8 MiB reports must not hold the threads
+    // that answer everyone else's.
+    match tokio::task::spawn_blocking(move || serde_json::from_slice::<T>(&bytes)).await {
+        Ok(parsed) => parsed.map_err(malformed),
+        Err(_) => Err(error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "the body's parse failed",
+        )),
+    }
 }
 
 fn too_large() -> Response<Body> {

@@ -185,6 +185,15 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
             quota: *quota,
             refused: Store::new(store_parts(r, metrics, &format!("{label}.refused"))),
             cache_answers: metrics.redis.cache_answers.with_label_values(&[label]),
+            admission: Admission {
+                seen: std::sync::OnceLock::new(),
+                size: r.sketch,
+                window: quota.window(),
+                budget: Gcra::new(),
+                quota: Quota::new(r.new_keys, std::time::Duration::from_secs(1), r.new_keys)
+                    .expect("a positive count a second"),
+                refused: metrics.redis.new_keys_refused.with_label_values(&[label]),
+            },
             fallback: fallback_store(r, metrics, label),
         },
         Limit::Rate {

@@ -140,6 +140,8 @@ enum Kind {
         /// Keys Redis refused, until when: answered here without a round trip.
         refused: Store<Refused>,
         cache_answers: IntCounter,
+        /// Keys not seen lately, bounded before they reach Redis.
+        admission: Admission,
         /// The local limit of `on_error: fallback`.
         fallback: Option<Fallback>,
     },
@@ -410,6 +412,7 @@ impl RuleSet {
                 Kind::Redis {
                     refused,
                     cache_answers,
+                    admission,
                     ..
                 } => match refused.map.get(&key[..]).and_then(|r| r.refused(now, cost)) {
                     Some(retry) => {
@@ -418,6 +421,9 @@ impl RuleSet {
                             retry_after: Some(retry),
                         }
                     }
+                    None if let Some(retry) = admission.admit(&key, now) => Decision::Deny {
+                        retry_after: Some(retry),
+                    },
                     None => {
                         // Decided by Redis once the local rules have all admitted.
                         calls.push(RedisCall {

@@ -26,6 +26,47 @@ impl Overflow {
     }
 }
 
+/// Which keys a redis rule sent to Redis lately (a sketch over two of the rule's windows: a
+/// key's Redis state lives about that long) and how many new ones it may still send: a client
+/// rotating keys creates at most `new_keys` a second (and as many at once) in Redis from this
+/// proxy; the rest get 429 here. A key the sketch mistakes for seen goes to Redis as before.
+pub(super) struct Admission {
+    pub(super) seen: std::sync::OnceLock<Sketch>,
+    pub(super) size: SketchSize,
+    /// The rule's window, for the sketch.
+    pub(super) window: Nanos,
+    pub(super) budget: Gcra,
+    /// `new_keys` a second, as many at once.
+    pub(super) quota: Quota,
+    pub(super) refused: IntCounter,
+}
+
+impl Admission {
+    /// `None`: `key` may go to Redis; else, when a new key may (a new key past the budget).
+    pub(super) fn admit(&self, key: &[u8], now: Nanos) -> Option<Nanos> {
+        let seen = self.seen.get_or_init(|| {
+            Sketch::new(
+                self.size.width.get() as usize,
+                self.size.depth.get() as usize,
+            )
+        });
+        if seen.seen(key, self.window, now) {
+            return None;
+        }
+        match self.budget.take(&self.quota, now, 1).0 {
+            Decision::Deny { retry_after } => {
+                self.refused.inc();
+                Some(retry_after.unwrap_or(self.quota.emission()))
+            }
+            _ => {
+                // Marked only when sent: a refused key stays new, so asking twice gains nothing.
+                seen.mark(key, self.window, now);
+                None
+            }
+        }
+    }
+}
+
 /// A global or redis rule's `fallback:` limit: a local rate limit of its own algorithm.
 pub(super) struct Fallback {
     pub(super) quota: Quota,

@@ -841,3 +841,80 @@ pub async fn at_end(s: &mut tokio::io::BufReader<tokio::net::TcpStream>) -> bool
         Ok(Ok(0))
     )
 }
+
+// The control plane as a tenant sees it (tests/tenant.rs, tests/fleet.rs).
+
+/// A `--tokens` directory: `shop-t`, `books-t`, `agg-t` (the aggregators), `admin-t`.
+pub fn tokens_dir() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "spillway-tenant-{}-{}",
+        std::process::id(),
+        fastrand::u32(..)
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    for (name, token) in [
+        ("shop", "shop-t"),
+        ("books", "books-t"),
+        ("maps", "maps-t"),
+        ("_aggregators", "agg-t"),
+        ("_admin", "admin-t"),
+    ] {
+        std::fs::write(dir.join(name), token).unwrap();
+    }
+    dir
+}
+
+/// POSTs a report with `token`, as this release's reporters do.
+pub async fn report(addr: SocketAddr, token: &str, body: String) -> StatusCode {
+    let req = http::Request::post(format!("http://{addr}/v1/report"))
+        .header("spillway-wire", "2")
+        .header("authorization", format!("Bearer {token}"))
+        .body(
+            http_body_util::Full::new(bytes::Bytes::from(body))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    let status = resp.status();
+    let _ = resp.into_body().collect().await;
+    status
+}
+
+/// A report of `keys` keys of `service`'s rule `r` (key `k<i>` offered `i + 1`).
+pub fn many_keys(source: &str, service: &str, keys: usize) -> String {
+    let entries: Vec<String> = (0..keys)
+        .map(|i| {
+            format!(
+                r#"{{"service":"{service}","rule":"r","limit":{{"count":10,"period_ms":1000}},"key":"k{i}","offered":{},"admitted":1}}"#,
+                i + 1
+            )
+        })
+        .collect();
+    format!(
+        r#"{{"version":1,"source":"{source}","zone":"z","interval_ms":1000,"entries":[{}]}}"#,
+        entries.join(",")
+    )
+}
+
+/// A report as large as a body may be (8 MiB), of keys of about 90 bytes that no other source
+/// reports.
+pub fn maximal_report(source: &str, service: &str) -> String {
+    let pad = "x".repeat(80);
+    let mut entries = Vec::new();
+    let mut len = 0;
+    for i in 0.. {
+        let e = format!(
+            r#"{{"service":"{service}","rule":"r","limit":{{"count":10,"period_ms":1000}},"key":"{source}-{pad}-{i}","offered":2,"admitted":1}}"#
+        );
+        len += e.len() + 1;
+        if len > (8 << 20) - 200 {
+            break;
+        }
+        entries.push(e);
+    }
+    format!(
+        r#"{{"version":1,"source":"{source}","zone":"z","interval_ms":1000,"entries":[{}]}}"#,
+        entries.join(",")
+    )
+}
