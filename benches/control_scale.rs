@@ -78,12 +78,13 @@ impl Drop for Server {
     }
 }
 
-/// The entries of a report: `n` keys of `service` starting at key `first` of `space`.
-fn entries(service: &str, n: usize, first: usize, space: usize) -> String {
+/// The entries of a report: `n` keys of `service` starting at key `first` of `space`, each
+/// offered 120 and admitted 100 under a limit of `limit` a second.
+fn entries(service: &str, n: usize, first: usize, space: usize, limit: u32) -> String {
     (0..n)
         .map(|i| {
             format!(
-                r#"{{"service":"{service}","rule":"r","limit":{{"count":100,"period_ms":1000}},"key":"key-{}","offered":120,"admitted":100}}"#,
+                r#"{{"service":"{service}","rule":"r","limit":{{"count":{limit},"period_ms":1000}},"key":"key-{}","offered":120,"admitted":100}}"#,
                 (first + i * 7) % space
             )
         })
@@ -193,7 +194,7 @@ fn main() -> anyhow::Result<()> {
             .concat(),
         );
         let hosts: Vec<(String, String)> = (0..2000)
-            .map(|i| (format!("host-{i}"), entries("svc", 100, i, 1000)))
+            .map(|i| (format!("host-{i}"), entries("svc", 100, i, 1000, 100)))
             .collect();
         // Each host at most four reports a second (its interval), as the server allows.
         let rate = blast(
@@ -217,15 +218,17 @@ fn main() -> anyhow::Result<()> {
             // Eight services: one service may hold only a quarter of the controller's room.
             .map(|i| {
                 let service = format!("svc-{}", i % 8);
-                (format!("host-{i}"), entries(&service, 100, i * 100, 1_000_000))
+                (format!("host-{i}"), entries(&service, 100, i * 100, 1_000_000, 1000))
             })
             .collect();
-        // Half a second keeps all 10 000 live while they are sent round-robin (each about once
-        // a second), and lets each report as often as the server takes them.
+        // One second keeps all 10 000 live while they are sent round-robin (each about once a
+        // second, a report past one per second refused); each key (one source's) stays under
+        // its limit, as the 600 s interval kept it before: over it, every reply carries the
+        // service's ratios and the row measures replies.
         let rate = blast(
             ctl.addr,
             Arc::new(sources),
-            500,
+            1000,
             Duration::from_secs(12),
             Duration::from_secs(10),
         )
@@ -244,7 +247,7 @@ fn main() -> anyhow::Result<()> {
         let zones: Vec<(String, String)> = (0..200)
             .map(|i| {
                 let source = format!("zone:z{}/r{i}", i / 2);
-                (source, entries("svc", 1000, i * 1000, 20_000))
+                (source, entries("svc", 1000, i * 1000, 20_000, 100))
             })
             .collect();
         let rate = blast(

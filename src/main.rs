@@ -306,8 +306,14 @@ impl Security {
             ),
             (None, None) => (TokenSource::None, String::new()),
         };
+        let shared_file = matches!(source, TokenSource::File(_));
         let creds = Credentials::load(source, self.admin_token_file, stop.clone())
             .map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        if shared_file {
+            tracing::warn!(
+                "{what}: one token for every service and the aggregators: a pod holding it can report for and read every service, claim any host name and send zone sums; give each service its own with --tokens DIR (_shared there is a token for every service that sends no zone sums)"
+            );
+        }
         let tls = match (self.tls_cert, self.tls_key) {
             (Some(c), Some(k)) => Some(
                 spillway::internal::control::tls::ServerTls::load(c, k, stop)

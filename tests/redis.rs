@@ -1047,3 +1047,31 @@ async fn a_client_rotating_keys_creates_at_most_new_keys_a_second_in_redis() {
         "{m}"
     );
 }
+
+/// A request a later local rule refuses never reaches Redis, so it spends none of `new_keys`.
+#[tokio::test]
+async fn keys_refused_by_a_later_local_rule_spend_none_of_new_keys() {
+    let (redis, _up, sc) = started(
+        "",
+        &limit("100/s", "gcra"),
+        "    new_keys: 2\n  - name: one\n    key: []\n    limit: { rate: 1/h, burst: 1 }\n",
+    )
+    .await;
+    let client = client();
+    let mut ok = 0;
+    for i in 0..50 {
+        let key = format!("k-{i}");
+        let (status, _, _) = send(&client, sc.addr(), "GET", "/", &[("x-client", &key)]).await;
+        ok += usize::from(status == StatusCode::OK);
+    }
+    assert_eq!(ok, 1, "the local rule admits one request in all");
+    let m = metrics(&sc).await;
+    assert_eq!(
+        count(&m, "spillway_redis_new_keys_refused_total{rule=\"r\"}"),
+        0.0,
+        "{m}"
+    );
+    let mut conn = redis.conn().await;
+    let keys: u64 = redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap();
+    assert!(keys <= 1, "{keys}");
+}

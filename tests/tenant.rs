@@ -237,8 +237,8 @@ async fn a_tenants_source_reports_at_most_once_per_interval_and_not_for_minutes(
         report(agg.addr, "shop-t", with_interval("s1", 600_000)).await,
         StatusCode::BAD_REQUEST
     );
-    // Twenty reports of one source at once: two pass (a late one, then the next on time), the
-    // rest are refused until the source's interval has passed.
+    // Twenty reports of one source at once: three pass (late ones, then the next on time),
+    // the rest are refused until the source's interval has passed.
     let mut taken = 0;
     let mut refused = 0;
     for seq in 1..=20 {
@@ -250,7 +250,7 @@ async fn a_tenants_source_reports_at_most_once_per_interval_and_not_for_minutes(
             _ => taken += 1,
         }
     }
-    assert_eq!((taken, refused), (2, 18));
+    assert_eq!((taken, refused), (3, 17));
     // Other sources of the same service still report.
     assert_ne!(
         report(agg.addr, "shop-t", with_interval("s3", 1000)).await,
@@ -333,4 +333,19 @@ async fn the_controllers_metrics_show_rules_only_to_who_may_read_them() {
     assert_eq!((rows(&shop, "shop"), rows(&shop, "books")), (1, 0));
     let admin = scrape(Some("admin-t")).await;
     assert_eq!((rows(&admin, "shop"), rows(&admin, "books")), (1, 1));
+    // Prometheus's token sees every rule's rates, and nothing else.
+    let prometheus = scrape(Some("metrics-t")).await;
+    assert_eq!(
+        (rows(&prometheus, "shop"), rows(&prometheus, "books")),
+        (1, 1)
+    );
+    let auth = [("authorization", "Bearer metrics-t")];
+    assert_eq!(
+        get(ctl.addr, "/v1/state", &auth).await.0,
+        StatusCode::FORBIDDEN
+    );
+    assert_eq!(
+        report(ctl.addr, "metrics-t", many_keys("m1", "shop", 1)).await,
+        StatusCode::FORBIDDEN
+    );
 }

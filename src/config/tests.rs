@@ -523,7 +523,10 @@ fn a_global_rule_needs_a_control_plane_and_a_plain_rate() {
     let e = err(&with_rule(
         "  - name: a\n    key: path\n    limit: { rate: 10/s }\n    new_keys: 5\n",
     ));
-    assert!(e.contains("new_keys: applies to scope: redis rules only"), "{e}");
+    assert!(
+        e.contains("new_keys: applies to scope: redis rules only"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -54,8 +54,8 @@ pub struct AggregatorOptions {
 }
 
 /// A host's report interval may be at most this many of the aggregator's forward intervals
-/// (and 60 s whatever they are): a host's values are held for three of its intervals, and a
-/// tenant's must not be held for tens of minutes.
+/// (and 60 s whatever they are): a host is remembered for three of its intervals and its
+/// values held for one, and a tenant's must not be held for tens of minutes.
 pub const INTERVALS_HELD: u32 = 60;
 
 /// The longest report interval an aggregator forwarding every `interval` takes.
@@ -171,7 +171,7 @@ impl State {
             );
             return server::error(StatusCode::BAD_REQUEST, &msg);
         }
-        let owner = principal.owner(&report.source).to_string();
+        let owner = principal.owner(&report).to_string();
         let services: Vec<String> = server::reply_services(&report, &principal)
             .unwrap_or_default()
             .into_iter()

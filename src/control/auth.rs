@@ -3,7 +3,9 @@
 //! Owns the credentials of a controller or aggregator: none (a loopback development setup), one
 //! shared token (`--token-file`, standing for every service and for aggregators), or a
 //! directory of them (`--tokens DIR`, a mounted Secret): a file per service holding its
-//! proxies' token, `_aggregators` for the zone sums, `_admin` for reading all state. Entries
+//! proxies' token, `_aggregators` for the zone sums, `_admin` for reading all state,
+//! `_metrics` for the controller's per-rule metrics alone, `_shared` for one token every
+//! service's proxies may use (never for zone sums there). Entries
 //! starting with `.` (the Secret's `..data` links) are ignored. Files are re-read when they
 //! change; a bad set keeps the previous one. Tokens are compared in constant time, against
 //! every configured token. Must never: let a service's token report for, or read, another
@@ -21,23 +23,26 @@ use subtle::ConstantTimeEq;
 pub enum Principal {
     /// No token is configured: everything is allowed (loopback or `--insecure` only).
     Open,
-    /// The shared token: every service, and zone sums.
-    Shared,
+    /// The shared token: every service; and zone sums, unless the aggregators have a token of
+    /// their own (`true`: they have not, `--token-file`).
+    Shared(bool),
     /// One service's proxies.
     Service(Arc<str>),
     /// The aggregators: zone sums for every service.
     Aggregator,
     /// Reads everything; reports nothing.
     Admin,
+    /// Reads the controller's per-rule metrics, nothing else (what Prometheus is given).
+    Metrics,
 }
 
 impl Principal {
     /// Whether it may send a report for `service`.
     pub fn may_report(&self, service: &str) -> bool {
         match self {
-            Principal::Open | Principal::Shared | Principal::Aggregator => true,
+            Principal::Open | Principal::Shared(_) | Principal::Aggregator => true,
             Principal::Service(s) => **s == *service,
-            Principal::Admin => false,
+            Principal::Admin | Principal::Metrics => false,
         }
     }
 
@@ -45,7 +50,7 @@ impl Principal {
     pub fn may_send_zone_sums(&self) -> bool {
         matches!(
             self,
-            Principal::Open | Principal::Shared | Principal::Aggregator
+            Principal::Open | Principal::Shared(true) | Principal::Aggregator
         )
     }
 
@@ -57,18 +62,21 @@ impl Principal {
         }
     }
 
-    /// Whose budget (new sources, values held) a report from it counts against: its service,
-    /// or, for zone sums and the shared or no token, a name of its own (`_`: no service's).
-    pub fn owner<'a>(&'a self, source: &str) -> &'a str {
-        if source.starts_with("zone:") {
+    /// Whose budget (new sources, values held) `report` from it counts against: its service;
+    /// for the shared or no token, the service the report names first (they stand for every
+    /// service, which must not all share one budget); for zone sums, `_zones`.
+    pub fn owner<'a>(&'a self, report: &'a super::Report) -> &'a str {
+        if report.source.starts_with("zone:") {
             return "_zones";
         }
+        let named = || report.entries.first().map(|e| e.service.as_str());
         match self {
             Principal::Service(s) => s,
-            Principal::Open => "_open",
-            Principal::Shared => "_shared",
+            Principal::Open => named().unwrap_or("_open"),
+            Principal::Shared(_) => named().unwrap_or("_shared"),
             Principal::Aggregator => "_aggregators",
             Principal::Admin => "_admin",
+            Principal::Metrics => "_metrics",
         }
     }
 
@@ -81,10 +89,11 @@ impl Principal {
     pub fn kind(&self) -> &'static str {
         match self {
             Principal::Open => "open",
-            Principal::Shared => "shared",
+            Principal::Shared(_) => "shared",
             Principal::Service(_) => "service",
             Principal::Aggregator => "aggregator",
             Principal::Admin => "admin",
+            Principal::Metrics => "metrics",
         }
     }
 }
@@ -96,6 +105,7 @@ pub struct TokenSet {
     services: Vec<(Arc<str>, Vec<u8>)>,
     aggregators: Option<Vec<u8>>,
     admin: Option<Vec<u8>>,
+    metrics: Option<Vec<u8>>,
 }
 
 impl TokenSet {
@@ -104,6 +114,7 @@ impl TokenSet {
             && self.services.is_empty()
             && self.aggregators.is_none()
             && self.admin.is_none()
+            && self.metrics.is_none()
     }
 
     /// Reads `--tokens DIR`. Fails on an unreadable or empty file, a name that cannot be a
@@ -131,9 +142,13 @@ impl TokenSet {
             match name.as_str() {
                 "_aggregators" => set.aggregators = Some(token),
                 "_admin" => set.admin = Some(token),
+                "_metrics" => set.metrics = Some(token),
+                // One token every service's proxies may use (not for zone sums: those need
+                // `_aggregators`).
+                "_shared" => set.shared = Some(token),
                 n if n.starts_with('_') => {
                     return Err(bad(format!(
-                        "{}: names starting with _ are reserved (_aggregators, _admin)",
+                        "{}: names starting with _ are reserved (_aggregators, _admin, _metrics, _shared)",
                         path.display()
                     )))
                 }
@@ -147,14 +162,16 @@ impl TokenSet {
             }
         }
         let mut all: Vec<&Vec<u8>> = set.services.iter().map(|(_, t)| t).collect();
+        all.extend(set.shared.iter());
         all.extend(set.aggregators.iter());
         all.extend(set.admin.iter());
+        all.extend(set.metrics.iter());
         let n = all.len();
         all.sort();
         all.dedup();
         if all.len() != n {
             return Err(bad(format!(
-                "{}: two files hold the same token; each service, _aggregators and _admin needs its own",
+                "{}: two files hold the same token; each service, _aggregators, _admin and _metrics needs its own",
                 dir.display()
             )));
         }
@@ -174,9 +191,10 @@ impl TokenSet {
                 }
             }
         };
-        check(&self.shared, Principal::Shared);
+        check(&self.shared, Principal::Shared(self.aggregators.is_none()));
         check(&self.aggregators, Principal::Aggregator);
         check(&self.admin, Principal::Admin);
+        check(&self.metrics, Principal::Metrics);
         for (service, t) in &self.services {
             if bool::from(given.ct_eq(t)) {
                 found = Some(Principal::Service(service.clone()));
@@ -432,13 +450,29 @@ mod tests {
     }
 
     #[test]
+    fn a_shared_token_beside_the_aggregators_own_reports_for_any_service_but_sends_no_zone_sums() {
+        let c = Credentials::with(
+            TokenSet::from_dir(&dir(&[("_shared", "s"), ("_aggregators", "a")])).unwrap(),
+        );
+        let shared = c.authenticate(&headers("s")).unwrap();
+        assert_eq!(shared, Principal::Shared(false));
+        assert!(shared.may_report("shop") && shared.may_report("books"));
+        assert!(!shared.may_send_zone_sums());
+        assert!(c.authenticate(&headers("a")).unwrap().may_send_zone_sums());
+        assert_eq!(c.outgoing().as_deref(), Some(&b"a"[..]));
+    }
+
+    #[test]
     fn without_tokens_everything_is_open() {
         assert_eq!(
             Credentials::open().authenticate(&http::HeaderMap::new()),
             Some(Principal::Open)
         );
         let shared = Credentials::shared(b"s".to_vec());
-        assert_eq!(shared.authenticate(&headers("s")), Some(Principal::Shared));
+        assert_eq!(
+            shared.authenticate(&headers("s")),
+            Some(Principal::Shared(true))
+        );
         assert_eq!(shared.authenticate(&headers("t")), None);
     }
 }

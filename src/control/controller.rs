@@ -98,7 +98,7 @@ impl State {
         let warming = self.warming(report.interval_ms, now);
         let reply = {
             let mut acc = self.acc.lock();
-            match acc.record(&report, principal.owner(&report.source), now) {
+            match acc.record(&report, principal.owner(&report), now) {
                 Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
                 // Counted already: the sender (a retry, or a replay) gets the usual reply.
                 Err(SourceRefusal::Duplicate(_)) => {
@@ -156,6 +156,12 @@ impl State {
         req: &Request<B>,
     ) -> Result<(Option<String>, Reading<'_>), http::Response<Body>> {
         let principal = server::authenticate(req, &self.credentials, &self.reads)?;
+        if principal == Principal::Metrics {
+            return Err(server::error(
+                StatusCode::FORBIDDEN,
+                "the metrics token reads /metrics only",
+            ));
+        }
         self.reads.with_label_values(&[principal.kind()]).inc();
         let only = match &principal {
             Principal::Service(s) => Some(s.to_string()),
@@ -293,7 +299,9 @@ impl State {
         self.ratios_cut.set(cut as i64);
         let mut out = server::render(&self.registry);
         let visible = |service: &str| match &who {
-            Some(Principal::Open | Principal::Shared | Principal::Admin) => true,
+            Some(
+                Principal::Open | Principal::Shared(_) | Principal::Admin | Principal::Metrics,
+            ) => true,
             Some(p @ Principal::Service(_)) => p.may_report(service),
             Some(Principal::Aggregator) | None => false,
         };

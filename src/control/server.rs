@@ -394,7 +394,7 @@ pub async fn read_json<T: DeserializeOwned + Send + 'static>(
         })
         .await
     };
-    let _turn = match turn {
+    let turn = match turn {
         Ok(Some(t)) => t,
         _ => return Err(busy()),
     };
@@ -410,7 +410,13 @@ pub async fn read_json<T: DeserializeOwned + Send + 'static>(
     }
     // A large body parses off the runtime: a tenant's 8 MiB reports must not hold the threads
     // that answer everyone else's.
-    match tokio::task::spawn_blocking(move || serde_json::from_slice::<T>(&bytes)).await {
+    // The turn goes with the parse: a sender that leaves meanwhile frees no room the parse
+    // still holds.
+    let parse = move || {
+        let _turn = turn;
+        serde_json::from_slice::<T>(&bytes)
+    };
+    match tokio::task::spawn_blocking(parse).await {
         Ok(parsed) => parsed.map_err(malformed),
         Err(_) => Err(error(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -604,14 +610,14 @@ pub async fn receive_report(
     if let Err(e) = report.validate() {
         return refuse("invalid", error(StatusCode::BAD_REQUEST, &e.to_string()));
     }
-    if matches!(principal, Principal::Admin)
+    if matches!(principal, Principal::Admin | Principal::Metrics)
         || (matches!(principal, Principal::Aggregator) && !report.source.starts_with("zone:"))
     {
         return refuse(
             "forbidden",
             error(
                 StatusCode::FORBIDDEN,
-                "the admin token reports nothing; the aggregators' token sends zone sums only",
+                "the admin and metrics tokens report nothing; the aggregators' token sends zone sums only",
             ),
         );
     }

@@ -7,7 +7,7 @@
 //! that one service's token cannot crowd out another's hosts; a full owner's idle sources make
 //! room first), a host reporting for a service other than those its first report named, a
 //! report it has already counted (a retry or a replay to the same replica: same or older
-//! `seq`), and a source's reports past one per interval (two in a row pass). Must never: hold
+//! `seq`), and a source's reports past one per interval (three in a row pass). Must never: hold
 //! more than one record per source, keep one past three of its intervals, drop a returning
 //! source's data unseen (its owner must take its values out first), or count a report twice.
 
@@ -41,8 +41,10 @@ pub struct Source<T> {
     pub interval: f64,
     seq: u64,
     /// When its next report is due at the earliest, on the owner's clock: one report per its
-    /// interval, two in a row allowed (a reply that came late, then the next on time).
+    /// interval, three in a row allowed (a reply that came late, then the next on time).
     due: f64,
+    /// Its last report said it was stopping: one such report passes early, not every one.
+    stopping: bool,
     services: Vec<Box<str>>,
     owner: Box<str>,
     /// What the owner keeps per source.
@@ -82,8 +84,9 @@ impl<T> Default for Sources<T> {
 /// A source is forgotten after this many of its intervals without a report.
 const FORGET_AFTER: f64 = 3.0;
 
-/// ...or after this many, when its owner has no room for another source.
-const IDLE_AT_CAP: f64 = 1.5;
+/// ...or after this many, when its owner has no room for another source (past what the
+/// controller holds a source's values for, two of its intervals).
+const IDLE_AT_CAP: f64 = 2.0;
 
 impl<T> Source<T> {
     /// Whose budget it counts against.
@@ -123,6 +126,8 @@ impl<T: Default> Sources<T> {
             match self.index.get_mut(report.source.as_str()) {
                 Some(s) => {
                     s.seq = 0;
+                    s.due = now;
+                    s.stopping = false;
                     s.services.clear();
                 }
                 None => {
@@ -134,6 +139,7 @@ impl<T: Default> Sources<T> {
                             interval,
                             seq: 0,
                             due: now,
+                            stopping: false,
                             services: Vec::new(),
                             owner: owner.into(),
                             data: T::default(),
@@ -150,10 +156,19 @@ impl<T: Default> Sources<T> {
             self.duplicates += 1;
             return Err(SourceRefusal::Duplicate(report.seq));
         }
-        // At most one report per interval (a stopping source's last one aside): a tenant's
-        // source cannot have its values replaced and its sums walked many times a second.
-        let due = s.due.max(now);
-        if live && !report.last && due - now > interval {
+        // At most one report per interval (a stopping source's first last one aside): a
+        // tenant's source cannot have its values replaced and its sums walked many times a
+        // second. A report states the time since the one before, so the spacing charged is the
+        // shorter of its interval and the previous one's (a long interval after a late reply,
+        // or a restart with a shorter one, is not held against the next reports); three pass
+        // in a row, and a hair of float error never refuses one.
+        let step = interval.min(s.interval);
+        // What is owed in the old spacing, in the new one when it shrinks.
+        let owed = (s.due - now).max(0.0) * (step / s.interval);
+        let due = now + owed;
+        let early = due - now > 2.0 * step + 1e-6;
+        let first_last = report.last && !s.stopping;
+        if live && early && !first_last {
             self.too_soon += 1;
             return Err(SourceRefusal::TooSoon);
         }
@@ -183,7 +198,8 @@ impl<T: Default> Sources<T> {
         s.last = now;
         s.interval = interval;
         s.seq = s.seq.max(report.seq);
-        s.due = due + interval;
+        s.due = due + step;
+        s.stopping = report.last;
         Ok(s)
     }
 

@@ -302,28 +302,75 @@ fn a_report_already_counted_is_not_counted_again() {
 }
 
 #[test]
-fn a_source_reporting_faster_than_its_interval_is_refused_past_two_in_a_row() {
+fn a_source_reporting_faster_than_its_interval_is_refused_past_three_in_a_row() {
     let mut zone = ZoneSums::new(0.0, 100);
     let mut seq = 0;
-    let mut send = |zone: &mut ZoneSums, at: f64, last: bool| {
+    let mut send = |zone: &mut ZoneSums, at: f64, interval_ms: u64, last: bool| {
         seq += 1;
         let mut r = report("h", vec![entry(Some("k"), 10, 10)]);
         r.seq = seq;
         r.last = last;
+        r.interval_ms = interval_ms;
         zone.record(r, "t", at)
     };
     // On time, then a late reply's report and the next on time back to back: all taken.
     for at in [0.0, 1.0, 2.9, 3.0, 4.0] {
-        assert!(send(&mut zone, at, false).is_ok(), "at {at}");
+        assert!(send(&mut zone, at, 1000, false).is_ok(), "at {at}");
     }
-    // Ten a second: past the second in a row, refused until its interval has passed.
+    // Ten a second: past the third in a row, refused until the interval has caught up.
     let refused = (0..10)
-        .filter(|i| send(&mut zone, 4.1 + f64::from(*i) / 10.0, false).is_err())
+        .filter(|i| send(&mut zone, 4.1 + f64::from(*i) / 10.0, 1000, false).is_err())
         .count();
-    assert_eq!(refused, 9);
-    assert_eq!(zone.refusals_too_soon(), 9);
-    // A stopping source's last report is taken however soon.
-    assert!(send(&mut zone, 5.05, true).is_ok());
+    assert_eq!(refused, 8);
+    assert_eq!(zone.refusals_too_soon(), 8);
+    // A stopping source's last report is taken however soon, once; not every one so marked.
+    assert!(send(&mut zone, 5.05, 1000, true).is_ok());
+    assert!(send(&mut zone, 5.06, 1000, true).is_err());
+}
+
+#[test]
+fn a_host_replacing_its_keys_every_report_adds_no_more_pending_keys_than_the_room() {
+    // Room for 20: ten reports of ten new keys each in one forward's window would leave 100
+    // keys pending; past 20 their units go to the tail, and no unit is lost.
+    let mut zone = ZoneSums::new(0.0, 20);
+    for i in 0..10u32 {
+        let keys = (0..10)
+            .map(|k| entry(Some(&format!("k{i}-{k}")), 10, 10))
+            .collect();
+        let mut r = report("h", keys);
+        r.seq = u64::from(i) + 1;
+        r.interval_ms = 100;
+        zone.record(r, "t", f64::from(i) / 10.0).unwrap();
+    }
+    let (entries, _) = zone.take(1.0, false);
+    let named = entries.iter().filter(|e| e.key.is_some()).count();
+    assert!(named <= 20, "{named} keys forwarded");
+    let offered: u64 = entries.iter().map(|e| e.offered).sum();
+    assert_eq!(offered, 1000);
+}
+
+#[test]
+fn a_report_stating_a_long_interval_is_not_held_against_the_next_on_time() {
+    // A sender whose previous reply timed out states the 5 s since its last report, then goes
+    // on every second: the long interval says what it covers, not when the next may come.
+    let mut zone = ZoneSums::new(0.0, 100);
+    for (seq, (at, ms)) in [(0.0, 1000), (5.0, 5000), (6.0, 1000), (7.0, 1000)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut r = report("h", vec![entry(Some("k"), 10, 10)]);
+        r.seq = seq as u64 + 1;
+        r.interval_ms = ms;
+        assert!(zone.record(r, "t", at).is_ok(), "at {at}");
+    }
+    // Nor a restart that reports every 100 ms from then on, under the same name.
+    for i in 0..30 {
+        let mut r = report("h", vec![entry(Some("k"), 1, 1)]);
+        r.seq = 100 + i;
+        r.interval_ms = 100;
+        let at = 7.5 + f64::from(i as u32) / 10.0;
+        assert!(zone.record(r, "t", at).is_ok(), "report {i}");
+    }
 }
 
 #[test]
@@ -344,15 +391,15 @@ fn an_owner_at_its_source_cap_has_its_idle_sources_evicted_before_newcomers_wait
     }
     let newcomer = with_minute("new");
     assert_eq!(
-        zone.record(newcomer.clone(), "t", 140.0),
+        zone.record(newcomer.clone(), "t", 170.0),
         Err(SourceRefusal::Flood)
     );
-    // A minute and a half silent is idle for a full owner (not yet forgotten otherwise: three
+    // Two minutes silent is idle for a full owner (not yet forgotten otherwise: three
     // minutes), so the next sweep makes room; the one that kept reporting stays.
-    zone.record(with_minute("h-0"), "t", 130.0).unwrap();
-    zone.take(141.0, false);
+    zone.record(with_minute("h-0"), "t", 160.0).unwrap();
+    zone.take(175.0, false);
     assert_eq!(zone.hosts(), 1);
-    assert!(zone.record(newcomer, "t", 141.5).is_ok());
+    assert!(zone.record(newcomer, "t", 175.5).is_ok());
 }
 
 #[test]

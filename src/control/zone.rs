@@ -10,7 +10,8 @@
 //! the hosts of each rule counted. Smoothing is the controller's ([`super::sum`]), after the
 //! zone's sums meet.
 //! Must never: hold more than `max_keys` entries (a long key is charged as several), or more
-//! than half of them for one service's hosts; hand one host's unit to two forwards.
+//! than half of them for one service's hosts, or more than `max_keys` keys pending (past it a
+//! key's units go to its rule's tail); hand one host's unit to two forwards.
 
 use std::collections::HashMap;
 
@@ -25,6 +26,9 @@ pub struct ZoneSums {
     /// What each (service, rule, key) accrued and not yet handed over: whole units go with
     /// the next take, fractions stay.
     pending: HashMap<Box<str>, HashMap<Box<str>, PendingRule>>,
+    /// Keys in `pending`: at most `max_keys` (a host replacing its report with new keys many
+    /// times a window would add each report's); past it a key's units go to its rule's tail.
+    pending_keys: usize,
     /// Entries held over all hosts, and per owner (at most half of `max_keys` each).
     held: usize,
     held_by: HashMap<Box<str>, usize>,
@@ -124,6 +128,7 @@ impl ZoneSums {
         ZoneSums {
             hosts: Sources::default(),
             pending: HashMap::new(),
+            pending_keys: 0,
             held: 0,
             held_by: HashMap::new(),
             max_keys,
@@ -155,10 +160,21 @@ impl ZoneSums {
         // Early (a stopping host's last report, or jitter): what the previous report still
         // held comes now, so that every unit a host reported is handed over once.
         let until = holding.until;
-        accrue(holding, until, &mut self.pending, &mut self.conflicts);
+        let mut room = self.max_keys.saturating_sub(self.pending_keys);
+        let before = room;
+        accrue(
+            holding,
+            until,
+            &mut self.pending,
+            &mut room,
+            &mut self.conflicts,
+        );
+        self.pending_keys += before - room;
         let before = std::mem::take(&mut holding.charge);
         self.held = self.held.saturating_sub(before);
-        if let Some(n) = self.held_by.get_mut(owner) {
+        // Given back to whom it was charged (a shared token's host may name another service
+        // first this time).
+        if let Some(n) = self.held_by.get_mut(&*holding.owner) {
             *n = n.saturating_sub(before);
         }
         let secs = report.interval_ms as f64 / 1000.0;
@@ -255,7 +271,10 @@ impl ZoneSums {
             // Hosts whose values stood in this window say which rules they report.
             if h.until > since {
                 let to = if last { h.until } else { now };
-                accrue(h, to, &mut self.pending, &mut self.conflicts);
+                let mut room = self.max_keys.saturating_sub(self.pending_keys);
+                let before = room;
+                accrue(h, to, &mut self.pending, &mut room, &mut self.conflicts);
+                self.pending_keys += before - room;
                 for r in &h.rules {
                     let w = window
                         .entry((r.service.clone(), r.rule.clone()))
@@ -320,6 +339,12 @@ impl ZoneSums {
             rules.retain(|_, p| !p.keys.is_empty() || p.tail.offered > 0.0);
         }
         self.pending.retain(|_, r| !r.is_empty());
+        self.pending_keys = self
+            .pending
+            .values()
+            .flat_map(|rules| rules.values())
+            .map(|p| p.keys.len())
+            .sum();
         self.hosts.expire(now, |_, _| {});
         (out, interval_ms)
     }
@@ -330,11 +355,13 @@ impl ZoneSums {
     }
 }
 
-/// Adds what `h` held from its last accrual up to `now` (within its own time) to `pending`.
+/// Adds what `h` held from its last accrual up to `now` (within its own time) to `pending`,
+/// taking a place of `room` for each key new there (none left: the units go to the tail).
 fn accrue(
     h: &mut Holding,
     now: f64,
     pending: &mut HashMap<Box<str>, HashMap<Box<str>, PendingRule>>,
+    room: &mut usize,
     conflicts: &mut u64,
 ) {
     let from = h.accrued.max(h.from);
@@ -372,7 +399,11 @@ fn accrue(
                 None => &mut p.tail,
                 Some(key) => match p.keys.get_mut(&**key) {
                     Some(u) => u,
-                    None => p.keys.entry(key.clone()).or_default(),
+                    None if *room == 0 => &mut p.tail,
+                    None => {
+                        *room -= 1;
+                        p.keys.entry(key.clone()).or_default()
+                    }
                 },
             };
             units.offered += k.offered * dt;

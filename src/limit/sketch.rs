@@ -67,20 +67,6 @@ impl Sketch {
         }
     }
 
-    /// Whether `key` was marked in this window of `window` nanoseconds or the one before (an
-    /// over-estimate, like every answer of the sketch: a key never marked may look marked).
-    pub fn seen(&self, key: &[u8], window: Nanos, now: Nanos) -> bool {
-        let epoch = self.roll(now / window.max(1));
-        self.windows[(epoch % 2) as usize].get(key) > 0
-            || self.windows[((epoch + 1) % 2) as usize].get(key) > 0
-    }
-
-    /// Marks `key` as seen at `now` (see [`Sketch::seen`]).
-    pub fn mark(&self, key: &[u8], window: Nanos, now: Nanos) {
-        let epoch = self.roll(now / window.max(1));
-        self.windows[(epoch % 2) as usize].incr(key, 1);
-    }
-
     /// Gives back `cost` units a decision at `now` took for `key` (another rule refused).
     pub fn refund(&self, key: &[u8], quota: &Quota, now: Nanos, cost: u32) {
         let epoch = now / quota.window().max(1);
@@ -127,25 +113,6 @@ mod tests {
     use std::time::Duration;
 
     const SEC: Nanos = 1_000_000_000;
-
-    #[test]
-    fn a_marked_key_is_seen_for_its_window_and_the_next_then_forgotten() {
-        let s = Sketch::new(1024, 4);
-        let (window, now) = (SEC, 10 * SEC + SEC / 2);
-        assert!(!s.seen(b"k", window, now));
-        assert!(!s.seen(b"k", window, now), "looking marks nothing");
-        s.mark(b"k", window, now);
-        assert!(s.seen(b"k", window, now));
-        assert!(!s.seen(b"other", window, now));
-        assert!(
-            s.seen(b"k", window, now + SEC),
-            "the next window still knows it"
-        );
-        assert!(
-            !s.seen(b"k", window, now + 2 * SEC),
-            "two windows on, it is new again"
-        );
-    }
 
     #[test]
     fn a_key_gets_its_burst_per_window_and_then_a_retry_hint() {

@@ -186,9 +186,8 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
             refused: Store::new(store_parts(r, metrics, &format!("{label}.refused"))),
             cache_answers: metrics.redis.cache_answers.with_label_values(&[label]),
             admission: Admission {
-                seen: std::sync::OnceLock::new(),
-                size: r.sketch,
-                window: quota.window(),
+                seen: Store::new(store_parts(r, metrics, &format!("{label}.seen"))),
+                memory: quota.window().saturating_mul(2),
                 budget: Gcra::new(),
                 quota: Quota::new(r.new_keys, std::time::Duration::from_secs(1), r.new_keys)
                     .expect("a positive count a second"),
@@ -260,8 +259,8 @@ pub(super) fn slot(
 /// What a rule's per-key state depends on: while these are equal, the state stays valid.
 pub(super) fn identity(r: &Rule) -> String {
     format!(
-        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}",
-        r.name, r.key, r.limit, r.scope, r.fallback, r.max_keys, r.log_keys
+        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}",
+        r.name, r.key, r.limit, r.scope, r.fallback, r.max_keys, r.log_keys, r.new_keys
     )
 }
 

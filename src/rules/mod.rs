@@ -412,7 +412,6 @@ impl RuleSet {
                 Kind::Redis {
                     refused,
                     cache_answers,
-                    admission,
                     ..
                 } => match refused.map.get(&key[..]).and_then(|r| r.refused(now, cost)) {
                     Some(retry) => {
@@ -421,9 +420,6 @@ impl RuleSet {
                             retry_after: Some(retry),
                         }
                     }
-                    None if let Some(retry) = admission.admit(&key, now) => Decision::Deny {
-                        retry_after: Some(retry),
-                    },
                     None => {
                         // Decided by Redis once the local rules have all admitted.
                         calls.push(RedisCall {
@@ -584,6 +580,35 @@ impl RuleSet {
                     }
                 },
             }
+        }
+        // Every local rule admitted: each key about to go to Redis that it has not seen lately
+        // takes a place of its rule's `new_keys` (spent only on what is sent). A shadow rule's
+        // refused key is counted and not sent.
+        let mut refused_new = None;
+        calls.retain(|call| {
+            let rule = &self.rules[call.rule];
+            let Kind::Redis { admission, .. } = &*rule.kind else {
+                return true;
+            };
+            let Some(retry) = refused_new
+                .is_none()
+                .then(|| admission.admit(&call.key, now))
+                .flatten()
+            else {
+                return true;
+            };
+            if rule.mode == Mode::Enforce {
+                refused_new = Some((call.rule, retry));
+                return true;
+            }
+            rule.shadow_rejected.inc();
+            self.log_rejection(rule, req, "shadow_rejected", now);
+            false
+        });
+        if let Some((i, retry)) = refused_new {
+            let rule = &self.rules[i];
+            self.log_rejection(rule, req, "rejected", now);
+            return self.refuse(rule, req, &taken, now, Some(retry));
         }
         if !calls.is_empty() {
             return Verdict::Remote(Box::new(Remote {
@@ -802,9 +827,13 @@ impl RuleSet {
                 Kind::Concurrency { store, .. } => store.sweep(concurrency_idle),
                 Kind::Adaptive { .. } => 0,
                 Kind::Redis {
-                    refused, fallback, ..
+                    refused,
+                    fallback,
+                    admission,
+                    ..
                 } => {
                     refused.sweep(|r| r.expired(now))
+                        + admission.sweep(now)
                         + fallback.as_ref().map_or(0, |f| f.sweep(now))
                 }
                 Kind::Global {

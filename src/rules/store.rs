@@ -26,44 +26,51 @@ impl Overflow {
     }
 }
 
-/// Which keys a redis rule sent to Redis lately (a sketch over two of the rule's windows: a
-/// key's Redis state lives about that long) and how many new ones it may still send: a client
-/// rotating keys creates at most `new_keys` a second (and as many at once) in Redis from this
-/// proxy; the rest get 429 here. A key the sketch mistakes for seen goes to Redis as before.
+/// Which keys a redis rule sent to Redis lately, and how many new ones it may still send: a
+/// client rotating keys creates at most `new_keys` a second (and as many at once) in Redis
+/// from this proxy; the rest get 429 here. Keys are remembered exactly, in a store of the
+/// rule's `max_keys`, for two of the rule's windows after their last request (about as long as
+/// their Redis state lives); a key is remembered only once it was let through, so asking again
+/// gains a refused one nothing. Past `max_keys` remembered keys, a key that finds no place pays
+/// for each request it sends.
 pub(super) struct Admission {
-    pub(super) seen: std::sync::OnceLock<Sketch>,
-    pub(super) size: SketchSize,
-    /// The rule's window, for the sketch.
-    pub(super) window: Nanos,
+    pub(super) seen: Store<Seen>,
+    /// How long a key stays known after its last request: two of the rule's windows.
+    pub(super) memory: Nanos,
     pub(super) budget: Gcra,
     /// `new_keys` a second, as many at once.
     pub(super) quota: Quota,
     pub(super) refused: IntCounter,
 }
 
+/// When a key was last sent to Redis (clock nanoseconds).
+#[derive(Debug, Default)]
+pub(super) struct Seen(AtomicU64);
+
 impl Admission {
     /// `None`: `key` may go to Redis; else, when a new key may (a new key past the budget).
     pub(super) fn admit(&self, key: &[u8], now: Nanos) -> Option<Nanos> {
-        let seen = self.seen.get_or_init(|| {
-            Sketch::new(
-                self.size.width.get() as usize,
-                self.size.depth.get() as usize,
-            )
-        });
-        if seen.seen(key, self.window, now) {
-            return None;
-        }
-        match self.budget.take(&self.quota, now, 1).0 {
-            Decision::Deny { retry_after } => {
-                self.refused.inc();
-                Some(retry_after.unwrap_or(self.quota.emission()))
-            }
-            _ => {
-                // Marked only when sent: a refused key stays new, so asking twice gains nothing.
-                seen.mark(key, self.window, now);
-                None
+        let fresh = |s: &Seen| now.saturating_sub(s.0.load(Ordering::Relaxed)) <= self.memory;
+        if let Some(s) = self.seen.map.get(key) {
+            if fresh(&s) {
+                s.0.store(now, Ordering::Relaxed);
+                return None;
             }
         }
+        if let (Decision::Deny { retry_after }, _) = self.budget.take(&self.quota, now, 1) {
+            self.refused.inc();
+            return Some(retry_after.unwrap_or(self.quota.emission()));
+        }
+        if let Some(s) = self.seen.tracked(key, now, |s| !fresh(s)) {
+            s.0.store(now, Ordering::Relaxed);
+        }
+        None
+    }
+
+    /// Forgets keys not asked for in two windows.
+    pub(super) fn sweep(&self, now: Nanos) -> usize {
+        self.seen
+            .sweep(|s| now.saturating_sub(s.0.load(Ordering::Relaxed)) > self.memory)
     }
 }
 

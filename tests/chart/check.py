@@ -102,6 +102,7 @@ VALUE_SETS.update({
     },
     "native sidecar": {"sidecar": {"native": True}, "example": {"enabled": True}},
     "shared token, asked for": {"controlPlane": {"enabled": True, "token": {"shared": True}}, "example": {"enabled": True}},
+    "shared token as a value": {"controlPlane": {"enabled": True, "token": {"value": "not-a-secret"}}, "example": {"enabled": True}},
 })
 
 OPERATOR_REQUIRED = {
@@ -183,14 +184,14 @@ def releases(name, docs):
               f"{name}: no limits ConfigMap and no PodMonitor")
         check(len(control) == 2, f"{name}: the controllers and an aggregator {control}")
         tokens = by_kind.get("Secret", {}).get("spillway-tokens", {}).get("data", {})
-        check(sorted(tokens) == ["_admin", "_aggregators", "cart", "shop"], f"{name}: a token per service {sorted(tokens)}")
+        check(sorted(tokens) == ["_admin", "_aggregators", "_metrics", "cart", "shop"], f"{name}: a token per service {sorted(tokens)}")
         args = statefulsets["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
         check("--tokens=/var/run/secrets/spillway" in args, f"{name}: the controller reads the per-service tokens")
     if name == "full control plane":
         # Without a word about tokens, each service gets its own: this release's, the
         # aggregators' and the admin's; the sidecar mounts only its own.
         tokens = by_kind.get("Secret", {}).get("spillway-tokens", {}).get("data", {})
-        check(sorted(tokens) == ["_admin", "_aggregators", "my-app"] and "spillway-token" not in by_kind.get("Secret", {}),
+        check(sorted(tokens) == ["_admin", "_aggregators", "_metrics", "my-app"] and "spillway-token" not in by_kind.get("Secret", {}),
               f"{name}: per-service tokens by default {sorted(tokens)}")
         vols = {v["name"]: v for v in deployments["spillway-example"]["spec"]["template"]["spec"]["volumes"]}
         check(vols["spillway-token"]["secret"]["secretName"] == "spillway-tokens"
@@ -199,14 +200,24 @@ def releases(name, docs):
     monitor = by_kind.get("ServiceMonitor", {}).get("spillway-control-plane")
     if monitor:
         auth = monitor["spec"]["endpoints"][0].get("authorization", {})
-        check(auth.get("type") == "Bearer" and auth["credentials"] == {"name": "spillway-tokens", "key": "_admin", "optional": True},
-              f"{name}: Prometheus scrapes the controllers' per-rule rates with the admin token {auth}")
+        check(auth.get("type") == "Bearer" and auth["credentials"] == {"name": "spillway-tokens", "key": "_metrics", "optional": True},
+              f"{name}: Prometheus scrapes the controllers' per-rule rates with the metrics token {auth}")
     if name == "shared token, asked for":
+        # One token for every service, beside the aggregators' own: it sends no zone sums.
+        secrets = by_kind.get("Secret", {})
+        tokens = secrets.get("spillway-tokens", {}).get("data", {})
+        args = statefulsets["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
+        vols = {v["name"]: v for v in deployments["spillway-example"]["spec"]["template"]["spec"]["volumes"]}
+        check(sorted(tokens) == ["_admin", "_aggregators", "_metrics", "_shared"] and "spillway-token" not in secrets
+              and "--tokens=/var/run/secrets/spillway" in args
+              and vols["spillway-token"]["secret"]["items"] == [{"key": "_shared", "path": "token"}],
+              f"{name}: one shared token beside the aggregators' own {sorted(tokens)} {args}")
+    if name == "shared token as a value":
         secrets = by_kind.get("Secret", {})
         args = statefulsets["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
         check("spillway-token" in secrets and "spillway-tokens" not in secrets
               and "--token-file=/var/run/secrets/spillway/token" in args,
-              f"{name}: one shared token {sorted(secrets)} {args}")
+              f"{name}: one shared token file {sorted(secrets)} {args}")
     if name == "sidecar only, another release's control plane":
         secrets = sorted(by_kind.get("Secret", {}))
         check(not control and secrets == ["spillway-key-secret"],

@@ -844,7 +844,8 @@ pub async fn at_end(s: &mut tokio::io::BufReader<tokio::net::TcpStream>) -> bool
 
 // The control plane as a tenant sees it (tests/tenant.rs, tests/fleet.rs).
 
-/// A `--tokens` directory: `shop-t`, `books-t`, `agg-t` (the aggregators), `admin-t`.
+/// A `--tokens` directory: `shop-t`, `books-t`, `maps-t`, `agg-t` (the aggregators),
+/// `admin-t`, `metrics-t`.
 pub fn tokens_dir() -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!(
         "spillway-tenant-{}-{}",
@@ -858,6 +859,7 @@ pub fn tokens_dir() -> std::path::PathBuf {
         ("maps", "maps-t"),
         ("_aggregators", "agg-t"),
         ("_admin", "admin-t"),
+        ("_metrics", "metrics-t"),
     ] {
         std::fs::write(dir.join(name), token).unwrap();
     }

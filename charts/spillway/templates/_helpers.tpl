@@ -37,10 +37,19 @@ token.existingSecret) and no per-service tokens are named. */}}
 {{- if or .tokens.existingSecret .tokens.services (not (or .token.shared .token.value .token.existingSecret)) -}}true{{- end -}}
 {{- end -}}
 
+{{/* "true" when the control plane reads a directory of tokens (--tokens): per-service ones,
+or a generated shared one (`_shared`) beside the aggregators' own, so that the shared token
+sends no zone sums. A shared token given as a value or a Secret stays one file (--token-file). */}}
+{{- define "spillway.tokenDir" -}}
+{{- if or (include "spillway.perServiceTokens" .) (not (or .token.value .token.existingSecret)) -}}true{{- end -}}
+{{- end -}}
+
 {{/* The services given a generated token: tokens.services, or this release's own service. */}}
 {{- define "spillway.tokenServices" -}}
 {{- $cp := .Values.controlPlane -}}
-{{- if $cp.tokens.services -}}
+{{- if not (include "spillway.perServiceTokens" $cp) -}}
+{{- "_shared" -}}
+{{- else if $cp.tokens.services -}}
 {{- join "," $cp.tokens.services -}}
 {{- else if .Values.sidecar.enabled -}}
 {{- .Values.service -}}
@@ -49,11 +58,12 @@ token.existingSecret) and no per-service tokens are named. */}}
 {{- end -}}
 {{- end -}}
 
-{{/* The per-service tokens Secret (given, or generated), or nothing (a shared token). */}}
+{{/* The tokens Secret read as a directory (given, or generated), or nothing (one shared
+token file). */}}
 {{- define "spillway.tokensSecret" -}}
 {{- if .Values.controlPlane.tokens.existingSecret -}}
 {{- .Values.controlPlane.tokens.existingSecret -}}
-{{- else if include "spillway.perServiceTokens" .Values.controlPlane -}}
+{{- else if include "spillway.tokenDir" .Values.controlPlane -}}
 {{- printf "%s-tokens" (include "spillway.fullname" .) -}}
 {{- end -}}
 {{- end -}}
@@ -214,11 +224,11 @@ while the sidecar stops taking requests. With `sidecar.native`, put the sidecar 
     {{- if $cp.url }}
     # This service's token, in its own namespace (the control plane is another release's).
     secretName: {{ required "controlPlane.url needs controlPlane.token.existingSecret: a Secret with this service's token (key: token)" $cp.token.existingSecret }}
-    {{- else if include "spillway.perServiceTokens" $cp }}
-    # Only this service's token, as the file `token`.
+    {{- else if include "spillway.tokenDir" $cp }}
+    # Only this service's token (or the generated shared one), as the file `token`.
     secretName: {{ $cp.tokens.existingSecret | default (printf "%s-tokens" .release) }}
     items:
-      - { key: {{ .values.service | quote }}, path: token }
+      - { key: {{ if include "spillway.perServiceTokens" $cp }}{{ .values.service | quote }}{{ else }}"_shared"{{ end }}, path: token }
     {{- else }}
     secretName: {{ $cp.token.existingSecret | default (printf "%s-token" .release) }}
     {{- end }}
