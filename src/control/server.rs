@@ -193,6 +193,9 @@ static BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(BODY_B
 pub const BODIES_PER_PRINCIPAL: usize = 4;
 const PRINCIPAL_BUDGET: usize = BODY_BUDGET / 2;
 
+/// A body longer than this is parsed on a blocking thread.
+const PARSE_APART: usize = 1 << 20;
+
 /// A body announced at most this long takes a small turn, of which there are many: its memory
 /// is small, and the reports of a healthy fleet never wait behind a tenant's large ones.
 pub const SMALL_BODY: u64 = 64 << 10;
@@ -405,11 +408,11 @@ pub async fn read_json<T: DeserializeOwned + Send + 'static>(
     };
     let malformed =
         |e: serde_json::Error| error(StatusCode::BAD_REQUEST, &format!("malformed body: {e}"));
-    if bytes.len() as u64 <= SMALL_BODY {
+    if bytes.len() <= PARSE_APART {
         return serde_json::from_slice(&bytes).map_err(malformed);
     }
     // A large body parses off the runtime: a tenant's 8 MiB reports must not hold the threads
-    // that answer everyone else's.
+    // that answer everyone else's (smaller ones parse faster than a hand-off costs).
     // The turn goes with the parse: a sender that leaves meanwhile frees no room the parse
     // still holds.
     let parse = move || {
