@@ -349,3 +349,38 @@ async fn the_controllers_metrics_show_rules_only_to_who_may_read_them() {
         StatusCode::FORBIDDEN
     );
 }
+
+// 4. With one token for every service, a live host's name stays with the process reporting
+// under it: another pod holding the token can neither take it nor spoil its sequence numbers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_hosts_name_stays_with_its_process_under_a_shared_token() {
+    let dir = tokens_dir();
+    std::fs::write(dir.join("_shared"), "shared-t").unwrap();
+    let ctl = controller_with(&["--tokens", dir.to_str().unwrap()]);
+    use http_body_util::BodyExt;
+    let post = |instance: &'static str, seq: u64| async move {
+        let body = many_keys("shop-0", "shop", 1)
+            .replace(r#""interval_ms""#, &format!(r#""seq":{seq},"interval_ms""#));
+        let req = http::Request::post(format!("http://{}/v1/report", ctl.addr))
+            .header("spillway-wire", "2")
+            .header("spillway-instance", instance)
+            .header("authorization", "Bearer shared-t")
+            .body(
+                http_body_util::Full::new(bytes::Bytes::from(body))
+                    .map_err(|never| match never {})
+                    .boxed(),
+            )
+            .unwrap();
+        client().request(req).await.unwrap().status()
+    };
+    assert_eq!(post("a1", 10).await, StatusCode::OK);
+    assert_eq!(post("b2", u64::MAX).await, StatusCode::CONFLICT);
+    // The shared token sends no zone sums beside the aggregators' own.
+    let zone = many_keys("zone:z/r", "shop", 1);
+    assert_eq!(
+        report(ctl.addr, "shared-t", zone).await,
+        StatusCode::FORBIDDEN
+    );
+    // The process that held the name goes on, its numbers untouched.
+    assert_eq!(post("a1", 11).await, StatusCode::OK);
+}

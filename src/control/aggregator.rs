@@ -290,6 +290,7 @@ impl State {
                 seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
                 last,
                 entries: std::mem::take(&mut parts[n]),
+                instance: None,
             };
             let started = tokio::time::Instant::now();
             let token = self.opts.credentials.outgoing();
@@ -575,6 +576,7 @@ mod tests {
                 seq: 1,
                 last: false,
                 entries: p.clone(),
+                instance: None,
             };
             let bytes = serde_json::to_vec(&report).unwrap().len();
             assert!(bytes < super::super::MAX_BODY / 2, "{bytes}");

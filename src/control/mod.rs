@@ -48,6 +48,19 @@ pub const WIRE: &str = "2";
 /// reply without it; an aggregator relays it. A reader that does not know it ignores it.
 pub const WARMING_HEADER: &str = "spillway-warming";
 
+/// The header by which a report says which process sent it: a random number drawn once per
+/// process. A receiver binds a live source's name to it, so that another process holding the
+/// same token cannot take the name (or its sequence numbers) while it reports; a previous
+/// release ignores it.
+pub const INSTANCE_HEADER: &str = "spillway-instance";
+
+/// This process's [`INSTANCE_HEADER`] value, in hex.
+pub fn instance() -> &'static str {
+    static INSTANCE: std::sync::LazyLock<String> =
+        std::sync::LazyLock::new(|| format!("{:016x}", fastrand::u64(1..)));
+    &INSTANCE
+}
+
 /// Largest request body the control plane reads (413 past it).
 pub const MAX_BODY: usize = 8 << 20;
 /// Largest reply a reporter reads (a controller's answer to zone sums carries every service's
@@ -96,6 +109,10 @@ pub struct Report {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub last: bool,
     pub entries: Vec<Entry>,
+    /// The sending process, from its [`INSTANCE_HEADER`] (not in the body, which a previous
+    /// release's strict parser reads): a live source's name is bound to it.
+    #[serde(skip)]
+    pub instance: Option<u64>,
 }
 
 /// Counts of one (service, rule, key) over one interval.

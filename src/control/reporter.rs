@@ -146,7 +146,8 @@ pub async fn post_report(
     let size = body.len();
     let mut req = Request::post(url.clone())
         .header(CONTENT_TYPE, "application/json")
-        .header(super::WIRE_HEADER, super::WIRE);
+        .header(super::WIRE_HEADER, super::WIRE)
+        .header(super::INSTANCE_HEADER, super::instance());
     if let Some(t) = token {
         let mut value = b"Bearer ".to_vec();
         value.extend_from_slice(t);
@@ -408,6 +409,7 @@ pub fn build_report(
         seq,
         last: false,
         entries,
+        instance: None,
     }
 }
 

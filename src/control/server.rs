@@ -496,6 +496,10 @@ pub fn source_refused(
             reports.with_label_values(&["duplicate"]).inc();
             error(StatusCode::CONFLICT, &refusal.to_string())
         }
+        crate::control::SourceRefusal::Held => {
+            reports.with_label_values(&["held"]).inc();
+            error(StatusCode::CONFLICT, &refusal.to_string())
+        }
     }
 }
 
@@ -599,10 +603,15 @@ pub async fn receive_report(
         Err(resp)
     };
     let principal = authenticate(&req, creds, reports)?;
+    let instance = req
+        .headers()
+        .get(super::INSTANCE_HEADER)
+        .and_then(|v| u64::from_str_radix(v.to_str().ok()?, 16).ok());
     let mut report: super::Report = match read_json(req, &principal.id()).await {
         Ok(r) => r,
         Err(resp) => return refuse("malformed", resp),
     };
+    report.instance = instance;
     // One bad entry (a proxy's odd key) must not switch off every rule of the report.
     let dropped = report.drop_invalid();
     if dropped > 0 {

@@ -1,15 +1,17 @@
 //! Who may report now, for the aggregator and the controller alike.
 //!
 //! Owns one small record per live source (a proxy, or one aggregator replica): when it last
-//! reported, its interval, its sequence number, the services it reports for and its owner (the
-//! service whose token sent it, or the aggregators, or the shared token). From those it refuses
-//! a flood of new sources ([`NEW_SOURCES_PER_SEC`] and [`MAX_SOURCES_PER_OWNER`], per owner, so
-//! that one service's token cannot crowd out another's hosts; a full owner's idle sources make
-//! room first), a host reporting for a service other than those its first report named, a
-//! report it has already counted (a retry or a replay to the same replica: same or older
-//! `seq`), and a source's reports past one per interval (three in a row pass). Must never: hold
-//! more than one record per source, keep one past three of its intervals, drop a returning
-//! source's data unseen (its owner must take its values out first), or count a report twice.
+//! reported, its interval, its sequence number, the process reporting under its name, the
+//! services it reports for and its owner (the service whose token sent it, or the aggregators,
+//! or the shared token). From those it refuses a flood of new sources ([`NEW_SOURCES_PER_SEC`]
+//! and [`MAX_SOURCES_PER_OWNER`], per owner, so that one service's token cannot crowd out
+//! another's hosts; a full owner's idle sources make room first), a host reporting for a
+//! service other than those its first report named, a report it has already counted (a retry
+//! or a replay to the same replica: same or older `seq`), a source's reports past one per
+//! interval (three in a row pass), and another process reporting under a live source's name.
+//! Must never: hold more than one record per source, keep one past three of its intervals,
+//! drop a returning source's data unseen (its owner must take its values out first), or count
+//! a report twice.
 
 use std::collections::HashMap;
 
@@ -30,6 +32,9 @@ pub enum SourceRefusal {
     Duplicate(u64),
     #[error("this source reports more often than once per its interval; retry")]
     TooSoon,
+    /// Another process reports under this name and has not gone quiet (nor said it stops).
+    #[error("another process reports under this source's name; it is free once that one has been silent for an interval")]
+    Held,
 }
 
 /// One live source.
@@ -45,6 +50,8 @@ pub struct Source<T> {
     due: f64,
     /// Its last report said it was stopping: one such report passes early, not every one.
     stopping: bool,
+    /// The process that reports under this name (`None`: a sender that does not say).
+    instance: Option<u64>,
     services: Vec<Box<str>>,
     owner: Box<str>,
     /// What the owner keeps per source.
@@ -64,6 +71,7 @@ pub struct Sources<T> {
     pub foreign: u64,
     pub duplicates: u64,
     pub too_soon: u64,
+    pub held: u64,
 }
 
 impl<T> Default for Sources<T> {
@@ -77,6 +85,7 @@ impl<T> Default for Sources<T> {
             foreign: 0,
             duplicates: 0,
             too_soon: 0,
+            held: 0,
         }
     }
 }
@@ -128,6 +137,7 @@ impl<T: Default> Sources<T> {
                     s.seq = 0;
                     s.due = now;
                     s.stopping = false;
+                    s.instance = report.instance;
                     s.services.clear();
                 }
                 None => {
@@ -140,6 +150,7 @@ impl<T: Default> Sources<T> {
                             seq: 0,
                             due: now,
                             stopping: false,
+                            instance: report.instance,
                             services: Vec::new(),
                             owner: owner.into(),
                             data: T::default(),
@@ -152,6 +163,20 @@ impl<T: Default> Sources<T> {
             .index
             .get_mut(report.source.as_str())
             .expect("inserted above");
+        // A live name is bound to the process reporting under it: another (a pod holding the
+        // same token) takes it only once that one has been silent for an interval or said it
+        // stops; then it starts afresh, its own sequence numbers with it.
+        if live && s.instance.is_some() && s.instance != report.instance {
+            if !s.stopping && now - s.last <= s.interval {
+                self.held += 1;
+                return Err(SourceRefusal::Held);
+            }
+            s.seq = 0;
+            s.due = now;
+            s.stopping = false;
+            s.services.clear();
+        }
+        s.instance = report.instance;
         if report.seq != 0 && report.seq <= s.seq {
             self.duplicates += 1;
             return Err(SourceRefusal::Duplicate(report.seq));

@@ -26,6 +26,7 @@ fn report(source: &str, entries: Vec<Entry>) -> Report {
         seq: 0,
         last: false,
         entries,
+        instance: None,
     }
 }
 
@@ -347,6 +348,40 @@ fn a_host_replacing_its_keys_every_report_adds_no_more_pending_keys_than_the_roo
     assert!(named <= 20, "{named} keys forwarded");
     let offered: u64 = entries.iter().map(|e| e.offered).sum();
     assert_eq!(offered, 1000);
+}
+
+#[test]
+fn a_live_hosts_name_and_sequence_numbers_stay_with_the_process_reporting_under_it() {
+    let mut zone = ZoneSums::new(0.0, 100);
+    let from = |instance: Option<u64>, seq: u64| {
+        let mut r = report("shop-0", vec![entry(Some("k"), 10, 10)]);
+        r.seq = seq;
+        r.instance = instance;
+        r
+    };
+    zone.record(from(Some(1), 10), "t", 0.0).unwrap();
+    // Another process with the same token: neither its report nor a huge seq takes the name.
+    for (instance, seq) in [(Some(2), 11), (Some(2), u64::MAX), (None, u64::MAX)] {
+        assert_eq!(
+            zone.record(from(instance, seq), "t", 0.5),
+            Err(SourceRefusal::Held),
+            "{instance:?} {seq}"
+        );
+    }
+    // The owner's next report is counted as ever.
+    zone.record(from(Some(1), 11), "t", 1.0).unwrap();
+    // Silent for more than an interval (a restart): the name goes to the new process, whose
+    // sequence numbers start afresh.
+    zone.record(from(Some(3), 5), "t", 2.1).unwrap();
+    assert_eq!(
+        zone.record(from(Some(1), 12), "t", 2.5),
+        Err(SourceRefusal::Held)
+    );
+    // A sender that says it stops frees the name at once.
+    let mut last = from(Some(3), 6);
+    last.last = true;
+    zone.record(last, "t", 3.0).unwrap();
+    zone.record(from(Some(4), 1), "t", 3.1).unwrap();
 }
 
 #[test]
