@@ -343,10 +343,26 @@ fn a_host_replacing_its_keys_every_report_adds_no_more_pending_keys_than_the_roo
         r.interval_ms = 100;
         zone.record(r, "t", f64::from(i) / 10.0).unwrap();
     }
+    // Another service's host, in the same window, still finds room for its keys.
+    let mut other = entry(Some("theirs"), 10, 10);
+    other.service = "books".into();
+    let mut theirs = report("b", vec![other]);
+    theirs.interval_ms = 100;
+    zone.record(theirs, "u", 0.9).unwrap();
     let (entries, _) = zone.take(1.0, false);
-    let named = entries.iter().filter(|e| e.key.is_some()).count();
-    assert!(named <= 20, "{named} keys forwarded");
-    let offered: u64 = entries.iter().map(|e| e.offered).sum();
+    let named = |service: &str| {
+        entries
+            .iter()
+            .filter(|e| e.key.is_some() && e.service == service)
+            .count()
+    };
+    assert!(named("svc") <= 10, "{} keys forwarded", named("svc"));
+    assert_eq!(named("books"), 1);
+    let offered: u64 = entries
+        .iter()
+        .filter(|e| e.service == "svc")
+        .map(|e| e.offered)
+        .sum();
     assert_eq!(offered, 1000);
 }
 

@@ -10,8 +10,9 @@
 //! the hosts of each rule counted. Smoothing is the controller's ([`super::sum`]), after the
 //! zone's sums meet.
 //! Must never: hold more than `max_keys` entries (a long key is charged as several), or more
-//! than half of them for one service's hosts, or more than `max_keys` keys pending (past it a
-//! key's units go to its rule's tail); hand one host's unit to two forwards.
+//! than half of them for one service's hosts, or more than `max_keys` keys pending, half for
+//! one service (past it a key's units go to its rule's tail); hand one host's unit to two
+//! forwards.
 
 use std::collections::HashMap;
 
@@ -26,9 +27,10 @@ pub struct ZoneSums {
     /// What each (service, rule, key) accrued and not yet handed over: whole units go with
     /// the next take, fractions stay.
     pending: HashMap<Box<str>, HashMap<Box<str>, PendingRule>>,
-    /// Keys in `pending`: at most `max_keys` (a host replacing its report with new keys many
-    /// times a window would add each report's); past it a key's units go to its rule's tail.
-    pending_keys: usize,
+    /// Keys in `pending`: at most `max_keys`, half of them for one service (a host replacing
+    /// its report with new keys many times a window would add each report's); past it a key's
+    /// units go to its rule's tail.
+    pending_keys: PendingRoom,
     /// Entries held over all hosts, and per owner (at most half of `max_keys` each).
     held: usize,
     held_by: HashMap<Box<str>, usize>,
@@ -128,7 +130,7 @@ impl ZoneSums {
         ZoneSums {
             hosts: Sources::default(),
             pending: HashMap::new(),
-            pending_keys: 0,
+            pending_keys: PendingRoom::default(),
             held: 0,
             held_by: HashMap::new(),
             max_keys,
@@ -160,16 +162,14 @@ impl ZoneSums {
         // Early (a stopping host's last report, or jitter): what the previous report still
         // held comes now, so that every unit a host reported is handed over once.
         let until = holding.until;
-        let mut room = self.max_keys.saturating_sub(self.pending_keys);
-        let before = room;
+        self.pending_keys.max = self.max_keys;
         accrue(
             holding,
             until,
             &mut self.pending,
-            &mut room,
+            &mut self.pending_keys,
             &mut self.conflicts,
         );
-        self.pending_keys += before - room;
         let before = std::mem::take(&mut holding.charge);
         self.held = self.held.saturating_sub(before);
         // Given back to whom it was charged (a shared token's host may name another service
@@ -271,10 +271,14 @@ impl ZoneSums {
             // Hosts whose values stood in this window say which rules they report.
             if h.until > since {
                 let to = if last { h.until } else { now };
-                let mut room = self.max_keys.saturating_sub(self.pending_keys);
-                let before = room;
-                accrue(h, to, &mut self.pending, &mut room, &mut self.conflicts);
-                self.pending_keys += before - room;
+                self.pending_keys.max = self.max_keys;
+                accrue(
+                    h,
+                    to,
+                    &mut self.pending,
+                    &mut self.pending_keys,
+                    &mut self.conflicts,
+                );
                 for r in &h.rules {
                     let w = window
                         .entry((r.service.clone(), r.rule.clone()))
@@ -339,12 +343,12 @@ impl ZoneSums {
             rules.retain(|_, p| !p.keys.is_empty() || p.tail.offered > 0.0);
         }
         self.pending.retain(|_, r| !r.is_empty());
-        self.pending_keys = self
+        self.pending_keys.by_service = self
             .pending
-            .values()
-            .flat_map(|rules| rules.values())
-            .map(|p| p.keys.len())
-            .sum();
+            .iter()
+            .map(|(service, rules)| (service.clone(), rules.values().map(|p| p.keys.len()).sum()))
+            .collect();
+        self.pending_keys.total = self.pending_keys.by_service.values().sum();
         self.hosts.expire(now, |_, _| {});
         (out, interval_ms)
     }
@@ -355,13 +359,39 @@ impl ZoneSums {
     }
 }
 
+/// The keys pending, in all and per service, against their bound.
+#[derive(Debug, Default)]
+struct PendingRoom {
+    total: usize,
+    by_service: HashMap<Box<str>, usize>,
+    max: usize,
+}
+
+impl PendingRoom {
+    /// Takes a place for a key of `service` new in `pending`, if one is left.
+    fn take(&mut self, service: &str) -> bool {
+        let mine = self.by_service.get(service).copied().unwrap_or(0);
+        if self.total >= self.max || mine >= self.max / 2 {
+            return false;
+        }
+        self.total += 1;
+        match self.by_service.get_mut(service) {
+            Some(n) => *n += 1,
+            None => {
+                self.by_service.insert(service.into(), 1);
+            }
+        }
+        true
+    }
+}
+
 /// Adds what `h` held from its last accrual up to `now` (within its own time) to `pending`,
 /// taking a place of `room` for each key new there (none left: the units go to the tail).
 fn accrue(
     h: &mut Holding,
     now: f64,
     pending: &mut HashMap<Box<str>, HashMap<Box<str>, PendingRule>>,
-    room: &mut usize,
+    room: &mut PendingRoom,
     conflicts: &mut u64,
 ) {
     let from = h.accrued.max(h.from);
@@ -399,11 +429,8 @@ fn accrue(
                 None => &mut p.tail,
                 Some(key) => match p.keys.get_mut(&**key) {
                     Some(u) => u,
-                    None if *room == 0 => &mut p.tail,
-                    None => {
-                        *room -= 1;
-                        p.keys.entry(key.clone()).or_default()
-                    }
+                    None if !room.take(&r.service) => &mut p.tail,
+                    None => p.keys.entry(key.clone()).or_default(),
                 },
             };
             units.offered += k.offered * dt;
