@@ -1774,7 +1774,11 @@ async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_the
     let dir = tokens_dir();
     let dir = dir.to_str().unwrap();
     let ctl = controller("127.0.0.1:0", &["--tokens", dir]);
-    let agg = aggregator_with(ctl.addr, "z1", &["--tokens", dir]);
+    // The chart's cadence: forwards every second, as the proxies report.
+    let url = format!("http://{}", ctl.addr);
+    let mut args = aggregator_args(&url, "z1", "1s");
+    args.extend_from_slice(&["--tokens", dir]);
+    let agg = Proc::spawn(&args);
     let up = upstream().await;
     let books = service_proxy("books", up.addr, agg.addr, "books-t");
     let maps = service_proxy("maps", up.addr, agg.addr, "maps-t");
@@ -1846,6 +1850,9 @@ async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_the
             i += 1;
         }
     });
+    // The attack's first maximal reports take a second or so to build and send: measured
+    // once it runs in full.
+    offered_apart(&fleets, 2.0).await;
     let under_attack = offered_apart(&fleets, 4.0).await;
     stop.store(true, Ordering::Relaxed);
     while attack.join_next().await.is_some() {}

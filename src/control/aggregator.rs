@@ -428,7 +428,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
     let reports = IntCounterVec::new(
         Opts::new(
             "spillway_aggregator_reports_total",
-            "Host reports received, by result (ok, other_zone, duplicate, unauthorized, forbidden, foreign, throttled, malformed, invalid); other_zone counts reports kept from hosts that name another zone; entries_dropped counts invalid entries dropped from reports that were kept.",
+            "Host reports received, by result (ok, other_zone, duplicate, unauthorized, forbidden, foreign, throttled, too_soon, held, malformed, invalid); other_zone counts reports kept from hosts that name another zone; entries_dropped counts invalid entries dropped from reports that were kept.",
         ),
         &["result"],
     )

@@ -379,7 +379,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
     let reports = IntCounterVec::new(
         Opts::new(
             "spillway_controller_reports_total",
-            "Reports received, by result (ok, duplicate, unauthorized, forbidden, foreign, throttled, malformed, invalid); entries_dropped counts invalid entries dropped from reports that were kept.",
+            "Reports received, by result (ok, duplicate, unauthorized, forbidden, foreign, throttled, too_soon, held, malformed, invalid); entries_dropped counts invalid entries dropped from reports that were kept.",
         ),
         &["result"],
     )

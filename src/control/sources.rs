@@ -7,7 +7,7 @@
 //! and [`MAX_SOURCES_PER_OWNER`], per owner, so that one service's token cannot crowd out
 //! another's hosts; a full owner's idle sources make room first), a host reporting for a
 //! service other than those its first report named, a report it has already counted (a retry
-//! or a replay to the same replica: same or older `seq`), a source's reports past one per
+//! or a replay to the same replica: same or older `seq`), a host's reports past one per
 //! interval (three in a row pass), and another process reporting under a live source's name.
 //! Must never: hold more than one record per source, keep one past three of its intervals,
 //! drop a returning source's data unseen (its owner must take its values out first), or count
@@ -181,8 +181,8 @@ impl<T: Default> Sources<T> {
             self.duplicates += 1;
             return Err(SourceRefusal::Duplicate(report.seq));
         }
-        // At most one report per interval (a stopping source's first last one aside): a
-        // tenant's source cannot have its values replaced and its sums walked many times a
+        // At most one report per interval from a host (a stopping source's first last one
+        // aside): a tenant's source cannot have its values replaced and its sums walked many times a
         // second. A report states the time since the one before, so the spacing charged is the
         // shorter of its interval and the previous one's (a long interval after a late reply,
         // or a restart with a shorter one, is not held against the next reports); three pass
@@ -193,7 +193,9 @@ impl<T: Default> Sources<T> {
         let due = now + owed;
         let early = due - now > 2.0 * step + 1e-6;
         let first_last = report.last && !s.stopping;
-        if live && early && !first_last {
+        // Zone sums are exempt: only the aggregators send them, and a forward refused would
+        // lose a zone's counts (a replica whose forwards came late sends them back to back).
+        if live && early && !first_last && pinned {
             self.too_soon += 1;
             return Err(SourceRefusal::TooSoon);
         }

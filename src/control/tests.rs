@@ -401,6 +401,30 @@ fn a_live_hosts_name_and_sequence_numbers_stay_with_the_process_reporting_under_
 }
 
 #[test]
+fn a_forward_names_at_most_the_heaviest_keys_of_a_service_and_folds_the_rest_into_the_tail() {
+    use super::zone::FORWARD_KEYS_PER_SERVICE;
+    let n = FORWARD_KEYS_PER_SERVICE + 50;
+    let mut zone = ZoneSums::new(0.0, 4 * n);
+    // Key i offered 2 + i: the lightest 50 are folded.
+    let keys = (0..n)
+        .map(|i| entry(Some(&format!("k{i}")), 2 + i as u64, 1))
+        .collect();
+    let mut r = report("h", keys);
+    r.interval_ms = 100;
+    zone.record(r, "t", 0.0).unwrap();
+    let (entries, _) = zone.take(0.1, false);
+    let named: Vec<&Entry> = entries.iter().filter(|e| e.key.is_some()).collect();
+    assert_eq!(named.len(), FORWARD_KEYS_PER_SERVICE);
+    assert!(!named.iter().any(|e| e.key.as_deref() == Some("k0")));
+    let tail = entries.iter().find(|e| e.key.is_none()).unwrap();
+    assert_eq!(tail.keys_folded, 50);
+    let d = crate::limit::Distinct::decode(tail.sketch.as_deref().unwrap()).unwrap();
+    assert!((d.count() - 50.0).abs() < 5.0, "{}", d.count());
+    let offered: u64 = entries.iter().map(|e| e.offered).sum();
+    assert_eq!(offered, (0..n as u64).map(|i| 2 + i).sum::<u64>());
+}
+
+#[test]
 fn a_report_stating_a_long_interval_is_not_held_against_the_next_on_time() {
     // A sender whose previous reply timed out states the 5 s since its last report, then goes
     // on every second: the long interval says what it covers, not when the next may come.

@@ -303,6 +303,7 @@ impl ZoneSums {
         }
         let mut out: Vec<Entry> = Vec::new();
         for (service, rules) in &mut self.pending {
+            let service_start = out.len();
             for (rule, p) in rules.iter_mut() {
                 let w = window.remove(&(service.clone(), rule.clone()));
                 let first = out.len();
@@ -341,6 +342,7 @@ impl ZoneSums {
                 }
             }
             rules.retain(|_, p| !p.keys.is_empty() || p.tail.offered > 0.0);
+            fold_past(&mut out, service_start, FORWARD_KEYS_PER_SERVICE);
         }
         self.pending.retain(|_, r| !r.is_empty());
         self.pending_keys.by_service = self
@@ -357,6 +359,56 @@ impl ZoneSums {
     pub fn hosts(&self) -> usize {
         self.hosts.len()
     }
+}
+
+/// A service's keys forwarded by name at most: the heaviest; the rest go with their rule's
+/// tail. The controller answers at most as many of a service's keys by name
+/// ([`super::sum::MAX_RATIOS_PER_SERVICE`]), and a tenant's flood of keys must not make every
+/// forward, and the controller's work on it, as large as its room allows.
+pub const FORWARD_KEYS_PER_SERVICE: usize = super::sum::MAX_RATIOS_PER_SERVICE;
+
+/// Folds the named entries of `out[from..]` (one service's) past the `most` heaviest into
+/// their rules' tails, units, hosts and distinct keys with them.
+fn fold_past(out: &mut Vec<Entry>, from: usize, most: usize) {
+    if out[from..].iter().filter(|e| e.key.is_some()).count() <= most {
+        return;
+    }
+    let (mut named, tails): (Vec<Entry>, Vec<Entry>) =
+        out.drain(from..).partition(|e| e.key.is_some());
+    named.select_nth_unstable_by(most - 1, |a, b| b.offered.cmp(&a.offered));
+    let folded = named.split_off(most);
+    let mut tails: HashMap<String, Entry> =
+        tails.into_iter().map(|t| (t.rule.clone(), t)).collect();
+    let mut sketches: HashMap<String, Distinct> = HashMap::new();
+    for e in folded {
+        let t = tails.entry(e.rule.clone()).or_insert_with(|| Entry {
+            key: None,
+            offered: 0,
+            admitted: 0,
+            keys_folded: 0,
+            sketch: None,
+            hosts: 0,
+            ..e.clone()
+        });
+        t.offered += e.offered;
+        t.admitted += e.admitted;
+        t.keys_folded += 1;
+        t.hosts = t.hosts.max(e.hosts);
+        let sketch = sketches.entry(e.rule.clone()).or_insert_with(|| {
+            t.sketch
+                .as_deref()
+                .and_then(Distinct::decode)
+                .unwrap_or_default()
+        });
+        sketch.insert(e.key.as_deref().unwrap_or_default().as_bytes());
+    }
+    for (rule, sketch) in sketches {
+        if let Some(t) = tails.get_mut(&rule) {
+            t.sketch = Some(sketch.encode());
+        }
+    }
+    out.extend(named);
+    out.extend(tails.into_values());
 }
 
 /// The keys pending, in all and per service, against their bound.

@@ -213,11 +213,17 @@ def releases(name, docs):
               and vols["spillway-token"]["secret"]["items"] == [{"key": "_shared", "path": "token"}],
               f"{name}: one shared token beside the aggregators' own {sorted(tokens)} {args}")
     if name == "shared token as a value":
+        # The given token is `_shared` beside the aggregators' own: it sends no zone sums.
         secrets = by_kind.get("Secret", {})
-        args = statefulsets["spillway-controller"]["spec"]["template"]["spec"]["containers"][0]["args"]
-        check("spillway-token" in secrets and "spillway-tokens" not in secrets
-              and "--token-file=/var/run/secrets/spillway/token" in args,
-              f"{name}: one shared token file {sorted(secrets)} {args}")
+        tokens = secrets.get("spillway-tokens", {}).get("data", {})
+        pod = statefulsets["spillway-controller"]["spec"]["template"]["spec"]
+        vol = {v["name"]: v for v in pod["volumes"]}["token"]
+        sources = vol.get("projected", {}).get("sources", [])
+        check("spillway-token" in secrets and sorted(tokens) == ["_admin", "_aggregators", "_metrics"]
+              and "--tokens=/var/run/secrets/spillway" in pod["containers"][0]["args"]
+              and sources == [{"secret": {"name": "spillway-token", "items": [{"key": "token", "path": "_shared"}]}},
+                              {"secret": {"name": "spillway-tokens"}}],
+              f"{name}: the given shared token beside the aggregators' own {sorted(secrets)} {sources}")
     if name == "sidecar only, another release's control plane":
         secrets = sorted(by_kind.get("Secret", {}))
         check(not control and secrets == ["spillway-key-secret"],

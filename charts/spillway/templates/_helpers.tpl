@@ -37,17 +37,19 @@ token.existingSecret) and no per-service tokens are named. */}}
 {{- if or .tokens.existingSecret .tokens.services (not (or .token.shared .token.value .token.existingSecret)) -}}true{{- end -}}
 {{- end -}}
 
-{{/* "true" when the control plane reads a directory of tokens (--tokens): per-service ones,
-or a generated shared one (`_shared`) beside the aggregators' own, so that the shared token
-sends no zone sums. A shared token given as a value or a Secret stays one file (--token-file). */}}
+{{/* "true" when a sidecar of this release mounts its token from the tokens Secret: its
+service's own, or a generated shared one (`_shared`). A shared token given as a value or a
+Secret is mounted from that Secret (key token). */}}
 {{- define "spillway.tokenDir" -}}
 {{- if or (include "spillway.perServiceTokens" .) (not (or .token.value .token.existingSecret)) -}}true{{- end -}}
 {{- end -}}
 
-{{/* The services given a generated token: tokens.services, or this release's own service. */}}
+{{/* The services given a generated token: tokens.services, or this release's own service;
+`_shared` for a generated shared token; none for a shared token given as a value or Secret. */}}
 {{- define "spillway.tokenServices" -}}
 {{- $cp := .Values.controlPlane -}}
-{{- if not (include "spillway.perServiceTokens" $cp) -}}
+{{- if not (include "spillway.tokenDir" $cp) -}}
+{{- else if not (include "spillway.perServiceTokens" $cp) -}}
 {{- "_shared" -}}
 {{- else if $cp.tokens.services -}}
 {{- join "," $cp.tokens.services -}}
@@ -58,23 +60,16 @@ sends no zone sums. A shared token given as a value or a Secret stays one file (
 {{- end -}}
 {{- end -}}
 
-{{/* The tokens Secret read as a directory (given, or generated), or nothing (one shared
-token file). */}}
+{{/* The tokens Secret the control plane reads as a directory (--tokens): given, or generated
+(with the aggregators', admin and metrics tokens in every mode, so that only the aggregators
+send zone sums). */}}
 {{- define "spillway.tokensSecret" -}}
-{{- if .Values.controlPlane.tokens.existingSecret -}}
-{{- .Values.controlPlane.tokens.existingSecret -}}
-{{- else if include "spillway.tokenDir" .Values.controlPlane -}}
-{{- printf "%s-tokens" (include "spillway.fullname" .) -}}
-{{- end -}}
+{{- .Values.controlPlane.tokens.existingSecret | default (printf "%s-tokens" (include "spillway.fullname" .)) -}}
 {{- end -}}
 
 {{/* The control-plane server flags and mounts for tokens and TLS (controller and aggregators). */}}
 {{- define "spillway.serverSecurityArgs" -}}
-{{- if include "spillway.tokensSecret" . }}
 - --tokens=/var/run/secrets/spillway
-{{- else }}
-- --token-file=/var/run/secrets/spillway/token
-{{- end }}
 {{- if .Values.controlPlane.tls.existingSecret }}
 - --tls-cert=/var/run/secrets/spillway-tls/tls.crt
 - --tls-key=/var/run/secrets/spillway-tls/tls.key
@@ -90,8 +85,21 @@ token file). */}}
 
 {{- define "spillway.serverSecurityVolumes" -}}
 - name: token
+  {{- if include "spillway.tokenDir" .Values.controlPlane }}
   secret:
-    secretName: {{ include "spillway.tokensSecret" . | default (include "spillway.tokenSecret" .) }}
+    secretName: {{ include "spillway.tokensSecret" . }}
+  {{- else }}
+  # A shared token given as a value or a Secret, as `_shared`, beside the generated
+  # aggregators', admin and metrics tokens.
+  projected:
+    sources:
+      - secret:
+          name: {{ include "spillway.tokenSecret" . }}
+          items:
+            - { key: token, path: _shared }
+      - secret:
+          name: {{ include "spillway.tokensSecret" . }}
+  {{- end }}
 {{- with .Values.controlPlane.tls.existingSecret }}
 - name: tls
   secret:
