@@ -384,3 +384,36 @@ async fn a_live_hosts_name_stays_with_its_process_under_a_shared_token() {
     // The process that held the name goes on, its numbers untouched.
     assert_eq!(post("a1", 11).await, StatusCode::OK);
 }
+
+// 2. One service's maximal reports straight to the controller stay within its budget too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_services_maximal_reports_keep_the_controller_within_its_memory_budget() {
+    let ctl = controller_with_tokens();
+    // Enough 8 MiB reports, 4 at a time, to fill the service's quarter of the values.
+    let mut answered = 0;
+    for batch in 0..3 {
+        let sends = (0..4).map(|i| {
+            let body = maximal_report(&format!("direct-{}", batch * 4 + i), "shop");
+            report(ctl.addr, "shop-t", body)
+        });
+        for status in futures_util::future::join_all(sends).await {
+            answered += usize::from(status == StatusCode::OK);
+        }
+    }
+    assert!(answered > 0, "no maximal report was taken at all");
+    // Another service still reports.
+    assert_eq!(
+        report(ctl.addr, "books-t", many_keys("b1", "books", 3)).await,
+        StatusCode::OK
+    );
+    let peak = peak_mib(ctl.child.id());
+    eprintln!("controller peak {peak} MiB, {answered} of 12 maximal reports taken");
+    assert!(
+        peak <= CONTROLLER_BUDGET_MIB,
+        "the controller held {peak} MiB at its peak (budget {CONTROLLER_BUDGET_MIB} MiB)"
+    );
+}
+
+/// What docs/fleet.md states a tenant can take the controller to, within the chart's 1 Gi: a
+/// quarter of its 2 000 000 values and its bodies' budget.
+const CONTROLLER_BUDGET_MIB: u64 = 512;
