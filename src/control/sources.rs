@@ -98,6 +98,15 @@ const FORGET_AFTER: f64 = 3.0;
 const IDLE_AT_CAP: f64 = 2.0;
 
 impl<T> Source<T> {
+    /// Starts its record afresh at `now` (a source back after silence, or another process
+    /// taking its name): numbers, spacing and services; its data stays for its owner.
+    fn start_over(&mut self, now: f64) {
+        self.seq = 0;
+        self.due = now;
+        self.stopping = false;
+        self.services.clear();
+    }
+
     /// Whose budget it counts against.
     pub fn owner(&self) -> &str {
         &self.owner
@@ -133,13 +142,7 @@ impl<T: Default> Sources<T> {
             }
             *self.new_sources.entry(owner.into()).or_default() += 1;
             match self.index.get_mut(report.source.as_str()) {
-                Some(s) => {
-                    s.seq = 0;
-                    s.due = now;
-                    s.stopping = false;
-                    s.instance = report.instance;
-                    s.services.clear();
-                }
+                Some(s) => s.start_over(now),
                 None => {
                     *self.live.entry(owner.into()).or_default() += 1;
                     self.index.insert(
@@ -171,10 +174,7 @@ impl<T: Default> Sources<T> {
                 self.held += 1;
                 return Err(SourceRefusal::Held);
             }
-            s.seq = 0;
-            s.due = now;
-            s.stopping = false;
-            s.services.clear();
+            s.start_over(now);
         }
         s.instance = report.instance;
         if report.seq != 0 && report.seq <= s.seq {

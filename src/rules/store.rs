@@ -47,10 +47,17 @@ pub(super) struct Admission {
 #[derive(Debug, Default)]
 pub(super) struct Seen(AtomicU64);
 
+impl Seen {
+    /// Sent within `memory` of `now`.
+    fn fresh(&self, now: Nanos, memory: Nanos) -> bool {
+        now.saturating_sub(self.0.load(Ordering::Relaxed)) <= memory
+    }
+}
+
 impl Admission {
     /// `None`: `key` may go to Redis; else, when a new key may (a new key past the budget).
     pub(super) fn admit(&self, key: &[u8], now: Nanos) -> Option<Nanos> {
-        let fresh = |s: &Seen| now.saturating_sub(s.0.load(Ordering::Relaxed)) <= self.memory;
+        let fresh = |s: &Seen| s.fresh(now, self.memory);
         if let Some(s) = self.seen.map.get(key) {
             if fresh(&s) {
                 s.0.store(now, Ordering::Relaxed);
@@ -69,8 +76,7 @@ impl Admission {
 
     /// Forgets keys not asked for in two windows.
     pub(super) fn sweep(&self, now: Nanos) -> usize {
-        self.seen
-            .sweep(|s| now.saturating_sub(s.0.load(Ordering::Relaxed)) > self.memory)
+        self.seen.sweep(|s| !s.fresh(now, self.memory))
     }
 }
 
