@@ -194,8 +194,8 @@ enum Command {
         #[arg(long, env = "SPILLWAY_INTERVAL", default_value = "1s", value_parser = parse_duration)]
         interval: std::time::Duration,
         /// The most entries (keys) its proxies' reports may hold at once, half of them for one
-        /// service: its memory's bound (about 1 KiB each at most with the bodies' budget; the
-        /// default fits 256 MiB). Entries past it are refused and counted.
+        /// service: its memory's bound (docs/fleet.md sizes it; the default fits the chart's
+        /// 256 MiB). Entries past it are refused and counted.
         #[arg(long, env = "SPILLWAY_MAX_ENTRIES", default_value_t = spillway::internal::control::aggregator::DEFAULT_MAX_ENTRIES as u64, value_parser = clap::value_parser!(u64).range(1000..=10_000_000))]
         max_entries: u64,
         #[command(flatten)]
