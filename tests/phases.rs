@@ -777,3 +777,93 @@ async fn a_rules_upstream_body_idle_applies_to_its_requests() {
     // The same over HTTP/2.
     reset_h2(sc.addr(), "/feed").await;
 }
+
+/// An app that answers `/fast` at once and never answers anything else (it holds the
+/// connection until the proxy closes it).
+async fn hanging_app() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    raw_server(|mut s| async move {
+        let mut buf = vec![0u8; 4096];
+        let mut head = Vec::new();
+        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => head.extend_from_slice(&buf[..n]),
+            }
+        }
+        if head.starts_with(b"GET /fast ") {
+            let _ = s
+                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
+                .await;
+            return;
+        }
+        while let Ok(n) = s.read(&mut buf).await {
+            if n == 0 {
+                break;
+            }
+        }
+    })
+    .await
+}
+
+/// The shared adaptive limit's gauge, once it is below `below` (`None` if not within 20 s).
+async fn adaptive_limit_below(sc: &spillway::Sidecar, below: f64) -> Option<f64> {
+    for _ in 0..200 {
+        let (_, text) = admin(sc, "/metrics").await;
+        if let Some(v) = metric(&text, "spillway_adaptive_limit{rule=\"app-capacity\"}") {
+            if v < below {
+                return Some(v);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
+/// 4. An adaptive limit's windows also close on a timer: an app that stops answering (no
+/// request completes, none has timed out yet) is learned from the requests still waiting, so
+/// the limit comes down instead of waiting for `upstream_response` to fail them.
+#[tokio::test]
+async fn an_app_that_stops_answering_brings_an_adaptive_limit_down_before_any_timeout() {
+    let app = hanging_app().await;
+    let sc = spillway::Sidecar::start(config(
+        app,
+        "rules:\n  - name: app-capacity\n    key: []\n    limit: { adaptive: { min: 2, max: 512, initial: 40, tolerance: 2.0 } }\n",
+    ))
+    .await
+    .unwrap();
+    // A baseline: quick answers, their window closed (by the timer if they were too few).
+    for _ in 0..12 {
+        let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+        let a = ask(&mut c, "GET /fast HTTP/1.1\r\nHost: app\r\n\r\n").await;
+        assert!(a.status.starts_with("HTTP/1.1 200"), "{}", a.status);
+    }
+    let mut learned = false;
+    for _ in 0..100 {
+        let (_, text) = admin(&sc, "/metrics").await;
+        let baseline = metric(
+            &text,
+            "spillway_adaptive_baseline_seconds{rule=\"app-capacity\"}",
+        );
+        if baseline.is_some_and(|b| b > 0.0) {
+            learned = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(learned, "no baseline from 12 quick answers");
+    // Now the app hangs: 30 requests wait on it, none completes (upstream_response is 30 s).
+    let mut waiting = Vec::new();
+    for _ in 0..30 {
+        let mut c = TcpStream::connect(sc.addr()).await.unwrap();
+        tokio::io::AsyncWriteExt::write_all(&mut c, b"GET /slow HTTP/1.1\r\nHost: app\r\n\r\n")
+            .await
+            .unwrap();
+        waiting.push(c);
+    }
+    let limit = adaptive_limit_below(&sc, 40.0).await;
+    assert!(
+        limit.is_some(),
+        "the limit stayed at 40 with 30 requests waiting on an app that stopped answering"
+    );
+}

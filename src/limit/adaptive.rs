@@ -1,7 +1,8 @@
 //! Adaptive concurrency: a limit on requests in flight that follows the upstream's latency, in
 //! the family of Netflix's Gradient2 and Envoy's adaptive concurrency filter. Each 100 ms window
 //! (or 10 samples, whichever is later) the average latency of its completed requests is one
-//! sample. The no-load latency (the baseline) is learned without probes: it drops at once to a
+//! sample; a timer closes a window no completion closed within a second, where requests
+//! still pending since it opened give a lower bound of latency. The no-load latency (the baseline) is learned without probes: it drops at once to a
 //! lower sample and rises slowly (0.5 % a window) only while latency is within tolerance or the
 //! limit is at `min` (Envoy pins concurrency to a floor to measure it, with 503 bursts).
 //!
@@ -59,6 +60,9 @@ pub struct Adaptive {
     count: AtomicU64,
     peak: AtomicU32,
     window_start: AtomicU64,
+    /// In flight when the window opened: those still pending when it closes with no
+    /// completion have waited at least its age.
+    held: AtomicU32,
     baseline: AtomicU64,
     last_sample: AtomicU64,
     /// Slow start until latency first leaves tolerance.
@@ -102,6 +106,7 @@ impl Adaptive {
             count: AtomicU64::new(0),
             peak: AtomicU32::new(0),
             window_start: AtomicU64::new(0),
+            held: AtomicU32::new(0),
             baseline: AtomicU64::new(0),
             last_sample: AtomicU64::new(0),
             slow_start: AtomicBool::new(true),
@@ -156,6 +161,41 @@ impl Adaptive {
         {
             return None;
         }
+        self.close(now)
+    }
+
+    /// Closes a window that no completion closed within `10 x WINDOW` (a timer calls it):
+    /// with its samples, as a completion would have; with none while requests that were in
+    /// flight when it opened still are, its age is a lower bound of their latency, which
+    /// shrinks the limit past tolerance (an app that stopped answering is learned before its
+    /// requests time out) and never lowers the baseline.
+    pub fn tick(&self) -> Option<Snapshot> {
+        self.tick_at(self.clock.now())
+    }
+
+    /// [`tick`](Self::tick) at `now`.
+    pub fn tick_at(&self, now: Nanos) -> Option<Snapshot> {
+        let start = self.window_start.load(Ordering::Relaxed);
+        if start == 0 {
+            if self.in_flight() > 0 {
+                self.held.store(self.in_flight(), Ordering::Relaxed);
+                self.window_start.store(now.max(1), Ordering::Relaxed);
+            }
+            return None;
+        }
+        if now.saturating_sub(start) < 10 * WINDOW
+            || self
+                .updating
+                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+        {
+            return None;
+        }
+        self.close(now)
+    }
+
+    /// Closes the window (the caller holds `updating`) and tells the observer.
+    fn close(&self, now: Nanos) -> Option<Snapshot> {
         let snapshot = self.update(now);
         self.updating.store(false, Ordering::Release);
         if let (Some(observe), Some(s)) = (&self.on_window, snapshot) {
@@ -168,18 +208,27 @@ impl Adaptive {
     fn update(&self, now: Nanos) -> Option<Snapshot> {
         let count = self.count.swap(0, Ordering::Relaxed);
         let sum = self.sum.swap(0, Ordering::Relaxed);
-        let peak = self.peak.swap(self.in_flight(), Ordering::Relaxed);
-        self.window_start.store(now.max(1), Ordering::Relaxed);
-        if count == 0 {
-            return None;
-        }
-        let sample = (sum / count).max(1);
+        let in_flight = self.in_flight();
+        let peak = self.peak.swap(in_flight, Ordering::Relaxed);
+        let held = self.held.swap(in_flight, Ordering::Relaxed);
+        let start = self.window_start.swap(now.max(1), Ordering::Relaxed);
+        // No completion: a lower bound only, while what was pending at the start still is.
+        let (sample, bound) = match count {
+            0 if held > 0 && in_flight > 0 => (now.saturating_sub(start).max(1), true),
+            0 => return None,
+            _ => ((sum / count).max(1), false),
+        };
         let s = self.settings;
         let current = f64::from_bits(self.limit_f.load(Ordering::Relaxed));
         let at_min = current <= f64::from(s.min) + 0.5;
         let old = self.baseline.load(Ordering::Relaxed);
         let fine = old == 0 || (sample as f64) <= s.tolerance * old as f64;
-        let baseline = if old == 0 || sample < old {
+        if bound && fine {
+            return None;
+        }
+        let baseline = if bound {
+            old
+        } else if old == 0 || sample < old {
             sample
         } else if fine || at_min {
             (old + ((old as f64 * BASELINE_DRIFT) as u64).max(1)).min(sample)
@@ -361,6 +410,69 @@ mod tests {
             window(&a, &mut now, 50 * MS, peak);
         }
         assert!(a.limit() > before, "{} -> {}", before, a.limit());
+    }
+
+    #[test]
+    fn a_timer_closes_a_quiet_window_with_the_samples_it_has() {
+        let a = limiter(4, 512, 20);
+        let mut now = started(&a);
+        for _ in 0..3 {
+            now += WINDOW;
+            assert!(a.record(10 * MS, now).is_none(), "fewer than MIN_SAMPLES");
+        }
+        assert!(a.tick_at(now).is_none(), "younger than 10 windows");
+        now += 10 * WINDOW;
+        let s = a.tick_at(now).expect("the timer closed it");
+        assert_eq!(s.sample, 10 * MS);
+        assert_eq!(a.baseline(), 10 * MS);
+        // Nothing in flight, nothing completed: nothing to learn, the limit stays.
+        now += 20 * WINDOW;
+        assert!(a.tick_at(now).is_none());
+        assert_eq!(a.limit(), 20);
+    }
+
+    #[test]
+    fn requests_pending_a_whole_timer_window_shrink_the_limit_without_a_completion() {
+        let a = Arc::new(Adaptive::new(Settings {
+            min: 4,
+            max: 512,
+            initial: 40,
+            tolerance: 2.0,
+        }));
+        let mut now = 1_000 * MS;
+        a.record(10 * MS, now);
+        now += 10 * WINDOW;
+        assert!(a.record(10 * MS, now).is_some(), "baseline learned");
+        assert_eq!(a.baseline(), 10 * MS);
+        let hung: Vec<_> = (0..30).map(|_| a.try_acquire().unwrap()).collect();
+        // The window that opened before them says nothing of them.
+        now += 10 * WINDOW;
+        assert!(a.tick_at(now).is_none());
+        let mut limits = Vec::new();
+        for _ in 0..10 {
+            now += 10 * WINDOW;
+            limits.push(a.tick_at(now).expect("a bound past tolerance").limit);
+        }
+        assert!(limits.windows(2).all(|w| w[1] <= w[0]), "{limits:?}");
+        assert!(limits[9] < 30, "{limits:?}");
+        assert_eq!(a.baseline(), 10 * MS, "a lower bound never moves it");
+        drop(hung);
+    }
+
+    #[test]
+    fn pending_requests_within_tolerance_change_nothing() {
+        let a = Arc::new(limiter(4, 512, 40));
+        let mut now = 1_000 * MS;
+        a.record(2_000 * MS, now);
+        now += 10 * WINDOW;
+        assert!(a.record(2_000 * MS, now).is_some());
+        let _pending: Vec<_> = (0..5).map(|_| a.try_acquire().unwrap()).collect();
+        for _ in 0..3 {
+            now += 10 * WINDOW;
+            assert!(a.tick_at(now).is_none(), "1 s pending is within 2 x 2 s");
+        }
+        assert_eq!(a.limit(), 40);
+        assert_eq!(a.baseline(), 2_000 * MS);
     }
 
     #[test]

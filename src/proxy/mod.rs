@@ -63,6 +63,8 @@ use respond::Body;
 
 /// How often idle keys are swept from the per-rule stores.
 const SWEEP_EVERY: Duration = Duration::from_secs(5);
+/// How often adaptive limits are asked to close a window no completion closed.
+const ADAPTIVE_TICK: Duration = Duration::from_millis(250);
 
 /// State shared by every connection of one proxy.
 pub struct Shared {
@@ -646,16 +648,21 @@ fn anchor_period(t: &crate::config::Timeouts) -> Duration {
     .clamp(Duration::from_millis(1), Duration::from_secs(1))
 }
 
-/// Forgets idle keys in the background. The sweep locks one shard at a time.
+/// Forgets idle keys in the background (the sweep locks one shard at a time), and closes
+/// adaptive limits' windows that no completion closed.
 async fn sweep_loop(shared: Arc<Shared>) {
-    let mut tick = tokio::time::interval(SWEEP_EVERY);
+    let mut tick = tokio::time::interval(ADAPTIVE_TICK);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
+    let sweep_every = (SWEEP_EVERY.as_millis() / ADAPTIVE_TICK.as_millis()) as u64;
+    for n in 0u64.. {
         tick.tick().await;
         let rules = shared.rules.load_full();
-        let removed = rules.sweep(shared.clock.now());
-        if removed > 0 {
-            tracing::debug!(removed, "swept idle keys");
+        rules.tick_adaptive();
+        if n % sweep_every == sweep_every - 1 {
+            let removed = rules.sweep(shared.clock.now());
+            if removed > 0 {
+                tracing::debug!(removed, "swept idle keys");
+            }
         }
     }
 }

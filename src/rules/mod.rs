@@ -818,6 +818,15 @@ impl RuleSet {
         out
     }
 
+    /// Closes the adaptive limits' windows that no completion closed in time.
+    pub fn tick_adaptive(&self) {
+        for rule in self.rules.iter() {
+            if let Kind::Adaptive { limiter } = &*rule.kind {
+                limiter.tick();
+            }
+        }
+    }
+
     /// Forgets idle keys in every rule; returns how many.
     pub fn sweep(&self, now: Nanos) -> usize {
         self.rules
