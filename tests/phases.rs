@@ -867,3 +867,88 @@ async fn an_app_that_stops_answering_brings_an_adaptive_limit_down_before_any_ti
         "the limit stayed at 40 with 30 requests waiting on an app that stopped answering"
     );
 }
+
+/// Opens a long-lived response of `path` from `from`: its status, and the connection held.
+async fn stream_from(
+    from: [u8; 4],
+    proxy: std::net::SocketAddr,
+    path: &str,
+) -> (String, tokio::io::BufReader<TcpStream>) {
+    let mut c = connect_from(from, proxy).await;
+    let ask = format!("GET {path} HTTP/1.1\r\nHost: app\r\n\r\n");
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), ask.as_bytes())
+        .await
+        .unwrap();
+    (read_head(&mut c).await, c)
+}
+
+/// 4. One client cannot hold a shared (`key: []`) limit's every slot with long-lived
+/// responses: it gets `client_share` of them (half by default) and another client is served.
+#[tokio::test]
+async fn one_client_holds_at_most_its_share_of_a_shared_concurrency_limit() {
+    let (sc, _closed) = stalling_sidecar(
+        "limits: { connections_per_client_exempt: [] }\nrules:\n  - name: downloads\n    match: { path_prefix: /dl }\n    key: []\n    limit: { concurrency: 8 }\n  - name: feeds\n    match: { path_prefix: /feed }\n    key: []\n    limit: { concurrency: 8 }\n    client_share: 0.25\n",
+    )
+    .await;
+    let mut held = Vec::new();
+    let mut statuses = Vec::new();
+    for _ in 0..8 {
+        let (status, c) = stream_from([127, 0, 0, 2], sc.addr(), "/dl").await;
+        statuses.push(status);
+        held.push(c);
+    }
+    let ok = statuses.iter().filter(|s| *s == "HTTP/1.1 200 OK").count();
+    assert_eq!(ok, 4, "one client's streams of a limit of 8: {statuses:?}");
+    assert!(
+        statuses
+            .iter()
+            .all(|s| s == "HTTP/1.1 200 OK" || s.starts_with("HTTP/1.1 429")),
+        "{statuses:?}"
+    );
+    let (other, _c) = stream_from([127, 0, 0, 3], sc.addr(), "/dl").await;
+    assert_eq!(other, "HTTP/1.1 200 OK", "another client was locked out");
+    // A stated share of a quarter: 2 of 8.
+    let mut feeds = Vec::new();
+    for _ in 0..4 {
+        let (status, c) = stream_from([127, 0, 0, 4], sc.addr(), "/feed").await;
+        feeds.push(status);
+        held.push(c);
+    }
+    assert_eq!(
+        feeds.iter().filter(|s| *s == "HTTP/1.1 200 OK").count(),
+        2,
+        "{feeds:?}"
+    );
+    // A part given back is taken again.
+    drop(held.drain(..4));
+    let mut again = false;
+    for _ in 0..100 {
+        let (status, c) = stream_from([127, 0, 0, 2], sc.addr(), "/dl").await;
+        if status == "HTTP/1.1 200 OK" {
+            again = true;
+            held.push(c);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        again,
+        "the client's part was not given back when its streams closed"
+    );
+}
+
+/// Behind a mesh or an ingress every client has one address: loopback (and the trusted
+/// proxies) have no part of their own, so a shared limit is whole for them.
+#[tokio::test]
+async fn exempt_addresses_have_the_whole_shared_limit() {
+    let (sc, _closed) = stalling_sidecar(
+        "rules:\n  - name: downloads\n    key: []\n    limit: { concurrency: 4 }\n",
+    )
+    .await;
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let (status, c) = stream_from([127, 0, 0, 1], sc.addr(), "/dl").await;
+        assert_eq!(status, "HTTP/1.1 200 OK");
+        held.push(c);
+    }
+}

@@ -33,6 +33,9 @@ pub struct Rule {
     /// When a concurrency slot is given back: at the response's end (default), or at its
     /// head (`concurrency:` with `release: head`; an adaptive limit always does).
     pub release: Release,
+    /// A shared (`key: []`) concurrency or adaptive limit: the part of its slots one client
+    /// address may hold (`DEFAULT_CLIENT_SHARE` unless set; 1 = no part). `None` elsewhere.
+    pub client_share: Option<f64>,
     /// `timeouts.upstream_body_idle` for the requests this rule applies to (event streams):
     /// the longest of the rules that apply and set it wins over the global one.
     pub upstream_body_idle: Option<Dur>,
@@ -115,6 +118,9 @@ pub(super) struct RawRule {
     /// Only with `concurrency:` (default `end`).
     #[serde(default, skip_serializing_if = "is_end")]
     pub(super) release: Release,
+    /// Only with a `key: []` concurrency or adaptive limit (default 0.5).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) client_share: Option<f64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) upstream_body_idle: Option<Dur>,
     #[serde(default, skip_serializing_if = "is_digest")]
@@ -130,6 +136,14 @@ fn is_digest(l: &LogKeys) -> bool {
 
 fn is_end(r: &Release) -> bool {
     *r == Release::End
+}
+
+/// The part of a shared concurrency or adaptive limit one client may hold by default.
+pub const DEFAULT_CLIENT_SHARE: f64 = 0.5;
+
+/// Whether `r`'s limit is one pool of slots for every client: a share applies to it.
+fn shared_slots(r: &RawRule) -> bool {
+    matches!(r.limit, Limit::Concurrency(_) | Limit::Adaptive(_)) && r.key.0.is_empty()
 }
 
 pub(super) fn default_max_keys() -> NonZeroU32 {
@@ -156,6 +170,7 @@ impl TryFrom<RawRule> for Rule {
     fn try_from(r: RawRule) -> Result<Self, String> {
         // The parser locates this error at the rule, not at one field: name the rule.
         check_rule(&r).map_err(|e| format!("rule {}: {e}", r.name))?;
+        let client_share = shared_slots(&r).then(|| r.client_share.unwrap_or(DEFAULT_CLIENT_SHARE));
         Ok(Rule {
             name: r.name,
             matcher: r.matcher,
@@ -174,6 +189,7 @@ impl TryFrom<RawRule> for Rule {
             max_keys: r.max_keys,
             sketch: r.sketch,
             release: r.release,
+            client_share,
             upstream_body_idle: r.upstream_body_idle,
             log_keys: r.log_keys,
             new_keys: r.new_keys.unwrap_or_else(default_new_keys),
@@ -261,6 +277,16 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
         }
         (Limit::Rate { .. }, Release::Head) => {
             return Err("release: applies to concurrency limits, not to rates".into())
+        }
+    }
+    if let Some(share) = r.client_share {
+        if !(share > 0.0 && share <= 1.0) {
+            return Err(format!(
+                "client_share: {share} is not a part of the limit's slots: more than 0, at most 1 (1 = none)"
+            ));
+        }
+        if !shared_slots(r) {
+            return Err("client_share: applies to a shared (key: []) concurrency or adaptive limit; a keyed one is per key already, a rate has no slots".into());
         }
     }
     if let Limit::Adaptive(_) = r.limit {
@@ -371,12 +397,14 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
 
 impl From<Rule> for RawRule {
     fn from(r: Rule) -> Self {
+        // An adaptive limit takes no cost: printed, it would not read back.
+        let cost = (!matches!(r.limit, Limit::Adaptive(_))).then_some(r.cost.clone());
         RawRule {
             name: r.name,
             matcher: r.matcher,
             key: r.key,
             limit: r.limit,
-            cost: Some(r.cost),
+            cost,
             on_limit: r.on_limit,
             max_delay: r.max_delay,
             max_queue: (r.on_limit == OnLimit::Delay).then_some(r.max_queue),
@@ -386,6 +414,7 @@ impl From<Rule> for RawRule {
             max_keys: r.max_keys,
             sketch: r.sketch,
             release: r.release,
+            client_share: r.client_share,
             upstream_body_idle: r.upstream_body_idle,
             log_keys: r.log_keys,
             new_keys: (r.scope == Scope::Redis).then_some(r.new_keys),

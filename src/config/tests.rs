@@ -882,3 +882,47 @@ fn a_file_nested_thousands_deep_is_refused_before_it_is_parsed() {
     }
     assert!(Config::from_yaml(&many, "t").is_ok());
 }
+
+#[test]
+fn a_client_share_is_a_part_of_a_shared_limits_slots_and_nothing_else() {
+    let shared = |extra: &str| {
+        with_rule(&format!(
+            "  - name: a\n    key: []\n    limit: {{ concurrency: 8 }}\n{extra}"
+        ))
+    };
+    let c = Config::from_yaml(&shared(""), "t").unwrap();
+    assert_eq!(c.rules[0].client_share, Some(DEFAULT_CLIENT_SHARE));
+    let c = Config::from_yaml(&shared("    client_share: 1\n"), "t").unwrap();
+    assert_eq!(c.rules[0].client_share, Some(1.0));
+    let c = Config::from_yaml(
+        &with_rule("  - name: a\n    key: []\n    limit: { adaptive: { min: 2, max: 64 } }\n    client_share: 0.25\n"),
+        "t",
+    )
+    .unwrap();
+    assert_eq!(c.rules[0].client_share, Some(0.25));
+    // Printed back and read again, the same.
+    let again = Config::from_yaml(&serde_norway::to_string(&c).unwrap(), "t").unwrap();
+    assert_eq!(again.rules[0].client_share, Some(0.25));
+    for bad in ["0", "-0.5", "1.5", ".nan"] {
+        let e = err(&shared(&format!("    client_share: {bad}\n")));
+        assert!(
+            e.contains("client_share:") && e.contains("at most 1"),
+            "{bad}: {e}"
+        );
+    }
+    let keyed = err(&with_rule(
+        "  - name: a\n    key: client_ip\n    limit: { concurrency: 8 }\n    client_share: 0.5\n",
+    ));
+    assert!(keyed.contains("applies to a shared (key: [])"), "{keyed}");
+    let rate = err(&with_rule(
+        "  - name: a\n    key: []\n    limit: { rate: 10/s }\n    client_share: 0.5\n",
+    ));
+    assert!(rate.contains("applies to a shared (key: [])"), "{rate}");
+    // A keyed limit has no share to print.
+    let c = Config::from_yaml(
+        &with_rule("  - name: a\n    key: client_ip\n    limit: { concurrency: 8 }\n"),
+        "t",
+    )
+    .unwrap();
+    assert_eq!(c.rules[0].client_share, None);
+}

@@ -35,6 +35,10 @@ impl Concurrency {
     }
 }
 
+/// The slots one request holds: a rule's, and its client's part of a shared one (two fit
+/// without an allocation).
+pub type Permits = smallvec::SmallVec<[Permit; 2]>;
+
 /// A slot of a concurrency limit, fixed or adaptive; dropping it frees the slot.
 #[derive(Debug)]
 pub struct Permit(Held);

@@ -21,7 +21,7 @@ pub mod token_bucket;
 
 pub use adaptive::Adaptive;
 pub use clock::{AnyClock, Clock, ManualClock, MonotonicClock, Nanos, NANOS_PER_SEC};
-pub use concurrency::{Concurrency, Permit};
+pub use concurrency::{Concurrency, Permit, Permits};
 pub use distinct::{AtomicDistinct, Distinct};
 pub use fixed_window::FixedWindow;
 pub use gcra::Gcra;

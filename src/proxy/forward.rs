@@ -23,7 +23,6 @@ use http_body_util::Either;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use smallvec::SmallVec;
 
 use super::affine::{Affine, Cap, Dial};
 use super::body::in_hand;
@@ -37,7 +36,7 @@ pub use super::respond::UpstreamBody;
 use super::respond::{self, Body};
 use crate::config::UpgradeProtocol;
 use crate::hop::strip_hop_by_hop;
-use crate::limit::Permit;
+use crate::limit::{Permit, Permits};
 use crate::metrics::{Metrics, UpstreamError};
 use crate::respond::PermitBody;
 
@@ -206,11 +205,7 @@ impl Forward<'_> {
     /// Borrows `req`: our own client only reads its head (and takes a body still coming), and
     /// a request moved down the layers of futures is copied at each (it is 264 bytes). The
     /// pooled client takes it, leaving an empty request behind.
-    pub async fn send(
-        &self,
-        req: &mut Request<ReqBody>,
-        mut permits: SmallVec<[Permit; 1]>,
-    ) -> Response<Body> {
+    pub async fn send(&self, req: &mut Request<ReqBody>, mut permits: Permits) -> Response<Body> {
         // CONNECT asks for a tunnel to a host of the client's choosing: not a reverse proxy's
         // to give (an HTTP/1 client's is refused with its head, an HTTP/2 client's here).
         if req.method() == Method::CONNECT {

@@ -25,10 +25,9 @@ use http::header::{HeaderMap, HeaderName, HeaderValue, CACHE_CONTROL, CONTENT_TY
 use http::{Response, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::{Either, Full};
-use smallvec::SmallVec;
 
 use crate::config::HeaderMode;
-use crate::limit::Permit;
+use crate::limit::Permits;
 use crate::rules::{Denial, RateState, Refusal};
 
 pub mod answers;
@@ -378,11 +377,11 @@ fn problem<L, R: From<Full<Bytes>>>(status: StatusCode, body: Bytes) -> Ours<L, 
 #[derive(Debug)]
 pub struct PermitBody<B> {
     inner: B,
-    permits: SmallVec<[Permit; 1]>,
+    permits: Permits,
 }
 
 impl<B> PermitBody<B> {
-    pub fn new(inner: B, permits: SmallVec<[Permit; 1]>) -> Self {
+    pub fn new(inner: B, permits: Permits) -> Self {
         Self { inner, permits }
     }
 

@@ -31,6 +31,9 @@ impl RuleSet {
         let mut set = Self::from_rules_keeping(&config.rules, config.headers, metrics, previous)
             .in_fleet(config.control_plane.as_ref(), ratios);
         set.log_rejections = config.log_rejections;
+        set.share_exempt = (config.client_ip.trusted_proxies.iter().copied())
+            .chain((config.limits.connections_per_client_exempt.iter()).map(|c| c.0))
+            .collect();
         // The secret is read once, at start (a restart field): a reload keeps it.
         if let Some(previous) = previous {
             set.secret = previous.secret.clone();
@@ -94,6 +97,11 @@ impl RuleSet {
             log_rejections: crate::config::DEFAULT_LOG_REJECTIONS,
             store: None,
             secret: crate::digest::Secret::default(),
+            // Loopback, as `limits.connections_per_client_exempt` says by default.
+            share_exempt: (crate::config::Limits::default().connections_per_client_exempt)
+                .iter()
+                .map(|c| c.0)
+                .collect(),
         }
     }
 
@@ -210,6 +218,7 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
             max: n.get(),
             store: Store::new(parts),
             at_head: r.release == crate::config::Release::Head,
+            share: share_of(r, metrics, label),
         },
         Limit::Adaptive(spec) => {
             let limit = metrics.adaptive_limit.with_label_values(&[label]);
@@ -225,9 +234,17 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
                     baseline.set(s.baseline as f64 / 1e9);
                     sample.set(s.sample as f64 / 1e9);
                 })),
+                share: share_of(r, metrics, label),
             }
         }
     }
+}
+
+/// One client's part of a shared limit's slots, unless the rule gives every client all of them.
+fn share_of(r: &Rule, metrics: &Metrics, label: &str) -> Option<Share> {
+    let fraction = r.client_share.filter(|f| *f < 1.0)?;
+    let parts = store_parts(r, metrics, &format!("{label}.client"));
+    Some(Share::new(fraction, Store::new(parts)))
 }
 
 /// The decision of a concurrency limit (fixed or adaptive) of `limit` slots for rule `i`:
@@ -259,8 +276,17 @@ pub(super) fn slot(
 /// What a rule's per-key state depends on: while these are equal, the state stays valid.
 pub(super) fn identity(r: &Rule) -> String {
     format!(
-        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}",
-        r.name, r.key, r.limit, r.scope, r.fallback, r.max_keys, r.log_keys, r.new_keys
+        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}|{:?}|{:?}",
+        r.name,
+        r.key,
+        r.limit,
+        r.scope,
+        r.fallback,
+        r.max_keys,
+        r.log_keys,
+        r.new_keys,
+        r.release,
+        r.client_share
     )
 }
 

@@ -37,7 +37,7 @@ use crate::key::{
 };
 use crate::limit::{
     ceil_secs, Adaptive, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter,
-    Nanos, Permit, Quota, Sketch, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
+    Nanos, Permit, Permits, Quota, Sketch, SlidingWindowCounter, SlidingWindowLog, TokenBucket,
     NANOS_PER_SEC,
 };
 use crate::metrics::Metrics;
@@ -57,6 +57,8 @@ pub struct RuleSet {
     store: Option<Arc<dyn RemoteStore>>,
     /// What private key parts are shown and reported as (`key_secret_file`).
     secret: crate::digest::Secret,
+    /// Clients without a part of their own in shared limits (see [`share`]).
+    share_exempt: Arc<[crate::key::Cidr]>,
 }
 
 struct CompiledRule {
@@ -130,9 +132,14 @@ enum Kind {
         store: Store<Arc<Concurrency>>,
         /// `release: head`: the slot is given back at the response head.
         at_head: bool,
+        /// With `key: []`: one client's part of the slots.
+        share: Option<Share>,
     },
     /// In flight at once for the whole rule, a limit that follows the upstream's latency.
-    Adaptive { limiter: Arc<Adaptive> },
+    Adaptive {
+        limiter: Arc<Adaptive>,
+        share: Option<Share>,
+    },
     /// Decided by a script in Redis, after the local rules; see [`RuleSet::answer`].
     Redis {
         algorithm: Algorithm,
@@ -294,7 +301,7 @@ pub struct Admit {
     /// With `headers: always`, the rate-limit state of each rule that applied.
     pub states: SmallVec<[RateState; 2]>,
     /// Concurrency slots, to be held until the response body ends.
-    pub permits: SmallVec<[Permit; 1]>,
+    pub permits: Permits,
     /// How long a shaping rule (leaky bucket) wants the request to wait before it goes on.
     pub wait: Nanos,
     /// The longest `upstream_body_idle` of the rules that applied, if any set one.
@@ -405,9 +412,12 @@ impl RuleSet {
                         deny => deny,
                     }
                 }
-                Kind::Adaptive { limiter } => {
-                    let permit = limiter.try_acquire().map(Permit::from);
-                    slot(permit, limiter.limit(), i, &mut admit, &mut taken)
+                Kind::Adaptive { limiter, share } => {
+                    let limit = limiter.limit();
+                    let permit = limiter.try_acquire().map(Permit::from).filter(|_| {
+                        self.client_part(share.as_ref(), req, limit, true, now, &mut admit)
+                    });
+                    slot(permit, limit, i, &mut admit, &mut taken)
                 }
                 Kind::Redis {
                     refused,
@@ -434,9 +444,13 @@ impl RuleSet {
                     max,
                     store,
                     at_head,
+                    share,
                 } => {
                     let (permit, _) = store.with(&key, now, concurrency_idle, |c| {
                         c.try_acquire(*max, *at_head)
+                    });
+                    let permit = permit.filter(|_| {
+                        self.client_part(share.as_ref(), req, *max, *at_head, now, &mut admit)
                     });
                     slot(permit, *max, i, &mut admit, &mut taken)
                 }
@@ -821,9 +835,31 @@ impl RuleSet {
     /// Closes the adaptive limits' windows that no completion closed in time.
     pub fn tick_adaptive(&self) {
         for rule in self.rules.iter() {
-            if let Kind::Adaptive { limiter } = &*rule.kind {
+            if let Kind::Adaptive { limiter, .. } = &*rule.kind {
                 limiter.tick();
             }
+        }
+    }
+
+    /// Whether `req`'s client may hold one more slot of a shared limit of `limit` slots; its
+    /// part's slot, if it has a part, goes into `admit` beside the rule's.
+    fn client_part(
+        &self,
+        share: Option<&Share>,
+        req: &RequestView<'_>,
+        limit: u32,
+        at_head: bool,
+        now: Nanos,
+        admit: &mut Admit,
+    ) -> bool {
+        let Some(share) = share else { return true };
+        match share.take(req.client_ip, limit, at_head, now, &self.share_exempt) {
+            Part::Exempt => true,
+            Part::Taken(p) => {
+                admit.permits.push(p);
+                true
+            }
+            Part::Full => false,
         }
     }
 
@@ -833,8 +869,10 @@ impl RuleSet {
             .iter()
             .map(|r| match &*r.kind {
                 Kind::Rate { quota, store, .. } => store.sweep(quota, now),
-                Kind::Concurrency { store, .. } => store.sweep(concurrency_idle),
-                Kind::Adaptive { .. } => 0,
+                Kind::Concurrency { store, share, .. } => {
+                    store.sweep(concurrency_idle) + share.as_ref().map_or(0, Share::sweep)
+                }
+                Kind::Adaptive { share, .. } => share.as_ref().map_or(0, Share::sweep),
                 Kind::Redis {
                     refused,
                     fallback,
@@ -898,6 +936,7 @@ mod global;
 mod kept;
 mod matcher;
 mod remote;
+mod share;
 mod store;
 
 use compile::*;
@@ -906,6 +945,7 @@ pub use kept::{Answer, Answers, Render};
 use matcher::*;
 use remote::*;
 pub use remote::{Question, Remote, RemoteStore, StoreAnswer};
+use share::*;
 use store::*;
 
 #[cfg(test)]

@@ -906,3 +906,55 @@ fn a_global_key_with_a_header_is_reported_and_dropped_by_its_digest() {
     ));
     assert!(r.allowed(&rules, T0 + 2));
 }
+
+#[test]
+fn a_shared_adaptive_limit_gives_one_client_its_share_and_an_ipv6_client_is_its_64() {
+    let (rules, _m) = ruleset(
+        "  - name: cap\n    key: []\n    limit: { adaptive: { min: 8, max: 8 } }\n",
+        "on_reject",
+    );
+    let mut held = Vec::new();
+    let mut take = |ip: &str| match req("GET", "/", &[]).from(ip).check(&rules, T0) {
+        Verdict::Allow(a) => {
+            held.push(a);
+            true
+        }
+        _ => false,
+    };
+    let one: Vec<bool> = (0..5).map(|_| take("192.0.2.1")).collect();
+    assert_eq!(one, [true, true, true, true, false], "half of 8");
+    let other: Vec<bool> = (0..5).map(|_| take("198.51.100.1")).collect();
+    assert_eq!(other, [true, true, true, true, false], "the other half");
+    drop(held);
+    let (rules, _m) = ruleset(
+        "  - name: cap\n    key: []\n    limit: { adaptive: { min: 8, max: 8 } }\n",
+        "on_reject",
+    );
+    let mut held = Vec::new();
+    let v6: Vec<bool> = (0..5)
+        .map(|i| {
+            let ip = format!("2001:db8:0:2::{}", i + 1);
+            match req("GET", "/", &[]).from(&ip).check(&rules, T0) {
+                Verdict::Allow(a) => {
+                    held.push(a);
+                    true
+                }
+                _ => false,
+            }
+        })
+        .collect();
+    assert_eq!(v6, [true, true, true, true, false], "one /64, one client");
+    // Loopback has no part: it may take the rest whole.
+    let lo = (0..5)
+        .filter(
+            |_| match req("GET", "/", &[]).from("127.0.0.1").check(&rules, T0) {
+                Verdict::Allow(a) => {
+                    held.push(a);
+                    true
+                }
+                _ => false,
+            },
+        )
+        .count();
+    assert_eq!(lo, 4, "loopback takes what the shared limit has left");
+}

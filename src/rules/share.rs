@@ -1,0 +1,77 @@
+//! One client's part of a shared limit: a `key: []` concurrency or adaptive limit lets one
+//! client address (IPv6 by its /64) hold at most `client_share` of its slots, so that one
+//! client's long-lived requests cannot take them all. Addresses in `client_ip.trusted_proxies`
+//! and `limits.connections_per_client_exempt` (loopback by default) have no part of their own:
+//! behind a mesh or an ingress every client looks like them. Must never: admit a request its
+//! shared limit refuses (a part only narrows), or allocate for a client it already tracks.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+
+use super::store::Store;
+use super::{concurrency_idle, Nanos};
+use crate::key::Cidr;
+use crate::limit::concurrency::{Concurrency, Permit};
+
+/// The part of a shared limit's slots one client may hold.
+pub(super) struct Share {
+    fraction: f64,
+    clients: Store<Arc<Concurrency>>,
+}
+
+/// What a client's part says of one more request.
+pub(super) enum Part {
+    /// The client has no part (an exempt address): the shared limit alone decides.
+    Exempt,
+    /// A slot of the client's part, held beside the shared one.
+    Taken(Permit),
+    /// The client holds its whole part already.
+    Full,
+}
+
+impl Share {
+    pub(super) fn new(fraction: f64, clients: Store<Arc<Concurrency>>) -> Self {
+        Share { fraction, clients }
+    }
+
+    /// Slots one client may hold of `limit`: at least one.
+    pub(super) fn of(&self, limit: u32) -> u32 {
+        ((f64::from(limit) * self.fraction).ceil() as u32).clamp(1, limit.max(1))
+    }
+
+    /// A slot of `client`'s part of `limit` slots, given back as the shared one is.
+    pub(super) fn take(
+        &self,
+        client: IpAddr,
+        limit: u32,
+        at_head: bool,
+        now: Nanos,
+        exempt: &[Cidr],
+    ) -> Part {
+        let client = client.to_canonical();
+        if exempt.iter().any(|c| c.contains(client)) {
+            return Part::Exempt;
+        }
+        let mut key = [0u8; 16];
+        let key: &[u8] = match client {
+            IpAddr::V4(v4) => {
+                key[..4].copy_from_slice(&v4.octets());
+                &key[..4]
+            }
+            IpAddr::V6(v6) => {
+                key[..8].copy_from_slice(&v6.octets()[..8]);
+                &key[..8]
+            }
+        };
+        let part = self.of(limit);
+        let (permit, _) = self
+            .clients
+            .with(key, now, concurrency_idle, |c| c.try_acquire(part, at_head));
+        permit.map_or(Part::Full, Part::Taken)
+    }
+
+    /// Forgets clients that hold nothing.
+    pub(super) fn sweep(&self) -> usize {
+        self.clients.sweep(concurrency_idle)
+    }
+}
