@@ -952,3 +952,70 @@ async fn exempt_addresses_have_the_whole_shared_limit() {
         held.push(c);
     }
 }
+
+/// An HTTP/2 connection from `from` that has made one request and now idles without a stream;
+/// its driver, which ends when the proxy closes the connection.
+async fn idle_h2_from(
+    from: [u8; 4],
+    proxy: std::net::SocketAddr,
+) -> (
+    h2::client::SendRequest<Bytes>,
+    tokio::task::JoinHandle<Result<(), h2::Error>>,
+) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(std::net::SocketAddr::from((from, 0))).unwrap();
+    let tcp = socket.connect(proxy).await.unwrap();
+    let (h2, conn) = h2::client::handshake(tcp).await.unwrap();
+    let driver = tokio::spawn(conn);
+    let mut h2 = h2.ready().await.unwrap();
+    let req = http::Request::get(format!("http://{proxy}/"))
+        .body(())
+        .unwrap();
+    let (resp, _) = h2.send_request(req, true).unwrap();
+    let resp = resp.await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut body = resp.into_body();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+    }
+    (h2, driver)
+}
+
+/// 3b over HTTP/2: clients whose HTTP/2 connections idle without a stream on every place do
+/// not lock a new client out either: one of them is closed for it (GOAWAY), as an idle
+/// kept-alive HTTP/1 connection is.
+#[tokio::test]
+async fn at_the_connection_cap_an_idle_http2_connection_makes_room() {
+    let (sc, _up) = sidecar("workers: 1\nlimits: { max_connections: 6 }\nrules: []\n").await;
+    let mut idle = Vec::new();
+    for i in 0..6u8 {
+        idle.push(idle_h2_from([127, 0, 0, 40 + i], sc.addr()).await);
+    }
+    let mut new = connect_from([127, 0, 0, 60], sc.addr()).await;
+    tokio::io::AsyncWriteExt::write_all(new.get_mut(), b"GET / HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    // Without room made, it would wait for an HTTP/2 connection's `client_idle` (75 s).
+    let a = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut new))
+        .await
+        .expect("the new client was not served while HTTP/2 connections idled on every place");
+    assert_eq!(a.status, "HTTP/1.1 200 OK");
+    // Its driver ends once it has read the GOAWAY and the close.
+    let closed = || {
+        idle.iter()
+            .filter(|(_, driver)| driver.is_finished())
+            .count()
+    };
+    for _ in 0..100 {
+        if closed() > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        closed(),
+        1,
+        "exactly one idle HTTP/2 connection is closed for the newcomer"
+    );
+}

@@ -2,7 +2,9 @@
 //! ([`serve_h2`]; the HTTP/1 server side sees the preface and lends nothing else), each stream
 //! through the same request path as an HTTP/1 request, its response watched for a client that
 //! never opens its window ([`Stalls`]), at most `max_upstream_per_client` of its streams at the
-//! upstream at once. Must never: keep a connection past `client_idle` without a stream.
+//! upstream at once; one without a stream is closed for a new client at `max_connections`,
+//! as an idle kept-alive HTTP/1 connection is. Must never: keep a connection past
+//! `client_idle` without a stream.
 
 pub(crate) mod held;
 pub(crate) mod stalls;
@@ -27,6 +29,9 @@ use crate::proxy::coarse::{Sleep, Timers};
 use crate::proxy::request::{handle, AbandonGuard, Conn};
 use crate::proxy::respond::{self, Body};
 use stalls::*;
+
+/// How long a connection closed for a new client's place may take to answer its GOAWAY.
+const ROOM_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Serves an HTTP/2 connection with hyper's server: the bytes read so far (its preface, or
 /// what came of it) first.
@@ -95,12 +100,17 @@ pub(in crate::proxy) async fn serve_h2(
                 () = shed.shed.notified() => return Ok(()),
             }
         }
-        () = idle => {
+        for_room = idle => {
             served.as_mut().graceful_shutdown();
             // h2 sends its last GOAWAY once the client answers a PING: one that never does
-            // is dropped after another `client_idle` (`header_read` before a first request).
+            // is dropped after another `client_idle` (`header_read` before a first request;
+            // a second when a new client waits for the place).
             let never = watched.begun.load(std::sync::atomic::Ordering::Relaxed) == 0;
-            let grace = if never { lane.header_read } else { lane.client_idle };
+            let grace = match (for_room, never) {
+                (true, _) => ROOM_GRACE,
+                (false, true) => lane.header_read,
+                (false, false) => lane.client_idle,
+            };
             let limit = Sleep::until(lane.timers.clone(), Timers::now() + grace);
             tokio::select! {
                 done = crate::proxy::coarse::timeout(limit, served) => done.unwrap_or(Ok(())),

@@ -352,8 +352,9 @@ pub(super) struct Open {
 
 impl Open {
     /// Ready once the connection has had no open request for `idle` (for `first` before its
-    /// first request).
-    pub(super) async fn idle(&self, timers: &Arc<Timers>, first: Duration, idle: Duration) {
+    /// first request), or sooner when a new client needs its place (after a first request,
+    /// its wait is closable as a kept-alive HTTP/1 connection's is); whether it was sooner.
+    pub(super) async fn idle(&self, timers: &Arc<Timers>, first: Duration, idle: Duration) -> bool {
         loop {
             let mut none = pin!(self.none.notified());
             none.as_mut().enable();
@@ -362,12 +363,16 @@ impl Open {
                 continue;
             }
             let spell = self.begun.load(Ordering::Relaxed);
-            let wait = if spell == 0 { first } else { idle };
-            Sleep::until(timers.clone(), Timers::now() + wait).await;
+            let deadline = Timers::now() + if spell == 0 { first } else { idle };
+            match spell {
+                0 => Sleep::until(timers.clone(), deadline).await,
+                _ => Sleep::closable(timers.clone(), deadline).await,
+            }
             if self.count.load(Ordering::Relaxed) == 0
                 && self.begun.load(Ordering::Relaxed) == spell
             {
-                return;
+                // Timers fire late, never early, but for room.
+                return Timers::now() < deadline;
             }
         }
     }
