@@ -279,6 +279,11 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
             return Err("release: applies to concurrency limits, not to rates".into())
         }
     }
+    if r.upstream_body_idle
+        .is_some_and(|d| d.0 < Duration::from_millis(100))
+    {
+        return Err("upstream_body_idle: at least 100ms (the silence a response body may keep; the workers' timers tick at half the shortest)".into());
+    }
     if let Some(share) = r.client_share {
         if !(share > 0.0 && share <= 1.0) {
             return Err(format!(

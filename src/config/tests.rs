@@ -926,3 +926,18 @@ fn a_client_share_is_a_part_of_a_shared_limits_slots_and_nothing_else() {
     .unwrap();
     assert_eq!(c.rules[0].client_share, None);
 }
+
+#[test]
+fn a_rules_upstream_body_idle_is_at_least_100ms() {
+    let e = err(&with_rule(
+        "  - name: a\n    key: []\n    limit: { rate: 10/s }\n    upstream_body_idle: 0s\n",
+    ));
+    assert!(e.contains("upstream_body_idle: at least 100ms"), "{e}");
+    Config::from_yaml(
+        &with_rule(
+            "  - name: a\n    key: []\n    limit: { rate: 10/s }\n    upstream_body_idle: 100ms\n",
+        ),
+        "t",
+    )
+    .unwrap();
+}

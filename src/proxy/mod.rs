@@ -492,7 +492,7 @@ async fn worker(
             config.timeouts.upstream_body_idle.0,
             body_idle_errors.clone(),
         ),
-        anchor_period(&config.timeouts),
+        anchor_period(&config),
     ));
     shared.idles.add(&timers);
     let lane = Arc::new(http1::conn::Lane {
@@ -513,7 +513,7 @@ async fn worker(
     ));
     // Ends with this worker's runtime.
     tokio::spawn(anchor_timer(
-        anchor_period(&config.timeouts),
+        anchor_period(&config),
         idle.clone(),
         stalls,
         timers.clone(),
@@ -636,16 +636,21 @@ async fn anchor_timer(
     }
 }
 
-/// Half the shortest per-request timer, at most a second.
-fn anchor_period(t: &crate::config::Timeouts) -> Duration {
-    (t.header_read
-        .0
-        .min(t.upstream_response.0)
-        .min(t.send.0)
-        .min(t.upstream_body_idle.0)
-        .min(t.client_body_idle.0)
-        / 2)
-    .clamp(Duration::from_millis(1), Duration::from_secs(1))
+/// Half the shortest per-request timer, a rule's `upstream_body_idle` at start included, at
+/// most a second (a shorter one a reload brings fires up to a second late).
+fn anchor_period(config: &Config) -> Duration {
+    let t = &config.timeouts;
+    let rules = config.rules.iter().filter_map(|r| r.upstream_body_idle);
+    (rules.fold(
+        t.header_read
+            .0
+            .min(t.upstream_response.0)
+            .min(t.send.0)
+            .min(t.upstream_body_idle.0)
+            .min(t.client_body_idle.0),
+        |shortest, d| shortest.min(d.0),
+    ) / 2)
+        .clamp(Duration::from_millis(1), Duration::from_secs(1))
 }
 
 /// Forgets idle keys in the background (the sweep locks one shard at a time), and closes
@@ -688,6 +693,16 @@ fn config_json_text(config: &Config) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_anchor_ticks_at_half_the_shortest_timer_a_rules_included() {
+        let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: feeds\n    key: []\n    limit: { rate: 10/s }\n    upstream_body_idle: 600ms\n";
+        let config = Config::from_yaml(yaml, "t").unwrap();
+        assert_eq!(anchor_period(&config), Duration::from_millis(300));
+        let config =
+            Config::from_yaml(&yaml.replace("    upstream_body_idle: 600ms\n", ""), "t").unwrap();
+        assert_eq!(anchor_period(&config), Duration::from_secs(1));
+    }
 
     #[tokio::test]
     async fn accepted_client_connections_inherit_tcp_keepalive() {
