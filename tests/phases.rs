@@ -1019,3 +1019,77 @@ async fn at_the_connection_cap_an_idle_http2_connection_makes_room() {
         "exactly one idle HTTP/2 connection is closed for the newcomer"
     );
 }
+
+/// 2. An HTTP/1 client that pipelined its next request while its response waited on the app,
+/// then left, releases the upstream at once too: the bytes it sent are read (kept for that
+/// next request) and its end of stream seen behind them.
+#[tokio::test]
+async fn an_http1_client_that_pipelined_then_left_releases_the_upstream() {
+    let (sc, mut closed) = stalling_sidecar("rules: []\n").await;
+    let mut c = stalled_h1(sc.addr(), "/stall").await;
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /next HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    drop(c);
+    assert!(
+        upstream_closed(&mut closed).await,
+        "the upstream connection is still held for a client that pipelined and left"
+    );
+}
+
+/// An app whose `/slow` body comes in two parts a moment apart; anything else is `ok`.
+async fn two_part_app() -> std::net::SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    raw_server(|mut s| async move {
+        let mut buf = vec![0u8; 4096];
+        let mut head = Vec::new();
+        loop {
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            let end = head.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
+            let slow = head.starts_with(b"GET /slow ");
+            head.drain(..end);
+            if slow {
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nfirst")
+                    .await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                let _ = s.write_all(b"rest!").await;
+            } else {
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
+            }
+        }
+    })
+    .await
+}
+
+/// ...and a client that pipelines its next request meanwhile and stays gets both answers.
+#[tokio::test]
+async fn a_request_pipelined_while_a_response_streams_is_answered_after_it() {
+    let app = two_part_app().await;
+    let sc = spillway::Sidecar::start(config(app, "rules: []\n"))
+        .await
+        .unwrap();
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /slow HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    assert_eq!(read_head(&mut c).await, "HTTP/1.1 200 OK");
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), b"GET /next HTTP/1.1\r\nHost: app\r\n\r\n")
+        .await
+        .unwrap();
+    let mut first = [0u8; 10];
+    tokio::io::AsyncReadExt::read_exact(&mut c, &mut first)
+        .await
+        .unwrap();
+    assert_eq!(&first, b"firstrest!");
+    let next = read_answer(&mut c).await;
+    assert_eq!(next.status, "HTTP/1.1 200 OK", "{}", next.head);
+    assert_eq!(next.body, "ok");
+}

@@ -12,7 +12,8 @@
 //! have come ([`HeadEnd`]); each write must take a byte within `timeouts.send`. The connection
 //! stays open unless the client or the response says `close`, a body was cut short (or left
 //! unread past what is drained), or the worker drains. While a request without a streamed body is in flight the
-//! socket is peeked only when readable: an end of stream abandons the request. Must never:
+//! socket is peeked only when readable: what it has (a pipelined request) is read into the
+//! buffer for the next head, and an end of stream abandons the request. Must never:
 //! allocate a buffer per request, or hold the request or response where a move through futures
 //! would copy it.
 
@@ -87,7 +88,7 @@ pub(in crate::proxy) async fn serve(
             let answer = pin!(handle(&conn, req));
             // A body being read is the body's to read: the socket is not peeked meanwhile.
             let watch = streamed.is_none();
-            let Some(resp) = unless_left(&s.stream, answer, watch).await else {
+            let Some(resp) = unless_left(&s.stream, &mut s.buf, answer, watch).await else {
                 // The client left: the request's future is gone, `guard` counts it.
                 return Ok(());
             };
@@ -428,6 +429,7 @@ impl Served {
                             Sleep::until(self.clock.timers.clone(), Timers::now() + body_idle);
                         let waited = unless_left(
                             &self.stream,
+                            &mut self.buf,
                             crate::proxy::coarse::timeout(
                                 deadline,
                                 std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)),
@@ -685,11 +687,16 @@ fn is_gone(e: &io::Error) -> bool {
     )
 }
 
+/// Pipelined bytes read into the connection's buffer while a response waits, at most (about:
+/// one read may pass it): past it they stay in the socket, and its end is no longer watched.
+const PIPELINED: usize = 16 * 1024;
+
 /// Runs `answer` unless the client closes its connection first (`None`; `answer` is dropped),
-/// which is watched for when `watching`.
-/// Bytes the client sends meanwhile (a pipelined request) stay in the socket.
+/// which is watched for when `watching`. Bytes the client sends meanwhile (a pipelined
+/// request) are read into `buf`, the next request's, so that an end behind them is seen.
 async fn unless_left<F: Future>(
     stream: &TcpStream,
+    buf: &mut BytesMut,
     answer: F,
     mut watching: bool,
 ) -> Option<F::Output> {
@@ -698,13 +705,19 @@ async fn unless_left<F: Future>(
         if let Poll::Ready(out) = answer.as_mut().poll(cx) {
             return Poll::Ready(Some(out));
         }
-        if watching {
+        while watching {
             let mut one = [MaybeUninit::<u8>::uninit(); 1];
             let mut peek = ReadBuf::uninit(&mut one);
             match stream.poll_peek(cx, &mut peek) {
                 Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(None),
+                Poll::Ready(Ok(_)) if buf.len() < PIPELINED => match stream.try_read_buf(buf) {
+                    Ok(0) => return Poll::Ready(None),
+                    Err(e) if e.kind() != io::ErrorKind::WouldBlock => return Poll::Ready(None),
+                    // Then peeked again: its end, more, or a registered wait.
+                    _ => {}
+                },
                 Poll::Ready(Ok(_)) => watching = false,
-                Poll::Pending => {}
+                Poll::Pending => break,
             }
         }
         Poll::Pending
