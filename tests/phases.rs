@@ -600,9 +600,15 @@ async fn an_app_that_takes_no_byte_of_an_upload_gets_504() {
     let sc = spillway::Sidecar::start(config(app, "timeouts: { send: 1s }\nrules: []\n"))
         .await
         .unwrap();
-    let c = TcpStream::connect(sc.addr()).await.unwrap();
+    let text = upload_until_answered(sc.addr(), 64 << 20).await;
+    assert!(text.starts_with("HTTP/1.1 504"), "{text}");
+}
+
+/// Uploads `length` bytes to `proxy` until it answers (within 20 s): its answer's head.
+async fn upload_until_answered(proxy: std::net::SocketAddr, length: usize) -> String {
+    use tokio::io::AsyncReadExt;
+    let c = TcpStream::connect(proxy).await.unwrap();
     let (mut r, mut w) = c.into_split();
-    let length = 64 << 20;
     let writer = tokio::spawn(async move {
         let head = format!("POST /x HTTP/1.1\r\nHost: app\r\ncontent-length: {length}\r\n\r\n");
         tokio::io::AsyncWriteExt::write_all(&mut w, head.as_bytes()).await?;
@@ -627,8 +633,7 @@ async fn an_app_that_takes_no_byte_of_an_upload_gets_504() {
     .await;
     writer.abort();
     assert!(read.is_ok(), "no answer while the app took nothing");
-    let text = String::from_utf8_lossy(&answer);
-    assert!(text.starts_with("HTTP/1.1 504"), "{text}");
+    String::from_utf8_lossy(&answer).into_owned()
 }
 
 /// An app that answers a HEAD with a head and, late (when the connection's next request
@@ -1092,4 +1097,90 @@ async fn a_request_pipelined_while_a_response_streams_is_answered_after_it() {
     let next = read_answer(&mut c).await;
     assert_eq!(next.status, "HTTP/1.1 200 OK", "{}", next.head);
     assert_eq!(next.body, "ok");
+}
+
+/// An HTTP/2-only app (an `h2c://` upstream) that reads a request's body whole and answers
+/// with its length.
+async fn h2c_counting_app() -> std::net::SocketAddr {
+    use http_body_util::BodyExt;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = service_fn(|req: http::Request<hyper::body::Incoming>| async move {
+                    let n = req
+                        .into_body()
+                        .collect()
+                        .await
+                        .map_or(0, |b| b.to_bytes().len());
+                    Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::from(
+                        n.to_string(),
+                    ))))
+                });
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+            });
+        }
+    });
+    app
+}
+
+/// 5. The same through an `h2c://` upstream (hyper's pooled client sends the body): the
+/// response timeout starts when the upload is whole.
+#[tokio::test]
+async fn a_slow_steady_upload_to_an_h2c_upstream_is_not_cut_by_the_response_timeout() {
+    let app = h2c_counting_app().await;
+    let yaml = format!(
+        "service: s\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: h2c://{app}\ntimeouts: {{ upstream_response: 1s }}\nrules: []\n"
+    );
+    let sc = spillway::Sidecar::start(spillway::Config::from_yaml(&yaml, "t").unwrap())
+        .await
+        .unwrap();
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    let piece = 8 * 1024;
+    post_head(&mut c, "/upload", 10 * piece, piece * 3).await;
+    for _ in 3..10 {
+        // Steady, and slower than the response timeout in all.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::io::AsyncWriteExt::write_all(c.get_mut(), &vec![b'u'; piece])
+            .await
+            .unwrap();
+    }
+    let a = read_answer(&mut c).await;
+    assert_eq!(a.status, "HTTP/1.1 200 OK", "{}", a.body);
+    assert_eq!(a.body, (10 * piece).to_string());
+}
+
+/// 2. An `h2c://` app that takes no byte of an upload (its stream's window stays shut) gets
+/// the request 504 after `timeouts.send`, as an HTTP/1 app does.
+#[tokio::test]
+async fn an_h2c_app_that_takes_no_byte_of_an_upload_gets_504() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let app = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let service = service_fn(|_req: http::Request<hyper::body::Incoming>| async move {
+                    // Holds the body unread and never answers.
+                    std::future::pending::<()>().await;
+                    Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(Bytes::new())))
+                });
+                let _ =
+                    hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+            });
+        }
+    });
+    let yaml = format!(
+        "service: s\nlisten: 127.0.0.1:0\nadmin: 127.0.0.1:0\nupstream: h2c://{app}\ntimeouts: {{ send: 1s }}\nrules: []\n"
+    );
+    let sc = spillway::Sidecar::start(spillway::Config::from_yaml(&yaml, "t").unwrap())
+        .await
+        .unwrap();
+    let text = upload_until_answered(sc.addr(), 64 << 20).await;
+    assert!(text.starts_with("HTTP/1.1 504"), "{text}");
 }

@@ -4,12 +4,15 @@
 //! Owns reading a small body whole (`in_hand`). Must never: read past what a request's framing
 //! says, or hold a body's bytes twice.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
 use http_body::{Body as _, Frame};
 use http_body_util::Either;
 use hyper::body::Incoming;
 
 pub use super::http1::request_body::{ClientBodyError, RequestBody};
+use super::http1::upload::Progress;
 use smallvec::SmallVec;
 
 /// A request body of up to this many bytes (with a `Content-Length`) is read whole, within
@@ -30,6 +33,9 @@ pub struct Streamed {
     #[allow(clippy::box_collection)]
     ahead: Option<Box<std::collections::VecDeque<Frame<Bytes>>>>,
     rest: Rest,
+    /// Told how it is read, when hyper's client sends it (an `h2c://` upstream): the response
+    /// timeout starts once it is whole.
+    progress: Option<Arc<Progress>>,
 }
 
 #[derive(Debug)]
@@ -46,6 +52,7 @@ impl Streamed {
         Self {
             ahead: None,
             rest: Rest::Hyper(rest),
+            progress: None,
         }
     }
 
@@ -54,7 +61,13 @@ impl Streamed {
         Self {
             ahead: None,
             rest: Rest::Http1(rest),
+            progress: None,
         }
+    }
+
+    /// Tells `progress` how it is read from here on.
+    pub fn watched(&mut self, progress: Arc<Progress>) {
+        self.progress = Some(progress);
     }
 
     fn rest_ended(&self) -> bool {
@@ -87,10 +100,19 @@ impl http_body::Body for Streamed {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        if let Some(frame) = self.ahead.as_mut().and_then(|ahead| ahead.pop_front()) {
-            return std::task::Poll::Ready(Some(Ok(frame)));
+        let polled = match self.ahead.as_mut().and_then(|ahead| ahead.pop_front()) {
+            Some(frame) => std::task::Poll::Ready(Some(Ok(frame))),
+            None => self.poll_rest(cx),
+        };
+        if let Some(p) = &self.progress {
+            let (gave, over) = match &polled {
+                std::task::Poll::Pending => (false, false),
+                std::task::Poll::Ready(Some(Ok(_))) => (true, self.is_end_stream()),
+                std::task::Poll::Ready(_) => (false, true),
+            };
+            p.polled(polled.is_pending(), gave, over);
         }
-        self.poll_rest(cx)
+        polled
     }
 
     fn is_end_stream(&self) -> bool {

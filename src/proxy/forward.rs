@@ -252,10 +252,14 @@ impl Forward<'_> {
         // A body still coming goes up before the response timeout starts.
         // (Still a stream if it was one and was not read whole above: asking again would
         // lock an HTTP/2 stream's state.)
-        let progress = (coming && self.affine.is_some() && matches!(req.body(), Either::Left(_)))
+        let progress = (coming && matches!(req.body(), Either::Left(_)))
             .then(|| Arc::new(Progress::default()));
         added.progress = progress.clone();
         if self.affine.is_none() {
+            // hyper's client reads the body: the body tells how far it got.
+            if let (Some(p), Either::Left(body)) = (&progress, req.body_mut()) {
+                body.watched(p.clone());
+            }
             if let Err(resp) = self.rewrite(req, &added) {
                 return resp;
             }

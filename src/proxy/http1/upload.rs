@@ -58,6 +58,19 @@ impl Progress {
     fn bump(&self) {
         self.moved.fetch_add(1, Ordering::Relaxed);
     }
+
+    /// A body another client sends (hyper's, to an `h2c://` upstream) was polled: it waits on
+    /// the client (`Pending`), gave a frame (the next wait is the upstream's, until it is
+    /// polled again), or is over (its last frame, or an error).
+    pub(crate) fn polled(&self, pending: bool, gave: bool, over: bool) {
+        if gave {
+            self.bump();
+        }
+        self.on_client.store(pending, Ordering::Relaxed);
+        if over {
+            self.over.store(true, Ordering::Relaxed);
+        }
+    }
 }
 
 /// A request body being written upstream.
