@@ -1184,3 +1184,104 @@ async fn an_h2c_app_that_takes_no_byte_of_an_upload_gets_504() {
     let text = upload_until_answered(sc.addr(), 64 << 20).await;
     assert!(text.starts_with("HTTP/1.1 504"), "{text}");
 }
+
+/// 2. A tunnel to an app that switches and then never reads (a small receive window) while
+/// its client sends and never reads either is closed once nothing has moved for
+/// `client_idle`: its first bytes (what the client sent past its upgrade request, read while
+/// the switch was awaited) go within `timeouts.send`, then the idle watch holds it.
+#[tokio::test]
+async fn a_tunnel_to_an_app_that_never_reads_is_closed_when_nothing_moves() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(1024).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(16).unwrap();
+    let app = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                // Reads the head alone (the rest stays in its small window), switches, and
+                // never reads again.
+                let mut head = Vec::new();
+                let mut one = [0u8; 1];
+                while !head.ends_with(b"\r\n\r\n") {
+                    if s.read(&mut one).await.unwrap_or(0) == 0 {
+                        return;
+                    }
+                    head.push(one[0]);
+                }
+                let _ = s
+                    .write_all(b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n")
+                    .await;
+                std::future::pending::<()>().await;
+            });
+        }
+    });
+    let sc = spillway::Sidecar::start(config(
+        app,
+        "timeouts: { send: 1s, client_idle: 2s }\nrules: []\n",
+    ))
+    .await
+    .unwrap();
+    let mut c = TcpStream::connect(sc.addr()).await.unwrap();
+    let mut ask = b"GET /ws HTTP/1.1\r\nHost: app\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".to_vec();
+    // Frames sent at once, without waiting for the switch.
+    ask.extend(std::iter::repeat_n(b'f', 1 << 20));
+    let (mut r, mut w) = c.split();
+    let (_, read) = tokio::join!(
+        async {
+            let _ = tokio::time::timeout(Duration::from_secs(15), w.write_all(&ask)).await;
+        },
+        tokio::time::timeout(Duration::from_secs(15), async {
+            let mut all = Vec::new();
+            let _ = r.read_to_end(&mut all).await;
+            all
+        })
+    );
+    let all = read.expect("the tunnel was held with nothing moving past client_idle");
+    let text = String::from_utf8_lossy(&all);
+    assert!(text.starts_with("HTTP/1.1 101"), "{text}");
+}
+
+/// Bytes a client sends past its upgrade request before the switch (read while the app's
+/// answer was awaited) reach the app first, in order, once the tunnel is up.
+#[tokio::test]
+async fn bytes_sent_before_the_switch_reach_the_app_first() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let app = raw_server(|mut s| async move {
+        let mut head = Vec::new();
+        let mut one = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if s.read(&mut one).await.unwrap_or(0) == 0 {
+                return;
+            }
+            head.push(one[0]);
+        }
+        // Answers late, so that the client's early bytes wait at the proxy.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let _ = s
+            .write_all(b"HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\r\n")
+            .await;
+        let (mut r, mut w) = s.split();
+        let _ = tokio::io::copy(&mut r, &mut w).await;
+    })
+    .await;
+    let sc = spillway::Sidecar::start(config(app, "rules: []\n"))
+        .await
+        .unwrap();
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    let early: Vec<u8> = (0..40_000u32).map(|i| (i % 251) as u8).collect();
+    let mut ask = b"GET /ws HTTP/1.1\r\nHost: app\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n".to_vec();
+    ask.extend_from_slice(&early);
+    c.get_mut().write_all(&ask).await.unwrap();
+    assert!(read_head(&mut c).await.starts_with("HTTP/1.1 101"));
+    let mut echoed = vec![0u8; early.len()];
+    tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut echoed))
+        .await
+        .expect("the early bytes never came back")
+        .unwrap();
+    assert!(
+        echoed == early,
+        "the early bytes came back changed or out of order"
+    );
+}
