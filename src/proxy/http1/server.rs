@@ -710,18 +710,20 @@ async fn unless_left<F: Future>(
             let mut peek = ReadBuf::uninit(&mut one);
             match stream.poll_peek(cx, &mut peek) {
                 Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Poll::Ready(None),
-                Poll::Ready(Ok(_)) if buf.len() < PIPELINED => match {
+                Poll::Ready(Ok(_)) if buf.len() < PIPELINED => {
                     // As the head's reads grow it (reclaimed in place once the heads are gone).
                     if buf.capacity() - buf.len() < 1024 {
                         buf.reserve(buf.len().max(READ));
                     }
-                    stream.try_read_buf(buf)
-                } {
-                    Ok(0) => return Poll::Ready(None),
-                    Err(e) if e.kind() != io::ErrorKind::WouldBlock => return Poll::Ready(None),
-                    // Then peeked again: its end, more, or a registered wait.
-                    _ => {}
-                },
+                    match stream.try_read_buf(buf) {
+                        Ok(0) => return Poll::Ready(None),
+                        Err(e) if e.kind() != io::ErrorKind::WouldBlock => {
+                            return Poll::Ready(None)
+                        }
+                        // Then peeked again: its end, more, or a registered wait.
+                        _ => {}
+                    }
+                }
                 Poll::Ready(Ok(_)) => watching = false,
                 Poll::Pending => break,
             }
