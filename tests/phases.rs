@@ -1285,3 +1285,54 @@ async fn bytes_sent_before_the_switch_reach_the_app_first() {
         "the early bytes came back changed or out of order"
     );
 }
+
+/// One request on an HTTP/2 connection of the h2 crate's: its status and body.
+async fn h2_ask(
+    h2: &mut h2::client::SendRequest<Bytes>,
+    method: &str,
+    proxy: std::net::SocketAddr,
+) -> (u16, String) {
+    let mut ready = h2.clone().ready().await.unwrap();
+    let req = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{proxy}/"))
+        .body(())
+        .unwrap();
+    let (resp, _) = ready.send_request(req, true).unwrap();
+    let resp = resp.await.unwrap();
+    let status = resp.status().as_u16();
+    let mut body = resp.into_body();
+    let mut text = Vec::new();
+    while let Some(chunk) = body.data().await {
+        let chunk = chunk.unwrap();
+        let _ = body.flow_control().release_capacity(chunk.len());
+        text.extend_from_slice(&chunk);
+    }
+    (status, String::from_utf8_lossy(&text).into_owned())
+}
+
+/// 5. Over HTTP/2 too: the upstream connection a HEAD answer leaves serves that client
+/// connection's next stream (so that HEADs cost no connection each) and never another's.
+#[tokio::test]
+async fn an_http2_heads_late_body_never_answers_another_client() {
+    let app = late_head_body_app().await;
+    let sc = spillway::Sidecar::start(config(app, "workers: 1\nrules: []\n"))
+        .await
+        .unwrap();
+    let connect = || async {
+        let tcp = TcpStream::connect(sc.addr()).await.unwrap();
+        let (h2, conn) = h2::client::handshake(tcp).await.unwrap();
+        (h2, tokio::spawn(conn))
+    };
+    let (mut attacker, _a) = connect().await;
+    let (mut victim, _v) = connect().await;
+    for _ in 0..5 {
+        assert_eq!(h2_ask(&mut attacker, "HEAD", sc.addr()).await.0, 200);
+        let (status, body) = h2_ask(&mut victim, "GET", sc.addr()).await;
+        assert_eq!(
+            (status, body.as_str()),
+            (200, "ok"),
+            "another client's answer"
+        );
+    }
+}

@@ -6,8 +6,9 @@
 //! Owns the worker's idle list ([`Idle`]) and the caps on upstream connections ([`Cap`]). A
 //! client's first exchange borrows a connection from the list (or connects) and gives it back
 //! at its body's end; from its second on an HTTP/1 client keeps one; every HTTP/2 stream
-//! borrows. Connections unused for `timeouts.upstream_idle` are closed. For every request to an
-//! HTTP/1 upstream; an `h2c://` upstream has the pooled client.
+//! borrows, and its connection keeps one that may serve it alone (after a HEAD answer).
+//! Connections unused for `timeouts.upstream_idle` are closed. For every request to an HTTP/1
+//! upstream; an `h2c://` upstream has the pooled client.
 //!
 //! Cost per request: two uncontended locks and a readiness check (no syscall). Must never:
 //! reuse a connection with bytes left on it, or connect more than [`MAX_CONNECTING`] at once
@@ -143,10 +144,13 @@ pub struct Affine {
 }
 
 struct Slot {
-    // Locked only by the one task serving the client connection (its request path and its
-    // response body), never across an await: never contended.
+    // Locked by the task serving an HTTP/1 client connection (its request path and its
+    // response body), or an HTTP/2 one's streams', never across an await: rarely contended.
     #[allow(clippy::disallowed_types)]
     state: std::sync::Mutex<State>,
+    /// An HTTP/2 client connection's: it keeps only a connection that may serve it alone
+    /// (after a HEAD answer), which its next stream takes; others go to the worker's list.
+    streams: AtomicBool,
     discards: Discards,
     /// The worker's list, which takes the connection when a request waits for one.
     idle: Arc<Idle>,
@@ -172,7 +176,7 @@ impl h1::Home for Slot {
     fn put(&self, raw: Raw, since: u64) {
         // A request waits for a connection: the worker's list gives it this one (one that
         // serves this client only is closed for it instead).
-        if self.idle.cap.wanted() {
+        if self.idle.cap.wanted() || (self.streams.load(Ordering::Relaxed) && !raw.own_only()) {
             h1::Home::put(&*self.idle, raw, since);
             return;
         }
@@ -193,6 +197,7 @@ impl Affine {
                 state: Default::default(),
                 discards: idle.discards.clone(),
                 idle: idle.clone(),
+                streams: AtomicBool::new(false),
             }),
             wakes: Default::default(),
             idle,
@@ -212,9 +217,14 @@ impl Affine {
         now: u64,
     ) -> Result<Response<RawBody>, Failure> {
         // An HTTP/2 client connection's streams run at once, each in a task of its own: every
-        // one borrows, as an HTTP/1 connection's first exchange does.
-        let (cached, first) = if req.version() == Version::HTTP_2 {
-            (None, true)
+        // one borrows, as an HTTP/1 connection's first exchange does, from the connection's
+        // own slot first (what a HEAD answer left there, for it alone), then the worker's list.
+        let h2 = req.version() == Version::HTTP_2;
+        let (cached, first) = if h2 {
+            self.slot.streams.store(true, Ordering::Relaxed);
+            let mut state = self.slot.state();
+            let fresh = now.saturating_sub(state.last_used) < upstream.idle;
+            (state.raw.take().filter(|_| fresh), false)
         } else {
             let mut state = self.slot.state();
             let fresh = now.saturating_sub(state.last_used) < upstream.idle;
