@@ -27,6 +27,9 @@ pub const WINDOW: Nanos = 100_000_000;
 pub const MIN_SAMPLES: u64 = 10;
 /// How fast the baseline may rise per window while latency is fine.
 const BASELINE_DRIFT: f64 = 0.005;
+/// The flag in a permit's start time that says its latency was taken (nanoseconds never
+/// reach it: 292 years of uptime).
+const MEASURED: Nanos = 1 << 63;
 /// Weight of a new limit against the current one.
 const SMOOTHING: f64 = 0.2;
 
@@ -136,8 +139,7 @@ impl Adaptive {
         self.peak.fetch_max(n + 1, Ordering::Relaxed);
         Some(AdaptivePermit {
             limiter: self.clone(),
-            started: self.clock.now(),
-            measured: false,
+            started: self.clock.now() & !MEASURED,
         })
     }
 
@@ -272,22 +274,30 @@ impl Adaptive {
 #[derive(Debug)]
 pub struct AdaptivePermit {
     limiter: Arc<Adaptive>,
+    /// When it was taken, and [`MEASURED`] once its latency has fed the limiter (one word:
+    /// a permit with a client's part stays three).
     started: Nanos,
-    measured: bool,
 }
 
 impl AdaptivePermit {
+    /// Gives the slot back unused (the request was refused after all): no latency to take.
+    pub fn cancel(mut self) {
+        self.started |= MEASURED;
+    }
+
     /// The upstream answered (its response head): the request's latency is known now.
     pub fn responded(&mut self) -> Option<Snapshot> {
         self.measure()
     }
 
     fn measure(&mut self) -> Option<Snapshot> {
-        if std::mem::replace(&mut self.measured, true) {
+        if self.started & MEASURED != 0 {
             return None;
         }
+        let started = self.started;
+        self.started |= MEASURED;
         let now = self.limiter.clock.now();
-        self.limiter.record(now.saturating_sub(self.started), now)
+        self.limiter.record(now.saturating_sub(started), now)
     }
 
     pub fn limiter(&self) -> &Arc<Adaptive> {
@@ -473,6 +483,20 @@ mod tests {
         }
         assert_eq!(a.limit(), 40);
         assert_eq!(a.baseline(), 2_000 * MS);
+    }
+
+    #[test]
+    fn a_cancelled_permit_frees_its_slot_and_feeds_no_latency() {
+        let a = Arc::new(limiter(2, 2, 2));
+        a.try_acquire().unwrap().cancel();
+        assert_eq!(a.in_flight(), 0);
+        assert_eq!(a.count.load(Ordering::Relaxed), 0, "no sample");
+        drop(a.try_acquire().unwrap());
+        assert_eq!(
+            a.count.load(Ordering::Relaxed),
+            1,
+            "a dropped one is a sample"
+        );
     }
 
     #[test]

@@ -414,8 +414,15 @@ impl RuleSet {
                 }
                 Kind::Adaptive { limiter, share } => {
                     let limit = limiter.limit();
-                    let permit = limiter.try_acquire().map(Permit::from).filter(|_| {
-                        self.client_part(share.as_ref(), req, limit, true, now, &mut admit)
+                    // A slot refused for the client's part is given back unmeasured.
+                    let permit = limiter.try_acquire().and_then(|p| {
+                        match self.client_part(share.as_ref(), req, limit, now) {
+                            Some(part) => Some(Permit::from(p).with_part(part)),
+                            None => {
+                                p.cancel();
+                                None
+                            }
+                        }
                     });
                     slot(permit, limit, i, &mut admit, &mut taken)
                 }
@@ -449,8 +456,9 @@ impl RuleSet {
                     let (permit, _) = store.with(&key, now, concurrency_idle, |c| {
                         c.try_acquire(*max, *at_head)
                     });
-                    let permit = permit.filter(|_| {
-                        self.client_part(share.as_ref(), req, *max, *at_head, now, &mut admit)
+                    let permit = permit.and_then(|p| {
+                        let part = self.client_part(share.as_ref(), req, *max, now)?;
+                        Some(p.with_part(part))
                     });
                     slot(permit, *max, i, &mut admit, &mut taken)
                 }
@@ -841,25 +849,22 @@ impl RuleSet {
         }
     }
 
-    /// Whether `req`'s client may hold one more slot of a shared limit of `limit` slots; its
-    /// part's slot, if it has a part, goes into `admit` beside the rule's.
+    /// The slot of `req`'s client's part of a shared limit of `limit` slots (`Some(None)`:
+    /// no part for it), or `None` when it holds its whole part.
     fn client_part(
         &self,
         share: Option<&Share>,
         req: &RequestView<'_>,
         limit: u32,
-        at_head: bool,
         now: Nanos,
-        admit: &mut Admit,
-    ) -> bool {
-        let Some(share) = share else { return true };
-        match share.take(req.client_ip, limit, at_head, now, &self.share_exempt) {
-            Part::Exempt => true,
-            Part::Taken(p) => {
-                admit.permits.push(p);
-                true
-            }
-            Part::Full => false,
+    ) -> Option<Option<Arc<Concurrency>>> {
+        let Some(share) = share else {
+            return Some(None);
+        };
+        match share.take(req.client_ip, limit, now, &self.share_exempt) {
+            Part::Exempt => Some(None),
+            Part::Taken(part) => Some(Some(part)),
+            Part::Full => None,
         }
     }
 

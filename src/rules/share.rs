@@ -11,7 +11,7 @@ use std::sync::Arc;
 use super::store::Store;
 use super::{concurrency_idle, Nanos};
 use crate::key::Cidr;
-use crate::limit::concurrency::{Concurrency, Permit};
+use crate::limit::concurrency::Concurrency;
 
 /// The part of a shared limit's slots one client may hold.
 pub(super) struct Share {
@@ -23,8 +23,8 @@ pub(super) struct Share {
 pub(super) enum Part {
     /// The client has no part (an exempt address): the shared limit alone decides.
     Exempt,
-    /// A slot of the client's part, held beside the shared one.
-    Taken(Permit),
+    /// A slot of the client's part, given back with the shared one's permit.
+    Taken(Arc<Concurrency>),
     /// The client holds its whole part already.
     Full,
 }
@@ -39,15 +39,8 @@ impl Share {
         ((f64::from(limit) * self.fraction).ceil() as u32).clamp(1, limit.max(1))
     }
 
-    /// A slot of `client`'s part of `limit` slots, given back as the shared one is.
-    pub(super) fn take(
-        &self,
-        client: IpAddr,
-        limit: u32,
-        at_head: bool,
-        now: Nanos,
-        exempt: &[Cidr],
-    ) -> Part {
+    /// A slot of `client`'s part of `limit` slots.
+    pub(super) fn take(&self, client: IpAddr, limit: u32, now: Nanos, exempt: &[Cidr]) -> Part {
         let client = client.to_canonical();
         if exempt.iter().any(|c| c.contains(client)) {
             return Part::Exempt;
@@ -64,10 +57,10 @@ impl Share {
             }
         };
         let part = self.of(limit);
-        let (permit, _) = self
+        let (taken, _) = self
             .clients
-            .with(key, now, concurrency_idle, |c| c.try_acquire(part, at_head));
-        permit.map_or(Part::Full, Part::Taken)
+            .with(key, now, concurrency_idle, |c| c.try_take(part));
+        taken.map_or(Part::Full, Part::Taken)
     }
 
     /// Forgets clients that hold nothing.
