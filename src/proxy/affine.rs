@@ -151,6 +151,8 @@ struct Slot {
     /// An HTTP/2 client connection's: it keeps only a connection that may serve it alone
     /// (after a HEAD answer), which its next stream takes; others go to the worker's list.
     streams: AtomicBool,
+    /// It holds such a connection (read without the lock by every stream).
+    kept: AtomicBool,
     discards: Discards,
     /// The worker's list, which takes the connection when a request waits for one.
     idle: Arc<Idle>,
@@ -183,6 +185,7 @@ impl h1::Home for Slot {
         let mut state = self.state();
         state.raw = Some(raw);
         state.last_used = since;
+        self.kept.store(true, Ordering::Relaxed);
     }
 
     fn discarded(&self, why: Unusable) {
@@ -198,6 +201,7 @@ impl Affine {
                 discards: idle.discards.clone(),
                 idle: idle.clone(),
                 streams: AtomicBool::new(false),
+                kept: AtomicBool::new(false),
             }),
             wakes: Default::default(),
             idle,
@@ -222,9 +226,12 @@ impl Affine {
         let h2 = req.version() == Version::HTTP_2;
         let (cached, first) = if h2 {
             self.slot.streams.store(true, Ordering::Relaxed);
-            let mut state = self.slot.state();
-            let fresh = now.saturating_sub(state.last_used) < upstream.idle;
-            (state.raw.take().filter(|_| fresh), false)
+            let cached = self.slot.kept.swap(false, Ordering::Relaxed).then(|| {
+                let mut state = self.slot.state();
+                let fresh = now.saturating_sub(state.last_used) < upstream.idle;
+                state.raw.take().filter(|_| fresh)
+            });
+            (cached.flatten(), false)
         } else {
             let mut state = self.slot.state();
             let fresh = now.saturating_sub(state.last_used) < upstream.idle;
