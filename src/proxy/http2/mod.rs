@@ -75,7 +75,9 @@ pub(in crate::proxy) async fn serve_h2(
                     return Ok(refused.map(|b| stalls.guard(b, None, busy, &held)));
                 }
             };
-            let resp = answer(guard, req).await;
+            // Boxed: hyper moves each stream's future whole (into its task and about), and the
+            // request path's is kilobytes; one allocation costs less than its copies.
+            let resp = Box::pin(answer(guard, req)).await;
             let idle = resp.extensions().get::<respond::BodyIdle>().map(|b| b.0);
             Ok::<_, std::convert::Infallible>(
                 resp.map(|b| stalls.guard(b, slot, busy, &held).idle_after(idle)),
