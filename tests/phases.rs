@@ -260,6 +260,22 @@ async fn past_the_process_budget_the_connections_holding_most_are_closed() {
     a.fits_a_sidecar();
 }
 
+/// The next request head an app reads from `s` (what it read past it stays in `buf`);
+/// `None` at the connection's end.
+async fn next_head(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            return Some(buf.drain(..i + 4).collect());
+        }
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
 /// An app that answers every request with a head and the first bytes of a body it never
 /// finishes; each connection's end (the proxy closing it) is told on `closed`.
 async fn stalling_app() -> (
@@ -271,14 +287,10 @@ async fn stalling_app() -> (
     let addr = raw_server(move |mut s| {
         let tx = tx.clone();
         async move {
-            let mut buf = vec![0u8; 4096];
-            let mut head = Vec::new();
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                match s.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => head.extend_from_slice(&buf[..n]),
-                }
+            if next_head(&mut s, &mut Vec::new()).await.is_none() {
+                return;
             }
+            let mut buf = vec![0u8; 4096];
             let _ = s
                 .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 1000\r\n\r\nfirst bytes")
                 .await;
@@ -639,22 +651,11 @@ async fn upload_until_answered(proxy: std::net::SocketAddr, length: usize) -> St
 /// An app that answers a HEAD with a head and, late (when the connection's next request
 /// comes), the body a GET would have had: a response of its own to whoever asks next.
 async fn late_head_body_app() -> std::net::SocketAddr {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     raw_server(|mut s| async move {
         let mut buf = Vec::new();
         let mut owed = false;
-        loop {
-            let mut chunk = [0u8; 4096];
-            let end = loop {
-                if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-                    break i + 4;
-                }
-                match s.read(&mut chunk).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => buf.extend_from_slice(&chunk[..n]),
-                }
-            };
-            let head: Vec<u8> = buf.drain(..end).collect();
+        while let Some(head) = next_head(&mut s, &mut buf).await {
             if head.starts_with(b"HEAD ") {
                 let _ = s
                     .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 46\r\n\r\n")
@@ -786,27 +787,19 @@ async fn a_rules_upstream_body_idle_applies_to_its_requests() {
 /// An app that answers `/fast` at once and never answers anything else (it holds the
 /// connection until the proxy closes it).
 async fn hanging_app() -> std::net::SocketAddr {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     raw_server(|mut s| async move {
-        let mut buf = vec![0u8; 4096];
-        let mut head = Vec::new();
-        while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-            match s.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => head.extend_from_slice(&buf[..n]),
-            }
-        }
+        let Some(head) = next_head(&mut s, &mut Vec::new()).await else {
+            return;
+        };
         if head.starts_with(b"GET /fast ") {
             let _ = s
                 .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok")
                 .await;
             return;
         }
-        while let Ok(n) = s.read(&mut buf).await {
-            if n == 0 {
-                break;
-            }
-        }
+        // Held until the proxy closes its end.
+        let _ = next_head(&mut s, &mut Vec::new()).await;
     })
     .await
 }
@@ -1044,21 +1037,11 @@ async fn an_http1_client_that_pipelined_then_left_releases_the_upstream() {
 
 /// An app whose `/slow` body comes in two parts a moment apart; anything else is `ok`.
 async fn two_part_app() -> std::net::SocketAddr {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     raw_server(|mut s| async move {
-        let mut buf = vec![0u8; 4096];
-        let mut head = Vec::new();
-        loop {
-            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                match s.read(&mut buf).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(n) => head.extend_from_slice(&buf[..n]),
-                }
-            }
-            let end = head.windows(4).position(|w| w == b"\r\n\r\n").unwrap() + 4;
-            let slow = head.starts_with(b"GET /slow ");
-            head.drain(..end);
-            if slow {
+        let mut buf = Vec::new();
+        while let Some(head) = next_head(&mut s, &mut buf).await {
+            if head.starts_with(b"GET /slow ") {
                 let _ = s
                     .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nfirst")
                     .await;

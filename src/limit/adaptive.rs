@@ -154,16 +154,10 @@ impl Adaptive {
             return None;
         }
         let age = now.saturating_sub(start);
-        let due = age >= WINDOW && (count >= MIN_SAMPLES || age >= 10 * WINDOW);
-        if !due
-            || self
-                .updating
-                .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-                .is_err()
-        {
-            return None;
-        }
-        self.close(now)
+        self.close_if(
+            age >= WINDOW && (count >= MIN_SAMPLES || age >= 10 * WINDOW),
+            now,
+        )
     }
 
     /// Closes a window that no completion closed within `10 x WINDOW` (a timer calls it):
@@ -185,7 +179,13 @@ impl Adaptive {
             }
             return None;
         }
-        if now.saturating_sub(start) < 10 * WINDOW
+        self.close_if(now.saturating_sub(start) >= 10 * WINDOW, now)
+    }
+
+    /// Closes the window when `due`, unless another thread is closing it (nobody waits), and
+    /// tells the observer.
+    fn close_if(&self, due: bool, now: Nanos) -> Option<Snapshot> {
+        if !due
             || self
                 .updating
                 .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
@@ -193,11 +193,6 @@ impl Adaptive {
         {
             return None;
         }
-        self.close(now)
-    }
-
-    /// Closes the window (the caller holds `updating`) and tells the observer.
-    fn close(&self, now: Nanos) -> Option<Snapshot> {
         let snapshot = self.update(now);
         self.updating.store(false, Ordering::Release);
         if let (Some(observe), Some(s)) = (&self.on_window, snapshot) {
