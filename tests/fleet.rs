@@ -1785,11 +1785,8 @@ async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_the
     let fleets = [&books, &maps];
     // The chart's 1 s reports (a reply is waited for that long): settled, then as it is calm.
     offered_apart(&fleets, 4.0).await;
-    for ((ok, failed), service) in offered_apart(&fleets, 4.0)
-        .await
-        .into_iter()
-        .zip(["books", "maps"])
-    {
+    let calm = offered_apart(&fleets, 4.0).await;
+    for ((ok, failed), service) in calm.iter().zip(["books", "maps"]) {
         eprintln!("{service} calm: {ok} admitted, {failed} reports failed");
     }
 
@@ -1862,9 +1859,18 @@ async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_the
         sent.iter().all(|n| *n > 0),
         "the attack did not run: {sent:?}"
     );
-    for ((ok, failed), service) in under_attack.into_iter().zip(["books", "maps"]) {
+    for (((ok, failed), (was, _)), service) in
+        under_attack.into_iter().zip(calm).zip(["books", "maps"])
+    {
         eprintln!("{service}: {ok} admitted, {failed} reports failed");
         assert_eq!(failed, 0.0, "{service}'s reports failed under attack");
-        assert_within(ok, 4.0, 0.05, &format!("{service} under attack"));
+        // As it was calm, within 5 % of the limit; and within the steady fleet's bound of any
+        // second (issue 39: 5 % and one request a second for each proxy; a service has one).
+        let moved = (ok as f64 - was as f64).abs() / 4.0;
+        assert!(
+            moved <= 0.05 * LIMIT as f64,
+            "{service} under attack: {ok} admitted in 4 s against {was} calm"
+        );
+        assert_within(ok, 4.0, 0.06, &format!("{service} under attack"));
     }
 }
