@@ -2,9 +2,10 @@
 //! the family of Netflix's Gradient2 and Envoy's adaptive concurrency filter. Each 100 ms window
 //! (or 10 samples, whichever is later) the average latency of its completed requests is one
 //! sample; a timer closes a window no completion closed within a second, where requests
-//! still pending since it opened give a lower bound of latency. The no-load latency (the baseline) is learned without probes: it drops at once to a
-//! lower sample and rises slowly (0.5 % a window) only while latency is within tolerance or the
-//! limit is at `min` (Envoy pins concurrency to a floor to measure it, with 503 bursts).
+//! still pending since it opened give a lower bound of latency. The no-load latency (the
+//! baseline) is learned without probes: it drops at once to a lower sample and rises slowly
+//! (0.5 % a window) only while latency is within tolerance or the limit is at `min` (Envoy
+//! pins concurrency to a floor to measure it, with 503 bursts).
 //!
 //! The limit starts at `initial` and doubles each good window while it is used (slow start),
 //! then grows by `sqrt(limit)` per good window and shrinks by `max(0.5, tolerance x baseline /
