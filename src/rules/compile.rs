@@ -276,7 +276,7 @@ pub(super) fn slot(
 /// What a rule's per-key state depends on: while these are equal, the state stays valid.
 pub(super) fn identity(r: &Rule) -> String {
     format!(
-        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}|{:?}|{:?}",
+        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}|{:?}|{:?}|{:?}",
         r.name,
         r.key,
         r.limit,
@@ -286,7 +286,8 @@ pub(super) fn identity(r: &Rule) -> String {
         r.log_keys,
         r.new_keys,
         r.release,
-        r.client_share
+        r.client_share,
+        r.sketch
     )
 }
 

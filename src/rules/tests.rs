@@ -958,3 +958,38 @@ fn a_shared_adaptive_limit_gives_one_client_its_share_and_an_ipv6_client_is_its_
         .count();
     assert_eq!(lo, 4, "loopback takes what the shared limit has left");
 }
+
+#[test]
+fn a_reload_keeps_a_rules_state_only_while_what_its_state_was_built_from_is_the_same() {
+    let build = |extra: &str| {
+        let yaml = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: a\n    key: client_ip\n    limit: {{ rate: 10/s }}\n{extra}  - name: b\n    key: []\n    limit: {{ concurrency: 4 }}\n"
+        );
+        Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"))
+    };
+    let metrics = Metrics::new();
+    let ratios = || Arc::new(ArcSwap::from_pointee(DropRatios::empty(0)));
+    let first = RuleSet::build(&build(""), &metrics);
+    let same = RuleSet::rebuild(&build(""), &metrics, ratios(), Some(&first));
+    assert_eq!(same.kept_from(&first), ["a", "b"]);
+    // Each of these changes what a rule's state was built from: it starts afresh.
+    for extra in [
+        "    sketch: { width: 1024, depth: 4 }\n",
+        "    max_keys: 5\n",
+        "    log_keys: clear\n",
+    ] {
+        let changed = RuleSet::rebuild(&build(extra), &metrics, ratios(), Some(&first));
+        assert_eq!(changed.kept_from(&first), ["b"], "{extra}");
+    }
+    let b = |extra: &str| {
+        let yaml = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: b\n    key: []\n    limit: {{ concurrency: 4 }}\n{extra}"
+        );
+        Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"))
+    };
+    let first = RuleSet::build(&b(""), &metrics);
+    for extra in ["    release: head\n", "    client_share: 0.25\n"] {
+        let changed = RuleSet::rebuild(&b(extra), &metrics, ratios(), Some(&first));
+        assert!(changed.kept_from(&first).is_empty(), "{extra}");
+    }
+}
