@@ -1,9 +1,11 @@
 //! A client request's body as the request path holds it: streamed (hyper's for HTTP/2, our
 //! HTTP/1 server side's), behind the frames already read of it; or one read whole with its head.
 //!
-//! Owns reading a small body whole (`in_hand`). Must never: read past what a request's framing
-//! says, or hold a body's bytes twice.
+//! Owns reading a small body whole (`in_hand`), and how far one being sent got ([`Progress`],
+//! for the exchange's deadlines). Must never: read past what a request's framing says, or hold
+//! a body's bytes twice.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -12,7 +14,6 @@ use http_body_util::Either;
 use hyper::body::Incoming;
 
 pub use super::http1::request_body::{ClientBodyError, RequestBody};
-use super::http1::upload::Progress;
 use smallvec::SmallVec;
 
 /// A request body of up to this many bytes (with a `Content-Length`) is read whole, within
@@ -42,6 +43,61 @@ pub struct Streamed {
 enum Rest {
     Hyper(Incoming),
     Http1(RequestBody),
+}
+
+/// How a body being sent upstream is getting on, for its exchange's deadlines (Relaxed: read
+/// by the same task): told by our HTTP/1 client's upload as it writes, or by the body itself
+/// as hyper's client reads it (an `h2c://` upstream).
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Bumped whenever a byte was written or the body gave a frame.
+    moved: AtomicU64,
+    /// It waits on the client's body (else on the upstream).
+    on_client: AtomicBool,
+    /// Sent whole, or stopped.
+    over: AtomicBool,
+}
+
+impl Progress {
+    pub fn moved(&self) -> u64 {
+        self.moved.load(Ordering::Relaxed)
+    }
+
+    pub fn on_client(&self) -> bool {
+        self.on_client.load(Ordering::Relaxed)
+    }
+
+    pub fn over(&self) -> bool {
+        self.over.load(Ordering::Relaxed)
+    }
+
+    /// Bytes were written, or the body gave a frame.
+    pub(crate) fn moved_on(&self) {
+        self.moved.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// It waits on the client's body (`true`) or on the upstream.
+    pub(crate) fn waits(&self, on_client: bool) {
+        self.on_client.store(on_client, Ordering::Relaxed);
+    }
+
+    /// Sent whole, or stopped.
+    pub(crate) fn ended(&self) {
+        self.over.store(true, Ordering::Relaxed);
+    }
+
+    /// The body was polled by hyper's client: it waits on the client (`pending`), gave a frame
+    /// (the next wait is the upstream's, until it is polled again), or is `over` (its last
+    /// frame, or an error).
+    fn polled(&self, pending: bool, gave: bool, over: bool) {
+        if gave {
+            self.moved_on();
+        }
+        self.waits(pending);
+        if over {
+            self.ended();
+        }
+    }
 }
 
 /// Why a streamed body could not be read (hyper's error, or [`ClientBodyError`]).

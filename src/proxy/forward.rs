@@ -26,12 +26,12 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 
 use super::affine::{Affine, Cap, Dial};
 use super::body::in_hand;
+use super::body::Progress;
 pub use super::body::{emptied, InHand, ReqBody, Streamed};
 use super::coarse::{timeout, Sleep, Timers};
 pub use super::failure::{Failure, Saturated};
 pub use super::forwarded::Added;
 use super::http1::framing::{has_token, one_length};
-use super::http1::upload::Progress;
 pub use super::respond::UpstreamBody;
 use super::respond::{self, Body};
 use crate::config::UpgradeProtocol;

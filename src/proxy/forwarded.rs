@@ -38,7 +38,7 @@ pub struct Added {
     /// unswitched, not reused.
     pub upgrade: Option<&'static str>,
     /// A body still coming tells its progress here, for the exchange's deadlines.
-    pub progress: Option<std::sync::Arc<super::http1::upload::Progress>>,
+    pub progress: Option<std::sync::Arc<super::body::Progress>>,
 }
 
 /// Bytes of `X-Forwarded-For` kept in [`Added`] without an allocation.

@@ -11,7 +11,6 @@
 //! client's body broke, the upstream stopped taking it) leave its connection reusable.
 
 use std::io::{self, IoSlice};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -20,7 +19,7 @@ use http_body::Body as _;
 use smallvec::SmallVec;
 use tokio::net::TcpStream;
 
-use crate::proxy::body::Streamed;
+use crate::proxy::body::{Progress, Streamed};
 
 /// How far an upload got, when it stopped before its end.
 pub(crate) enum Stopped {
@@ -29,48 +28,6 @@ pub(crate) enum Stopped {
     Client,
     /// The upstream connection took no more (it may have answered already).
     Upstream,
-}
-
-/// How an upload is getting on, for its exchange's deadlines (Relaxed: read by the same task).
-#[derive(Debug, Default)]
-pub struct Progress {
-    /// Bumped whenever a byte was written or the body gave a frame.
-    moved: AtomicU64,
-    /// It waits on the client's body (else on the upstream's socket).
-    on_client: AtomicBool,
-    /// Sent whole, or stopped.
-    over: AtomicBool,
-}
-
-impl Progress {
-    pub fn moved(&self) -> u64 {
-        self.moved.load(Ordering::Relaxed)
-    }
-
-    pub fn on_client(&self) -> bool {
-        self.on_client.load(Ordering::Relaxed)
-    }
-
-    pub fn over(&self) -> bool {
-        self.over.load(Ordering::Relaxed)
-    }
-
-    fn bump(&self) {
-        self.moved.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A body another client sends (hyper's, to an `h2c://` upstream) was polled: it waits on
-    /// the client (`Pending`), gave a frame (the next wait is the upstream's, until it is
-    /// polled again), or is over (its last frame, or an error).
-    pub(crate) fn polled(&self, pending: bool, gave: bool, over: bool) {
-        if gave {
-            self.bump();
-        }
-        self.on_client.store(pending, Ordering::Relaxed);
-        if over {
-            self.over.store(true, Ordering::Relaxed);
-        }
-    }
 }
 
 /// A request body being written upstream.
@@ -106,7 +63,7 @@ impl Upload {
         let polled = self.poll_inner(cx, stream);
         if let Some(p) = &self.progress {
             if polled.is_ready() {
-                p.over.store(true, Ordering::Relaxed);
+                p.ended();
             }
         }
         polled
@@ -122,7 +79,7 @@ impl Upload {
                 match stream.poll_write_ready(cx) {
                     Poll::Pending => {
                         if let Some(p) = &self.progress {
-                            p.on_client.store(false, Ordering::Relaxed);
+                            p.waits(false);
                         }
                         return Poll::Pending;
                     }
@@ -138,7 +95,7 @@ impl Upload {
                     Ok(0) => return Poll::Ready(Err(Stopped::Upstream)),
                     Ok(mut n) => {
                         if let Some(p) = &self.progress {
-                            p.bump();
+                            p.moved_on();
                         }
                         while n > 0 {
                             let first = &mut self.pending[0];
@@ -161,14 +118,14 @@ impl Upload {
             match std::pin::Pin::new(&mut self.body).poll_frame(cx) {
                 Poll::Pending => {
                     if let Some(p) = &self.progress {
-                        p.on_client.store(true, Ordering::Relaxed);
+                        p.waits(true);
                     }
                     return Poll::Pending;
                 }
                 Poll::Ready(Some(Err(_))) => return Poll::Ready(Err(Stopped::Client)),
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Some(p) = &self.progress {
-                        p.bump();
+                        p.moved_on();
                     }
                     // Trailers are not passed on (an HTTP/1 upstream may not take them).
                     let Ok(data) = frame.into_data() else {
