@@ -348,6 +348,9 @@ pub(super) struct Open {
     pub(super) begun: AtomicU32,
     /// Told when `count` falls to zero.
     pub(super) none: tokio::sync::Notify,
+    /// Told when `count` leaves zero: an idle wait in progress is over (and its timer, if
+    /// closable, no longer offers the connection for room).
+    pub(super) began: tokio::sync::Notify,
 }
 
 impl Open {
@@ -364,9 +367,14 @@ impl Open {
             }
             let spell = self.begun.load(Ordering::Relaxed);
             let deadline = Timers::now() + if spell == 0 { first } else { idle };
-            match spell {
-                0 => Sleep::until(timers.clone(), deadline).await,
-                _ => Sleep::closable(timers.clone(), deadline).await,
+            let wait = match spell {
+                0 => Sleep::until(timers.clone(), deadline),
+                _ => Sleep::closable(timers.clone(), deadline),
+            };
+            tokio::select! {
+                biased;
+                () = self.began.notified() => continue,
+                () = wait => {}
             }
             if self.count.load(Ordering::Relaxed) == 0
                 && self.begun.load(Ordering::Relaxed) == spell
@@ -383,7 +391,9 @@ pub(super) struct Busy(Arc<Open>);
 
 impl Busy {
     pub(super) fn new(open: &Arc<Open>) -> Self {
-        open.count.fetch_add(1, Ordering::Relaxed);
+        if open.count.fetch_add(1, Ordering::Relaxed) == 0 {
+            open.began.notify_one();
+        }
         open.begun.fetch_add(1, Ordering::Relaxed);
         Busy(open.clone())
     }
