@@ -601,6 +601,15 @@ pub fn query_param<'a>(query: Option<&'a str>, name: &str) -> Param<'a> {
     found
 }
 
+/// The client an address stands for, for per-client bounds (connections, a shared limit's
+/// parts): IPv4 whole, IPv6 by its /64 (what one host is given).
+pub fn client_of(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => IpAddr::V6(mask_v6(v6, 64)),
+        v4 => v4,
+    }
+}
+
 /// An address block: `10.0.0.0/8`, `2001:db8::/32`, or one address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Cidr {

@@ -502,6 +502,20 @@ pub(crate) fn check_trusted_headers(headers: &[HeaderNameStr]) -> Result<(), Str
 }
 
 impl Config {
+    /// Peers without a per-client bound of their own (connections, a shared limit's part): the
+    /// listed proxies and `limits.connections_per_client_exempt`, behind which every client
+    /// looks alike.
+    pub fn per_client_exempt(&self) -> Vec<crate::key::Cidr> {
+        (self.client_ip.trusted_proxies.iter().copied())
+            .chain(
+                self.limits
+                    .connections_per_client_exempt
+                    .iter()
+                    .map(|c| c.0),
+            )
+            .collect()
+    }
+
     /// What is valid but likely not meant: said by `check-config` and at start-up, never
     /// refused (a configuration that ran yesterday still runs).
     pub fn warnings(&self) -> Vec<String> {

@@ -11,7 +11,7 @@ use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use crate::key::Cidr;
+use crate::key::{client_of, Cidr};
 use crate::proxy::coarse::{Timers, Wanted};
 
 /// Connections open per client address.
@@ -39,7 +39,6 @@ impl PerClient {
 
     /// A place for a connection from `peer`, given back when dropped; `None` at the cap.
     pub fn admit(self: &Arc<Self>, peer: IpAddr) -> Option<Place> {
-        let peer = peer.to_canonical();
         if self.exempt.iter().any(|c| c.contains(peer)) {
             return Some(Place(None));
         }
@@ -56,14 +55,6 @@ impl PerClient {
     #[allow(clippy::disallowed_types)]
     fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, u32>> {
         self.open.lock().unwrap_or_else(|e| e.into_inner())
-    }
-}
-
-/// The client an address stands for: IPv4 whole, IPv6 by its /64 (what one host is given).
-fn client_of(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V4(_) => ip,
-        IpAddr::V6(v6) => IpAddr::V6((u128::from(v6) & !((1u128 << 64) - 1)).into()),
     }
 }
 

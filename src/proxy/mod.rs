@@ -227,15 +227,7 @@ impl Sidecar {
             ),
             per_client: clients::PerClient::new(
                 config.limits.max_connections_per_client.get(),
-                (config.client_ip.trusted_proxies.iter().copied())
-                    .chain(
-                        config
-                            .limits
-                            .connections_per_client_exempt
-                            .iter()
-                            .map(|c| c.0),
-                    )
-                    .collect(),
+                config.per_client_exempt(),
             ),
             idles: clients::Idles::default(),
             clock,

@@ -31,9 +31,7 @@ impl RuleSet {
         let mut set = Self::from_rules_keeping(&config.rules, config.headers, metrics, previous)
             .in_fleet(config.control_plane.as_ref(), ratios);
         set.log_rejections = config.log_rejections;
-        set.share_exempt = (config.client_ip.trusted_proxies.iter().copied())
-            .chain((config.limits.connections_per_client_exempt.iter()).map(|c| c.0))
-            .collect();
+        set.share_exempt = config.per_client_exempt().into();
         // The secret is read once, at start (a restart field): a reload keeps it.
         if let Some(previous) = previous {
             set.secret = previous.secret.clone();

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::store::Store;
 use super::{concurrency_idle, Nanos};
-use crate::key::Cidr;
+use crate::key::{client_of, Cidr};
 use crate::limit::concurrency::Concurrency;
 
 /// The part of a shared limit's slots one client may hold.
@@ -41,19 +41,18 @@ impl Share {
 
     /// A slot of `client`'s part of `limit` slots.
     pub(super) fn take(&self, client: IpAddr, limit: u32, now: Nanos, exempt: &[Cidr]) -> Part {
-        let client = client.to_canonical();
         if exempt.iter().any(|c| c.contains(client)) {
             return Part::Exempt;
         }
-        let mut key = [0u8; 16];
-        let key: &[u8] = match client {
-            IpAddr::V4(v4) => {
-                key[..4].copy_from_slice(&v4.octets());
-                &key[..4]
+        let (v4, v6);
+        let key: &[u8] = match client_of(client) {
+            IpAddr::V4(a) => {
+                v4 = a.octets();
+                &v4
             }
-            IpAddr::V6(v6) => {
-                key[..8].copy_from_slice(&v6.octets()[..8]);
-                &key[..8]
+            IpAddr::V6(a) => {
+                v6 = a.octets();
+                &v6
             }
         };
         let part = self.of(limit);
