@@ -76,7 +76,7 @@ pub(in crate::proxy) async fn serve_h2(
                 }
             };
             // Boxed: hyper moves each stream's future whole (into its task and about), and the
-            // request path's is kilobytes; one allocation costs less than its copies.
+            // request path's is large (BENCHMARKS.md); one allocation costs less than its copies.
             let resp = Box::pin(answer(guard, req)).await;
             let idle = resp.extensions().get::<respond::BodyIdle>().map(|b| b.0);
             Ok::<_, std::convert::Infallible>(
