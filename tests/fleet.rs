@@ -1874,3 +1874,30 @@ async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_the
         assert_within(ok, 4.0, 0.06, &format!("{service} under attack"));
     }
 }
+
+/// A surge: the fleet's offered load steps from its limit to three times it, 6:2:1 over
+/// three proxies reporting every second behind an aggregator forwarding every second. Each
+/// proxy's report says its rate jumped, the sums jump with it, and until they hold the jump a
+/// proxy is held to what it was allowed before: from 2 s after the step, the fleet admits
+/// its limit (what smoothing alone let through there was up to three times it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_surge_to_three_times_the_limit_is_held_from_two_seconds_after_it() {
+    let (_one, up, ctl) = fleet().await;
+    let url = format!("http://{}", ctl.addr);
+    let agg = Proc::spawn(&aggregator_args(&url, "z1", "1s"));
+    let p: Vec<Proc> = (1..=3)
+        .map(|i| proxy_every(&format!("p{i}"), up.addr, agg.addr, ("1s", "5s"), ""))
+        .collect();
+    let refs: Vec<&Proc> = p.iter().collect();
+    let at_limit: Vec<u64> = UNEVEN.iter().map(|r| r / 3).collect();
+    // At the limit long enough for every proxy to be answered with the key's share.
+    let (ok, _, other) = offer_all(&refs, "k", &at_limit, 6.0).await;
+    assert_eq!(other, 0, "errors before the step");
+    assert!(ok > 0);
+    // The step; its first two seconds are the loop's (a report interval's worth may pass).
+    offer_all(&refs, "k", &UNEVEN, 2.0).await;
+    let (ok, limited, other) = offer_all(&refs, "k", &UNEVEN, 4.0).await;
+    assert_eq!(other, 0, "errors after the step");
+    assert!(limited > 0, "nothing dropped after the step");
+    assert_within(ok, 4.0, 0.15, "from 2 s after a step to 3x");
+}

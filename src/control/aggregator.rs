@@ -559,6 +559,7 @@ mod tests {
             admitted: 1,
             sketch: None,
             hosts: 0,
+            jump: 0.0,
         };
         let entries: Vec<Entry> = (0..60_000).map(entry).collect();
         let parts = split(entries.clone(), 0);

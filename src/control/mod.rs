@@ -139,10 +139,20 @@ pub struct Entry {
     /// one entry of each rule; 0 (left out) stands for one host.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub hosts: u32,
+    /// For a named key: by how many units a second the sender's offered rate stepped since
+    /// its last report, past what chance explains ([`crate::rules::jumped`]; a zone's sums
+    /// add their hosts'). The controller's smoothed sum of the key moves by it at once, as
+    /// the sender's own smoothed rate did, so that the two stay paired through a surge.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub jump: f64,
 }
 
 fn is_zero(n: &u32) -> bool {
     *n == 0
+}
+
+fn is_zero_f64(x: &f64) -> bool {
+    *x == 0.0
 }
 
 /// A limit as `count` per `period_ms`.
@@ -239,12 +249,13 @@ pub enum ReportError {
 }
 
 impl Report {
-    /// The report as a version-1 reader takes it: sketches and host counts left out (the
-    /// reader then counts the tail as version 1 did).
+    /// The report as a version-1 reader takes it: sketches, host counts and jumps left out
+    /// (the reader then counts the tail as version 1 did, and smooths every step).
     pub fn downgrade(&mut self) {
         for e in &mut self.entries {
             e.sketch = None;
             e.hosts = 0;
+            e.jump = 0.0;
         }
     }
 
@@ -330,6 +341,9 @@ impl Report {
         }
         if e.hosts > MAX_HOSTS {
             return Some("hosts is at most 10^6");
+        }
+        if !(e.jump.is_finite() && e.jump.abs() <= MAX_RATE) || (e.key.is_none() && e.jump != 0.0) {
+            return Some("jump is a named key's, at most 10^11 units/s either way");
         }
         None
     }

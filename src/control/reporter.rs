@@ -388,9 +388,12 @@ pub fn build_report(
             admitted,
             sketch: None,
             hosts: 0,
+            jump: 0.0,
         };
-        for (k, o, a) in &counts.keys {
-            entries.push(entry(Some(k.clone()), 0, *o, *a));
+        for (k, o, a, jump) in &counts.keys {
+            let mut e = entry(Some(k.clone()), 0, *o, *a);
+            e.jump = *jump;
+            entries.push(e);
         }
         // The tail goes even when empty: a report that names the rule is answered with its
         // ratios and hints, so that a quiet interval does not wipe them before the next burst.

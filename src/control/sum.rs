@@ -4,7 +4,8 @@
 //! each source's latest report as rates until that source's next one (at most two of its
 //! intervals), sums them per (service, rule, key), and smooths the sum over time (an EWMA with
 //! time constant `tau`): smoothing after summing is what lets replicas share a zone's hosts in
-//! any pattern. Drop ratios come from the smoothed sums.
+//! any pattern. A sender's step up (and a step down that matches one) moves the smoothed sum
+//! at once ([`KeySum::step`]). Drop ratios come from the smoothed sums.
 //!
 //! Must never: copy a source's name per entry; hold more than [`MAX_TRACKED`] contributions, a
 //! quarter of them for one service, or [`MAX_HELD_BYTES`] per source; walk every key on each
@@ -60,6 +61,11 @@ pub const STATE_KEYS: usize = 100;
 
 /// A held value stands for at most this many of its source's intervals without a new report.
 const HOLD_FOR: f64 = 2.0;
+
+/// A key once heavy enough to watch is watched this long (seconds) after its load falls: a
+/// key that bursts and falls quiet between bursts (its sum steps down with its senders' rates
+/// at once) stays in the replies, so that every proxy's guard bounds its next burst.
+pub const WATCH_FOR: f64 = 30.0;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 struct Rate {
@@ -225,6 +231,18 @@ struct KeySum {
     smooth_admitted: f64,
     /// When the smoothed values were last brought up to date.
     at: f64,
+    /// Until when the smoothed values stand still: a sender's step moved them to its new
+    /// rate, and the held sum is pulled toward it only once it no longer holds that sender's
+    /// counts from before the step (a zone's sums take one forward to hold the step whole).
+    still_until: f64,
+    /// Senders' steps up not yet matched by steps down, and steps down not yet matched by
+    /// steps up, until `match_until` (see [`KeySum::step`]).
+    unmatched_up: f64,
+    pending_down: f64,
+    match_until: f64,
+    /// Until when the key is watched whatever its load (see [`WATCH_FOR`]); set while the
+    /// snapshot is rebuilt from shared references, hence a cell.
+    watched_until: std::cell::Cell<f64>,
     contributors: u32,
     /// When the last contributor left (the key is dropped once its history has faded).
     idle_since: f64,
@@ -241,6 +259,11 @@ impl KeySum {
             smooth_offered: 0.0,
             smooth_admitted: 0.0,
             at: now,
+            still_until: f64::NEG_INFINITY,
+            unmatched_up: 0.0,
+            pending_down: 0.0,
+            match_until: f64::NEG_INFINITY,
+            watched_until: std::cell::Cell::new(f64::NEG_INFINITY),
             contributors: 0,
             idle_since: now,
             fresh: true,
@@ -250,7 +273,7 @@ impl KeySum {
 
     /// The smoothed (offered, admitted) at `now`, without changing anything.
     fn smoothed(&self, now: f64, tau: f64) -> (f64, f64) {
-        let a = 1.0 - (-(now - self.at).max(0.0) / tau).exp();
+        let a = 1.0 - (-(now - self.at.max(self.still_until)).max(0.0) / tau).exp();
         (
             self.smooth_offered + a * (self.offered - self.smooth_offered),
             self.smooth_admitted + a * (self.admitted - self.smooth_admitted),
@@ -292,6 +315,36 @@ impl KeySum {
             }
             self.smooth_offered += offered;
             self.smooth_admitted += admitted;
+        }
+    }
+
+    /// A sender's step of `jump` units a second at `now` (its interval `secs`). A step up
+    /// moves the smoothed sum at once (a surge); a step down only as far as it matches steps
+    /// up within two of the sender's intervals, before or after it (load moved between
+    /// proxies: the sum stays where it was). An unmatched step down (a surge or a burst
+    /// ending) is left to smoothing, so that a key that bursts keeps the ratio and the watch
+    /// its last burst earned, and every proxy's guard bounds its next. Either way the sum then
+    /// stands still for the sender's interval.
+    fn step(&mut self, jump: f64, now: f64, secs: f64) {
+        if now > self.match_until {
+            self.unmatched_up = 0.0;
+            self.pending_down = 0.0;
+        }
+        self.match_until = now + HOLD_FOR * secs;
+        let moved = if jump > 0.0 {
+            let matched = self.pending_down.min(jump);
+            self.pending_down -= matched;
+            self.unmatched_up += jump - matched;
+            jump - matched
+        } else {
+            let matched = self.unmatched_up.min(-jump);
+            self.unmatched_up -= matched;
+            self.pending_down += -jump - matched;
+            -matched
+        };
+        if moved != 0.0 {
+            self.smooth_offered = (self.smooth_offered + moved).max(0.0);
+            self.still_until = self.still_until.max(now + secs);
         }
     }
 
@@ -682,6 +735,12 @@ impl Accumulator {
             }
             ks.advance(now, tau);
             ks.add(rate, secs, key.is_some().then(|| e.limit.per_second()));
+            // A sender's step moves the smoothed sum at once, as it moved the sender's own
+            // smoothed rate (see `KeySum::step`; a key first seen now starts from its sum
+            // already; a last report holds no step).
+            if key.is_some() && e.jump != 0.0 && !ks.fresh && !report.last {
+                ks.step(e.jump, now, secs);
+            }
             group.keys.push((key, rate));
             self.tracked += 1;
         }
@@ -754,7 +813,9 @@ impl Accumulator {
             }
         }
         // A key nobody holds values for is kept while its smoothed history still matters.
-        let faded = |k: &KeySum| k.contributors == 0 && now - k.idle_since > 3.0 * tau;
+        let faded = |k: &KeySum| {
+            k.contributors == 0 && now - k.idle_since > 3.0 * tau && k.watched_until.get() <= now
+        };
         for rules in self.rules.values_mut() {
             rules.retain(|_, rule| {
                 rule.keys.retain(|_, k| !faded(k));
@@ -820,21 +881,29 @@ impl Accumulator {
                     total.offered += offered;
                     total.admitted += admitted;
                     total.dropped += offered * ratio;
-                    // Travels: every ratio above 0, and every named key heavy enough to watch,
-                    // so that every proxy names it from then on: under its limit, with its
+                    // Travels: every ratio above 0, and every named key heavy enough to watch
+                    // (or so within WATCH_FOR), so that every proxy names it from then on: under
+                    // its limit, with its
                     // ratio below 0, `(offered - limit) / offered`, from which a proxy knows
                     // the share of the fleet's load the limit allows (one version back reads
                     // it as 0).
+                    let heavy = key.is_some() && offered >= watch_above;
+                    if heavy {
+                        k.watched_until.set(now + WATCH_FOR);
+                    }
                     if ratio > 0.0 {
                         candidates
                             .entry(service)
                             .or_default()
                             .push((ratio, offered, rule_name, key));
-                    } else if key.is_some() && offered >= watch_above {
-                        let under = if offered > 0.0 && limit.is_finite() {
+                    } else if heavy || (key.is_some() && k.watched_until.get() > now) {
+                        // Nothing offered: as far under as a ratio goes (0 would say no bound).
+                        let under = if !limit.is_finite() {
+                            0.0
+                        } else if offered > 0.0 {
                             ((offered - limit) / offered).clamp(-1e6, 0.0)
                         } else {
-                            0.0
+                            -1e6
                         };
                         candidates
                             .entry(service)

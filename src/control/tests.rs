@@ -14,6 +14,7 @@ fn entry(key: Option<&str>, offered: u64, admitted: u64) -> Entry {
         admitted,
         sketch: None,
         hosts: 0,
+        jump: 0.0,
     }
 }
 
@@ -161,8 +162,12 @@ fn a_silent_sources_values_stand_for_two_intervals_and_it_is_forgotten_after_thr
         1,
         "kept while its history matters"
     );
+    // Watched (at its limit) until WATCH_FOR after it was last that heavy.
     acc.sweep(23.1);
-    assert!(acc.view(None, 23.1).is_empty(), "the faded key is dropped");
+    assert_eq!(acc.view(None, 23.1).len(), 1, "still watched");
+    let gone = 23.1 + crate::control::sum::WATCH_FOR;
+    acc.sweep(gone);
+    assert!(acc.view(None, gone).is_empty(), "the faded key is dropped");
 }
 
 #[test]
@@ -852,9 +857,10 @@ fn a_zone_forward_without_a_rule_does_not_forget_what_the_zone_said_of_it() {
     // counts there: every reporter left names past name_above.
     zone.seq = 3;
     acc.record(&zone, "zones", 0.4).unwrap();
+    // ("seen" stays watched a while, as any key once heavy enough: see WATCH_FOR.)
     assert_eq!(
         watched(&mut acc, 0.45),
-        (50.0, false),
+        (50.0, true),
         "the zone's statement lapsed"
     );
 }
@@ -1104,4 +1110,116 @@ fn state_readers_share_one_walk_per_snapshot_and_see_each_rules_heaviest_keys() 
     assert_eq!(first.sources.len(), 1);
     // A later snapshot, a new walk.
     assert!(!std::sync::Arc::ptr_eq(&acc.state(5.0).rules, &first.rules));
+}
+
+/// A host at 100/s, then `jump` in its report at 10 s (its rate 300/s): the controller's
+/// smoothed sum of the key 0.5 s later.
+fn smoothed_after_a_step(jump: f64) -> f64 {
+    let mut acc = Accumulator::new(1.0);
+    for t in 0..10 {
+        let mut r = report("a", vec![entry(Some("k"), 100, 100)]);
+        r.seq = t + 1;
+        acc.record(&r, "t", t as f64).unwrap();
+    }
+    let mut stepped = entry(Some("k"), 300, 100);
+    stepped.jump = jump;
+    let mut r = report("a", vec![stepped]);
+    r.seq = 11;
+    acc.record(&r, "t", 10.0).unwrap();
+    acc.view(None, 10.5)[0].offered_rps
+}
+
+#[test]
+fn a_senders_step_moves_the_smoothed_sum_at_once_and_holds_it_for_the_senders_interval() {
+    // Smoothed, a step from 100/s to 300/s is a third of the way there after 0.5 s...
+    let smoothed = smoothed_after_a_step(0.0);
+    assert!(
+        (smoothed - (300.0 - 200.0 * (-0.5f64).exp())).abs() < 1e-6,
+        "{smoothed}"
+    );
+    // ...and all of it when the sender says it stepped, its own smoothed rate with it, and
+    // there it stands (not pulled toward a zone's half-old sum) for the sender's interval.
+    assert_eq!(smoothed_after_a_step(200.0), 300.0);
+}
+
+#[test]
+fn a_step_down_moves_the_sum_only_as_far_as_it_matches_a_step_up() {
+    // Two hosts at 100/s; one steps up by 200/s while the other steps down by 100/s, half a
+    // second apart (load moving between them, and more of it): the sum moves by the net.
+    let mut acc = Accumulator::new(1.0);
+    let send = |acc: &mut Accumulator, host: &str, offered: u64, jump: f64, seq: u64, at: f64| {
+        let mut e = entry(Some("k"), offered, offered);
+        e.jump = jump;
+        let mut r = report(host, vec![e]);
+        r.seq = seq;
+        acc.record(&r, "t", at).unwrap();
+    };
+    for t in 0..5 {
+        send(&mut acc, "a", 100, 0.0, t + 1, t as f64);
+        send(&mut acc, "b", 100, 0.0, t + 1, t as f64);
+    }
+    send(&mut acc, "b", 10, -100.0, 6, 5.0);
+    assert!(
+        acc.view(None, 5.1)[0].offered_rps > 190.0,
+        "a step down alone is left to smoothing (a burst's end keeps its ratio a while)"
+    );
+    let before = acc.view(None, 5.5)[0].offered_rps;
+    send(&mut acc, "a", 300, 200.0, 6, 5.5);
+    let after = acc.view(None, 5.6)[0].offered_rps;
+    assert!(
+        (after - before - 100.0).abs() < 1e-9,
+        "200 up, 100 of it matched: {before} -> {after}"
+    );
+    // An unmatched step down: smoothing alone, never below nothing.
+    let mut acc = Accumulator::new(1.0);
+    send(&mut acc, "a", 100, 0.0, 1, 0.0);
+    send(&mut acc, "a", 10, -500.0, 2, 1.0);
+    let v = acc.view(None, 1.5)[0].offered_rps;
+    assert!((v - (10.0 + 90.0 * (-0.5f64).exp())).abs() < 1e-6, "{v}");
+}
+
+#[test]
+fn a_step_is_a_named_keys_finite_rate_and_no_version_1_reader_sees_one() {
+    let mut r = report("a", vec![entry(Some("k"), 10, 10), entry(None, 5, 5)]);
+    r.entries[0].jump = 1e12;
+    assert!(r.validate().is_err(), "past 10^11/s");
+    r.entries[0].jump = f64::NAN;
+    assert!(r.validate().is_err());
+    r.entries[0].jump = -10.0;
+    assert_eq!(r.validate(), Ok(()));
+    r.entries[1].jump = 1.0;
+    assert!(
+        r.validate().is_err(),
+        "the tail has no one key's rate to step"
+    );
+    r.entries[1].jump = 0.0;
+    let json = serde_json::to_string(&r).unwrap();
+    assert!(json.contains("\"jump\":-10.0"), "{json}");
+    r.downgrade();
+    let json = serde_json::to_string(&r).unwrap();
+    assert!(!json.contains("jump"), "{json}");
+}
+
+#[test]
+fn a_zone_forwards_each_hosts_step_once_with_the_keys_next_units() {
+    // Two hosts behind one replica forwarding every second; each steps once.
+    let mut zone = ZoneSums::new(0.0, 1000);
+    let step = |name: &str, offered: u64, jump: f64, seq: u64| {
+        let mut e = entry(Some("k"), offered, offered);
+        e.jump = jump;
+        let mut r = report(name, vec![e]);
+        r.seq = seq;
+        r
+    };
+    zone.record(step("a", 100, 0.0, 1), "t", 0.0).unwrap();
+    zone.record(step("b", 50, 0.0, 1), "t", 0.0).unwrap();
+    zone.record(step("a", 300, 200.0, 2), "t", 1.0).unwrap();
+    zone.record(step("b", 10, -40.0, 2), "t", 1.2).unwrap();
+    let (entries, _) = zone.take(1.5, false);
+    assert_eq!(entries.len(), 1);
+    assert_eq!(entries[0].jump, 160.0, "both hosts' steps, added");
+    // A host's next report (no step) and the next forward: no step again.
+    zone.record(step("a", 300, 0.0, 3), "t", 2.0).unwrap();
+    let (entries, _) = zone.take(2.5, false);
+    assert_eq!(entries[0].jump, 0.0, "each step forwarded once");
 }

@@ -55,6 +55,8 @@ struct PendingRule {
 struct Pending {
     offered: f64,
     admitted: f64,
+    /// The hosts' steps in offered rate ([`Entry::jump`]) not yet handed over.
+    jump: f64,
     /// Accrued in the window now pending (else, once its fraction is handed on, forgotten).
     touched: bool,
 }
@@ -100,12 +102,15 @@ struct HeldRule {
     keys: Vec<HeldKey>,
 }
 
-/// A key (`None`: the tail) with its offered and admitted units per second.
+/// A key (`None`: the tail) with its offered and admitted units per second, and its step in
+/// offered rate until the first accrual hands it to the pending sums (once: it is an event,
+/// not a rate).
 #[derive(Debug)]
 struct HeldKey {
     key: Option<Box<str>>,
     offered: f64,
     admitted: f64,
+    jump: f64,
 }
 
 /// Key bytes one entry's charge covers; a longer key is charged as that many entries (it is
@@ -234,6 +239,7 @@ impl ZoneSums {
                 key: e.key.map(String::into_boxed_str),
                 offered: e.offered as f64 / secs,
                 admitted: e.admitted.min(e.offered) as f64 / secs,
+                jump: e.jump,
             });
         }
         holding.charge = taken;
@@ -317,10 +323,16 @@ impl ZoneSums {
                     admitted,
                     sketch: None,
                     hosts: 0,
+                    jump: 0.0,
                 };
                 for (k, units) in p.keys.iter_mut() {
-                    if let Some(units) = units.whole() {
-                        out.push(entry(Some(k), units));
+                    // A step goes with the key's next whole units (a forward of the key).
+                    let jump = units.jump;
+                    if let Some(whole) = units.whole() {
+                        let mut e = entry(Some(k), whole);
+                        e.jump = jump;
+                        units.jump = 0.0;
+                        out.push(e);
                     }
                 }
                 if let Some(units) = p.tail.whole() {
@@ -388,6 +400,7 @@ fn fold_past(out: &mut Vec<Entry>, from: usize, most: usize) {
             keys_folded: 0,
             sketch: None,
             hosts: 0,
+            jump: 0.0,
             ..e.clone()
         });
         t.offered += e.offered;
@@ -453,7 +466,7 @@ fn accrue(
         return;
     }
     let dt = to - from;
-    for r in &h.rules {
+    for r in &mut h.rules {
         let rules = match pending.get_mut(&*r.service) {
             Some(rules) => rules,
             None => pending.entry(r.service.clone()).or_default(),
@@ -476,18 +489,22 @@ fn accrue(
                 p.limit = r.limit;
             }
         }
-        for k in &r.keys {
-            let units = match &k.key {
-                None => &mut p.tail,
+        for k in &mut r.keys {
+            let (units, named) = match &k.key {
+                None => (&mut p.tail, false),
                 Some(key) => match p.keys.get_mut(&**key) {
-                    Some(u) => u,
-                    None if !room.take(&r.service) => &mut p.tail,
-                    None => p.keys.entry(key.clone()).or_default(),
+                    Some(u) => (u, true),
+                    None if !room.take(&r.service) => (&mut p.tail, false),
+                    None => (p.keys.entry(key.clone()).or_default(), true),
                 },
             };
             units.offered += k.offered * dt;
             units.admitted += k.admitted * dt;
             units.touched = true;
+            // A tail has no sum of one key to step.
+            if named {
+                units.jump += std::mem::take(&mut k.jump);
+            }
         }
     }
 }

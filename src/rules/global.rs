@@ -231,12 +231,18 @@ pub struct GlobalCounters {
     /// The guard's theoretical arrival time (a GCRA), on the limiter clock: the provisional
     /// limit's until the key is assigned, this proxy's allowance's after.
     guard: AtomicU64,
-    /// This proxy's offered units per second of the key, smoothed over [`OWN_SMOOTHING`], as
-    /// of the last report (high 32 bits) and of the one before (low 32 bits): `f32`s' bits;
-    /// the reporter writes, decisions read.
+    /// This proxy's offered units per second of the key, smoothed over [`OWN_SMOOTHING`] (and
+    /// jumping as [`jumped`] says), as of the last report (high 32 bits) and of the one before
+    /// (low 32 bits): `f32`s' bits; the reporter writes, decisions read.
     rate: AtomicU64,
-    /// The last report's offered units per second, unsmoothed (an `f32`'s bits).
-    last: AtomicU32,
+    /// The last jump of this proxy's offered rate ([`jumped`]): the low 32 bits of its
+    /// report's sequence number (high 32 bits) and, for a surge (a jump up), what this proxy
+    /// was allowed before it (low 32 bits, an `f32`'s; 0: none). 0: no jump yet.
+    surge: AtomicU64,
+    /// The share `keep` of the ratios in force at that surge's report (an `f32`'s bits): how
+    /// much the fleet's load grew since, against this proxy's own jump, says whether the
+    /// fleet surged too.
+    surge_keep: AtomicU32,
     /// How many reports in a row found nothing offered (saturating; none taken yet counts as
     /// [`QUIET_REPORTS`]).
     quiet: AtomicU8,
@@ -272,8 +278,32 @@ pub const OWN_SMOOTHING: f64 = 1.0;
 
 /// How far above its allowance an assigned key's guard admits (see the guard in
 /// `RuleSet::check`): the allowance is estimated from a few counts, and below the share's
-/// own rate the guard would refuse what the share admits in steady state.
+/// own rate the guard would refuse what the share admits in steady state. None in a surge
+/// (see [`GlobalCounters::allowance`]): a surge is not noise.
 pub const GUARD_HEADROOM: f64 = 1.25;
+
+/// A key's allowance is at least its provisional limit's share (see the guard in
+/// `RuleSet::check`), up to this many units per report interval: below it, a report's count
+/// is too few to estimate a rate from; above it, the floor would let a small proxy's surge
+/// through at the whole provisional limit.
+pub const GUARD_FLOOR_UNITS: f64 = 10.0;
+
+/// A change in a key's offered rate from one report to the next is a step, not chance, past
+/// this share of the rate (and three standard deviations of a Poisson count): see [`jumped`].
+pub const JUMP_SHARE: f64 = 0.25;
+
+/// Whether a key offered at `now` units a second over `secs`, against a smoothed `before`,
+/// stepped: further from it than chance puts a count (three standard deviations of a Poisson
+/// count) and than [`JUMP_SHARE`] of the rate. A proxy's smoothed rate then jumps to `now`,
+/// and its report says by how much, so that the controller's smoothed sum jumps with it: a
+/// surge held within a report, and load moved between proxies (one jumps up, another down)
+/// leaves the sum where it was.
+pub fn jumped(before: f64, now: f64, secs: f64) -> bool {
+    let (expected, counted) = (before * secs, now * secs);
+    let gap = (counted - expected).abs();
+    let larger = expected.max(counted);
+    gap > 3.0 * larger.max(1.0).sqrt() && gap > JUMP_SHARE * larger
+}
 
 /// One unit of credit in a key's share: fractions of a request to 1/65 536.
 const UNIT: i64 = 1 << 16;
@@ -297,7 +327,8 @@ impl Default for GlobalCounters {
             share: AtomicU64::new(pack(0, i64::from(fastrand::u16(..)))),
             guard: AtomicU64::new(0),
             rate: AtomicU64::new(0),
-            last: AtomicU32::new(0),
+            surge: AtomicU64::new(0),
+            surge_keep: AtomicU32::new(0),
             quiet: AtomicU8::new(QUIET_REPORTS as u8),
             choice: AtomicU64::new(0),
             name: std::sync::OnceLock::new(),
@@ -432,8 +463,8 @@ impl GlobalCounters {
     }
 
     /// Says what report `seq` does with this key (`folded`, or named), the choice before it
-    /// standing until that report's answer comes.
-    pub(super) fn choose(&self, seq: u64, folded: bool) {
+    /// standing until that report's answer comes; whether that choice before named it.
+    pub(super) fn choose(&self, seq: u64, folded: bool) -> bool {
         let w = self.choice.load(Ordering::Relaxed);
         let now = if folded { FOLDED } else { NAMED };
         // A second report under the same number (none is sent) keeps what stood before it.
@@ -444,58 +475,136 @@ impl GlobalCounters {
         };
         self.choice
             .store((seq << 16) | (before << 8) | now, Ordering::Relaxed);
+        before == NAMED
     }
 
     /// What this proxy may admit of the key a second while the fleet admits `keep` of what
-    /// it is offered: `keep` of this proxy's offered rate, the more of two. Its smoothed rate
-    /// as of the report the fleet's sums behind `keep` hold (`lag` reports before the last),
-    /// the rate that pairs with them: paired with a later one, a surge would be let through
-    /// at its new rate times the old share. And the last report's rate as it was: when
-    /// clients move to this proxy (the fleet's load unchanged), the share is right at once,
-    /// and the guard must not hold them to what this proxy had before. So a burst shorter
-    /// than a report interval is held to what this proxy was offered before it; a surge that
-    /// lasts, from the report after it on, only by the share.
+    /// it is offered (the ratios answering report `answers`, whose sums hold this proxy's
+    /// report `lag` before it) under a limit of `limit` units a second, and whether that is a
+    /// surge's bound.
+    ///
+    /// In steady state, `keep` of its smoothed offered rate as of the report those sums hold,
+    /// the rate that pairs with them (paired with a later one, a surge would be let through at
+    /// its new rate times the old share). Both sides' smoothed rates jump together
+    /// ([`jumped`]), so once the sums hold a jump the allowance is this proxy's new share of
+    /// the limit, whether the fleet surged with it or its load moved here. A surge here is
+    /// held to what this proxy was allowed before it until the sums hold its report, and
+    /// then, if the fleet's load grew by half this proxy's jump or more (it surged too, and
+    /// other proxies' jumps may still be on their way through an aggregator's relay), until
+    /// they hold the report after it; if it grew less, load moved here and the hold ends.
     #[inline]
-    pub(super) fn allowance(&self, keep: f64, lag: u8) -> f64 {
+    pub(super) fn allowance(&self, keep: f64, answers: u64, lag: u8, limit: f64) -> (f64, bool) {
+        if let Some(held) = self.held(keep, answers, lag, limit) {
+            return (held, true);
+        }
         let word = self.rate.load(Ordering::Relaxed);
-        let paired = if lag == 0 { word >> 32 } else { word } as u32;
-        let last = self.last.load(Ordering::Relaxed);
-        f64::from(f32::from_bits(paired).max(f32::from_bits(last))) * keep
+        let paired = f64::from(f32::from_bits(
+            if lag == 0 { word >> 32 } else { word } as u32
+        ));
+        (paired * keep, false)
     }
 
-    /// Offered and admitted over the last `secs`, zeroed; one more quiet report if nothing
-    /// was. The smoothed rate starts from the first rate offered, as the controller's sum
-    /// does.
-    pub(super) fn take(&self, secs: f64) -> (u64, u64) {
-        let taken = (
+    /// What a surge here is held to, while it is (see [`Self::allowance`]); for a key the
+    /// reply does not bound (`keep` 0: under half its limit fleet-wide), until the sums hold
+    /// the surge's report (if the fleet is still under half its limit with it, nothing to
+    /// hold).
+    #[inline]
+    pub(super) fn held(&self, keep: f64, answers: u64, lag: u8, limit: f64) -> Option<f64> {
+        let surge = self.surge.load(Ordering::Relaxed);
+        let before = f64::from(f32::from_bits(surge as u32));
+        if before <= 0.0 {
+            return None;
+        }
+        // Wrapping: the low 32 bits of two numbers of one proxy's recent reports.
+        let held = (answers as u32).wrapping_sub((surge >> 32) as u32) as i32 - i32::from(lag);
+        let holds = match held {
+            ..0 => true,
+            0 => {
+                let keep_before =
+                    f64::from(f32::from_bits(self.surge_keep.load(Ordering::Relaxed)));
+                if keep > 0.0 && keep_before > 0.0 {
+                    let own = f64::from(f32::from_bits(
+                        (self.rate.load(Ordering::Relaxed) >> 32) as u32,
+                    ));
+                    let jump = own - before / keep_before;
+                    limit / keep - limit / keep_before >= jump / 2.0
+                } else {
+                    false
+                }
+            }
+            _ => false,
+        };
+        holds.then_some(before)
+    }
+
+    /// Offered and admitted over the last `secs` for report `seq`, zeroed, and by how many
+    /// units a second the smoothed rate jumped ([`jumped`]; 0 if it did not); one more quiet
+    /// report if nothing was offered. The smoothed rate starts from the first rate offered, as
+    /// the controller's sum does, and never jumps to nothing (a key missing from a report is no
+    /// step the controller hears of). A jump up starts a surge held to what `bound` says the
+    /// key is allowed now (see [`Self::allowance`]): units a second (0: no bound), by ratios
+    /// that keep what share, and whether that is a surge's hold already (which the new jump
+    /// continues, from where it began); a jump down ends one.
+    pub(super) fn take(
+        &self,
+        secs: f64,
+        seq: u64,
+        bound: impl FnOnce() -> (f64, f64, bool),
+    ) -> (u64, u64, f64) {
+        let (offered, admitted) = (
             self.offered.swap(0, Ordering::Relaxed),
             self.admitted.swap(0, Ordering::Relaxed),
         );
         let word = self.rate.load(Ordering::Relaxed);
         let last = f64::from(f32::from_bits((word >> 32) as u32));
-        let now = taken.0 as f64 / secs.max(1e-9);
+        let now = offered as f64 / secs.max(1e-9);
         let bits = |r: f64| (r as f32).to_bits();
-        self.last.store(bits(now), Ordering::Relaxed);
+        let mut jump = 0.0;
         if last == 0.0 {
             self.rate.store(
                 u64::from(bits(now)) << 32 | u64::from(bits(now)),
                 Ordering::Relaxed,
             );
         } else {
-            let rate = last + (1.0 - (-secs / OWN_SMOOTHING).exp()) * (now - last);
+            let surge = self.surge.load(Ordering::Relaxed);
+            let after_jump = surge != 0 && (surge >> 32) as u32 == (seq as u32).wrapping_sub(1);
+            let rate = if now > 0.0 && jumped(last, now, secs) {
+                jump = now - last;
+                let held = if jump > 0.0 {
+                    let (allowed, keep, surging) = bound();
+                    if !surging {
+                        self.surge_keep.store(bits(keep), Ordering::Relaxed);
+                    }
+                    allowed
+                } else {
+                    0.0
+                };
+                self.surge.store(
+                    (seq as u32 as u64) << 32 | u64::from(bits(held)),
+                    Ordering::Relaxed,
+                );
+                now
+            } else if now > 0.0 && after_jump {
+                // The step fell inside the jump's interval, whose rate was part old, part new:
+                // this is the first whole interval at the new rate, and both sums step to it.
+                jump = now - last;
+                now
+            } else {
+                last + (1.0 - (-secs / OWN_SMOOTHING).exp()) * (now - last)
+            };
             self.rate.store(
                 u64::from(bits(rate)) << 32 | (word >> 32),
                 Ordering::Relaxed,
             );
         }
         let quiet = self.quiet.load(Ordering::Relaxed);
-        let quiet = if taken.0 == 0 {
+        let quiet = if offered == 0 {
             quiet.saturating_add(1)
         } else {
             0
         };
         self.quiet.store(quiet, Ordering::Relaxed);
-        taken
+        (offered, admitted, jump)
     }
 }
 
@@ -519,15 +628,17 @@ pub struct GlobalCounts {
 /// asked for, bounded so that a report's size does not grow with the keys.
 pub const EXTRA_NAMED: usize = 1_000;
 
-/// A key's name with its offered and admitted units.
-pub type Counted = (String, u64, u64);
+/// A key's name with its offered and admitted units, and the step in its offered rate
+/// (units a second; 0 if none, or if the report before folded the key: the controller's sum
+/// for it did not hold this proxy's part to step from).
+pub type Counted = (String, u64, u64, f64);
 
 /// Splits `keys` (key, offered, admitted, counters) into those a report names and the tail,
 /// marking each key's counters with the choice: the `top_k` heaviest, then up to
 /// [`EXTRA_NAMED`] of those `ratios` watches for `rule` or that offered at least `name_above`
 /// units per second over `secs`.
 pub(super) fn choose_named(
-    mut keys: Vec<(String, u64, u64, Arc<GlobalCounters>)>,
+    mut keys: Vec<(String, u64, u64, f64, Arc<GlobalCounters>)>,
     ratios: &DropRatios,
     rule: &str,
     top_k: usize,
@@ -542,17 +653,17 @@ pub(super) fn choose_named(
     let mut named = Vec::new();
     let mut tail = Vec::new();
     let mut extra = 0;
-    for (i, (key, o, a, counters)) in keys.into_iter().enumerate() {
+    for (i, (key, o, a, jump, counters)) in keys.into_iter().enumerate() {
         let mut name = i < top_k;
         if !name && extra < EXTRA_NAMED && asked(&key, o) {
             extra += 1;
             name = true;
         }
-        counters.choose(seq, !name);
+        let named_before = counters.choose(seq, !name);
         if name {
-            named.push((key, o, a));
+            named.push((key, o, a, if named_before { jump } else { 0.0 }));
         } else {
-            tail.push((key, o, a));
+            tail.push((key, o, a, 0.0));
         }
     }
     (named, tail)
@@ -596,5 +707,62 @@ mod tests {
         assert_eq!(s.factor(10), (0.5, true));
         assert_eq!(s.factor(15), (0.0, true));
         assert_eq!(s.factor(1000), (0.0, true));
+    }
+
+    #[test]
+    fn a_step_past_chance_and_a_quarter_of_the_rate_jumps() {
+        assert!(jumped(100.0, 300.0, 1.0));
+        assert!(jumped(300.0, 100.0, 1.0));
+        // Within three standard deviations of a Poisson count: chance (25 against 33.5).
+        assert!(!jumped(100.0, 125.0, 1.0));
+        assert!(!jumped(2.0, 6.0, 1.0));
+        // Past them at a high rate, but under a quarter of it: a drift the smoothing takes.
+        assert!(!jumped(10_000.0, 12_000.0, 1.0));
+        // The same rates over a longer interval are more counts, less chance; over a
+        // shorter one, fewer.
+        assert!(jumped(100.0, 150.0, 10.0));
+        assert!(!jumped(100.0, 150.0, 0.25));
+    }
+
+    #[test]
+    fn a_step_moves_the_smoothed_rate_at_once_and_the_first_whole_interval_after_it_follows() {
+        let c = GlobalCounters::default();
+        let report = |n: u32, seq: u64| {
+            for _ in 0..n {
+                c.offer(1);
+            }
+            let (offered, _, jump) = c.take(1.0, seq, || (5.0, 0.5, false));
+            assert_eq!(offered, u64::from(n));
+            jump
+        };
+        let smoothed = || {
+            f64::from(f32::from_bits(
+                (c.rate.load(Ordering::Relaxed) >> 32) as u32,
+            ))
+        };
+        assert_eq!(
+            report(100, 1),
+            0.0,
+            "the first rate is where smoothing starts"
+        );
+        assert_eq!(report(100, 2), 0.0);
+        // 3x from the middle of the interval: 200, a jump of 100, and a surge held to the
+        // 5/s allowed before it.
+        assert_eq!(report(200, 3), 100.0);
+        assert_eq!(smoothed(), 200.0);
+        assert_eq!(c.surge.load(Ordering::Relaxed) >> 32, 3);
+        assert_eq!(c.allowance(0.5, 2, 0, 100.0), (5.0, true));
+        // The first whole interval after it follows (60 is no jump from 200, and a jump of
+        // 60); then smoothing again.
+        assert_eq!(report(260, 4), 60.0);
+        assert_eq!(smoothed(), 260.0);
+        assert_eq!(report(270, 5), 0.0);
+        assert!(smoothed() > 260.0 && smoothed() < 270.0);
+        // A drop jumps down, and ends the surge.
+        assert!(report(50, 6) < -200.0);
+        assert_eq!(c.allowance(0.5, 6, 0, 100.0), (25.0, false), "50/s x 0.5");
+        assert_eq!(report(50, 7), 0.0, "followed, nothing left to step");
+        // A report without the key is no step.
+        assert_eq!(report(0, 8), 0.0);
     }
 }

@@ -538,12 +538,20 @@ impl RuleSet {
                                 // proxy admits at most that share of what it was offered,
                                 // however its load moved since (a surge, a burst), and a
                                 // report interval's worth more, until the next reply. The
-                                // allowance is an estimate from counts: with headroom, and
-                                // two requests' worth at least, so that the share decides
-                                // in steady state.
-                                let per_sec = counters.allowance(keep, ratios.own_lag).max(
-                                    ratios.provisional(&rule.name, rate.per_sec()) * keep.min(1.0),
-                                ) * GUARD_HEADROOM;
+                                // allowance is an estimate from counts: with headroom (none
+                                // in a surge), and for a few units a report its provisional
+                                // share at least, so that the share decides in steady state.
+                                let (allowance, surge) = counters.allowance(
+                                    keep,
+                                    ratios.answers,
+                                    ratios.own_lag,
+                                    rate.per_sec(),
+                                );
+                                let floor = (ratios.provisional(&rule.name, rate.per_sec())
+                                    * keep.min(1.0))
+                                .min(GUARD_FLOOR_UNITS * NANOS_PER_SEC as f64 / interval as f64);
+                                let headroom = if surge { 1.0 } else { GUARD_HEADROOM };
+                                let per_sec = allowance.max(floor) * headroom;
                                 let two = (2.0 * NANOS_PER_SEC as f64 * f64::from(cost)
                                     / per_sec.max(1e-9))
                                 .min(1e18) as Nanos;
@@ -554,6 +562,23 @@ impl RuleSet {
                                         retry = wait;
                                         if took.shared {
                                             counters.give_back(cost);
+                                        }
+                                    }
+                                }
+                            } else if allowed && !stale {
+                                // Assigned with no bound from the reply (under half its limit
+                                // fleet-wide): a surge here is held until the sums hold it.
+                                // (With no share from the reply, the limit is not asked.)
+                                let held = counters.held(0.0, ratios.answers, ratios.own_lag, 0.0);
+                                if let Some(per_sec) = held {
+                                    match counters.guard(now, per_sec, cost, interval) {
+                                        Ok(ns) => took.guard = ns,
+                                        Err(wait) => {
+                                            allowed = false;
+                                            retry = wait;
+                                            if took.shared {
+                                                counters.give_back(cost);
+                                            }
                                         }
                                     }
                                 }
@@ -799,8 +824,31 @@ impl RuleSet {
             else {
                 continue;
             };
-            let take = |c: &GlobalCounters| c.take(secs);
-            let keys: Vec<(String, u64, u64, Arc<GlobalCounters>)> = store
+            // What the guard allows a key now: a surge the report finds is held to it.
+            let take = |c: &GlobalCounters, name: &[u8]| {
+                c.take(secs, seq, || {
+                    let choice = c.choice(ratios.answers);
+                    let tail = || choice != Choice::Named;
+                    let (_, keep) = ratios.ratio_keep(&rule.name, name, tail);
+                    let limit = rate.per_sec();
+                    if keep > 0.0 {
+                        let (allowed, surging) =
+                            c.allowance(keep, ratios.answers, ratios.own_lag, limit);
+                        (allowed, keep, surging)
+                    } else if choice == Choice::New {
+                        (0.0, 0.0, false)
+                    } else if let Some(held) = c.held(0.0, ratios.answers, ratios.own_lag, limit) {
+                        (held, 0.0, true)
+                    } else {
+                        // Under half its limit fleet-wide: this proxy was allowed twice what
+                        // it offered at least, and its provisional share.
+                        let own = c.allowance(1.0, ratios.answers, ratios.own_lag, limit).0;
+                        let provisional = ratios.provisional(&rule.name, limit);
+                        ((2.0 * own).max(provisional), 0.0, false)
+                    }
+                })
+            };
+            let keys: Vec<(String, u64, u64, f64, Arc<GlobalCounters>)> = store
                 .map
                 .iter()
                 .filter_map(|e| {
@@ -809,23 +857,23 @@ impl RuleSet {
                     if rule.digested && !e.value().named() {
                         return None;
                     }
-                    let (o, a) = take(e.value());
+                    let (o, a, jump) = take(e.value(), e.value().reported(e.key()));
                     if o == 0 {
                         // Not in this report: the last report it was in still says how the
                         // control plane sees it.
                         return None;
                     }
                     let key = String::from_utf8_lossy(e.value().reported(e.key())).into_owned();
-                    Some((key, o, a, e.value().clone()))
+                    Some((key, o, a, jump, e.value().clone()))
                 })
                 .collect();
             let (named, tail) = choose_named(keys, &ratios, &rule.name, top_k, secs, seq);
             // The keys a full store could not track are always in the tail.
-            let (o, a) = take(&store.overflow);
+            let (o, a, _) = store.overflow.take(secs, seq, || (0.0, 0.0, false));
             store.overflow.choose(seq, true);
             let mut folded = overflow_keys.take();
             let mut other = (o, a, u64::from(o > 0));
-            for (k, o, a) in tail {
+            for (k, o, a, _) in tail {
                 folded.insert(k.as_bytes());
                 other = (other.0 + o, other.1 + a, other.2 + 1);
             }

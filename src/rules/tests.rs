@@ -506,7 +506,7 @@ fn a_global_rule_counts_its_cost_in_units() {
     let rules = RuleSet::build(&config, &Metrics::new());
     admitted(&rules, "10.0.0.1", 3);
     let report = rules.drain_global(10, 1.0, 1);
-    assert_eq!(report[0].keys, vec![("10.0.0.1".to_string(), 15, 15)]);
+    assert_eq!(report[0].keys, vec![("10.0.0.1".to_string(), 15, 15, 0.0)]);
 }
 
 /// A global rule (5/s per client) whose ratio for 10.0.0.1 is `p`, followed by `then` (more
@@ -767,6 +767,12 @@ mod provisional {
         (2.0 * per_sec * GUARD_HEADROOM) as u32
     }
 
+    /// What the guard admits in a second at an allowance of `per_sec` once its report
+    /// interval's worth is spent: its headroom over it.
+    fn headroom_second(per_sec: f64) -> u32 {
+        (per_sec * GUARD_HEADROOM) as u32
+    }
+
     /// A surge between two replies: the key's ratio of 0.5 answered a report of 10/s here,
     /// so this proxy's allowance is 5/s. Offered 30/s, the share alone would admit 15; the
     /// guard admits the allowance (with its headroom) and one report interval's worth of it.
@@ -781,25 +787,83 @@ mod provisional {
         );
     }
 
-    /// Clients moving to this proxy (the fleet's load unchanged): reported at 10/s, then at
-    /// 30/s, and answered (behind an aggregator) by sums that hold the first report, with a
-    /// ratio of 0.5. The allowance is half the last report's 30/s, not half the 10/s the sums
-    /// paired with: offered 120/s (the share alone: 60), 15/s and an interval's worth pass.
-    #[test]
-    fn clients_that_moved_here_are_not_held_to_what_this_proxy_had_before() {
-        let (rules, ratios) = assigned_with(0.0);
-        let at = T0 + NANOS_PER_SEC;
-        assert_eq!(second_of(&rules, "10.0.0.1", 30, at), 30);
-        rules.drain_global(10, 1.0, 5);
+    /// The key of [`assigned`] (allowed 5/s: half its 10/s), offered `rps` for the next
+    /// second, then reported (report 5: a jump to `rps`) and answered (`own_lag` 0, so the
+    /// sums hold that report) with `ratio`.
+    fn surged_and_answered(rps: u64, ratio: f64) -> RuleSet {
+        let (rules, ratios) = assigned_with(0.5);
+        second_of(&rules, "10.0.0.1", rps, T0 + NANOS_PER_SEC);
+        let report = rules.drain_global(10, 1.0, 5);
+        assert_eq!(report[0].keys[0].3, rps as f64 - 10.0, "the report's jump");
         let at = T0 + 2 * NANOS_PER_SEC;
-        let mut answer = DropRatios::of(at, [("g", Some("10.0.0.1"), 0.5)].into_iter());
-        answer.own_lag = 1;
+        let answer = DropRatios::of(at, [("g", Some("10.0.0.1"), ratio)].into_iter());
         ratios.store(Arc::new(answer.answering(5)));
-        let got = second_of(&rules, "10.0.0.1", 120, at);
-        let bound = guarded_second(15.0);
+        rules
+    }
+
+    /// A surge here that the fleet shares: reported at 10/s, then 30/s (a jump), and answered
+    /// by sums that hold that report and grew with it (a ratio of 0.8: the fleet offers 50/s
+    /// where it offered 20/s, past half this proxy's jump of 20/s). Until the sums hold the
+    /// report after it (the other proxies' jumps may still be on their way), the key is held
+    /// to what it was allowed before, 5/s, without headroom: offered 60/s, a second of 5/s
+    /// passes (the surge's first second spent the report interval's worth), not the share's
+    /// 12.
+    #[test]
+    fn a_surge_the_fleet_shares_is_held_to_what_was_allowed_until_the_sums_hold_the_next_report() {
+        let rules = surged_and_answered(30, 0.8);
+        let got = second_of(&rules, "10.0.0.1", 60, T0 + 2 * NANOS_PER_SEC);
+        assert_eq!(got, 5, "{got} of 60 admitted");
+    }
+
+    /// Clients moving to this proxy (the fleet's load unchanged): reported at 10/s, then 30/s,
+    /// and answered by sums that hold that report with the fleet's load where it was (a ratio
+    /// of 0.5 still). Held to 5/s until then, the key is allowed half its new 30/s at once:
+    /// offered 120/s (the share alone: 60), a second of 15/s with headroom passes.
+    #[test]
+    fn clients_that_moved_here_get_their_share_once_the_sums_hold_their_jump() {
+        let rules = surged_and_answered(30, 0.5);
+        let got = second_of(&rules, "10.0.0.1", 120, T0 + 2 * NANOS_PER_SEC);
+        let bound = headroom_second(15.0);
         assert!(
-            bound < 60 && (bound..=bound + 1).contains(&got),
-            "{got} of 120 admitted"
+            (bound - 1..=bound + 1).contains(&got),
+            "{got} of 120 admitted, against {bound}"
+        );
+    }
+
+    /// Before the sums hold the jump, moved clients and a surge look alike here: both are held
+    /// to what this proxy was allowed, without headroom.
+    #[test]
+    fn before_the_sums_hold_a_jump_it_is_held_to_what_was_allowed() {
+        let (rules, _) = assigned_with(0.5);
+        second_of(&rules, "10.0.0.1", 30, T0 + NANOS_PER_SEC);
+        rules.drain_global(10, 1.0, 5);
+        // Still the answer to report 4: 5/s, where the headroom gave 6.
+        let got = second_of(&rules, "10.0.0.1", 60, T0 + 2 * NANOS_PER_SEC);
+        assert_eq!(got, 5, "{got} of 60 admitted");
+    }
+
+    /// The sums hold the report after the jump: the surge's hold ends, and the key is allowed
+    /// its share of its new rate (with headroom).
+    #[test]
+    fn a_surges_hold_ends_when_the_sums_hold_the_report_after_it() {
+        let (rules, ratios) = assigned_with(0.5);
+        second_of(&rules, "10.0.0.1", 30, T0 + NANOS_PER_SEC);
+        rules.drain_global(10, 1.0, 5);
+        second_of(&rules, "10.0.0.1", 30, T0 + 2 * NANOS_PER_SEC);
+        let report = rules.drain_global(10, 1.0, 6);
+        assert_eq!(
+            report[0].keys[0].3, 0.0,
+            "the report after a jump follows it"
+        );
+        let at = T0 + 3 * NANOS_PER_SEC;
+        let answer = DropRatios::of(at, [("g", Some("10.0.0.1"), 0.8)].into_iter());
+        ratios.store(Arc::new(answer.answering(6)));
+        // 30/s x 0.2: 6/s, with headroom (the interval's worth was spent).
+        let got = second_of(&rules, "10.0.0.1", 60, at);
+        let bound = headroom_second(6.0);
+        assert!(
+            (bound - 1..=bound + 1).contains(&got),
+            "{got} of 60 admitted, against {bound}"
         );
     }
 
@@ -871,7 +935,7 @@ fn a_full_store_takes_the_place_of_a_key_one_report_found_unoffered() {
     rules.drain_global(10, 1.0, 3);
     admitted(&rules, "10.0.0.2", 1);
     let counts = rules.drain_global(10, 1.0, 4);
-    assert_eq!(counts[0].keys, vec![("10.0.0.2".to_string(), 1, 1)]);
+    assert_eq!(counts[0].keys, vec![("10.0.0.2".to_string(), 1, 1, 0.0)]);
     assert_eq!(rules.tracked_keys("g"), Some(1));
 }
 
