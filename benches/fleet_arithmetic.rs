@@ -307,6 +307,11 @@ async fn run(s: Scenario) -> anyhow::Result<()> {
             .find(|a| a.0 == *group)
             .map_or(0.0, |a| a.1);
         let w = &windows[i];
+        if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
+            // Every measured second of the group, for reading one scenario's course.
+            let all: Vec<String> = w.iter().map(u64::to_string).collect();
+            eprintln!("{}: {group}: {}", s.name, all.join(" "));
+        }
         let mean = w.iter().sum::<u64>() as f64 / w.len() as f64;
         let worst = w
             .iter()
@@ -338,11 +343,27 @@ async fn run(s: Scenario) -> anyhow::Result<()> {
 async fn main() -> anyhow::Result<()> {
     println!("| scenario | keys | allowed | admitted, mean of 10 s | worst 1 s window | target |");
     println!("|---|---|---|---|---|---|");
+    // `cargo bench --bench fleet_arithmetic -- hidden`: only the scenarios named.
+    let only: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    let wanted = |name: &str| only.is_empty() || only.iter().any(|w| w == name);
     let up = start_upstream().await?;
-    run(flood(up).await?).await?;
-    run(tails(up).await?).await?;
-    run(hidden(up).await?).await?;
-    run(intervals(up).await?).await?;
-    run(weighted(up).await?).await?;
+    if wanted("flood") {
+        run(flood(up).await?).await?;
+    }
+    if wanted("tails") {
+        run(tails(up).await?).await?;
+    }
+    if wanted("hidden") {
+        run(hidden(up).await?).await?;
+    }
+    if wanted("intervals") {
+        run(intervals(up).await?).await?;
+    }
+    if wanted("weighted") {
+        run(weighted(up).await?).await?;
+    }
     Ok(())
 }

@@ -636,18 +636,22 @@ pub type Counted = (String, u64, u64, f64);
 /// Splits `keys` (key, offered, admitted, counters) into those a report names and the tail,
 /// marking each key's counters with the choice: the `top_k` heaviest, then up to
 /// [`EXTRA_NAMED`] of those `ratios` watches for `rule` or that offered at least `name_above`
-/// units per second over `secs`.
+/// units per second over `secs` (before any reply, the rule's `limit`).
 pub(super) fn choose_named(
     mut keys: Vec<(String, u64, u64, f64, Arc<GlobalCounters>)>,
     ratios: &DropRatios,
     rule: &str,
+    limit: f64,
     top_k: usize,
     secs: f64,
     seq: u64,
 ) -> (Vec<Counted>, Vec<Counted>) {
     keys.sort_unstable_by_key(|k| std::cmp::Reverse(k.1));
     let watched = ratios.watch(rule);
-    let floor = watched.map_or(f64::INFINITY, |w| w.name_above * secs);
+    // Before any reply says the rule's name_above: a key this proxy alone was offered past
+    // the fleet-wide limit is over it wherever the rest is, and folded it would get the
+    // tail's ratio until the controller found it.
+    let floor = watched.map_or(limit, |w| w.name_above) * secs;
     let asked =
         |key: &str, o: u64| o as f64 >= floor || watched.is_some_and(|w| w.keys.contains_key(key));
     let mut named = Vec::new();

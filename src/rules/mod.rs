@@ -867,7 +867,8 @@ impl RuleSet {
                     Some((key, o, a, jump, e.value().clone()))
                 })
                 .collect();
-            let (named, tail) = choose_named(keys, &ratios, &rule.name, top_k, secs, seq);
+            let (named, tail) =
+                choose_named(keys, &ratios, &rule.name, rate.per_sec(), top_k, secs, seq);
             // The keys a full store could not track are always in the tail.
             let (o, a, _) = store.overflow.take(secs, seq, || (0.0, 0.0, false));
             store.overflow.choose(seq, true);

@@ -461,6 +461,23 @@ fn keys_past_the_controllers_threshold_or_watched_by_it_are_named_beyond_top_k()
 }
 
 #[test]
+fn a_key_this_proxy_alone_saw_past_the_whole_limit_is_named_before_any_reply() {
+    // No reply yet, so no name_above: a key one proxy was offered past the rule's fleet-wide
+    // limit is over it whatever the others saw, and folded it would get the tail's ratio
+    // (the bench's hidden key: its whole rate for a second).
+    // The rule's limit is 5/s.
+    let (rules, _ratios) = global(100, DropRatios::empty(T0));
+    for (i, n) in [8, 6, 5, 4].into_iter().enumerate() {
+        admitted(&rules, &format!("10.0.0.{i}"), n);
+    }
+    let report = rules.drain_global(1, 1.0, 1);
+    let mut named: Vec<&str> = report[0].keys.iter().map(|k| k.0.as_str()).collect();
+    named.sort_unstable();
+    assert_eq!(named, ["10.0.0.0", "10.0.0.1", "10.0.0.2"]);
+    assert_eq!(report[0].other.2, 1, "under the limit here: folded");
+}
+
+#[test]
 fn keys_a_full_store_cannot_track_are_counted_in_the_tails_sketch_and_get_its_ratio() {
     let (rules, ratios) = global(2, DropRatios::empty(T0));
     for i in 0..50 {
