@@ -193,7 +193,8 @@ pub async fn post_report(
 /// Posts `report` with the fields past version 1 if the receiver took them last time
 /// (`wire2`, which the reply updates), else as version 1. A receiver that refuses them (400:
 /// a rollback to a release that does not know them) gets the same report again as version 1
-/// at once, so that no interval is lost.
+/// at once, so that no interval is lost; one that gave no answer at once (stopping or replaced
+/// as the report came) gets it again shortly, under the same sequence number.
 pub async fn post_negotiated(
     client: &JsonClient,
     url: &Uri,
@@ -207,7 +208,17 @@ pub async fn post_negotiated(
     if !full {
         report.downgrade();
     }
+    let started = tokio::time::Instant::now();
     let mut answer = post_report(client, url, token, &report, timeout).await;
+    if matches!(&answer, Err(e) if e.status.is_none()) && started.elapsed() < timeout / 2 {
+        // No answer, and at once: a receiver stopping or being replaced as the report came
+        // (a rolling update). Sent again shortly under the same number (a receiver that did
+        // count it counts it once), or its counts would be lost to the sums.
+        let pause = timeout / 8;
+        tokio::time::sleep(pause).await;
+        let left = timeout.saturating_sub(started.elapsed());
+        answer = post_report(client, url, token, &report, left).await;
+    }
     if full && matches!(&answer, Err(e) if e.status == Some(StatusCode::BAD_REQUEST)) {
         report.downgrade();
         answer = post_report(client, url, token, &report, timeout).await;
@@ -629,6 +640,68 @@ mod tests {
             },
             0,
         ))
+    }
+
+    /// A receiver on loopback that closes its first connection unanswered (a replica stopping
+    /// as the report came), then answers each request as a controller with no ratios would;
+    /// the request bodies it read, in order.
+    async fn closes_first_then_answers() -> (Uri, tokio::task::JoinHandle<Vec<Vec<u8>>>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1/report", listener.local_addr().unwrap())
+            .parse()
+            .unwrap();
+        let task = tokio::spawn(async move {
+            let (first, _) = listener.accept().await.unwrap();
+            drop(first);
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut got = Vec::new();
+            let mut buf = vec![0u8; 1 << 16];
+            let body = loop {
+                let n = conn.read(&mut buf).await.unwrap();
+                assert!(n > 0, "closed before a whole request");
+                got.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&got).to_lowercase();
+                let Some(end) = text.find("\r\n\r\n") else {
+                    continue;
+                };
+                let len: usize = text
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .map(|v| v.trim().parse().unwrap())
+                    .unwrap();
+                if got.len() >= end + 4 + len {
+                    break got[end + 4..end + 4 + len].to_vec();
+                }
+            };
+            let reply = br#"{"version":1,"age_ms":0,"ratios":[]}"#;
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                reply.len()
+            );
+            conn.write_all(head.as_bytes()).await.unwrap();
+            conn.write_all(reply).await.unwrap();
+            vec![body]
+        });
+        (url, task)
+    }
+
+    #[tokio::test]
+    async fn a_report_whose_receiver_closes_at_once_is_sent_again_under_its_number() {
+        // Its counts would otherwise be lost: a replaced aggregator's zone went uncounted for a
+        // second (the rolling restart's +72 %).
+        let (url, receiver) = closes_first_then_answers().await;
+        let (targets, _) = Targets::new(&[url], None).unwrap();
+        let client = json_client(None).unwrap();
+        let mut report = crate::control::tests::report("h", Vec::new());
+        report.seq = 41;
+        let answers = targets
+            .post_all(&client, None, report, Duration::from_secs(1))
+            .await;
+        assert!(answers[0].is_ok(), "{:?}", answers[0].as_ref().err());
+        let bodies = receiver.await.unwrap();
+        let sent: Report = serde_json::from_slice(&bodies[0]).unwrap();
+        assert_eq!(sent.seq, 41, "the same report: the receiver counts it once");
     }
 
     fn failed() -> Result<(Reply, usize), PostError> {

@@ -62,6 +62,21 @@ pub const STATE_KEYS: usize = 100;
 /// A held value stands for at most this many of its source's intervals without a new report.
 const HOLD_FOR: f64 = 2.0;
 
+/// How long a stopping sender's last report stands (seconds): the time it says it covers (the
+/// rest of its hosts' intervals), and then one of the sender's own intervals (`before`; none
+/// for a sender first heard from now): the units of that time reach the controller through
+/// another sender's forward only at the end of its interval, as this sender's would have.
+/// Held for the covered time alone, a replaced aggregator's zone went uncounted for an
+/// interval (a second at +72 %); held for two of its intervals, counted twice for one.
+fn last_hold(secs: f64, before: Option<f64>) -> f64 {
+    secs + before.unwrap_or(0.0)
+}
+
+/// How early (a share of its [`last_hold`]) a sweep takes a last report away: sweeps come with
+/// records, and one still standing at a record just before its end stood to the next, an
+/// interval late, counted twice beside its successor's forwards (a second at -30 %).
+const LAST_EARLY: f64 = 0.125;
+
 /// A key once heavy enough to watch is watched this long (seconds) after its load falls: a
 /// key that bursts and falls quiet between bursts (its sum steps down with its senders' rates
 /// at once) stays in the replies, so that every proxy's guard bounds its next burst.
@@ -80,7 +95,8 @@ pub struct Held {
     id: u64,
     rules: Vec<HeldRule>,
     entries: usize,
-    /// From its sender's last report: held for one interval, not [`HOLD_FOR`].
+    /// From its sender's last report: held for its `interval` (see [`last_hold`]), not
+    /// [`HOLD_FOR`] of it.
     last: bool,
 }
 
@@ -551,7 +567,6 @@ impl Accumulator {
         held.last = report.last;
         let old = std::mem::take(&mut held.rules);
         // A last report's rates, each at most what the source held before (see below).
-        let mut capped = false;
         type Caps<'a> = HashMap<(&'a str, &'a str, Option<&'a str>), Rate>;
         let last_caps: Option<Caps> = report.last.then(|| {
             old.iter()
@@ -572,7 +587,12 @@ impl Accumulator {
         let secs = report.interval_ms as f64 / 1000.0;
         let zone = report.source.starts_with("zone:");
         // What it says of a rule stands as long as its values would (see `sweep`).
-        let hold = secs * if report.last { 1.0 } else { HOLD_FOR };
+        // (A last report's: see `last_hold`.)
+        let hold = if report.last {
+            last_hold(secs, interval_before)
+        } else {
+            secs * HOLD_FOR
+        };
         let mut bytes = 0usize;
         let mut new: Vec<HeldRule> = Vec::new();
         let mut limits_set: HashMap<(Arc<str>, Arc<str>), Limit> = HashMap::new();
@@ -727,9 +747,6 @@ impl Accumulator {
                 // A stopping sender's last report holds what is left of its intervals: no
                 // more than it was sending (a previous release's aggregator stated too short
                 // an interval for it, multiplying its zone's rates as it stopped).
-                // Past what chance puts a count over (three standard deviations): inflated.
-                let (now_units, before_units) = (rate.offered * secs, before.offered * secs);
-                capped |= now_units > before_units + 3.0 * before_units.max(1.0).sqrt();
                 rate.offered = rate.offered.min(before.offered);
                 rate.admitted = rate.admitted.min(before.admitted);
             }
@@ -755,10 +772,8 @@ impl Accumulator {
             .get_mut(&report.source)
             .expect("admitted above");
         src.data.entries = new.iter().map(|g| g.keys.len()).sum();
-        if let (true, Some(before)) = (capped, interval_before) {
-            // Its rates were over what it was sending: its interval was too short for what
-            // the report holds, which stands as long as the sender's reports did.
-            src.interval = src.interval.max(before);
+        if report.last {
+            src.interval = last_hold(secs, interval_before);
         }
         src.data.rules = new;
         self.snapshot.dirty = true;
@@ -776,7 +791,11 @@ impl Accumulator {
         let mut stale: Vec<(u64, Vec<HeldRule>)> = Vec::new();
         let mut lapsed = 0;
         for (_, s) in self.sources.iter_mut() {
-            let hold = if s.data.last { 1.0 } else { HOLD_FOR };
+            let hold = if s.data.last {
+                1.0 - LAST_EARLY
+            } else {
+                HOLD_FOR
+            };
             if now - s.last > hold * s.interval && !s.data.rules.is_empty() {
                 stale.push((s.data.id, std::mem::take(&mut s.data.rules)));
                 lapsed += s.data.entries;
