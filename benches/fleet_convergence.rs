@@ -215,6 +215,14 @@ async fn main() -> anyhow::Result<()> {
                     .skip(1)
                     .map(|c| c.iter().sum())
                     .collect();
+                if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
+                    // Admitted each second, for reading the cycles' course.
+                    let seconds: Vec<String> = samples
+                        .chunks_exact(PER_WINDOW)
+                        .map(|w| w.iter().sum::<u64>().to_string())
+                        .collect();
+                    eprintln!("{}: {}", scenario.name(), seconds.join(" "));
+                }
                 let worst = cycles.iter().copied().max().unwrap_or(0);
                 let mean = cycles.iter().sum::<u64>() as f64 / cycles.len().max(1) as f64;
                 let event = format!(
