@@ -533,45 +533,47 @@ impl RuleSet {
                                 if !allowed && took.shared {
                                     counters.give_back(cost);
                                 }
-                            } else if allowed && keep > 0.0 && !stale {
-                                // Assigned, with the fleet's share its limit allows: this
-                                // proxy admits at most that share of what it was offered,
-                                // however its load moved since (a surge, a burst), and a
-                                // report interval's worth more, until the next reply. The
-                                // allowance is an estimate from counts: with headroom (none
-                                // in a surge), and for a few units a report its provisional
-                                // share at least, so that the share decides in steady state.
-                                let (allowance, surge) = counters.allowance(
-                                    keep,
-                                    ratios.answers,
-                                    ratios.own_lag,
-                                    rate.per_sec(),
-                                );
-                                let floor = (ratios.provisional(&rule.name, rate.per_sec())
-                                    * keep.min(1.0))
-                                .min(GUARD_FLOOR_UNITS * NANOS_PER_SEC as f64 / interval as f64);
-                                let headroom = if surge { 1.0 } else { GUARD_HEADROOM };
-                                let per_sec = allowance.max(floor) * headroom;
-                                let two = (2.0 * NANOS_PER_SEC as f64 * f64::from(cost)
-                                    / per_sec.max(1e-9))
-                                .min(1e18) as Nanos;
-                                match counters.guard(now, per_sec, cost, interval.max(two)) {
-                                    Ok(ns) => took.guard = ns,
-                                    Err(wait) => {
-                                        allowed = false;
-                                        retry = wait;
-                                        if took.shared {
-                                            counters.give_back(cost);
-                                        }
-                                    }
-                                }
                             } else if allowed && !stale {
-                                // Assigned with no bound from the reply (under half its limit
-                                // fleet-wide): a surge here is held until the sums hold it.
-                                // (With no share from the reply, the limit is not asked.)
-                                let held = counters.held(0.0, ratios.answers, ratios.own_lag, 0.0);
-                                if let Some(per_sec) = held {
-                                    match counters.guard(now, per_sec, cost, interval) {
+                                // What this proxy may admit until the next reply (units a
+                                // second) and how far early.
+                                let bound = if keep > 0.0 {
+                                    // Assigned, with the fleet's share its limit allows: this
+                                    // proxy admits at most that share of what it was offered,
+                                    // however its load moved since (a surge, a burst), and a
+                                    // report interval's worth more, until the next reply. The
+                                    // allowance is an estimate from counts: with headroom
+                                    // (none in a surge), and for a few units a report its
+                                    // provisional share at least, so that the share decides
+                                    // in steady state.
+                                    let (allowance, surge) = counters.allowance(
+                                        keep,
+                                        ratios.answers,
+                                        ratios.own_lag,
+                                        rate.per_sec(),
+                                    );
+                                    let floor = (ratios.provisional(&rule.name, rate.per_sec())
+                                        * keep.min(1.0))
+                                    .min(
+                                        GUARD_FLOOR_UNITS * NANOS_PER_SEC as f64 / interval as f64,
+                                    );
+                                    let headroom = if surge { 1.0 } else { GUARD_HEADROOM };
+                                    let per_sec = allowance.max(floor) * headroom;
+                                    let two = (2.0 * NANOS_PER_SEC as f64 * f64::from(cost)
+                                        / per_sec.max(1e-9))
+                                    .min(1e18)
+                                        as Nanos;
+                                    Some((per_sec, interval.max(two)))
+                                } else {
+                                    // Assigned with no bound from the reply (under half its
+                                    // limit fleet-wide): a surge here is held until the sums
+                                    // hold it. (With no share from the reply, the limit is not
+                                    // asked.)
+                                    counters
+                                        .held(0.0, ratios.answers, ratios.own_lag, 0.0)
+                                        .map(|per_sec| (per_sec, interval))
+                                };
+                                if let Some((per_sec, early)) = bound {
+                                    match counters.guard(now, per_sec, cost, early) {
                                         Ok(ns) => took.guard = ns,
                                         Err(wait) => {
                                             allowed = false;
