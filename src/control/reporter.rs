@@ -689,7 +689,7 @@ mod tests {
     #[tokio::test]
     async fn a_report_whose_receiver_closes_at_once_is_sent_again_under_its_number() {
         // Its counts would otherwise be lost: a replaced aggregator's zone went uncounted for a
-        // second (the rolling restart's +72 %).
+        // second (the rolling restart's worst; BENCHMARKS.md).
         let (url, receiver) = closes_first_then_answers().await;
         let (targets, _) = Targets::new(&[url], None).unwrap();
         let client = json_client(None).unwrap();

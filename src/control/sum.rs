@@ -67,14 +67,14 @@ const HOLD_FOR: f64 = 2.0;
 /// for a sender first heard from now): the units of that time reach the controller through
 /// another sender's forward only at the end of its interval, as this sender's would have.
 /// Held for the covered time alone, a replaced aggregator's zone went uncounted for an
-/// interval (a second at +72 %); held for two of its intervals, counted twice for one.
+/// interval (over-admitting); held for two of its intervals, counted twice for one.
 fn last_hold(secs: f64, before: Option<f64>) -> f64 {
     secs + before.unwrap_or(0.0)
 }
 
 /// How early (a share of its [`last_hold`]) a sweep takes a last report away: sweeps come with
 /// records, and one still standing at a record just before its end stood to the next, an
-/// interval late, counted twice beside its successor's forwards (a second at -30 %).
+/// interval late, counted twice beside its successor's forwards (under-admitting).
 const LAST_EARLY: f64 = 0.125;
 
 /// A key once heavy enough to watch is watched this long (seconds) after its load falls: a

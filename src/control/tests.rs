@@ -639,7 +639,7 @@ fn a_senders_last_report_stands_for_what_it_covers_and_one_interval_more() {
     // A replica forwarding every second stops 0.3 s after its last forward: its last one
     // covers the 0.3 s left of its hosts' intervals. The units of the time after reach the
     // controller in another replica's forward only at the end of that one's interval: held
-    // for the 0.3 s alone, the zone went uncounted for a second (a rolling restart's +72 %);
+    // for the 0.3 s alone, the zone went uncounted for a second (a rolling restart's worst second);
     // for two intervals, counted twice for one.
     let mut acc = Accumulator::new(1.0);
     let mut r = report("zone:z/old", vec![entry(Some("k"), 100, 100)]);
