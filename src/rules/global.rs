@@ -501,7 +501,9 @@ impl GlobalCounters {
         let paired = f64::from(f32::from_bits(
             if lag == 0 { word >> 32 } else { word } as u32
         ));
-        (paired * keep, false)
+        // Never past the whole limit: the sums and this proxy's part of them are smoothed in
+        // different places, and near nothing the sums may say less than this proxy alone.
+        ((paired * keep).min(limit), false)
     }
 
     /// What a surge here is held to, while it is (see [`Self::allowance`]); for a key the

@@ -526,12 +526,13 @@ fn a_global_rule_counts_its_cost_in_units() {
     assert_eq!(report[0].keys, vec![("10.0.0.1".to_string(), 15, 15, 0.0)]);
 }
 
-/// A global rule (5/s per client) whose ratio for 10.0.0.1 is `p`, followed by `then` (more
+/// A global rule (a million a second per client, so that its limit bounds nothing these tests
+/// offer) whose ratio for 10.0.0.1 is `p`, followed by `then` (more
 /// rules, YAML list items). The key is assigned (a report named it, and the ratio answers
 /// that report), and its share has decided nothing yet.
 fn global_at(p: f64, then: &str) -> RuleSet {
     let yaml = format!(
-        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: client_ip\n    limit: {{ rate: 5/s }}\n    scope: global\n{then}"
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: client_ip\n    limit: {{ rate: 1000000/s }}\n    scope: global\n{then}"
     );
     let config = Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"));
     let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(T0)));
@@ -539,7 +540,8 @@ fn global_at(p: f64, then: &str) -> RuleSet {
     // At ratio 0 the share is not asked.
     assert!(req("GET", "/", &[]).from("10.0.0.1").allowed(&rules, T0));
     // Reported as one request in a nanosecond: the guard (its allowance, a share of what this
-    // proxy was offered) is far above what these tests offer, so that the share decides.
+    // proxy was offered, up to the limit) is far above what these tests offer, so that the
+    // share decides.
     rules.drain_global(10, 1e-9, 1);
     let answer = DropRatios::of(T0, [("g", Some("10.0.0.1"), p)].into_iter()).answering(1);
     ratios.store(Arc::new(answer));
@@ -664,12 +666,17 @@ mod provisional {
     /// last reply answers report 3 and says there are `hosts` proxies (name_above is
     /// limit / 2N).
     fn fleet_of(hosts: f64, extra: &str) -> (RuleSet, Arc<ArcSwap<DropRatios>>) {
+        fleet_limited(10, hosts, extra)
+    }
+
+    /// [`fleet_of`] for a rule of `limit`/s.
+    fn fleet_limited(limit: u32, hosts: f64, extra: &str) -> (RuleSet, Arc<ArcSwap<DropRatios>>) {
         let yaml = format!(
-            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1', report_interval: 1s }}\nrules:\n  - name: g\n    key: client_ip\n    limit: {{ rate: 10/s }}\n    scope: global\n{extra}"
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1', report_interval: 1s }}\nrules:\n  - name: g\n    key: client_ip\n    limit: {{ rate: {limit}/s }}\n    scope: global\n{extra}"
         );
         let config = Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"));
         let mut answer = DropRatios::of(T0, [("g", None, 0.0)].into_iter()).answering(3);
-        answer.hint("g", 10.0 / (2.0 * hosts), None);
+        answer.hint("g", f64::from(limit) / (2.0 * hosts), None);
         let ratios = Arc::new(ArcSwap::from_pointee(answer));
         let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
         (rules, ratios)
@@ -762,20 +769,30 @@ mod provisional {
     }
 
     /// `key` offered 10/s for the first second (so reported at 10/s), then a reply that
-    /// answers that report with the key's ratio `ratio`.
+    /// answers that report with the key's ratio `ratio`; the rule's limit is 40/s over 4
+    /// proxies (so that what the ratios say the fleet offers is never less than this proxy
+    /// alone, and its provisional limit is 10/s).
     fn assigned(ratio: f64) -> RuleSet {
         assigned_with(ratio).0
     }
 
     /// [`assigned`], with the ratios the next reply is stored in.
     fn assigned_with(ratio: f64) -> (RuleSet, Arc<ArcSwap<DropRatios>>) {
-        let (rules, ratios) = fleet_of(1.0, "");
+        let (rules, ratios) = fleet_limited(40, 4.0, "");
         assert_eq!(second_of(&rules, "10.0.0.1", 10, T0), 10);
         rules.drain_global(10, 1.0, 4);
         let at = T0 + NANOS_PER_SEC;
-        let answer = DropRatios::of(at, [("g", Some("10.0.0.1"), ratio)].into_iter());
-        ratios.store(Arc::new(answer.answering(4)));
+        ratios.store(Arc::new(reply(at, ratio, 4)));
         (rules, ratios)
+    }
+
+    /// A reply at `at` to report `answers` for the fleet of [`assigned`]: 10.0.0.1's `ratio`,
+    /// and the hint of 4 proxies (a provisional limit of 10/s).
+    fn reply(at: Nanos, ratio: f64, answers: u64) -> DropRatios {
+        let mut answer =
+            DropRatios::of(at, [("g", Some("10.0.0.1"), ratio)].into_iter()).answering(answers);
+        answer.hint("g", 5.0, None);
+        answer
     }
 
     /// What the guard admits in a second at an allowance of `per_sec`: its headroom over
@@ -804,7 +821,7 @@ mod provisional {
         );
     }
 
-    /// The key of [`assigned`] (allowed 5/s: half its 10/s), offered `rps` for the next
+    /// The key of [`assigned`] (allowed 5/s: half its own 10/s), offered `rps` for the next
     /// second, then reported (report 5: a jump to `rps`) and answered (`own_lag` 0, so the
     /// sums hold that report) with `ratio`.
     fn surged_and_answered(rps: u64, ratio: f64) -> RuleSet {
@@ -813,14 +830,13 @@ mod provisional {
         let report = rules.drain_global(10, 1.0, 5);
         assert_eq!(report[0].keys[0].3, rps as f64 - 10.0, "the report's jump");
         let at = T0 + 2 * NANOS_PER_SEC;
-        let answer = DropRatios::of(at, [("g", Some("10.0.0.1"), ratio)].into_iter());
-        ratios.store(Arc::new(answer.answering(5)));
+        ratios.store(Arc::new(reply(at, ratio, 5)));
         rules
     }
 
     /// A surge here that the fleet shares: reported at 10/s, then 30/s (a jump), and answered
-    /// by sums that hold that report and grew with it (a ratio of 0.8: the fleet offers 50/s
-    /// where it offered 20/s, past half this proxy's jump of 20/s). Until the sums hold the
+    /// by sums that hold that report and grew with it (a ratio of 0.8: the fleet offers 200/s
+    /// where it offered 80/s, past half this proxy's jump of 20/s). Until the sums hold the
     /// report after it (the other proxies' jumps may still be on their way), the key is held
     /// to what it was allowed before, 5/s, without headroom: offered 60/s, a second of 5/s
     /// passes (the surge's first second spent the report interval's worth), not the share's
@@ -873,8 +889,7 @@ mod provisional {
             "the report after a jump follows it"
         );
         let at = T0 + 3 * NANOS_PER_SEC;
-        let answer = DropRatios::of(at, [("g", Some("10.0.0.1"), 0.8)].into_iter());
-        ratios.store(Arc::new(answer.answering(6)));
+        ratios.store(Arc::new(reply(at, 0.8, 6)));
         // 30/s x 0.2: 6/s, with headroom (the interval's worth was spent).
         let got = second_of(&rules, "10.0.0.1", 60, at);
         let bound = headroom_second(6.0);
@@ -885,8 +900,9 @@ mod provisional {
     }
 
     /// A key under its limit travels with a ratio below 0, `(offered - limit) / offered`:
-    /// at -1 the fleet offers half its limit, so this proxy may grow to twice what it
-    /// reported (20/s, and a report interval's worth) before the next reply.
+    /// at -1 the fleet offers half its limit (20/s, this proxy's 10/s half of it), so this
+    /// proxy may grow to twice what it reported (20/s, and a report interval's worth) before
+    /// the next reply.
     #[test]
     fn a_key_under_its_limit_may_grow_to_its_share_of_the_limit() {
         let rules = assigned(-1.0);
@@ -899,6 +915,21 @@ mod provisional {
         // And nothing is dropped below it.
         let rules = assigned(-1.0);
         assert_eq!(second_of(&rules, "10.0.0.1", 20, T0 + NANOS_PER_SEC), 20);
+    }
+
+    /// A key the fleet barely offers (the sums' smoothed rate near nothing, while this proxy's
+    /// own part of it is not: the two are smoothed in different places) has a ratio far below
+    /// 0, and the share it gives this proxy is still no more than the rule's whole limit
+    /// (40/s, and a report interval's worth), not a million times what it reported.
+    #[test]
+    fn a_key_the_fleet_barely_offers_is_allowed_no_more_than_the_rules_limit() {
+        let rules = assigned(-1e6);
+        let got = second_of(&rules, "10.0.0.1", 400, T0 + NANOS_PER_SEC);
+        let bound = guarded_second(40.0);
+        assert!(
+            (bound..=bound + 1).contains(&got),
+            "{got} of 400 admitted, against {bound}"
+        );
     }
 
     /// A ratio of exactly 0 (what a controller one version back sends for a key it watches)
