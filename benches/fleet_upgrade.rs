@@ -7,7 +7,10 @@
 //! for zone eu-1 and one for eu-2, three proxies reporting every second, one key offered 6:2:1
 //! at 2.4x a 100/s limit) is upgraded in place, 4 s apart, as a rolling update would: the
 //! controller, then each aggregator (stopped with SIGTERM, its last forward sent), then each
-//! proxy (its pod replaced: requests to it fail meanwhile and count as errors, not admitted).
+//! proxy (its pod replaced: requests to it fail meanwhile and count as errors, not admitted),
+//! this release's with the rule's `log_keys: clear` for the rollout as CHANGELOG says (the
+//! previous release reports header keys in clear). `SPILLWAY_BENCH_WINDOWS=1` prints each
+//! proxy's seconds.
 //! Admitted requests are counted every second. Two rows: the whole upgrade, and the mixed
 //! versions it passes through (previous proxies behind this release's aggregators and
 //! controller, the seconds before the first proxy is replaced).
@@ -54,10 +57,18 @@ fn controller(bin: &str, listen: &str) -> Proc {
 }
 
 fn proxy(bin: &str, n: usize, listen: &str, up: std::net::SocketAddr, agg: &str) -> Proc {
+    // This release's proxies as CHANGELOG's "Upgrading to this release (the keyed digest)"
+    // says: the rule's keys reported as sent for the rollout, as the previous release does
+    // (which refuses the field); with digests, old and new proxies would count the key apart.
+    let clear = if bin == BIN {
+        "    log_keys: clear\n"
+    } else {
+        ""
+    };
     let yaml = format!(
         "service: shop\nlisten: {listen}\nadmin: 127.0.0.1:0\nupstream: http://{up}\n\
          control_plane:\n  url: http://{agg}\n  report_interval: 1s\n  stale_after: 8s\n  host: p{n}\n\
-         rules:\n  - name: per-key\n    key: [header:x-api-key]\n    limit: {{ rate: {LIMIT}/s }}\n    scope: global\n"
+         rules:\n  - name: per-key\n    key: [header:x-api-key]\n    limit: {{ rate: {LIMIT}/s }}\n    scope: global\n{clear}"
     );
     let path = temp_file(&format!("upgrade-p{n}.yaml"), &yaml);
     Proc::spawn_bin(bin, &["proxy", "--config", path.to_str().expect("UTF-8")])
@@ -148,9 +159,16 @@ async fn main() -> anyhow::Result<()> {
         while tokio::time::Instant::now() < deadline {
             tick.tick().await;
             let (mut ok, mut failed) = (0, 0);
+            let mut each = Vec::new();
             for t in &tallies {
-                ok += t.take().1;
+                let admitted = t.take().1;
+                ok += admitted;
+                each.push(admitted);
                 failed += t.other.swap(0, std::sync::atomic::Ordering::Relaxed);
+            }
+            if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
+                // Each proxy's second, for reading what a replacement does.
+                eprintln!("second {}: {each:?}", windows.len() + 1);
             }
             windows.push((ok, failed));
         }
