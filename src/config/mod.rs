@@ -353,6 +353,23 @@ impl Timeouts {
             return Err("timeouts: give upstream_idle alone (idle is its old name)".into());
         }
         self.upstream_idle = Dur(self.upstream_idle());
+        // Every request meets these: below the workers' tick (half the shortest timeout) one
+        // would end every request at once. Nothing kept idle and no drain are choices.
+        for (name, d) in [
+            ("header_read", self.header_read),
+            ("upstream_connect", self.upstream_connect),
+            ("upstream_response", self.upstream_response),
+            ("upstream_body_idle", self.upstream_body_idle),
+            ("client_body_idle", self.client_body_idle),
+            ("send", self.send),
+        ] {
+            if d.0 < Duration::from_millis(100) {
+                return Err(format!(
+                    "timeouts.{name}: at least 100ms ({:?} would end every request at once)",
+                    d.0
+                ));
+            }
+        }
         Ok(())
     }
 }

@@ -772,6 +772,41 @@ fn upstream_idle_takes_its_old_name_idle_but_not_both() {
     assert_eq!(again.timeouts.upstream_idle(), Duration::from_secs(7));
 }
 
+/// A timeout every request passes through, set to nothing (or below the workers' tick),
+/// would end every request at once: refused by name, not started.
+#[test]
+fn a_timeout_every_request_meets_is_refused_below_100ms() {
+    let base = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n";
+    let read = |t: &str| Config::from_yaml(&format!("{base}timeouts: {t}\n"), "t");
+    for name in [
+        "header_read",
+        "upstream_connect",
+        "upstream_response",
+        "upstream_body_idle",
+        "client_body_idle",
+        "send",
+    ] {
+        for value in ["0s", "50ms"] {
+            let e = read(&format!("{{ {name}: {value} }}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains(&format!("timeouts.{name}")) && e.contains("at least 100ms"),
+                "{name}: {value}: {e}"
+            );
+        }
+        read(&format!("{{ {name}: 100ms }}")).unwrap_or_else(|e| panic!("{name}: {e}"));
+    }
+    // Nothing kept idle, no drain: choices, not mistakes.
+    for t in [
+        "{ client_idle: 0s }",
+        "{ upstream_idle: 0s }",
+        "{ drain: 0s }",
+    ] {
+        read(t).unwrap_or_else(|e| panic!("{t}: {e}"));
+    }
+}
+
 #[test]
 fn a_fallback_is_a_rate_limit_that_can_admit_the_rules_cost() {
     let cp = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:7001' }\nrules:\n";
