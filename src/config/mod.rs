@@ -544,6 +544,13 @@ impl Config {
                     rule.name
                 ));
             }
+            let keyed = |r: &&Rule| r.key.0.contains(&crate::key::KeyPart::Host);
+            for rule in self.rules.iter().filter(keyed) {
+                out.push(format!(
+                    "rule {}: keyed by host, but no hosts: list is set; every Host a client makes up is a key of its own, with a limit of its own: list the hosts the app answers for",
+                    rule.name
+                ));
+            }
         }
         let blocks = self
             .client_ip

@@ -772,6 +772,31 @@ fn upstream_idle_takes_its_old_name_idle_but_not_both() {
     assert_eq!(again.timeouts.upstream_idle(), Duration::from_secs(7));
 }
 
+/// A rule keyed by the host, with no `hosts:` list: each Host a client makes up is a key of
+/// its own (a fresh limit, and a place in the rule's store), so the rule limits nothing a
+/// client wants past it. Said, not refused.
+#[test]
+fn a_rule_keyed_by_host_without_hosts_is_warned_of() {
+    let base = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n";
+    let rules = "rules:\n  - name: per-host\n    key: [client_ip, host]\n    limit: { rate: 10/s }\n  - name: plain\n    key: client_ip\n    limit: { rate: 10/s }\n";
+    let warnings = Config::from_yaml(&format!("{base}{rules}"), "t")
+        .unwrap()
+        .warnings();
+    let keyed: Vec<_> = warnings
+        .iter()
+        .filter(|w| w.contains("keyed by host"))
+        .collect();
+    assert_eq!(keyed.len(), 1, "{warnings:?}");
+    assert!(
+        keyed[0].contains("rule per-host") && keyed[0].contains("hosts:"),
+        "{keyed:?}"
+    );
+    let listed = Config::from_yaml(&format!("{base}hosts: [api.example.com]\n{rules}"), "t")
+        .unwrap()
+        .warnings();
+    assert!(listed.is_empty(), "{listed:?}");
+}
+
 /// A timeout every request passes through, set to nothing (or below the workers' tick),
 /// would end every request at once: refused by name, not started.
 #[test]
