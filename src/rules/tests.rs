@@ -527,9 +527,9 @@ fn a_global_rule_counts_its_cost_in_units() {
 }
 
 /// A global rule (a million a second per client, so that its limit bounds nothing these tests
-/// offer) whose ratio for 10.0.0.1 is `p`, followed by `then` (more
-/// rules, YAML list items). The key is assigned (a report named it, and the ratio answers
-/// that report), and its share has decided nothing yet.
+/// offer) whose ratio for 10.0.0.1 is `p`, followed by `then` (more rules, YAML list items).
+/// The key is assigned (a report named it, and the ratio answers that report), and its share
+/// has decided nothing yet.
 fn global_at(p: f64, then: &str) -> RuleSet {
     let yaml = format!(
         "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: client_ip\n    limit: {{ rate: 1000000/s }}\n    scope: global\n{then}"
