@@ -156,11 +156,12 @@ fn a_canonical_request_passes_hygiene_and_the_hostile_client_checks_without_allo
 
 #[test]
 fn the_drop_ratio_path_does_not_allocate() {
-    // Reported as one request in a nanosecond, the key's allowance is far above what is
-    // offered here and its share decides; reported as one in a second, its allowance (half a
-    // request a second, and a report interval's worth) refuses nearly all.
+    // Reported as one request in a nanosecond under a limit of a million a second, the key's
+    // allowance (never past the limit) is far above what is offered here and its share
+    // decides; reported as one in a second under 5/s, its allowance (half a request a second,
+    // and a report interval's worth) refuses nearly all.
     for key in ["client_ip", "[client_ip, header:x-api-key]"] {
-        let (admitted, n, digests) = drop_ratio_decisions(key, 1e-9);
+        let (admitted, n, digests) = drop_ratio_decisions(key, 1_000_000, 1e-9);
         assert_eq!(n, 0, "{key}: {n} allocations in 1000 global decisions");
         // A known key's digest (its name to the control plane) is kept, never recomputed.
         assert_eq!(digests, 0, "{key}: {digests} digests in 1000 decisions");
@@ -169,7 +170,7 @@ fn the_drop_ratio_path_does_not_allocate() {
             (498..=502).contains(&admitted),
             "{key}: {admitted} of 1000 admitted at ratio 0.5"
         );
-        let (admitted, n, digests) = drop_ratio_decisions(key, 1.0);
+        let (admitted, n, digests) = drop_ratio_decisions(key, 5, 1.0);
         assert_eq!(
             n, 0,
             "{key}: {n} allocations in 1000 guarded global decisions"
@@ -182,12 +183,12 @@ fn the_drop_ratio_path_does_not_allocate() {
     }
 }
 
-/// 1000 decisions of a key (of the rule's `key` parts) at ratio 0.5 in a microsecond, its last
-/// report of one request over `secs`: how many were admitted, the allocations they made and
-/// the digests they computed.
-fn drop_ratio_decisions(key: &str, secs: f64) -> (u32, u64, u64) {
+/// 1000 decisions of a key (of the rule's `key` parts, limited to `limit` a second) at ratio
+/// 0.5 in a microsecond, its last report of one request over `secs`: how many were admitted,
+/// the allocations they made and the digests they computed.
+fn drop_ratio_decisions(key: &str, limit: u32, secs: f64) -> (u32, u64, u64) {
     // No rejection logged: a logged key is digested (that is allowed; deciding is not).
-    let yaml = format!("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nlog_rejections: 0\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: {key}\n    limit: {{ rate: 5/s }}\n    scope: global\n");
+    let yaml = format!("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nlog_rejections: 0\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: {key}\n    limit: {{ rate: {limit}/s }}\n    scope: global\n");
     let config = Config::from_yaml(&yaml, "t").unwrap();
     // What the control plane knows the key by: the address, and the digest of the API key.
     let name = if key.contains("header") {
