@@ -773,7 +773,8 @@ impl Accumulator {
             .expect("admitted above");
         src.data.entries = new.iter().map(|g| g.keys.len()).sum();
         if report.last {
-            src.interval = last_hold(secs, interval_before);
+            // Swept by its hold, as its values are.
+            src.interval = hold;
         }
         src.data.rules = new;
         self.snapshot.dirty = true;
