@@ -353,8 +353,8 @@ impl Timeouts {
             return Err("timeouts: give upstream_idle alone (idle is its old name)".into());
         }
         self.upstream_idle = Dur(self.upstream_idle());
-        // Every request meets these: below the workers' tick (half the shortest timeout) one
-        // would end every request at once. Nothing kept idle and no drain are choices.
+        // Every request meets these: below [`LEAST_TIMEOUT`] one would end every request at
+        // once. Nothing kept idle and no drain are choices.
         for (name, d) in [
             ("header_read", self.header_read),
             ("upstream_connect", self.upstream_connect),
@@ -363,7 +363,7 @@ impl Timeouts {
             ("client_body_idle", self.client_body_idle),
             ("send", self.send),
         ] {
-            if d.0 < Duration::from_millis(100) {
+            if d.0 < LEAST_TIMEOUT {
                 return Err(format!(
                     "timeouts.{name}: at least 100ms ({:?} would end every request at once)",
                     d.0
@@ -373,6 +373,10 @@ impl Timeouts {
         Ok(())
     }
 }
+
+/// The least a timeout that bounds a request's phase may be (the workers' timers tick at half
+/// the shortest): the global ones every request meets, and a rule's `upstream_body_idle`.
+pub(crate) const LEAST_TIMEOUT: Duration = Duration::from_millis(100);
 
 impl Default for Timeouts {
     fn default() -> Self {

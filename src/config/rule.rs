@@ -280,7 +280,7 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
         }
     }
     if r.upstream_body_idle
-        .is_some_and(|d| d.0 < Duration::from_millis(100))
+        .is_some_and(|d| d.0 < super::LEAST_TIMEOUT)
     {
         return Err("upstream_body_idle: at least 100ms (the silence a response body may keep; the workers' timers tick at half the shortest)".into());
     }
