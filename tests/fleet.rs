@@ -969,6 +969,60 @@ fn reqwest_like_tls(
     }
 }
 
+/// A report from host `h` (zone `z`, 4 s interval) numbered `seq`, offering `offered` a
+/// second of key `k` against a limit of 10, its rate stepped by `jump`.
+fn stepping(seq: u64, offered: u64, jump: f64) -> String {
+    format!(
+        r#"{{"version":1,"source":"h","zone":"z","interval_ms":4000,"seq":{seq},"entries":[
+        {{"service":"shop","rule":"r","limit":{{"count":10,"period_ms":1000}},"key":"k","offered":{offered},"admitted":{offered},"jump":{jump}}}]}}"#,
+        offered = offered * 4
+    )
+}
+
+/// The reply's `age_ms` and its ratio for key `k` (0 when it has none).
+fn age_and_ratio(body: &str) -> (u64, f64) {
+    let reply: serde_json::Value = serde_json::from_str(body).unwrap();
+    let ratio = reply["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["key"] == "k")
+        .map_or(0.0, |r| r["ratio"].as_f64().unwrap());
+    (reply["age_ms"].as_u64().unwrap(), ratio)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_report_whose_rate_stepped_is_answered_by_sums_that_hold_it() {
+    let (_one, _up, ctl) = fleet().await;
+    // Forwarding every 2 s: a reply to a report is otherwise from the forward before it.
+    let url = format!("http://{}", ctl.addr);
+    let agg = Proc::spawn(&aggregator_args(&url, "z", "2s"));
+    // Ready once its first forward (at its start) was answered.
+    let forwarded = || async {
+        let text = get(agg.admin, "/metrics", &[]).await.2;
+        metric(&text, "spillway_aggregator_forwards_total{result=\"ok\"}").unwrap_or(0.0)
+    };
+    while forwarded().await < 1.0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // A steady report is answered at once, by sums that do not hold it (age above 0): the
+    // controller has not heard of the key.
+    let (status, body) = post_as(agg.addr, None, stepping(1, 8, 0.0)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (age, ratio) = age_and_ratio(&body);
+    assert!(age >= 1, "{body}");
+    assert_eq!(ratio, 0.0, "{body}");
+    let before = forwarded().await;
+    // The host's rate steps to 30 times the limit: its reply waits for an early forward and
+    // carries the controller's answer to it, saying so (age 0).
+    let (status, body) = post_as(agg.addr, None, stepping(2, 300, 292.0)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (age, ratio) = age_and_ratio(&body);
+    assert_eq!(age, 0, "the sums behind the reply hold the report: {body}");
+    assert!(ratio > 0.5, "the step is in the ratio: {body}");
+    assert!(forwarded().await > before);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_never_arrives_is_cut_off_and_a_new_replica_hands_out_no_empty_ratios() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

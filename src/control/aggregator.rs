@@ -1,7 +1,9 @@
 //! A zone aggregator replica: adds up the counts its hosts reported since its last forward,
 //! hands them to each controller every interval as this replica's (`zone:<zone>/<replica>`),
 //! and answers hosts with an authoritative controller's last ratios for their own services
-//! (never a warming one's to a host that cannot tell).
+//! (never a warming one's to a host that cannot tell). A report whose rate stepped is
+//! forwarded early and answered with the reply to that forward, so that a proxy's surge hold
+//! ends on sums that hold it (at most two forwards per interval, whatever hosts send).
 //!
 //! Any number of replicas may serve a zone behind one Service, a host's reports landing on any
 //! of them: a replica keeps no rate of a host past its next forward, so each host interval is
@@ -101,10 +103,12 @@ struct Relayed {
     at: tokio::time::Instant,
     /// The controller said it is warming up: its ratios are relayed as not authoritative.
     warming: bool,
+    /// The zone sums' take (see [`ZoneSums::takes`]) the forward behind them sent.
+    take: u64,
 }
 
 impl Relayed {
-    fn new(reply: Reply, at: tokio::time::Instant) -> Self {
+    fn new(reply: Reply, at: tokio::time::Instant, take: u64) -> Self {
         let warming = reply.warming;
         let mut by_service: std::collections::HashMap<String, (Vec<_>, Vec<_>)> =
             Default::default();
@@ -118,6 +122,7 @@ impl Relayed {
             by_service,
             at,
             warming,
+            take,
         }
     }
 }
@@ -145,7 +150,18 @@ struct State {
     hosts: IntGauge,
     forwards: IntCounterVec,
     forward_seconds: Histogram,
+    /// A report with a step came: forward early (see [`State::forward_loop`]).
+    early: tokio::sync::Notify,
+    /// The take of the last forward that is over (answered or failed).
+    forwarded: watch::Sender<u64>,
 }
+
+/// An early forward comes at least this share of the interval after the last forward, and
+/// at least [`EARLY_LEAST`] after it: the controller holds a forward's rates for two of its
+/// windows, so a window of half an interval stands until the next tick's forward; and
+/// forwards come at most twice as often as the interval says, however often hosts step.
+const EARLY_GAP: u32 = 2;
+const EARLY_LEAST: Duration = Duration::from_millis(100);
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
@@ -178,7 +194,23 @@ impl State {
             .map(str::to_string)
             .collect();
         let (source, zone) = (report.source.clone(), report.zone.clone());
-        let recorded = self.sums.lock().record(report, &owner, self.sums.now());
+        // A host whose offered rate stepped (a surge, or load moving between proxies) holds
+        // its new rate to what it had until a reply's sums hold this report: it waits for an
+        // early forward's reply rather than one a whole interval later. Within half the host's
+        // interval, so that its report does not time out, and one of this replica's (the
+        // early forward comes within half of one, and its reply soon after).
+        let stepped = report.entries.iter().any(|e| e.jump != 0.0);
+        let wait = Duration::from_millis(report.interval_ms / 2).min(self.opts.interval);
+        let (recorded, takes) = {
+            let mut sums = self.sums.lock();
+            let recorded = sums.record(report, &owner, self.sums.now());
+            (recorded, sums.takes())
+        };
+        if stepped && recorded.is_ok() {
+            let mut forwarded = self.forwarded.subscribe();
+            self.early.notify_one();
+            let _ = tokio::time::timeout(wait, forwarded.wait_for(|&take| take > takes)).await;
+        }
         match recorded {
             Ok(()) if !zone.is_empty() && zone != self.opts.zone => {
                 self.reports.with_label_values(&["other_zone"]).inc();
@@ -222,9 +254,16 @@ impl State {
             // As the controller does (see `server::warming_refused`).
             return server::warming_refused();
         }
+        // Age 0 says the sums behind the ratios hold this report (so a proxy pairs them with
+        // its rate as of this report: see `DropRatios::own_lag`).
+        let age_ms = if relayed.take > takes {
+            0
+        } else {
+            relay_age_ms(relayed.at.elapsed())
+        };
         let mut reply = Reply {
             version: VERSION,
-            age_ms: relay_age_ms(relayed.at.elapsed()),
+            age_ms,
             ratios: Vec::new(),
             rules: Vec::new(),
             warming: false,
@@ -236,16 +275,28 @@ impl State {
         server::warming(server::reply(reply, wire2), relayed.warming)
     }
 
-    /// Forwards the zone's sums and keeps the controller's reply, every interval; once more,
-    /// marked last, when stopping.
+    /// Forwards the zone's sums and keeps the controller's reply, every interval, and early
+    /// when a host's report steps (not sooner than [`EARLY_GAP`] after the last forward; the
+    /// interval then starts over); once more, marked last, when stopping.
     async fn forward_loop(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut tick = tokio::time::interval(self.opts.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let gap = (self.opts.interval / EARLY_GAP).max(EARLY_LEAST);
+        let mut last = tokio::time::Instant::now();
         loop {
             let stopping = tokio::select! {
                 _ = tick.tick() => false,
                 _ = stop.changed() => true,
+                _ = self.early.notified() => {
+                    let stopping = tokio::select! {
+                        _ = tokio::time::sleep_until(last + gap) => false,
+                        _ = stop.changed() => true,
+                    };
+                    tick.reset();
+                    stopping
+                }
             };
+            last = tokio::time::Instant::now();
             self.forward(stopping).await;
             if stopping {
                 return;
@@ -257,9 +308,10 @@ impl State {
     /// take, each part the source `<replica>` or `<replica>#<n>`. A part the previous forward
     /// had and this one does not is sent empty, so that its values leave the controller now.
     async fn forward(&self, last: bool) {
-        let ((entries, interval_ms), hosts) = {
+        let ((entries, interval_ms), hosts, take) = {
             let mut sums = self.sums.lock();
-            (sums.take(self.sums.now(), last), sums.hosts())
+            let taken = sums.take(self.sums.now(), last);
+            (taken, sums.hosts(), sums.takes())
         };
         self.hosts.set(hosts as i64);
         // A key keeps its part from one forward to the next, so one part lost in transit loses
@@ -315,10 +367,11 @@ impl State {
             if n == 0 {
                 if let Some(Ok((reply, _))) = self.targets.pick(answers) {
                     self.relayed
-                        .store(Arc::new(Some(Relayed::new(reply, started))));
+                        .store(Arc::new(Some(Relayed::new(reply, started, take))));
                 }
             }
         }
+        self.forwarded.send_replace(take);
     }
 }
 
@@ -476,6 +529,8 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         hosts,
         forwards,
         forward_seconds,
+        early: tokio::sync::Notify::new(),
+        forwarded: watch::Sender::new(0),
     });
     let (stop, stopped) = watch::channel(false);
     let tls_server = state.opts.tls.clone();

@@ -39,6 +39,8 @@ pub struct ZoneSums {
     since: f64,
     pub conflicts: u64,
     pub refused: u64,
+    /// Takes so far: a report recorded when this was n is in take n + 1 and later.
+    takes: u64,
 }
 
 #[derive(Debug)]
@@ -142,7 +144,13 @@ impl ZoneSums {
             since: now,
             conflicts: 0,
             refused: 0,
+            takes: 0,
         }
+    }
+
+    /// Takes so far (see [`Self::take`]): a report [`Self::record`]ed now is in the next.
+    pub fn takes(&self) -> u64 {
+        self.takes
     }
 
     /// Reports refused for coming sooner than one per their source's interval.
@@ -267,6 +275,7 @@ impl ZoneSums {
         let interval_ms = (((to - self.since) * 1000.0).round() as u64).clamp(100, 600_000);
         let since = self.since;
         self.since = now;
+        self.takes += 1;
         let mut window: HashMap<(Box<str>, Box<str>), WindowRule> = HashMap::new();
         let mut spent: Vec<(Box<str>, usize)> = Vec::new();
         for (_, s) in self.hosts.iter_mut() {
