@@ -365,7 +365,7 @@ impl Timeouts {
         ] {
             if d.0 < LEAST_TIMEOUT {
                 return Err(format!(
-                    "timeouts.{name}: at least 100ms ({:?} would end every request at once)",
+                    "timeouts.{name}: at least {LEAST_TIMEOUT:?} ({:?} would end every request at once)",
                     d.0
                 ));
             }

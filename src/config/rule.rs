@@ -282,7 +282,7 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
     if r.upstream_body_idle
         .is_some_and(|d| d.0 < super::LEAST_TIMEOUT)
     {
-        return Err("upstream_body_idle: at least 100ms (the silence a response body may keep; the workers' timers tick at half the shortest)".into());
+        return Err(format!("upstream_body_idle: at least {:?} (the silence a response body may keep; the workers' timers tick at half the shortest)", super::LEAST_TIMEOUT));
     }
     if let Some(share) = r.client_share {
         if !(share > 0.0 && share <= 1.0) {
