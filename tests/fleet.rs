@@ -1023,6 +1023,152 @@ async fn a_report_whose_rate_stepped_is_answered_by_sums_that_hold_it() {
     assert!(forwarded().await > before);
 }
 
+/// A report from host `host` (zone `z`, 2 s interval) numbered `seq`, offering `offered` a
+/// second of key `k` against a limit of 10, its rate stepped by `jump`.
+fn moving(host: &str, seq: u64, offered: u64, jump: f64) -> String {
+    format!(
+        r#"{{"version":1,"source":"{host}","zone":"z","interval_ms":2000,"seq":{seq},"entries":[
+        {{"service":"shop","rule":"r","limit":{{"count":10,"period_ms":1000}},"key":"k","offered":{offered},"admitted":{offered},"jump":{jump}}}]}}"#,
+        offered = offered * 2
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn load_moving_between_hosts_is_answered_by_sums_that_hold_both_steps() {
+    let (_one, _up, ctl) = fleet().await;
+    // Forwarding every 3 s, hosts reporting every 2 s: a host waits at most 1 s for a forward
+    // that holds its step, and a window shorter than half an interval would leave the
+    // controller's sums empty before the next tick. So both hosts' steps go in forwards of
+    // the last window's rates again.
+    let url = format!("http://{}", ctl.addr);
+    let agg = Proc::spawn(&aggregator_args(&url, "z", "3s"));
+    let forwarded = || async {
+        let text = get(agg.admin, "/metrics", &[]).await.2;
+        metric(&text, "spillway_aggregator_forwards_total{result=\"ok\"}").unwrap_or(0.0)
+    };
+    while forwarded().await < 1.0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Two hosts offer the key 6:1 of 7 times its limit, and a forward takes it.
+    for (host, offered) in [("h1", 60), ("h2", 10)] {
+        let (status, body) = post_as(agg.addr, None, moving(host, 1, offered, 0.0)).await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    let before = forwarded().await;
+    while forwarded().await <= before {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The load moves from h1 to h2, the total unchanged; each host's report says its step.
+    let (status, body) = post_as(agg.addr, None, moving("h1", 2, 10, -50.0)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (age1, ratio1) = age_and_ratio(&body);
+    let (status, body) = post_as(agg.addr, None, moving("h2", 2, 60, 50.0)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (age2, ratio2) = age_and_ratio(&body);
+    // Each answered by sums that hold its own report.
+    assert_eq!(age1, 0, "the step down is in the sums behind its reply");
+    assert_eq!(age2, 0, "the step up is in the sums behind its reply");
+    // The fleet's sum did not grow: the step up met the step down, and h2 (whose surge hold
+    // ends on it) is given the ratio h1 was.
+    assert!(ratio1 > 0.5, "the key is held to its limit: {ratio1}");
+    assert!(
+        (ratio2 - ratio1).abs() < 0.02,
+        "the fleet's load did not grow: {ratio1} then {ratio2}"
+    );
+}
+
+/// Zone `zone`'s sums as its one aggregator replica forwards them (1 s window), numbered
+/// `seq`: key `k` offered `offered` a second against a limit of 10, its rate stepped by `jump`.
+fn zone_sums(zone: &str, seq: u64, offered: u64, jump: f64) -> String {
+    format!(
+        r#"{{"version":1,"source":"zone:{zone}/r","zone":"{zone}","interval_ms":1000,"seq":{seq},"entries":[
+        {{"service":"shop","rule":"r","limit":{{"count":10,"period_ms":1000}},"key":"k","offered":{offered},"admitted":{offered},"jump":{jump}}}]}}"#
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_step_up_is_answered_with_the_step_down_that_comes_through_another_zone_moments_later() {
+    let (_one, _up, ctl) = fleet().await;
+    // Two zones offer the key 6:1 of 7 times its limit, until the controller is past its
+    // warm-up (a reply without the wire header is refused until then).
+    let mut seq = 0;
+    let before = loop {
+        seq += 1;
+        let a = post_wire(ctl.addr, None, zone_sums("a", seq, 60, 0.0), None).await;
+        let b = post_wire(ctl.addr, None, zone_sums("b", seq, 10, 0.0), None).await;
+        if a.0 == StatusCode::OK && b.0 == StatusCode::OK {
+            break age_and_ratio(&b.1).1;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(before > 0.5, "the key is held to its limit: {before}");
+    let ok = || async {
+        let text = get(ctl.admin, "/metrics", &[]).await.2;
+        metric(&text, "spillway_controller_reports_total{result=\"ok\"}").unwrap_or(0.0)
+    };
+    // The load moves from zone a to zone b: b's step up is taken first, a's step down just
+    // after it (each zone's aggregator forwards early, at once).
+    let counted = ok().await;
+    let up = tokio::spawn(post_wire(
+        ctl.addr,
+        None,
+        zone_sums("b", seq + 1, 60, 50.0),
+        None,
+    ));
+    while ok().await <= counted {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (status, body) = post_wire(ctl.addr, None, zone_sums("a", seq + 1, 10, -50.0), None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = up.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // The reply to the step up holds the step down too: the fleet's load did not grow (a
+    // sum grown by the step up alone would say about 0.92), so the proxies the load moved
+    // to are not held to their old share for an interval more.
+    let after = age_and_ratio(&body).1;
+    assert!(
+        (after - before).abs() < 0.02,
+        "the step up's reply: {after}, before the move: {before}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_announces_its_rules_as_it_starts_and_reports_its_counts_a_whole_interval_later() {
+    let (_one, up, ctl) = fleet().await;
+    // Reporting every 10 s: its first report of counts comes 10 s after it starts.
+    let p = proxy_every("p1", up.addr, ctl.addr, ("10s", "30s"), "");
+    // Offered (admitted or not: a new key's provisional limit is spaced evenly).
+    for _ in 0..5 {
+        let status = get(p.addr, "/", &[("x-api-key", "k")]).await.0;
+        assert!([200, 429].contains(&status.as_u16()), "{status}");
+    }
+    // Its first report is answered at once (so its reply's hints bound its new keys from the
+    // start: their share of the limit, not the whole of it).
+    let reports = || async {
+        let text = get(p.admin, "/metrics", &[]).await.2;
+        metric(&text, "spillway_reports_total{result=\"ok\"}").unwrap_or(0.0)
+    };
+    while reports().await < 1.0 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // It named the rule and counted nothing: the requests so far are a rate over the first
+    // interval, and go with its report.
+    let (status, _, body) = get(ctl.addr, "/v1/state", &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    let doc: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let keys = doc["keys"].as_array().unwrap();
+    let tail = keys
+        .iter()
+        .find(|k| k["rule"] == "per-key" && k["key"].is_null())
+        .unwrap_or_else(|| panic!("the rule is known: {body}"));
+    assert_eq!(tail["sources"], 1, "{tail}");
+    assert_eq!(tail["offered_rps"], 0.0, "{tail}");
+    assert!(
+        keys.iter().all(|k| k["key"] != shown("k").as_str()),
+        "no key's counts yet: {body}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_that_never_arrives_is_cut_off_and_a_new_replica_hands_out_no_empty_ratios() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

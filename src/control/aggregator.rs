@@ -2,8 +2,9 @@
 //! hands them to each controller every interval as this replica's (`zone:<zone>/<replica>`),
 //! and answers hosts with an authoritative controller's last ratios for their own services
 //! (never a warming one's to a host that cannot tell). A report whose rate stepped is
-//! forwarded early and answered with the reply to that forward, so that a proxy's surge hold
-//! ends on sums that hold it (at most two forwards per interval, whatever hosts send).
+//! forwarded early (the last window's rates again, with the step) and answered with the reply
+//! to that forward, so that a proxy's surge hold ends on sums that hold it (at most three
+//! forwards per interval, whatever hosts send).
 //!
 //! Any number of replicas may serve a zone behind one Service, a host's reports landing on any
 //! of them: a replica keeps no rate of a host past its next forward, so each host interval is
@@ -156,12 +157,16 @@ struct State {
     forwarded: watch::Sender<u64>,
 }
 
-/// An early forward comes at least this share of the interval after the last forward, and
-/// at least [`EARLY_LEAST`] after it: the controller holds a forward's rates for two of its
-/// windows, so a window of half an interval stands until the next tick's forward; and
-/// forwards come at most twice as often as the interval says, however often hosts step.
+/// An early forward with a window of its own (a stepped key the last window did not name)
+/// comes at least this share of the interval (and [`EARLY_LEAST`]) after the last windowed
+/// forward: the controller holds a forward's rates for two of its windows, so a window of
+/// half an interval stands until the next tick's forward.
 const EARLY_GAP: u32 = 2;
 const EARLY_LEAST: Duration = Duration::from_millis(100);
+/// Early forwards between two of the interval's, at most: forwards come at most three times
+/// as often as the interval says, however often hosts step (steps that come meanwhile wait
+/// for the next forward, and their hosts' replies for half their interval at most).
+const EARLY_MOST: u32 = 2;
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
@@ -275,39 +280,101 @@ impl State {
         server::warming(server::reply(reply, wire2), relayed.warming)
     }
 
-    /// Forwards the zone's sums and keeps the controller's reply, every interval, and early
-    /// when a host's report steps (not sooner than [`EARLY_GAP`] after the last forward; the
-    /// interval then starts over); once more, marked last, when stopping.
+    /// Forwards the zone's sums and keeps the controller's reply, every interval; early when a
+    /// host's report steps (see [`Self::forward_steps`]; at most [`EARLY_MOST`] between two of
+    /// the interval's); once more, marked last, when stopping.
     async fn forward_loop(self: Arc<Self>, mut stop: watch::Receiver<bool>) {
         let mut tick = tokio::time::interval(self.opts.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let gap = (self.opts.interval / EARLY_GAP).max(EARLY_LEAST);
-        let mut last = tokio::time::Instant::now();
+        let mut last_window = tokio::time::Instant::now();
+        let mut early = 0;
+        let mut sent = Sent::default();
         loop {
+            let mut ticked = false;
             let stopping = tokio::select! {
-                _ = tick.tick() => false,
+                _ = tick.tick() => {
+                    ticked = true;
+                    false
+                }
                 _ = stop.changed() => true,
-                _ = self.early.notified() => {
+                _ = self.early.notified(), if early < EARLY_MOST => {
+                    match self.forward_steps(&sent).await {
+                        Steps::None => continue,
+                        Steps::Sent => {
+                            early += 1;
+                            continue;
+                        }
+                        Steps::Unknown => early += 1,
+                    }
+                    // A key the last window did not name stepped: a window of its own, long
+                    // enough that the controller holds its rates until the next tick's.
                     let stopping = tokio::select! {
-                        _ = tokio::time::sleep_until(last + gap) => false,
+                        _ = tokio::time::sleep_until(last_window + gap) => false,
                         _ = stop.changed() => true,
                     };
                     tick.reset();
                     stopping
                 }
             };
-            last = tokio::time::Instant::now();
-            self.forward(stopping).await;
+            last_window = tokio::time::Instant::now();
+            if ticked {
+                early = 0;
+            }
+            sent = self.forward(stopping).await;
             if stopping {
                 return;
             }
         }
     }
 
+    /// An early forward: the last window's parts again, with the hosts' steps since (the
+    /// controller replaces a source's rates, so nothing is counted twice, and its hold of
+    /// them starts over, so no window is left short). Only the parts that hold a stepped key,
+    /// and the first (whose reply carries the ratios); [`Steps::Unknown`] if a stepped key is
+    /// in none of them.
+    async fn forward_steps(&self, sent: &Sent) -> Steps {
+        let taken = {
+            let mut sums = self.sums.lock();
+            sums.take_steps(|s, r, k| sent.index.contains_key(&index_key(s, r, k)))
+                .map(|steps| (steps, sums.takes()))
+        };
+        let Some((steps, take)) = taken else {
+            return Steps::Unknown;
+        };
+        if steps.is_empty() {
+            return Steps::None;
+        }
+        let mut resend: std::collections::BTreeMap<usize, Vec<Entry>> = Default::default();
+        for n in std::iter::once(0).chain(
+            steps
+                .iter()
+                .filter_map(|(s, r, k, _)| sent.index.get(&index_key(s, r, k)))
+                .map(|&(n, _)| n),
+        ) {
+            resend.entry(n).or_insert_with(|| sent.parts[n].clone());
+        }
+        for (s, r, k, jump) in &steps {
+            let Some(&(n, i)) = sent.index.get(&index_key(s, r, k)) else {
+                continue;
+            };
+            if let Some(e) = resend.get_mut(&n).and_then(|p| p.get_mut(i)) {
+                e.jump = *jump;
+            }
+        }
+        for (n, entries) in resend.into_iter().rev() {
+            self.send_part(n, entries, sent.interval_ms, false, take)
+                .await;
+        }
+        self.forwarded.send_replace(take);
+        Steps::Sent
+    }
+
     /// One forward: the sums since the last one, in parts small enough for the controller to
     /// take, each part the source `<replica>` or `<replica>#<n>`. A part the previous forward
     /// had and this one does not is sent empty, so that its values leave the controller now.
-    async fn forward(&self, last: bool) {
+    /// Returns what it sent, for early forwards to send again.
+    async fn forward(&self, last: bool) -> Sent {
         let ((entries, interval_ms), hosts, take) = {
             let mut sums = self.sums.lock();
             let taken = sums.take(self.sums.now(), last);
@@ -327,52 +394,112 @@ impl State {
         let sent = parts.len().max(before);
         let mut parts: Vec<Vec<Entry>> = parts;
         parts.resize_with(sent, Vec::new);
+        let mut kept = Sent {
+            parts: Vec::with_capacity(sent),
+            interval_ms,
+            index: Default::default(),
+        };
+        for (n, part) in parts.iter().enumerate() {
+            // Its steps are sent now: an early forward sends only the steps after them.
+            let part: Vec<Entry> = part
+                .iter()
+                .map(|e| Entry {
+                    jump: 0.0,
+                    ..e.clone()
+                })
+                .collect();
+            for (i, e) in part.iter().enumerate() {
+                if let Some(k) = &e.key {
+                    kept.index.insert(index_key(&e.service, &e.rule, k), (n, i));
+                }
+            }
+            kept.parts.push(part);
+        }
         // The parts dropped (sent empty) go first: a key that moved out of one is never
         // counted in two parts at once.
         for n in (0..sent).rev() {
-            let source = match n {
-                0 => self.source.clone(),
-                n => format!("{}#{n}", self.source),
-            };
-            let report = Report {
-                version: VERSION,
-                source,
-                zone: self.opts.zone.clone(),
-                interval_ms,
-                seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-                last,
-                entries: std::mem::take(&mut parts[n]),
-                instance: None,
-            };
-            let started = tokio::time::Instant::now();
-            let token = self.opts.credentials.outgoing();
-            let answers = self
-                .targets
-                .post_all(&self.client, token.as_deref(), report, self.opts.interval)
+            self.send_part(n, std::mem::take(&mut parts[n]), interval_ms, last, take)
                 .await;
-            for (url, answer) in self.targets.urls().zip(&answers) {
-                match answer {
-                    Ok(_) => {
-                        self.forward_seconds
-                            .observe(started.elapsed().as_secs_f64());
-                        self.forwards.with_label_values(&["ok"]).inc();
-                    }
-                    Err(e) => {
-                        self.forwards.with_label_values(&["error"]).inc();
-                        tracing::debug!(error = %e, %url, "forward to the controller failed");
-                    }
+        }
+        self.forwarded.send_replace(take);
+        kept
+    }
+
+    /// Sends part `n` of a forward of `take` to every controller, and keeps the first part's
+    /// reply.
+    async fn send_part(
+        &self,
+        n: usize,
+        entries: Vec<Entry>,
+        interval_ms: u64,
+        last: bool,
+        take: u64,
+    ) {
+        let source = match n {
+            0 => self.source.clone(),
+            n => format!("{}#{n}", self.source),
+        };
+        let report = Report {
+            version: VERSION,
+            source,
+            zone: self.opts.zone.clone(),
+            interval_ms,
+            seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            last,
+            entries,
+            instance: None,
+        };
+        let started = tokio::time::Instant::now();
+        let token = self.opts.credentials.outgoing();
+        let answers = self
+            .targets
+            .post_all(&self.client, token.as_deref(), report, self.opts.interval)
+            .await;
+        for (url, answer) in self.targets.urls().zip(&answers) {
+            match answer {
+                Ok(_) => {
+                    self.forward_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    self.forwards.with_label_values(&["ok"]).inc();
                 }
-            }
-            // Only the first part's reply carries the ratios: an authoritative controller's.
-            if n == 0 {
-                if let Some(Ok((reply, _))) = self.targets.pick(answers) {
-                    self.relayed
-                        .store(Arc::new(Some(Relayed::new(reply, started, take))));
+                Err(e) => {
+                    self.forwards.with_label_values(&["error"]).inc();
+                    tracing::debug!(error = %e, %url, "forward to the controller failed");
                 }
             }
         }
-        self.forwarded.send_replace(take);
+        // Only the first part's reply carries the ratios: an authoritative controller's.
+        if n == 0 {
+            if let Some(Ok((reply, _))) = self.targets.pick(answers) {
+                self.relayed
+                    .store(Arc::new(Some(Relayed::new(reply, started, take))));
+            }
+        }
     }
+}
+
+/// What the last windowed forward sent, for an early forward to send again with steps.
+#[derive(Default)]
+struct Sent {
+    /// Each part's entries, their steps taken out (those were sent).
+    parts: Vec<Vec<Entry>>,
+    /// The window they cover.
+    interval_ms: u64,
+    /// Each named key's part and place in it, by [`index_key`].
+    index: std::collections::HashMap<(String, String, String), (usize, usize)>,
+}
+
+/// What an early forward found to send.
+enum Steps {
+    /// No step waits: the forward that took them is over.
+    None,
+    Sent,
+    /// A stepped key is not in the last window's parts.
+    Unknown,
+}
+
+fn index_key(service: &str, rule: &str, key: &str) -> (String, String, String) {
+    (service.to_string(), rule.to_string(), key.to_string())
 }
 
 /// The most a part of a forward holds, by its estimated JSON size: well under [`super::MAX_BODY`]

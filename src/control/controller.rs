@@ -10,6 +10,7 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::{Method, Request, StatusCode};
 use hyper::body::Incoming;
@@ -71,7 +72,14 @@ struct State {
     refused: IntCounter,
     /// The principals reading state now: one read at a time each.
     reading: dashmap::DashSet<String>,
+    /// A report's step down was taken (see [`STEP_MATCH_WAIT`]).
+    stepped_down: tokio::sync::Notify,
 }
+
+/// The most a reply to a report with a step up left unmatched waits for a step down that
+/// matches it (and at most a quarter of the report's interval): the two halves of load moving
+/// between proxies come at once, but through different aggregators.
+const STEP_MATCH_WAIT: Duration = Duration::from_millis(200);
 
 /// A principal's one state read in progress; the next may start when it is dropped.
 struct Reading<'a> {
@@ -96,7 +104,7 @@ impl State {
         let services = server::reply_services(&report, &principal);
         let now = self.acc.now();
         let warming = self.warming(report.interval_ms, now);
-        let reply = {
+        let down = {
             let mut acc = self.acc.lock();
             match acc.record(&report, principal.owner(&report), now) {
                 Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
@@ -109,6 +117,10 @@ impl State {
                     return server::source_refused(&refusal, &self.reports);
                 }
             }
+            let (unmatched, stepped_down) = acc.steps_seen();
+            if stepped_down {
+                self.stepped_down.notify_waiters();
+            }
             if warming && !wire2 {
                 // A previous release cannot read the warming header and would take these
                 // ratios, computed on part of the fleet, as fresh: it gets none, and keeps
@@ -116,6 +128,20 @@ impl State {
                 drop(acc);
                 return server::warming_refused();
             }
+            // Waited on from before the lock is let go: no step down is missed.
+            unmatched.then(|| self.stepped_down.notified())
+        };
+        let mut now = now;
+        if let Some(down) = down {
+            // A step up whose step down (load moving between proxies) is on its way through
+            // another zone's aggregator: its reply waits a moment for it, so that the proxy
+            // the load moved to is not held to its old share for a whole interval more.
+            let wait = STEP_MATCH_WAIT.min(Duration::from_millis(report.interval_ms / 4));
+            let _ = tokio::time::timeout(wait, down).await;
+            now = self.acc.now();
+        }
+        let reply = {
+            let mut acc = self.acc.lock();
             match services {
                 // Zone sums get every ratio: one serialization per snapshot, not per reply.
                 None => {
@@ -457,6 +483,7 @@ pub async fn start(opts: ControllerOptions) -> std::io::Result<Running> {
         ratios_cut,
 
         reading: Default::default(),
+        stepped_down: tokio::sync::Notify::new(),
         registry,
         reports,
         sources,

@@ -515,11 +515,15 @@ impl Reporter {
         )
     }
 
-    /// Reports every interval until `stop`, then sends one last report (within one interval).
+    /// Announces itself at once (see [`Self::announce`]: its reply's hints hold a new key to
+    /// its share of the limit from the start, not to the whole limit until the first
+    /// interval's reply), then reports every interval until `stop`, then sends one last report
+    /// (within one interval).
     pub async fn run(self, rules: Arc<ArcSwap<RuleSet>>, mut stop: watch::Receiver<bool>) {
         let mut tick = tokio::time::interval(self.interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await;
+        self.send(self.announce(&rules.load())).await;
         let mut was_stale = false;
         loop {
             let stopping = tokio::select! {
@@ -534,9 +538,43 @@ impl Reporter {
         }
     }
 
+    /// The report a proxy sends as it starts: each global rule named, nothing counted (what
+    /// was counted so far goes with the first interval's report, whose rate it is).
+    pub fn announce(&self, rules: &RuleSet) -> Report {
+        let entries = rules
+            .global_rules()
+            .map(|(rule, rate)| Entry {
+                service: self.service.clone(),
+                rule: rule.to_string(),
+                limit: Limit::of(rate),
+                key: None,
+                keys_folded: 0,
+                offered: 0,
+                admitted: 0,
+                sketch: None,
+                hosts: 0,
+                jump: 0.0,
+            })
+            .collect();
+        Report {
+            version: VERSION,
+            source: self.source.clone(),
+            zone: self.zone.clone(),
+            interval_ms: self.interval.as_millis() as u64,
+            seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            last: false,
+            entries,
+            instance: None,
+        }
+    }
+
     /// One report and the publication of its reply.
     pub async fn once(&self, rules: &RuleSet) {
-        let report = self.report(rules);
+        self.send(self.report(rules)).await;
+    }
+
+    /// Sends `report` and publishes its reply.
+    async fn send(&self, report: Report) {
         let seq = report.seq;
         // What the report names, for the keys a cut reply leaves out.
         let named: Vec<(String, String)> = report

@@ -340,8 +340,9 @@ impl KeySum {
     /// proxies: the sum stays where it was). An unmatched step down (a surge or a burst
     /// ending) is left to smoothing, so that a key that bursts keeps the ratio and the watch
     /// its last burst earned, and every proxy's guard bounds its next. Either way the sum then
-    /// stands still for the sender's interval.
-    fn step(&mut self, jump: f64, now: f64, secs: f64) {
+    /// stands still for the sender's interval. Returns whether a step up is left half unmatched
+    /// or more.
+    fn step(&mut self, jump: f64, now: f64, secs: f64) -> bool {
         if now > self.match_until {
             self.unmatched_up = 0.0;
             self.pending_down = 0.0;
@@ -362,6 +363,8 @@ impl KeySum {
             self.smooth_offered = (self.smooth_offered + moved).max(0.0);
             self.still_until = self.still_until.max(now + secs);
         }
+        // Half of it or more: what a proxy takes for a surge (see `GlobalCounters::held`).
+        jump > 0.0 && 2.0 * moved >= jump
     }
 
     fn remove(&mut self, r: Rate, now: f64) {
@@ -496,6 +499,8 @@ pub struct Accumulator {
     snapshot_every: f64,
     last_sweep: f64,
     snapshot: Snapshot,
+    /// Since [`Self::steps_seen`] last took them: a step up left unmatched, a step down.
+    steps: (bool, bool),
 }
 
 #[derive(Debug, Default)]
@@ -538,7 +543,15 @@ impl Accumulator {
             snapshot_every: SNAPSHOT_EVERY,
             last_sweep: f64::NEG_INFINITY,
             snapshot: Snapshot::default(),
+            steps: (false, false),
         }
+    }
+
+    /// Whether, since it was last asked, a report's step up was left unmatched (a surge, or
+    /// load moving here whose step down is still on its way) and whether a step down came;
+    /// both taken.
+    pub fn steps_seen(&mut self) -> (bool, bool) {
+        std::mem::take(&mut self.steps)
     }
 
     /// Reports refused by kind: (throttled, foreign, duplicate).
@@ -756,7 +769,9 @@ impl Accumulator {
             // smoothed rate (see `KeySum::step`; a key first seen now starts from its sum
             // already; a last report holds no step).
             if key.is_some() && e.jump != 0.0 && !ks.fresh && !report.last {
-                ks.step(e.jump, now, secs);
+                let unmatched = ks.step(e.jump, now, secs);
+                self.steps.0 |= unmatched;
+                self.steps.1 |= e.jump < 0.0;
             }
             group.keys.push((key, rate));
             self.tracked += 1;

@@ -143,6 +143,40 @@ fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
 }
 
 #[test]
+fn a_zones_steps_are_taken_apart_from_its_units_and_only_for_keys_it_knows() {
+    let mut z = ZoneSums::new(0.0, 1000);
+    let stepped = |seq, k: &str, jump| {
+        let mut e = entry(Some(k), 100, 100);
+        e.jump = jump;
+        let mut r = report("host", vec![e]);
+        r.seq = seq;
+        r
+    };
+    z.record(stepped(1, "k", 0.0), "t", 0.0).unwrap();
+    assert_eq!(z.take_steps(|_, _, _| true), Some(Vec::new()), "no step");
+    z.record(stepped(2, "k", 40.0), "t", 0.5).unwrap();
+    let takes = z.takes();
+    // A key the caller does not know: nothing taken, the step waits for the next take.
+    assert_eq!(z.take_steps(|_, _, k| k != "k"), None);
+    assert_eq!(z.takes(), takes);
+    let steps = z.take_steps(|_, _, _| true).expect("known");
+    assert_eq!(steps.len(), 1);
+    assert_eq!((&*steps[0].2, steps[0].3), ("k", 40.0));
+    assert_eq!(
+        z.takes(),
+        takes + 1,
+        "a report recorded before is in this take"
+    );
+    assert_eq!(z.take_steps(|_, _, _| true), Some(Vec::new()), "taken once");
+    // The units are all still there for the window's take (the first report's whole second,
+    // which the second report brought in early, and half the second's), its step gone with
+    // the early one.
+    let (entries, _) = z.take(1.0, false);
+    assert_eq!(entries.iter().map(|e| e.offered).sum::<u64>(), 150);
+    assert!(entries.iter().all(|e| e.jump == 0.0), "{entries:?}");
+}
+
+#[test]
 fn a_silent_sources_values_stand_for_two_intervals_and_it_is_forgotten_after_three() {
     let mut acc = Accumulator::new(1.0);
     acc.record(&report("a", vec![entry(Some("k"), 100, 100)]), "t", 0.0)

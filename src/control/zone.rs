@@ -115,6 +115,12 @@ struct HeldKey {
     jump: f64,
 }
 
+/// A (service, rule, key) whose offered rate stepped.
+type StepOf = (Box<str>, Box<str>, Box<str>);
+
+/// A step of a key ([`StepOf`]) in units a second, as [`ZoneSums::take_steps`] hands it over.
+pub type Step = (Box<str>, Box<str>, Box<str>, f64);
+
 /// Key bytes one entry's charge covers; a longer key is charged as that many entries (it is
 /// held twice: with its host's values and in the pending sums), so that the room bounds memory
 /// and not only a count.
@@ -374,6 +380,67 @@ impl ZoneSums {
         self.pending_keys.total = self.pending_keys.by_service.values().sum();
         self.hosts.expire(now, |_, _| {});
         (out, interval_ms)
+    }
+
+    /// Takes out the hosts' steps not yet handed over, by (service, rule, key), for a forward
+    /// that sends them with the last window's rates (see the aggregator's early forward), and
+    /// counts that as a take; an empty list if there are none, and `None` if `known` lacks a
+    /// stepped key (the steps then wait for the next [`Self::take`]).
+    pub fn take_steps(&mut self, known: impl Fn(&str, &str, &str) -> bool) -> Option<Vec<Step>> {
+        let mut steps: HashMap<StepOf, f64> = HashMap::new();
+        let mut add = |service: &str, rule: &str, key: &str, jump: f64| {
+            *steps
+                .entry((service.into(), rule.into(), key.into()))
+                .or_default() += jump;
+        };
+        for (service, rules) in &self.pending {
+            for (rule, p) in rules {
+                for (key, units) in &p.keys {
+                    if units.jump != 0.0 {
+                        add(service, rule, key, units.jump);
+                    }
+                }
+            }
+        }
+        // A report's steps wait with its host until its first accrual.
+        for (_, s) in self.hosts.iter() {
+            for r in &s.data.rules {
+                for k in &r.keys {
+                    if let (Some(key), true) = (&k.key, k.jump != 0.0) {
+                        add(&r.service, &r.rule, key, k.jump);
+                    }
+                }
+            }
+        }
+        if steps.is_empty() {
+            return Some(Vec::new());
+        }
+        if !steps.keys().all(|(s, r, k)| known(s, r, k)) {
+            return None;
+        }
+        for rules in self.pending.values_mut() {
+            for p in rules.values_mut() {
+                for units in p.keys.values_mut() {
+                    units.jump = 0.0;
+                }
+            }
+        }
+        for (_, s) in self.hosts.iter_mut() {
+            for r in &mut s.data.rules {
+                for k in &mut r.keys {
+                    if k.key.is_some() {
+                        k.jump = 0.0;
+                    }
+                }
+            }
+        }
+        self.takes += 1;
+        Some(
+            steps
+                .into_iter()
+                .map(|((s, r, k), j)| (s, r, k, j))
+                .collect(),
+        )
     }
 
     /// Hosts reporting now.

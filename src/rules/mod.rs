@@ -809,6 +809,14 @@ impl RuleSet {
         }
     }
 
+    /// Each global rule's name and limit.
+    pub fn global_rules(&self) -> impl Iterator<Item = (&str, crate::config::Rate)> {
+        self.rules.iter().filter_map(|rule| match &*rule.kind {
+            Kind::Global { rate, .. } => Some((&*rule.name, *rate)),
+            _ => None,
+        })
+    }
+
     /// Takes the counts of every global rule since the last call (each counter is read and
     /// zeroed once) for the report numbered `seq`, naming keys as [`choose_named`] says
     /// (`secs`: the interval they cover) and folding the rest, with a sketch of which keys
