@@ -26,6 +26,7 @@ use tokio::sync::watch;
 use super::auth::Credentials;
 use super::reporter::{json_client, JsonClient, Targets};
 use super::server::{self, Body, Running};
+use super::zone::Step;
 use super::{Entry, Reply, Report, Shared, SourceRefusal, ZoneSums, VERSION};
 
 /// How to run an aggregator.
@@ -334,9 +335,20 @@ impl State {
     /// and the first (whose reply carries the ratios); [`Steps::Unknown`] if a stepped key is
     /// in none of them.
     async fn forward_steps(&self, sent: &Sent) -> Steps {
+        // Each named key's part and place in it.
+        let index: std::collections::HashMap<(&str, &str, &str), (usize, usize)> = sent
+            .parts
+            .iter()
+            .enumerate()
+            .flat_map(|(n, part)| {
+                part.iter().enumerate().filter_map(move |(i, e)| {
+                    Some(((&*e.service, &*e.rule, e.key.as_deref()?), (n, i)))
+                })
+            })
+            .collect();
         let taken = {
             let mut sums = self.sums.lock();
-            sums.take_steps(|s, r, k| sent.index.contains_key(&index_key(s, r, k)))
+            sums.take_steps(|s, r, k| index.contains_key(&(s, r, k)))
                 .map(|steps| (steps, sums.takes()))
         };
         let Some((steps, take)) = taken else {
@@ -345,21 +357,24 @@ impl State {
         if steps.is_empty() {
             return Steps::None;
         }
+        // The parts again, their steps (sent then) taken out and the new ones put in.
         let mut resend: std::collections::BTreeMap<usize, Vec<Entry>> = Default::default();
-        for n in std::iter::once(0).chain(
-            steps
-                .iter()
-                .filter_map(|(s, r, k, _)| sent.index.get(&index_key(s, r, k)))
-                .map(|&(n, _)| n),
-        ) {
-            resend.entry(n).or_insert_with(|| sent.parts[n].clone());
+        let at = |(s, r, k, _): &Step| index.get(&(&**s, &**r, &**k)).copied();
+        for n in std::iter::once(0).chain(steps.iter().filter_map(at).map(|(n, _)| n)) {
+            if let Some(part) = sent.parts.get(n) {
+                resend.entry(n).or_insert_with(|| {
+                    part.iter()
+                        .map(|e| Entry {
+                            jump: 0.0,
+                            ..e.clone()
+                        })
+                        .collect()
+                });
+            }
         }
-        for (s, r, k, jump) in &steps {
-            let Some(&(n, i)) = sent.index.get(&index_key(s, r, k)) else {
-                continue;
-            };
-            if let Some(e) = resend.get_mut(&n).and_then(|p| p.get_mut(i)) {
-                e.jump = *jump;
+        for step in &steps {
+            if let Some(e) = at(step).and_then(|(n, i)| resend.get_mut(&n)?.get_mut(i)) {
+                e.jump = step.3;
             }
         }
         for (n, entries) in resend.into_iter().rev() {
@@ -394,27 +409,16 @@ impl State {
         let sent = parts.len().max(before);
         let mut parts: Vec<Vec<Entry>> = parts;
         parts.resize_with(sent, Vec::new);
-        let mut kept = Sent {
-            parts: Vec::with_capacity(sent),
+        // Kept for early forwards to send again; a forward too large to copy every interval
+        // is not (its early forwards take a window of their own).
+        let kept = Sent {
+            parts: if parts.iter().map(Vec::len).sum::<usize>() <= RESEND_MOST_ENTRIES {
+                parts.clone()
+            } else {
+                Vec::new()
+            },
             interval_ms,
-            index: Default::default(),
         };
-        for (n, part) in parts.iter().enumerate() {
-            // Its steps are sent now: an early forward sends only the steps after them.
-            let part: Vec<Entry> = part
-                .iter()
-                .map(|e| Entry {
-                    jump: 0.0,
-                    ..e.clone()
-                })
-                .collect();
-            for (i, e) in part.iter().enumerate() {
-                if let Some(k) = &e.key {
-                    kept.index.insert(index_key(&e.service, &e.rule, k), (n, i));
-                }
-            }
-            kept.parts.push(part);
-        }
         // The parts dropped (sent empty) go first: a key that moved out of one is never
         // counted in two parts at once.
         for n in (0..sent).rev() {
@@ -481,13 +485,15 @@ impl State {
 /// What the last windowed forward sent, for an early forward to send again with steps.
 #[derive(Default)]
 struct Sent {
-    /// Each part's entries, their steps taken out (those were sent).
+    /// Each part's entries, as sent (none if there were more than [`RESEND_MOST_ENTRIES`]).
     parts: Vec<Vec<Entry>>,
     /// The window they cover.
     interval_ms: u64,
-    /// Each named key's part and place in it, by [`index_key`].
-    index: std::collections::HashMap<(String, String, String), (usize, usize)>,
 }
+
+/// The most entries a forward may have for early forwards to send it again: it is copied
+/// every interval for them.
+const RESEND_MOST_ENTRIES: usize = 10_000;
 
 /// What an early forward found to send.
 enum Steps {
@@ -496,10 +502,6 @@ enum Steps {
     Sent,
     /// A stepped key is not in the last window's parts.
     Unknown,
-}
-
-fn index_key(service: &str, rule: &str, key: &str) -> (String, String, String) {
-    (service.to_string(), rule.to_string(), key.to_string())
 }
 
 /// The most a part of a forward holds, by its estimated JSON size: well under [`super::MAX_BODY`]
