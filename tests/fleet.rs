@@ -1075,6 +1075,25 @@ async fn load_moving_between_hosts_is_answered_by_sums_that_hold_both_steps() {
         (ratio2 - ratio1).abs() < 0.02,
         "the fleet's load did not grow: {ratio1} then {ratio2}"
     );
+    // The load moves back, the step up sent first and the step down at once after it: one
+    // early forward holds both (a forward with the step up alone would have its reply wait
+    // for a step down that could only follow it). After the next tick's forward: there are
+    // two early forwards at most between two of the interval's.
+    let before = forwarded().await;
+    while forwarded().await <= before {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let up = tokio::spawn(post_as(agg.addr, None, moving("h1", 3, 60, 50.0)));
+    let (status, body) = post_as(agg.addr, None, moving("h2", 3, 10, -50.0)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = up.await.unwrap();
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (age3, ratio3) = age_and_ratio(&body);
+    assert_eq!(age3, 0, "the step up is in the sums behind its reply");
+    assert!(
+        (ratio3 - ratio1).abs() < 0.02,
+        "the fleet's load did not grow: {ratio1} then {ratio3}"
+    );
 }
 
 /// Zone `zone`'s sums as its one aggregator replica forwards them (1 s window), numbered

@@ -154,6 +154,8 @@ struct State {
     forward_seconds: Histogram,
     /// A report with a step came: forward early (see [`State::forward_loop`]).
     early: tokio::sync::Notify,
+    /// A report with a step was recorded since the sums' steps were last taken.
+    steps_waiting: std::sync::atomic::AtomicBool,
     /// The take of the last forward that is over (answered or failed).
     forwarded: watch::Sender<u64>,
 }
@@ -168,6 +170,9 @@ const EARLY_LEAST: Duration = Duration::from_millis(100);
 /// as often as the interval says, however often hosts step (steps that come meanwhile wait
 /// for the next forward, and their hosts' replies for half their interval at most).
 const EARLY_MOST: u32 = 2;
+/// How long an early forward waits for more steps: hosts whose reports come together (the
+/// two halves of load moving between them) are answered by one forward that holds both.
+const EARLY_GATHER: Duration = Duration::from_millis(20);
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
@@ -214,6 +219,8 @@ impl State {
         };
         if stepped && recorded.is_ok() {
             let mut forwarded = self.forwarded.subscribe();
+            self.steps_waiting
+                .store(true, std::sync::atomic::Ordering::Release);
             self.early.notify_one();
             let _ = tokio::time::timeout(wait, forwarded.wait_for(|&take| take > takes)).await;
         }
@@ -300,17 +307,26 @@ impl State {
                 }
                 _ = stop.changed() => true,
                 _ = self.early.notified(), if early < EARLY_MOST => {
-                    match self.forward_steps(&sent).await {
-                        Steps::None => continue,
-                        Steps::Sent => {
-                            early += 1;
-                            continue;
+                    // Taken by a forward since (the wake-up was for steps already sent).
+                    if !self.steps_waiting.load(std::sync::atomic::Ordering::Acquire) {
+                        continue;
+                    }
+                    // Counted whatever it finds: each looks over the zone's sums.
+                    early += 1;
+                    // Steps that come together (two hosts' halves of a move) go in one.
+                    let stopping = tokio::select! {
+                        _ = tokio::time::sleep(EARLY_GATHER) => false,
+                        _ = stop.changed() => true,
+                    };
+                    if !stopping {
+                        match self.forward_steps(&sent).await {
+                            Steps::None | Steps::Sent => continue,
+                            Steps::Unknown => {}
                         }
-                        Steps::Unknown => early += 1,
                     }
                     // A key the last window did not name stepped: a window of its own, long
                     // enough that the controller holds its rates until the next tick's.
-                    let stopping = tokio::select! {
+                    let stopping = stopping || tokio::select! {
                         _ = tokio::time::sleep_until(last_window + gap) => false,
                         _ = stop.changed() => true,
                     };
@@ -346,6 +362,8 @@ impl State {
                 })
             })
             .collect();
+        self.steps_waiting
+            .store(false, std::sync::atomic::Ordering::Release);
         let taken = {
             let mut sums = self.sums.lock();
             sums.take_steps(|s, r, k| index.contains_key(&(s, r, k)))
@@ -390,6 +408,8 @@ impl State {
     /// had and this one does not is sent empty, so that its values leave the controller now.
     /// Returns what it sent, for early forwards to send again.
     async fn forward(&self, last: bool) -> Sent {
+        self.steps_waiting
+            .store(false, std::sync::atomic::Ordering::Release);
         let ((entries, interval_ms), hosts, take) = {
             let mut sums = self.sums.lock();
             let taken = sums.take(self.sums.now(), last);
@@ -659,6 +679,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         forwards,
         forward_seconds,
         early: tokio::sync::Notify::new(),
+        steps_waiting: Default::default(),
         forwarded: watch::Sender::new(0),
     });
     let (stop, stopped) = watch::channel(false);

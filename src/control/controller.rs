@@ -101,7 +101,11 @@ impl State {
                 Ok(r) => r,
                 Err(resp) => return resp,
             };
-        let services = server::reply_services(&report, &principal);
+        // Owned: the report is let go before any wait (its bytes count against the bodies'
+        // budget only while read).
+        let services: Option<Vec<String>> = server::reply_services(&report, &principal)
+            .map(|s| s.into_iter().map(str::to_string).collect());
+        let interval_ms = report.interval_ms;
         let now = self.acc.now();
         let warming = self.warming(report.interval_ms, now);
         let down = {
@@ -128,15 +132,19 @@ impl State {
                 drop(acc);
                 return server::warming_refused();
             }
-            // Waited on from before the lock is let go: no step down is missed.
-            unmatched.then(|| self.stepped_down.notified())
+            // Waited on from before the lock is let go: no step down is missed. Not for a
+            // reply that carries no ratios (a forward's later parts).
+            let ratios = services.as_ref().is_none_or(|s| !s.is_empty());
+            (unmatched && ratios).then(|| self.stepped_down.notified())
         };
+        drop(report);
         let mut now = now;
         if let Some(down) = down {
             // A step up whose step down (load moving between proxies) is on its way through
             // another zone's aggregator: its reply waits a moment for it, so that the proxy
-            // the load moved to is not held to its old share for a whole interval more.
-            let wait = STEP_MATCH_WAIT.min(Duration::from_millis(report.interval_ms / 4));
+            // the load moved to is not held to its old share for a whole interval more (any
+            // step down ends the wait: the sums are read again then).
+            let wait = STEP_MATCH_WAIT.min(Duration::from_millis(interval_ms / 4));
             let _ = tokio::time::timeout(wait, down).await;
             now = self.acc.now();
         }
@@ -152,7 +160,10 @@ impl State {
                     );
                     return server::warming(resp, warming);
                 }
-                Some(s) => acc.reply(Some(&s), now),
+                Some(s) => {
+                    let s: Vec<&str> = s.iter().map(String::as_str).collect();
+                    acc.reply(Some(&s), now)
+                }
             }
         };
         server::warming(server::reply(reply, wire2), warming)

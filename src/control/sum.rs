@@ -299,7 +299,9 @@ impl KeySum {
     /// Brings the smoothed values to `now`: the held sum has stood since `at`.
     fn advance(&mut self, now: f64, tau: f64) {
         if now > self.at {
-            self.fresh = false;
+            // A key that has summed nothing yet (a proxy's announce names its rules' tails
+            // empty) starts from its first sum still.
+            self.fresh &= self.offered == 0.0 && self.smooth_offered == 0.0;
             (self.smooth_offered, self.smooth_admitted) = self.smoothed(now, tau);
             self.at = now;
         }
@@ -340,9 +342,8 @@ impl KeySum {
     /// proxies: the sum stays where it was). An unmatched step down (a surge or a burst
     /// ending) is left to smoothing, so that a key that bursts keeps the ratio and the watch
     /// its last burst earned, and every proxy's guard bounds its next. Either way the sum then
-    /// stands still for the sender's interval. Returns whether a step up is left half unmatched
-    /// or more.
-    fn step(&mut self, jump: f64, now: f64, secs: f64) -> bool {
+    /// stands still for the sender's interval.
+    fn step(&mut self, jump: f64, now: f64, secs: f64) {
         if now > self.match_until {
             self.unmatched_up = 0.0;
             self.pending_down = 0.0;
@@ -363,8 +364,6 @@ impl KeySum {
             self.smooth_offered = (self.smooth_offered + moved).max(0.0);
             self.still_until = self.still_until.max(now + secs);
         }
-        // Half of it or more: what a proxy takes for a surge (see `GlobalCounters::held`).
-        jump > 0.0 && 2.0 * moved >= jump
     }
 
     fn remove(&mut self, r: Rate, now: f64) {
@@ -547,9 +546,9 @@ impl Accumulator {
         }
     }
 
-    /// Whether, since it was last asked, a report's step up was left unmatched (a surge, or
-    /// load moving here whose step down is still on its way) and whether a step down came;
-    /// both taken.
+    /// Whether, since it was last asked, a report's step up was left half unmatched or more
+    /// (a surge, or load moving here whose step down is still on its way: what a proxy takes
+    /// for a surge, see `GlobalCounters::held`) and whether a step down came; both taken.
     pub fn steps_seen(&mut self) -> (bool, bool) {
         std::mem::take(&mut self.steps)
     }
@@ -607,6 +606,9 @@ impl Accumulator {
             secs * HOLD_FOR
         };
         let mut bytes = 0usize;
+        // (service, rule, key, jump) of each step up.
+        type Up = (Arc<str>, Arc<str>, Arc<str>, f64);
+        let mut stepped_up: Vec<Up> = Vec::new();
         let mut new: Vec<HeldRule> = Vec::new();
         let mut limits_set: HashMap<(Arc<str>, Arc<str>), Limit> = HashMap::new();
         let mut group_limit: Option<Limit> = None;
@@ -769,9 +771,18 @@ impl Accumulator {
             // smoothed rate (see `KeySum::step`; a key first seen now starts from its sum
             // already; a last report holds no step).
             if key.is_some() && e.jump != 0.0 && !ks.fresh && !report.last {
-                let unmatched = ks.step(e.jump, now, secs);
-                self.steps.0 |= unmatched;
+                ks.step(e.jump, now, secs);
                 self.steps.1 |= e.jump < 0.0;
+                if e.jump > 0.0 {
+                    if let Some(k) = &key {
+                        stepped_up.push((
+                            group.service.clone(),
+                            group.rule.clone(),
+                            k.clone(),
+                            e.jump,
+                        ));
+                    }
+                }
             }
             group.keys.push((key, rate));
             self.tracked += 1;
@@ -779,6 +790,15 @@ impl Accumulator {
         if let Some((s, n)) = service_held {
             self.tracked_by.insert(s, n);
         }
+        // A step up half unmatched or more once the whole report is in (its own steps down
+        // may match it): a surge, or load moving here whose step down is on its way.
+        self.steps.0 |= stepped_up.iter().any(|(s, r, k, jump)| {
+            self.rules
+                .get(s)
+                .and_then(|r2| r2.get(r))
+                .and_then(|rule| rule.keys.get(k))
+                .is_some_and(|ks| 2.0 * ks.unmatched_up >= *jump)
+        });
         for g in &mut new {
             g.keys.shrink_to_fit();
         }

@@ -92,6 +92,21 @@ fn a_new_report_replaces_its_sources_values_and_the_sum_is_smoothed_over_time() 
 }
 
 #[test]
+fn a_tail_first_named_empty_starts_from_its_first_sum() {
+    // A proxy's announce names its rule's tail with nothing counted; its first report, an
+    // interval later, is the tail's first sum, and the sum starts there (not at 0, climbing
+    // while the fleet under-drops).
+    let mut acc = Accumulator::new(1.0);
+    acc.record(&report("a", vec![entry(None, 0, 0)]), "t", 0.0)
+        .unwrap();
+    let mut first = report("a", vec![entry(None, 300, 100)]);
+    first.seq = 1;
+    acc.record(&first, "t", 1.0).unwrap();
+    let v = acc.view(None, 1.0);
+    assert_eq!(v[0].offered_rps, 300.0, "{v:?}");
+}
+
+#[test]
 fn replicas_sharing_a_zones_hosts_in_turn_add_up_to_the_zone() {
     // One host at 300/s reporting every second, its reports landing on replica A and B in
     // turn; each replica forwards what it got every second, half a second apart.

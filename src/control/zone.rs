@@ -154,7 +154,8 @@ impl ZoneSums {
         }
     }
 
-    /// Takes so far (see [`Self::take`]): a report [`Self::record`]ed now is in the next.
+    /// Takes so far (see [`Self::take`] and [`Self::take_steps`]): a report
+    /// [`Self::record`]ed now is in the next (its units, or for a take of steps its steps).
     pub fn takes(&self) -> u64 {
         self.takes
     }
