@@ -5,8 +5,9 @@
 //! Soft state only: a restarted controller knows nothing, and the next round of reports
 //! rebuilds everything, with no operator. Its state (`/v1/state`, `/ui/state.json`) holds keys,
 //! often API keys and client addresses: it is shown only to a token that may see them. The
-//! accumulator sits behind one mutex: taken once per report, never on a request path, never
-//! across an await.
+//! accumulator sits behind one mutex: taken once per report (twice for a reply that waits,
+//! at most `STEP_MATCH_WAIT`, for a step down to match a step up), never on a request path,
+//! never across an await.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
