@@ -991,6 +991,25 @@ fn age_and_ratio(body: &str) -> (u64, f64) {
     (reply["age_ms"].as_u64().unwrap(), ratio)
 }
 
+/// An aggregator's answered forwards.
+const FORWARDS_OK: &str = "spillway_aggregator_forwards_total{result=\"ok\"}";
+
+/// `sample` in the metrics of the process whose admin listener is `admin` (0 until counted).
+async fn counted(admin: SocketAddr, sample: &str) -> f64 {
+    metric(&get(admin, "/metrics", &[]).await.2, sample).unwrap_or(0.0)
+}
+
+/// Waits until `sample` at `admin` is past `before` (its readiness signal), and returns it.
+async fn counted_past(admin: SocketAddr, sample: &str, before: f64) -> f64 {
+    loop {
+        let now = counted(admin, sample).await;
+        if now > before {
+            return now;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_whose_rate_stepped_is_answered_by_sums_that_hold_it() {
     let (_one, _up, ctl) = fleet().await;
@@ -998,13 +1017,7 @@ async fn a_report_whose_rate_stepped_is_answered_by_sums_that_hold_it() {
     let url = format!("http://{}", ctl.addr);
     let agg = Proc::spawn(&aggregator_args(&url, "z", "2s"));
     // Ready once its first forward (at its start) was answered.
-    let forwarded = || async {
-        let text = get(agg.admin, "/metrics", &[]).await.2;
-        metric(&text, "spillway_aggregator_forwards_total{result=\"ok\"}").unwrap_or(0.0)
-    };
-    while forwarded().await < 1.0 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    counted_past(agg.admin, FORWARDS_OK, 0.0).await;
     // A steady report is answered at once, by sums that do not hold it (age above 0): the
     // controller has not heard of the key.
     let (status, body) = post_as(agg.addr, None, stepping(1, 8, 0.0)).await;
@@ -1012,7 +1025,7 @@ async fn a_report_whose_rate_stepped_is_answered_by_sums_that_hold_it() {
     let (age, ratio) = age_and_ratio(&body);
     assert!(age >= 1, "{body}");
     assert_eq!(ratio, 0.0, "{body}");
-    let before = forwarded().await;
+    let before = counted(agg.admin, FORWARDS_OK).await;
     // The host's rate steps to 30 times the limit: its reply waits for an early forward and
     // carries the controller's answer to it, saying so (age 0).
     let (status, body) = post_as(agg.addr, None, stepping(2, 300, 292.0)).await;
@@ -1020,7 +1033,7 @@ async fn a_report_whose_rate_stepped_is_answered_by_sums_that_hold_it() {
     let (age, ratio) = age_and_ratio(&body);
     assert_eq!(age, 0, "the sums behind the reply hold the report: {body}");
     assert!(ratio > 0.5, "the step is in the ratio: {body}");
-    assert!(forwarded().await > before);
+    assert!(counted(agg.admin, FORWARDS_OK).await > before);
 }
 
 /// A report from host `host` (zone `z`, 2 s interval) numbered `seq`, offering `offered` a
@@ -1042,22 +1055,14 @@ async fn load_moving_between_hosts_is_answered_by_sums_that_hold_both_steps() {
     // the last window's rates again.
     let url = format!("http://{}", ctl.addr);
     let agg = Proc::spawn(&aggregator_args(&url, "z", "3s"));
-    let forwarded = || async {
-        let text = get(agg.admin, "/metrics", &[]).await.2;
-        metric(&text, "spillway_aggregator_forwards_total{result=\"ok\"}").unwrap_or(0.0)
-    };
-    while forwarded().await < 1.0 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    counted_past(agg.admin, FORWARDS_OK, 0.0).await;
     // Two hosts offer the key 6:1 of 7 times its limit, and a forward takes it.
     for (host, offered) in [("h1", 60), ("h2", 10)] {
         let (status, body) = post_as(agg.addr, None, moving(host, 1, offered, 0.0)).await;
         assert_eq!(status, StatusCode::OK, "{body}");
     }
-    let before = forwarded().await;
-    while forwarded().await <= before {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let before = counted(agg.admin, FORWARDS_OK).await;
+    counted_past(agg.admin, FORWARDS_OK, before).await;
     // The load moves from h1 to h2, the total unchanged; each host's report says its step.
     let (status, body) = post_as(agg.addr, None, moving("h1", 2, 10, -50.0)).await;
     assert_eq!(status, StatusCode::OK, "{body}");
@@ -1079,10 +1084,8 @@ async fn load_moving_between_hosts_is_answered_by_sums_that_hold_both_steps() {
     // early forward holds both (a forward with the step up alone would have its reply wait
     // for a step down that could only follow it). After the next tick's forward: there are
     // two early forwards at most between two of the interval's.
-    let before = forwarded().await;
-    while forwarded().await <= before {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let before = counted(agg.admin, FORWARDS_OK).await;
+    counted_past(agg.admin, FORWARDS_OK, before).await;
     let up = tokio::spawn(post_as(agg.addr, None, moving("h1", 3, 60, 50.0)));
     let (status, body) = post_as(agg.addr, None, moving("h2", 3, 10, -50.0)).await;
     assert_eq!(status, StatusCode::OK, "{body}");
@@ -1121,22 +1124,17 @@ async fn a_step_up_is_answered_with_the_step_down_that_comes_through_another_zon
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert!(before > 0.5, "the key is held to its limit: {before}");
-    let ok = || async {
-        let text = get(ctl.admin, "/metrics", &[]).await.2;
-        metric(&text, "spillway_controller_reports_total{result=\"ok\"}").unwrap_or(0.0)
-    };
+    let ok = "spillway_controller_reports_total{result=\"ok\"}";
     // The load moves from zone a to zone b: b's step up is taken first, a's step down just
     // after it (each zone's aggregator forwards early, at once).
-    let counted = ok().await;
+    let before_up = counted(ctl.admin, ok).await;
     let up = tokio::spawn(post_wire(
         ctl.addr,
         None,
         zone_sums("b", seq + 1, 60, 50.0),
         None,
     ));
-    while ok().await <= counted {
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    counted_past(ctl.admin, ok, before_up).await;
     let (status, body) = post_wire(ctl.addr, None, zone_sums("a", seq + 1, 10, -50.0), None).await;
     assert_eq!(status, StatusCode::OK, "{body}");
     let (status, body) = up.await.unwrap();
@@ -1163,13 +1161,7 @@ async fn a_proxy_announces_its_rules_as_it_starts_and_reports_its_counts_a_whole
     }
     // Its first report is answered at once (so its reply's hints bound its new keys from the
     // start: their share of the limit, not the whole of it).
-    let reports = || async {
-        let text = get(p.admin, "/metrics", &[]).await.2;
-        metric(&text, "spillway_reports_total{result=\"ok\"}").unwrap_or(0.0)
-    };
-    while reports().await < 1.0 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    counted_past(p.admin, "spillway_reports_total{result=\"ok\"}", 0.0).await;
     // It named the rule and counted nothing: the requests so far are a rate over the first
     // interval, and go with its report.
     let (status, _, body) = get(ctl.addr, "/v1/state", &[]).await;
