@@ -77,8 +77,8 @@ struct State {
     stepped_down: tokio::sync::Notify,
 }
 
-/// The most a reply to a report with a step up left unmatched waits for a step down that
-/// matches it (and at most a quarter of the report's interval): the two halves of load moving
+/// The most a reply to a report with a step up left half unmatched or more waits for a step
+/// down (and at most a quarter of the report's interval): the two halves of load moving
 /// between proxies come at once, but through different aggregators.
 const STEP_MATCH_WAIT: Duration = Duration::from_millis(200);
 
@@ -108,7 +108,7 @@ impl State {
             .map(|s| s.into_iter().map(str::to_string).collect());
         let interval_ms = report.interval_ms;
         let now = self.acc.now();
-        let warming = self.warming(report.interval_ms, now);
+        let warming = self.warming(interval_ms, now);
         let down = {
             let mut acc = self.acc.lock();
             match acc.record(&report, principal.owner(&report), now) {

@@ -22,7 +22,7 @@ use super::{DropRatios, Entry, Limit, Reply, Report, Staleness, MAX_REPLY, VERSI
 use crate::config::ControlPlane;
 use crate::limit::{AnyClock, Clock, Nanos};
 use crate::metrics::Metrics;
-use crate::rules::RuleSet;
+use crate::rules::{GlobalCounts, RuleSet};
 
 /// A client for the control plane's JSON endpoints, over HTTP or HTTPS.
 #[cfg(feature = "tls")]
@@ -387,8 +387,21 @@ pub fn build_report(
     top_k: usize,
     seq: u64,
 ) -> Report {
+    let counts = rules.drain_global(top_k, interval.as_secs_f64(), seq);
+    report_of(counts, service, source, zone, interval, seq)
+}
+
+/// The report numbered `seq` of `counts`, covering `interval`.
+fn report_of(
+    counts: impl IntoIterator<Item = GlobalCounts>,
+    service: &str,
+    source: &str,
+    zone: &str,
+    interval: Duration,
+    seq: u64,
+) -> Report {
     let mut entries = Vec::new();
-    for counts in rules.drain_global(top_k, interval.as_secs_f64(), seq) {
+    for counts in counts {
         let entry = |key, keys_folded, offered, admitted| Entry {
             service: service.to_string(),
             rule: counts.rule.clone(),
@@ -541,31 +554,21 @@ impl Reporter {
     /// The report a proxy sends as it starts: each global rule named, nothing counted (what
     /// was counted so far goes with the first interval's report, whose rate it is).
     pub fn announce(&self, rules: &RuleSet) -> Report {
-        let entries = rules
-            .global_rules()
-            .map(|(rule, rate)| Entry {
-                service: self.service.clone(),
-                rule: rule.to_string(),
-                limit: Limit::of(rate),
-                key: None,
-                keys_folded: 0,
-                offered: 0,
-                admitted: 0,
-                sketch: None,
-                hosts: 0,
-                jump: 0.0,
-            })
-            .collect();
-        Report {
-            version: VERSION,
-            source: self.source.clone(),
-            zone: self.zone.clone(),
-            interval_ms: self.interval.as_millis() as u64,
-            seq: self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-            last: false,
-            entries,
-            instance: None,
-        }
+        let nothing = rules.global_rules().map(|(rule, rate)| GlobalCounts {
+            rule: rule.to_string(),
+            rate,
+            keys: Vec::new(),
+            other: (0, 0, 0),
+            folded: Default::default(),
+        });
+        report_of(
+            nothing,
+            &self.service,
+            &self.source,
+            &self.zone,
+            self.interval,
+            self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        )
     }
 
     /// One report and the publication of its reply.
