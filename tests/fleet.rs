@@ -1010,14 +1010,20 @@ async fn counted_past(admin: SocketAddr, sample: &str, before: f64) -> f64 {
     }
 }
 
+/// An aggregator for zone `z` forwarding to `ctl` every `every`, once its first forward (at
+/// its start) was answered.
+async fn answering_aggregator(ctl: &Proc, every: &str) -> Proc {
+    let url = format!("http://{}", ctl.addr);
+    let agg = Proc::spawn(&aggregator_args(&url, "z", every));
+    counted_past(agg.admin, FORWARDS_OK, 0.0).await;
+    agg
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_report_whose_rate_stepped_is_answered_by_sums_that_hold_it() {
     let (_one, _up, ctl) = fleet().await;
     // Forwarding every 2 s: a reply to a report is otherwise from the forward before it.
-    let url = format!("http://{}", ctl.addr);
-    let agg = Proc::spawn(&aggregator_args(&url, "z", "2s"));
-    // Ready once its first forward (at its start) was answered.
-    counted_past(agg.admin, FORWARDS_OK, 0.0).await;
+    let agg = answering_aggregator(&ctl, "2s").await;
     // A steady report is answered at once, by sums that do not hold it (age above 0): the
     // controller has not heard of the key.
     let (status, body) = post_as(agg.addr, None, stepping(1, 8, 0.0)).await;
@@ -1053,9 +1059,7 @@ async fn load_moving_between_hosts_is_answered_by_sums_that_hold_both_steps() {
     // that holds its step, and a window shorter than half an interval would leave the
     // controller's sums empty before the next tick. So both hosts' steps go in forwards of
     // the last window's rates again.
-    let url = format!("http://{}", ctl.addr);
-    let agg = Proc::spawn(&aggregator_args(&url, "z", "3s"));
-    counted_past(agg.admin, FORWARDS_OK, 0.0).await;
+    let agg = answering_aggregator(&ctl, "3s").await;
     // Two hosts offer the key 6:1 of 7 times its limit, and a forward takes it.
     for (host, offered) in [("h1", 60), ("h2", 10)] {
         let (status, body) = post_as(agg.addr, None, moving(host, 1, offered, 0.0)).await;
