@@ -1979,37 +1979,16 @@ async fn offered_apart(proxies: &[&Proc], secs: f64) -> Vec<(u64, f64)> {
     out
 }
 
-// Issue 42, item 1: one service's token at its worst (slow bodies, maximal reports, state reads
-// in a loop, a flood of new sources) while two other services' proxies report through the same
-// aggregator and controller: their limits and their reports are as they were.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_they_were() {
+/// One service's token at its worst until `stop`: slow bodies, maximal reports, state reads in
+/// a loop, a flood of new sources; `sent` counts what got through of the last three.
+async fn tenant_at_its_worst(
+    agg_addr: SocketAddr,
+    ctl_addr: SocketAddr,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    sent: Arc<[AtomicU64; 3]>,
+) {
     use tokio::io::AsyncWriteExt;
-    let _one = ONE_AT_A_TIME.lock().await;
-    let dir = tokens_dir();
-    let dir = dir.to_str().unwrap();
-    let ctl = controller("127.0.0.1:0", &["--tokens", dir]);
-    // The chart's cadence: forwards every second, as the proxies report.
-    let url = format!("http://{}", ctl.addr);
-    let mut args = aggregator_args(&url, "z1", "1s");
-    args.extend_from_slice(&["--tokens", dir]);
-    let agg = Proc::spawn(&args);
-    let up = upstream().await;
-    let books = service_proxy("books", up.addr, agg.addr, "books-t");
-    let maps = service_proxy("maps", up.addr, agg.addr, "maps-t");
-    let fleets = [&books, &maps];
-    // The chart's 1 s reports (a reply is waited for that long): settled, then as it is calm.
-    offered_apart(&fleets, 4.0).await;
-    let calm = offered_apart(&fleets, 4.0).await;
-    for ((ok, failed), service) in calm.iter().zip(["books", "maps"]) {
-        eprintln!("{service} calm: {ok} admitted, {failed} reports failed");
-    }
-
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    // What the tenant got through: maximal reports, state reads, new sources.
-    let sent = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
     let mut attack = tokio::task::JoinSet::new();
-    let (agg_addr, ctl_addr) = (agg.addr, ctl.addr);
     // Slow bodies: forty reports announcing 1 MB and sending one byte, renewed every second.
     let s = stop.clone();
     attack.spawn(async move {
@@ -2062,12 +2041,56 @@ async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_the
             i += 1;
         }
     });
+    while attack.join_next().await.is_some() {}
+}
+
+// Issue 42, item 1: one service's token at its worst (slow bodies, maximal reports, state reads
+// in a loop, a flood of new sources) while two other services' proxies report through the same
+// aggregator and controller: their limits and their reports are as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_they_were() {
+    let _one = ONE_AT_A_TIME.lock().await;
+    let dir = tokens_dir();
+    let dir = dir.to_str().unwrap();
+    let ctl = controller("127.0.0.1:0", &["--tokens", dir]);
+    // The chart's cadence: forwards every second, as the proxies report.
+    let url = format!("http://{}", ctl.addr);
+    let mut args = aggregator_args(&url, "z1", "1s");
+    args.extend_from_slice(&["--tokens", dir]);
+    let agg = Proc::spawn(&args);
+    let up = upstream().await;
+    let books = service_proxy("books", up.addr, agg.addr, "books-t");
+    let maps = service_proxy("maps", up.addr, agg.addr, "maps-t");
+    let fleets = [&books, &maps];
+    // The chart's 1 s reports (a reply is waited for that long): settled, then as it is calm.
+    offered_apart(&fleets, 4.0).await;
+    let calm = offered_apart(&fleets, 4.0).await;
+    for ((ok, failed), service) in calm.iter().zip(["books", "maps"]) {
+        eprintln!("{service} calm: {ok} admitted, {failed} reports failed");
+    }
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // What the tenant got through: maximal reports, state reads, new sources.
+    let sent = Arc::new([AtomicU64::new(0), AtomicU64::new(0), AtomicU64::new(0)]);
+    let (agg_addr, ctl_addr) = (agg.addr, ctl.addr);
+    let (stop2, sent2) = (stop.clone(), sent.clone());
+    // The tenant runs on a thread and runtime of its own: building maximal reports must not
+    // hold up the workers that pace the other services' offered load.
+    let attacker = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(tenant_at_its_worst(agg_addr, ctl_addr, stop2, sent2))
+    });
     // The attack's first maximal reports take a second or so to build and send: measured
     // once it runs in full.
     offered_apart(&fleets, 2.0).await;
     let under_attack = offered_apart(&fleets, 4.0).await;
     stop.store(true, Ordering::Relaxed);
-    while attack.join_next().await.is_some() {}
+    tokio::task::spawn_blocking(move || attacker.join().unwrap())
+        .await
+        .unwrap();
     let sent: Vec<u64> = sent.iter().map(|n| n.load(Ordering::Relaxed)).collect();
     eprintln!("the tenant got through: {sent:?} (maximal reports, state reads, new sources)");
     assert!(
@@ -2079,11 +2102,11 @@ async fn one_tenant_at_its_worst_leaves_other_services_limits_and_reports_as_the
     {
         eprintln!("{service}: {ok} admitted, {failed} reports failed");
         assert_eq!(failed, 0.0, "{service}'s reports failed under attack");
-        // As it was calm, within 5 % of the limit; and within the steady fleet's bound of any
-        // second (issue 39: 5 % and one request a second for each proxy; a service has one).
+        // As it was calm, and within the limit, by the steady fleet's bound of any second
+        // (issue 39: 5 % and one request a second for each proxy; a service has one).
         let moved = (ok as f64 - was as f64).abs() / 4.0;
         assert!(
-            moved <= 0.05 * LIMIT as f64,
+            moved <= 0.05 * LIMIT as f64 + 1.0,
             "{service} under attack: {ok} admitted in 4 s against {was} calm"
         );
         assert_within(ok, 4.0, 0.06, &format!("{service} under attack"));
