@@ -598,6 +598,28 @@ async fn a_client_body_that_stops_gets_408() {
     assert!(a.head.contains("connection: close"), "{}", a.head);
 }
 
+/// 2. The same on a kept-alive connection whose last upload went up whole: what a connection
+/// knew of its last upload (sent whole: the response timeout's turn) is not the next one's.
+#[tokio::test]
+async fn a_client_body_that_stops_after_a_whole_upload_on_its_connection_gets_408() {
+    let (sc, up) = sidecar("timeouts: { client_body_idle: 1s }\nrules: []\n").await;
+    let mut c = tokio::io::BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
+    post_head(&mut c, "/upload", 100_000, 20_000).await;
+    up.signals.first_bytes.notified().await;
+    tokio::io::AsyncWriteExt::write_all(c.get_mut(), &[b'u'; 80_000])
+        .await
+        .unwrap();
+    let a = read_answer(&mut c).await;
+    assert_eq!(a.status, "HTTP/1.1 200 OK", "{}", a.body);
+    assert_eq!(a.body, "100000");
+    post_head(&mut c, "/upload", 100_000, 20_000).await;
+    up.signals.first_bytes.notified().await;
+    let a = tokio::time::timeout(Duration::from_secs(10), read_answer(&mut c))
+        .await
+        .expect("no answer to the second body, which stopped");
+    assert_eq!(a.status, "HTTP/1.1 408 Request Timeout", "{}", a.body);
+}
+
 /// 2. An app that takes no byte of an upload for `timeouts.send` gets the request 504.
 #[tokio::test]
 async fn an_app_that_takes_no_byte_of_an_upload_gets_504() {

@@ -26,7 +26,7 @@ use atomic_waker::AtomicWaker;
 use http::{Request, Response, Version};
 use tokio::net::TcpStream;
 
-use super::body::ReqBody;
+use super::body::{Progress, ReqBody};
 use super::failure::Failure;
 use super::forwarded::Added;
 use super::http1::client::{self as h1, Raw, RawBody, Unusable};
@@ -141,6 +141,9 @@ pub struct Affine {
     pub wakes: Wakes,
     /// The worker's upstream connections that no client connection holds.
     idle: Arc<Idle>,
+    /// An HTTP/1 client connection's uploads' progress, told afresh for each (see
+    /// [`Self::progress`]).
+    progress: std::sync::OnceLock<Arc<Progress>>,
 }
 
 struct Slot {
@@ -205,7 +208,22 @@ impl Affine {
             }),
             wakes: Default::default(),
             idle,
+            progress: Default::default(),
         }
+    }
+
+    /// Where a body going up tells its progress. An HTTP/1 client connection's requests come
+    /// one at a time: the last upload's is told afresh once nothing holds it (an upload ends
+    /// with its response body), so an upload allocates none. An HTTP/2 stream gets its own.
+    pub fn progress(&self, h2: bool) -> Arc<Progress> {
+        if !h2 {
+            let kept = self.progress.get_or_init(Default::default);
+            if Arc::strong_count(kept) == 1 {
+                kept.restart();
+                return kept.clone();
+            }
+        }
+        Arc::new(Progress::default())
     }
 
     /// Sends `req` (as the client sent it; a body still coming is taken out of it and streamed),

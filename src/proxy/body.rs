@@ -81,6 +81,13 @@ impl Progress {
         self.on_client.store(on_client, Ordering::Relaxed);
     }
 
+    /// As new, for the next upload.
+    pub(crate) fn restart(&self) {
+        self.moved.store(0, Ordering::Relaxed);
+        self.on_client.store(false, Ordering::Relaxed);
+        self.over.store(false, Ordering::Relaxed);
+    }
+
     /// Sent whole, or stopped.
     pub(crate) fn ended(&self) {
         self.over.store(true, Ordering::Relaxed);

@@ -167,6 +167,20 @@ impl Sleep {
             closable: true,
         }
     }
+
+    /// Moves the deadline (fired or not), keeping its slot: no slot given back and taken
+    /// again. Not for a closable timer.
+    pub fn reset(&mut self, deadline: Instant) {
+        debug_assert!(!self.closable, "a closable timer's count is kept by arming");
+        self.deadline = deadline;
+        if let Some(i) = self.slot {
+            let mut slots = self.timers.lock();
+            let e = &mut slots.entries[i];
+            e.deadline = deadline;
+            // Fired: its waker was taken; the next poll gives one again.
+            e.fired = false;
+        }
+    }
 }
 
 impl Future for Sleep {
@@ -310,6 +324,39 @@ mod tests {
         let _unpolled = Sleep::until(timers.clone(), t0);
         timers.fire(t0 + Duration::from_secs(1));
         assert_eq!(timers.armed(), 0);
+    }
+
+    #[test]
+    fn a_reset_timer_keeps_its_slot_and_fires_at_its_new_deadline_even_after_firing() {
+        let timers = Arc::new(Timers::default());
+        let t0 = Timers::now();
+        let mut cx = noop_cx();
+        let mut sleep = Box::pin(Sleep::until(timers.clone(), t0 + Duration::from_secs(1)));
+        assert!(sleep.as_mut().poll(&mut cx).is_pending());
+        sleep.reset(t0 + Duration::from_secs(5));
+        timers.fire(t0 + Duration::from_secs(1));
+        assert!(sleep.as_mut().poll(&mut cx).is_pending(), "moved later");
+        timers.fire(t0 + Duration::from_secs(5));
+        assert!(sleep.as_mut().poll(&mut cx).is_ready());
+        // Fired, then moved: pending again until its new deadline.
+        sleep.reset(t0 + Duration::from_secs(8));
+        assert!(
+            sleep.as_mut().poll(&mut cx).is_pending(),
+            "fired, then moved"
+        );
+        timers.fire(t0 + Duration::from_secs(7));
+        assert!(sleep.as_mut().poll(&mut cx).is_pending());
+        timers.fire(t0 + Duration::from_secs(8));
+        assert!(sleep.as_mut().poll(&mut cx).is_ready());
+        assert_eq!(timers.lock().entries.len(), 1, "one slot throughout");
+        drop(sleep);
+        assert_eq!(timers.armed(), 0);
+        // A reset before the first poll only moves the deadline.
+        let mut early = Box::pin(Sleep::until(timers.clone(), t0));
+        early.reset(t0 + Duration::from_secs(20));
+        assert!(early.as_mut().poll(&mut cx).is_pending());
+        timers.fire(t0 + Duration::from_secs(19));
+        assert!(early.as_mut().poll(&mut cx).is_pending());
     }
 
     #[tokio::test]

@@ -252,8 +252,11 @@ impl Forward<'_> {
         // A body still coming goes up before the response timeout starts.
         // (Still a stream if it was one and was not read whole above: asking again would
         // lock an HTTP/2 stream's state.)
-        let progress = (coming && matches!(req.body(), Either::Left(_)))
-            .then(|| Arc::new(Progress::default()));
+        let progress =
+            (coming && matches!(req.body(), Either::Left(_))).then(|| match self.affine {
+                Some((conn, _)) => conn.progress(req.version() == Version::HTTP_2),
+                None => Arc::new(Progress::default()),
+            });
         added.progress = progress.clone();
         if self.affine.is_none() {
             // hyper's client reads the body: the body tells how far it got.
@@ -360,7 +363,7 @@ impl Forward<'_> {
             }
             if !over && progress.over() {
                 over = true;
-                deadline = Sleep::until(self.timers.clone(), Timers::now() + self.response_timeout);
+                deadline.reset(Timers::now() + self.response_timeout);
             }
             if std::pin::Pin::new(&mut deadline).poll(cx).is_pending() {
                 return std::task::Poll::Pending;
@@ -380,10 +383,7 @@ impl Forward<'_> {
             if now >= since + limit {
                 return std::task::Poll::Ready(Err(late));
             }
-            deadline = Sleep::until(
-                self.timers.clone(),
-                (since + limit).min(now + send.min(client)),
-            );
+            deadline.reset((since + limit).min(now + send.min(client)));
         })
         .await
     }
