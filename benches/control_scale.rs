@@ -170,6 +170,8 @@ async fn metric(admin: SocketAddr, name: &str) -> f64 {
 
 fn main() -> anyhow::Result<()> {
     // This process (the simulated hosts) on CPU 1; the server under test on CPU 0.
+    // SAFETY: a zeroed cpu_set_t is an empty set; the calls read it and this thread's id.
+    #[allow(unsafe_code)]
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(1, &mut set);

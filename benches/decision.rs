@@ -56,7 +56,7 @@ fn global_ruleset(ratio: f64) -> RuleSet {
         ip(1)
     ))
     .unwrap();
-    use spillway::internal::control::DropRatios;
+    use spillway::internal::rules::DropRatios;
     let now = MonotonicClock::new().now();
     let ratios = Arc::new(arc_swap::ArcSwap::from_pointee(DropRatios::empty(now)));
     let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());

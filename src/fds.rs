@@ -15,6 +15,9 @@
 //!
 //! Cost: a table of 8 bytes per descriptor in kernel memory, nothing per request.
 
+// The limits and the table are the C library's, called as it documents them.
+#![allow(unsafe_code)]
+
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 

@@ -131,6 +131,7 @@ fn sigterm_drains_and_exits_zero() {
     assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
 
     // SAFETY: kill(2) on the pid of the child this test spawned and has not reaped yet.
+    #[allow(unsafe_code)]
     let killed = unsafe { libc::kill(proxy.child.id() as libc::pid_t, libc::SIGTERM) };
     assert_eq!(killed, 0);
     let status = proxy.child.wait().unwrap();

@@ -1,5 +1,7 @@
 //! The proxy makes room for the descriptors its connection cap needs before its first client
 //! (src/fds.rs). Alone in its test binary: it lowers the process's open-files limit.
+// The open-files limits are the C library's.
+#![allow(unsafe_code)]
 
 mod common;
 

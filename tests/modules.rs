@@ -264,6 +264,37 @@ fn the_decision_never_awaits_nor_imports_the_data_plane_the_control_plane_the_re
     }
 }
 
+/// The control plane's sums never know the decision's types (and `rules` never imports
+/// `control`, above): inside `control` only the proxy's side imports `rules`, the reporter
+/// (which drains the decision's counts) and `ratios` (which turns a reply into the ratios the
+/// decision reads). The aggregator, controller, sums, zones, sources and server never do, nor
+/// does `control` itself re-export the decision's types.
+#[test]
+fn only_the_control_planes_proxy_side_imports_rules() {
+    let (_, edges) = imports();
+    let proxy_side = [["control", "reporter"], ["control", "ratios"]];
+    assert!(
+        proxy_side.iter().all(|m| edges
+            .get(m.map(String::from).as_slice())
+            .is_some_and(|to| to.iter().any(|t| t[0] == "rules"))),
+        "the scan sees the reporter and ratios import rules: {edges:?}"
+    );
+    let wrong: Vec<String> = edges
+        .iter()
+        .filter(|(from, _)| from[0] == "control" && !proxy_side.iter().any(|m| from[..] == m[..]))
+        .flat_map(|(from, to)| {
+            to.iter()
+                .filter(|t| t[0] == "rules")
+                .map(move |t| format!("{} -> {}", from.join("::"), t.join("::")))
+        })
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "imports against the direction:\n{}",
+        wrong.join("\n")
+    );
+}
+
 #[test]
 fn the_scan_sees_grouped_and_relative_imports() {
     assert_eq!(

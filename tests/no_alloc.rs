@@ -1,5 +1,7 @@
 //! The decision for a known key allocates nothing, for every algorithm and for the drop-ratio
 //! path: a counting allocator, no timing. A regression guard for the hot-path discipline.
+// A counting global allocator is `unsafe` by its trait.
+#![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
@@ -8,10 +10,11 @@ use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 use http::{HeaderMap, Method, Uri};
-use spillway::internal::control::{DropRatios, Ratio, Reply, VERSION};
+use spillway::internal::control::{Ratio, Reply, VERSION};
 use spillway::internal::key::RequestView;
 use spillway::internal::limit::Algorithm;
 use spillway::internal::metrics::Metrics;
+use spillway::internal::rules::DropRatios;
 use spillway::internal::rules::{RuleSet, Verdict};
 use spillway::Config;
 

@@ -113,6 +113,7 @@ fn the_controller_raises_a_low_soft_open_files_limit() {
     .stdout(std::process::Stdio::piped())
     .stderr(std::process::Stdio::null());
     // SAFETY: setrlimit is async-signal-safe; it lowers the child's own soft limit only.
+    #[allow(unsafe_code)]
     unsafe {
         cmd.pre_exec(|| {
             let mut lim = libc::rlimit {

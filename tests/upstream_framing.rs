@@ -393,6 +393,7 @@ async fn every_framing_arrives_whole_and_the_connection_is_reused_after_it() {
 
 /// Segments with data the kernel has received on `s` (`TCP_INFO`'s `tcpi_data_segs_in`):
 /// on loopback, one per `write` of the proxy's (a small one; pure ACKs are not counted).
+#[allow(unsafe_code)]
 fn data_segments_in(s: &TcpStream) -> u32 {
     use std::os::fd::AsRawFd;
     let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };

@@ -24,7 +24,6 @@ pub mod tls;
 pub mod tls;
 pub mod zone;
 
-pub use crate::rules::{DropRatios, Staleness};
 pub use sources::SourceRefusal;
 pub use sum::{Accumulator, KeyView, RuleState, StateView};
 pub use zone::ZoneSums;

@@ -1,8 +1,9 @@
 //! How a reply becomes the drop ratios a proxy holds ([`DropRatios`], which the decision in
 //! `rules` reads): the service's own ratios only, each clamped to [0, 1]. Pure, no I/O.
 
-use super::{DropRatios, Reply};
+use super::Reply;
 use crate::limit::Nanos;
+use crate::rules::DropRatios;
 
 impl DropRatios {
     /// The ratios of `service` in `reply`, computed at `at`.

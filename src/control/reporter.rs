@@ -18,11 +18,11 @@ use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use tokio::sync::watch;
 
-use super::{DropRatios, Entry, Limit, Reply, Report, Staleness, MAX_REPLY, VERSION};
+use super::{Entry, Limit, Reply, Report, MAX_REPLY, VERSION};
 use crate::config::ControlPlane;
 use crate::limit::{AnyClock, Clock, Nanos};
 use crate::metrics::Metrics;
-use crate::rules::{GlobalCounts, RuleSet};
+use crate::rules::{DropRatios, GlobalCounts, RuleSet, Staleness};
 
 /// A client for the control plane's JSON endpoints, over HTTP or HTTPS.
 #[cfg(feature = "tls")]

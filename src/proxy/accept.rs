@@ -133,6 +133,7 @@ impl Acceptor {
         listener.set_nonblocking(true)?;
         // SAFETY: the `AsyncFd` owns the listener, whose descriptor stays open and the same
         // until the `AsyncFd` is dropped.
+        #[allow(unsafe_code)]
         let fd = unsafe { AsyncFd::register(listener) }.map_err(io::Error::from)?;
         Ok(Self {
             fd,

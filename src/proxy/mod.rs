@@ -49,13 +49,13 @@ use tokio::task::JoinHandle;
 
 use crate::config::{Config, ConfigError};
 use crate::control::reporter::Reporter;
-use crate::control::DropRatios;
 use crate::fds;
 use crate::gate;
 use crate::hygiene::{Hygiene, MISDIRECTED, TOO_LARGE};
 use crate::key::{self, RequestView};
 use crate::limit::{AnyClock, Clock};
 use crate::metrics::{Metrics, Outcome};
+use crate::rules::DropRatios;
 use crate::rules::RuleSet;
 use forward::ReqBody;
 use request::*;

@@ -396,7 +396,10 @@ impl Proc {
     /// Stops it as Kubernetes does (SIGTERM) and waits for it to exit, its drain done.
     pub fn terminate(&mut self) {
         // SAFETY: a signal to our own child, by its PID.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM)
+        };
         let _ = self.child.wait();
     }
 }
