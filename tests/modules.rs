@@ -264,6 +264,60 @@ fn the_decision_never_awaits_nor_imports_the_data_plane_the_control_plane_the_re
     }
 }
 
+/// The data plane's layers (src/proxy/mod.rs): the protocol servers (HTTP/1's server side,
+/// HTTP/2) are handed the request path as a `Handler` by `connection`, which tells which one
+/// a connection speaks: they never import the request path (`request`), the forward
+/// (`forward`, `forwarded`, `affine`), the connection owner, or the wiring (`proxy` itself),
+/// and HTTP/1 never imports HTTP/2. `protocol`, what both are given, imports none of those.
+#[test]
+fn protocol_servers_never_import_the_request_path_and_http1_never_imports_http2() {
+    let (files, edges) = imports();
+    let m = |path: &str| -> Module { path.split("::").map(String::from).collect() };
+    let servers: Vec<&Module> = files
+        .keys()
+        .filter(|f| {
+            f.starts_with(&m("proxy::http2"))
+                || [
+                    "proxy::http1::server",
+                    "proxy::http1::request_head",
+                    "proxy::http1::request_body",
+                    "proxy::http1::tunnel",
+                    "proxy::protocol",
+                ]
+                .iter()
+                .any(|s| **f == m(s))
+        })
+        .collect();
+    assert!(
+        servers.len() >= 7,
+        "the scan found the servers: {servers:?}"
+    );
+    let above = [
+        "proxy",
+        "proxy::request",
+        "proxy::forward",
+        "proxy::forwarded",
+        "proxy::affine",
+        "proxy::connection",
+    ]
+    .map(m);
+    let mut wrong = Vec::new();
+    for server in servers {
+        for to in edges.get(server).into_iter().flatten() {
+            let http1_to_http2 =
+                server.starts_with(&m("proxy::http1")) && to.starts_with(&m("proxy::http2"));
+            if above.contains(to) || http1_to_http2 {
+                wrong.push(format!("{} -> {}", server.join("::"), to.join("::")));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "imports against the layers:\n{}",
+        wrong.join("\n")
+    );
+}
+
 /// The control plane's sums never know the decision's types (and `rules` never imports
 /// `control`, above): inside `control` only the proxy's side imports `rules`, the reporter
 /// (which drains the decision's counts) and `ratios` (which turns a reply into the ratios the

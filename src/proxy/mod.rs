@@ -7,6 +7,13 @@
 //! guard or any lock across an `.await`, buffer a body (beyond a small one already read with its
 //! head), log per request above debug.
 //!
+//! Layers, each importing only those below it (`tests/modules.rs` fails on an import against
+//! them): this file wires them (shared state, workers, timers); `connection` owns a client
+//! connection from accept to end and tells which protocol it speaks; the protocol servers
+//! (`http1`'s server side, `http2`) are handed the request path as a `protocol::Handler` and
+//! import neither it nor each other; the request path (`request`: hygiene, decision,
+//! refusals) calls the forward (`forward`, `forwarded`, `affine` and `http1`'s client side).
+//!
 //! Cost of the request path beyond the server side's own work (`http1`'s, or hyper's): one pass
 //! over the request's fields (`Hygiene`: head size, `Host`, client claims) and one over its path
 //! (already canonical: no allocation), the client address by policy, one `ArcSwap` load,
@@ -23,11 +30,13 @@ mod affine;
 mod body;
 mod clients;
 mod coarse;
+mod connection;
 mod failure;
 pub mod forward;
 mod forwarded;
 pub(crate) mod http1;
 mod http2;
+mod protocol;
 pub mod reload;
 mod request;
 pub mod respond;
@@ -487,7 +496,7 @@ async fn worker(
         anchor_period(&config),
     ));
     shared.idles.add(&timers);
-    let lane = Arc::new(http1::conn::Lane {
+    let lane = Arc::new(protocol::Lane {
         hyper: builder,
         max_head,
         header_read: config.timeouts.header_read.0,
@@ -497,6 +506,7 @@ async fn worker(
         body_idle_errors,
         timers: timers.clone(),
         stalls: stalls.clone(),
+        h2_budget: shared.h2_budget.clone(),
         draining,
     });
     let idle = Arc::new(affine::Idle::new(
@@ -556,7 +566,7 @@ async fn worker(
             }
         };
         let conn = Arc::new(Conn {
-            abandoned: Abandoned::default(),
+            abandoned: connection::Abandoned::default(),
             shared: shared.clone(),
             client: client.clone(),
             affine: affine::Affine::new(idle.clone()),
@@ -569,7 +579,7 @@ async fn worker(
         metrics.connections.inc();
         tokio::spawn(async move {
             let _alive = alive;
-            let served = std::pin::pin!(http1::server::serve(stream, conn.clone(), lane));
+            let served = std::pin::pin!(connection::serve(stream, conn.clone(), lane));
             match affine::drive(served, &conn.affine).await {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
@@ -578,7 +588,7 @@ async fn worker(
                 None => {
                     // Dropping the connection closes it, with every stream on it.
                     metrics.rapid_reset.inc();
-                    tracing::warn!(%peer, "closed a connection that abandoned requests faster than {ABANDON_BUDGET}/s (rapid reset)");
+                    tracing::warn!(%peer, "closed a connection that abandoned requests faster than {}/s (rapid reset)", connection::ABANDON_BUDGET);
                 }
             }
             metrics.connections.dec();

@@ -1,26 +1,13 @@
 //! The request path: what happens to one request between the server side that read it and the
 //! response it is answered with. Hygiene, the decision (and its waits), the forward upstream,
 //! the refusals and the metrics; and what the requests of one client connection share
-//! ([`Conn`]), with the budget of requests a connection may abandon (rapid reset).
+//! ([`Conn`]), the [`Handler`] both protocol servers are given.
 //!
 //! Must never: await while holding a rule-set guard, allocate for a known key's decision, or
 //! answer a refused request before its small body was drained (the client must read the 429).
 
 use super::*;
-
-/// Requests one connection may abandon per second (an HTTP/2 RST_STREAM before the response,
-/// or the client gone) before the proxy closes it: the rapid-reset attack (CVE-2023-44487)
-/// makes the server start work for streams it cancels at once, thousands per second. An
-/// HTTP/1 connection abandons at most one request, when it closes.
-pub(super) const ABANDON_BUDGET: u32 = 200;
-
-/// Abandoned requests of one connection in the current second.
-#[derive(Default)]
-pub(super) struct Abandoned {
-    // Relaxed: a rate bound; a race miscounts by one.
-    pub(super) second: std::sync::atomic::AtomicU64,
-    pub(super) count: std::sync::atomic::AtomicU32,
-}
+use protocol::Handler;
 
 /// What the requests of one client connection share.
 pub(super) struct Conn {
@@ -33,7 +20,7 @@ pub(super) struct Conn {
     pub(super) streams: std::sync::OnceLock<Arc<Semaphore>>,
     /// The worker's request deadlines.
     pub(super) timers: Arc<coarse::Timers>,
-    pub(super) abandoned: Abandoned,
+    pub(super) abandoned: connection::Abandoned,
     pub(super) peer: SocketAddr,
 }
 
@@ -65,29 +52,37 @@ impl Conn {
     }
 }
 
-/// Counts its request as abandoned when dropped before [`disarm`](Self::disarm).
-pub(super) struct AbandonGuard(pub(super) Option<Arc<Conn>>);
-
-impl AbandonGuard {
-    pub(super) fn conn(&self) -> &Conn {
-        self.0.as_ref().expect("armed until disarmed")
+impl Handler for Conn {
+    fn handle<'a>(
+        &'a self,
+        req: &'a mut Request<ReqBody>,
+    ) -> impl Future<Output = Response<Body>> + Send + 'a {
+        handle(self, req)
     }
 
-    pub(super) fn disarm(mut self) {
-        self.0 = None;
+    fn stream_slot(
+        &self,
+    ) -> impl Future<Output = Result<Option<tokio::sync::OwnedSemaphorePermit>, Response<Body>>>
+           + Send
+           + '_ {
+        Conn::stream_slot(self)
     }
-}
 
-impl Drop for AbandonGuard {
-    fn drop(&mut self) {
-        let Some(conn) = self.0.take() else { return };
-        let a = &conn.abandoned;
-        let this = conn.shared.clock.now() / 1_000_000_000;
-        if a.second.swap(this, Ordering::Relaxed) != this {
-            a.count.store(0, Ordering::Relaxed);
-        }
-        if a.count.fetch_add(1, Ordering::Relaxed) + 1 == ABANDON_BUDGET {
-            conn.affine.wakes.trip();
+    fn refused(&self, reason: &'static str) {
+        self.shared
+            .metrics
+            .bad_requests
+            .with_label_values(&[reason])
+            .inc();
+    }
+
+    fn abandoned(&self) {
+        // Past the budget the connection is closed: its task is tripped awake to end.
+        if self
+            .abandoned
+            .spent(self.shared.clock.now() / 1_000_000_000)
+        {
+            self.affine.wakes.trip();
         }
     }
 }

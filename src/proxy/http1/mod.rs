@@ -3,7 +3,7 @@
 //! [`request_head`], streamed bodies in [`request_body`]) and the upstream connections' client
 //! side ([`client`], its response heads in [`head`], streamed uploads in [`upload`]), with what
 //! they share ([`framing`]). hyper serves HTTP/2 only (`proxy::http2`), from a connection's
-//! first byte: no connection moves between the two.
+//! first byte (`proxy::connection` tells which): no connection moves between the two.
 //!
 //! Serves (server) every HTTP/1.0 and 1.1 request but those [`request_head`] refuses (answered
 //! here, the connection closed): bodies by one `Content-Length` or `chunked` alone, `Expect:
@@ -18,7 +18,6 @@
 //! Proven against hyper by the differential tests (`tests.rs`).
 
 pub(crate) mod client;
-pub(crate) mod conn;
 pub(crate) mod framing;
 pub(crate) mod head;
 pub(crate) mod request_body;

@@ -1,7 +1,8 @@
 //! A client's request head, parsed (httparse) where it lies in the connection's buffer into
 //! the request the request path takes, its body framed (RFC 9112 §6.3); or refused, with the
 //! status that says why (a malformed head, a framing that is how one request is read as two,
-//! a coding or expectation not served, `CONNECT`); or the HTTP/2 preface. Must never: serve a
+//! a coding or expectation not served, `CONNECT`; the HTTP/2 preface is a malformed head here:
+//! `connection` told the protocol before). Must never: serve a
 //! head hyper would read otherwise, or copy a field's value out of the buffer.
 
 use std::mem::MaybeUninit;
@@ -69,8 +70,6 @@ pub(crate) enum Parsed {
     Short(usize),
     /// Answered with this refusal, and the connection closed.
     Refused(Refusal),
-    /// The HTTP/2 connection preface (RFC 9113 §3.4), or what there is of it.
-    Preface,
     /// A request whose body is streamed as it is read (a larger or chunked one, one expecting
     /// `100 Continue`, one still coming at the head's deadline), framed so; whether the client
     /// waits for `100 Continue`.
@@ -98,7 +97,6 @@ pub(crate) fn parse(buf: &mut BytesMut, stream_all: bool) -> Parsed {
     ) {
         Ok(httparse::Status::Complete(len)) => len,
         Ok(httparse::Status::Partial) => return Parsed::Partial,
-        Err(_) if buf.starts_with(b"PRI * HTTP/2") => return Parsed::Preface,
         Err(httparse::Error::TooManyHeaders) => return Parsed::Refused(TOO_MANY),
         Err(_) => return Parsed::Refused(MALFORMED),
     };

@@ -1,10 +1,10 @@
-//! The server side: one task per client connection reads a request head into the
-//! connection's buffer, parses it (httparse) into the request the request path takes, and
-//! writes the response head and what of its body is there in one `write`.
+//! The server side: one task per client connection (handed over by `connection` once its
+//! first bytes were no HTTP/2 preface) reads a request head into the connection's buffer,
+//! parses it (httparse) into the request its [`Handler`] takes, and writes the response head
+//! and what of its body is there in one `write`.
 //!
 //! Serves what [`super`] says: a head [`request_head`](super::request_head) refuses is answered
-//! here and the connection closed, a connection that begins with the HTTP/2 preface is hyper's
-//! from there, a `101` to an upgrade makes the connection a [`tunnel`]. A small body (one `Content-Length` up to [`IN_HAND`](crate::proxy::body::IN_HAND)) is read
+//! here and the connection closed, a `101` to an upgrade makes the connection a [`tunnel`]. A small body (one `Content-Length` up to [`IN_HAND`](crate::proxy::body::IN_HAND)) is read
 //! whole within the head's deadline and goes upstream in the head's `write`. A larger or
 //! chunked body, or one still coming at the deadline, is streamed by [`RequestBody`], which
 //! reads the socket while it lasts; the connection goes on once it is read to its end.
@@ -34,39 +34,26 @@ use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 
 use super::client::Raw;
-use super::conn::*;
 use super::framing::{field, has_token, keeps_alive, parse_length, Framing, HeadEnd};
 use super::request_body::{read_shared, Inbound, RequestBody};
 use super::request_head::*;
 use crate::proxy::body::{ReqBody, Streamed};
 use crate::proxy::coarse::{Sleep, Timers};
-use crate::proxy::http2::serve_h2;
-use crate::proxy::request::{handle, AbandonGuard, Conn};
+use crate::proxy::protocol::*;
 use crate::proxy::respond::{Body, Own};
 
 /// Body pieces up to this size are copied behind the head (or, in chunks, behind the chunks
 /// before them) and written with it; a larger one is written on its own.
 pub const COALESCE: usize = 16 * 1024;
 
-/// Serves the client connection `stream` until it ends.
-pub(in crate::proxy) async fn serve(
-    stream: TcpStream,
-    conn: Arc<Conn>,
-    lane: Arc<Lane>,
+/// Serves the client connection `s` (what of it was read is in its buffer), its requests
+/// answered by `handler`, until it ends; `drained` is ready once the worker drains.
+pub(in crate::proxy) async fn serve<H: Handler>(
+    mut s: Served,
+    handler: Arc<H>,
+    lane: &Lane,
+    mut drained: Pin<&mut impl Future>,
 ) -> Result<(), Error> {
-    let mut draining = lane.draining.clone();
-    // Made once per connection: waiting on it costs nothing per request.
-    let mut drained = pin!(async move {
-        let _ = draining.wait_for(|d| *d).await;
-    });
-    let mut s = Served {
-        stream: Arc::new(stream),
-        buf: BytesMut::with_capacity(READ),
-        out: Vec::with_capacity(512),
-        clock: SendClock::new(&lane),
-        kept: false,
-        body_idle: (lane.body_idle, lane.body_idle_errors.clone()),
-    };
     // Where each request is made: it is borrowed by the request path (each move down its
     // futures would copy it) and dropped before its response is written.
     let mut slot = None;
@@ -74,18 +61,17 @@ pub(in crate::proxy) async fn serve(
         let mut asked;
         let streamed;
         let mut resp = {
-            let req = match s.head(&lane, drained.as_mut(), &mut slot).await? {
+            let req = match s.head(lane, drained.as_mut(), &mut slot).await? {
                 Next::Request(req, body) => {
                     streamed = body;
                     req
                 }
                 Next::Closed => return Ok(()),
-                Next::Refused(why) => return s.refuse(&conn, why).await,
-                Next::Http2 => return serve_h2(s, conn, &lane, drained).await,
+                Next::Refused(why) => return s.refuse(&*handler, why).await,
             };
             asked = Asked::of(req);
-            let guard = AbandonGuard(Some(conn.clone()));
-            let answer = pin!(handle(&conn, req));
+            let guard = Abandon::new(&handler);
+            let answer = pin!(handler.handle(req));
             // A body being read is the body's to read: the socket is not peeked meanwhile.
             let watch = streamed.is_none();
             let Some(resp) = unless_left(&s.stream, &mut s.buf, answer, watch).await else {
@@ -117,7 +103,7 @@ pub(in crate::proxy) async fn serve(
         if switching {
             if let (Ok(_), Some(upstream)) = (&written, switched(&mut resp)) {
                 // The response (its concurrency slots) lives as long as the tunnel.
-                let tunneled = super::tunnel::tunnel(s, upstream, &lane).await;
+                let tunneled = super::tunnel::tunnel(s, upstream, lane).await;
                 drop(resp);
                 return tunneled.map_err(Into::into);
             }
@@ -168,8 +154,6 @@ enum Next<'a> {
     Closed,
     /// A head refused: answered so, then the connection is closed.
     Refused(Refusal),
-    /// An HTTP/2 connection (its preface came first): hyper's HTTP/2 server's.
-    Http2,
 }
 
 /// Writes all of `bytes` to the client, each wait for it bounded by `clock`.
@@ -229,6 +213,9 @@ impl Served {
         // new client when every place is taken.
         let mut deadline = match between {
             true => Sleep::closable(lane.timers.clone(), Timers::now() + wait),
+            // A connection's first head is due `header_read` after its accept (what told its
+            // protocol was read within that too).
+            false if !self.kept => Sleep::until(lane.timers.clone(), self.opened + wait),
             false => Sleep::until(lane.timers.clone(), Timers::now() + wait),
         };
         // The head's first byte came after an idle wait: its own deadline is made only if a
@@ -248,9 +235,6 @@ impl Served {
                 match parse(&mut self.buf, late) {
                     Parsed::Request(req) => return Ok(Next::Request(slot.insert(req), None)),
                     Parsed::Refused(why) => return Ok(Next::Refused(why)),
-                    // The preface begins a connection; after a request it is no HTTP/1.
-                    Parsed::Preface if !self.kept => return Ok(Next::Http2),
-                    Parsed::Preface => return Ok(Next::Refused(MALFORMED)),
                     Parsed::Streamed(req, framing, expects) => {
                         return Ok(self.streamed(slot, req, framing, expects))
                     }
@@ -324,9 +308,8 @@ impl Served {
     }
 
     /// Answers a refused head with its status, counted by its reason, and ends the connection.
-    async fn refuse(mut self, conn: &Conn, why: Refusal) -> Result<(), Error> {
-        let metrics = &conn.shared.metrics;
-        metrics.bad_requests.with_label_values(&[why.reason]).inc();
+    async fn refuse(mut self, handler: &impl Handler, why: Refusal) -> Result<(), Error> {
+        handler.refused(why.reason);
         let mut resp: Response<Body> = crate::proxy::respond::error(why.status, why.detail);
         let asked = Asked {
             head: false,
@@ -678,7 +661,7 @@ async fn read_some(stream: &mut Arc<TcpStream>, buf: &mut BytesMut) -> io::Resul
 }
 
 /// The client reset or broke the connection: nothing to answer.
-fn is_gone(e: &io::Error) -> bool {
+pub(in crate::proxy) fn is_gone(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::ConnectionReset

@@ -173,10 +173,10 @@ fn odd_framings_and_garbage_are_refused_here_with_the_status_that_says_why() {
     }
     let many = format!("GET / HTTP/1.1\r\n{}\r\n", "X: y\r\n".repeat(101));
     assert!(matches!(parsed(many.as_bytes()).0, Parsed::Refused(w) if w.status == 431));
-    // The HTTP/2 preface is known before it is whole.
-    for text in [&b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"[..], b"PRI * HTTP/2"] {
-        assert!(matches!(parsed(text).0, Parsed::Preface));
-    }
+    // The HTTP/2 preface is no HTTP/1 head (a connection that begins with it is hyper's before
+    // any head is read: `proxy::connection`).
+    let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    assert!(matches!(parsed(preface).0, Parsed::Refused(w) if w.status == 400));
     // Served here: an upgrade (its own request, the tunnel comes with its answer), the
     // absolute form, and `*` for OPTIONS.
     let served: &[(&[u8], &str)] = &[
@@ -218,6 +218,12 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
         body_idle: Duration::from_secs(30),
         body_idle_errors: prometheus::IntCounter::new("b", "b").unwrap(),
         timers: Arc::new(Timers::default()),
+        h2_budget: crate::proxy::http2::held::Budget::new(
+            1 << 20,
+            1 << 20,
+            prometheus::IntGauge::new("h", "h").unwrap(),
+            prometheus::IntCounter::new("s", "s").unwrap(),
+        ),
         stalls: Arc::new(Stalls::new(
             (
                 Duration::from_secs(30),
@@ -231,14 +237,7 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
         )),
         draining,
     };
-    let mut s = Served {
-        stream: Arc::new(server),
-        buf: BytesMut::with_capacity(READ),
-        out: Vec::new(),
-        clock: SendClock::new(&lane),
-        kept: false,
-        body_idle: (lane.body_idle, lane.body_idle_errors.clone()),
-    };
+    let mut s = Served::new(server, &lane);
     // On a thread of its own: each byte its own segment, most read on their own.
     let writer = std::thread::spawn(move || {
         use std::io::Write as _;

@@ -162,7 +162,6 @@ fn ours_serves(bytes: &[u8]) -> (Vec<Served>, &'static str) {
             Parsed::Partial => return (out, "partial"),
             Parsed::Short(_) => return (out, "short"),
             Parsed::Refused(_) => return (out, "refused"),
-            Parsed::Preface => return (out, "preface"),
         };
         // A request that does not keep its connection is its last (the server closes after
         // answering it, as hyper does).

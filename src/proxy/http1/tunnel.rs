@@ -14,8 +14,8 @@ use std::task::{Context, Poll};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _, ReadBuf};
 
 use super::client::Raw;
-use super::conn::{Lane, Served};
 use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::protocol::{Lane, Served};
 
 type Instant = tokio::time::Instant;
 

@@ -23,21 +23,20 @@ use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
-use super::http1::conn::*;
 use crate::proxy::body::{ReqBody, Streamed};
 use crate::proxy::coarse::{Sleep, Timers};
-use crate::proxy::request::{handle, AbandonGuard, Conn};
+use crate::proxy::protocol::*;
 use crate::proxy::respond::{self, Body};
 use stalls::*;
 
 /// How long a connection closed for a new client's place may take to answer its GOAWAY.
 const ROOM_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 
-/// Serves an HTTP/2 connection with hyper's server: the bytes read so far (its preface, or
-/// what came of it) first.
-pub(in crate::proxy) async fn serve_h2(
+/// Serves an HTTP/2 connection with hyper's server, its streams answered by `handler`: the
+/// bytes read so far (its preface, or what came of it) first.
+pub(in crate::proxy) async fn serve<H: Handler>(
     s: Served,
-    conn: Arc<Conn>,
+    handler: Arc<H>,
     lane: &Lane,
     drained: Pin<&mut impl Future>,
 ) -> Result<(), Error> {
@@ -45,7 +44,7 @@ pub(in crate::proxy) async fn serve_h2(
     let Ok(stream) = Arc::try_unwrap(s.stream) else {
         return Ok(());
     };
-    let held = conn.shared.h2_budget.open();
+    let held = lane.h2_budget.open();
     let io = TokioIo::new(Rewind {
         read: s.buf.freeze(),
         stream,
@@ -59,7 +58,7 @@ pub(in crate::proxy) async fn serve_h2(
     let service = service_fn(move |req: Request<hyper::body::Incoming>| {
         // Made with the request's future, so that one dropped before its first poll (an
         // HTTP/2 stream reset at once) counts as abandoned too.
-        let guard = AbandonGuard(Some(conn.clone()));
+        let guard = Abandon::new(&handler);
         let busy = Busy::new(&open);
         let req = req.map(|b| Either::Left(Streamed::new(b)));
         let stalls = stalls.clone();
@@ -67,7 +66,7 @@ pub(in crate::proxy) async fn serve_h2(
         async move {
             // A client's streams use at most `max_upstream_per_client` upstream connections
             // at once: the others wait for a place, then get 503.
-            let slot = match guard.conn().stream_slot().await {
+            let slot = match guard.handler().stream_slot().await {
                 Ok(slot) => slot,
                 Err(mut refused) => {
                     guard.disarm();
@@ -126,8 +125,11 @@ pub(in crate::proxy) async fn serve_h2(
 /// A request of hyper's server through the request path, and its answer with the map filled
 /// in (hyper's server writes from it). `guard` is made with the request's future, so that one
 /// dropped before its first poll (an HTTP/2 stream reset at once) counts as abandoned too.
-pub(super) async fn answer(guard: AbandonGuard, mut req: Request<ReqBody>) -> Response<Body> {
-    let mut resp = handle(guard.conn(), &mut req).await;
+pub(super) async fn answer<H: Handler>(
+    guard: Abandon<H>,
+    mut req: Request<ReqBody>,
+) -> Response<Body> {
+    let mut resp = guard.handler().handle(&mut req).await;
     guard.disarm();
     respond::whole(&mut resp);
     resp

@@ -1,6 +1,10 @@
-//! A client connection's parts that the HTTP/1 server side and hyper's HTTP/2 server share: the
-//! worker's [`Lane`], the connection's socket and buffers ([`Served`]) and the bound on its
-//! writes ([`SendClock`]). Must never: do I/O of its own beyond a write's bound.
+//! What the connection owner (`connection`) gives both protocol servers (`http1`, `http2`):
+//! the worker's settings for its connections ([`Lane`]), a connection's socket and buffers
+//! ([`Served`]), the bound on its writes ([`SendClock`]), and the request path as a
+//! [`Handler`] they hand each request to, statically dispatched. With it a protocol server
+//! imports nothing of the request path, the forward, or the other protocol.
+//!
+//! Must never: do I/O of its own beyond a write's bound, or name the request path's types.
 
 use std::future::Future;
 use std::io;
@@ -10,15 +14,69 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
+use http::{Request, Response};
 use hyper::server::conn::http2;
 use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpStream;
-use tokio::sync::watch;
+use tokio::sync::{watch, OwnedSemaphorePermit};
+use tokio::time::Instant;
 
+use crate::proxy::body::ReqBody;
 use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::http2::held::Budget;
 use crate::proxy::http2::stalls::Stalls;
+use crate::proxy::respond::Body;
 
-pub(crate) use super::framing::READ;
+pub(crate) use crate::proxy::http1::framing::READ;
+
+/// The request path, as a protocol server sees it.
+pub(crate) trait Handler: Send + Sync + 'static {
+    /// `req`'s answer. Borrows `req`: a request moved down the layers of futures is copied at
+    /// each; what is left of it is the caller's to drop.
+    fn handle<'a>(
+        &'a self,
+        req: &'a mut Request<ReqBody>,
+    ) -> impl Future<Output = Response<Body>> + Send + 'a;
+
+    /// A place for an HTTP/2 stream among the upstream connections one client may use at once,
+    /// held until its response body ends (`None`: no such bound); `Err` with the answer when
+    /// none came free.
+    fn stream_slot(
+        &self,
+    ) -> impl Future<Output = Result<Option<OwnedSemaphorePermit>, Response<Body>>> + Send + '_;
+
+    /// A head the protocol refused, counted by its reason.
+    fn refused(&self, reason: &'static str);
+
+    /// A request was abandoned before its answer: its client left, or reset its stream.
+    fn abandoned(&self);
+}
+
+/// Counts its request as abandoned ([`Handler::abandoned`]) when dropped before
+/// [`disarm`](Self::disarm).
+pub(crate) struct Abandon<H: Handler>(Option<Arc<H>>);
+
+impl<H: Handler> Abandon<H> {
+    pub(crate) fn new(handler: &Arc<H>) -> Self {
+        Abandon(Some(handler.clone()))
+    }
+
+    pub(crate) fn handler(&self) -> &H {
+        self.0.as_ref().expect("armed until disarmed")
+    }
+
+    pub(crate) fn disarm(mut self) {
+        self.0 = None;
+    }
+}
+
+impl<H: Handler> Drop for Abandon<H> {
+    fn drop(&mut self) {
+        if let Some(handler) = self.0.take() {
+            handler.abandoned();
+        }
+    }
+}
 
 /// What a worker's connections share.
 pub struct Lane {
@@ -39,6 +97,8 @@ pub struct Lane {
     pub timers: Arc<Timers>,
     /// The worker's HTTP/2 responses, watched for a window that stays shut.
     pub stalls: Arc<Stalls>,
+    /// The process's budget of HTTP/2 response bytes held (`limits.max_response_buffer`).
+    pub h2_budget: Arc<Budget>,
     /// Turns true when the worker drains.
     pub draining: watch::Receiver<bool>,
 }
@@ -46,6 +106,8 @@ pub struct Lane {
 pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
 
 pub(crate) struct Served {
+    /// When the connection was accepted: its first head is due `header_read` after.
+    pub(crate) opened: Instant,
     /// Shared with a streamed request body while it is read.
     pub(crate) stream: Arc<TcpStream>,
     /// Read and not yet used.
@@ -58,6 +120,20 @@ pub(crate) struct Served {
     pub(crate) kept: bool,
     /// `timeouts.upstream_body_idle`, and where giving up a body for it is counted.
     pub(crate) body_idle: (Duration, prometheus::IntCounter),
+}
+
+impl Served {
+    pub(crate) fn new(stream: TcpStream, lane: &Lane) -> Self {
+        Served {
+            opened: Timers::now(),
+            stream: Arc::new(stream),
+            buf: BytesMut::with_capacity(READ),
+            out: Vec::with_capacity(512),
+            clock: SendClock::new(lane),
+            kept: false,
+            body_idle: (lane.body_idle, lane.body_idle_errors.clone()),
+        }
+    }
 }
 
 /// `timeouts.send` for a client's writes (nginx's `send_timeout`): a write that takes no byte

@@ -1,0 +1,150 @@
+//! A client connection from its accept to its end: which protocol it speaks (HTTP/2 when its
+//! first bytes are the preface, RFC 9113 §3.4; HTTP/1 otherwise), handed whole to that
+//! protocol's server with the request path as its [`Handler`]; and its budget of abandoned
+//! requests, past which it is closed (rapid reset).
+//!
+//! Must never: read past what decides the protocol (the bytes read stay in the connection's
+//! buffer for its server), or wait for them longer than the first head may take
+//! (`timeouts.header_read` from the accept).
+
+use std::future::Future;
+use std::io;
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use tokio::net::TcpStream;
+
+use super::coarse::Sleep;
+use super::http1;
+use super::http2;
+use super::protocol::{Error, Handler, Lane, Served};
+
+/// The HTTP/2 connection preface.
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// Requests one connection may abandon per second (an HTTP/2 RST_STREAM before the response,
+/// or the client gone) before the proxy closes it: the rapid-reset attack (CVE-2023-44487)
+/// makes the server start work for streams it cancels at once, thousands per second. An
+/// HTTP/1 connection abandons at most one request, when it closes.
+pub(super) const ABANDON_BUDGET: u32 = 200;
+
+/// Abandoned requests of one connection in the current second.
+#[derive(Default)]
+pub(super) struct Abandoned {
+    // Relaxed: a rate bound; a race miscounts by one.
+    second: AtomicU64,
+    count: AtomicU32,
+}
+
+impl Abandoned {
+    /// One more abandoned in second `now`; whether that spent the connection's budget (it is
+    /// then to be closed).
+    pub(super) fn spent(&self, now: u64) -> bool {
+        if self.second.swap(now, Ordering::Relaxed) != now {
+            self.count.store(0, Ordering::Relaxed);
+        }
+        self.count.fetch_add(1, Ordering::Relaxed) + 1 == ABANDON_BUDGET
+    }
+}
+
+/// Serves the client connection `stream` with `handler` until it ends.
+pub(super) async fn serve<H: Handler>(
+    stream: TcpStream,
+    handler: Arc<H>,
+    lane: Arc<Lane>,
+) -> Result<(), Error> {
+    let mut draining = lane.draining.clone();
+    // Made once per connection: waiting on it costs nothing per request.
+    let mut drained = pin!(async move {
+        let _ = draining.wait_for(|d| *d).await;
+    });
+    let mut s = Served::new(stream, &lane);
+    match speaks(&mut s, &lane, drained.as_mut()).await? {
+        Some(Protocol::Http1) => http1::server::serve(s, handler, &lane, drained).await,
+        Some(Protocol::Http2) => http2::serve(s, handler, &lane, drained).await,
+        None => Ok(()),
+    }
+}
+
+#[derive(Debug, PartialEq)]
+enum Protocol {
+    Http1,
+    Http2,
+}
+
+/// Which protocol `s` speaks, read from its first bytes into its buffer: as soon as they part
+/// from the preface (at the first byte for every HTTP/1 method but `PRI`), or when the whole
+/// preface came. `None`: closed, silent past `header_read`, or the worker drains first.
+async fn speaks(
+    s: &mut Served,
+    lane: &Lane,
+    mut drained: Pin<&mut impl Future>,
+) -> io::Result<Option<Protocol>> {
+    let mut deadline = Sleep::until(lane.timers.clone(), s.opened + lane.header_read);
+    loop {
+        if let Some(protocol) = decided(&s.buf) {
+            return Ok(Some(protocol));
+        }
+        // Nothing else holds the socket before the first request.
+        let Some(stream) = Arc::get_mut(&mut s.stream) else {
+            return Ok(Some(Protocol::Http1));
+        };
+        let read = tokio::select! {
+            biased;
+            read = tokio::io::AsyncReadExt::read_buf(stream, &mut s.buf) => read,
+            _ = &mut deadline => return Ok(None),
+            _ = drained.as_mut(), if s.buf.is_empty() => return Ok(None),
+        };
+        match read {
+            Ok(0) => return Ok(None),
+            Ok(_) => {}
+            Err(e) if http1::server::is_gone(&e) => return Ok(None),
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// The protocol `first` (a connection's first bytes) says, or `None` until more come.
+fn decided(first: &[u8]) -> Option<Protocol> {
+    let n = first.len().min(PREFACE.len());
+    if first[..n] != PREFACE[..n] {
+        Some(Protocol::Http1)
+    } else if n == PREFACE.len() {
+        Some(Protocol::Http2)
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_is_hyper_s_only_when_its_first_bytes_are_the_preface() {
+        let decide = decided;
+        assert_eq!(decide(b"G"), Some(Protocol::Http1));
+        assert_eq!(decide(b"POST / HTTP/1.1\r\n"), Some(Protocol::Http1));
+        assert_eq!(decide(b"PRI * HTTP/1.1\r\n\r\n"), Some(Protocol::Http1));
+        assert_eq!(decide(b"PRI * HTTP/2.0\r\n"), None, "more is read");
+        assert_eq!(decide(PREFACE), Some(Protocol::Http2));
+        assert_eq!(decide(b""), None);
+    }
+
+    #[test]
+    fn the_abandon_budget_is_spent_at_its_count_within_one_second() {
+        let a = Abandoned::default();
+        for _ in 1..ABANDON_BUDGET {
+            assert!(!a.spent(7));
+        }
+        assert!(a.spent(7), "the budget's last");
+        let b = Abandoned::default();
+        for i in 0..3 * ABANDON_BUDGET {
+            assert!(
+                !b.spent(u64::from(i / (ABANDON_BUDGET - 1))),
+                "a new second starts over"
+            );
+        }
+    }
+}
