@@ -2,7 +2,8 @@
 //!
 //! Owns: turning config rules into matchers, per-key stores and pre-resolved metric handles,
 //! built together so that one `ArcSwap` store swaps them together; and [`RuleSet::check`], the
-//! synchronous decision for one request. A `scope: redis` rule's question is left open in a
+//! synchronous decision for one request: a loop over the rules, each kind's turn a method of
+//! its own (`turns`). A `scope: redis` rule's question is left open in a
 //! [`Remote`]; the caller asks the [`RemoteStore`] and hands the answers back ([`RuleSet::answer`],
 //! [`RuleSet::finish`]). A refusal is a value; `respond` renders its 429 into the slots the rule
 //! keeps ([`Answers`]). Must never: await, import the data plane, `respond` or Redis, log per
@@ -360,9 +361,7 @@ impl RuleSet {
     /// Shadow rules decide and count what they would have refused, and never refuse.
     pub fn check(&self, req: &RequestView<'_>, now: Nanos) -> Verdict {
         let want_states = self.header_mode == HeaderMode::Always;
-        let mut admit = Admit::default();
-        // Rules that granted units, for the refund if a later one refuses.
-        let mut taken: SmallVec<[(usize, Taken); 4]> = SmallVec::new();
+        let mut granted = Granted::default();
         let mut calls: SmallVec<[RedisCall; 1]> = SmallVec::new();
         let mut key = KeyBuf::new();
         let mut ratios = None;
@@ -373,70 +372,53 @@ impl RuleSet {
             match rule.key_of(req, &mut key) {
                 Extract::Found => {
                     if rule.body_idle.is_some() {
-                        admit.body_idle = admit.body_idle.max(rule.body_idle);
+                        granted.admit.body_idle = granted.admit.body_idle.max(rule.body_idle);
                     }
                 }
                 Extract::Missing => continue,
                 Extract::Repeated => {
-                    self.refund(req, &taken, now);
+                    self.refund(req, &granted.taken, now);
                     return Verdict::BadRequest(rule.repeated_key(req));
                 }
             }
             let cost = match rule.cost_of(req) {
                 Ok(cost) => cost,
                 Err(bad) => {
-                    self.refund(req, &taken, now);
+                    self.refund(req, &granted.taken, now);
                     return Verdict::BadRequest(bad);
                 }
+            };
+            let t = Turn {
+                i,
+                rule,
+                req,
+                key: &key,
+                cost,
+                now,
             };
             let decision = match &*rule.kind {
                 Kind::Rate {
                     quota,
                     store,
                     overflow,
-                } => {
-                    let (decision, slot) = store.check(&key, quota, now, cost, overflow);
-                    match decision {
-                        // A leaky bucket's place past `max_delay`: given back (the next request
-                        // may fit), and the request refused.
-                        Decision::Allow { wait, .. } if wait > rule.max_wait => {
-                            store.refund(&key, slot, quota, now, cost, overflow);
-                            Decision::Deny {
-                                retry_after: Some(wait - rule.max_wait),
-                            }
-                        }
-                        Decision::Allow { .. } => {
-                            taken.push((i, Taken::Rate(slot, cost)));
-                            decision
-                        }
-                        deny => deny,
-                    }
-                }
+                } => self.rate_turn(&t, quota, store, overflow, &mut granted),
                 Kind::Adaptive { limiter, share } => {
-                    let limit = limiter.limit();
-                    // A slot refused for the client's part is given back unmeasured.
-                    let permit = limiter.try_acquire().and_then(|p| {
-                        match self.client_part(share.as_ref(), req, limit, now) {
-                            Some(part) => Some(Permit::from(p).with_part(part)),
-                            None => {
-                                p.cancel();
-                                None
-                            }
-                        }
-                    });
-                    slot(permit, limit, i, &mut admit, &mut taken)
+                    self.adaptive_turn(&t, limiter, share.as_ref(), &mut granted)
+                }
+                Kind::Concurrency {
+                    max,
+                    store,
+                    at_head,
+                    share,
+                } => {
+                    self.concurrency_turn(&t, (*max, *at_head), store, share.as_ref(), &mut granted)
                 }
                 Kind::Redis {
                     refused,
                     cache_answers,
                     ..
-                } => match refused.map.get(&key[..]).and_then(|r| r.refused(now, cost)) {
-                    Some(retry) => {
-                        cache_answers.inc();
-                        Decision::Deny {
-                            retry_after: Some(retry),
-                        }
-                    }
+                } => match self.redis_turn(&t, refused, cache_answers) {
+                    Some(decision) => decision,
                     None => {
                         // Decided by Redis once the local rules have all admitted.
                         calls.push(RedisCall {
@@ -447,162 +429,19 @@ impl RuleSet {
                         continue;
                     }
                 },
-                Kind::Concurrency {
-                    max,
-                    store,
-                    at_head,
-                    share,
-                } => {
-                    let (permit, _) = store.with(&key, now, concurrency_idle, |c| {
-                        c.try_acquire(*max, *at_head)
-                    });
-                    let permit = permit.and_then(|p| {
-                        let part = self.client_part(share.as_ref(), req, *max, now)?;
-                        Some(p.with_part(part))
-                    });
-                    slot(permit, *max, i, &mut admit, &mut taken)
-                }
                 Kind::Global {
                     rate,
                     store,
                     overflow_keys,
                     fallback,
                 } => {
-                    let (counters, at) = store.with(&key, now, global_reclaimable, Arc::clone);
-                    // The name the control plane knows the key by: a digest is worked out
-                    // once per key and kept with its counters, never for a known key.
-                    let overflow;
-                    let name: &[u8] = if !rule.digested {
-                        &key
-                    } else if at == Slot::Overflow {
-                        overflow = self.shown_key(rule, req);
-                        &overflow
-                    } else {
-                        counters.name(|| self.shown_key(rule, req))
+                    let g = GlobalRule {
+                        rate,
+                        store,
+                        overflow_keys,
+                        fallback: fallback.as_ref(),
                     };
-                    if at == Slot::Overflow {
-                        overflow_keys.insert(name);
-                    }
-                    counters.offer(cost);
-                    // One snapshot load per request, however many global rules match.
-                    let ratios = ratios.get_or_insert_with(|| self.ratios.load());
-                    let age = now.saturating_sub(ratios.at);
-                    let (factor, stale) = self.staleness.factor(age);
-                    let mut took = GlobalTaken::default();
-                    let decision = match fallback {
-                        Some(fallback) if stale => {
-                            let (d, slot) = fallback.check(&key, now, cost);
-                            took.slot = Some(slot);
-                            d
-                        }
-                        _ => {
-                            let choice = counters.choice(ratios.answers);
-                            let tail = || choice != Choice::Named;
-                            let (p, keep) = ratios.ratio_keep(&rule.name, name, tail);
-                            let p = p * factor;
-                            took.shared = p > 0.0;
-                            // The ratio may change with the next reply.
-                            let interval = self.report_interval.max(1);
-                            let mut retry = interval - age % interval;
-                            let mut allowed = !took.shared || counters.share(1.0 - p, cost);
-                            if allowed && choice == Choice::New && !stale {
-                                // Not assigned yet: the provisional limit holds it until a
-                                // reply does.
-                                match fallback {
-                                    Some(fallback) => {
-                                        let (d, slot) = fallback.check(&key, now, cost);
-                                        allowed = d.is_allowed();
-                                        if let Decision::Deny { retry_after } = d {
-                                            retry = retry_after.unwrap_or(retry);
-                                        } else {
-                                            took.slot = Some(slot);
-                                        }
-                                    }
-                                    None => {
-                                        let per_sec =
-                                            ratios.provisional(&rule.name, rate.per_sec());
-                                        match counters.guard(now, per_sec, cost, 0) {
-                                            Ok(ns) => took.guard = ns,
-                                            Err(wait) => {
-                                                allowed = false;
-                                                retry = wait;
-                                            }
-                                        }
-                                    }
-                                }
-                                if !allowed && took.shared {
-                                    counters.give_back(cost);
-                                }
-                            } else if allowed && !stale {
-                                // What this proxy may admit until the next reply (units a
-                                // second) and how far early.
-                                let bound = if keep > 0.0 {
-                                    // Assigned, with the fleet's share its limit allows: this
-                                    // proxy admits at most that share of what it was offered,
-                                    // however its load moved since (a surge, a burst), and a
-                                    // report interval's worth more, until the next reply. The
-                                    // allowance is an estimate from counts: with headroom
-                                    // (none in a surge), and for a few units a report its
-                                    // provisional share at least, so that the share decides
-                                    // in steady state.
-                                    let (allowance, surge) = counters.allowance(
-                                        keep,
-                                        ratios.answers,
-                                        ratios.own_lag,
-                                        rate.per_sec(),
-                                    );
-                                    let floor = (ratios.provisional(&rule.name, rate.per_sec())
-                                        * keep.min(1.0))
-                                    .min(
-                                        GUARD_FLOOR_UNITS * NANOS_PER_SEC as f64 / interval as f64,
-                                    );
-                                    let headroom = if surge { 1.0 } else { GUARD_HEADROOM };
-                                    let per_sec = allowance.max(floor) * headroom;
-                                    let two = (2.0 * NANOS_PER_SEC as f64 * f64::from(cost)
-                                        / per_sec.max(1e-9))
-                                    .min(1e18)
-                                        as Nanos;
-                                    Some((per_sec, interval.max(two)))
-                                } else {
-                                    // Assigned with no bound from the reply (under half its
-                                    // limit fleet-wide): a surge here is held until the sums
-                                    // hold it. (With no share from the reply, the limit is not
-                                    // asked.)
-                                    counters
-                                        .held(0.0, ratios.answers, ratios.own_lag, 0.0)
-                                        .map(|per_sec| (per_sec, interval))
-                                };
-                                if let Some((per_sec, early)) = bound {
-                                    match counters.guard(now, per_sec, cost, early) {
-                                        Ok(ns) => took.guard = ns,
-                                        Err(wait) => {
-                                            allowed = false;
-                                            retry = wait;
-                                            if took.shared {
-                                                counters.give_back(cost);
-                                            }
-                                        }
-                                    }
-                                }
-                            }
-                            if allowed {
-                                Decision::Allow {
-                                    remaining: if p > 0.0 { 0 } else { rate.count.get() },
-                                    reset_after: 0,
-                                    wait: 0,
-                                }
-                            } else {
-                                Decision::Deny {
-                                    retry_after: Some(retry),
-                                }
-                            }
-                        }
-                    };
-                    if decision.is_allowed() {
-                        took.units = cost;
-                        taken.push((i, Taken::Global(counters, took)));
-                    }
-                    decision
+                    self.global_turn(&t, g, &mut ratios, &mut granted)
                 }
             };
             match decision {
@@ -611,9 +450,10 @@ impl RuleSet {
                     reset_after,
                     wait,
                 } => {
-                    admit.wait = admit.wait.max(wait);
+                    granted.admit.wait = granted.admit.wait.max(wait);
                     if want_states {
-                        admit
+                        granted
+                            .admit
                             .states
                             .push(rule.state(remaining, ceil_secs(reset_after)));
                     }
@@ -625,7 +465,7 @@ impl RuleSet {
                     }
                     Mode::Enforce => {
                         self.log_rejection(rule, req, "rejected", now);
-                        return self.refuse(rule, req, &taken, now, retry_after);
+                        return self.refuse(rule, req, &granted.taken, now, retry_after);
                     }
                 },
             }
@@ -657,18 +497,18 @@ impl RuleSet {
         if let Some((i, retry)) = refused_new {
             let rule = &self.rules[i];
             self.log_rejection(rule, req, "rejected", now);
-            return self.refuse(rule, req, &taken, now, Some(retry));
+            return self.refuse(rule, req, &granted.taken, now, Some(retry));
         }
         if !calls.is_empty() {
             return Verdict::Remote(Box::new(Remote {
-                admit,
-                taken,
+                admit: granted.admit,
+                taken: granted.taken,
                 calls,
                 asked: 0,
             }));
         }
-        self.commit(&taken);
-        Verdict::Allow(admit)
+        self.commit(&granted.taken);
+        Verdict::Allow(granted.admit)
     }
 
     /// Refuses a request for `rule`: gives back what `taken` granted, counts the rejection,
@@ -1002,6 +842,7 @@ mod matcher;
 mod remote;
 mod share;
 mod store;
+mod turns;
 
 use compile::*;
 pub use global::*;
@@ -1011,6 +852,7 @@ use remote::*;
 pub use remote::{Question, Remote, RemoteStore, StoreAnswer};
 use share::*;
 use store::*;
+use turns::*;
 
 #[cfg(test)]
 mod tests;
