@@ -6,8 +6,24 @@
 //! Must never: await while holding a rule-set guard, allocate for a known key's decision, or
 //! answer a refused request before its small body was drained (the client must read the 429).
 
-use super::*;
-use protocol::Handler;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, Response, StatusCode};
+use tokio::sync::Semaphore;
+
+use super::body::ReqBody;
+use super::protocol::Handler;
+use super::respond::{self, Body};
+use super::shared::Shared;
+use super::{affine, coarse, connection, forward};
+use crate::gate;
+use crate::hygiene::{MISDIRECTED, TOO_LARGE};
+use crate::key::RequestView;
+use crate::limit::Clock;
+use crate::metrics::Outcome;
 
 /// What the requests of one client connection share.
 pub(super) struct Conn {

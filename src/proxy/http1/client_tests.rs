@@ -410,7 +410,7 @@ fn a_request_goes_upstream_after_the_tasks_ready_with_it() {
 /// (Without the hook both would wait; without the yield both would be there.)
 #[test]
 fn after_a_wait_the_first_request_goes_upstream_at_once_and_the_turns_others_after_it() {
-    let rt = crate::proxy::worker_runtime().unwrap();
+    let rt = crate::proxy::worker::worker_runtime().unwrap();
     rt.block_on(async {
         let (app1, raw1) = app_and_raw().await;
         let (app2, raw2) = app_and_raw().await;
