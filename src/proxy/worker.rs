@@ -181,6 +181,8 @@ async fn worker(
         .max_send_buf_size(shared.h2_budget.per_stream())
         .max_header_list_size(config.limits.max_header_bytes.0 as u32)
         .max_pending_accept_reset_streams(64)
+        // The client-facing PING cadence: `upstream_idle`'s interval, `header_read`'s answer
+        // (README, timeouts).
         .keep_alive_interval(Some(config.timeouts.upstream_idle()))
         .keep_alive_timeout(config.timeouts.header_read.0);
     // Tells this worker's connections that it drains; each holds `alive` until it ends.
