@@ -544,7 +544,7 @@ pub fn edit_rule(
 /// Prometheus's HTTP API, instant queries, over HTTP or HTTPS, with a bearer token if given.
 struct Prometheus {
     base: String,
-    client: crate::control::reporter::JsonClient,
+    client: crate::control::client::JsonClient,
     token: Option<Vec<u8>>,
 }
 
@@ -576,7 +576,7 @@ impl Prometheus {
             ),
             None => None,
         };
-        let client = crate::control::reporter::json_client(tls).map_err(|e| e.to_string())?;
+        let client = crate::control::client::json_client(tls).map_err(|e| e.to_string())?;
         Ok(Prometheus {
             base,
             client,

@@ -919,7 +919,7 @@ rules:
         "ca.crt",
     ))))
     .unwrap();
-    let https = spillway::internal::control::reporter::json_client(Some(tls)).unwrap();
+    let https = spillway::internal::control::client::json_client(Some(tls)).unwrap();
     for (path, token) in [("/ui", None), ("/ui/state.json", Some("Bearer agg-t"))] {
         let mut req = http::Request::get(format!("https://{}{path}", ctl.addr));
         if let Some(t) = token {
@@ -956,7 +956,7 @@ fn reqwest_like_tls(
 ) -> std::pin::Pin<Box<dyn std::future::Future<Output = StatusCode> + Send>> {
     let tls =
         spillway::internal::control::tls::client_config(Some(std::path::Path::new(ca))).unwrap();
-    let c = spillway::internal::control::reporter::json_client(Some(tls)).unwrap();
+    let c = spillway::internal::control::client::json_client(Some(tls)).unwrap();
     move |addr, token, body| {
         let c = c.clone();
         Box::pin(async move {

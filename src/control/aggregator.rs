@@ -24,7 +24,7 @@ use prometheus::{Histogram, HistogramOpts, IntCounterVec, IntGauge, Opts, Regist
 use tokio::sync::watch;
 
 use super::auth::Credentials;
-use super::reporter::{json_client, JsonClient, Targets};
+use super::client::{json_client, JsonClient, Targets};
 use super::server::{self, Body, Running};
 use super::zone::Step;
 use super::{Entry, Reply, Report, Shared, SourceRefusal, ZoneSums, VERSION};
@@ -661,7 +661,7 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         .register(Box::new(forward_seconds.clone()))
         .expect("unique");
     server::insecure_gauge(&registry, "aggregator", insecure);
-    let start_seq = super::reporter::first_seq();
+    let start_seq = super::client::first_seq();
     let state = Arc::new(State {
         sums: Shared::new(ZoneSums::new(0.0, opts.max_entries)),
         source,

@@ -11,6 +11,7 @@
 
 pub mod aggregator;
 pub mod auth;
+pub mod client;
 pub mod controller;
 pub mod ratios;
 pub mod reporter;
