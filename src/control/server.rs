@@ -1,6 +1,7 @@
-//! HTTP plumbing shared by the aggregator and the controller: a small HTTP/1.1 server (plain
-//! or TLS), JSON in and out with a size limit, taking a report in (who sent it, whether it may,
-//! its bounds), and the refusal to serve a non-loopback address without a token.
+//! HTTP plumbing shared by the aggregator, the controller and the proxy's admin listener: a
+//! small HTTP/1.1 server (plain or TLS), JSON in and out with a size limit, taking a report in
+//! (who sent it, whether it may, its bounds), and the refusal to serve a non-loopback address
+//! without a token.
 
 // The errors here are the HTTP responses themselves, built once per refused request.
 #![allow(clippy::result_large_err)]

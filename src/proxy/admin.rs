@@ -4,7 +4,6 @@
 //! compete with client traffic and are never rate limited. Must never: expose raw keys, or
 //! answer ready while draining.
 
-use std::convert::Infallible;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -13,40 +12,19 @@ use http::header::CONTENT_TYPE;
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::service::service_fn;
-use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
 use super::{config_json, Shared};
 
-/// Serves the admin endpoints until `stop` turns true.
-pub async fn serve(listener: TcpListener, shared: Arc<Shared>, mut stop: watch::Receiver<bool>) {
-    loop {
-        let (stream, _) = tokio::select! {
-            _ = stop.changed() => return,
-            accepted = listener.accept() => match accepted {
-                Ok(pair) => pair,
-                Err(e) => {
-                    tracing::warn!(error = %e, "admin accept failed");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-        };
+/// Serves the admin endpoints until `stop` turns true, on the small server the control plane's
+/// listeners use too (its caps on connections, each one's header-read timeout).
+pub async fn serve(listener: TcpListener, shared: Arc<Shared>, stop: watch::Receiver<bool>) {
+    crate::control::server::serve(listener, stop, None, move |req| {
         let shared = shared.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req| {
-                let shared = shared.clone();
-                async move { Ok::<_, Infallible>(route(&shared, req)) }
-            });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(std::time::Duration::from_secs(10))
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
+        async move { route(&shared, req) }
+    })
+    .await;
 }
 
 fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
