@@ -1,5 +1,5 @@
 //! Each HTTP/1 client connection has an upstream connection of its own after its first
-//! request (src/proxy/affine.rs): reused while it lasts, replaced without an error when the
+//! request (src/proxy/upstream_pool.rs): reused while it lasts, replaced without an error when the
 //! upstream closed it, never asked twice for a request it was sent, handed to the next client
 //! when its client leaves. An HTTP/2 client's streams borrow the worker's connections.
 

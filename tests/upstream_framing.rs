@@ -3,7 +3,7 @@
 //! connection is reused after a response only when that response allows it. Requests with a
 //! body go through hyper's pool instead (src/proxy/forward.rs); they are checked here too.
 //!
-//! A client connection's first request only borrows a connection (src/proxy/affine.rs), so
+//! A client connection's first request only borrows a connection (src/proxy/upstream_pool.rs), so
 //! every test sends a first request before the ones it is about.
 
 // The test upstream keeps what it received behind a lock: test code, not the request path.

@@ -4,7 +4,6 @@
 //! answer sent again; `tune` reads with it too. Must never: know the decision's types
 //! (`rules`), or wait for a receiver past the timeout it is given.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -55,7 +54,7 @@ fn https(http: HttpConnector, tls: Option<rustls::ClientConfig>) -> std::io::Res
             .wrap_connector(http),
         None => {
             // Trusts nothing: only ever used for http:// URLs.
-            let none = rustls::ClientConfig::builder_with_provider(Arc::new(
+            let none = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
                 rustls::crypto::ring::default_provider(),
             ))
             .with_safe_default_protocol_versions()

@@ -12,7 +12,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use crate::key::{client_of, Cidr};
-use crate::proxy::coarse::{Timers, Wanted};
+use crate::proxy::deadlines::{Timers, Wanted};
 
 /// Connections open per client address.
 pub struct PerClient {
@@ -203,7 +203,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_idle_connections_timer_is_fired_for_a_newcomer() {
-        use crate::proxy::coarse::Sleep;
+        use crate::proxy::deadlines::Sleep;
         let idles = Idles::default();
         let (a, b) = (Arc::new(Timers::default()), Arc::new(Timers::default()));
         idles.add(&a);

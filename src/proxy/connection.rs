@@ -15,10 +15,10 @@ use std::sync::Arc;
 
 use tokio::net::TcpStream;
 
-use super::coarse::Sleep;
+use super::deadlines::Sleep;
 use super::http1;
 use super::http2;
-use super::protocol::{Error, Handler, Lane, Served};
+use super::protocol::{ClientConn, ConnSettings, Error, Handler};
 
 /// The HTTP/2 connection preface.
 const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -52,14 +52,14 @@ impl Abandoned {
 pub(super) async fn serve<H: Handler>(
     stream: TcpStream,
     handler: Arc<H>,
-    lane: Arc<Lane>,
+    lane: Arc<ConnSettings>,
 ) -> Result<(), Error> {
     let mut draining = lane.draining.clone();
     // Made once per connection: waiting on it costs nothing per request.
     let mut drained = pin!(async move {
         let _ = draining.wait_for(|d| *d).await;
     });
-    let mut s = Served::new(stream, &lane);
+    let mut s = ClientConn::new(stream, &lane);
     match speaks(&mut s, &lane, drained.as_mut()).await? {
         Some(Protocol::Http1) => http1::server::serve(s, handler, &lane, drained).await,
         Some(Protocol::Http2) => http2::serve(s, handler, &lane, drained).await,
@@ -77,8 +77,8 @@ enum Protocol {
 /// from the preface (at the first byte for every HTTP/1 method but `PRI`), or when the whole
 /// preface came. `None`: closed, silent past `header_read`, or the worker drains first.
 async fn speaks(
-    s: &mut Served,
-    lane: &Lane,
+    s: &mut ClientConn,
+    lane: &ConnSettings,
     mut drained: Pin<&mut impl Future>,
 ) -> io::Result<Option<Protocol>> {
     let mut deadline = Sleep::until(lane.timers.clone(), s.opened + lane.header_read);

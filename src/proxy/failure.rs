@@ -11,7 +11,7 @@ pub enum Failure {
     Connect(std::io::Error),
     ConnectTimeout,
     /// The exchange on an upstream connection of our own failed.
-    Raw(std::io::Error),
+    UpstreamConn(std::io::Error),
     /// The client's streamed body broke (malformed, cut off) while it went upstream.
     ClientBody,
     /// The pooled (HTTP/2) client failed.
@@ -40,7 +40,7 @@ impl Failure {
         let mut source: Option<&(dyn std::error::Error + 'static)> = match self {
             Failure::Pooled(e) => Some(e),
             Failure::ClientBody => return true,
-            Failure::Raw(_)
+            Failure::UpstreamConn(_)
             | Failure::Connect(_)
             | Failure::ConnectTimeout
             | Failure::Saturated => None,
@@ -64,7 +64,7 @@ impl Failure {
             Failure::Connect(_) => UpstreamError::Connect,
             Failure::ConnectTimeout => UpstreamError::ConnectTimeout,
             Failure::Saturated => UpstreamError::Saturated,
-            Failure::Raw(_) | Failure::ClientBody => UpstreamError::Protocol,
+            Failure::UpstreamConn(_) | Failure::ClientBody => UpstreamError::Protocol,
             Failure::Pooled(e) if !e.is_connect() => UpstreamError::Protocol,
             Failure::Pooled(e) => {
                 let mut source = std::error::Error::source(e);

@@ -4,7 +4,7 @@
 //! Owns what a reverse proxy must do to a request and a response in transit (RFC 9110 §7.6:
 //! hop-by-hop headers, `X-Forwarded-*`, an upgrade only to a listed protocol, `CONNECT`
 //! refused), and the mapping of upstream failures to 502/504. An HTTP/1 upstream is spoken to
-//! by our own client on the client connection's own upstream connection (`affine`); an HTTP/2
+//! by our own client on the client connection's own upstream connection (`upstream_pool`); an HTTP/2
 //! one by hyper's pooled client. Bodies are never buffered whole, except a small client body
 //! (up to `body::IN_HAND`, with one `Content-Length`) that is all there when the request goes
 //! on: it is written with the head. Otherwise the client's body is streamed upstream as it
@@ -24,16 +24,16 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 
-use super::affine::{Affine, Cap, Dial};
 use super::body::in_hand;
 use super::body::Progress;
 pub use super::body::{emptied, InHand, ReqBody, Streamed};
-use super::coarse::{timeout, Sleep, Timers};
+use super::deadlines::{timeout, Sleep, Timers};
 pub use super::failure::{Failure, Saturated};
 pub use super::forwarded::Added;
 use super::http1::framing::{has_token, one_length};
 pub use super::respond::UpstreamBody;
 use super::respond::{self, Body};
+use super::upstream_pool::{Cap, ClientUpstream, UpstreamAddr};
 use crate::config::UpgradeProtocol;
 use crate::hop::strip_hop_by_hop;
 use crate::limit::{Permit, Permits};
@@ -189,7 +189,7 @@ pub struct Forward<'a> {
     /// The client connection's own upstream connection (or, for HTTP/2 streams, one borrowed
     /// from the worker's), for an HTTP/1 upstream; `None` (an HTTP/2 upstream) sends through
     /// the pooled client.
-    pub affine: Option<(&'a Affine, &'a Dial)>,
+    pub affine: Option<(&'a ClientUpstream, &'a UpstreamAddr)>,
     /// The request's start (the clock's nanoseconds).
     pub now: u64,
     /// The `Upgrade` protocols that may be forwarded.

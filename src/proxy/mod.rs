@@ -14,25 +14,24 @@
 //! connection from accept to end and tells which protocol it speaks; the protocol servers
 //! (`http1`'s server side, `http2`) are handed the request path as a `protocol::Handler` and
 //! import neither it nor each other; the request path (`request`: hygiene, decision,
-//! refusals) calls the forward (`forward`, `forwarded`, `affine` and `http1`'s client side).
+//! refusals) calls the forward (`forward`, `forwarded`, `upstream_pool` and `http1`'s client side).
 //!
 //! Cost of the request path beyond the server side's own work (`http1`'s, or hyper's): one pass
 //! over the request's fields (`Hygiene`: head size, `Host`, client claims) and one over its path
 //! (already canonical: no allocation), the client address by policy, one `ArcSwap` load,
 //! [`RuleSet::check`] (see its cost), the header rewrite for the hop (one allocation for
 //! `X-Forwarded-For`), two clock reads and one histogram observation; for an HTTP/1 client, the
-//! exchange on its own upstream connection in the same task (`affine`: two uncontended locks, no
+//! exchange on its own upstream connection in the same task (`upstream_pool`: two uncontended locks, no
 //! trip through the runtime's queue); the header-read and response deadlines as slots of the
-//! worker's `coarse` timers (an uncontended lock to arm and one to disarm each, not tokio's timer
+//! worker's `deadlines` timers (an uncontended lock to arm and one to disarm each, not tokio's timer
 //! wheel).
 
 mod accept;
 mod admin;
-mod affine;
 mod body;
 mod clients;
-mod coarse;
 mod connection;
+mod deadlines;
 mod failure;
 pub mod forward;
 mod forwarded;
@@ -43,6 +42,7 @@ pub mod reload;
 mod request;
 pub mod respond;
 mod shared;
+mod upstream_pool;
 mod worker;
 
 use std::future::Future;
@@ -166,7 +166,7 @@ impl Sidecar {
             rules: Arc::new(ArcSwap::from_pointee(rules)),
             ratios,
             upstream: config.upstream.authority.clone(),
-            affine_upstream: affine::Dial {
+            affine_upstream: upstream_pool::UpstreamAddr {
                 address: format!(
                     "{}:{}",
                     config.upstream.authority.host(),
@@ -176,7 +176,7 @@ impl Sidecar {
                 idle: t.upstream_idle().as_nanos() as u64,
             },
             upstream_h2: config.upstream.h2,
-            upstream_cap: affine::Cap::new(
+            upstream_cap: upstream_pool::Cap::new(
                 config.limits.upstream_connections() as usize,
                 metrics.upstream_waiters.clone(),
             ),

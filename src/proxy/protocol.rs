@@ -1,6 +1,6 @@
 //! What the connection owner (`connection`) gives both protocol servers (`http1`, `http2`):
-//! the worker's settings for its connections ([`Lane`]), a connection's socket and buffers
-//! ([`Served`]), the bound on its writes ([`SendClock`]), and the request path as a
+//! the worker's settings for its connections ([`ConnSettings`]), a connection's socket and buffers
+//! ([`ClientConn`]), the bound on its writes ([`SendClock`]), and the request path as a
 //! [`Handler`] they hand each request to, statically dispatched. With it a protocol server
 //! imports nothing of the request path, the forward, or the other protocol.
 //!
@@ -22,7 +22,7 @@ use tokio::sync::{watch, OwnedSemaphorePermit};
 use tokio::time::Instant;
 
 use crate::proxy::body::ReqBody;
-use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::deadlines::{Sleep, Timers};
 use crate::proxy::http2::held::Budget;
 use crate::proxy::http2::stalls::Stalls;
 use crate::proxy::respond::Body;
@@ -79,7 +79,7 @@ impl<H: Handler> Drop for Abandon<H> {
 }
 
 /// What a worker's connections share.
-pub struct Lane {
+pub struct ConnSettings {
     /// hyper's HTTP/2 server, for the connections that begin with its preface.
     pub hyper: http2::Builder<TokioExecutor>,
     /// A partial head at least this long is answered 431.
@@ -105,7 +105,7 @@ pub struct Lane {
 
 pub(crate) type Error = Box<dyn std::error::Error + Send + Sync>;
 
-pub(crate) struct Served {
+pub(crate) struct ClientConn {
     /// When the connection was accepted: its first head is due `header_read` after.
     pub(crate) opened: Instant,
     /// Shared with a streamed request body while it is read.
@@ -122,9 +122,9 @@ pub(crate) struct Served {
     pub(crate) body_idle: (Duration, prometheus::IntCounter),
 }
 
-impl Served {
-    pub(crate) fn new(stream: TcpStream, lane: &Lane) -> Self {
-        Served {
+impl ClientConn {
+    pub(crate) fn new(stream: TcpStream, lane: &ConnSettings) -> Self {
+        ClientConn {
             opened: Timers::now(),
             stream: Arc::new(stream),
             buf: BytesMut::with_capacity(READ),
@@ -148,7 +148,7 @@ pub(crate) struct SendClock {
 }
 
 impl SendClock {
-    pub(crate) fn new(lane: &Lane) -> Self {
+    pub(crate) fn new(lane: &ConnSettings) -> Self {
         SendClock {
             timers: lane.timers.clone(),
             limit: lane.send,

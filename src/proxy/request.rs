@@ -18,7 +18,7 @@ use super::body::ReqBody;
 use super::protocol::Handler;
 use super::respond::{self, Body};
 use super::shared::Shared;
-use super::{affine, coarse, connection, forward};
+use super::{connection, deadlines, forward, upstream_pool};
 use crate::gate;
 use crate::hygiene::{MISDIRECTED, TOO_LARGE};
 use crate::key::RequestView;
@@ -30,12 +30,12 @@ pub(super) struct Conn {
     pub(super) shared: Arc<Shared>,
     pub(super) client: Arc<forward::UpstreamClient>,
     /// This connection's own upstream connection (HTTP/1 only).
-    pub(super) affine: affine::Affine,
+    pub(super) affine: upstream_pool::ClientUpstream,
     /// Upstream connections its HTTP/2 streams use at once (`limits.max_upstream_per_client`);
     /// made at its first stream. An HTTP/1 connection has one request in flight at a time.
     pub(super) streams: std::sync::OnceLock<Arc<Semaphore>>,
     /// The worker's request deadlines.
-    pub(super) timers: Arc<coarse::Timers>,
+    pub(super) timers: Arc<deadlines::Timers>,
     pub(super) abandoned: connection::Abandoned,
     pub(super) peer: SocketAddr,
 }

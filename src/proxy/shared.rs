@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use super::{affine, clients, http2, reload};
+use super::{clients, http2, reload, upstream_pool};
 use crate::config::Config;
 use crate::hygiene::Hygiene;
 use crate::key;
@@ -28,10 +28,10 @@ pub struct Shared {
     pub config: ArcSwap<Config>,
     pub(super) upstream: http::uri::Authority,
     /// The same with its connect and idle timeouts, for every upstream connection.
-    pub(super) affine_upstream: affine::Dial,
+    pub(super) affine_upstream: upstream_pool::UpstreamAddr,
     pub(super) upstream_h2: bool,
     /// `limits.max_upstream_connections`, shared by every worker.
-    pub(super) upstream_cap: Arc<affine::Cap>,
+    pub(super) upstream_cap: Arc<upstream_pool::Cap>,
     /// `limits.max_upstream_per_client`.
     pub(super) upstream_per_client: usize,
     /// `limits.max_response_buffer` and its per-connection part, for HTTP/2 responses.

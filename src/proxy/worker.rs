@@ -3,7 +3,7 @@
 //! request never hops threads once accepted (nginx's shape); their start, their tick, the
 //! background sweep of idle keys, and the shutdown sequence (stop accepting, drain, stop the
 //! reporter and the admin listener). Each worker derives its connections' settings (the
-//! [`Lane`]) from the configuration once. Must never: share a connection, a timer or an
+//! [`ConnSettings`]) from the configuration once. Must never: share a connection, a timer or an
 //! upstream connection between workers (only the connection cap and the upstream cap are
 //! shared).
 
@@ -16,10 +16,10 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
-use super::protocol::Lane;
+use super::protocol::ConnSettings;
 use super::request::Conn;
 use super::shared::Shared;
-use super::{accept, admin, affine, coarse, connection, forward, http1, http2};
+use super::{accept, admin, connection, deadlines, forward, http1, http2, upstream_pool};
 use crate::config::Config;
 use crate::control::reporter::Reporter;
 use crate::limit::Clock;
@@ -170,7 +170,7 @@ async fn worker(
         shared.upstream_cap.clone(),
     ));
     let config = shared.config.load_full();
-    let timers = Arc::new(coarse::Timers::default());
+    let timers = Arc::new(deadlines::Timers::default());
     // A partial request head this long is answered 431 as it is read; below it, the request
     // path answers 431 at `max_header_bytes`.
     let max_head = (config.limits.max_header_bytes.0 * 2).max(8192 + 1024);
@@ -201,7 +201,7 @@ async fn worker(
         anchor_period(&config),
     ));
     shared.idles.add(&timers);
-    let lane = Arc::new(Lane {
+    let lane = Arc::new(ConnSettings {
         hyper: builder,
         max_head,
         header_read: config.timeouts.header_read.0,
@@ -214,7 +214,7 @@ async fn worker(
         h2_budget: shared.h2_budget.clone(),
         draining,
     });
-    let idle = Arc::new(affine::Idle::new(
+    let idle = Arc::new(upstream_pool::Idle::new(
         shared.metrics.upstream_discards.clone(),
         shared.upstream_cap.clone(),
     ));
@@ -274,7 +274,7 @@ async fn worker(
             abandoned: connection::Abandoned::default(),
             shared: shared.clone(),
             client: client.clone(),
-            affine: affine::Affine::new(idle.clone()),
+            affine: upstream_pool::ClientUpstream::new(idle.clone()),
             streams: std::sync::OnceLock::new(),
             timers: timers.clone(),
             peer,
@@ -285,7 +285,7 @@ async fn worker(
         tokio::spawn(async move {
             let _alive = alive;
             let served = std::pin::pin!(connection::serve(stream, conn.clone(), lane));
-            match affine::drive(served, &conn.affine).await {
+            match upstream_pool::drive(served, &conn.affine).await {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");
@@ -311,7 +311,7 @@ async fn worker(
     }
 }
 
-/// The worker's tick: fires its [`coarse::Timers`] (each request's header-read, upstream
+/// The worker's tick: fires its [`deadlines::Timers`] (each request's header-read, upstream
 /// response and send deadlines), drops the HTTP/2 responses whose client has left their
 /// window shut for `timeouts.send` ([`http2::stalls::Stalls`]), and closes its idle upstream connections unused for `timeouts.upstream_idle` or
 /// closed by the upstream meanwhile. On the first worker, also measures its load for the
@@ -324,15 +324,15 @@ async fn worker(
 /// docs/measurements.md, "The anchor timer").
 async fn anchor_timer(
     period: Duration,
-    idle: Arc<affine::Idle>,
+    idle: Arc<upstream_pool::Idle>,
     stalls: Arc<http2::stalls::Stalls>,
-    timers: Arc<coarse::Timers>,
+    timers: Arc<deadlines::Timers>,
     shared: Arc<Shared>,
     mut load: Option<accept::Sampler>,
 ) {
     loop {
         tokio::time::sleep(period).await;
-        timers.fire(coarse::Timers::now());
+        timers.fire(deadlines::Timers::now());
         stalls.tick();
         idle.prune(shared.clock.now(), shared.affine_upstream.idle);
         if let Some(load) = &mut load {

@@ -8,7 +8,7 @@
 //! Takes every request to an HTTP/1 upstream: a body in hand goes with the head, one still
 //! coming is written as it is read ([`Upload`]), an upgrade's `101` hands the connection to
 //! the tunnel. Framing per RFC 9112 §6.3 ([`framing`]); interim responses skipped, a `101` not
-//! asked for refused. Reuse as [`super`] states, checked by [`Raw::check`] without a
+//! asked for refused. Reuse as [`super`] states, checked by [`UpstreamConn::check`] without a
 //! syscall (the reactor's recorded readiness). Must never: parse a head from its start at each
 //! read, build a header map for an HTTP/1 client, or put back a connection with bytes pending.
 
@@ -28,7 +28,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 
 use super::framing::{decode, field, keeps_alive, one_length, Framing, HeadEnd, Step};
-use super::head::*;
+use super::response_head::*;
 use super::upload::{Stopped, Upload};
 use crate::hop::listed;
 use crate::proxy::body::{emptied, ReqBody};
@@ -60,9 +60,9 @@ pub(crate) const MAX_ROOM: usize = ROOM[ROOM.len() - 1];
 /// An upstream connection between exchanges. Boxed once, when connected: it moves between the
 /// worker's idle list, an exchange and the response body it reads, and a response moves by
 /// value through the request path's futures.
-pub struct Raw(Box<Connection>);
+pub struct UpstreamConn(Box<Connection>);
 
-impl std::ops::Deref for Raw {
+impl std::ops::Deref for UpstreamConn {
     type Target = Connection;
 
     fn deref(&self) -> &Connection {
@@ -70,13 +70,13 @@ impl std::ops::Deref for Raw {
     }
 }
 
-impl std::ops::DerefMut for Raw {
+impl std::ops::DerefMut for UpstreamConn {
     fn deref_mut(&mut self) -> &mut Connection {
         &mut self.0
     }
 }
 
-/// What [`Raw`] holds: an upstream connection's socket and buffers.
+/// What [`UpstreamConn`] holds: an upstream connection's socket and buffers.
 pub struct Connection {
     stream: TcpStream,
     /// Bytes read and not yet used (empty between exchanges).
@@ -96,7 +96,7 @@ pub struct Connection {
     own_only: bool,
 }
 
-impl Raw {
+impl UpstreamConn {
     /// Whether it may serve only the client connection it last served (see `own_only`).
     pub fn own_only(&self) -> bool {
         self.0.own_only
@@ -104,9 +104,9 @@ impl Raw {
 }
 
 /// Where a connection goes when the body that holds it has been read to its end.
-pub trait Home: Send + Sync + 'static {
+pub trait ConnKeeper: Send + Sync + 'static {
     /// `since`: when the exchange started (the clock's nanoseconds).
-    fn put(&self, raw: Raw, since: u64);
+    fn put(&self, raw: UpstreamConn, since: u64);
     /// A connection was closed instead of put back, for `why`.
     fn discarded(&self, why: Unusable);
 }
@@ -146,10 +146,10 @@ impl Connection {
     }
 }
 
-impl Raw {
+impl UpstreamConn {
     /// `stream`, holding `permit` while it is open.
     pub fn new(stream: TcpStream, permit: Option<tokio::sync::OwnedSemaphorePermit>) -> Self {
-        Raw(Box::new(Connection {
+        UpstreamConn(Box::new(Connection {
             stream,
             buf: BytesMut::new(),
             out: Vec::new(),
@@ -227,13 +227,13 @@ impl Raw {
 /// upgrade `added` asks for is answered by a `101` whose body gives the connection to the
 /// tunnel ([`RawBody::take_switched`]). After an answer without a body (to a HEAD; a 204 or
 /// 304 that announces one) the connection serves only the client connection that asked
-/// ([`Raw::own_only`]): an app may send the body anyway, and that must never reach another
+/// ([`UpstreamConn::own_only`]): an app may send the body anyway, and that must never reach another
 /// client.
 pub async fn exchange(
-    mut raw: Raw,
+    mut raw: UpstreamConn,
     req: &mut Request<ReqBody>,
     added: &Added,
-    home: Arc<dyn Home>,
+    home: Arc<dyn ConnKeeper>,
     now: u64,
 ) -> Result<Response<RawBody>, Failed> {
     // An HTTP/2 client's stream is answered by hyper's server, which writes from the map.
@@ -366,7 +366,7 @@ pub(super) fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added, 
 /// connection's own go, but `Upgrade`), its body holding `raw` for the tunnel. A switch
 /// nobody asked for, or to another protocol, is an error: the connection would carry what no
 /// rule sees.
-fn switched(head: &Head, raw: Raw, asked: Option<&str>) -> io::Result<Response<RawBody>> {
+fn switched(head: &Head, raw: UpstreamConn, asked: Option<&str>) -> io::Result<Response<RawBody>> {
     let text = &head.bytes[..];
     let is_upgrade = |f: &Field| f.name(text).eq_ignore_ascii_case(b"upgrade");
     let mut answered = head.fields.iter().filter(|f| is_upgrade(f));
@@ -419,7 +419,7 @@ fn map_of(head: &Head, passes: impl Fn(&Field) -> bool) -> io::Result<HeaderMap>
 
 /// Reads more of a response head into `raw.buf`: an error for a head too large, or a
 /// connection closed before one.
-fn poll_more(raw: &mut Raw, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+fn poll_more(raw: &mut UpstreamConn, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
     if raw.buf.len() >= MAX_HEAD {
         return Poll::Ready(Err(protocol("upstream response head too large")));
     }
@@ -439,8 +439,8 @@ fn respond(
     head: &Head,
     head_only: bool,
     mapped: bool,
-    raw: Raw,
-    home: Option<Arc<dyn Home>>,
+    raw: UpstreamConn,
+    home: Option<Arc<dyn ConnKeeper>>,
     now: u64,
 ) -> io::Result<Response<RawBody>> {
     let status = StatusCode::from_u16(head.status)
@@ -489,10 +489,10 @@ fn respond(
 /// A response body read from the upstream connection by the client connection's task.
 pub struct RawBody {
     /// The connection, until the body's end.
-    raw: Option<Raw>,
+    raw: Option<UpstreamConn>,
     framing: Framing,
     /// Where the connection goes at the body's end; `None` when it is not reused.
-    home: Option<Arc<dyn Home>>,
+    home: Option<Arc<dyn ConnKeeper>>,
     since: u64,
     /// The response's fields, when they are not in its map.
     passed: Option<Passed>,
@@ -500,7 +500,7 @@ pub struct RawBody {
 
 impl RawBody {
     /// The upstream connection of a `101`, for the tunnel.
-    pub fn take_switched(&mut self) -> Option<Raw> {
+    pub fn take_switched(&mut self) -> Option<UpstreamConn> {
         // Any other body done has given its connection back or dropped it.
         match self.framing {
             Framing::Done => self.raw.take(),

@@ -3,8 +3,8 @@ use crate::key::tests::headers;
 
 struct Nowhere;
 
-impl Home for Nowhere {
-    fn put(&self, _: Raw, _: u64) {}
+impl ConnKeeper for Nowhere {
+    fn put(&self, _: UpstreamConn, _: u64) {}
     fn discarded(&self, _: Unusable) {}
 }
 
@@ -31,7 +31,7 @@ async fn a_trickled_response_head_costs_parse_work_linear_in_its_size() {
         }
         s
     });
-    let raw = Raw::new(TcpStream::connect(addr).await.unwrap(), None);
+    let raw = UpstreamConn::new(TcpStream::connect(addr).await.unwrap(), None);
     let mut req = Request::get("/t")
         .body(Either::Right(crate::proxy::forward::InHand::default()))
         .unwrap();
@@ -308,21 +308,24 @@ async fn reads_take_a_page_and_grow_only_for_a_response_that_fills_them() {
 
 struct Dropped;
 
-impl Home for Dropped {
-    fn put(&self, _: Raw, _: u64) {}
+impl ConnKeeper for Dropped {
+    fn put(&self, _: UpstreamConn, _: u64) {}
     fn discarded(&self, _: Unusable) {}
 }
 
 /// A connection to a listening "app", and our end of it.
-async fn app_and_raw() -> (std::net::TcpStream, Raw) {
+async fn app_and_raw() -> (std::net::TcpStream, UpstreamConn) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let app = std::net::TcpStream::connect(listener.local_addr().unwrap()).unwrap();
     app.set_nonblocking(true).unwrap();
-    (app, Raw::new(listener.accept().await.unwrap().0, None))
+    (
+        app,
+        UpstreamConn::new(listener.accept().await.unwrap().0, None),
+    )
 }
 
 /// A GET exchanged on `raw`: the response's status.
-async fn exchanged(raw: Raw) -> Result<StatusCode, ()> {
+async fn exchanged(raw: UpstreamConn) -> Result<StatusCode, ()> {
     let mut req = Request::get("/x")
         .header("host", "app")
         .body(Either::Right(crate::proxy::forward::InHand::new(

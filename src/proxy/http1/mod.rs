@@ -1,7 +1,7 @@
 //! HTTP/1.1, written by hand on both sides of the proxy, each owning its connections from
 //! start to end: the client connections' server side ([`server`], its request heads in
 //! [`request_head`], streamed bodies in [`request_body`]) and the upstream connections' client
-//! side ([`client`], its response heads in [`head`], streamed uploads in [`upload`]), with what
+//! side ([`client`], its response heads in [`response_head`], streamed uploads in [`upload`]), with what
 //! they share ([`framing`]). hyper serves HTTP/2 only (`proxy::http2`), from a connection's
 //! first byte (`proxy::connection` tells which): no connection moves between the two.
 //!
@@ -19,9 +19,9 @@
 
 pub(crate) mod client;
 pub(crate) mod framing;
-pub(crate) mod head;
 pub(crate) mod request_body;
 pub(crate) mod request_head;
+pub(crate) mod response_head;
 pub(crate) mod server;
 mod tunnel;
 pub(crate) mod upload;

@@ -221,7 +221,7 @@ pub(super) async fn read_shared(stream: &TcpStream, buf: &mut BytesMut) -> io::R
 }
 
 /// How a body came to be over.
-enum Over {
+enum BodyEnd {
     Ended,
     Broken,
     Dropped,
@@ -316,13 +316,13 @@ impl RequestBody {
     }
 
     /// The body is over: ended, broken off, or dropped before its end.
-    fn over(&mut self, how: Over) {
+    fn over(&mut self, how: BodyEnd) {
         if !self.done {
             self.done = true;
             match how {
-                Over::Ended => {}
-                Over::Broken => self.inbound.state().broken = true,
-                Over::Dropped => self.inbound.state().dropped = true,
+                BodyEnd::Ended => {}
+                BodyEnd::Broken => self.inbound.state().broken = true,
+                BodyEnd::Dropped => self.inbound.state().dropped = true,
             }
             self.inbound.over.notify_waiters();
         }
@@ -342,9 +342,9 @@ impl http_body::Body for RequestBody {
         }
         let polled = self.poll_step(cx);
         match &polled {
-            Poll::Ready(None) => self.over(Over::Ended),
-            Poll::Ready(Some(Err(_))) => self.over(Over::Broken),
-            Poll::Ready(Some(Ok(_))) if self.inbound.ended() => self.over(Over::Ended),
+            Poll::Ready(None) => self.over(BodyEnd::Ended),
+            Poll::Ready(Some(Err(_))) => self.over(BodyEnd::Broken),
+            Poll::Ready(Some(Ok(_))) if self.inbound.ended() => self.over(BodyEnd::Ended),
             _ => {}
         }
         polled.map(|p| p.map(|r| r.map_err(ClientBodyError)))
@@ -367,8 +367,8 @@ impl Drop for RequestBody {
     fn drop(&mut self) {
         // Dropped before its end: the rest is the connection's to read and drop.
         let how = match self.inbound.ended() {
-            true => Over::Ended,
-            false => Over::Dropped,
+            true => BodyEnd::Ended,
+            false => BodyEnd::Dropped,
         };
         self.over(how);
     }

@@ -33,12 +33,12 @@ use smallvec::SmallVec;
 use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 
-use super::client::Raw;
+use super::client::UpstreamConn;
 use super::framing::{field, has_token, keeps_alive, parse_length, Framing, HeadEnd};
 use super::request_body::{read_shared, Inbound, RequestBody};
 use super::request_head::*;
 use crate::proxy::body::{ReqBody, Streamed};
-use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::deadlines::{Sleep, Timers};
 use crate::proxy::protocol::*;
 use crate::proxy::respond::{Body, Own};
 
@@ -49,9 +49,9 @@ pub const COALESCE: usize = 16 * 1024;
 /// Serves the client connection `s` (what of it was read is in its buffer), its requests
 /// answered by `handler`, until it ends; `drained` is ready once the worker drains.
 pub(in crate::proxy) async fn serve<H: Handler>(
-    mut s: Served,
+    mut s: ClientConn,
     handler: Arc<H>,
-    lane: &Lane,
+    lane: &ConnSettings,
     mut drained: Pin<&mut impl Future>,
 ) -> Result<(), Error> {
     // Where each request is made: it is borrowed by the request path (each move down its
@@ -62,14 +62,14 @@ pub(in crate::proxy) async fn serve<H: Handler>(
         let streamed;
         let mut resp = {
             let req = match s.head(lane, drained.as_mut(), &mut slot).await? {
-                Next::Request(req, body) => {
+                HeadRead::Request(req, body) => {
                     streamed = body;
                     req
                 }
-                Next::Closed => return Ok(()),
-                Next::Refused(why) => return s.refuse(&*handler, why).await,
+                HeadRead::Closed => return Ok(()),
+                HeadRead::Refused(why) => return s.refuse(&*handler, why).await,
             };
-            asked = Asked::of(req);
+            asked = ResponseAsks::of(req);
             let guard = Abandon::new(&handler);
             let answer = pin!(handler.handle(req));
             // A body being read is the body's to read: the socket is not peeked meanwhile.
@@ -146,7 +146,7 @@ pub(in crate::proxy) async fn serve<H: Handler>(
 }
 
 /// What came in on a connection.
-enum Next<'a> {
+enum HeadRead<'a> {
     /// Made in the caller's slot (moved out through the futures, it would be copied at each),
     /// with its body's share of the connection when the body is streamed.
     Request(&'a mut Request<ReqBody>, Option<Arc<Inbound>>),
@@ -190,16 +190,16 @@ async fn send_all(stream: &TcpStream, clock: &mut SendClock, mut bytes: &[u8]) -
     Ok(())
 }
 
-impl Served {
+impl ClientConn {
     /// Reads until the buffer holds a whole request head this side serves, and its small
     /// body: a new connection's within `timeouts.header_read` of the start; a kept one waits
     /// `timeouts.client_idle` for the next head's first byte, then `header_read` from there.
     async fn head<'a>(
         &mut self,
-        lane: &Lane,
+        lane: &ConnSettings,
         mut drained: Pin<&mut impl Future>,
         slot: &'a mut Option<Request<ReqBody>>,
-    ) -> io::Result<Next<'a>> {
+    ) -> io::Result<HeadRead<'a>> {
         // Armed (a slot in the worker's timers) only when a read has to wait. Between two
         // requests of a kept connection the wait is `client_idle`'s; a head's own time starts
         // at its first byte.
@@ -233,8 +233,8 @@ impl Served {
         loop {
             if late || (self.buf.len() >= need && (need > 1 || end.may_end(&self.buf))) {
                 match parse(&mut self.buf, late) {
-                    Parsed::Request(req) => return Ok(Next::Request(slot.insert(req), None)),
-                    Parsed::Refused(why) => return Ok(Next::Refused(why)),
+                    Parsed::Request(req) => return Ok(HeadRead::Request(slot.insert(req), None)),
+                    Parsed::Refused(why) => return Ok(HeadRead::Refused(why)),
                     Parsed::Streamed(req, framing, expects) => {
                         return Ok(self.streamed(slot, req, framing, expects))
                     }
@@ -251,11 +251,11 @@ impl Served {
                     Parsed::Partial => {}
                 }
                 if late {
-                    return Ok(Next::Closed);
+                    return Ok(HeadRead::Closed);
                 }
             }
             if need == 1 && self.buf.len() >= lane.max_head {
-                return Ok(Next::Refused(TOO_LARGE));
+                return Ok(HeadRead::Refused(TOO_LARGE));
             }
             if self.buf.capacity() - self.buf.len() < 1024 {
                 // Reclaimed in place once the last request's head is gone; grown otherwise.
@@ -275,18 +275,18 @@ impl Served {
                         late = true;
                         continue;
                     }
-                    return Ok(Next::Closed);
+                    return Ok(HeadRead::Closed);
                 }
-                _ = drained.as_mut(), if idle => return Ok(Next::Closed),
+                _ = drained.as_mut(), if idle => return Ok(HeadRead::Closed),
             };
             match n {
-                Ok(0) => return Ok(Next::Closed),
+                Ok(0) => return Ok(HeadRead::Closed),
                 Ok(_) if between => {
                     between = false;
                     begun = true;
                 }
                 Ok(_) => {}
-                Err(e) if is_gone(&e) => return Ok(Next::Closed),
+                Err(e) if is_gone(&e) => return Ok(HeadRead::Closed),
                 Err(e) => return Err(e),
             }
         }
@@ -300,18 +300,18 @@ impl Served {
         mut req: Request<ReqBody>,
         framing: Framing,
         expects: bool,
-    ) -> Next<'a> {
+    ) -> HeadRead<'a> {
         let buf = std::mem::take(&mut self.buf);
         let inbound = Inbound::new(self.stream.clone(), buf, framing, expects);
         *req.body_mut() = Either::Left(Streamed::http1(RequestBody::new(inbound.clone())));
-        Next::Request(slot.insert(req), Some(inbound))
+        HeadRead::Request(slot.insert(req), Some(inbound))
     }
 
     /// Answers a refused head with its status, counted by its reason, and ends the connection.
     async fn refuse(mut self, handler: &impl Handler, why: Refusal) -> Result<(), Error> {
         handler.refused(why.reason);
         let mut resp: Response<Body> = crate::proxy::respond::error(why.status, why.detail);
-        let asked = Asked {
+        let asked = ResponseAsks {
             head: false,
             http10: false,
             keep_alive: false,
@@ -349,7 +349,7 @@ impl Served {
     async fn respond(
         &mut self,
         resp: &mut Response<Body>,
-        asked: Asked,
+        asked: ResponseAsks,
         watch: bool,
     ) -> io::Result<bool> {
         let status = resp.status();
@@ -413,7 +413,7 @@ impl Served {
                         let waited = unless_left(
                             &self.stream,
                             &mut self.buf,
-                            crate::proxy::coarse::timeout(
+                            crate::proxy::deadlines::timeout(
                                 deadline,
                                 std::future::poll_fn(|cx| body.as_mut().poll_frame(cx)),
                             ),
@@ -507,22 +507,22 @@ impl Served {
 
 /// What the request said about its response.
 #[derive(Clone, Copy)]
-struct Asked {
+struct ResponseAsks {
     head: bool,
     http10: bool,
     /// The client keeps the connection (and the worker is not draining).
     keep_alive: bool,
 }
 
-impl Asked {
-    fn of(req: &Request<ReqBody>) -> Asked {
+impl ResponseAsks {
+    fn of(req: &Request<ReqBody>) -> ResponseAsks {
         let connection: smallvec::SmallVec<[&[u8]; 2]> = req
             .headers()
             .get_all(header::CONNECTION)
             .iter()
             .map(HeaderValue::as_bytes)
             .collect();
-        Asked {
+        ResponseAsks {
             head: req.method() == Method::HEAD,
             http10: req.version() == Version::HTTP_10,
             keep_alive: keeps_alive(req.version(), &connection),
@@ -579,7 +579,7 @@ fn write_head(
     (headers, lines): (&HeaderMap, Lines),
     framing: &ResponseFraming,
     known: Option<u64>,
-    asked: Asked,
+    asked: ResponseAsks,
     stay: bool,
 ) {
     // An HTTP/1.0 client is answered in its version (as hyper did).
@@ -717,7 +717,7 @@ async fn unless_left<F: Future>(
 }
 
 /// The upstream connection a `101` switched, for the tunnel.
-fn switched(resp: &mut Response<Body>) -> Option<Raw> {
+fn switched(resp: &mut Response<Body>) -> Option<UpstreamConn> {
     match resp.body_mut() {
         Either::Left(permit) => match permit.inner_mut() {
             Either::Right(raw) => raw.take_switched(),

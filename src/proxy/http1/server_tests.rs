@@ -209,7 +209,7 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
     );
     let n = head.len();
     let (_drain, draining) = watch::channel(false);
-    let lane = Lane {
+    let lane = ConnSettings {
         hyper: hyper::server::conn::http2::Builder::new(TokioExecutor::new()),
         max_head: 64 * 1024,
         header_read: Duration::from_secs(30),
@@ -237,7 +237,7 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
         )),
         draining,
     };
-    let mut s = Served::new(server, &lane);
+    let mut s = ClientConn::new(server, &lane);
     // On a thread of its own: each byte its own segment, most read on their own.
     let writer = std::thread::spawn(move || {
         use std::io::Write as _;
@@ -252,7 +252,7 @@ async fn a_trickled_head_costs_parse_work_linear_in_its_size() {
     PARSED.set(0);
     let next = s.head(&lane, never, &mut slot).await.unwrap();
     assert!(
-        matches!(next, Next::Request(_, None)),
+        matches!(next, HeadRead::Request(_, None)),
         "a whole head is a request"
     );
     let work = PARSED.get();
@@ -296,7 +296,7 @@ fn head_of(
     status: StatusCode,
     headers: &[(&str, &str)],
     framing: ResponseFraming,
-    asked: Asked,
+    asked: ResponseAsks,
     stay: bool,
 ) -> String {
     let mut map = HeaderMap::new();
@@ -319,7 +319,7 @@ fn head_of(
     String::from_utf8(out).unwrap()
 }
 
-const GET11: Asked = Asked {
+const GET11: ResponseAsks = ResponseAsks {
     head: false,
     http10: false,
     keep_alive: true,
@@ -355,7 +355,7 @@ fn the_head_says_how_the_body_ends_and_what_becomes_of_the_connection() {
     let h = head_of(StatusCode::OK, &[], ResponseFraming::Chunked, GET11, true);
     assert!(h.ends_with("transfer-encoding: chunked\r\n\r\n"), "{h}");
     // HTTP/1.0: its own version, keep-alive said when kept.
-    let ten = Asked {
+    let ten = ResponseAsks {
         http10: true,
         ..GET11
     };
@@ -372,7 +372,7 @@ fn the_head_says_how_the_body_ends_and_what_becomes_of_the_connection() {
     );
     assert!(h.ends_with("connection: keep-alive\r\n\r\n"), "{h}");
     // HEAD: the length a GET would have had.
-    let head = Asked {
+    let head = ResponseAsks {
         head: true,
         ..GET11
     };

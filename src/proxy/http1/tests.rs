@@ -40,7 +40,7 @@ use http_body_util::{BodyExt, Empty, Full};
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::client::{self, Home, Raw, Unusable};
+use super::client::{self, ConnKeeper, Unusable, UpstreamConn};
 use super::framing::Step;
 use super::request_head::{self, Parsed};
 use crate::proxy::forward::{Added, InHand, ReqBody};
@@ -129,11 +129,11 @@ fn hyper_serves(bytes: &[u8]) -> Vec<Seen> {
 }
 
 /// A request this side serves: as seen, as made, and whether its body was streamed.
-type Served = (Seen, Request<ReqBody>, bool);
+type ParsedRequest = (Seen, Request<ReqBody>, bool);
 
 /// The requests this side serves from `bytes`, in order (with whether the body was streamed,
 /// decoded as the request body would decode it), and what stopped it.
-fn ours_serves(bytes: &[u8]) -> (Vec<Served>, &'static str) {
+fn ours_serves(bytes: &[u8]) -> (Vec<ParsedRequest>, &'static str) {
     let mut buf = BytesMut::from(bytes);
     let mut out = Vec::new();
     loop {
@@ -553,8 +553,8 @@ struct Record {
     put: std::sync::atomic::AtomicBool,
 }
 
-impl Home for Record {
-    fn put(&self, _: Raw, _: u64) {
+impl ConnKeeper for Record {
+    fn put(&self, _: UpstreamConn, _: u64) {
         self.put.store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
@@ -577,7 +577,7 @@ async fn ours_reads(listener: &tokio::net::TcpListener, method: &str, bytes: &[u
         let mut rest = Vec::new();
         let _ = app.read_to_end(&mut rest).await;
     });
-    let raw = Raw::new(stream.unwrap(), None);
+    let raw = UpstreamConn::new(stream.unwrap(), None);
     let mut req = Request::builder()
         .method(method)
         .uri("/")

@@ -13,13 +13,17 @@ use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt as _, ReadBuf};
 
-use super::client::Raw;
-use crate::proxy::coarse::{Sleep, Timers};
-use crate::proxy::protocol::{Lane, Served};
+use super::client::UpstreamConn;
+use crate::proxy::deadlines::{Sleep, Timers};
+use crate::proxy::protocol::{ClientConn, ConnSettings};
 
 type Instant = tokio::time::Instant;
 
-pub(super) async fn tunnel(s: Served, upstream: Raw, lane: &Lane) -> io::Result<()> {
+pub(super) async fn tunnel(
+    s: ClientConn,
+    upstream: UpstreamConn,
+    lane: &ConnSettings,
+) -> io::Result<()> {
     // Nothing else holds the socket: an upgrade has no body still coming.
     let Ok(mut client) = Arc::try_unwrap(s.stream) else {
         debug_assert!(false, "an upgraded connection's socket is shared");
@@ -79,7 +83,7 @@ where
         upstream.write_all(to_upstream).await?;
         client.write_all(to_client).await
     };
-    match crate::proxy::coarse::timeout(limit, first).await {
+    match crate::proxy::deadlines::timeout(limit, first).await {
         Some(written) => written.map(|()| true),
         None => Ok(false),
     }

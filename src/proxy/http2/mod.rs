@@ -24,7 +24,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 
 use crate::proxy::body::{ReqBody, Streamed};
-use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::deadlines::{Sleep, Timers};
 use crate::proxy::protocol::*;
 use crate::proxy::respond::{self, Body};
 use stalls::*;
@@ -35,9 +35,9 @@ const ROOM_GRACE: std::time::Duration = std::time::Duration::from_secs(1);
 /// Serves an HTTP/2 connection with hyper's server, its streams answered by `handler`: the
 /// bytes read so far (its preface, or what came of it) first.
 pub(in crate::proxy) async fn serve<H: Handler>(
-    s: Served,
+    s: ClientConn,
     handler: Arc<H>,
-    lane: &Lane,
+    lane: &ConnSettings,
     drained: Pin<&mut impl Future>,
 ) -> Result<(), Error> {
     // Only a connection's first bytes are a preface: no request body holds the socket.
@@ -114,7 +114,7 @@ pub(in crate::proxy) async fn serve<H: Handler>(
             };
             let limit = Sleep::until(lane.timers.clone(), Timers::now() + grace);
             tokio::select! {
-                done = crate::proxy::coarse::timeout(limit, served) => done.unwrap_or(Ok(())),
+                done = crate::proxy::deadlines::timeout(limit, served) => done.unwrap_or(Ok(())),
                 () = shed.shed.notified() => return Ok(()),
             }
         }

@@ -19,7 +19,7 @@ use super::held::{Held, Room};
 /// shut window, so this bounds what a client's flow control can make it keep (h2's default
 /// frame size: no more frames than hyper would write anyway).
 const PIECE: usize = 16 * 1024;
-use crate::proxy::coarse::{Sleep, Timers};
+use crate::proxy::deadlines::{Sleep, Timers};
 use crate::proxy::respond::Body;
 
 /// A response body hyper's server sends: as it is, or (an HTTP/2 stream's) shared with the

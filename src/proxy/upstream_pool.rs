@@ -29,7 +29,7 @@ use tokio::net::TcpStream;
 use super::body::{Progress, ReqBody};
 use super::failure::Failure;
 use super::forwarded::Added;
-use super::http1::client::{self as h1, Raw, RawBody, Unusable};
+use super::http1::client::{self as h1, RawBody, Unusable, UpstreamConn};
 
 /// `spillway_upstream_connections_discarded_total{reason}`, by [`Unusable`].
 pub type Discards = [prometheus::IntCounter; 3];
@@ -116,15 +116,15 @@ impl Drop for Waiting<'_> {
 }
 
 /// What a request at the cap got.
-enum Got {
+enum AtCap {
     /// A permit for a new connection.
     Permit(tokio::sync::OwnedSemaphorePermit),
     /// A connection of its worker's that came back meanwhile.
-    Back(Raw),
+    Back(UpstreamConn),
 }
 
 /// Where and how to connect to the upstream.
-pub struct Dial {
+pub struct UpstreamAddr {
     /// `host:port` (port 80 when the configuration gave none).
     pub address: String,
     pub connect_timeout: Duration,
@@ -134,7 +134,7 @@ pub struct Dial {
 }
 
 /// The upstream connection of one client connection.
-pub struct Affine {
+pub struct ClientUpstream {
     /// Shared with the response body that holds the connection, which puts it back here.
     slot: Arc<Slot>,
     /// The connection task's waker and trip flag (see [`drive`]).
@@ -164,7 +164,7 @@ struct Slot {
 #[derive(Default)]
 struct State {
     /// The connection between exchanges.
-    raw: Option<Raw>,
+    raw: Option<UpstreamConn>,
     /// When `raw` was last used (the clock's nanoseconds).
     last_used: u64,
     /// A request of this client connection was sent upstream.
@@ -177,12 +177,12 @@ impl Slot {
     }
 }
 
-impl h1::Home for Slot {
-    fn put(&self, raw: Raw, since: u64) {
+impl h1::ConnKeeper for Slot {
+    fn put(&self, raw: UpstreamConn, since: u64) {
         // A request waits for a connection: the worker's list gives it this one (one that
         // serves this client only is closed for it instead).
         if self.idle.cap.wanted() || (self.streams.load(Ordering::Relaxed) && !raw.own_only()) {
-            h1::Home::put(&*self.idle, raw, since);
+            h1::ConnKeeper::put(&*self.idle, raw, since);
             return;
         }
         let mut state = self.state();
@@ -196,9 +196,9 @@ impl h1::Home for Slot {
     }
 }
 
-impl Affine {
+impl ClientUpstream {
     pub fn new(idle: Arc<Idle>) -> Self {
-        Affine {
+        ClientUpstream {
             slot: Arc::new(Slot {
                 state: Default::default(),
                 discards: idle.discards.clone(),
@@ -233,7 +233,7 @@ impl Affine {
     /// twice.
     pub async fn send(
         &self,
-        upstream: &Dial,
+        upstream: &UpstreamAddr,
         req: &mut Request<ReqBody>,
         added: &Added,
         now: u64,
@@ -267,7 +267,7 @@ impl Affine {
         // it goes back to the worker's list, for whichever request comes next (a client that
         // sends one request and leaves, or a burst of them, is no reason for a connection
         // each). From its second exchange on, a client keeps the one it has.
-        let home: Arc<dyn h1::Home> = if first {
+        let home: Arc<dyn h1::ConnKeeper> = if first {
             self.idle.clone()
         } else {
             self.slot.clone()
@@ -282,17 +282,21 @@ impl Affine {
             Err(e) => Err(e),
         };
         failed.map_err(|e| match e {
-            h1::Failed::Upstream(e) | h1::Failed::Unsent(e) => Failure::Raw(e),
+            h1::Failed::Upstream(e) | h1::Failed::Unsent(e) => Failure::UpstreamConn(e),
             h1::Failed::ClientBody => Failure::ClientBody,
         })
     }
 
     /// A connection to the upstream, once it is this request's turn to connect: one that came
     /// back to the worker's list meanwhile (`true`: reused), or a new one.
-    async fn connect(&self, upstream: &Dial, now: u64) -> Result<(Raw, bool), Failure> {
+    async fn connect(
+        &self,
+        upstream: &UpstreamAddr,
+        now: u64,
+    ) -> Result<(UpstreamConn, bool), Failure> {
         let permit = match self.idle.permit(now, upstream).await {
-            Some(Got::Permit(p)) => p,
-            Some(Got::Back(raw)) => return Ok((raw, true)),
+            Some(AtCap::Permit(p)) => p,
+            Some(AtCap::Back(raw)) => return Ok((raw, true)),
             None => return Err(Failure::Saturated),
         };
         // A burst of new client connections must not become a burst of SYNs larger than the
@@ -306,12 +310,12 @@ impl Affine {
             .map_err(|_| Failure::ConnectTimeout)?
             .map_err(Failure::Connect)?;
         let _ = stream.set_nodelay(true);
-        Ok((Raw::new(stream, Some(permit)), false))
+        Ok((UpstreamConn::new(stream, Some(permit)), false))
     }
 }
 
 /// `raw` if nothing happened on it since its last exchange; else it is closed, and counted.
-fn usable(mut raw: Raw, discards: &Discards) -> Option<Raw> {
+fn usable(mut raw: UpstreamConn, discards: &Discards) -> Option<UpstreamConn> {
     match raw.check() {
         Ok(()) => Some(raw),
         Err(why) => {
@@ -363,7 +367,10 @@ impl Wakes {
 /// Takes the connection's future pinned where it was made: a future taken by value would be
 /// kept twice in this one's state (as the argument, and moved into the pinned local), doubling
 /// each connection's task (4.6 KiB more).
-pub async fn drive<F: Future>(mut server: Pin<&mut F>, affine: &Affine) -> Option<F::Output> {
+pub async fn drive<F: Future>(
+    mut server: Pin<&mut F>,
+    affine: &ClientUpstream,
+) -> Option<F::Output> {
     let wakes = &affine.wakes;
     let out = std::future::poll_fn(|cx| {
         wakes.task.register(cx.waker());
@@ -381,11 +388,11 @@ pub async fn drive<F: Future>(mut server: Pin<&mut F>, affine: &Affine) -> Optio
 
 /// Leaves the upstream connection of a client connection that ended to the worker's next
 /// client connection, if it is between exchanges.
-fn park(affine: &Affine) {
+fn park(affine: &ClientUpstream) {
     let mut state = affine.slot.state();
     // One that serves this client only is closed with it.
     if let Some(raw) = state.raw.take().filter(|raw| !raw.own_only()) {
-        affine.idle.put(Parked {
+        affine.idle.put(IdleConn {
             raw,
             since: state.last_used,
         });
@@ -399,7 +406,7 @@ fn park(affine: &Affine) {
 pub struct Idle {
     // Only the worker's own thread locks it, never across an await: never contended.
     #[allow(clippy::disallowed_types)]
-    conns: std::sync::Mutex<std::collections::VecDeque<Parked>>,
+    conns: std::sync::Mutex<std::collections::VecDeque<IdleConn>>,
     /// Turns to connect, [`MAX_CONNECTING`] at once.
     connects: tokio::sync::Semaphore,
     discards: Discards,
@@ -419,8 +426,8 @@ impl Default for Idle {
     }
 }
 
-struct Parked {
-    raw: Raw,
+struct IdleConn {
+    raw: UpstreamConn,
     /// When it was last used (the clock's nanoseconds).
     since: u64,
 }
@@ -431,8 +438,8 @@ const MAX_CONNECTING: usize = 4;
 /// Idle upstream connections kept per worker; the oldest goes first past this.
 const MAX_IDLE: usize = 256;
 
-impl h1::Home for Idle {
-    fn put(&self, raw: Raw, since: u64) {
+impl h1::ConnKeeper for Idle {
+    fn put(&self, raw: UpstreamConn, since: u64) {
         // Never another client's: a connection that serves only its client is closed when it
         // would come here (a client's first exchange, an HTTP/2 stream's, a waiter's turn).
         if raw.own_only() {
@@ -444,11 +451,11 @@ impl h1::Home for Idle {
             if self.waiting.load(Ordering::Relaxed) == 0 {
                 return;
             }
-            Idle::put(self, Parked { raw, since });
+            Idle::put(self, IdleConn { raw, since });
             self.back.notify_one();
             return;
         }
-        Idle::put(self, Parked { raw, since });
+        Idle::put(self, IdleConn { raw, since });
     }
 
     fn discarded(&self, why: Unusable) {
@@ -478,11 +485,11 @@ impl Idle {
     /// back while the request waited; `None` once `upstream.connect_timeout` has passed with
     /// neither. At the cap, an idle connection of this worker's is closed for its permit
     /// first (the caller found none usable).
-    async fn permit(&self, now: u64, upstream: &Dial) -> Option<Got> {
+    async fn permit(&self, now: u64, upstream: &UpstreamAddr) -> Option<AtCap> {
         let cap = &self.cap;
         loop {
             if let Ok(p) = cap.permits.clone().try_acquire_owned() {
-                return Some(Got::Permit(p));
+                return Some(AtCap::Permit(p));
             }
             if !self.close_oldest() {
                 break;
@@ -493,7 +500,7 @@ impl Idle {
         loop {
             let waited = tokio::time::timeout_at(deadline, async {
                 tokio::select! {
-                    p = cap.permits.clone().acquire_owned() => p.ok().map(Got::Permit),
+                    p = cap.permits.clone().acquire_owned() => p.ok().map(AtCap::Permit),
                     _ = self.back.notified() => None,
                 }
             })
@@ -502,7 +509,7 @@ impl Idle {
                 Ok(Some(got)) => return Some(got),
                 Ok(None) => {
                     if let Some(raw) = self.take(now, upstream.idle) {
-                        return Some(Got::Back(raw));
+                        return Some(AtCap::Back(raw));
                     }
                 }
                 Err(_) => return None,
@@ -510,11 +517,11 @@ impl Idle {
         }
     }
 
-    fn conns(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<Parked>> {
+    fn conns(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<IdleConn>> {
         self.conns.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn put(&self, parked: Parked) {
+    fn put(&self, parked: IdleConn) {
         let mut conns = self.conns();
         if conns.len() >= MAX_IDLE {
             conns.pop_front();
@@ -523,7 +530,7 @@ impl Idle {
     }
 
     /// The most recently used usable connection unused for less than `idle` nanoseconds.
-    fn take(&self, now: u64, idle: u64) -> Option<Raw> {
+    fn take(&self, now: u64, idle: u64) -> Option<UpstreamConn> {
         let mut conns = self.conns();
         while let Some(p) = conns.pop_back() {
             if now.saturating_sub(p.since) < idle {
@@ -568,7 +575,7 @@ mod tests {
 
     #[test]
     fn driving_a_connection_does_not_keep_a_second_copy_of_its_future() {
-        let affine = Affine::new(Arc::new(Idle::default()));
+        let affine = ClientUpstream::new(Arc::new(Idle::default()));
         let large = [0u8; 4096];
         let served = std::pin::pin!(async move { std::hint::black_box(large).len() });
         let driving = drive(served, &affine);
@@ -587,8 +594,8 @@ mod tests {
             .unwrap();
         let (app_side, _) = listener.accept().await.unwrap();
         let idle = Idle::default();
-        idle.put(Parked {
-            raw: Raw::new(stream, None),
+        idle.put(IdleConn {
+            raw: UpstreamConn::new(stream, None),
             since: 0,
         });
         for _ in 0..100 {
