@@ -1,7 +1,7 @@
-//! `timeouts.client_idle` on the connections hyper's server serves for the proxy: an HTTP/1
-//! connection left to hyper (a client that streams its uploads) waits `client_idle`, not
-//! `header_read`, between requests; an HTTP/2 connection with no open stream is closed with
-//! GOAWAY after `client_idle`, and one with a stream open is not.
+//! `timeouts.client_idle` between requests: an HTTP/1 connection whose requests streamed their
+//! bodies (a client that streams its uploads) waits `client_idle`, not `header_read`, for its
+//! next request; an HTTP/2 connection with no open stream is closed with GOAWAY after
+//! `client_idle`, and one with a stream open is not.
 
 mod common;
 
@@ -11,14 +11,15 @@ use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 
-/// A chunked upload: its body is streamed, so hyper serves it.
+/// A chunked upload: its body is streamed (read as the request goes upstream).
 const CHUNKED: &str =
     "POST /upload HTTP/1.1\r\nhost: app\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n";
 
-/// A load balancer reuses an idle connection after a minute; one that hyper serves (two
-/// streamed uploads in a row leave it there) was closed after `header_read`.
+/// A load balancer reuses an idle connection after a minute; one after two streamed uploads
+/// in a row must not be closed after `header_read` (when hyper served such connections, it
+/// was).
 #[tokio::test]
-async fn a_connection_left_to_hyper_waits_client_idle_between_requests() {
+async fn a_connection_after_streamed_uploads_waits_client_idle_between_requests() {
     let (sc, _up) = sidecar("timeouts: { header_read: 200ms, client_idle: 30s }\nrules: []").await;
     let mut c = BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());
     for _ in 0..2 {
@@ -30,7 +31,7 @@ async fn a_connection_left_to_hyper_waits_client_idle_between_requests() {
     let a = ask(&mut c, "GET /x HTTP/1.1\r\nhost: app\r\n\r\n").await;
     assert_eq!(
         a.body, "ok",
-        "an idle connection served by hyper was closed before client_idle"
+        "an idle connection after streamed uploads was closed before client_idle"
     );
     let a = ask(&mut c, CHUNKED).await;
     assert_eq!(a.body, "5");
@@ -44,7 +45,7 @@ async fn a_connection_left_to_hyper_waits_client_idle_between_requests() {
 
 /// The same connection idle past `client_idle` is closed.
 #[tokio::test]
-async fn a_connection_left_to_hyper_is_closed_after_client_idle() {
+async fn a_connection_after_streamed_uploads_is_closed_after_client_idle() {
     let (sc, _up) =
         sidecar("timeouts: { header_read: 200ms, client_idle: 400ms }\nrules: []").await;
     let mut c = BufReader::new(TcpStream::connect(sc.addr()).await.unwrap());

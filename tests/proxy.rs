@@ -89,8 +89,8 @@ fn map_fields(headers: &http::HeaderMap) -> Vec<(String, String)> {
     )
 }
 
-/// Our HTTP/1 side writes the lines a rule keeps for a 429; hyper's server (a connection
-/// handed to it, HTTP/2) writes the 429 from its map. A client sees the same answer.
+/// Our HTTP/1 side writes the lines a rule keeps for a 429, after a streamed body too; hyper's
+/// HTTP/2 server writes the 429 from its map. A client sees the same answer.
 #[tokio::test]
 async fn a_kept_429_reads_the_same_from_every_server_side() {
     for mode in ["on_reject", "never"] {
@@ -107,7 +107,7 @@ async fn a_kept_429_reads_the_same_from_every_server_side() {
         assert_eq!(headers.contains_key("ratelimit"), mode == "on_reject");
         let ours = map_fields(&headers);
 
-        // A chunked body hands the connection to hyper's HTTP/1 server.
+        // A chunked body, streamed by our HTTP/1 side.
         let stream = tokio::net::TcpStream::connect(sc.addr()).await.unwrap();
         let mut c = tokio::io::BufReader::new(stream);
         let raw = ask(
@@ -117,7 +117,7 @@ async fn a_kept_429_reads_the_same_from_every_server_side() {
         .await;
         assert_eq!(raw.status, "HTTP/1.1 429 Too Many Requests");
         let lines = raw.head.lines().filter_map(|l| l.split_once(':'));
-        assert_eq!(fields(lines), ours, "{mode}: hyper's HTTP/1");
+        assert_eq!(fields(lines), ours, "{mode}: after a streamed body");
         assert_eq!(raw.body, body);
 
         let (status, headers, h2_body) = send(&h2_client(), sc.addr(), "GET", "/", &[]).await;

@@ -1,7 +1,8 @@
 //! Responses of every framing through a client connection's own upstream connection
 //! (src/proxy/http1/client.rs, the hand-written HTTP/1.1 exchange): each body arrives whole, and the
-//! connection is reused after a response only when that response allows it. Requests with a
-//! body go through hyper's pool instead (src/proxy/forward.rs); they are checked here too.
+//! connection is reused after a response only when that response allows it. Requests whose
+//! body is still coming are written by the same connection's upload (src/proxy/http1/upload.rs);
+//! they are checked here too.
 //!
 //! A client connection's first request only borrows a connection (src/proxy/upstream_pool.rs), so
 //! every test sends a first request before the ones it is about.
@@ -356,8 +357,7 @@ async fn every_framing_arrives_whole_and_the_connection_is_reused_after_it() {
         }
     }
 
-    // A connection handed to hyper's HTTP/1 server (a chunked body does it) gets them from the
-    // map the lines are put in.
+    // The same after a request whose body was streamed (chunked) on that client connection.
     let stream = TcpStream::connect(sc.addr()).await.unwrap();
     let mut handed = tokio::io::BufReader::new(stream);
     let upload = "POST /echo HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n\
