@@ -267,8 +267,10 @@ fn the_decision_never_awaits_nor_imports_the_data_plane_the_control_plane_the_re
 /// The data plane's layers (src/proxy/mod.rs): the protocol servers (HTTP/1's server side,
 /// HTTP/2) are handed the request path as a `Handler` by `connection`, which tells which one
 /// a connection speaks: they never import the request path (`request`), the forward
-/// (`forward`, `forwarded`, `upstream_pool`), the connection owner, or the wiring (`proxy` itself),
-/// and HTTP/1 never imports HTTP/2. `protocol`, what both are given, imports none of those.
+/// (`forward`, `forwarded`, `upstream_pool`), the connection owner or the wiring (`shared`,
+/// `worker`), and HTTP/1 never imports HTTP/2. `protocol`, what both are given, imports none
+/// of those. (An upgrade's tunnel takes the upstream connection from its response: HTTP/1's
+/// client side is not among them.)
 #[test]
 fn protocol_servers_never_import_the_request_path_and_http1_never_imports_http2() {
     let (files, edges) = imports();
@@ -293,7 +295,8 @@ fn protocol_servers_never_import_the_request_path_and_http1_never_imports_http2(
         "the scan found the servers: {servers:?}"
     );
     let above = [
-        "proxy",
+        "proxy::shared",
+        "proxy::worker",
         "proxy::request",
         "proxy::forward",
         "proxy::forwarded",

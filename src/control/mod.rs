@@ -2,10 +2,11 @@
 //!
 //! Owns the wire types (versioned JSON over HTTP or HTTPS, `/v1/...`), their bounds, the ratio
 //! math (a pure function), and the three roles: [`reporter`] (in each proxy), [`aggregator`]
-//! (any number of replicas per zone), [`controller`] (one per region, or per service shard).
+//! (any number of replicas per zone), [`controller`] (one per region, or per service shard), and
+//! the JSON client reports go out with ([`client`]).
 //! [`zone`] and [`sum`] say where counts are added (aggregator, controller) and smoothed, [`sources`] who may report, [`auth`] whose
 //! token may do what. Nothing here is on the request path: the proxy only reads the published
-//! [`DropRatios`] snapshot. Must never: block a request, keep state that the next reports
+//! [`DropRatios`](crate::rules::DropRatios) snapshot. Must never: block a request, keep state that the next reports
 //! cannot rebuild, count one host's interval twice, or let one service's token move another
 //! service's ratios or read its keys.
 

@@ -3,7 +3,7 @@
 //!
 //! Runs beside the request path, never in it: requests only bump counters and read the
 //! published snapshot. A slow or dead control plane only makes reports late (each post is
-//! bounded by one interval), and the ratios it left behind age out (see [`super::Staleness`]).
+//! bounded by one interval), and the ratios it left behind age out (see [`Staleness`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

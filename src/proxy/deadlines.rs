@@ -11,7 +11,7 @@
 //! "Coarse timers").
 //!
 //! They fire up to one tick late: the tick is half the shorter of the two timeouts, at most a
-//! second (`anchor_period` in `proxy/mod.rs`). Must never: be the only thing that bounds a
+//! second (`anchor_period` in `proxy/worker.rs`). Must never: be the only thing that bounds a
 //! wait that must be exact (use tokio's timers for those).
 
 use std::future::Future;
@@ -169,16 +169,23 @@ impl Sleep {
     }
 
     /// Moves the deadline (fired or not), keeping its slot: no slot given back and taken
-    /// again. Not for a closable timer.
+    /// again. A closable timer that had fired is armed (and counted) again.
     pub fn reset(&mut self, deadline: Instant) {
-        debug_assert!(!self.closable, "a closable timer's count is kept by arming");
         self.deadline = deadline;
         if let Some(i) = self.slot {
             let mut slots = self.timers.lock();
             let e = &mut slots.entries[i];
             e.deadline = deadline;
             // Fired: its waker was taken; the next poll gives one again.
-            e.fired = false;
+            if std::mem::replace(&mut e.fired, false) && e.closable {
+                slots.closable += 1;
+                self.timers
+                    .closable
+                    .store(slots.closable, Ordering::Relaxed);
+                if let Some(wanted) = self.timers.wanted.get() {
+                    wanted.armed();
+                }
+            }
         }
     }
 }
@@ -351,6 +358,23 @@ mod tests {
         assert_eq!(timers.lock().entries.len(), 1, "one slot throughout");
         drop(sleep);
         assert_eq!(timers.armed(), 0);
+        // A closable one closed for room, then moved: armed and counted again, and given
+        // back once when dropped.
+        let mut kept = Box::pin(Sleep::closable(
+            timers.clone(),
+            t0 + Duration::from_secs(60),
+        ));
+        assert!(kept.as_mut().poll(&mut cx).is_pending());
+        assert!(timers.any_closable());
+        assert!(timers.close_one());
+        assert!(!timers.any_closable(), "fired for room");
+        assert!(kept.as_mut().poll(&mut cx).is_ready());
+        kept.reset(t0 + Duration::from_secs(90));
+        assert!(timers.any_closable(), "armed again");
+        assert!(kept.as_mut().poll(&mut cx).is_pending());
+        drop(kept);
+        assert!(!timers.any_closable(), "counted off once");
+        assert_eq!(timers.lock().closable, 0);
         // A reset before the first poll only moves the deadline.
         let mut early = Box::pin(Sleep::until(timers.clone(), t0));
         early.reset(t0 + Duration::from_secs(20));

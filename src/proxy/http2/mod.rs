@@ -40,6 +40,7 @@ pub(in crate::proxy) async fn serve<H: Handler>(
     lane: &ConnSettings,
     drained: Pin<&mut impl Future>,
 ) -> Result<(), Error> {
+    let opened = s.opened;
     // Only a connection's first bytes are a preface: no request body holds the socket.
     let Ok(stream) = Arc::try_unwrap(s.stream) else {
         return Ok(());
@@ -85,9 +86,9 @@ pub(in crate::proxy) async fn serve<H: Handler>(
     });
     let mut served = pin!(lane.hyper.serve_connection(io, service));
     // A connection without a stream for `client_idle` is closed with GOAWAY; one that has
-    // sent none within `header_read` of its preface too, as an HTTP/1 connection that never
-    // sends its head is closed.
-    let idle = watched.idle(&lane.timers, lane.header_read, lane.client_idle);
+    // sent none within `header_read` of its accept too, as an HTTP/1 connection that never
+    // sends its first head is closed.
+    let idle = watched.idle(&lane.timers, opened + lane.header_read, lane.client_idle);
     let done = tokio::select! {
         biased;
         done = served.as_mut() => done,

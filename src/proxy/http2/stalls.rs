@@ -11,6 +11,8 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use http_body::{Body as _, Frame};
 
 use super::held::{Held, Room};
@@ -354,10 +356,11 @@ pub(super) struct Open {
 }
 
 impl Open {
-    /// Ready once the connection has had no open request for `idle` (for `first` before its
-    /// first request), or sooner when a new client needs its place (after a first request,
-    /// its wait is closable as a kept-alive HTTP/1 connection's is); whether it was sooner.
-    pub(super) async fn idle(&self, timers: &Arc<Timers>, first: Duration, idle: Duration) -> bool {
+    /// Ready once the connection has had no open request for `idle` (before its first
+    /// request: at `first`, a deadline from its accept), or sooner when a new client needs its
+    /// place (after a first request, its wait is closable as a kept-alive HTTP/1 connection's
+    /// is); whether it was sooner.
+    pub(super) async fn idle(&self, timers: &Arc<Timers>, first: Instant, idle: Duration) -> bool {
         loop {
             let mut none = pin!(self.none.notified());
             none.as_mut().enable();
@@ -366,7 +369,11 @@ impl Open {
                 continue;
             }
             let spell = self.begun.load(Ordering::Relaxed);
-            let deadline = Timers::now() + if spell == 0 { first } else { idle };
+            let deadline = if spell == 0 {
+                first
+            } else {
+                Timers::now() + idle
+            };
             let wait = match spell {
                 0 => Sleep::until(timers.clone(), deadline),
                 _ => Sleep::closable(timers.clone(), deadline),
