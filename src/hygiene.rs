@@ -7,10 +7,11 @@
 //! Must never: answer (the caller renders the refusal), or let a request the app would read
 //! differently from the rules through.
 
-use http::Request;
+use http::{Request, StatusCode};
 
 use crate::config::Config;
 use crate::key;
+use crate::respond::Refused;
 
 /// What is checked and rewritten in a request before any rule sees it: a method in capitals,
 /// one valid `Host`, one canonical path, no field the app will not get, no client-written
@@ -72,7 +73,7 @@ impl Hygiene {
     /// the fields the client's `Connection` names (the app would not get them: the rules must
     /// not see them either) and the client's claims ([`key::is_client_claim`]). Allocates only
     /// when it rewrites or refuses.
-    pub fn apply<B>(&self, req: &mut Request<B>) -> Result<(), (&'static str, String)> {
+    pub fn apply<B>(&self, req: &mut Request<B>) -> Result<(), Refused> {
         // Methods are case-sensitive (RFC 9110 §9.1): `get` matches no `methods: [GET]`, but
         // many apps fold the case and serve it as GET. Refused, as nginx refuses it.
         // (GET and POST, most requests, are known to be spelled in capitals.)
@@ -81,9 +82,10 @@ impl Hygiene {
             && method != http::Method::POST
             && method.as_str().bytes().any(|b| b.is_ascii_lowercase())
         {
-            return Err((
+            return Err(Refused::closing(
+                StatusCode::BAD_REQUEST,
                 "method",
-                "the method has lower-case letters; this proxy takes methods in capitals".into(),
+                "the method has lower-case letters; this proxy takes methods in capitals",
             ));
         }
         // One pass over the fields (standard names compare as enums), not a lookup for each;
@@ -114,32 +116,47 @@ impl Hygiene {
             }
         }
         if bytes > self.max_header_bytes {
-            return Err((
+            return Err(Refused::new(
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
                 TOO_LARGE,
-                "request headers are larger than this proxy accepts".into(),
+                "request headers are larger than this proxy accepts",
             ));
         }
         if padded {
-            return Err((
+            return Err(Refused::closing(
+                StatusCode::BAD_REQUEST,
                 "malformed",
-                "an HTTP/2 field value starts or ends with whitespace (RFC 9113 8.2.1)".into(),
+                "an HTTP/2 field value starts or ends with whitespace (RFC 9113 8.2.1)",
             ));
         }
         match host {
             _ if hosts > 1 => {
-                return Err(("host", "the request has more than one Host header".into()));
+                return Err(Refused::closing(
+                    StatusCode::BAD_REQUEST,
+                    "host",
+                    "the request has more than one Host header",
+                ));
             }
             None if self.require_host && req.version() == http::Version::HTTP_11 => {
-                return Err(("host", "an HTTP/1.1 request must have a Host header".into()));
+                return Err(Refused::closing(
+                    StatusCode::BAD_REQUEST,
+                    "host",
+                    "an HTTP/1.1 request must have a Host header",
+                ));
             }
             None if self.require_host && h2 && req.uri().authority().is_none() => {
-                return Err((
+                return Err(Refused::closing(
+                    StatusCode::BAD_REQUEST,
                     "host",
-                    "an HTTP/2 request must have :authority or Host (RFC 9113 8.3.1)".into(),
+                    "an HTTP/2 request must have :authority or Host (RFC 9113 8.3.1)",
                 ));
             }
             Some(h) if !key::valid_host(h.as_bytes()) => {
-                return Err(("host", "the Host header is not a host and port".into()));
+                return Err(Refused::closing(
+                    StatusCode::BAD_REQUEST,
+                    "host",
+                    "the Host header is not a host and port",
+                ));
             }
             _ => {}
         }
@@ -147,9 +164,10 @@ impl Hygiene {
             // Absolute form names its host in the target (HTTP/1.0 may send no `Host`).
             let named = key::request_host(req.uri(), req.headers());
             if named.is_some_and(|h| !self.hosts.iter().any(|s| s.serves(h))) {
-                return Err((
+                return Err(Refused::new(
+                    StatusCode::MISDIRECTED_REQUEST,
                     MISDIRECTED,
-                    "this service does not answer for the request's host".into(),
+                    "this service does not answer for the request's host",
                 ));
             }
         }
@@ -157,7 +175,10 @@ impl Hygiene {
             match crate::target::canonical_uri(req.uri(), self.reject_separators) {
                 Ok(Some(uri)) => *req.uri_mut() = uri,
                 Ok(None) => {}
-                Err(e) => return Err(("target", e.to_string())),
+                Err(e) => {
+                    return Err(Refused::closing(StatusCode::BAD_REQUEST, "target", "")
+                        .saying(e.to_string()))
+                }
             }
         }
         if connection {
@@ -217,7 +238,7 @@ pub(crate) const TOO_LARGE: &str = "header_too_large";
 /// among them, which [`crate::hop::listed`] leaves out and the hop removes anyway); refuses a
 /// list that names `Content-Length` or `Host`, which would leave the app to frame the body
 /// itself (a request smuggled inside it) or to guess the host.
-fn drop_listed(headers: &mut http::HeaderMap) -> Result<(), (&'static str, String)> {
+fn drop_listed(headers: &mut http::HeaderMap) -> Result<(), Refused> {
     let values: smallvec::SmallVec<[http::HeaderValue; 2]> = headers
         .get_all(http::header::CONNECTION)
         .iter()
@@ -225,9 +246,10 @@ fn drop_listed(headers: &mut http::HeaderMap) -> Result<(), (&'static str, Strin
         .collect();
     for token in crate::hop::listed(values.iter().map(http::HeaderValue::as_bytes)) {
         if token.eq_ignore_ascii_case(b"content-length") || token.eq_ignore_ascii_case(b"host") {
-            return Err((
+            return Err(Refused::closing(
+                StatusCode::BAD_REQUEST,
                 "connection",
-                "the Connection header names a field the request cannot go without".into(),
+                "the Connection header names a field the request cannot go without",
             ));
         }
         if let Ok(name) = std::str::from_utf8(token) {

@@ -227,8 +227,8 @@ where
             let grpc = respond::form(req.method(), req.version(), req.headers());
             // The inner service is given what the rules saw: the sidecar's request hygiene,
             // with its defaults.
-            if let Err((_, detail)) = shared.hygiene.apply(&mut req) {
-                return Ok(respond::error(http::StatusCode::BAD_REQUEST, &detail));
+            if let Err(refused) = shared.hygiene.apply(&mut req) {
+                return Ok(refused.response());
             }
             let client = shared.client_ip.who(req.headers(), peer);
             let trusted = shared.client_ip.trusts(peer);

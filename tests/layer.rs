@@ -91,6 +91,12 @@ async fn the_layer_answers_as_the_sidecar_does_for_the_same_rules() {
         .unwrap();
     let resp = svc.clone().oneshot(req).await.unwrap();
     let (status, head) = (resp.status().as_u16(), resp.headers().clone());
+    // One refusal value renders it for both: the connection closes after it, as it does
+    // after the sidecar's.
+    assert_eq!(
+        head.get("connection").map(|v| v.as_bytes()),
+        Some(&b"close"[..])
+    );
     let body = resp.into_body().collect().await.unwrap().to_bytes();
     let from_layer = seen(status, &head, &body);
     let (status, head, body) =

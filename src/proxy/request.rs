@@ -20,7 +20,6 @@ use super::respond::{self, Body};
 use super::shared::Shared;
 use super::{connection, deadlines, forward, upstream_pool};
 use crate::gate;
-use crate::hygiene::{MISDIRECTED, TOO_LARGE};
 use crate::key::RequestView;
 use crate::limit::Clock;
 use crate::metrics::Outcome;
@@ -127,32 +126,18 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
     };
     let refused = match shared.hygiene.apply(req) {
         Err(refused) => Some(refused),
-        Ok(()) if get_or_head && shared.hygiene.reject_get_bodies => Some((
-            "body_on_get",
-            "a GET or HEAD request must not have a body here".to_string(),
-        )),
+        Ok(()) if get_or_head && shared.hygiene.reject_get_bodies => Some(BODY_ON_GET),
         Ok(()) => None,
     };
-    if let Some((reason, detail)) = refused {
+    if let Some(refused) = refused {
         metrics
             .duration(Outcome::Error)
             .observe(elapsed(shared, start));
-        if reason == TOO_LARGE {
-            metrics.header_too_large.inc();
-            return respond::error(StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE, &detail);
-        }
-        metrics.bad_requests.with_label_values(&[reason]).inc();
-        if reason == MISDIRECTED {
-            // Well formed, for another host: the connection stays usable.
-            return respond::error(StatusCode::MISDIRECTED_REQUEST, &detail);
-        }
-        let mut resp = respond::error(StatusCode::BAD_REQUEST, &detail);
-        // What follows on the connection may be as malformed: nginx closes after a 400 too.
-        resp.headers_mut().insert(
-            http::header::CONNECTION,
-            http::HeaderValue::from_static("close"),
-        );
-        return resp;
+        metrics
+            .bad_requests
+            .with_label_values(&[refused.reason])
+            .inc();
+        return refused.response();
     }
     let grpc = respond::form(req.method(), req.version(), req.headers());
     // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
@@ -235,6 +220,14 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
     metrics.duration(outcome).observe(elapsed(shared, start));
     resp
 }
+
+/// A GET or HEAD with a body, under `bodies_on_get: reject` (what follows on the connection may
+/// be as malformed: nginx closes after a 400 too).
+const BODY_ON_GET: respond::Refused = respond::Refused::closing(
+    StatusCode::BAD_REQUEST,
+    "body_on_get",
+    "a GET or HEAD request must not have a body here",
+);
 
 /// A refused request's body is read and dropped up to this many bytes...
 pub(super) const DRAIN_BYTES: usize = 256 * 1024;

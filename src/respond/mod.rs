@@ -353,6 +353,56 @@ pub fn add_rate_headers(headers: &mut HeaderMap, states: &[RateState]) {
     headers.insert(RATELIMIT.clone(), value);
 }
 
+/// A request Spillway refuses itself, not for a limit (those are [`Denial`]s): from the
+/// request hygiene, the HTTP/1 head parser, a malformed body. The status, the
+/// `spillway_bad_requests_total` reason, a detail for the client, and whether the connection
+/// closes after the answer (what follows on it cannot be trusted).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refused {
+    pub status: StatusCode,
+    pub reason: &'static str,
+    pub detail: std::borrow::Cow<'static, str>,
+    pub close: bool,
+}
+
+impl Refused {
+    /// Answered with `status`; the connection goes on.
+    pub const fn new(status: StatusCode, reason: &'static str, detail: &'static str) -> Self {
+        Refused {
+            status,
+            reason,
+            detail: std::borrow::Cow::Borrowed(detail),
+            close: false,
+        }
+    }
+
+    /// Answered with `status`, and the connection closes after the answer.
+    pub const fn closing(status: StatusCode, reason: &'static str, detail: &'static str) -> Self {
+        Refused {
+            status,
+            reason,
+            detail: std::borrow::Cow::Borrowed(detail),
+            close: true,
+        }
+    }
+
+    /// With a detail worked out for this request.
+    pub fn saying(mut self, detail: String) -> Self {
+        self.detail = std::borrow::Cow::Owned(detail);
+        self
+    }
+
+    /// The answer: a problem document, with `Connection: close` when the connection closes.
+    pub fn response<L, R: From<Full<Bytes>>>(&self) -> Ours<L, R> {
+        let mut resp = error(self.status, &self.detail);
+        if self.close {
+            resp.headers_mut()
+                .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        resp
+    }
+}
+
 /// A short problem document for errors Spillway answers itself (400, 431, 502, 503, 504).
 pub fn error<L, R: From<Full<Bytes>>>(status: StatusCode, detail: &str) -> Ours<L, R> {
     let title = status.canonical_reason().unwrap_or("Error");

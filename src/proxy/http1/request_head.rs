@@ -9,7 +9,7 @@ use std::mem::MaybeUninit;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::{Method, Request, Uri, Version};
+use http::{Method, Request, StatusCode, Uri, Version};
 use http_body_util::Either;
 
 use super::framing::{parse_length, Chunk, Framing};
@@ -18,46 +18,46 @@ use crate::proxy::body::{InHand, ReqBody, IN_HAND};
 /// Header fields in a request head at most (hyper's limit too); more is answered 431.
 const MAX_HEADERS: usize = 100;
 
-/// Why a head is refused: the status it is answered with (and its connection closed), the
-/// `spillway_bad_requests_total` reason, and a detail for the client.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Refusal {
-    pub(crate) status: http::StatusCode,
-    pub(crate) reason: &'static str,
-    pub(crate) detail: &'static str,
-}
+/// Why a head is refused: its status, reason and detail (the connection closes after the
+/// answer: what follows a head this side cannot read cannot be told apart).
+pub(crate) use crate::respond::Refused as Refusal;
 
-impl Refusal {
-    const fn new(status: u16, reason: &'static str, detail: &'static str) -> Self {
-        let Ok(status) = http::StatusCode::from_u16(status) else {
-            panic!("not a status");
-        };
-        Refusal {
-            status,
-            reason,
-            detail,
-        }
-    }
-}
-
-pub(crate) const MALFORMED: Refusal =
-    Refusal::new(400, "malformed", "the request head is malformed");
-const TOO_MANY: Refusal = Refusal::new(431, "header_too_large", "too many header fields");
+pub(crate) const MALFORMED: Refusal = Refusal::closing(
+    StatusCode::BAD_REQUEST,
+    "malformed",
+    "the request head is malformed",
+);
+const TOO_MANY: Refusal = Refusal::closing(
+    StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+    "header_too_large",
+    "too many header fields",
+);
 /// The head outgrew what may be read of one (`limits.max_header_bytes`, with room).
-pub(crate) const TOO_LARGE: Refusal =
-    Refusal::new(431, "header_too_large", "the request head is too large");
-const FRAMING: Refusal = Refusal::new(
-    400,
+pub(crate) const TOO_LARGE: Refusal = Refusal::closing(
+    StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+    "header_too_large",
+    "the request head is too large",
+);
+const FRAMING: Refusal = Refusal::closing(
+    StatusCode::BAD_REQUEST,
     "framing",
     "the request's length and codings conflict or are malformed",
 );
-const CODING: Refusal = Refusal::new(
-    501,
+const CODING: Refusal = Refusal::closing(
+    StatusCode::NOT_IMPLEMENTED,
     "framing",
     "a transfer coding other than chunked alone is not served",
 );
-const EXPECT: Refusal = Refusal::new(417, "malformed", "only 100-continue is served");
-const CONNECT: Refusal = Refusal::new(501, "method", "CONNECT is not served by this proxy");
+const EXPECT: Refusal = Refusal::closing(
+    StatusCode::EXPECTATION_FAILED,
+    "malformed",
+    "only 100-continue is served",
+);
+const CONNECT: Refusal = Refusal::closing(
+    StatusCode::NOT_IMPLEMENTED,
+    "method",
+    "CONNECT is not served by this proxy",
+);
 
 /// What a look at the buffer found.
 #[allow(clippy::large_enum_variant)]

@@ -310,7 +310,7 @@ impl ClientConn {
     /// Answers a refused head with its status, counted by its reason, and ends the connection.
     async fn refuse(mut self, handler: &impl Handler, why: Refusal) -> Result<(), Error> {
         handler.refused(why.reason);
-        let mut resp: Response<Body> = crate::proxy::respond::error(why.status, why.detail);
+        let mut resp: Response<Body> = why.response();
         let asked = ResponseAsks {
             head: false,
             http10: false,
