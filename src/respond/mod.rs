@@ -111,14 +111,7 @@ pub(crate) static NO_STORE: HeaderValue = HeaderValue::from_static("no-store");
 pub fn answer<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: Form) -> Ours<L, R> {
     match refusal {
         Refusal::Limited(denial) => too_many_requests(denial, grpc),
-        Refusal::BadRequest(bad) => {
-            let body = format!(
-                "{{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\"detail\":{},\"rule\":{}}}\n",
-                serde_json::Value::from(bad.detail.as_str()),
-                serde_json::Value::from(&*bad.rule)
-            );
-            problem(StatusCode::BAD_REQUEST, Bytes::from(body))
-        }
+        Refusal::BadRequest(bad) => Refused::from(bad).response(),
     }
 }
 
@@ -363,6 +356,22 @@ pub struct Refused {
     pub reason: &'static str,
     pub detail: std::borrow::Cow<'static, str>,
     pub close: bool,
+    /// The rule that could not decide the request (a rule's bad request), named in the answer.
+    pub rule: Option<Arc<str>>,
+}
+
+/// A rule's bad request (a repeated key field, a malformed cost): 400, naming the rule; the
+/// connection goes on (the request path closes it when the body cannot be drained).
+impl From<&crate::rules::BadRequest> for Refused {
+    fn from(bad: &crate::rules::BadRequest) -> Self {
+        Refused {
+            status: StatusCode::BAD_REQUEST,
+            reason: bad.reason,
+            detail: std::borrow::Cow::Owned(bad.detail.clone()),
+            close: false,
+            rule: Some(bad.rule.clone()),
+        }
+    }
 }
 
 impl Refused {
@@ -373,6 +382,7 @@ impl Refused {
             reason,
             detail: std::borrow::Cow::Borrowed(detail),
             close: false,
+            rule: None,
         }
     }
 
@@ -383,6 +393,7 @@ impl Refused {
             reason,
             detail: std::borrow::Cow::Borrowed(detail),
             close: true,
+            rule: None,
         }
     }
 
@@ -392,9 +403,22 @@ impl Refused {
         self
     }
 
-    /// The answer: a problem document, with `Connection: close` when the connection closes.
+    /// The answer: a problem document (naming the rule, if one), with `Connection: close` when
+    /// the connection closes.
     pub fn response<L, R: From<Full<Bytes>>>(&self) -> Ours<L, R> {
-        let mut resp = error(self.status, &self.detail);
+        let mut resp = match &self.rule {
+            None => error(self.status, &self.detail),
+            Some(rule) => {
+                let title = self.status.canonical_reason().unwrap_or("Error");
+                let body = format!(
+                    "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":{},\"rule\":{}}}\n",
+                    self.status.as_u16(),
+                    serde_json::Value::from(&*self.detail),
+                    serde_json::Value::from(&**rule)
+                );
+                problem(self.status, Bytes::from(body))
+            }
+        };
         if self.close {
             resp.headers_mut()
                 .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
@@ -550,6 +574,43 @@ mod tests {
             cached.contains("kept: 1"),
             "only the 3 s hint is kept: {cached}"
         );
+    }
+
+    #[tokio::test]
+    async fn every_refusal_of_ours_is_one_value_rendered_here() {
+        // A rule's bad request: 400 naming the rule, the connection kept.
+        let bad = crate::rules::BadRequest {
+            rule: Arc::from("per-key"),
+            reason: "repeated_key",
+            detail: "sent \"twice\"".to_string(),
+        };
+        let (status, headers, body) =
+            parts(answer(&Refusal::BadRequest(bad.clone()), Form::Http)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert!(!headers.contains_key(http::header::CONNECTION));
+        assert_eq!(
+            body,
+            "{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\
+             \"detail\":\"sent \\\"twice\\\"\",\"rule\":\"per-key\"}\n"
+        );
+        assert_eq!(Refused::from(&bad).reason, "repeated_key");
+        // The hygiene's and the head parser's: their status, and a close when asked.
+        let closing = Refused::closing(StatusCode::BAD_REQUEST, "host", "no host");
+        let (status, headers, body) = parts(closing.response()).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(headers[http::header::CONNECTION], "close");
+        let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            (doc["detail"].as_str(), doc.get("rule")),
+            (Some("no host"), None)
+        );
+        let kept = Refused::new(StatusCode::MISDIRECTED_REQUEST, "misdirected", "elsewhere")
+            .saying("not here".into());
+        let (status, headers, body) = parts(kept.response()).await;
+        assert_eq!(status, StatusCode::MISDIRECTED_REQUEST);
+        assert!(!headers.contains_key(http::header::CONNECTION));
+        let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(doc["detail"], "not here");
     }
 
     /// The lines of an HTTP/1 head for `headers`, in their order.

@@ -146,7 +146,7 @@ enum Kind {
         algorithm: Algorithm,
         quota: Quota,
         /// Keys Redis refused, until when: answered here without a round trip.
-        refused: Store<Refused>,
+        refused: Store<RedisRefused>,
         cache_answers: IntCounter,
         /// Keys not seen lately, bounded before they reach Redis.
         admission: Admission,
@@ -166,13 +166,13 @@ enum Kind {
 
 /// A key Redis refused: requests of at least `cost` are refused until `until` (local clock).
 #[derive(Debug, Default)]
-pub struct Refused {
+pub struct RedisRefused {
     // Relaxed: a hint; a torn pair at worst asks Redis once more.
     until: AtomicU64,
     cost: AtomicU32,
 }
 
-impl Refused {
+impl RedisRefused {
     fn remember(&self, until: Nanos, cost: u32) {
         self.until.store(until, Ordering::Relaxed);
         self.cost.store(cost, Ordering::Relaxed);

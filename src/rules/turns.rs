@@ -110,7 +110,7 @@ impl RuleSet {
     pub(super) fn redis_turn(
         &self,
         t: &Turn<'_, '_>,
-        refused: &Store<Refused>,
+        refused: &Store<RedisRefused>,
         cache_answers: &IntCounter,
     ) -> Option<Decision> {
         let retry = refused
