@@ -1,10 +1,10 @@
-//! HTTP/2 client connections, which hyper's server serves from their preface on
-//! ([`serve_h2`]; the HTTP/1 server side sees the preface and lends nothing else), each stream
-//! through the same request path as an HTTP/1 request, its response watched for a client that
-//! never opens its window ([`Stalls`]), at most `max_upstream_per_client` of its streams at the
-//! upstream at once; one without a stream is closed for a new client at `max_connections`,
-//! as an idle kept-alive HTTP/1 connection is. Must never: keep a connection past
-//! `client_idle` without a stream.
+//! HTTP/2 client connections, which hyper's server serves from their preface on ([`serve`],
+//! handed the connection by `proxy::connection`, which read the preface), each stream through
+//! the request path the connection was given (its `Handler`), as an HTTP/1 request is; its
+//! response watched for a client that never opens its window ([`Stalls`]), at most
+//! `max_upstream_per_client` of its streams at the upstream at once; one without a stream is
+//! closed for a new client at `max_connections`, as an idle kept-alive HTTP/1 connection is.
+//! Must never: keep a connection past `client_idle` without a stream.
 
 pub(crate) mod held;
 pub(crate) mod stalls;
