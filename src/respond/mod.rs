@@ -388,13 +388,9 @@ impl Refused {
 
     /// Answered with `status`, and the connection closes after the answer.
     pub const fn closing(status: StatusCode, reason: &'static str, detail: &'static str) -> Self {
-        Refused {
-            status,
-            reason,
-            detail: std::borrow::Cow::Borrowed(detail),
-            close: true,
-            rule: None,
-        }
+        let mut refused = Refused::new(status, reason, detail);
+        refused.close = true;
+        refused
     }
 
     /// With a detail worked out for this request.
@@ -406,19 +402,8 @@ impl Refused {
     /// The answer: a problem document (naming the rule, if one), with `Connection: close` when
     /// the connection closes.
     pub fn response<L, R: From<Full<Bytes>>>(&self) -> Ours<L, R> {
-        let mut resp = match &self.rule {
-            None => error(self.status, &self.detail),
-            Some(rule) => {
-                let title = self.status.canonical_reason().unwrap_or("Error");
-                let body = format!(
-                    "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":{},\"rule\":{}}}\n",
-                    self.status.as_u16(),
-                    serde_json::Value::from(&*self.detail),
-                    serde_json::Value::from(&**rule)
-                );
-                problem(self.status, Bytes::from(body))
-            }
-        };
+        let doc = document(self.status, &self.detail, self.rule.as_deref());
+        let mut resp = problem(self.status, doc);
         if self.close {
             resp.headers_mut()
                 .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
@@ -429,13 +414,22 @@ impl Refused {
 
 /// A short problem document for errors Spillway answers itself (400, 431, 502, 503, 504).
 pub fn error<L, R: From<Full<Bytes>>>(status: StatusCode, detail: &str) -> Ours<L, R> {
+    problem(status, document(status, detail, None))
+}
+
+/// The problem document of an error of ours, naming the rule when one could not decide.
+fn document(status: StatusCode, detail: &str, rule: Option<&str>) -> Bytes {
     let title = status.canonical_reason().unwrap_or("Error");
-    let body = format!(
-        "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":{}}}\n",
+    let mut body = format!(
+        "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":{}",
         status.as_u16(),
         serde_json::Value::from(detail)
     );
-    problem(status, Bytes::from(body))
+    if let Some(rule) = rule {
+        let _ = write!(body, ",\"rule\":{}", serde_json::Value::from(rule));
+    }
+    body.push_str("}\n");
+    Bytes::from(body)
 }
 
 fn problem<L, R: From<Full<Bytes>>>(status: StatusCode, body: Bytes) -> Ours<L, R> {
