@@ -225,6 +225,7 @@ impl<'a> RequestView<'a> {
 }
 
 /// The path rules see: as written when `strict`, else its match form.
+#[inline]
 fn path_form(uri: &Uri, strict: bool) -> Cow<'_, str> {
     if strict {
         Cow::Borrowed(uri.path())

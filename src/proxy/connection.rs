@@ -9,7 +9,7 @@
 
 use std::future::Future;
 use std::io;
-use std::pin::{pin, Pin};
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -48,27 +48,80 @@ impl Abandoned {
     }
 }
 
-/// Serves the client connection `stream` with `handler` until it ends.
-pub(super) async fn serve<H: Handler>(
-    stream: TcpStream,
-    handler: Arc<H>,
-    lane: Arc<ConnSettings>,
-) -> Result<(), Error> {
+/// The future a worker's connection task waits on while it drains: made once per connection
+/// (waiting on it costs nothing per request), pinned by the task and lent to [`told`] and then
+/// to the [`Served`] connection.
+pub(super) fn drained(lane: &ConnSettings) -> impl Future<Output = ()> + Send + use<> {
     let mut draining = lane.draining.clone();
-    // Made once per connection: waiting on it costs nothing per request.
-    let mut drained = pin!(async move {
+    async move {
         let _ = draining.wait_for(|d| *d).await;
-    });
-    let mut s = ClientConn::new(stream, &lane);
-    match speaks(&mut s, &lane, drained.as_mut()).await? {
-        Some(Protocol::Http1) => http1::server::serve(s, handler, &lane, drained).await,
-        Some(Protocol::Http2) => http2::serve(s, handler, &lane, drained).await,
-        None => Ok(()),
+    }
+}
+
+/// The client connection `stream`, told which protocol it speaks; `None` when it closed, was
+/// silent past `header_read` or the worker drains first.
+pub(super) async fn told(
+    stream: TcpStream,
+    lane: &ConnSettings,
+    drained: Pin<&mut impl Future>,
+) -> io::Result<Option<(ClientConn, Protocol)>> {
+    let mut s = ClientConn::new(stream, lane);
+    Ok(speaks(&mut s, lane, drained)
+        .await?
+        .map(|protocol| (s, protocol)))
+}
+
+/// Serves the told connection `s` with `handler` until it ends: the future its task polls,
+/// one of the two servers' own (not one awaiting it, which would be a poll more per wake).
+pub(super) fn serve<'a, H: Handler, D: Future>(
+    (s, protocol): (ClientConn, Protocol),
+    handler: Arc<H>,
+    lane: &'a ConnSettings,
+    drained: Pin<&'a mut D>,
+) -> Served<
+    impl Future<Output = Result<(), Error>> + 'a,
+    impl Future<Output = Result<(), Error>> + 'a,
+> {
+    match protocol {
+        Protocol::Http1 => Served::Http1 {
+            server: http1::server::serve(s, handler, lane, drained),
+        },
+        Protocol::Http2 => Served::Http2 {
+            server: http2::serve(s, handler, lane, drained),
+        },
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A client connection being served by the server of its protocol.
+    #[project = ServedProj]
+    pub(super) enum Served<A, B> {
+        Http1 { #[pin] server: A },
+        Http2 { #[pin] server: B },
+    }
+}
+
+impl<A, B> Future for Served<A, B>
+where
+    A: Future<Output = Result<(), Error>>,
+    B: Future<Output = Result<(), Error>>,
+{
+    type Output = Result<(), Error>;
+
+    #[inline]
+    fn poll(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        match self.project() {
+            ServedProj::Http1 { server } => server.poll(cx),
+            ServedProj::Http2 { server } => server.poll(cx),
+        }
     }
 }
 
 #[derive(Debug, PartialEq)]
-enum Protocol {
+pub(super) enum Protocol {
     Http1,
     Http2,
 }

@@ -284,8 +284,17 @@ async fn worker(
         metrics.connections.inc();
         tokio::spawn(async move {
             let _alive = alive;
-            let served = std::pin::pin!(connection::serve(stream, conn.clone(), lane));
-            match upstream_pool::drive(served, &conn.affine).await {
+            let mut drained = std::pin::pin!(connection::drained(&lane));
+            let told = connection::told(stream, &lane, drained.as_mut()).await;
+            let ended = match told {
+                Ok(Some(told)) => {
+                    let served = connection::serve(told, conn.clone(), &lane, drained);
+                    upstream_pool::drive(std::pin::pin!(served), &conn.affine).await
+                }
+                Ok(None) => Some(Ok(())),
+                Err(e) => Some(Err(e.into())),
+            };
+            match ended {
                 Some(Ok(())) => {}
                 Some(Err(e)) => {
                     tracing::debug!(%peer, error = %e, "connection ended with an error");

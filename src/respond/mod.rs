@@ -56,6 +56,7 @@ pub enum Form {
 /// The form a request is answered in: gRPC only for a `POST` of `application/grpc` over
 /// HTTP/2 or of `application/grpc-web*` over any version. Anything else saying gRPC (a GET, a
 /// plain HTTP/1.1 request) gets HTTP's answer: a `200` to it is a success to a cache.
+#[inline]
 pub fn form(method: &http::Method, version: http::Version, headers: &HeaderMap) -> Form {
     if method != http::Method::POST {
         return Form::Http;

@@ -361,7 +361,12 @@ impl RuleSet {
     /// Shadow rules decide and count what they would have refused, and never refuse.
     pub fn check(&self, req: &RequestView<'_>, now: Nanos) -> Verdict {
         let want_states = self.header_mode == HeaderMode::Always;
-        let mut granted = Granted::default();
+        let mut admit = Admit::default();
+        let mut taken = SmallVec::new();
+        let mut granted = Granted {
+            admit: &mut admit,
+            taken: &mut taken,
+        };
         let mut calls: SmallVec<[RedisCall; 1]> = SmallVec::new();
         let mut key = KeyBuf::new();
         let mut ratios = None;
@@ -377,14 +382,14 @@ impl RuleSet {
                 }
                 Extract::Missing => continue,
                 Extract::Repeated => {
-                    self.refund(req, &granted.taken, now);
+                    self.refund(req, granted.taken, now);
                     return Verdict::BadRequest(rule.repeated_key(req));
                 }
             }
             let cost = match rule.cost_of(req) {
                 Ok(cost) => cost,
                 Err(bad) => {
-                    self.refund(req, &granted.taken, now);
+                    self.refund(req, granted.taken, now);
                     return Verdict::BadRequest(bad);
                 }
             };
@@ -465,7 +470,7 @@ impl RuleSet {
                     }
                     Mode::Enforce => {
                         self.log_rejection(rule, req, "rejected", now);
-                        return self.refuse(rule, req, &granted.taken, now, retry_after);
+                        return self.refuse(rule, req, granted.taken, now, retry_after);
                     }
                 },
             }
@@ -497,18 +502,18 @@ impl RuleSet {
         if let Some((i, retry)) = refused_new {
             let rule = &self.rules[i];
             self.log_rejection(rule, req, "rejected", now);
-            return self.refuse(rule, req, &granted.taken, now, Some(retry));
+            return self.refuse(rule, req, &taken, now, Some(retry));
         }
         if !calls.is_empty() {
             return Verdict::Remote(Box::new(Remote {
-                admit: granted.admit,
-                taken: granted.taken,
+                admit,
+                taken,
                 calls,
                 asked: 0,
             }));
         }
-        self.commit(&granted.taken);
-        Verdict::Allow(granted.admit)
+        self.commit(&taken);
+        Verdict::Allow(admit)
     }
 
     /// Refuses a request for `rule`: gives back what `taken` granted, counts the rejection,

@@ -16,12 +16,12 @@ pub(super) struct Turn<'a, 'r> {
     pub(super) now: Nanos,
 }
 
-/// What the rules of one decision granted so far.
-#[derive(Default)]
-pub(super) struct Granted {
-    pub(super) admit: Admit,
+/// What the rules of one decision granted so far: two locals of [`RuleSet::check`], lent (a
+/// struct owning them would be built and then moved into place).
+pub(super) struct Granted<'g> {
+    pub(super) admit: &'g mut Admit,
     /// Rules that granted units, for the refund if a later one refuses.
-    pub(super) taken: SmallVec<[(usize, Taken); 4]>,
+    pub(super) taken: &'g mut SmallVec<[(usize, Taken); 4]>,
 }
 
 /// A `scope: global` rule's parts.
@@ -42,7 +42,7 @@ impl RuleSet {
         quota: &Quota,
         store: &RateStore,
         overflow: &Overflow,
-        granted: &mut Granted,
+        granted: &mut Granted<'_>,
     ) -> Decision {
         let (decision, slot) = store.check(t.key, quota, t.now, t.cost, overflow);
         match decision {
@@ -68,7 +68,7 @@ impl RuleSet {
         t: &Turn<'_, '_>,
         limiter: &Arc<Adaptive>,
         share: Option<&Share>,
-        granted: &mut Granted,
+        granted: &mut Granted<'_>,
     ) -> Decision {
         let limit = limiter.limit();
         let permit = limiter.try_acquire().and_then(|p| {
@@ -80,7 +80,7 @@ impl RuleSet {
                 }
             }
         });
-        slot(permit, limit, t.i, &mut granted.admit, &mut granted.taken)
+        slot(permit, limit, t.i, granted.admit, granted.taken)
     }
 
     /// A fixed concurrency limit: a slot of the key's, and the client's part of it when the
@@ -92,7 +92,7 @@ impl RuleSet {
         (max, at_head): (u32, bool),
         store: &Store<Arc<Concurrency>>,
         share: Option<&Share>,
-        granted: &mut Granted,
+        granted: &mut Granted<'_>,
     ) -> Decision {
         let (permit, _) = store.with(t.key, t.now, concurrency_idle, |c| {
             c.try_acquire(max, at_head)
@@ -101,7 +101,7 @@ impl RuleSet {
             let part = self.client_part(share, t.req, max, t.now)?;
             Some(p.with_part(part))
         });
-        slot(permit, max, t.i, &mut granted.admit, &mut granted.taken)
+        slot(permit, max, t.i, granted.admit, granted.taken)
     }
 
     /// A `scope: redis` rule: the refusal Redis gave this key lately, while it holds for this
@@ -133,7 +133,7 @@ impl RuleSet {
         t: &Turn<'_, '_>,
         g: GlobalRule<'_>,
         ratios: &mut Option<arc_swap::Guard<Arc<DropRatios>>>,
-        granted: &mut Granted,
+        granted: &mut Granted<'_>,
     ) -> Decision {
         let (rule, cost, now) = (t.rule, t.cost, t.now);
         let (counters, at) = g.store.with(t.key, now, global_reclaimable, Arc::clone);
