@@ -11,13 +11,13 @@ use http::{Request, StatusCode};
 
 use crate::config::Config;
 use crate::key;
-use crate::respond::Refused;
+use crate::respond::{Reason, Refused};
 
 /// What is checked and rewritten in a request before any rule sees it: a method in capitals,
 /// one valid `Host`, one canonical path, no field the app will not get, no client-written
 /// claim the app might believe.
 pub struct Hygiene {
-    /// Larger request heads (fields and target) are refused with 431 ([`TOO_LARGE`]).
+    /// Larger request heads (fields and target) are refused with 431 ([`Reason::HeaderTooLarge`]).
     max_header_bytes: usize,
     /// HTTP/1.1 needs its one `Host` (the sidecar; an embedding server frames its own).
     require_host: bool,
@@ -66,7 +66,7 @@ impl Hygiene {
         }
     }
 
-    /// Refuses a head over `max_header_bytes` ([`TOO_LARGE`]: 431) and what is ambiguous (a
+    /// Refuses a head over `max_header_bytes` ([`Reason::HeaderTooLarge`]: 431) and what is ambiguous (a
     /// method with lower-case letters; a missing, repeated or malformed `Host`; a `Connection`
     /// that names the body's length or `Host`; a path that cannot be normalised) with the
     /// `bad_requests` reason and a detail; rewrites the path to its canonical spelling; removes
@@ -84,7 +84,7 @@ impl Hygiene {
         {
             return Err(Refused::closing(
                 StatusCode::BAD_REQUEST,
-                "method",
+                Reason::Method,
                 "the method has lower-case letters; this proxy takes methods in capitals",
             ));
         }
@@ -118,14 +118,14 @@ impl Hygiene {
         if bytes > self.max_header_bytes {
             return Err(Refused::new(
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-                TOO_LARGE,
+                Reason::HeaderTooLarge,
                 "request headers are larger than this proxy accepts",
             ));
         }
         if padded {
             return Err(Refused::closing(
                 StatusCode::BAD_REQUEST,
-                "malformed",
+                Reason::Malformed,
                 "an HTTP/2 field value starts or ends with whitespace (RFC 9113 8.2.1)",
             ));
         }
@@ -133,28 +133,28 @@ impl Hygiene {
             _ if hosts > 1 => {
                 return Err(Refused::closing(
                     StatusCode::BAD_REQUEST,
-                    "host",
+                    Reason::Host,
                     "the request has more than one Host header",
                 ));
             }
             None if self.require_host && req.version() == http::Version::HTTP_11 => {
                 return Err(Refused::closing(
                     StatusCode::BAD_REQUEST,
-                    "host",
+                    Reason::Host,
                     "an HTTP/1.1 request must have a Host header",
                 ));
             }
             None if self.require_host && h2 && req.uri().authority().is_none() => {
                 return Err(Refused::closing(
                     StatusCode::BAD_REQUEST,
-                    "host",
+                    Reason::Host,
                     "an HTTP/2 request must have :authority or Host (RFC 9113 8.3.1)",
                 ));
             }
             Some(h) if !key::valid_host(h.as_bytes()) => {
                 return Err(Refused::closing(
                     StatusCode::BAD_REQUEST,
-                    "host",
+                    Reason::Host,
                     "the Host header is not a host and port",
                 ));
             }
@@ -166,7 +166,7 @@ impl Hygiene {
             if named.is_some_and(|h| !self.hosts.iter().any(|s| s.serves(h))) {
                 return Err(Refused::new(
                     StatusCode::MISDIRECTED_REQUEST,
-                    MISDIRECTED,
+                    Reason::Misdirected,
                     "this service does not answer for the request's host",
                 ));
             }
@@ -176,8 +176,10 @@ impl Hygiene {
                 Ok(Some(uri)) => *req.uri_mut() = uri,
                 Ok(None) => {}
                 Err(e) => {
-                    return Err(Refused::closing(StatusCode::BAD_REQUEST, "target", "")
-                        .saying(e.to_string()))
+                    return Err(
+                        Refused::closing(StatusCode::BAD_REQUEST, Reason::Target, "")
+                            .saying(e.to_string()),
+                    )
                 }
             }
         }
@@ -228,12 +230,6 @@ fn join_cookies(headers: &mut http::HeaderMap) {
     }
 }
 
-/// The reason [`Hygiene::apply`] gives a request for a host not in `hosts:` (answered 421).
-pub(crate) const MISDIRECTED: &str = "misdirected";
-
-/// The reason [`Hygiene::apply`] gives a head over `limits.max_header_bytes` (answered 431).
-pub(crate) const TOO_LARGE: &str = "header_too_large";
-
 /// Removes the fields `Connection` lists (beyond the hop-by-hop ones, `Transfer-Encoding`
 /// among them, which [`crate::hop::listed`] leaves out and the hop removes anyway); refuses a
 /// list that names `Content-Length` or `Host`, which would leave the app to frame the body
@@ -248,7 +244,7 @@ fn drop_listed(headers: &mut http::HeaderMap) -> Result<(), Refused> {
         if token.eq_ignore_ascii_case(b"content-length") || token.eq_ignore_ascii_case(b"host") {
             return Err(Refused::closing(
                 StatusCode::BAD_REQUEST,
-                "connection",
+                Reason::Connection,
                 "the Connection header names a field the request cannot go without",
             ));
         }

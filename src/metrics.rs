@@ -9,6 +9,78 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
+/// Why Spillway refused a request itself, before or instead of any rule's decision: the
+/// `reason` of `spillway_bad_requests_total`, each series made at start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// A head that does not parse, an invalid field value, `Expect` other than 100-continue.
+    Malformed,
+    /// A head or its fields larger than `limits.max_header_bytes` allows (431).
+    HeaderTooLarge,
+    /// A method in lower case, or `CONNECT` (501).
+    Method,
+    /// A missing, repeated or invalid `Host`.
+    Host,
+    /// A request target that does not normalise.
+    Target,
+    /// A `Connection` header naming a field the request cannot go without.
+    Connection,
+    /// A request for a host the service does not answer for (421).
+    Misdirected,
+    /// A length and codings that conflict, or a coding not served.
+    Framing,
+    /// A GET or HEAD with a body, under `bodies_on_get: reject`.
+    BodyOnGet,
+    /// A keyed field sent twice (a rule's).
+    RepeatedKey,
+    /// A rule's cost field that is not a cost.
+    Cost,
+    /// A request body malformed or cut off.
+    Body,
+    /// A request body that stalled past `timeouts.client_body_idle` (408).
+    BodyTimeout,
+    /// A connection closed for abandoning requests faster than its budget.
+    RapidReset,
+}
+
+impl Reason {
+    pub const ALL: [Reason; 14] = [
+        Reason::Malformed,
+        Reason::HeaderTooLarge,
+        Reason::Method,
+        Reason::Host,
+        Reason::Target,
+        Reason::Connection,
+        Reason::Misdirected,
+        Reason::Framing,
+        Reason::BodyOnGet,
+        Reason::RepeatedKey,
+        Reason::Cost,
+        Reason::Body,
+        Reason::BodyTimeout,
+        Reason::RapidReset,
+    ];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Reason::Malformed => "malformed",
+            Reason::HeaderTooLarge => "header_too_large",
+            Reason::Method => "method",
+            Reason::Host => "host",
+            Reason::Target => "target",
+            Reason::Connection => "connection",
+            Reason::Misdirected => "misdirected",
+            Reason::Framing => "framing",
+            Reason::BodyOnGet => "body_on_get",
+            Reason::RepeatedKey => "repeated_key",
+            Reason::Cost => "cost",
+            Reason::Body => "body",
+            Reason::BodyTimeout => "body_timeout",
+            Reason::RapidReset => "rapid_reset",
+        }
+    }
+}
+
 /// Why the proxy could not get a response from the upstream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum UpstreamError {
@@ -229,11 +301,8 @@ pub struct Metrics {
     /// `spillway_connections_closed_for_room_total`: idle kept-alive connections closed for
     /// a new client at `limits.max_connections`.
     pub closed_for_room: IntCounter,
-    pub bad_requests: IntCounterVec,
-    /// `bad_requests{reason="rapid_reset"}`: connections closed for abandoning requests.
-    pub rapid_reset: IntCounter,
-    /// `bad_requests{reason="body"}`: a request body that was malformed or cut off.
-    pub bad_body: IntCounter,
+    /// `spillway_bad_requests_total`, by [`Reason`].
+    bad_requests: [IntCounter; 14],
     pub connections: IntGauge,
     pub draining: IntGauge,
     pub reports_ok: IntCounter,
@@ -515,8 +584,8 @@ impl Metrics {
         }
         let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
         let upstream_discards = Unusable::ALL.map(|k| discarded.with_label_values(&[k.label()]));
-        // Shown at 0 before the first: counted by its reason where a head is refused.
-        bad_requests.with_label_values(&["header_too_large"]);
+        // Every reason shown at 0 before its first.
+        let bad_requests = Reason::ALL.map(|r| bad_requests.with_label_values(&[r.label()]));
         Self {
             registry,
             requests,
@@ -535,8 +604,6 @@ impl Metrics {
             h2_shed,
             refused_per_client: refused.with_label_values(&["per_client"]),
             closed_for_room,
-            rapid_reset: bad_requests.with_label_values(&["rapid_reset"]),
-            bad_body: bad_requests.with_label_values(&["body"]),
             bad_requests,
             connections,
             draining,
@@ -574,6 +641,11 @@ impl Metrics {
     #[inline]
     pub fn upstream_error(&self, kind: UpstreamError) -> &IntCounter {
         &self.upstream_errors[kind as usize]
+    }
+
+    /// `spillway_bad_requests_total{reason}`.
+    pub fn bad_request(&self, reason: Reason) -> &IntCounter {
+        &self.bad_requests[reason as usize]
     }
 
     /// The registry in Prometheus text format.
@@ -632,5 +704,33 @@ impl Unusable {
             Unusable::Readable => "unasked_bytes",
             Unusable::Closed => "closed",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_bad_request_reason_is_its_own_series_shown_at_zero_from_start() {
+        let m = Metrics::new();
+        for (i, reason) in Reason::ALL.iter().enumerate() {
+            assert_eq!(
+                *reason as usize, i,
+                "{reason:?} is counted in its own place"
+            );
+        }
+        let text = String::from_utf8(m.render()).unwrap();
+        for reason in Reason::ALL {
+            let series = format!(
+                "spillway_bad_requests_total{{reason=\"{}\"}} 0\n",
+                reason.label()
+            );
+            assert!(text.contains(&series), "{series} in\n{text}");
+        }
+        m.bad_request(Reason::Cost).inc();
+        let text = String::from_utf8(m.render()).unwrap();
+        assert!(text.contains("spillway_bad_requests_total{reason=\"cost\"} 1\n"));
+        assert!(text.contains("spillway_bad_requests_total{reason=\"body\"} 0\n"));
     }
 }

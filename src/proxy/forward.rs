@@ -31,14 +31,14 @@ use super::deadlines::{timeout, Sleep, Timers};
 pub use super::failure::{Failure, Saturated};
 pub use super::forwarded::Added;
 use super::http1::framing::{has_token, one_length};
-pub use super::respond::UpstreamBody;
-use super::respond::{self, Body};
+use super::response::Body;
+pub use super::response::UpstreamBody;
 use super::upstream_pool::{Cap, ClientUpstream, UpstreamAddr};
 use crate::config::UpgradeProtocol;
 use crate::hop::strip_hop_by_hop;
 use crate::limit::{Permit, Permits};
-use crate::metrics::{Metrics, UpstreamError};
-use crate::respond::PermitBody;
+use crate::metrics::{Metrics, Reason, UpstreamError};
+use crate::respond::{self, PermitBody, Refused};
 
 pub type UpstreamClient = Client<Capped, ReqBody>;
 
@@ -334,11 +334,7 @@ impl Forward<'_> {
     /// The client's body was malformed or cut off: nothing after it on the connection can be
     /// told apart, so the connection closes.
     fn bad_body(&self) -> Response<Body> {
-        self.metrics.bad_body.inc();
-        closing(
-            StatusCode::BAD_REQUEST,
-            "the request body was malformed or ended early",
-        )
+        self.refuse(BAD_BODY)
     }
 
     /// `exchange` while its body still goes up: the response timeout starts once it is whole;
@@ -391,14 +387,12 @@ impl Forward<'_> {
     /// The client's body stopped coming for `timeouts.client_body_idle`: 408, and the
     /// connection closes (what of the body is still coming cannot be told from a request).
     fn body_timeout(&self) -> Response<Body> {
-        self.metrics
-            .bad_requests
-            .with_label_values(&["body_timeout"])
-            .inc();
-        closing(
-            StatusCode::REQUEST_TIMEOUT,
-            "the request body stopped coming",
-        )
+        self.refuse(BODY_TIMEOUT)
+    }
+
+    fn refuse(&self, refused: Refused) -> Response<Body> {
+        self.metrics.bad_request(refused.reason).inc();
+        refused.response()
     }
 
     fn failed(&self, kind: UpstreamError) -> Response<Body> {
@@ -440,14 +434,18 @@ impl Forward<'_> {
     }
 }
 
-/// An error answer after which the client connection closes: what of the request body is
-/// still coming cannot be told from a next request.
-fn closing(status: StatusCode, detail: &'static str) -> Response<Body> {
-    let mut resp = respond::error(status, detail);
-    resp.headers_mut()
-        .insert(header::CONNECTION, HeaderValue::from_static("close"));
-    resp
-}
+// The client connection closes after these: what of the request body is still coming
+// cannot be told from a next request.
+const BAD_BODY: Refused = Refused::closing(
+    StatusCode::BAD_REQUEST,
+    Reason::Body,
+    "the request body was malformed or ended early",
+);
+const BODY_TIMEOUT: Refused = Refused::closing(
+    StatusCode::REQUEST_TIMEOUT,
+    Reason::BodyTimeout,
+    "the request body stopped coming",
+);
 
 /// The answer to a request the upstream did not answer, counted in `metrics` by `kind`.
 pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Response<Body> {

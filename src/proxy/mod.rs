@@ -14,7 +14,8 @@
 //! connection from accept to end and tells which protocol it speaks; the protocol servers
 //! (`http1`'s server side, `http2`) are handed the request path as a `protocol::Handler` and
 //! import neither it nor each other; the request path (`request`: hygiene, decision,
-//! refusals) calls the forward (`forward`, `forwarded`, `upstream_pool` and `http1`'s client side).
+//! refusals) calls the forward (`forward`, `forwarded`, `upstream_pool` and `http1`'s client side);
+//! every layer may use `response` (the sidecar's response body), `body` and `deadlines`.
 //!
 //! Cost of the request path beyond the server side's own work (`http1`'s, or hyper's): one pass
 //! over the request's fields (`Hygiene`: head size, `Host`, client claims) and one over its path
@@ -40,7 +41,7 @@ mod http2;
 mod protocol;
 pub mod reload;
 mod request;
-pub mod respond;
+pub mod response;
 mod shared;
 mod upstream_pool;
 mod worker;

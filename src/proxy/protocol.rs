@@ -25,7 +25,7 @@ use crate::proxy::body::ReqBody;
 use crate::proxy::deadlines::{Sleep, Timers};
 use crate::proxy::http2::held::Budget;
 use crate::proxy::http2::stalls::Stalls;
-use crate::proxy::respond::Body;
+use crate::proxy::response::Body;
 
 pub(crate) use crate::proxy::http1::framing::READ;
 
@@ -46,7 +46,7 @@ pub(crate) trait Handler: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Option<OwnedSemaphorePermit>, Response<Body>>> + Send + '_;
 
     /// A head the protocol refused, counted by its reason.
-    fn refused(&self, reason: &'static str);
+    fn refused(&self, reason: crate::metrics::Reason);
 
     /// A request was abandoned before its answer: its client left, or reset its stream.
     fn abandoned(&self);

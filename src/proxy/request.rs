@@ -16,13 +16,14 @@ use tokio::sync::Semaphore;
 
 use super::body::ReqBody;
 use super::protocol::Handler;
-use super::respond::{self, Body};
+use super::response::{self, Body};
 use super::shared::Shared;
 use super::{connection, deadlines, forward, upstream_pool};
 use crate::gate;
 use crate::key::RequestView;
 use crate::limit::Clock;
 use crate::metrics::Outcome;
+use crate::respond;
 
 /// What the requests of one client connection share.
 pub(super) struct Conn {
@@ -83,12 +84,8 @@ impl Handler for Conn {
         Conn::stream_slot(self)
     }
 
-    fn refused(&self, reason: &'static str) {
-        self.shared
-            .metrics
-            .bad_requests
-            .with_label_values(&[reason])
-            .inc();
+    fn refused(&self, reason: respond::Reason) {
+        self.shared.metrics.bad_request(reason).inc();
     }
 
     fn abandoned(&self) {
@@ -133,10 +130,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
         metrics
             .duration(Outcome::Error)
             .observe(elapsed(shared, start));
-        metrics
-            .bad_requests
-            .with_label_values(&[refused.reason])
-            .inc();
+        metrics.bad_request(refused.reason).inc();
         return refused.response();
     }
     let grpc = respond::form(req.method(), req.version(), req.headers());
@@ -155,7 +149,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
             let outcome = match &refusal {
                 gate::Refusal::Limited(_) => Outcome::Rejected,
                 gate::Refusal::BadRequest(bad) => {
-                    metrics.bad_requests.with_label_values(&[bad.reason]).inc();
+                    metrics.bad_request(bad.reason).inc();
                     Outcome::Error
                 }
             };
@@ -205,7 +199,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
     let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
         // A rule's own `upstream_body_idle` (an event stream's) goes with its body.
         if let Some(idle) = admit.body_idle {
-            resp.extensions_mut().insert(respond::BodyIdle(idle));
+            resp.extensions_mut().insert(response::BodyIdle(idle));
         }
         Outcome::Upstream
     } else {
@@ -214,7 +208,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
     // `states` is filled only under `headers: always`; the fields go in the response's map,
     // with the upstream's (which replace any the upstream sent).
     if !admit.states.is_empty() {
-        respond::whole(&mut resp);
+        response::whole(&mut resp);
         respond::add_rate_headers(resp.headers_mut(), &admit.states);
     }
     metrics.duration(outcome).observe(elapsed(shared, start));
@@ -225,7 +219,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
 /// be as malformed: nginx closes after a 400 too).
 const BODY_ON_GET: respond::Refused = respond::Refused::closing(
     StatusCode::BAD_REQUEST,
-    "body_on_get",
+    respond::Reason::BodyOnGet,
     "a GET or HEAD request must not have a body here",
 );
 

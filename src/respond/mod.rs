@@ -28,6 +28,7 @@ use http_body_util::{Either, Full};
 
 use crate::config::HeaderMode;
 use crate::limit::Permits;
+pub use crate::metrics::Reason;
 use crate::rules::{Denial, RateState, Refusal};
 
 pub mod answers;
@@ -165,7 +166,7 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -
 /// The sidecar's answer to a refused request: [`answer`], but a 429 whose parts the rule keeps
 /// (a plain HTTP request, a retry hint of up to a minute) comes with no header map: its body
 /// holds the rule's `Answer`, whose fields our HTTP/1 side writes as they are kept (no map
-/// cloned, walked and dropped per refusal) and [`whole`](crate::proxy::respond::whole) puts in
+/// cloned, walked and dropped per refusal) and [`whole`](crate::proxy::response::whole) puts in
 /// the map for hyper's server.
 pub fn answer_kept<L>(refusal: &Refusal, grpc: Form) -> Ours<L, Own> {
     if let Refusal::Limited(denial) = refusal {
@@ -354,7 +355,7 @@ pub fn add_rate_headers(headers: &mut HeaderMap, states: &[RateState]) {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refused {
     pub status: StatusCode,
-    pub reason: &'static str,
+    pub reason: Reason,
     pub detail: std::borrow::Cow<'static, str>,
     pub close: bool,
     /// The rule that could not decide the request (a rule's bad request), named in the answer.
@@ -377,7 +378,7 @@ impl From<&crate::rules::BadRequest> for Refused {
 
 impl Refused {
     /// Answered with `status`; the connection goes on.
-    pub const fn new(status: StatusCode, reason: &'static str, detail: &'static str) -> Self {
+    pub const fn new(status: StatusCode, reason: Reason, detail: &'static str) -> Self {
         Refused {
             status,
             reason,
@@ -388,7 +389,7 @@ impl Refused {
     }
 
     /// Answered with `status`, and the connection closes after the answer.
-    pub const fn closing(status: StatusCode, reason: &'static str, detail: &'static str) -> Self {
+    pub const fn closing(status: StatusCode, reason: Reason, detail: &'static str) -> Self {
         let mut refused = Refused::new(status, reason, detail);
         refused.close = true;
         refused
@@ -494,7 +495,7 @@ impl<B: Body + Unpin> Body for PermitBody<B> {
 mod tests {
     use super::*;
     use crate::config::HeaderMode;
-    use crate::proxy::respond::whole;
+    use crate::proxy::response::whole;
     use crate::rules::RateState;
 
     fn policy() -> HeaderValue {
@@ -576,7 +577,7 @@ mod tests {
         // A rule's bad request: 400 naming the rule, the connection kept.
         let bad = crate::rules::BadRequest {
             rule: Arc::from("per-key"),
-            reason: "repeated_key",
+            reason: Reason::RepeatedKey,
             detail: "sent \"twice\"".to_string(),
         };
         let (status, headers, body) =
@@ -588,9 +589,9 @@ mod tests {
             "{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\
              \"detail\":\"sent \\\"twice\\\"\",\"rule\":\"per-key\"}\n"
         );
-        assert_eq!(Refused::from(&bad).reason, "repeated_key");
+        assert_eq!(Refused::from(&bad).reason, Reason::RepeatedKey);
         // The hygiene's and the head parser's: their status, and a close when asked.
-        let closing = Refused::closing(StatusCode::BAD_REQUEST, "host", "no host");
+        let closing = Refused::closing(StatusCode::BAD_REQUEST, Reason::Host, "no host");
         let (status, headers, body) = parts(closing.response()).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert_eq!(headers[http::header::CONNECTION], "close");
@@ -599,8 +600,12 @@ mod tests {
             (doc["detail"].as_str(), doc.get("rule")),
             (Some("no host"), None)
         );
-        let kept = Refused::new(StatusCode::MISDIRECTED_REQUEST, "misdirected", "elsewhere")
-            .saying("not here".into());
+        let kept = Refused::new(
+            StatusCode::MISDIRECTED_REQUEST,
+            Reason::Misdirected,
+            "elsewhere",
+        )
+        .saying("not here".into());
         let (status, headers, body) = parts(kept.response()).await;
         assert_eq!(status, StatusCode::MISDIRECTED_REQUEST);
         assert!(!headers.contains_key(http::header::CONNECTION));

@@ -387,7 +387,7 @@ impl CompiledRule {
             .map_or_else(|| "a key part".to_string(), ToString::to_string);
         BadRequest {
             rule: self.name.clone(),
-            reason: "repeated_key",
+            reason: crate::metrics::Reason::RepeatedKey,
             detail: format!(
                 "rule {} keys requests by {part}, which this request sends more than once",
                 self.name
@@ -428,7 +428,7 @@ impl CompiledRule {
     pub(super) fn bad_cost(&self, header: &http::HeaderName) -> BadRequest {
         BadRequest {
             rule: self.name.clone(),
-            reason: "cost",
+            reason: crate::metrics::Reason::Cost,
             detail: format!(
                 "rule {} reads the cost from {header}, which must be sent once, as a whole number of at least 1",
                 self.name

@@ -292,7 +292,7 @@ pub enum Verdict {
 pub struct BadRequest {
     pub rule: Arc<str>,
     /// The `spillway_bad_requests_total` reason.
-    pub reason: &'static str,
+    pub reason: crate::metrics::Reason,
     pub detail: String,
 }
 

@@ -18,44 +18,45 @@ use crate::proxy::body::{InHand, ReqBody, IN_HAND};
 /// Header fields in a request head at most (hyper's limit too); more is answered 431.
 const MAX_HEADERS: usize = 100;
 
+use crate::respond::Reason;
 /// Why a head is refused: its status, reason and detail (the connection closes after the
 /// answer: what follows a head this side cannot read cannot be told apart).
 pub(crate) use crate::respond::Refused as Refusal;
 
 pub(crate) const MALFORMED: Refusal = Refusal::closing(
     StatusCode::BAD_REQUEST,
-    "malformed",
+    Reason::Malformed,
     "the request head is malformed",
 );
 const TOO_MANY: Refusal = Refusal::closing(
     StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-    "header_too_large",
+    Reason::HeaderTooLarge,
     "too many header fields",
 );
 /// The head outgrew what may be read of one (`limits.max_header_bytes`, with room).
 pub(crate) const TOO_LARGE: Refusal = Refusal::closing(
     StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-    "header_too_large",
+    Reason::HeaderTooLarge,
     "the request head is too large",
 );
 const FRAMING: Refusal = Refusal::closing(
     StatusCode::BAD_REQUEST,
-    "framing",
+    Reason::Framing,
     "the request's length and codings conflict or are malformed",
 );
 const CODING: Refusal = Refusal::closing(
     StatusCode::NOT_IMPLEMENTED,
-    "framing",
+    Reason::Framing,
     "a transfer coding other than chunked alone is not served",
 );
 const EXPECT: Refusal = Refusal::closing(
     StatusCode::EXPECTATION_FAILED,
-    "malformed",
+    Reason::Malformed,
     "only 100-continue is served",
 );
 const CONNECT: Refusal = Refusal::closing(
     StatusCode::NOT_IMPLEMENTED,
-    "method",
+    Reason::Method,
     "CONNECT is not served by this proxy",
 );
 

@@ -40,7 +40,8 @@ use super::request_head::*;
 use crate::proxy::body::{ReqBody, Streamed};
 use crate::proxy::deadlines::{Sleep, Timers};
 use crate::proxy::protocol::*;
-use crate::proxy::respond::{Body, Own};
+use crate::proxy::response::Body;
+use crate::respond::Own;
 
 /// Body pieces up to this size are copied behind the head (or, in chunks, behind the chunks
 /// before them) and written with it; a larger one is written on its own.
@@ -387,7 +388,7 @@ impl ClientConn {
         drop(std::mem::take(resp.headers_mut()));
         let body_idle = resp
             .extensions()
-            .get::<crate::proxy::respond::BodyIdle>()
+            .get::<crate::proxy::response::BodyIdle>()
             .map_or(self.body_idle.0, |b| b.0);
         let mut body = Pin::new(resp.body_mut());
         if let ResponseFraming::None = framing {

@@ -26,7 +26,7 @@ use tokio::net::TcpStream;
 use crate::proxy::body::{ReqBody, Streamed};
 use crate::proxy::deadlines::{Sleep, Timers};
 use crate::proxy::protocol::*;
-use crate::proxy::respond::{self, Body};
+use crate::proxy::response::{self, Body};
 use stalls::*;
 
 /// How long a connection closed for a new client's place may take to answer its GOAWAY.
@@ -71,14 +71,14 @@ pub(in crate::proxy) async fn serve<H: Handler>(
                 Ok(slot) => slot,
                 Err(mut refused) => {
                     guard.disarm();
-                    respond::whole(&mut refused);
+                    response::whole(&mut refused);
                     return Ok(refused.map(|b| stalls.guard(b, None, busy, &held)));
                 }
             };
             // Boxed: hyper moves each stream's future whole (into its task and about), and the
             // request path's is large (BENCHMARKS.md); one allocation costs less than its copies.
             let resp = Box::pin(answer(guard, req)).await;
-            let idle = resp.extensions().get::<respond::BodyIdle>().map(|b| b.0);
+            let idle = resp.extensions().get::<response::BodyIdle>().map(|b| b.0);
             Ok::<_, std::convert::Infallible>(
                 resp.map(|b| stalls.guard(b, slot, busy, &held).idle_after(idle)),
             )
@@ -132,7 +132,7 @@ pub(super) async fn answer<H: Handler>(
 ) -> Response<Body> {
     let mut resp = guard.handler().handle(&mut req).await;
     guard.disarm();
-    respond::whole(&mut resp);
+    response::whole(&mut resp);
     resp
 }
 

@@ -22,7 +22,7 @@ use super::held::{Held, Room};
 /// frame size: no more frames than hyper would write anyway).
 const PIECE: usize = 16 * 1024;
 use crate::proxy::deadlines::{Sleep, Timers};
-use crate::proxy::respond::Body;
+use crate::proxy::response::Body;
 
 /// A response body hyper's server sends: as it is, or (an HTTP/2 stream's) shared with the
 /// worker's [`Stalls`]. hyper polls an HTTP/2 body only while the stream's window has room, so

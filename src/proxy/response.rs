@@ -1,12 +1,12 @@
-//! The sidecar's side of answering: its response body type, and [`whole`], which puts a kept
-//! 429's or an upstream head's fields in the map for a server that writes its own heads.
-//! What the answers are is `crate::respond`'s. Must never: build a head of its own.
+//! The sidecar's response: its body type, and [`whole`], which puts a kept 429's or an
+//! upstream head's fields in the map for a server that writes its own heads. What Spillway's
+//! own answers are is `crate::respond`'s. Must never: build a head of its own.
 
 use http::Response;
 use http_body_util::Either;
 use hyper::body::Incoming;
 
-pub use crate::respond::*;
+use crate::respond::{Own, PermitBody, RATELIMIT, RATELIMIT_POLICY};
 
 /// An upstream response's body: from the pooled client, or read from our own connection.
 pub type UpstreamBody = Either<Incoming, super::http1::client::RawBody>;
