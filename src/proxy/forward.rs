@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderValue};
-use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http::{Method, Request, StatusCode, Uri, Version};
 use http_body::Body as _;
 use http_body_util::Either;
 
@@ -31,14 +31,14 @@ use super::deadlines::{timeout, Sleep, Timers};
 pub use super::failure::{Failure, Saturated};
 pub use super::forwarded::Added;
 use super::http1::framing::{has_token, one_length};
-use super::response::Body;
+use super::response::Reply;
 pub use super::response::UpstreamBody;
 use super::upstream_pool::{Cap, ClientUpstream, UpstreamAddr};
 use crate::config::UpgradeProtocol;
 use crate::hop::strip_hop_by_hop;
 use crate::limit::{Permit, Permits};
 use crate::metrics::{Metrics, Reason, UpstreamError};
-use crate::respond::{self, PermitBody, Refused};
+use crate::respond::{self, Refused};
 
 pub type UpstreamClient = Client<Capped, ReqBody>;
 
@@ -205,14 +205,14 @@ impl Forward<'_> {
     /// Borrows `req`: our own client only reads its head (and takes a body still coming), and
     /// a request moved down the layers of futures is copied at each (it is 264 bytes). The
     /// pooled client takes it, leaving an empty request behind.
-    pub async fn send(&self, req: &mut Request<ReqBody>, mut permits: Permits) -> Response<Body> {
+    pub async fn send(&self, req: &mut Request<ReqBody>, mut permits: Permits) -> Reply {
         // CONNECT asks for a tunnel to a host of the client's choosing: not a reverse proxy's
         // to give (an HTTP/1 client's is refused with its head, an HTTP/2 client's here).
         if req.method() == Method::CONNECT {
-            return respond::error(
+            return Reply::whole(respond::error(
                 StatusCode::NOT_IMPLEMENTED,
                 "CONNECT is not served by this proxy",
-            );
+            ));
         }
         let coming = matches!(req.body(), Either::Left(body) if !body.is_end_stream());
         // HTTP/1.1 upgrades only (an HTTP/2 upstream has no Upgrade), to a listed protocol,
@@ -271,13 +271,13 @@ impl Forward<'_> {
         let mut exchange = std::pin::pin!(async {
             match self.affine {
                 Some((conn, upstream)) => {
-                    let resp = conn.send(upstream, req, &added, self.now).await?;
-                    Ok(resp.map(Either::Right))
+                    let (resp, passed) = conn.send(upstream, req, &added, self.now).await?;
+                    Ok((resp.map(Either::Right), passed))
                 }
                 None => {
                     let req = std::mem::replace(req, Request::new(emptied()));
                     let resp = self.client.request(req).await.map_err(Failure::Pooled)?;
-                    Ok::<_, Failure>(resp.map(Either::Left))
+                    Ok::<_, Failure>((resp.map(Either::Left), None))
                 }
             }
         });
@@ -314,26 +314,25 @@ impl Forward<'_> {
         };
         let mut resp = match resp {
             // The own connection's response comes without them (`h1` leaves them out).
-            Ok(mut resp) => {
+            Ok((mut resp, passed)) => {
                 if matches!(resp.body(), Either::Left(_)) {
                     strip_hop_by_hop(resp.headers_mut());
                 }
-                resp.map(|b| Either::Left(PermitBody::new(b, permits)))
+                Reply::upstream(resp, passed, permits)
             }
             Err(answer) => answer,
         };
         // An upgrade not switched: what the client sent after its head may be the new
         // protocol's, never to be read as requests.
-        if asked.is_some() && resp.status() != StatusCode::SWITCHING_PROTOCOLS {
-            resp.headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+        if asked.is_some() && resp.head.status() != StatusCode::SWITCHING_PROTOCOLS {
+            resp.head.close();
         }
         resp
     }
 
     /// The client's body was malformed or cut off: nothing after it on the connection can be
     /// told apart, so the connection closes.
-    fn bad_body(&self) -> Response<Body> {
+    fn bad_body(&self) -> Reply {
         self.refuse(BAD_BODY)
     }
 
@@ -386,23 +385,23 @@ impl Forward<'_> {
 
     /// The client's body stopped coming for `timeouts.client_body_idle`: 408, and the
     /// connection closes (what of the body is still coming cannot be told from a request).
-    fn body_timeout(&self) -> Response<Body> {
+    fn body_timeout(&self) -> Reply {
         self.refuse(BODY_TIMEOUT)
     }
 
-    fn refuse(&self, refused: Refused) -> Response<Body> {
+    fn refuse(&self, refused: Refused) -> Reply {
         self.metrics.bad_request(refused.reason).inc();
-        refused.response()
+        Reply::whole(refused.response())
     }
 
-    fn failed(&self, kind: UpstreamError) -> Response<Body> {
+    fn failed(&self, kind: UpstreamError) -> Reply {
         failed(self.metrics, kind)
     }
 
     /// Points the request at the upstream (absolute form, for the pooled client) and rewrites
     /// its headers for the hop.
     #[allow(clippy::result_large_err)]
-    fn rewrite(&self, req: &mut Request<ReqBody>, added: &Added) -> Result<(), Response<Body>> {
+    fn rewrite(&self, req: &mut Request<ReqBody>, added: &Added) -> Result<(), Reply> {
         let path_and_query = req
             .uri()
             .path_and_query()
@@ -413,10 +412,10 @@ impl Forward<'_> {
         parts.authority = Some(self.upstream.clone());
         parts.path_and_query = Some(path_and_query);
         *req.uri_mut() = Uri::from_parts(parts).map_err(|_| {
-            respond::error(
+            Reply::whole(respond::error(
                 StatusCode::BAD_REQUEST,
                 "request target cannot be forwarded",
-            )
+            ))
         })?;
         *req.version_mut() = Version::HTTP_2;
 
@@ -448,7 +447,7 @@ const BODY_TIMEOUT: Refused = Refused::closing(
 );
 
 /// The answer to a request the upstream did not answer, counted in `metrics` by `kind`.
-pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Response<Body> {
+pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Reply {
     metrics.upstream_error(kind).inc();
     let (status, detail) = match kind {
         UpstreamError::Connect => (StatusCode::BAD_GATEWAY, "upstream refused the connection"),
@@ -483,7 +482,7 @@ pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Response<Body> {
         resp.headers_mut()
             .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
     }
-    resp
+    Reply::whole(resp)
 }
 
 /// The listed protocol an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade: ...`)

@@ -14,7 +14,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use http::{Request, Response};
+use http::Request;
 use hyper::server::conn::http2;
 use hyper_util::rt::TokioExecutor;
 use tokio::net::TcpStream;
@@ -25,7 +25,7 @@ use crate::proxy::body::ReqBody;
 use crate::proxy::deadlines::{Sleep, Timers};
 use crate::proxy::http2::held::Budget;
 use crate::proxy::http2::stalls::Stalls;
-use crate::proxy::response::Body;
+use crate::proxy::response::Reply;
 
 pub(crate) use crate::proxy::http1::framing::READ;
 
@@ -36,14 +36,14 @@ pub(crate) trait Handler: Send + Sync + 'static {
     fn handle<'a>(
         &'a self,
         req: &'a mut Request<ReqBody>,
-    ) -> impl Future<Output = Response<Body>> + Send + 'a;
+    ) -> impl Future<Output = Reply> + Send + 'a;
 
     /// A place for an HTTP/2 stream among the upstream connections one client may use at once,
     /// held until its response body ends (`None`: no such bound); `Err` with the answer when
     /// none came free.
     fn stream_slot(
         &self,
-    ) -> impl Future<Output = Result<Option<OwnedSemaphorePermit>, Response<Body>>> + Send + '_;
+    ) -> impl Future<Output = Result<Option<OwnedSemaphorePermit>, Reply>> + Send + '_;
 
     /// A head the protocol refused, counted by its reason.
     fn refused(&self, reason: crate::metrics::Reason);

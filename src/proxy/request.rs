@@ -11,12 +11,12 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::{Request, Response, StatusCode};
+use http::{Request, StatusCode};
 use tokio::sync::Semaphore;
 
 use super::body::ReqBody;
 use super::protocol::Handler;
-use super::response::{self, Body};
+use super::response::{self, Reply};
 use super::shared::Shared;
 use super::{connection, deadlines, forward, upstream_pool};
 use crate::gate;
@@ -46,7 +46,7 @@ impl Conn {
     /// `Ok(None)` for an `h2c://` upstream, where every stream shares one connection.
     pub(super) async fn stream_slot(
         &self,
-    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Response<Body>> {
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Reply> {
         let shared = &self.shared;
         if shared.upstream_h2 {
             return Ok(None);
@@ -72,15 +72,14 @@ impl Handler for Conn {
     fn handle<'a>(
         &'a self,
         req: &'a mut Request<ReqBody>,
-    ) -> impl Future<Output = Response<Body>> + Send + 'a {
+    ) -> impl Future<Output = Reply> + Send + 'a {
         handle(self, req)
     }
 
     fn stream_slot(
         &self,
-    ) -> impl Future<Output = Result<Option<tokio::sync::OwnedSemaphorePermit>, Response<Body>>>
-           + Send
-           + '_ {
+    ) -> impl Future<Output = Result<Option<tokio::sync::OwnedSemaphorePermit>, Reply>> + Send + '_
+    {
         Conn::stream_slot(self)
     }
 
@@ -101,7 +100,7 @@ impl Handler for Conn {
 
 /// The request path.
 /// Borrows `req` (see [`forward::Forward::send`]); what is left of it is the caller's to drop.
-pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<Body> {
+pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
     let (shared, peer) = (&*conn.shared, conn.peer);
     let start = shared.clock.now();
     let metrics = &shared.metrics;
@@ -131,7 +130,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
             .duration(Outcome::Error)
             .observe(elapsed(shared, start));
         metrics.bad_request(refused.reason).inc();
-        return refused.response();
+        return Reply::whole(refused.response());
     }
     let grpc = respond::form(req.method(), req.version(), req.headers());
     // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
@@ -154,7 +153,10 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
                 }
             };
             metrics.duration(outcome).observe(elapsed(shared, start));
-            let mut resp = respond::answer_kept(&refusal, grpc);
+            let mut resp = match respond::kept(&refusal, grpc) {
+                Some(kept) => Reply::kept(kept),
+                None => Reply::whole(respond::answer(&refusal, grpc)),
+            };
             // Refused before its body was read: read (and drop) a small body so that the
             // connection stays usable and the client reads our answer; a large or slow one
             // closes the connection instead (nginx's lingering close, bounded). A body in
@@ -172,10 +174,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
             // Boxed: the rare path (a body to read) keeps the common future small.
             if !http_body::Body::is_end_stream(&body) && (expects || !Box::pin(drained(body)).await)
             {
-                resp.headers_mut().insert(
-                    http::header::CONNECTION,
-                    http::HeaderValue::from_static("close"),
-                );
+                resp.head.close();
             }
             return resp;
         }
@@ -196,10 +195,10 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
         close: get_body,
     };
     let mut resp = fwd.send(req, admit.permits).await;
-    let outcome = if matches!(resp.body(), http_body_util::Either::Left(_)) {
+    let outcome = if matches!(resp.body, http_body_util::Either::Left(_)) {
         // A rule's own `upstream_body_idle` (an event stream's) goes with its body.
         if let Some(idle) = admit.body_idle {
-            resp.extensions_mut().insert(response::BodyIdle(idle));
+            resp.head.extensions_mut().insert(response::BodyIdle(idle));
         }
         Outcome::Upstream
     } else {
@@ -208,8 +207,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Response<
     // `states` is filled only under `headers: always`; the fields go in the response's map,
     // with the upstream's (which replace any the upstream sent).
     if !admit.states.is_empty() {
-        response::whole(&mut resp);
-        respond::add_rate_headers(resp.headers_mut(), &admit.states);
+        respond::add_rate_headers(resp.head.headers_mut(), &admit.states);
     }
     metrics.duration(outcome).observe(elapsed(shared, start));
     resp

@@ -1,53 +1,217 @@
-//! The sidecar's response: its body type, and [`whole`], which puts a kept 429's or an
-//! upstream head's fields in the map for a server that writes its own heads. What Spillway's
-//! own answers are is `crate::respond`'s. Must never: build a head of its own.
+//! The sidecar's response, [`Reply`]: its body type, and its head ([`ResponseHead`]) holding
+//! the status, the fields Spillway set, the fields it passes on unread (an upstream's lines as
+//! the upstream wrote them, a kept 429's), and the connection's fate. The unread lines are why
+//! a forwarded response costs no `HeaderMap`: our HTTP/1 side copies them into its write.
+//! What Spillway's own answers are is `crate::respond`'s.
+//!
+//! Must never: hand out the map alone while lines are unread (a reader would miss them: every
+//! method that reaches it maps them first, but [`ResponseHead::written`], which gives both for
+//! the writer), or carry a field in a body.
 
-use http::Response;
-use http_body_util::Either;
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName};
+use http::{Extensions, Response, StatusCode};
+use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 
-use crate::respond::{Own, PermitBody, RATELIMIT, RATELIMIT_POLICY};
+use super::http1::response_head::Passed;
+use crate::limit::Permits;
+use crate::respond::{Kept, PermitBody};
 
 /// An upstream response's body: from the pooled client, or read from our own connection.
 pub type UpstreamBody = Either<Incoming, super::http1::client::RawBody>;
 
-/// Response bodies of the sidecar: the upstream's, streamed, or a short one of ours.
-pub type Body = Either<PermitBody<UpstreamBody>, Own>;
+/// Response bodies of the sidecar: the upstream's, streamed, or a short document of ours.
+pub type Body = Either<PermitBody<UpstreamBody>, Full<Bytes>>;
 
 /// In a response's extensions: the `upstream_body_idle` its rules set, in place of the
 /// global one.
 #[derive(Debug, Clone, Copy)]
 pub struct BodyIdle(pub std::time::Duration);
 
-/// Puts all of `resp`'s header fields in its map, for a server that writes its own heads
-/// (hyper's) or a change to the map: a kept 429's, or those an upstream response of our own
-/// connection passes as the upstream wrote them (`http1::client::Passed`). Fields
-/// already in the map (a `Connection: close`) stay, after a 429's and before an upstream's.
-///
-/// Once the fields are in the map the body no longer brings them, so a second call adds
-/// nothing: a kept 429 becomes a plain document, upstream lines are taken out.
-pub fn whole(resp: &mut Response<Body>) {
-    match resp.body_mut() {
-        Either::Right(Own::Canned(canned)) => {
-            let mut headers = canned.answer.headers.clone();
-            if !canned.rate {
-                headers.remove(&RATELIMIT);
-                headers.remove(&RATELIMIT_POLICY);
-            }
-            let doc = Own::Doc(canned.body.clone());
-            headers.extend(std::mem::take(resp.headers_mut()));
-            *resp.headers_mut() = headers;
-            *resp.body_mut() = Either::Right(doc);
+/// A response of the sidecar's: its head and its body.
+pub struct Reply {
+    pub head: ResponseHead,
+    pub body: Body,
+}
+
+/// A response's head: see the module's doc.
+pub struct ResponseHead {
+    status: StatusCode,
+    /// Spillway's fields, and once [`ResponseHead::headers_mut`] mapped them, all of them.
+    headers: HeaderMap,
+    unread: Unread,
+    close: bool,
+    extensions: Extensions,
+}
+
+/// Fields passed on as lines, not (yet) in the map.
+enum Unread {
+    None,
+    /// An upstream's, as it wrote them (the hop's left out).
+    Upstream(Passed),
+    /// A rule's kept 429's.
+    Kept(Kept),
+}
+
+/// The fields a head passes on as lines, to be written after the map's.
+pub enum Lines<'a> {
+    /// An upstream's runs of lines; whether a `Date` and a `Content-Length` are among them.
+    Upstream(&'a Passed),
+    /// A kept 429's lines (no `Content-Length`, no `Date`).
+    Kept(&'a [u8]),
+}
+
+impl Reply {
+    /// An upstream's response, its fields in its map or `passed` on unread; its body holds
+    /// `permits` until it ends.
+    pub fn upstream(
+        resp: Response<UpstreamBody>,
+        passed: Option<Passed>,
+        permits: Permits,
+    ) -> Self {
+        let (parts, body) = resp.into_parts();
+        Reply {
+            head: ResponseHead {
+                status: parts.status,
+                headers: parts.headers,
+                unread: passed.map_or(Unread::None, Unread::Upstream),
+                close: false,
+                extensions: parts.extensions,
+            },
+            body: Either::Left(PermitBody::new(body, permits)),
         }
-        Either::Left(permit) => {
-            let passed = match permit.inner_mut() {
-                Either::Right(raw) => raw.take_passed(),
-                Either::Left(_) => None,
-            };
-            if let Some(passed) = passed {
-                passed.into_map(resp.headers_mut());
-            }
-        }
-        Either::Right(Own::Doc(_)) => {}
     }
+
+    /// A rule's kept 429, its fields unread.
+    pub fn kept(kept: Kept) -> Self {
+        let body = Either::Right(Full::new(kept.body()));
+        Reply {
+            head: ResponseHead {
+                status: StatusCode::TOO_MANY_REQUESTS,
+                headers: HeaderMap::new(),
+                unread: Unread::Kept(kept),
+                close: false,
+                extensions: Extensions::new(),
+            },
+            body,
+        }
+    }
+
+    /// `resp` as it is: the map holds every field. A `Connection: close` in it (what
+    /// `crate::respond` writes for the embedded layer) is the connection's fate instead.
+    pub fn whole(resp: Response<Body>) -> Self {
+        let (mut parts, body) = resp.into_parts();
+        let close = parts
+            .headers
+            .remove(http::header::CONNECTION)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+        Reply {
+            head: ResponseHead {
+                status: parts.status,
+                headers: parts.headers,
+                unread: Unread::None,
+                close,
+                extensions: parts.extensions,
+            },
+            body,
+        }
+    }
+
+    /// The response for a server that writes its own heads (hyper's): every field in the map.
+    /// The connection's fate is not a field of an HTTP/2 response.
+    pub fn into_http(mut self) -> Response<Body> {
+        self.head.map_unread();
+        let mut resp = Response::new(self.body);
+        *resp.status_mut() = self.head.status;
+        *resp.headers_mut() = self.head.headers;
+        *resp.extensions_mut() = self.head.extensions;
+        resp
+    }
+}
+
+impl ResponseHead {
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The map, with every field in it: lines unread are put in it first (after the fields
+    /// already there, as they would be written).
+    pub fn headers_mut(&mut self) -> &mut HeaderMap {
+        self.map_unread();
+        &mut self.headers
+    }
+
+    /// The value of the first `name` field, wherever it is (a value not valid UTF-8 or
+    /// visible ASCII is given as its bytes): the map's first, then the lines'.
+    pub fn field(&self, name: &HeaderName) -> Option<&[u8]> {
+        if let Some(v) = self.headers.get(name) {
+            return Some(v.as_bytes());
+        }
+        let name = name.as_str();
+        match &self.unread {
+            Unread::None => None,
+            Unread::Upstream(passed) => passed.runs().find_map(|lines| field_in(lines, name)),
+            Unread::Kept(kept) => field_in(kept.fields(), name),
+        }
+    }
+
+    /// The map as it is, and the fields still to be written as lines after it: for a server
+    /// that writes its own heads from both (ours).
+    pub fn written(&self) -> (&HeaderMap, Option<Lines<'_>>) {
+        let lines = match &self.unread {
+            Unread::None => None,
+            Unread::Upstream(passed) => Some(Lines::Upstream(passed)),
+            Unread::Kept(kept) => Some(Lines::Kept(kept.fields())),
+        };
+        (&self.headers, lines)
+    }
+
+    /// The client connection closes after this response.
+    pub fn close(&mut self) {
+        self.close = true;
+    }
+
+    /// Whether the client connection closes after this response.
+    pub fn closes(&self) -> bool {
+        self.close
+    }
+
+    pub fn extensions(&self) -> &Extensions {
+        &self.extensions
+    }
+
+    pub fn extensions_mut(&mut self) -> &mut Extensions {
+        &mut self.extensions
+    }
+
+    /// The head was written: its fields are not kept while the body streams.
+    pub fn sent(&mut self) {
+        self.headers = HeaderMap::new();
+        self.unread = Unread::None;
+    }
+
+    /// Puts the unread lines in the map; none are left unread.
+    fn map_unread(&mut self) {
+        match std::mem::replace(&mut self.unread, Unread::None) {
+            Unread::None => {}
+            Unread::Upstream(passed) => passed.into_map(&mut self.headers),
+            Unread::Kept(kept) => {
+                // A kept 429's fields come first, as they are written before the map's.
+                let mut headers = kept.map();
+                headers.extend(std::mem::take(&mut self.headers));
+                self.headers = headers;
+            }
+        }
+    }
+}
+
+/// The value of the first `name: value` line of `lines` named `name` (without case).
+fn field_in<'a>(lines: &'a [u8], name: &str) -> Option<&'a [u8]> {
+    lines.split(|&c| c == b'\n').find_map(|line| {
+        let colon = line.iter().position(|&c| c == b':')?;
+        line[..colon]
+            .eq_ignore_ascii_case(name.as_bytes())
+            .then(|| line[colon + 1..].trim_ascii())
+    })
 }

@@ -23,13 +23,13 @@ use std::time::Duration;
 
 use atomic_waker::AtomicWaker;
 
-use http::{Request, Response, Version};
+use http::{Request, Version};
 use tokio::net::TcpStream;
 
 use super::body::{Progress, ReqBody};
 use super::failure::Failure;
 use super::forwarded::Added;
-use super::http1::client::{self as h1, RawBody, Unusable, UpstreamConn};
+use super::http1::client::{self as h1, Unusable, UpstreamConn};
 
 /// `spillway_upstream_connections_discarded_total{reason}`, by [`Unusable`].
 pub type Discards = [prometheus::IntCounter; 3];
@@ -237,7 +237,7 @@ impl ClientUpstream {
         req: &mut Request<ReqBody>,
         added: &Added,
         now: u64,
-    ) -> Result<Response<RawBody>, Failure> {
+    ) -> Result<h1::Exchanged, Failure> {
         // An HTTP/2 client connection's streams run at once, each in a task of its own: every
         // one borrows, as an HTTP/1 connection's first exchange does, from the connection's
         // own slot first (what a HEAD answer left there, for it alone), then the worker's list.

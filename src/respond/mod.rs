@@ -10,11 +10,10 @@
 //!
 //! Cost: a rule's 429 for a retry hint of up to a minute is built once and kept, its header
 //! fields both as a map and as the lines of an HTTP/1 head. The sidecar's refused request takes
-//! two reference counts and no allocation ([`answer_kept`]); our HTTP/1 side copies the lines into
+//! two reference counts and no allocation ([`kept`]); our HTTP/1 side copies the lines into
 //! its write, and only hyper's server (HTTP/2) gets the map cloned. The rule keeps them
 //! ([`Answers`], `rules`'), this module renders them ([`answers::render`]).
 
-use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -37,7 +36,7 @@ use answers::{ratelimit_value, render, write_detail, Answer, PROBLEM_JSON};
 pub use answers::{Answers, RATELIMIT, RATELIMIT_POLICY};
 
 /// A response of ours, for whatever the other body type is: `R` is `Full<Bytes>` for the
-/// embedded layer and [`Own`] for the sidecar.
+/// embedded layer, and the sidecar's own.
 type Ours<L, R> = Response<Either<L, R>>;
 
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
@@ -109,7 +108,7 @@ fn strip_prefix_ignore_case<'a>(s: &'a [u8], prefix: &[u8]) -> Option<&'a [u8]> 
 pub(crate) static NO_STORE: HeaderValue = HeaderValue::from_static("no-store");
 
 /// The answer to a refused request, in its response's map (the tower layer's, and the sidecar's
-/// when the rule keeps none: see [`answer_kept`]).
+/// when the rule keeps none: see [`kept`]).
 pub fn answer<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: Form) -> Ours<L, R> {
     match refusal {
         Refusal::Limited(denial) => too_many_requests(denial, grpc),
@@ -163,45 +162,33 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -
     resp
 }
 
-/// The sidecar's answer to a refused request: [`answer`], but a 429 whose parts the rule keeps
-/// (a plain HTTP request, a retry hint of up to a minute) comes with no header map: its body
-/// holds the rule's `Answer`, whose fields our HTTP/1 side writes as they are kept (no map
-/// cloned, walked and dropped per refusal) and [`whole`](crate::proxy::response::whole) puts in
-/// the map for hyper's server.
-pub fn answer_kept<L>(refusal: &Refusal, grpc: Form) -> Ours<L, Own> {
-    if let Refusal::Limited(denial) = refusal {
-        if grpc == Form::Http && !denial.capacity {
-            if let Some(answer) = denial.answers.get(denial.retry_after_secs(), render) {
-                let canned = Canned {
-                    answer: answer.clone(),
-                    rate: denial.header_mode != HeaderMode::Never,
-                    body: Full::new(answer.body.clone()),
-                };
-                let mut resp = Response::new(Either::Right(Own::Canned(canned)));
-                *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
-                return resp;
-            }
-        }
+/// The 429 a rule keeps for `refusal`, when it keeps one (a plain HTTP request, a retry hint of
+/// up to a minute): the sidecar answers with its fields as they are kept, no map cloned, walked
+/// and dropped per refusal (`proxy::response`'s head holds them unread). `None`: [`answer`].
+pub fn kept(refusal: &Refusal, grpc: Form) -> Option<Kept> {
+    let Refusal::Limited(denial) = refusal else {
+        return None;
+    };
+    if grpc != Form::Http || denial.capacity {
+        return None;
     }
-    answer(refusal, grpc)
+    let answer = denial.answers.get(denial.retry_after_secs(), render)?;
+    Some(Kept {
+        answer: answer.clone(),
+        rate: denial.header_mode != HeaderMode::Never,
+    })
 }
 
-/// A body of the sidecar's own: a short document, or a kept 429 with its head's fields.
-#[derive(Debug)]
-pub enum Own {
-    Doc(Full<Bytes>),
-    Canned(Canned),
-}
-
-/// A 429 kept by its rule: the body, and the header fields to write with it.
-pub struct Canned {
-    pub(crate) answer: Arc<Answer>,
+/// A 429 kept by its rule: its header fields (as lines of an HTTP/1 head, and as a map) and
+/// its body.
+#[derive(Clone)]
+pub struct Kept {
+    answer: Arc<Answer>,
     /// With the `RateLimit` headers (any `headers` mode but `never`).
-    pub(crate) rate: bool,
-    pub(crate) body: Full<Bytes>,
+    rate: bool,
 }
 
-impl Canned {
+impl Kept {
     /// The response's header fields as lines of an HTTP/1 head (no `Content-Length`).
     pub fn fields(&self) -> &[u8] {
         let fields = &self.answer.fields;
@@ -211,47 +198,28 @@ impl Canned {
             self.answer.rate_at
         }]
     }
+
+    /// The same fields in a map.
+    pub fn map(&self) -> HeaderMap {
+        let mut headers = self.answer.headers.clone();
+        if !self.rate {
+            headers.remove(&RATELIMIT);
+            headers.remove(&RATELIMIT_POLICY);
+        }
+        headers
+    }
+
+    /// The problem document.
+    pub fn body(&self) -> Bytes {
+        self.answer.body.clone()
+    }
 }
 
-impl std::fmt::Debug for Canned {
+impl std::fmt::Debug for Kept {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Canned")
+        f.debug_struct("Kept")
             .field("fields", &String::from_utf8_lossy(self.fields()))
             .finish()
-    }
-}
-
-impl From<Full<Bytes>> for Own {
-    fn from(doc: Full<Bytes>) -> Self {
-        Own::Doc(doc)
-    }
-}
-
-impl http_body::Body for Own {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        match self.get_mut() {
-            Own::Doc(full) | Own::Canned(Canned { body: full, .. }) => {
-                Pin::new(full).poll_frame(cx)
-            }
-        }
-    }
-
-    fn is_end_stream(&self) -> bool {
-        match self {
-            Own::Doc(full) | Own::Canned(Canned { body: full, .. }) => full.is_end_stream(),
-        }
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        match self {
-            Own::Doc(full) | Own::Canned(Canned { body: full, .. }) => full.size_hint(),
-        }
     }
 }
 
@@ -495,7 +463,6 @@ impl<B: Body + Unpin> Body for PermitBody<B> {
 mod tests {
     use super::*;
     use crate::config::HeaderMode;
-    use crate::proxy::response::whole;
     use crate::rules::RateState;
 
     fn policy() -> HeaderValue {
@@ -629,18 +596,11 @@ mod tests {
             d.header_mode = mode;
             let (status, headers, body) = parts(too_many_requests(&d, Form::Http)).await;
             let refusal = Refusal::Limited(d);
-            let kept = answer_kept(&refusal, Form::Http);
-            let Either::Right(Own::Canned(canned)) = kept.body() else {
-                panic!("a 7 s hint is kept: {mode:?}")
-            };
-            assert!(kept.headers().is_empty(), "no map for a kept 429");
-            assert_eq!(String::from_utf8_lossy(canned.fields()), lines(&headers));
-            let mut kept = kept;
-            whole(&mut kept);
-            let (parts_, own) = kept.into_parts();
-            assert_eq!((parts_.status, &parts_.headers), (status, &headers));
-            let bytes = http_body_util::BodyExt::collect(own).await.unwrap();
-            assert_eq!(bytes.to_bytes(), body);
+            let kept = super::kept(&refusal, Form::Http).expect("a 7 s hint is kept");
+            assert_eq!(String::from_utf8_lossy(kept.fields()), lines(&headers));
+            assert_eq!(kept.map(), headers, "{mode:?}");
+            assert_eq!(kept.body(), body);
+            assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
         }
     }
 
@@ -678,7 +638,7 @@ mod tests {
     }
 
     #[test]
-    fn a_429_not_kept_comes_with_its_map_and_a_field_added_to_a_kept_one_stays() {
+    fn a_429_is_kept_only_for_plain_http_and_a_hint_of_up_to_a_minute() {
         let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
         // A hint over a minute, "never", and gRPC are built per refusal.
         for (secs, grpc) in [
@@ -686,25 +646,56 @@ mod tests {
             (None, Form::Http),
             (Some(7), Form::Grpc),
         ] {
-            let resp = answer_kept::<()>(&Refusal::Limited(denial(&answers, secs)), grpc);
-            assert!(
-                matches!(resp.body(), Either::Right(Own::Doc(_))),
-                "{secs:?} {grpc:?}"
-            );
+            let refusal = Refusal::Limited(denial(&answers, secs));
+            assert!(kept(&refusal, grpc).is_none(), "{secs:?} {grpc:?}");
+            let resp = answer::<(), Full<Bytes>>(&refusal, grpc);
             assert!(resp.headers().contains_key(RETRY_AFTER) || secs.is_none());
         }
-        let mut kept = answer_kept(&Refusal::Limited(denial(&answers, Some(7))), Form::Http);
-        kept.headers_mut()
-            .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
-        let mut resp = kept;
-        whole(&mut resp);
-        assert_eq!(resp.headers()[http::header::CONNECTION], "close");
-        assert_eq!(resp.headers()[RETRY_AFTER], "7");
-        assert_eq!(resp.headers().len(), 6);
-        // The fields are in the map now, not in the body: once more adds nothing.
-        whole(&mut resp);
-        assert_eq!(resp.headers().len(), 6);
-        assert!(matches!(resp.body(), Either::Right(Own::Doc(_))));
+        assert!(kept(&Refusal::Limited(denial(&answers, Some(7))), Form::Http).is_some());
+    }
+
+    #[test]
+    fn a_kept_429s_fields_are_read_and_mapped_through_its_head_and_one_added_stays() {
+        use crate::proxy::response::{Lines, Reply};
+        let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
+        let kept = kept(&Refusal::Limited(denial(&answers, Some(7))), Form::Http).unwrap();
+        let mut reply = Reply::kept(kept.clone());
+        assert_eq!(reply.head.status(), StatusCode::TOO_MANY_REQUESTS);
+        // Read where they are, without mapping them.
+        assert_eq!(reply.head.field(&RETRY_AFTER), Some(&b"7"[..]));
+        assert_eq!(reply.head.field(&CACHE_CONTROL), Some(&b"no-store"[..]));
+        assert_eq!(reply.head.field(&http::header::ETAG), None);
+        let (map, lines) = reply.head.written();
+        assert!(map.is_empty(), "no map for a kept 429");
+        assert!(matches!(lines, Some(Lines::Kept(f)) if f == kept.fields()));
+        // The connection's fate is not a field.
+        reply.head.close();
+        assert!(reply.head.closes());
+        // Changing the map maps the lines first, and once.
+        reply
+            .head
+            .headers_mut()
+            .insert(http::header::ETAG, HeaderValue::from_static("\"x\""));
+        let (map, lines) = reply.head.written();
+        assert!(lines.is_none(), "all in the map now");
+        assert_eq!(map[RETRY_AFTER], "7");
+        assert_eq!(map.len(), kept.map().len() + 1);
+        assert!(!map.contains_key(http::header::CONNECTION));
+        assert_eq!(reply.head.field(&http::header::ETAG), Some(&b"\"x\""[..]));
+        let resp = reply.into_http();
+        assert_eq!(resp.headers().len(), kept.map().len() + 1);
+        assert!(!resp.headers().contains_key(http::header::CONNECTION));
+    }
+
+    #[test]
+    fn a_refusal_that_closes_the_connection_says_so_in_its_heads_fate_not_a_field() {
+        use crate::proxy::response::Reply;
+        let closing = Refused::closing(StatusCode::BAD_REQUEST, Reason::Host, "no host");
+        let reply = Reply::whole(closing.response());
+        assert!(reply.head.closes());
+        assert!(reply.head.field(&http::header::CONNECTION).is_none());
+        let kept = Refused::new(StatusCode::MISDIRECTED_REQUEST, Reason::Misdirected, "x");
+        assert!(!Reply::whole(kept.response()).head.closes());
     }
 
     #[tokio::test]

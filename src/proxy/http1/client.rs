@@ -235,7 +235,7 @@ pub async fn exchange(
     added: &Added,
     home: Arc<dyn ConnKeeper>,
     now: u64,
-) -> Result<Response<RawBody>, Failed> {
+) -> Result<Exchanged, Failed> {
     // An HTTP/2 client's stream is answered by hyper's server, which writes from the map.
     let mapped = req.version() == Version::HTTP_2;
     // An HTTP/1 client's request is written once the other connections that became ready with
@@ -366,7 +366,7 @@ pub(super) fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added, 
 /// connection's own go, but `Upgrade`), its body holding `raw` for the tunnel. A switch
 /// nobody asked for, or to another protocol, is an error: the connection would carry what no
 /// rule sees.
-fn switched(head: &Head, raw: UpstreamConn, asked: Option<&str>) -> io::Result<Response<RawBody>> {
+fn switched(head: &Head, raw: UpstreamConn, asked: Option<&str>) -> io::Result<Exchanged> {
     let text = &head.bytes[..];
     let is_upgrade = |f: &Field| f.name(text).eq_ignore_ascii_case(b"upgrade");
     let mut answered = head.fields.iter().filter(|f| is_upgrade(f));
@@ -393,12 +393,11 @@ fn switched(head: &Head, raw: UpstreamConn, asked: Option<&str>) -> io::Result<R
         framing: Framing::Done,
         home: None,
         since: 0,
-        passed: None,
     };
     let mut resp = Response::new(body);
     *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
     *resp.headers_mut() = headers;
-    Ok(resp)
+    Ok((resp, None))
 }
 
 /// The fields of `head` that pass, in a map.
@@ -442,7 +441,7 @@ fn respond(
     raw: UpstreamConn,
     home: Option<Arc<dyn ConnKeeper>>,
     now: u64,
-) -> io::Result<Response<RawBody>> {
+) -> io::Result<Exchanged> {
     let status = StatusCode::from_u16(head.status)
         .map_err(|_| protocol("upstream sent an invalid status"))?;
     let text = &head.bytes[..];
@@ -473,7 +472,6 @@ fn respond(
         framing,
         home: home.filter(|_| reusable),
         since: now,
-        passed,
     };
     if matches!(body.framing, Framing::Done | Framing::Length(0)) {
         body.finish();
@@ -483,8 +481,12 @@ fn respond(
     let mut resp = Response::new(body);
     *resp.status_mut() = status;
     *resp.headers_mut() = headers;
-    Ok(resp)
+    Ok((resp, passed))
 }
+
+/// An upstream's response: its body read from the upstream connection by the client
+/// connection's task, and its fields in its map or passed on unread.
+pub type Exchanged = (Response<RawBody>, Option<Passed>);
 
 /// A response body read from the upstream connection by the client connection's task.
 pub struct RawBody {
@@ -494,8 +496,6 @@ pub struct RawBody {
     /// Where the connection goes at the body's end; `None` when it is not reused.
     home: Option<Arc<dyn ConnKeeper>>,
     since: u64,
-    /// The response's fields, when they are not in its map.
-    passed: Option<Passed>,
 }
 
 impl RawBody {
@@ -506,16 +506,6 @@ impl RawBody {
             Framing::Done => self.raw.take(),
             _ => None,
         }
-    }
-
-    /// The response's fields as the upstream wrote them, when they are not in its map.
-    pub fn passed(&self) -> Option<&Passed> {
-        self.passed.as_ref()
-    }
-
-    /// Takes the response's fields out, to put them in its map.
-    pub fn take_passed(&mut self) -> Option<Passed> {
-        self.passed.take()
     }
 
     /// The body is over: the connection goes home if it may be reused and nothing follows.

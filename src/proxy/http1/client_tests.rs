@@ -38,7 +38,7 @@ async fn a_trickled_response_head_costs_parse_work_linear_in_its_size() {
     let added = Added::of(req.headers(), None, None, [127, 0, 0, 1].into(), false);
     PARSED.set(0);
     woke();
-    let resp = exchange(raw, &mut req, &added, Arc::new(Nowhere), 0)
+    let (resp, _) = exchange(raw, &mut req, &added, Arc::new(Nowhere), 0)
         .await
         .map_err(|_| "failed")
         .unwrap();
@@ -335,7 +335,7 @@ async fn exchanged(raw: UpstreamConn) -> Result<StatusCode, ()> {
     let peer = "192.0.2.7".parse().unwrap();
     let added = Added::of(req.headers(), None, None, peer, false);
     let resp = exchange(raw, &mut req, &added, Arc::new(Dropped), 0).await;
-    resp.map(|r| r.status()).map_err(|_| ())
+    resp.map(|(r, _)| r.status()).map_err(|_| ())
 }
 
 /// What a real `recv` on the app's side finds now (std's, not tokio's readiness-gated
@@ -434,4 +434,42 @@ fn after_a_wait_the_first_request_goes_upstream_at_once_and_the_turns_others_aft
         assert_eq!(a.await.unwrap(), Ok(StatusCode::NO_CONTENT));
         assert_eq!(b.await.unwrap(), Ok(StatusCode::NO_CONTENT));
     });
+}
+
+#[test]
+fn an_upstream_heads_fields_are_read_unparsed_and_mapped_once_when_the_map_changes() {
+    use crate::proxy::response::{Lines, Reply};
+    let head = "HTTP/1.1 200 OK\r\nx-usage: 42\r\nconnection: keep-alive\r\nX-Usage: 7\r\ncontent-length: 0\r\n\r\n";
+    let mut buf = BytesMut::from(head);
+    let head = take_head(&mut buf).unwrap().expect("a whole head");
+    let passed = Passed::of(&head, |f| !f.named.hop_by_hop()).unwrap();
+    let body = Either::Right(RawBody {
+        raw: None,
+        framing: Framing::Done,
+        home: None,
+        since: 0,
+    });
+    let mut reply = Reply::upstream(Response::new(body), Some(passed), Default::default());
+    // The first of its name, without case, without a map.
+    let usage = http::HeaderName::from_static("x-usage");
+    assert_eq!(reply.head.field(&usage), Some(&b"42"[..]));
+    assert_eq!(
+        reply.head.field(&http::header::CONNECTION),
+        None,
+        "the hop's stay behind"
+    );
+    let (map, lines) = reply.head.written();
+    assert!(map.is_empty());
+    assert!(matches!(lines, Some(Lines::Upstream(_))));
+    // A field of Spillway's: the upstream's lines are in the map first, in their order.
+    reply
+        .head
+        .headers_mut()
+        .insert("x-ours", HeaderValue::from_static("1"));
+    let (map, lines) = reply.head.written();
+    assert!(lines.is_none());
+    let usage: Vec<_> = map.get_all("x-usage").iter().collect();
+    assert_eq!(usage, ["42", "7"]);
+    assert_eq!(map["content-length"], "0");
+    assert_eq!(map["x-ours"], "1");
 }

@@ -162,10 +162,10 @@ pub(super) const RUNS: usize = 3;
 /// The end-to-end fields of an upstream response head as the upstream wrote them, for our HTTP/1
 /// server side to copy into the client's head: a few runs of whole lines, with the hop's lines
 /// (`Connection`, `Keep-Alive`, those `Connection` names, ...) left out. No `HeaderName` or
-/// `HeaderValue` is made and no map is built, hashed, walked and dropped. A response for a
-/// server that writes its own heads (hyper's, on a connection handed to it) or one whose map
-/// changes (`headers: always`) gets the map from [`Passed::into_map`]; an HTTP/2 client's
-/// exchange builds the map at once.
+/// `HeaderValue` is made and no map is built, hashed, walked and dropped. Held unread by the
+/// response's head (`proxy::response::ResponseHead`), which puts them in its map
+/// ([`Passed::into_map`]) for a server that writes its own heads (hyper's) or a change to the
+/// map (`headers: always`); an HTTP/2 client's exchange builds the map at once.
 pub struct Passed {
     pub(super) head: Bytes,
     pub(super) runs: [(u32, u32); RUNS],

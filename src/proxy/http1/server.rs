@@ -26,7 +26,7 @@ use std::task::Poll;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderValue};
-use http::{Method, Request, Response, StatusCode, Version};
+use http::{Method, Request, StatusCode, Version};
 use http_body::Body as _;
 use http_body_util::Either;
 use smallvec::SmallVec;
@@ -34,14 +34,13 @@ use tokio::io::ReadBuf;
 use tokio::net::TcpStream;
 
 use super::client::UpstreamConn;
-use super::framing::{field, has_token, keeps_alive, parse_length, Framing, HeadEnd};
+use super::framing::{field, keeps_alive, parse_length, Framing, HeadEnd};
 use super::request_body::{read_shared, Inbound, RequestBody};
 use super::request_head::*;
 use crate::proxy::body::{ReqBody, Streamed};
 use crate::proxy::deadlines::{Sleep, Timers};
 use crate::proxy::protocol::*;
-use crate::proxy::response::Body;
-use crate::respond::Own;
+use crate::proxy::response::{self, Reply};
 
 /// Body pieces up to this size are copied behind the head (or, in chunks, behind the chunks
 /// before them) and written with it; a larger one is written on its own.
@@ -100,7 +99,7 @@ pub(in crate::proxy) async fn serve<H: Handler>(
             Ok(()) => s.respond(&mut resp, asked, streamed.is_none()).await,
             Err(e) => Err(e),
         };
-        let switching = resp.status() == StatusCode::SWITCHING_PROTOCOLS;
+        let switching = resp.head.status() == StatusCode::SWITCHING_PROTOCOLS;
         if switching {
             if let (Ok(_), Some(upstream)) = (&written, switched(&mut resp)) {
                 // The response (its concurrency slots) lives as long as the tunnel.
@@ -311,7 +310,7 @@ impl ClientConn {
     /// Answers a refused head with its status, counted by its reason, and ends the connection.
     async fn refuse(mut self, handler: &impl Handler, why: Refusal) -> Result<(), Error> {
         handler.refused(why.reason);
-        let mut resp: Response<Body> = why.response();
+        let mut resp = Reply::whole(why.response());
         let asked = ResponseAsks {
             head: false,
             http10: false,
@@ -349,17 +348,17 @@ impl ClientConn {
     /// connection closes), and, when `watch`, not for a client that has left (an error).
     async fn respond(
         &mut self,
-        resp: &mut Response<Body>,
+        resp: &mut Reply,
         asked: ResponseAsks,
         watch: bool,
     ) -> io::Result<bool> {
-        let status = resp.status();
-        let mut stay = asked.keep_alive && !asks_close(resp.headers());
-        let given = resp
-            .headers()
+        let status = resp.head.status();
+        let mut stay = asked.keep_alive && !resp.head.closes();
+        let (headers, lines) = resp.head.written();
+        let given = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| parse_length(v.as_bytes()));
-        let known = resp.body().size_hint().exact();
+        let known = resp.body.size_hint().exact();
         let framing = if asked.head
             || status.is_informational()
             || status == StatusCode::NO_CONTENT
@@ -378,19 +377,20 @@ impl ClientConn {
         write_head(
             &mut self.out,
             status,
-            (resp.headers(), Lines::of(resp.body())),
+            (headers, Lines::of(lines)),
             &framing,
             known,
             asked,
             stay,
         );
         // Not kept while the body streams.
-        drop(std::mem::take(resp.headers_mut()));
+        resp.head.sent();
         let body_idle = resp
+            .head
             .extensions()
-            .get::<crate::proxy::response::BodyIdle>()
+            .get::<response::BodyIdle>()
             .map_or(self.body_idle.0, |b| b.0);
-        let mut body = Pin::new(resp.body_mut());
+        let mut body = Pin::new(&mut resp.body);
         if let ResponseFraming::None = framing {
             send_all(&self.stream, &mut self.clock, &self.out).await?;
             return Ok(stay);
@@ -549,24 +549,18 @@ struct Lines<'a> {
 }
 
 impl<'a> Lines<'a> {
-    fn of(body: &'a Body) -> Self {
-        match body {
-            Either::Right(Own::Canned(canned)) => Lines {
-                runs: smallvec::smallvec![canned.fields()],
+    fn of(lines: Option<response::Lines<'a>>) -> Self {
+        match lines {
+            Some(response::Lines::Kept(fields)) => Lines {
+                runs: smallvec::smallvec![fields],
                 ..Lines::default()
             },
-            Either::Left(permit) => match permit.inner() {
-                Either::Right(raw) => match raw.passed() {
-                    Some(passed) => Lines {
-                        runs: passed.runs().collect(),
-                        date: passed.date,
-                        length: passed.length,
-                    },
-                    None => Lines::default(),
-                },
-                Either::Left(_) => Lines::default(),
+            Some(response::Lines::Upstream(passed)) => Lines {
+                runs: passed.runs().collect(),
+                date: passed.date,
+                length: passed.length,
             },
-            Either::Right(Own::Doc(_)) => Lines::default(),
+            None => Lines::default(),
         }
     }
 }
@@ -644,12 +638,6 @@ fn decimal(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     }
 }
 
-/// Whether a response's `Connection` says `close`.
-fn asks_close(headers: &HeaderMap) -> bool {
-    let connection = headers.get_all(header::CONNECTION);
-    connection.iter().any(|v| has_token(v.as_bytes(), b"close"))
-}
-
 /// Reads what the socket has into `buf`, waiting until it has something; 0 at its end. The
 /// socket's one reader waker is this task's (no streamed body reads it meanwhile). Through
 /// tokio's `poll_read` while no body holds the socket, which forgets its readiness after a
@@ -718,8 +706,8 @@ async fn unless_left<F: Future>(
 }
 
 /// The upstream connection a `101` switched, for the tunnel.
-fn switched(resp: &mut Response<Body>) -> Option<UpstreamConn> {
-    match resp.body_mut() {
+fn switched(resp: &mut Reply) -> Option<UpstreamConn> {
+    match &mut resp.body {
         Either::Left(permit) => match permit.inner_mut() {
             Either::Right(raw) => raw.take_switched(),
             Either::Left(_) => None,

@@ -589,7 +589,7 @@ async fn ours_reads(listener: &tokio::net::TcpListener, method: &str, bytes: &[u
     client::woke();
     let answer = match client::exchange(raw, &mut req, &added, record.clone(), 0).await {
         Err(_) => Answer::Failed,
-        Ok(resp) => {
+        Ok((resp, _)) => {
             let status = resp.status().as_u16();
             let mut body = resp.into_body();
             let mut data = Vec::new();

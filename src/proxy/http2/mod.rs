@@ -69,9 +69,9 @@ pub(in crate::proxy) async fn serve<H: Handler>(
             // at once: the others wait for a place, then get 503.
             let slot = match guard.handler().stream_slot().await {
                 Ok(slot) => slot,
-                Err(mut refused) => {
+                Err(refused) => {
                     guard.disarm();
-                    response::whole(&mut refused);
+                    let refused = refused.into_http();
                     return Ok(refused.map(|b| stalls.guard(b, None, busy, &held)));
                 }
             };
@@ -130,10 +130,9 @@ pub(super) async fn answer<H: Handler>(
     guard: Abandon<H>,
     mut req: Request<ReqBody>,
 ) -> Response<Body> {
-    let mut resp = guard.handler().handle(&mut req).await;
+    let resp = guard.handler().handle(&mut req).await;
     guard.disarm();
-    response::whole(&mut resp);
-    resp
+    resp.into_http()
 }
 
 /// A connection with bytes already read from it in front.
