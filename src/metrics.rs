@@ -9,8 +9,10 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-/// Why Spillway refused a request itself, before or instead of any rule's decision: the
-/// `reason` of `spillway_bad_requests_total`, each series made at start.
+/// Why Spillway answered a request itself, not for a limit: the label it is counted by, the
+/// `reason` of `spillway_bad_requests_total` for the request's own faults ([`Reason::ALL`]),
+/// the `kind` of `spillway_upstream_errors_total` for the upstream's. Each series is made at
+/// start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reason {
     /// A head that does not parse, an invalid field value, `Expect` other than 100-continue.
@@ -41,9 +43,12 @@ pub enum Reason {
     BodyTimeout,
     /// A connection closed for abandoning requests faster than its budget.
     RapidReset,
+    /// The upstream did not answer (502, 503, 504).
+    Upstream(UpstreamError),
 }
 
 impl Reason {
+    /// The request's own faults: the `spillway_bad_requests_total` series, in their order.
     pub const ALL: [Reason; 14] = [
         Reason::Malformed,
         Reason::HeaderTooLarge,
@@ -77,6 +82,7 @@ impl Reason {
             Reason::Body => "body",
             Reason::BodyTimeout => "body_timeout",
             Reason::RapidReset => "rapid_reset",
+            Reason::Upstream(kind) => kind.label(),
         }
     }
 }
@@ -643,9 +649,17 @@ impl Metrics {
         &self.upstream_errors[kind as usize]
     }
 
-    /// `spillway_bad_requests_total{reason}`.
-    pub fn bad_request(&self, reason: Reason) -> &IntCounter {
-        &self.bad_requests[reason as usize]
+    /// The counter of `reason`: `spillway_bad_requests_total{reason}`, or for the upstream's
+    /// `spillway_upstream_errors_total{kind}`.
+    pub fn refused(&self, reason: Reason) -> &IntCounter {
+        match reason {
+            Reason::Upstream(kind) => self.upstream_error(kind),
+            // Every other reason is in `ALL`.
+            reason => {
+                let at = Reason::ALL.iter().position(|r| *r == reason);
+                &self.bad_requests[at.unwrap_or(0)]
+            }
+        }
     }
 
     /// The registry in Prometheus text format.
@@ -714,12 +728,6 @@ mod tests {
     #[test]
     fn every_bad_request_reason_is_its_own_series_shown_at_zero_from_start() {
         let m = Metrics::new();
-        for (i, reason) in Reason::ALL.iter().enumerate() {
-            assert_eq!(
-                *reason as usize, i,
-                "{reason:?} is counted in its own place"
-            );
-        }
         let text = String::from_utf8(m.render()).unwrap();
         for reason in Reason::ALL {
             let series = format!(
@@ -728,9 +736,21 @@ mod tests {
             );
             assert!(text.contains(&series), "{series} in\n{text}");
         }
-        m.bad_request(Reason::Cost).inc();
+        for (i, reason) in Reason::ALL.into_iter().enumerate() {
+            for _ in 0..=i {
+                m.refused(reason).inc();
+            }
+        }
+        m.refused(Reason::Upstream(UpstreamError::Saturated)).inc();
         let text = String::from_utf8(m.render()).unwrap();
-        assert!(text.contains("spillway_bad_requests_total{reason=\"cost\"} 1\n"));
-        assert!(text.contains("spillway_bad_requests_total{reason=\"body\"} 0\n"));
+        for (i, reason) in Reason::ALL.into_iter().enumerate() {
+            let series = format!(
+                "spillway_bad_requests_total{{reason=\"{}\"}} {}\n",
+                reason.label(),
+                i + 1
+            );
+            assert!(text.contains(&series), "{series} in\n{text}");
+        }
+        assert!(text.contains("spillway_upstream_errors_total{kind=\"saturated\"} 1\n"));
     }
 }

@@ -390,7 +390,7 @@ impl Forward<'_> {
     }
 
     fn refuse(&self, refused: Refused) -> Reply {
-        self.metrics.bad_request(refused.reason).inc();
+        self.metrics.refused(refused.reason).inc();
         Reply::whole(refused.response())
     }
 
@@ -448,41 +448,9 @@ const BODY_TIMEOUT: Refused = Refused::closing(
 
 /// The answer to a request the upstream did not answer, counted in `metrics` by `kind`.
 pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Reply {
-    metrics.upstream_error(kind).inc();
-    let (status, detail) = match kind {
-        UpstreamError::Connect => (StatusCode::BAD_GATEWAY, "upstream refused the connection"),
-        UpstreamError::ConnectTimeout => (
-            StatusCode::GATEWAY_TIMEOUT,
-            "upstream did not accept the connection in time",
-        ),
-        UpstreamError::ResponseTimeout => (
-            StatusCode::GATEWAY_TIMEOUT,
-            "upstream did not respond in time",
-        ),
-        UpstreamError::Protocol => (
-            StatusCode::BAD_GATEWAY,
-            "upstream closed the connection or sent an invalid response",
-        ),
-        UpstreamError::Saturated => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no upstream connection came free in time",
-        ),
-        // Its head is sent by then; a status is only for completeness.
-        UpstreamError::BodyIdle => (
-            StatusCode::GATEWAY_TIMEOUT,
-            "upstream stopped sending the response body",
-        ),
-        UpstreamError::UploadStalled => (
-            StatusCode::GATEWAY_TIMEOUT,
-            "upstream stopped taking the request body",
-        ),
-    };
-    let mut resp = respond::error(status, detail);
-    if kind == UpstreamError::Saturated {
-        resp.headers_mut()
-            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-    }
-    Reply::whole(resp)
+    let refused = Refused::upstream(kind);
+    metrics.refused(refused.reason).inc();
+    Reply::whole(refused.response())
 }
 
 /// The listed protocol an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade: ...`)

@@ -84,7 +84,7 @@ impl Handler for Conn {
     }
 
     fn refused(&self, reason: respond::Reason) {
-        self.shared.metrics.bad_request(reason).inc();
+        self.shared.metrics.refused(reason).inc();
     }
 
     fn abandoned(&self) {
@@ -129,7 +129,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         metrics
             .duration(Outcome::Error)
             .observe(elapsed(shared, start));
-        metrics.bad_request(refused.reason).inc();
+        metrics.refused(refused.reason).inc();
         return Reply::whole(refused.response());
     }
     let grpc = respond::form(req.method(), req.version(), req.headers());
@@ -148,7 +148,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
             let outcome = match &refusal {
                 gate::Refusal::Limited(_) => Outcome::Rejected,
                 gate::Refusal::BadRequest(bad) => {
-                    metrics.bad_request(bad.reason).inc();
+                    metrics.refused(bad.reason).inc();
                     Outcome::Error
                 }
             };

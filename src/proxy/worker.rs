@@ -301,9 +301,7 @@ async fn worker(
                 }
                 None => {
                     // Dropping the connection closes it, with every stream on it.
-                    metrics
-                        .bad_request(crate::metrics::Reason::RapidReset)
-                        .inc();
+                    metrics.refused(crate::metrics::Reason::RapidReset).inc();
                     tracing::warn!(%peer, "closed a connection that abandoned requests faster than {}/s (rapid reset)", connection::ABANDON_BUDGET);
                 }
             }

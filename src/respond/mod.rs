@@ -27,7 +27,7 @@ use http_body_util::{Either, Full};
 
 use crate::config::HeaderMode;
 use crate::limit::Permits;
-pub use crate::metrics::Reason;
+pub use crate::metrics::{Reason, UpstreamError};
 use crate::rules::{Denial, RateState, Refusal};
 
 pub mod answers;
@@ -363,6 +363,39 @@ impl Refused {
         refused
     }
 
+    /// The answer to a request the upstream did not answer.
+    pub const fn upstream(kind: UpstreamError) -> Self {
+        let (status, detail) = match kind {
+            UpstreamError::Connect => (StatusCode::BAD_GATEWAY, "upstream refused the connection"),
+            UpstreamError::ConnectTimeout => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream did not accept the connection in time",
+            ),
+            UpstreamError::ResponseTimeout => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream did not respond in time",
+            ),
+            UpstreamError::Protocol => (
+                StatusCode::BAD_GATEWAY,
+                "upstream closed the connection or sent an invalid response",
+            ),
+            UpstreamError::Saturated => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no upstream connection came free in time",
+            ),
+            // Its head is sent by then; a status is only for completeness.
+            UpstreamError::BodyIdle => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream stopped sending the response body",
+            ),
+            UpstreamError::UploadStalled => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream stopped taking the request body",
+            ),
+        };
+        Refused::new(status, Reason::Upstream(kind), detail)
+    }
+
     /// With a detail worked out for this request.
     pub fn saying(mut self, detail: String) -> Self {
         self.detail = std::borrow::Cow::Owned(detail);
@@ -370,13 +403,17 @@ impl Refused {
     }
 
     /// The answer: a problem document (naming the rule, if one), with `Connection: close` when
-    /// the connection closes.
+    /// the connection closes, and `Retry-After: 1` when no upstream connection came free.
     pub fn response<L, R: From<Full<Bytes>>>(&self) -> Ours<L, R> {
         let doc = document(self.status, &self.detail, self.rule.as_deref());
         let mut resp = problem(self.status, doc);
         if self.close {
             resp.headers_mut()
                 .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        if self.reason == Reason::Upstream(UpstreamError::Saturated) {
+            resp.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
         }
         resp
     }
@@ -685,6 +722,19 @@ mod tests {
         let resp = reply.into_http();
         assert_eq!(resp.headers().len(), kept.map().len() + 1);
         assert!(!resp.headers().contains_key(http::header::CONNECTION));
+    }
+
+    #[test]
+    fn an_upstream_failure_is_a_refusal_counted_by_its_kind() {
+        for kind in UpstreamError::ALL {
+            let refused = Refused::upstream(kind);
+            assert_eq!(refused.reason.label(), kind.label());
+            assert!(!refused.close, "{kind:?}: the client connection goes on");
+            let resp = refused.response::<(), Full<Bytes>>();
+            assert!(resp.status().is_server_error(), "{kind:?}");
+            let retry = resp.headers().get(RETRY_AFTER);
+            assert_eq!(retry.is_some(), kind == UpstreamError::Saturated, "{kind:?}");
+        }
     }
 
     #[test]
