@@ -893,5 +893,4 @@ fn parse_forwarded_ip(entry: &[u8]) -> Option<IpAddr> {
 }
 
 #[cfg(test)]
-#[path = "key_tests.rs"]
 pub(crate) mod tests;

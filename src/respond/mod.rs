@@ -733,7 +733,11 @@ mod tests {
             let resp = refused.response::<(), Full<Bytes>>();
             assert!(resp.status().is_server_error(), "{kind:?}");
             let retry = resp.headers().get(RETRY_AFTER);
-            assert_eq!(retry.is_some(), kind == UpstreamError::Saturated, "{kind:?}");
+            assert_eq!(
+                retry.is_some(),
+                kind == UpstreamError::Saturated,
+                "{kind:?}"
+            );
         }
     }
 

@@ -622,5 +622,4 @@ impl Body for RawBody {
 }
 
 #[cfg(test)]
-#[path = "client_tests.rs"]
 mod tests;

@@ -739,5 +739,4 @@ mod date {
 }
 
 #[cfg(test)]
-#[path = "server_tests.rs"]
 mod tests;
