@@ -268,7 +268,7 @@ fn the_decision_never_awaits_nor_imports_the_data_plane_the_control_plane_the_re
 /// HTTP/2) are handed the request path as a `Handler` by `connection`, which tells which one
 /// a connection speaks: they never import the request path (`request`), the forward
 /// (`forward`, `forwarded`, `upstream_pool`), the connection owner or the wiring (`shared`,
-/// `worker`), and HTTP/1 never imports HTTP/2. `protocol`, what both are given, imports none
+/// `settings`, `worker`), and HTTP/1 never imports HTTP/2. `protocol`, what both are given, imports none
 /// of those. (An upgrade's tunnel takes the upstream connection from its response: HTTP/1's
 /// client side is not among them.)
 #[test]
@@ -296,6 +296,7 @@ fn protocol_servers_never_import_the_request_path_and_http1_never_imports_http2(
     );
     let above = [
         "proxy::shared",
+        "proxy::settings",
         "proxy::worker",
         "proxy::request",
         "proxy::forward",

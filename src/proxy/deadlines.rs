@@ -11,7 +11,7 @@
 //! "Coarse timers").
 //!
 //! They fire up to one tick late: the tick is half the shorter of the two timeouts, at most a
-//! second (`anchor_period` in `proxy/worker.rs`). Must never: be the only thing that bounds a
+//! second (`anchor_period` in `proxy/settings.rs`). Must never: be the only thing that bounds a
 //! wait that must be exact (use tokio's timers for those).
 
 use std::future::Future;

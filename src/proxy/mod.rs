@@ -10,12 +10,14 @@
 //! Layers, each importing only those below it (`tests/modules.rs` fails on an import against
 //! them): this file starts a proxy ([`Sidecar`]: binds, builds the [`Shared`] state of
 //! `shared`, hands both to `worker`, whose threads each derive their connections' settings
-//! once and run their accept loops, timers and drain); `connection` owns a client
-//! connection from accept to end and tells which protocol it speaks; the protocol servers
+//! once and run their accept loops, timers and drain; `settings` derives each consumer's slice
+//! of the configuration); `connection` owns a client connection from accept to end and tells
+//! which protocol it speaks; the protocol servers
 //! (`http1`'s server side, `http2`) are handed the request path as a `protocol::Handler` and
 //! import neither it nor each other; the request path (`request`: hygiene, decision,
 //! refusals) calls the forward (`forward`, `forwarded`, `upstream_pool` and `http1`'s client side);
-//! every layer may use `response` (the sidecar's response body), `body` and `deadlines`.
+//! every layer may use `response` (the sidecar's response: one head type, its body), `body` and
+//! `deadlines`.
 //!
 //! Cost of the request path beyond the server side's own work (`http1`'s, or hyper's): one pass
 //! over the request's fields (`Hygiene`: head size, `Host`, client claims) and one over its path
@@ -42,6 +44,7 @@ mod protocol;
 pub mod reload;
 mod request;
 pub mod response;
+mod settings;
 mod shared;
 mod upstream_pool;
 mod worker;
@@ -167,15 +170,7 @@ impl Sidecar {
             rules: Arc::new(ArcSwap::from_pointee(rules)),
             ratios,
             upstream: config.upstream.authority.clone(),
-            affine_upstream: upstream_pool::UpstreamAddr {
-                address: format!(
-                    "{}:{}",
-                    config.upstream.authority.host(),
-                    config.upstream.authority.port_u16().unwrap_or(80)
-                ),
-                connect_timeout: t.upstream_connect.0,
-                idle: t.upstream_idle().as_nanos() as u64,
-            },
+            affine_upstream: settings::upstream_addr(&config),
             upstream_h2: config.upstream.h2,
             upstream_cap: upstream_pool::Cap::new(
                 config.limits.upstream_connections() as usize,

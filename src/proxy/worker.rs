@@ -2,8 +2,8 @@
 //! handle on the shared listener and its own upstream connections and timers, so that a
 //! request never hops threads once accepted (nginx's shape); their start, their tick, the
 //! background sweep of idle keys, and the shutdown sequence (stop accepting, drain, stop the
-//! reporter and the admin listener). Each worker derives its connections' settings (the
-//! [`ConnSettings`]) from the configuration once. Must never: share a connection, a timer or an
+//! reporter and the admin listener). Each worker derives its connections' settings
+//! (`settings::conn_settings`) from the configuration once. Must never: share a connection, a timer or an
 //! upstream connection between workers (only the connection cap and the upstream cap are
 //! shared).
 
@@ -12,15 +12,13 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::{watch, Semaphore};
 
-use super::protocol::ConnSettings;
 use super::request::Conn;
+use super::settings::{self, anchor_period};
 use super::shared::Shared;
 use super::{accept, admin, connection, deadlines, forward, http1, http2, upstream_pool};
-use crate::config::Config;
 use crate::control::reporter::Reporter;
 use crate::limit::Clock;
 
@@ -171,20 +169,6 @@ async fn worker(
     ));
     let config = shared.config.load_full();
     let timers = Arc::new(deadlines::Timers::default());
-    // A partial request head this long is answered 431 as it is read; below it, the request
-    // path answers 431 at `max_header_bytes`.
-    let max_head = (config.limits.max_header_bytes.0 * 2).max(8192 + 1024);
-    let mut builder = hyper::server::conn::http2::Builder::new(TokioExecutor::new());
-    builder
-        .timer(TokioTimer::new())
-        .max_concurrent_streams(config.limits.max_h2_streams.get())
-        .max_send_buf_size(shared.h2_budget.per_stream())
-        .max_header_list_size(config.limits.max_header_bytes.0 as u32)
-        .max_pending_accept_reset_streams(64)
-        // The client-facing PING cadence: `upstream_idle`'s interval, `header_read`'s answer
-        // (README, timeouts).
-        .keep_alive_interval(Some(config.timeouts.upstream_idle()))
-        .keep_alive_timeout(config.timeouts.header_read.0);
     // Tells this worker's connections that it drains; each holds `alive` until it ends.
     let (drain_tx, draining) = watch::channel(false);
     let (alive, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
@@ -194,26 +178,17 @@ async fn worker(
         .clone();
     let stalls = Arc::new(http2::stalls::Stalls::new(
         (config.timeouts.send.0, shared.metrics.send_timeouts.clone()),
-        (
-            config.timeouts.upstream_body_idle.0,
-            body_idle_errors.clone(),
-        ),
+        (config.timeouts.upstream_body_idle.0, body_idle_errors),
         anchor_period(&config),
     ));
     shared.idles.add(&timers);
-    let lane = Arc::new(ConnSettings {
-        hyper: builder,
-        max_head,
-        header_read: config.timeouts.header_read.0,
-        client_idle: config.timeouts.client_idle.0,
-        send: config.timeouts.send.0,
-        body_idle: config.timeouts.upstream_body_idle.0,
-        body_idle_errors,
-        timers: timers.clone(),
-        stalls: stalls.clone(),
-        h2_budget: shared.h2_budget.clone(),
+    let lane = Arc::new(settings::conn_settings(
+        &config,
+        &shared,
+        timers.clone(),
+        stalls.clone(),
         draining,
-    });
+    ));
     let idle = Arc::new(upstream_pool::Idle::new(
         shared.metrics.upstream_discards.clone(),
         shared.upstream_cap.clone(),
@@ -352,23 +327,6 @@ async fn anchor_timer(
     }
 }
 
-/// Half the shortest per-request timer, a rule's `upstream_body_idle` at start included, at
-/// most a second (a shorter one a reload brings fires up to a second late).
-pub(super) fn anchor_period(config: &Config) -> Duration {
-    let t = &config.timeouts;
-    let rules = config.rules.iter().filter_map(|r| r.upstream_body_idle);
-    (rules.fold(
-        t.header_read
-            .0
-            .min(t.upstream_response.0)
-            .min(t.send.0)
-            .min(t.upstream_body_idle.0)
-            .min(t.client_body_idle.0),
-        |shortest, d| shortest.min(d.0),
-    ) / 2)
-        .clamp(Duration::from_millis(1), Duration::from_secs(1))
-}
-
 /// Forgets idle keys in the background (the sweep locks one shard at a time), and closes
 /// adaptive limits' windows that no completion closed.
 async fn sweep_loop(shared: Arc<Shared>) {
@@ -391,16 +349,6 @@ async fn sweep_loop(shared: Arc<Shared>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_anchor_ticks_at_half_the_shortest_timer_a_rules_included() {
-        let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: feeds\n    key: []\n    limit: { rate: 10/s }\n    upstream_body_idle: 600ms\n";
-        let config = Config::from_yaml(yaml, "t").unwrap();
-        assert_eq!(anchor_period(&config), Duration::from_millis(300));
-        let config =
-            Config::from_yaml(&yaml.replace("    upstream_body_idle: 600ms\n", ""), "t").unwrap();
-        assert_eq!(anchor_period(&config), Duration::from_secs(1));
-    }
 
     #[tokio::test]
     async fn accepted_client_connections_inherit_tcp_keepalive() {
