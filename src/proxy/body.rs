@@ -23,7 +23,7 @@ use smallvec::SmallVec;
 pub const IN_HAND: usize = 16 * 1024;
 
 /// A client request's body: hyper's, or one read whole before it goes on (by our own HTTP/1
-/// server side, `inbound`, with its head; or a small one of hyper's that was all there).
+/// server side, `http1::server`, with its head; or a small one of hyper's that was all there).
 pub type ReqBody = Either<Streamed, InHand>;
 
 /// A request body still coming: hyper's (HTTP/2), or our HTTP/1 server side's; behind the

@@ -3,16 +3,14 @@
 //! and `limits.max_upstream_connections`. A stream beyond a cap waits for a connection (at most
 //! `timeouts.upstream_connect`), then gets 503 with `Retry-After`.
 
-mod common;
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;

@@ -3,11 +3,9 @@
 //! next request; an HTTP/2 connection with no open stream is closed with GOAWAY after
 //! `client_idle`, and one with a stream open is not.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 

@@ -10,13 +10,11 @@
 // The test upstream keeps what it received behind a lock: test code, not the request path.
 #![allow(clippy::disallowed_types)]
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::client::conn::http1;

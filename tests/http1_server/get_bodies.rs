@@ -7,13 +7,11 @@
 // A test app's log, not the request path.
 #![allow(clippy::disallowed_types)]
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::StatusCode;
 use http_body_util::{BodyExt, Full};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};

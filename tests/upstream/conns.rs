@@ -3,13 +3,11 @@
 //! upstream closed it, never asked twice for a request it was sent, handed to the next client
 //! when its client leaves. An HTTP/2 client's streams borrow the worker's connections.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use common::*;
+use crate::common::*;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;

@@ -1,10 +1,8 @@
 //! Every algorithm, cost, delay, concurrency, overflow and gRPC through the real proxy.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 
 fn rule(limit: &str, extra: &str) -> String {

@@ -3,13 +3,11 @@
 //! (src/proxy/http1/client.rs, `Raw::check`). A raw-socket upstream answers each shape; the next client
 //! must get exactly its own answer, for HTTP/1 and HTTP/2 clients.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Notify;

@@ -2,16 +2,14 @@
 //! knee: the limit settles near the knee, the upstream's concurrency (so its latency) stays
 //! bounded, and a steady load below the knee sees no 503.
 
-mod common;
-
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use http::Response;
 use http_body_util::Full;
 use hyper::service::service_fn;

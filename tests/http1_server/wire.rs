@@ -4,11 +4,9 @@
 //! head), a larger, chunked or expecting body streamed by this side too (the connection its own
 //! throughout), a client leaving mid-request noticed, idle connections closed by a drain.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 

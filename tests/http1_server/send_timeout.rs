@@ -2,11 +2,9 @@
 //! likes: after `timeouts.send` its HTTP/1 connection is closed, or its HTTP/2 stream's
 //! response dropped, and the slots it held are free for others.
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;

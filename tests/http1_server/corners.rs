@@ -3,12 +3,10 @@
 //! refused here (each with its status and its `bad_requests` reason), streamed uploads on
 //! the client connection's own upstream connection, an HTTP/2 client's upload to an HTTP/1 app.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::common::*;
 use bytes::Bytes;
-use common::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 

@@ -2,11 +2,9 @@
 //! what a client sent to get past a rule, or what a reviewer found in an answer, against the
 //! real proxy on loopback, raw bytes where the spelling matters. Each asserts the answer.
 
-mod common;
-
 use std::net::SocketAddr;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use spillway::Sidecar;
 use tokio::io::BufReader;
