@@ -322,6 +322,55 @@ fn protocol_servers_never_import_the_request_path_and_http1_never_imports_http2(
     );
 }
 
+/// Below the request path (src/proxy/mod.rs): the forward (`forward`, `forwarded`,
+/// `upstream_pool`, `failure`, and HTTP/1's client side: `client`, `upload`, `response_head`)
+/// and the response (`response`) never import the request path, the connection owner, the
+/// protocol servers (HTTP/1's server side, HTTP/2, what they are given) or the wiring.
+#[test]
+fn the_forward_never_imports_the_request_path_the_servers_or_the_wiring() {
+    let (files, edges) = imports();
+    let m = |path: &str| -> Module { path.split("::").map(String::from).collect() };
+    let below = [
+        "proxy::forward",
+        "proxy::forwarded",
+        "proxy::upstream_pool",
+        "proxy::failure",
+        "proxy::response",
+        "proxy::http1::client",
+        "proxy::http1::upload",
+        "proxy::http1::response_head",
+    ]
+    .map(m);
+    for module in &below {
+        assert!(files.contains_key(module), "the scan found {module:?}");
+    }
+    let above = [
+        "proxy::request",
+        "proxy::connection",
+        "proxy::protocol",
+        "proxy::shared",
+        "proxy::settings",
+        "proxy::worker",
+        "proxy::http1::server",
+        "proxy::http1::request_head",
+        "proxy::http1::tunnel",
+    ]
+    .map(m);
+    let mut wrong = Vec::new();
+    for module in &below {
+        for to in edges.get(module).into_iter().flatten() {
+            if above.contains(to) || to.starts_with(&m("proxy::http2")) {
+                wrong.push(format!("{} -> {}", module.join("::"), to.join("::")));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "imports against the layers:\n{}",
+        wrong.join("\n")
+    );
+}
+
 /// The control plane's sums never know the decision's types (and `rules` never imports
 /// `control`, above): inside `control` only the proxy's side imports `rules`, the reporter
 /// (which drains the decision's counts) and `ratios` (which turns a reply into the ratios the
