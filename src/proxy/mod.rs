@@ -52,7 +52,6 @@ mod worker;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
@@ -64,7 +63,6 @@ use tokio::task::JoinHandle;
 use crate::config::{Config, ConfigError};
 use crate::control::reporter::Reporter;
 use crate::fds;
-use crate::hygiene::Hygiene;
 use crate::limit::{AnyClock, Clock};
 use crate::metrics::Metrics;
 use crate::rules::DropRatios;
@@ -165,45 +163,15 @@ impl Sidecar {
             )?),
             None => None,
         };
-        let t = &config.timeouts;
-        let shared = Arc::new(Shared {
-            rules: Arc::new(ArcSwap::from_pointee(rules)),
+        let shared = Arc::new(Shared::new(
+            config,
+            rules,
             ratios,
-            upstream: config.upstream.authority.clone(),
-            affine_upstream: settings::upstream_addr(&config),
-            upstream_h2: config.upstream.h2,
-            upstream_cap: upstream_pool::Cap::new(
-                config.limits.upstream_connections() as usize,
-                metrics.upstream_waiters.clone(),
-            ),
-            upstream_per_client: config.limits.max_upstream_per_client.get() as usize,
-            h2_budget: http2::held::Budget::new(
-                config.limits.max_response_buffer.0,
-                config.limits.max_response_buffer_per_connection.0,
-                metrics.h2_held.clone(),
-                metrics.h2_shed.clone(),
-            ),
-            per_client: clients::PerClient::new(
-                config.limits.max_connections_per_client.get(),
-                config.per_client_exempt(),
-            ),
-            idles: clients::Idles::default(),
             clock,
             metrics,
-            client_ip: config.client_ip.policy(),
-            hygiene: Hygiene::of(&config),
-            response_timeout: t.upstream_response.0,
-            upload_timeouts: (t.send.0, t.client_body_idle.0),
-            draining: AtomicBool::new(false),
             #[cfg(feature = "redis")]
-            exact: arc_swap::ArcSwapOption::new(exact),
-            loaded: ArcSwap::from_pointee(reload::Loaded::new(
-                crate::watch::version_of(&config_json_text(&config)),
-                None,
-            )),
-            reload_lock: tokio::sync::Mutex::new(()),
-            config: ArcSwap::from_pointee(config),
-        });
+            exact,
+        ));
         shared
             .metrics
             .config_loaded_at

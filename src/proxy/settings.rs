@@ -13,11 +13,12 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use tokio::sync::watch;
 
 use super::deadlines::Timers;
+use super::http2::held::Budget;
 use super::http2::stalls::Stalls;
 use super::protocol::ConnSettings;
-use super::shared::Shared;
 use super::upstream_pool::UpstreamAddr;
 use crate::config::Config;
+use crate::metrics::Metrics;
 
 /// Our own upstream connections' address, `timeouts.upstream_connect` and
 /// `timeouts.upstream_idle` (an idle connection unused longer is closed).
@@ -40,26 +41,25 @@ pub(super) fn upstream_addr(config: &Config) -> UpstreamAddr {
 /// it is read (below it, the request path answers 431 at `max_header_bytes`).
 pub(super) fn conn_settings(
     config: &Config,
-    shared: &Shared,
+    (h2_budget, metrics): (&Arc<Budget>, &Metrics),
     timers: Arc<Timers>,
     stalls: Arc<Stalls>,
     draining: watch::Receiver<bool>,
 ) -> ConnSettings {
     let t = &config.timeouts;
     ConnSettings {
-        hyper: h2_server(config, shared),
+        hyper: h2_server(config, h2_budget),
         max_head: (config.limits.max_header_bytes.0 * 2).max(8192 + 1024),
         header_read: t.header_read.0,
         client_idle: t.client_idle.0,
         send: t.send.0,
         body_idle: t.upstream_body_idle.0,
-        body_idle_errors: shared
-            .metrics
+        body_idle_errors: metrics
             .upstream_error(crate::metrics::UpstreamError::BodyIdle)
             .clone(),
         timers,
         stalls,
-        h2_budget: shared.h2_budget.clone(),
+        h2_budget: h2_budget.clone(),
         draining,
     }
 }
@@ -69,12 +69,12 @@ pub(super) fn conn_settings(
 /// share of `max_response_buffer_per_connection` as its send buffer. Its PING cadence is the
 /// client-facing side of two timeouts (README, timeouts): a PING every `upstream_idle`, to be
 /// answered within `header_read`, or the connection is closed.
-fn h2_server(config: &Config, shared: &Shared) -> Builder<TokioExecutor> {
+fn h2_server(config: &Config, h2_budget: &Budget) -> Builder<TokioExecutor> {
     let mut builder = Builder::new(TokioExecutor::new());
     builder
         .timer(TokioTimer::new())
         .max_concurrent_streams(config.limits.max_h2_streams.get())
-        .max_send_buf_size(shared.h2_budget.per_stream())
+        .max_send_buf_size(h2_budget.per_stream())
         .max_header_list_size(config.limits.max_header_bytes.0 as u32)
         .max_pending_accept_reset_streams(64)
         .keep_alive_interval(Some(config.timeouts.upstream_idle()))

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 
-use super::{clients, http2, reload, upstream_pool};
+use super::{clients, http2, reload, settings, upstream_pool};
 use crate::config::Config;
 use crate::hygiene::Hygiene;
 use crate::key;
@@ -57,4 +57,58 @@ pub struct Shared {
     /// The active configuration's version, for `/config`.
     pub loaded: ArcSwap<reload::Loaded>,
     pub(super) reload_lock: tokio::sync::Mutex<()>,
+}
+
+impl Shared {
+    /// The state of a proxy starting with `config`, its rules built: the upstream's slice
+    /// (`settings`), its caps, the request path's policies and timeouts
+    /// (`timeouts.upstream_response`, and `send` and `client_body_idle` for a body still coming).
+    pub(super) fn new(
+        config: Config,
+        rules: RuleSet,
+        ratios: Arc<ArcSwap<DropRatios>>,
+        clock: AnyClock,
+        metrics: Arc<Metrics>,
+        #[cfg(feature = "redis")] exact: Option<Arc<crate::exact::Exact>>,
+    ) -> Shared {
+        let (t, limits) = (&config.timeouts, &config.limits);
+        Shared {
+            rules: Arc::new(ArcSwap::from_pointee(rules)),
+            ratios,
+            upstream: config.upstream.authority.clone(),
+            affine_upstream: settings::upstream_addr(&config),
+            upstream_h2: config.upstream.h2,
+            upstream_cap: upstream_pool::Cap::new(
+                limits.upstream_connections() as usize,
+                metrics.upstream_waiters.clone(),
+            ),
+            upstream_per_client: limits.max_upstream_per_client.get() as usize,
+            h2_budget: http2::held::Budget::new(
+                limits.max_response_buffer.0,
+                limits.max_response_buffer_per_connection.0,
+                metrics.h2_held.clone(),
+                metrics.h2_shed.clone(),
+            ),
+            per_client: clients::PerClient::new(
+                limits.max_connections_per_client.get(),
+                config.per_client_exempt(),
+            ),
+            idles: clients::Idles::default(),
+            clock,
+            metrics,
+            client_ip: config.client_ip.policy(),
+            hygiene: Hygiene::of(&config),
+            response_timeout: t.upstream_response.0,
+            upload_timeouts: (t.send.0, t.client_body_idle.0),
+            draining: AtomicBool::new(false),
+            #[cfg(feature = "redis")]
+            exact: arc_swap::ArcSwapOption::new(exact),
+            loaded: ArcSwap::from_pointee(reload::Loaded::new(
+                crate::watch::version_of(&super::config_json_text(&config)),
+                None,
+            )),
+            reload_lock: tokio::sync::Mutex::new(()),
+            config: ArcSwap::from_pointee(config),
+        }
+    }
 }

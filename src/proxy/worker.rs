@@ -184,7 +184,7 @@ async fn worker(
     shared.idles.add(&timers);
     let lane = Arc::new(settings::conn_settings(
         &config,
-        &shared,
+        (&shared.h2_budget, &shared.metrics),
         timers.clone(),
         stalls.clone(),
         draining,

@@ -406,13 +406,13 @@ fn requests() -> impl Strategy<Value = Vec<u8>> {
 // ---- Server side ------------------------------------------------------------------------
 
 /// The request path's checks and rewrites before a request goes on, as the sidecar has them.
-fn hygiene() -> crate::proxy::Hygiene {
+fn hygiene() -> crate::hygiene::Hygiene {
     let config = crate::config::Config::from_yaml(
         "service: t\nlisten: 127.0.0.1:0\nupstream: http://app:8080\n",
         "t.yaml",
     )
     .unwrap();
-    crate::proxy::Hygiene::of(&config)
+    crate::hygiene::Hygiene::of(&config)
 }
 
 fn check_server(bytes: &[u8]) -> Result<(), TestCaseError> {
