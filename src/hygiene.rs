@@ -3,7 +3,7 @@
 //! the app will not get, no client-written claim the app might believe, one `Cookie` line, a
 //! host the app answers for.
 //!
-//! Owns those checks and their refusals' reasons (`spillway_bad_requests_total{reason}`).
+//! Owns those checks and which refusal each gives (its status, its `metrics::Reason`).
 //! Must never: answer (the caller renders the refusal), or let a request the app would read
 //! differently from the rules through.
 

@@ -85,6 +85,27 @@ impl Reason {
             Reason::Upstream(kind) => kind.label(),
         }
     }
+
+    /// Its place in [`Reason::ALL`]; for the upstream's, its kind.
+    fn slot(self) -> Result<usize, UpstreamError> {
+        Ok(match self {
+            Reason::Malformed => 0,
+            Reason::HeaderTooLarge => 1,
+            Reason::Method => 2,
+            Reason::Host => 3,
+            Reason::Target => 4,
+            Reason::Connection => 5,
+            Reason::Misdirected => 6,
+            Reason::Framing => 7,
+            Reason::BodyOnGet => 8,
+            Reason::RepeatedKey => 9,
+            Reason::Cost => 10,
+            Reason::Body => 11,
+            Reason::BodyTimeout => 12,
+            Reason::RapidReset => 13,
+            Reason::Upstream(kind) => return Err(kind),
+        })
+    }
 }
 
 /// Why the proxy could not get a response from the upstream.
@@ -652,13 +673,9 @@ impl Metrics {
     /// The counter of `reason`: `spillway_bad_requests_total{reason}`, or for the upstream's
     /// `spillway_upstream_errors_total{kind}`.
     pub fn refused(&self, reason: Reason) -> &IntCounter {
-        match reason {
-            Reason::Upstream(kind) => self.upstream_error(kind),
-            // Every other reason is in `ALL`.
-            reason => {
-                let at = Reason::ALL.iter().position(|r| *r == reason);
-                &self.bad_requests[at.unwrap_or(0)]
-            }
+        match reason.slot() {
+            Ok(at) => &self.bad_requests[at],
+            Err(kind) => self.upstream_error(kind),
         }
     }
 
@@ -728,6 +745,13 @@ mod tests {
     #[test]
     fn every_bad_request_reason_is_its_own_series_shown_at_zero_from_start() {
         let m = Metrics::new();
+        for (i, reason) in Reason::ALL.into_iter().enumerate() {
+            assert_eq!(
+                reason.slot(),
+                Ok(i),
+                "{reason:?} is counted in its own place"
+            );
+        }
         let text = String::from_utf8(m.render()).unwrap();
         for reason in Reason::ALL {
             let series = format!(

@@ -1,5 +1,6 @@
-//! Why a request got no response from the upstream, and which metric and answer each reason
-//! gets. Must never: blame the upstream for the client's own cut body.
+//! Why a request got no response from the upstream, and which `UpstreamError` (the metric's
+//! kind, and through `respond::Refused::upstream` the answer) each is. Must never: blame the
+//! upstream for the client's own cut body.
 
 use std::error::Error as _;
 

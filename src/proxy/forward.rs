@@ -3,7 +3,8 @@
 //!
 //! Owns what a reverse proxy must do to a request and a response in transit (RFC 9110 §7.6:
 //! hop-by-hop headers, `X-Forwarded-*`, an upgrade only to a listed protocol, `CONNECT`
-//! refused), and the mapping of upstream failures to 502/504. An HTTP/1 upstream is spoken to
+//! refused), and which upstream failure a request met (its answer is
+//! `respond::Refused::upstream`'s: 502, 503 or 504). An HTTP/1 upstream is spoken to
 //! by our own client on the client connection's own upstream connection (`upstream_pool`); an HTTP/2
 //! one by hyper's pooled client. Bodies are never buffered whole, except a small client body
 //! (up to `body::IN_HAND`, with one `Content-Length`) that is all there when the request goes

@@ -14,6 +14,7 @@ use http::{Extensions, Response, StatusCode};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 
+use super::http1::framing::has_token;
 use super::http1::response_head::Passed;
 use crate::limit::Permits;
 use crate::respond::{Kept, PermitBody};
@@ -71,6 +72,8 @@ impl Reply {
         permits: Permits,
     ) -> Self {
         let (parts, body) = resp.into_parts();
+        // The map then holds none of the fields: written after them, mapped before them.
+        debug_assert!(passed.is_none() || parts.headers.is_empty());
         Reply {
             head: ResponseHead {
                 status: parts.status,
@@ -98,14 +101,14 @@ impl Reply {
         }
     }
 
-    /// `resp` as it is: the map holds every field. A `Connection: close` in it (what
-    /// `crate::respond` writes for the embedded layer) is the connection's fate instead.
+    /// `resp` as it is: the map holds every field. A `Connection` naming `close` in it (what
+    /// `crate::respond` writes for the embedded layer) is the connection's fate instead; the
+    /// field is the hop's, never written on.
     pub fn whole(resp: Response<Body>) -> Self {
         let (mut parts, body) = resp.into_parts();
-        let close = parts
-            .headers
-            .remove(http::header::CONNECTION)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"close"));
+        let connection = parts.headers.get_all(http::header::CONNECTION);
+        let close = connection.iter().any(|v| has_token(v.as_bytes(), b"close"));
+        parts.headers.remove(http::header::CONNECTION);
         Reply {
             head: ResponseHead {
                 status: parts.status,
@@ -197,7 +200,7 @@ impl ResponseHead {
             Unread::None => {}
             Unread::Upstream(passed) => passed.into_map(&mut self.headers),
             Unread::Kept(kept) => {
-                // A kept 429's fields come first, as they are written before the map's.
+                // A kept 429's fields first: the map holds only what was added to it since.
                 let mut headers = kept.map();
                 headers.extend(std::mem::take(&mut self.headers));
                 self.headers = headers;

@@ -316,10 +316,12 @@ pub fn add_rate_headers(headers: &mut HeaderMap, states: &[RateState]) {
     headers.insert(RATELIMIT.clone(), value);
 }
 
-/// A request Spillway refuses itself, not for a limit (those are [`Denial`]s): from the
-/// request hygiene, the HTTP/1 head parser, a malformed body. The status, the
-/// `spillway_bad_requests_total` reason, a detail for the client, and whether the connection
-/// closes after the answer (what follows on it cannot be trusted).
+/// A request Spillway answers itself, not for a limit (those are [`Denial`]s): refused by the
+/// request hygiene, the HTTP/1 head parser, a rule (its key or cost), for a malformed or
+/// stalled body, or not answered by the upstream. The status, the reason it is counted by
+/// (`spillway_bad_requests_total{reason}`, or `spillway_upstream_errors_total{kind}` for the
+/// upstream's), a detail for the client, and whether the connection closes after the answer
+/// (what follows on it cannot be trusted).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refused {
     pub status: StatusCode,
@@ -750,6 +752,18 @@ mod tests {
         assert!(reply.head.field(&http::header::CONNECTION).is_none());
         let kept = Refused::new(StatusCode::MISDIRECTED_REQUEST, Reason::Misdirected, "x");
         assert!(!Reply::whole(kept.response()).head.closes());
+        // Any `Connection` value naming the token, in any case.
+        let mut listed = kept.response();
+        listed
+            .headers_mut()
+            .append(http::header::CONNECTION, HeaderValue::from_static("x-a"));
+        listed.headers_mut().append(
+            http::header::CONNECTION,
+            HeaderValue::from_static("Upgrade, Close"),
+        );
+        let reply = Reply::whole(listed);
+        assert!(reply.head.closes());
+        assert!(reply.head.field(&http::header::CONNECTION).is_none());
     }
 
     #[tokio::test]

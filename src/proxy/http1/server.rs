@@ -10,7 +10,7 @@
 //! reads the socket while it lasts; the connection goes on once it is read to its end.
 //! Each head must be whole within `timeouts.header_read`, parsed again only once its end may
 //! have come ([`HeadEnd`]); each write must take a byte within `timeouts.send`. The connection
-//! stays open unless the client or the response says `close`, a body was cut short (or left
+//! stays open unless the client says `close` or the response's head does (`closes`), a body was cut short (or left
 //! unread past what is drained), or the worker drains. While a request without a streamed body is in flight the
 //! socket is peeked only when readable: what it has (a pipelined request) is read into the
 //! buffer for the next head, and an end of stream abandons the request. Must never:
