@@ -196,7 +196,7 @@ async fn bytes_an_upstream_sends_while_its_connection_is_idle_close_it() {
     let up = raw_upstream(late.clone()).await;
     let sc = proxy_for(up).await;
     // The attacker's GET is answered whole; the connection goes back to the pool (a HEAD's
-    // would stay with its client: `tests/phases.rs`).
+    // would stay with its client: `tests/hostile/phases.rs`).
     let (status, _, _) = send(&client(), sc.addr(), "GET", "/late", &[]).await;
     assert_eq!(status, StatusCode::OK);
     // Now the app writes a body nobody asked for, on the idle connection.

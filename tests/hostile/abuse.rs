@@ -2,12 +2,10 @@
 //! against the connection cap, HTTP/2 rapid reset, and a flood of distinct keys. Each case
 //! asserts what the proxy answers and that it keeps serving everyone else.
 
-mod common;
-
 use std::net::{IpAddr, Ipv4Addr};
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 

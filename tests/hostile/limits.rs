@@ -3,12 +3,10 @@
 //! seen", in its order), against the real proxy on loopback, raw bytes where the spelling
 //! matters. Each asserts the attacker's answer, not the proxy's internals.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use common::*;
+use crate::common::*;
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 
