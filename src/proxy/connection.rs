@@ -10,9 +10,11 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 
+use atomic_waker::AtomicWaker;
 use tokio::net::TcpStream;
 
 use super::deadlines::Sleep;
@@ -29,23 +31,53 @@ const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 /// HTTP/1 connection abandons at most one request, when it closes.
 pub(super) const ABANDON_BUDGET: u32 = 200;
 
-/// Abandoned requests of one connection in the current second.
+/// Abandoned requests of one connection in the current second, and the trip that closes it
+/// when they spend its budget: its task's waker, and whether it must end now ([`until_tripped`]).
 #[derive(Default)]
 pub(super) struct Abandoned {
     // Relaxed: a rate bound; a race miscounts by one.
     second: AtomicU64,
     count: AtomicU32,
+    tripped: AtomicBool,
+    task: AtomicWaker,
 }
 
 impl Abandoned {
-    /// One more abandoned in second `now`; whether that spent the connection's budget (it is
-    /// then to be closed).
-    pub(super) fn spent(&self, now: u64) -> bool {
+    /// One more abandoned in second `now`; when that spent the connection's budget, the
+    /// connection is tripped (its task woken to end it, with every stream on it). Whether it was.
+    pub(super) fn abandon(&self, now: u64) -> bool {
         if self.second.swap(now, Ordering::Relaxed) != now {
             self.count.store(0, Ordering::Relaxed);
         }
-        self.count.fetch_add(1, Ordering::Relaxed) + 1 == ABANDON_BUDGET
+        let spent = self.count.fetch_add(1, Ordering::Relaxed) + 1 == ABANDON_BUDGET;
+        if spent {
+            // SeqCst pairs with `until_tripped`'s register then load: either it sees the flag
+            // or this wakes the registered task.
+            self.tripped.store(true, Ordering::SeqCst);
+            self.task.wake();
+        }
+        spent
     }
+}
+
+/// Polls `served` (a client connection) until it ends (`Some`) or `abandoned` trips it
+/// (`None`: the caller drops it).
+///
+/// Takes the connection's future pinned where it was made: a future taken by value would be
+/// kept twice in this one's state (as the argument, and moved into the pinned local), doubling
+/// each connection's task.
+pub(super) async fn until_tripped<F: Future>(
+    mut served: Pin<&mut F>,
+    abandoned: &Abandoned,
+) -> Option<F::Output> {
+    std::future::poll_fn(|cx| {
+        abandoned.task.register(cx.waker());
+        if abandoned.tripped.load(Ordering::SeqCst) {
+            return Poll::Ready(None);
+        }
+        served.as_mut().poll(cx).map(Some)
+    })
+    .await
 }
 
 /// The future a worker's connection task waits on while it drains: made once per connection
@@ -185,19 +217,49 @@ mod tests {
         assert_eq!(decide(b""), None);
     }
 
+    #[tokio::test]
+    async fn a_tripped_connection_ends_at_once_and_its_future_is_not_kept_twice() {
+        let abandoned = Abandoned::default();
+        let large = [0u8; 4096];
+        let served = std::pin::pin!(async move { std::hint::black_box(large).len() });
+        let until = until_tripped(served, &abandoned);
+        assert!(
+            std::mem::size_of_val(&until) < 256,
+            "the trip's future is {} bytes for a connection future of 4 KiB",
+            std::mem::size_of_val(&until)
+        );
+        assert_eq!(
+            until.await,
+            Some(4096),
+            "a connection that ends is served to its end"
+        );
+        let tripped = Abandoned::default();
+        for _ in 0..ABANDON_BUDGET {
+            tripped.abandon(1);
+        }
+        let never = std::pin::pin!(std::future::pending::<()>());
+        assert_eq!(until_tripped(never, &tripped).await, None);
+    }
+
     #[test]
     fn the_abandon_budget_is_spent_at_its_count_within_one_second() {
         let a = Abandoned::default();
         for _ in 1..ABANDON_BUDGET {
-            assert!(!a.spent(7));
+            assert!(!a.abandon(7));
         }
-        assert!(a.spent(7), "the budget's last");
+        assert!(!a.tripped.load(Ordering::SeqCst));
+        assert!(a.abandon(7), "the budget's last");
+        assert!(
+            a.tripped.load(Ordering::SeqCst),
+            "and the connection tripped"
+        );
         let b = Abandoned::default();
         for i in 0..3 * ABANDON_BUDGET {
             assert!(
-                !b.spent(u64::from(i / (ABANDON_BUDGET - 1))),
+                !b.abandon(u64::from(i / (ABANDON_BUDGET - 1))),
                 "a new second starts over"
             );
         }
+        assert!(!b.tripped.load(Ordering::SeqCst));
     }
 }

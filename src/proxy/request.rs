@@ -89,12 +89,8 @@ impl Handler for Conn {
 
     fn abandoned(&self) {
         // Past the budget the connection is closed: its task is tripped awake to end.
-        if self
-            .abandoned
-            .spent(self.shared.clock.now() / 1_000_000_000)
-        {
-            self.affine.wakes.trip();
-        }
+        self.abandoned
+            .abandon(self.shared.clock.now() / 1_000_000_000);
     }
 }
 

@@ -14,14 +14,9 @@
 //! reuse a connection with bytes left on it, or connect more than [`MAX_CONNECTING`] at once
 //! per worker (a burst of new clients would overflow the app's accept backlog).
 
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::Poll;
 use std::time::Duration;
-
-use atomic_waker::AtomicWaker;
 
 use http::{Request, Version};
 use tokio::net::TcpStream;
@@ -137,8 +132,6 @@ pub struct UpstreamAddr {
 pub struct ClientUpstream {
     /// Shared with the response body that holds the connection, which puts it back here.
     slot: Arc<Slot>,
-    /// The connection task's waker and trip flag (see [`drive`]).
-    pub wakes: Wakes,
     /// The worker's upstream connections that no client connection holds.
     idle: Arc<Idle>,
     /// An HTTP/1 client connection's uploads' progress, told afresh for each (see
@@ -206,7 +199,6 @@ impl ClientUpstream {
                 streams: AtomicBool::new(false),
                 kept: AtomicBool::new(false),
             }),
-            wakes: Default::default(),
             idle,
             progress: Default::default(),
         }
@@ -342,53 +334,11 @@ async fn connect_any(address: &str) -> std::io::Result<TcpStream> {
     }))
 }
 
-/// The connection task's waker, and whether it must end now (see [`drive`]).
-#[derive(Default)]
-pub struct Wakes {
-    tripped: AtomicBool,
-    task: AtomicWaker,
-}
-
-impl Wakes {
-    /// Makes [`drive`] end now: the connection is dropped, with every stream on it.
-    pub fn trip(&self) {
-        // SeqCst pairs with `drive`'s register then load: either `drive` sees the flag or
-        // this wakes the registered task.
-        self.tripped.store(true, Ordering::SeqCst);
-        self.task.wake();
-    }
-}
-
-/// Polls `server` (a client connection) until it ends (`Some`; its upstream connection then
-/// waits in the worker's [`Idle`] list) or the connection is tripped (`None`). The upstream
-/// connection needs no polling of its own: the request path and the response body do its I/O
-/// in this same task.
-///
-/// Takes the connection's future pinned where it was made: a future taken by value would be
-/// kept twice in this one's state (as the argument, and moved into the pinned local), doubling
-/// each connection's task (4.6 KiB more).
-pub async fn drive<F: Future>(
-    mut server: Pin<&mut F>,
-    affine: &ClientUpstream,
-) -> Option<F::Output> {
-    let wakes = &affine.wakes;
-    let out = std::future::poll_fn(|cx| {
-        wakes.task.register(cx.waker());
-        if wakes.tripped.load(Ordering::SeqCst) {
-            return Poll::Ready(None);
-        }
-        server.as_mut().poll(cx).map(Some)
-    })
-    .await;
-    if out.is_some() {
-        park(affine);
-    }
-    out
-}
-
 /// Leaves the upstream connection of a client connection that ended to the worker's next
-/// client connection, if it is between exchanges.
-fn park(affine: &ClientUpstream) {
+/// client connection, if it is between exchanges. The upstream connection needs no polling of
+/// its own meanwhile: the request path and the response body do its I/O in the client
+/// connection's task.
+pub(super) fn park(affine: &ClientUpstream) {
     let mut state = affine.slot.state();
     // One that serves this client only is closed with it.
     if let Some(raw) = state.raw.take().filter(|raw| !raw.own_only()) {
@@ -572,19 +522,6 @@ impl Idle {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn driving_a_connection_does_not_keep_a_second_copy_of_its_future() {
-        let affine = ClientUpstream::new(Arc::new(Idle::default()));
-        let large = [0u8; 4096];
-        let served = std::pin::pin!(async move { std::hint::black_box(large).len() });
-        let driving = drive(served, &affine);
-        assert!(
-            std::mem::size_of_val(&driving) < 256,
-            "drive's future is {} bytes for a connection future of 4 KiB",
-            std::mem::size_of_val(&driving)
-        );
-    }
 
     #[tokio::test]
     async fn a_waiting_connection_the_upstream_closed_is_dropped_by_the_next_prune() {

@@ -264,7 +264,12 @@ async fn worker(
             let ended = match told {
                 Ok(Some(told)) => {
                     let served = connection::serve(told, conn.clone(), &lane, drained);
-                    upstream_pool::drive(std::pin::pin!(served), &conn.affine).await
+                    let ended =
+                        connection::until_tripped(std::pin::pin!(served), &conn.abandoned).await;
+                    if ended.is_some() {
+                        upstream_pool::park(&conn.affine);
+                    }
+                    ended
                 }
                 Ok(None) => Some(Ok(())),
                 Err(e) => Some(Err(e.into())),
