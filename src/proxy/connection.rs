@@ -242,6 +242,39 @@ mod tests {
     }
 
     #[test]
+    fn a_trip_wakes_the_connections_task_that_waits_and_ends_it() {
+        use std::sync::atomic::AtomicUsize;
+        use std::task::{Context, Wake, Waker};
+        struct Count(AtomicUsize);
+        impl Wake for Count {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        let woken = Arc::new(Count(AtomicUsize::new(0)));
+        let waker = Waker::from(woken.clone());
+        let mut cx = Context::from_waker(&waker);
+        let abandoned = Abandoned::default();
+        let never = std::pin::pin!(std::future::pending::<()>());
+        let mut until = std::pin::pin!(until_tripped(never, &abandoned));
+        assert!(
+            until.as_mut().poll(&mut cx).is_pending(),
+            "served while not tripped"
+        );
+        for _ in 1..ABANDON_BUDGET {
+            abandoned.abandon(3);
+        }
+        assert_eq!(woken.0.load(Ordering::SeqCst), 0, "within the budget");
+        abandoned.abandon(3);
+        assert_eq!(
+            woken.0.load(Ordering::SeqCst),
+            1,
+            "the waiting task is woken"
+        );
+        assert_eq!(until.as_mut().poll(&mut cx), Poll::Ready(None));
+    }
+
+    #[test]
     fn the_abandon_budget_is_spent_at_its_count_within_one_second() {
         let a = Abandoned::default();
         for _ in 1..ABANDON_BUDGET {
