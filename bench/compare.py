@@ -8,6 +8,7 @@ Everything listens on 127.0.0.1 and every process started here is stopped by its
 """
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -403,6 +404,11 @@ def med(rs, k):
     return statistics.median(r[k] for r in rs)
 
 
+def vs(rps, ref):
+    """`rps` as a multiple of `ref`, or a dash when the reference was not run (`--only`)."""
+    return "—" if math.isnan(ref) else f"{rps / ref:.2f}x"
+
+
 def report(results, scenarios, conns, h2, per_key, args):
     print(f"\n{args.rounds} rounds x {args.seconds} s per run, medians; wrk -t1, keep-alive, "
           f"{KEYS} x-client keys; 'rejecting ~half' limits each key to {per_key}/s.\n")
@@ -417,7 +423,7 @@ def report(results, scenarios, conns, h2, per_key, args):
             rps = med(rs, "rps")
             print(f"| {name} | {c} | {rps:.0f} | {med(rs, 'ok_rps'):.0f} | {med(rs, 'p50'):.2f} | {med(rs, 'p99'):.2f} | "
                   f"{med(rs, 'p999'):.2f} | {med(rs, 'cpu_per_100k'):.2f} | {med(rs, 'rss'):.1f} | "
-                  f"{rps / nginx:.2f}x | {rps / haproxy:.2f}x | {rps / direct:.2f}x |")
+                  f"{vs(rps, nginx)} | {vs(rps, haproxy)} | {vs(rps, direct)} |")
     if not h2:
         return
     print("\nHTTP/2 (h2load -m 10, prior knowledge, one key, no limiting; median and each round):\n")
