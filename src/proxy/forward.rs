@@ -392,7 +392,7 @@ impl Forward<'_> {
 
     fn refuse(&self, refused: Refused) -> Reply {
         self.metrics.refused(refused.reason).inc();
-        Reply::whole(refused.response())
+        Reply::refused(&refused)
     }
 
     fn failed(&self, kind: UpstreamError) -> Reply {
@@ -451,7 +451,7 @@ const BODY_TIMEOUT: Refused = Refused::closing(
 pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Reply {
     let refused = Refused::upstream(kind);
     metrics.refused(refused.reason).inc();
-    Reply::whole(refused.response())
+    Reply::refused(&refused)
 }
 
 /// The listed protocol an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade: ...`)

@@ -126,7 +126,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
             .duration(Outcome::Error)
             .observe(elapsed(shared, start));
         metrics.refused(refused.reason).inc();
-        return Reply::whole(refused.response());
+        return Reply::refused(&refused);
     }
     let grpc = respond::form(req.method(), req.version(), req.headers());
     // The decision itself is synchronous; `admit` only awaits when a rule delays the request,

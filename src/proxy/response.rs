@@ -17,7 +17,7 @@ use hyper::body::Incoming;
 use super::http1::framing::has_token;
 use super::http1::response_head::Passed;
 use crate::limit::Permits;
-use crate::respond::{Kept, PermitBody};
+use crate::respond::{Kept, PermitBody, Refused};
 
 /// An upstream response's body: from the pooled client, or read from our own connection.
 pub type UpstreamBody = Either<Incoming, super::http1::client::RawBody>;
@@ -99,6 +99,13 @@ impl Reply {
             },
             body,
         }
+    }
+
+    /// Spillway's refusal `refused`, the connection's fate in its head.
+    pub fn refused(refused: &Refused) -> Self {
+        let mut reply = Reply::whole(refused.answer());
+        reply.head.close = refused.close;
+        reply
     }
 
     /// `resp` as it is: the map holds every field. A `Connection` naming `close` in it (what

@@ -404,15 +404,22 @@ impl Refused {
         self
     }
 
-    /// The answer: a problem document (naming the rule, if one), with `Connection: close` when
-    /// the connection closes, and `Retry-After: 1` when no upstream connection came free.
+    /// The answer: [`Refused::answer`], with `Connection: close` when the connection closes
+    /// (the embedded layer's; the sidecar keeps the connection's fate in its response's head).
     pub fn response<L, R: From<Full<Bytes>>>(&self) -> Ours<L, R> {
-        let doc = document(self.status, &self.detail, self.rule.as_deref());
-        let mut resp = problem(self.status, doc);
+        let mut resp = self.answer();
         if self.close {
             resp.headers_mut()
                 .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
         }
+        resp
+    }
+
+    /// The answer, the connection's fate aside: a problem document (naming the rule, if one),
+    /// with `Retry-After: 1` when no upstream connection came free.
+    pub fn answer<L, R: From<Full<Bytes>>>(&self) -> Ours<L, R> {
+        let doc = document(self.status, &self.detail, self.rule.as_deref());
+        let mut resp = problem(self.status, doc);
         if self.reason == Reason::Upstream(UpstreamError::Saturated) {
             resp.headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from_static("1"));
@@ -747,11 +754,11 @@ mod tests {
     fn a_refusal_that_closes_the_connection_says_so_in_its_heads_fate_not_a_field() {
         use crate::proxy::response::Reply;
         let closing = Refused::closing(StatusCode::BAD_REQUEST, Reason::Host, "no host");
-        let reply = Reply::whole(closing.response());
+        let reply = Reply::refused(&closing);
         assert!(reply.head.closes());
         assert!(reply.head.field(&http::header::CONNECTION).is_none());
         let kept = Refused::new(StatusCode::MISDIRECTED_REQUEST, Reason::Misdirected, "x");
-        assert!(!Reply::whole(kept.response()).head.closes());
+        assert!(!Reply::refused(&kept).head.closes());
         // Any `Connection` value naming the token, in any case.
         let mut listed = kept.response();
         listed

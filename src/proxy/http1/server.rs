@@ -310,7 +310,7 @@ impl ClientConn {
     /// Answers a refused head with its status, counted by its reason, and ends the connection.
     async fn refuse(mut self, handler: &impl Handler, why: Refusal) -> Result<(), Error> {
         handler.refused(why.reason);
-        let mut resp = Reply::whole(why.response());
+        let mut resp = Reply::refused(&why);
         let asked = ResponseAsks {
             head: false,
             http10: false,
