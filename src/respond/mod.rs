@@ -152,14 +152,19 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -
     );
     let mut resp = Response::new(Either::Right(Full::new(answer.body.clone()).into()));
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
-    // One copy of the answer's headers: a third of what inserting them one by one cost.
-    let headers = resp.headers_mut();
-    *headers = answer.headers.clone();
-    if denial.header_mode == HeaderMode::Never {
+    *resp.headers_mut() = fields(answer, denial.header_mode != HeaderMode::Never);
+    resp
+}
+
+/// A 429's header fields in a map, with the `RateLimit` ones when `rate` (any `headers` mode but
+/// `never`): one copy of the answer's map, cheaper than inserting the fields one by one.
+fn fields(answer: &Answer, rate: bool) -> HeaderMap {
+    let mut headers = answer.headers.clone();
+    if !rate {
         headers.remove(&RATELIMIT);
         headers.remove(&RATELIMIT_POLICY);
     }
-    resp
+    headers
 }
 
 /// The 429 a rule keeps for `refusal`, when it keeps one (a plain HTTP request, a retry hint of
@@ -201,12 +206,7 @@ impl Kept {
 
     /// The same fields in a map.
     pub fn map(&self) -> HeaderMap {
-        let mut headers = self.answer.headers.clone();
-        if !self.rate {
-            headers.remove(&RATELIMIT);
-            headers.remove(&RATELIMIT_POLICY);
-        }
-        headers
+        fields(&self.answer, self.rate)
     }
 
     /// The problem document.
