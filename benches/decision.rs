@@ -62,7 +62,7 @@ fn global_ruleset(ratio: f64) -> RuleSet {
     let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
     // The key assigned, as a reply answering a report that named it makes it.
     Req::new().decide(&rules, ip(1));
-    rules.drain_global(10, 1.0, 1);
+    rules.drain_global(10, 1.0, 1, 0);
     ratios.store(Arc::new(
         DropRatios::from_reply(&reply, "bench", now).answering(1),
     ));

@@ -216,7 +216,7 @@ fn drop_ratio_decisions(key: &str, limit: u32, secs: f64) -> (u32, u64, u64) {
     let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
     // A known key, assigned: a report named it and the reply answers that report.
     assert!(decide(&rules, 0));
-    rules.drain_global(10, secs, 1);
+    rules.drain_global(10, secs, 1, 0);
     ratios.store(Arc::new(
         DropRatios::from_reply(&reply, "s", 0).answering(1),
     ));

@@ -111,6 +111,7 @@ impl State {
         let warming = self.warming(interval_ms, now);
         let down = {
             let mut acc = self.acc.lock();
+            acc.settle(warming);
             match acc.record(&report, principal.owner(&report), now) {
                 Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
                 // Counted already: the sender (a retry, or a replay) gets the usual reply.

@@ -58,7 +58,8 @@ pub fn build_report(
     top_k: usize,
     seq: u64,
 ) -> Report {
-    let counts = rules.drain_global(top_k, interval.as_secs_f64(), seq);
+    // No time on the limiter clock: decisions take the ratios' shares as they are.
+    let counts = rules.drain_global(top_k, interval.as_secs_f64(), seq, 0);
     report_of(counts, service, source, zone, interval, seq)
 }
 
@@ -180,14 +181,15 @@ impl Reporter {
         let since = self.drained.swap(now, std::sync::atomic::Ordering::Relaxed);
         let covered = Duration::from_nanos(now.saturating_sub(since))
             .clamp(Duration::from_millis(100), Duration::from_secs(600));
-        build_report(
-            rules,
+        let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let counts = rules.drain_global(self.top_k, covered.as_secs_f64(), seq, self.clock.now());
+        report_of(
+            counts,
             &self.service,
             &self.source,
             &self.zone,
             covered,
-            self.top_k,
-            self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            seq,
         )
     }
 

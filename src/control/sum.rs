@@ -3,9 +3,10 @@
 //! [`Accumulator`] holds
 //! each source's latest report as rates until that source's next one (at most two of its
 //! intervals), sums them per (service, rule, key), and smooths the sum over time (an EWMA with
-//! time constant `tau`): smoothing after summing is what lets replicas share a zone's hosts in
-//! any pattern. A sender's step up (and a step down that matches one) moves the smoothed sum
-//! at once ([`KeySum::step`]). Drop ratios come from the smoothed sums.
+//! time constant `tau`; not while the controller warms up): smoothing after summing is what
+//! lets replicas share a zone's hosts in any pattern. A sender's step up (and a step down that
+//! matches one), and a new key's sources in its first interval, move the smoothed sum at once
+//! ([`KeySum::step`]). Drop ratios come from the smoothed sums.
 //!
 //! Must never: copy a source's name per entry; hold more than [`MAX_TRACKED`] contributions, a
 //! quarter of them for one service, or [`MAX_HELD_BYTES`] per source; walk every key on each
@@ -168,10 +169,11 @@ impl RuleAcc {
             }
         };
         let smoothed = match self.distinct {
-            Some((d, at)) => {
+            Some((d, at)) if tau > 0.0 => {
                 let a = 1.0 - (-(now - at).max(0.0) / tau).exp();
                 d + a * (now_count - d)
             }
+            Some(_) => now_count,
             None => now_count,
         };
         self.distinct = Some((smoothed, now));
@@ -260,6 +262,11 @@ struct KeySum {
     /// snapshot is rebuilt from shared references, hence a cell.
     watched_until: std::cell::Cell<f64>,
     contributors: u32,
+    /// The most sources that contributed at once, and until when the key is young (its
+    /// first sum's interval): a source that adds to it while young is one more part of the
+    /// fleet's load from the start (zones forward at their own times), not a change in it.
+    most_contributors: u32,
+    young_until: f64,
     /// When the last contributor left (the key is dropped once its history has faded).
     idle_since: f64,
     fresh: bool,
@@ -281,6 +288,8 @@ impl KeySum {
             match_until: f64::NEG_INFINITY,
             watched_until: std::cell::Cell::new(f64::NEG_INFINITY),
             contributors: 0,
+            most_contributors: 0,
+            young_until: f64::NEG_INFINITY,
             idle_since: now,
             fresh: true,
             folded: BTreeMap::new(),
@@ -289,7 +298,11 @@ impl KeySum {
 
     /// The smoothed (offered, admitted) at `now`, without changing anything.
     fn smoothed(&self, now: f64, tau: f64) -> (f64, f64) {
-        let a = 1.0 - (-(now - self.at.max(self.still_until)).max(0.0) / tau).exp();
+        let a = if tau > 0.0 {
+            1.0 - (-(now - self.at.max(self.still_until)).max(0.0) / tau).exp()
+        } else {
+            1.0
+        };
         (
             self.smooth_offered + a * (self.offered - self.smooth_offered),
             self.smooth_admitted + a * (self.admitted - self.smooth_admitted),
@@ -307,6 +320,14 @@ impl KeySum {
         }
     }
 
+    /// With no smoothing (`tau` 0: see [`Accumulator::settle`]), the smoothed sums are the
+    /// held ones as soon as they change.
+    fn settle(&mut self, tau: f64) {
+        if tau <= 0.0 {
+            (self.smooth_offered, self.smooth_admitted) = (self.offered, self.admitted);
+        }
+    }
+
     /// Adds a source's rates, counted over `secs`, for a key of `limit` per second (`None`:
     /// the tail).
     fn add(&mut self, r: Rate, secs: f64, limit: Option<f64>) {
@@ -316,13 +337,18 @@ impl KeySum {
         if r.folded > 0 {
             *self.folded.entry(r.folded).or_default() += 1;
         }
+        let joined = self.contributors > self.most_contributors;
+        self.most_contributors = self.most_contributors.max(self.contributors);
         if self.fresh {
+            self.young_until = self.at + secs;
+        }
+        if self.fresh || (joined && self.at < self.young_until) {
             // A key seen for the first time starts from its first sum (every source that
-            // reported it at that instant), not from zero, which would under-drop while the
-            // average climbs; but a count that chance alone puts within three standard
-            // deviations of the limit's (a Poisson count) starts at most at the limit: one
-            // request in a 250 ms report is what a client at 1/s sends as often as not, and
-            // no evidence of 4/s against 2/s.
+            // reports it within the first one's interval), not from zero, which would
+            // under-drop while the average climbs; but a count that chance alone puts within
+            // three standard deviations of the limit's (a Poisson count) starts at most at the
+            // limit: one request in a 250 ms report is what a client at 1/s sends as often as
+            // not, and no evidence of 4/s against 2/s.
             let (mut offered, mut admitted) = (r.offered, r.admitted);
             if let Some(limit) = limit {
                 let at_limit = limit * secs;
@@ -480,6 +506,9 @@ pub struct Accumulator {
     rules: HashMap<Arc<str>, HashMap<Arc<str>, RuleAcc>>,
     /// The smoothing time constant, seconds.
     tau: f64,
+    /// While the controller warms up its smoothed sums are its held sums (see
+    /// [`Self::settle`]).
+    settling: bool,
     max_tracked: usize,
     /// Contributions held now, over all sources and per service (at most a quarter of the
     /// bound each).
@@ -532,6 +561,7 @@ impl Accumulator {
             sources: Sources::default(),
             rules: HashMap::new(),
             tau: tau.max(1e-3),
+            settling: false,
             max_tracked,
             tracked: 0,
             tracked_by: HashMap::new(),
@@ -553,6 +583,23 @@ impl Accumulator {
         std::mem::take(&mut self.steps)
     }
 
+    /// Whether the controller is warming up: until it is not, its smoothed sums are its held
+    /// sums. It has no history to smooth with, and a key's history would start from the
+    /// sources heard first (the part of the fleet one forward holds), so that its first
+    /// authoritative sums would still be climbing toward the fleet's load for seconds.
+    pub fn settle(&mut self, warming: bool) {
+        self.settling = warming;
+    }
+
+    /// The time constant sums are smoothed with now: 0 (none) while settling.
+    fn tau(&self) -> f64 {
+        if self.settling {
+            0.0
+        } else {
+            self.tau
+        }
+    }
+
     /// Reports refused by kind: (throttled, foreign, duplicate).
     pub fn refusals(&self) -> (u64, u64, u64) {
         (
@@ -567,7 +614,7 @@ impl Accumulator {
     /// `owner` is whose budget the source counts against (see [`Sources::admit`]).
     pub fn record(&mut self, report: &Report, owner: &str, now: f64) -> Result<(), SourceRefusal> {
         self.sweep(now);
-        let tau = self.tau;
+        let tau = self.tau();
         let interval_before = self.sources.get_mut(&report.source).map(|s| s.interval);
         let src = self.sources.admit(report, owner, now)?;
         let held = &mut src.data;
@@ -767,6 +814,7 @@ impl Accumulator {
             }
             ks.advance(now, tau);
             ks.add(rate, secs, key.is_some().then(|| e.limit.per_second()));
+            ks.settle(tau);
             // A sender's step moves the smoothed sum at once, as it moved the sender's own
             // smoothed rate (see `KeySum::step`; a key first seen now starts from its sum
             // already; a last report holds no step).
@@ -823,7 +871,7 @@ impl Accumulator {
             return;
         }
         self.last_sweep = now;
-        let tau = self.tau;
+        let tau = self.tau();
         let mut stale: Vec<(u64, Vec<HeldRule>)> = Vec::new();
         let mut lapsed = 0;
         for (_, s) in self.sources.iter_mut() {
@@ -892,9 +940,10 @@ impl Accumulator {
         let mut hints: HashMap<Arc<str>, Vec<(f64, RuleHint)>> = HashMap::new();
         let mut totals = Vec::new();
         let mut keys = 0;
+        let tau = self.tau();
         for rules in self.rules.values_mut() {
             for rule in rules.values_mut() {
-                rule.smooth_distinct(now, self.tau);
+                rule.smooth_distinct(now, tau);
             }
         }
         for (service, rules) in &self.rules {
@@ -931,7 +980,7 @@ impl Accumulator {
                 };
                 for (key, k) in rule.all_keys() {
                     keys += 1;
-                    let (offered, admitted) = k.smoothed(now, self.tau);
+                    let (offered, admitted) = k.smoothed(now, self.tau());
                     let ratio = drop_ratio(offered, KeySum::limit(key, limit, distinct));
                     total.offered += offered;
                     total.admitted += admitted;
@@ -1100,7 +1149,7 @@ impl Accumulator {
                 // many keys the rule has.
                 let mut seen: Vec<Seen> = Vec::new();
                 for (key, k) in rule.all_keys() {
-                    let (offered, admitted) = k.smoothed(now, self.tau);
+                    let (offered, admitted) = k.smoothed(now, self.tau());
                     let limit_here = KeySum::limit(key, limit, distinct);
                     let ratio = drop_ratio(offered, limit_here);
                     state.keys += 1;
@@ -1227,7 +1276,7 @@ impl Accumulator {
                 let limit = rule.limit.per_second();
                 let distinct = rule.distinct();
                 for (key, k) in rule.all_keys() {
-                    let (offered, admitted) = k.smoothed(now, self.tau);
+                    let (offered, admitted) = k.smoothed(now, self.tau());
                     let limit_here = KeySum::limit(key, limit, distinct);
                     out.push(KeyView::of(
                         service,
@@ -1285,6 +1334,7 @@ fn withdraw<'a>(
         if let Some(ks) = rule.key_mut(k.as_deref()) {
             ks.advance(now, tau);
             ks.remove(*r, now);
+            ks.settle(tau);
         }
     }
     Some(rule)

@@ -91,6 +91,60 @@ fn a_new_report_replaces_its_sources_values_and_the_sum_is_smoothed_over_time() 
     assert!(key(&v, "k").offered_rps < 300.0);
 }
 
+/// A restarted controller hears its sources one by one (and a source whose first report
+/// comes after a key's first interval is smoothed in), so that smoothed from there its sums
+/// would climb toward the fleet's load for seconds after the warm-up: the fleet over-admits
+/// just after a controller's start. While warming up, the sums are not smoothed, so the
+/// first authoritative ones hold every source whole.
+#[test]
+fn a_warming_controllers_first_sums_hold_every_source_whole() {
+    let offered = |settle: bool| {
+        let mut acc = Accumulator::new(1.0);
+        acc.settle(settle);
+        for (t, source, n) in [(0.0, "a", 100), (1.0, "a", 100), (1.5, "b", 200)] {
+            let mut r = report(source, vec![entry(Some("k"), n, n)]);
+            r.seq = (t * 2.0) as u64;
+            acc.record(&r, "t", t).unwrap();
+        }
+        // Warmed up: smoothing goes on from here.
+        acc.settle(false);
+        key(&acc.view(None, 2.0), "k").offered_rps
+    };
+    assert_eq!(offered(true), 300.0);
+    assert!(
+        offered(false) < 270.0,
+        "smoothed from the first source's sum alone"
+    );
+}
+
+/// Zones forward at their own times: a new key's sum starts from every source that reports
+/// it within the first one's interval, not from the first zone's part alone (smoothed from
+/// there, the fleet would over-admit the key for seconds); a source reporting again in that
+/// time is counted once.
+#[test]
+fn a_new_keys_sum_starts_from_every_zone_that_reports_it_within_its_first_interval() {
+    let mut acc = Accumulator::new(1.0);
+    for (t, source, n) in [
+        (0.0, "a", 480),
+        (0.001, "b", 160),
+        (0.4, "c", 80),
+        (0.5, "a", 480),
+    ] {
+        let mut r = report(source, vec![entry(Some("k"), n, n)]);
+        r.interval_ms = 500;
+        r.seq = (t * 1000.0) as u64;
+        acc.record(&r, "t", t).unwrap();
+    }
+    let offered = key(&acc.view(None, 0.5), "k").offered_rps;
+    assert!((offered - 1440.0).abs() < 1e-9, "{offered}");
+    // A source that joins later is smoothed in as before.
+    let mut r = report("d", vec![entry(Some("k"), 100, 100)]);
+    r.interval_ms = 500;
+    acc.record(&r, "t", 0.6).unwrap();
+    let offered = key(&acc.view(None, 0.6), "k").offered_rps;
+    assert!(offered < 1500.0, "{offered}");
+}
+
 #[test]
 fn a_tail_first_named_empty_starts_from_its_first_sum() {
     // A proxy's announce names its rule's tail with nothing counted; its first report, an

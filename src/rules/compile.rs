@@ -183,6 +183,7 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
             store: Store::new(parts),
             overflow_keys: Default::default(),
             fallback: fallback_store(r, metrics, label),
+            drained: std::sync::atomic::AtomicU64::new(0),
         },
         Limit::Rate {
             algorithm, quota, ..

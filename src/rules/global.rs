@@ -235,6 +235,12 @@ pub struct GlobalCounters {
     /// jumping as [`jumped`] says), as of the last report (high 32 bits) and of the one before
     /// (low 32 bits): `f32`s' bits; the reporter writes, decisions read.
     rate: AtomicU64,
+    /// This proxy's offered units per second of the key over the last report's interval, not
+    /// smoothed (an `f32`'s bits): with the count since, its offered rate now (see
+    /// [`Self::keep_now`]).
+    raw: AtomicU32,
+    /// The smoothed rate as of the report before the two `rate` holds (an `f32`'s bits).
+    older: AtomicU32,
     /// The last jump of this proxy's offered rate ([`jumped`]): the low 32 bits of its
     /// report's sequence number (high 32 bits) and, for a surge (a jump up), what this proxy
     /// was allowed before it (low 32 bits, an `f32`'s; 0: none). 0: no jump yet.
@@ -288,6 +294,10 @@ pub const GUARD_HEADROOM: f64 = 1.25;
 /// through at the whole provisional limit.
 pub const GUARD_FLOOR_UNITS: f64 = 10.0;
 
+/// The least units a key's offered rate now is counted over (see
+/// [`GlobalCounters::keep_now`]): fewer, and chance in the count moves the share.
+pub const NOW_UNITS: f64 = 20.0;
+
 /// A change in a key's offered rate from one report to the next is a step, not chance, past
 /// this share of the rate (and three standard deviations of a Poisson count): see [`jumped`].
 pub const JUMP_SHARE: f64 = 0.25;
@@ -327,6 +337,8 @@ impl Default for GlobalCounters {
             share: AtomicU64::new(pack(0, i64::from(fastrand::u16(..)))),
             guard: AtomicU64::new(0),
             rate: AtomicU64::new(0),
+            raw: AtomicU32::new(0),
+            older: AtomicU32::new(0),
             surge: AtomicU64::new(0),
             surge_keep: AtomicU32::new(0),
             quiet: AtomicU8::new(QUIET_REPORTS as u8),
@@ -400,8 +412,11 @@ impl GlobalCounters {
             });
     }
 
-    pub(super) fn offer(&self, units: u32) {
-        self.offered.fetch_add(u64::from(units), Ordering::Relaxed);
+    /// Counts `units` offered; what was offered since the last report, these included.
+    #[inline]
+    pub(super) fn offer(&self, units: u32) -> u64 {
+        let units = u64::from(units);
+        self.offered.fetch_add(units, Ordering::Relaxed) + units
     }
 
     pub(super) fn admit(&self, units: u32) {
@@ -412,6 +427,11 @@ impl GlobalCounters {
     /// [`Choice::New`] if no such report had it.
     #[inline]
     pub(super) fn choice(&self, answers: u64) -> Choice {
+        if answers == 0 {
+            // No reply has answered a report (a warming controller's replies keep none): the
+            // choice before the last report was no reply's either.
+            return Choice::New;
+        }
         let w = self.choice.load(Ordering::Relaxed);
         let choice = if w >> 16 <= answers { w } else { w >> 8 };
         match choice & 0xff {
@@ -497,13 +517,64 @@ impl GlobalCounters {
         if let Some(held) = self.held(keep, answers, lag, limit) {
             return (held, true);
         }
+        // The controller smooths its sums over time from when each report's rates arrive,
+        // so sums taken as a report arrives weigh it hardly at all: they pair with this
+        // proxy's smoothed rate from the report before the one they hold, unless that one
+        // stepped (a step moves both at once; see [`jumped`]).
+        let surge = self.surge.load(Ordering::Relaxed);
+        let since_step = (answers as u32).wrapping_sub((surge >> 32) as u32);
+        let stepped =
+            surge != 0 && (since_step == u32::from(lag) || since_step == u32::from(lag) + 1);
+        let back = if stepped { lag } else { lag.saturating_add(1) };
         let word = self.rate.load(Ordering::Relaxed);
-        let paired = f64::from(f32::from_bits(
-            if lag == 0 { word >> 32 } else { word } as u32
-        ));
+        let paired = f64::from(f32::from_bits(match back {
+            0 => (word >> 32) as u32,
+            1 => word as u32,
+            _ => self.older.load(Ordering::Relaxed),
+        }));
         // Never past the whole limit: the sums and this proxy's part of them are smoothed in
         // different places, and near nothing the sums may say less than this proxy alone.
         ((paired * keep).min(limit), false)
+    }
+
+    /// The share of what this proxy is offered now that admits its allowance (see
+    /// [`Self::allowance`]), for an assigned key the fleet admits `keep` of: `offered` units
+    /// before this request in the `since` nanoseconds since the last report (of `interval`)
+    /// took the counts (counting the request deciding, which came at the end of that time,
+    /// would read the rate high: by a request for clients that send at random).
+    ///
+    /// The fleet's `keep` is of what it was offered a reply ago; admitting `keep` of what it
+    /// is offered now would pass on every swing of the load between (a closed loop's clients
+    /// follow their own answers, and all proxies on a busy machine swing together) to the
+    /// admitted rate. So this proxy's offered rate over the last interval, the count since the
+    /// report taken for its part and the interval before for the rest, scales `keep` to
+    /// admit its allowance; the allowances sum to the limit. Within half and twice `keep`:
+    /// the rate is estimated from counts. `keep` as it is with too few units a report to
+    /// estimate a rate from ([`GUARD_FLOOR_UNITS`]), or with no report taken lately.
+    #[inline]
+    pub(super) fn keep_now(
+        &self,
+        keep: f64,
+        (answers, lag, limit): (u64, u8, f64),
+        offered: f64,
+        since: Nanos,
+        interval: Nanos,
+    ) -> f64 {
+        let before = f64::from(f32::from_bits(self.raw.load(Ordering::Relaxed)));
+        let secs = interval as f64 / NANOS_PER_SEC as f64;
+        if before * secs < GUARD_FLOOR_UNITS || since > 2 * interval {
+            return keep;
+        }
+        let (allowance, _) = self.allowance(keep, answers, lag, limit);
+        let elapsed = since as f64 / NANOS_PER_SEC as f64;
+        // Counted over the time since the report, and at least a quarter of an interval and
+        // the time [`NOW_UNITS`] take (the interval before standing in for the rest).
+        let least = (NOW_UNITS / before).clamp(secs / 4.0, secs);
+        let now = (offered + before * (least - elapsed).max(0.0)) / least.max(elapsed);
+        if !(now > 0.0 && allowance > 0.0) {
+            return keep;
+        }
+        (allowance / now).clamp(keep / 2.0, (2.0 * keep).min(1.0))
     }
 
     /// What a surge here is held to, while it is (see [`Self::allowance`]); for a key the
@@ -561,8 +632,10 @@ impl GlobalCounters {
         let last = f64::from(f32::from_bits((word >> 32) as u32));
         let now = offered as f64 / secs.max(1e-9);
         let bits = |r: f64| (r as f32).to_bits();
+        self.raw.store(bits(now), Ordering::Relaxed);
         let mut jump = 0.0;
         if last == 0.0 {
+            self.older.store(bits(now), Ordering::Relaxed);
             self.rate.store(
                 u64::from(bits(now)) << 32 | u64::from(bits(now)),
                 Ordering::Relaxed,
@@ -594,6 +667,7 @@ impl GlobalCounters {
             } else {
                 last + (1.0 - (-secs / OWN_SMOOTHING).exp()) * (now - last)
             };
+            self.older.store(word as u32, Ordering::Relaxed);
             self.rate.store(
                 u64::from(bits(rate)) << 32 | (word >> 32),
                 Ordering::Relaxed,

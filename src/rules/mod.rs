@@ -161,6 +161,8 @@ enum Kind {
         overflow_keys: crate::limit::AtomicDistinct,
         /// A local limit for while the control plane is stale.
         fallback: Option<Fallback>,
+        /// When the last report took its counts, on the limiter clock (0: unknown).
+        drained: AtomicU64,
     },
 }
 
@@ -439,12 +441,14 @@ impl RuleSet {
                     store,
                     overflow_keys,
                     fallback,
+                    drained,
                 } => {
                     let g = GlobalRule {
                         rate,
                         store,
                         overflow_keys,
                         fallback: fallback.as_ref(),
+                        drained: drained.load(Ordering::Relaxed),
                     };
                     self.global_turn(&t, g, &mut ratios, &mut granted)
                 }
@@ -665,8 +669,9 @@ impl RuleSet {
     /// Takes the counts of every global rule since the last call (each counter is read and
     /// zeroed once) for the report numbered `seq`, naming keys as [`choose_named`] says
     /// (`secs`: the interval they cover) and folding the rest, with a sketch of which keys
-    /// those are.
-    pub fn drain_global(&self, top_k: usize, secs: f64, seq: u64) -> Vec<GlobalCounts> {
+    /// those are; `now` on the limiter clock (0: unknown), which decisions until the next
+    /// report count the keys' offered rates from (see [`GlobalCounters::keep_now`]).
+    pub fn drain_global(&self, top_k: usize, secs: f64, seq: u64, now: Nanos) -> Vec<GlobalCounts> {
         let ratios = self.ratios.load();
         let mut out = Vec::new();
         for rule in &self.rules {
@@ -674,11 +679,13 @@ impl RuleSet {
                 rate,
                 store,
                 overflow_keys,
+                drained,
                 ..
             } = &*rule.kind
             else {
                 continue;
             };
+            drained.store(now, Ordering::Relaxed);
             // What the guard allows a key now: a surge the report finds is held to it.
             let take = |c: &GlobalCounters, name: &[u8]| {
                 c.take(secs, seq, || {

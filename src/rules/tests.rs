@@ -398,7 +398,7 @@ fn a_key_the_report_named_and_the_reply_left_out_is_under_its_limit_and_only_fol
     for i in 0..10 {
         admitted(&rules, &format!("10.0.0.{i}"), if i == 0 { 50 } else { 1 });
     }
-    let report = rules.drain_global(1, 1.0, 7);
+    let report = rules.drain_global(1, 1.0, 7, 0);
     assert_eq!(report[0].keys.len(), 1);
     assert_eq!(report[0].other.2, 9, "nine folded");
     assert!((report[0].folded.count() - 9.0).abs() < 1.0);
@@ -423,10 +423,10 @@ fn a_key_the_report_named_and_the_reply_left_out_is_under_its_limit_and_only_fol
     );
     // Report 8 names 10.0.0.0 again (the heaviest); report 9 folds it (one request beside
     // 30 of another client): the fold applies once report 9 is answered, not before.
-    rules.drain_global(1, 1.0, 8);
+    rules.drain_global(1, 1.0, 8, 0);
     admitted(&rules, "10.0.0.0", 1);
     admitted(&rules, "10.0.0.5", 30);
-    let report = rules.drain_global(1, 1.0, 9);
+    let report = rules.drain_global(1, 1.0, 9, 0);
     assert_eq!(report[0].keys[0].0, "10.0.0.5");
     ratios.store(Arc::new(tail_at_one().answering(8)));
     assert_eq!(admitted(&rules, "10.0.0.0", 20), 20, "named in 8");
@@ -450,7 +450,7 @@ fn keys_past_the_controllers_threshold_or_watched_by_it_are_named_beyond_top_k()
         };
         admitted(&rules, &format!("10.0.0.{i}"), n);
     }
-    let report = rules.drain_global(1, 1.0, 1);
+    let report = rules.drain_global(1, 1.0, 1, 0);
     let mut named: Vec<&str> = report[0].keys.iter().map(|k| k.0.as_str()).collect();
     named.sort_unstable();
     assert_eq!(
@@ -470,7 +470,7 @@ fn a_key_this_proxy_alone_saw_past_the_whole_limit_is_named_before_any_reply() {
     for (i, n) in [8, 6, 5, 4].into_iter().enumerate() {
         admitted(&rules, &format!("10.0.0.{i}"), n);
     }
-    let report = rules.drain_global(1, 1.0, 1);
+    let report = rules.drain_global(1, 1.0, 1, 0);
     let mut named: Vec<&str> = report[0].keys.iter().map(|k| k.0.as_str()).collect();
     named.sort_unstable();
     assert_eq!(named, ["10.0.0.0", "10.0.0.1", "10.0.0.2"]);
@@ -483,7 +483,7 @@ fn keys_a_full_store_cannot_track_are_counted_in_the_tails_sketch_and_get_its_ra
     for i in 0..50 {
         admitted(&rules, &format!("10.1.0.{i}"), 1);
     }
-    let report = rules.drain_global(10, 1.0, 1);
+    let report = rules.drain_global(10, 1.0, 1, 0);
     let tail_keys = report[0].folded.count();
     assert!(
         (tail_keys - 48.0).abs() < 4.0,
@@ -522,7 +522,7 @@ fn a_global_rule_counts_its_cost_in_units() {
     let config = Config::from_yaml(yaml, "t").unwrap_or_else(|e| panic!("{e}"));
     let rules = RuleSet::build(&config, &Metrics::new());
     admitted(&rules, "10.0.0.1", 3);
-    let report = rules.drain_global(10, 1.0, 1);
+    let report = rules.drain_global(10, 1.0, 1, 0);
     assert_eq!(report[0].keys, vec![("10.0.0.1".to_string(), 15, 15, 0.0)]);
 }
 
@@ -542,7 +542,7 @@ fn global_at(p: f64, then: &str) -> RuleSet {
     // Reported as one request in a nanosecond: the guard (its allowance, a share of what this
     // proxy was offered, up to the limit) is far above what these tests offer, so that the
     // share decides.
-    rules.drain_global(10, 1e-9, 1);
+    rules.drain_global(10, 1e-9, 1, 0);
     let answer = DropRatios::of(T0, [("g", Some("10.0.0.1"), p)].into_iter()).answering(1);
     ratios.store(Arc::new(answer));
     rules
@@ -754,6 +754,25 @@ mod provisional {
         assert_eq!(got, 10, "10/s: one every 100 ms");
     }
 
+    /// Reports a warming controller answered (it keeps no ratios yet, so the proxy's stay
+    /// the empty ones it started with) assign no key: a key two such reports named is held
+    /// to its provisional limit still, not let through as a key the reply left out.
+    #[test]
+    fn a_key_only_warming_replies_answered_is_still_provisional() {
+        let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1', report_interval: 1s }\nrules:\n  - name: g\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: global\n";
+        let config = Config::from_yaml(yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+        let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(T0)));
+        let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios);
+        for (seq, second) in [(1, 0), (2, 1)] {
+            let from = T0 + second * NANOS_PER_SEC;
+            let got = second_of(&rules, "10.0.0.1", 40, from);
+            assert!((10..=11).contains(&got), "{got} of 40 in a second at 10/s");
+            rules.drain_global(10, 1.0, seq, from + NANOS_PER_SEC);
+        }
+        let got = admitted_at(&rules, "10.0.0.1", 400, T0 + 2 * NANOS_PER_SEC);
+        assert!(got <= 1, "{got} of a burst of 400 admitted at 10/s");
+    }
+
     /// A rule's `fallback` is its provisional limit when it has one.
     #[test]
     fn a_rules_fallback_is_its_provisional_limit() {
@@ -780,7 +799,7 @@ mod provisional {
     fn assigned_with(ratio: f64) -> (RuleSet, Arc<ArcSwap<DropRatios>>) {
         let (rules, ratios) = fleet_limited(40, 4.0, "");
         assert_eq!(second_of(&rules, "10.0.0.1", 10, T0), 10);
-        rules.drain_global(10, 1.0, 4);
+        rules.drain_global(10, 1.0, 4, 0);
         let at = T0 + NANOS_PER_SEC;
         ratios.store(Arc::new(reply(at, ratio, 4)));
         (rules, ratios)
@@ -827,7 +846,7 @@ mod provisional {
     fn surged_and_answered(rps: u64, ratio: f64) -> RuleSet {
         let (rules, ratios) = assigned_with(0.5);
         second_of(&rules, "10.0.0.1", rps, T0 + NANOS_PER_SEC);
-        let report = rules.drain_global(10, 1.0, 5);
+        let report = rules.drain_global(10, 1.0, 5, 0);
         assert_eq!(report[0].keys[0].3, rps as f64 - 10.0, "the report's jump");
         let at = T0 + 2 * NANOS_PER_SEC;
         ratios.store(Arc::new(reply(at, ratio, 5)));
@@ -869,7 +888,7 @@ mod provisional {
     fn before_the_sums_hold_a_jump_it_is_held_to_what_was_allowed() {
         let (rules, _) = assigned_with(0.5);
         second_of(&rules, "10.0.0.1", 30, T0 + NANOS_PER_SEC);
-        rules.drain_global(10, 1.0, 5);
+        rules.drain_global(10, 1.0, 5, 0);
         // Still the answer to report 4: 5/s, where the headroom gave 6.
         let got = second_of(&rules, "10.0.0.1", 60, T0 + 2 * NANOS_PER_SEC);
         assert_eq!(got, 5, "{got} of 60 admitted");
@@ -881,9 +900,9 @@ mod provisional {
     fn a_surges_hold_ends_when_the_sums_hold_the_report_after_it() {
         let (rules, ratios) = assigned_with(0.5);
         second_of(&rules, "10.0.0.1", 30, T0 + NANOS_PER_SEC);
-        rules.drain_global(10, 1.0, 5);
+        rules.drain_global(10, 1.0, 5, 0);
         second_of(&rules, "10.0.0.1", 30, T0 + 2 * NANOS_PER_SEC);
-        let report = rules.drain_global(10, 1.0, 6);
+        let report = rules.drain_global(10, 1.0, 6, 0);
         assert_eq!(
             report[0].keys[0].3, 0.0,
             "the report after a jump follows it"
@@ -940,12 +959,83 @@ mod provisional {
         assert_eq!(second_of(&rules, "10.0.0.1", 60, T0 + NANOS_PER_SEC), 60);
     }
 
+    /// A key of a 400/s rule over 4 proxies offered 100/s here for a second, that report
+    /// taken at `drained` (0: a time not known) and answered with the key's ratio 0.5: this
+    /// proxy's allowance is 50/s.
+    fn allowed_half_of_100(drained: Nanos) -> RuleSet {
+        let (rules, ratios) = fleet_limited(400, 4.0, "");
+        assert_eq!(second_of(&rules, "10.0.0.1", 100, T0), 100);
+        rules.drain_global(10, 1.0, 4, drained);
+        let mut answer = DropRatios::of(
+            T0 + NANOS_PER_SEC,
+            [("g", Some("10.0.0.1"), 0.5)].into_iter(),
+        )
+        .answering(4);
+        answer.hint("g", 50.0, None);
+        ratios.store(Arc::new(answer));
+        rules
+    }
+
+    /// The fleet's ratio is of what it was offered a reply ago: when this proxy's load swings
+    /// after the report (a closed loop's clients, a busy machine), the share admits this
+    /// proxy's allowance of what it is offered now, not the ratio of it. Offered 30 % more
+    /// or less than it reported, it admits about its 50/s either way, where the ratio alone
+    /// admits 65 or 35.
+    #[test]
+    fn an_assigned_key_admits_its_allowance_of_what_it_is_offered_now() {
+        let after = T0 + NANOS_PER_SEC;
+        for offered in [130, 70] {
+            let rules = allowed_half_of_100(after);
+            let got = second_of(&rules, "10.0.0.1", offered, after);
+            assert!(
+                (46..=54).contains(&got),
+                "{got} of {offered} admitted, allowed 50/s"
+            );
+        }
+        // With no report taken lately (or none whose time is known), the ratio decides.
+        for drained in [0, T0 - 3 * NANOS_PER_SEC] {
+            let rules = allowed_half_of_100(drained);
+            let got = second_of(&rules, "10.0.0.1", 130, after);
+            assert!(
+                (64..=66).contains(&got),
+                "{got} of 130 admitted at a ratio of 0.5"
+            );
+        }
+    }
+
+    /// The controller smooths its sums from when each report's rates arrive, so sums taken as
+    /// a report arrives pair with this proxy's smoothed rate from the report before it: a key
+    /// at 100/s, then 110/s (no step), answered at 0.5 is allowed 50/s, not half of its rate
+    /// smoothed through the second report.
+    #[test]
+    fn the_allowance_pairs_with_the_rate_the_sums_have_weighed() {
+        let c = GlobalCounters::default();
+        let none = || (0.0, 0.0, false);
+        for (seq, n) in [(1, 100), (2, 110)] {
+            (0..n).for_each(|_| {
+                c.offer(1);
+            });
+            c.take(1.0, seq, none);
+        }
+        // Straight to the controller (the sums hold report 2), or behind an aggregator (they
+        // hold report 1, whose rate was the first).
+        assert_eq!(c.allowance(0.5, 2, 0, 1e6), (50.0, false));
+        assert_eq!(c.allowance(0.5, 2, 1, 1e6), (50.0, false));
+        // A step moves both at once: sums holding report 3, a jump to 300/s, pair with it.
+        (0..300).for_each(|_| {
+            c.offer(1);
+        });
+        c.take(1.0, 3, || (0.0, 0.0, false));
+        let (allowed, _) = c.allowance(0.5, 3, 0, 1e6);
+        assert!((allowed - 150.0).abs() < 1e-3, "{allowed}");
+    }
+
     /// Once a reply answers a report that named or folded the key, its ratio decides alone.
     #[test]
     fn an_assigned_key_is_decided_by_its_ratio() {
         let (rules, ratios) = fleet_of(5.0, "");
         admitted_at(&rules, "10.0.0.1", 400, T0);
-        rules.drain_global(10, 1.0, 4);
+        rules.drain_global(10, 1.0, 4, 0);
         let mut answer = DropRatios::of(T0, [("g", None, 0.0)].into_iter()).answering(4);
         answer.hint("g", 1.0, None);
         ratios.store(Arc::new(answer));
@@ -960,16 +1050,16 @@ mod provisional {
 fn a_sweep_right_after_a_report_keeps_the_keys_that_report_had() {
     let rules = global_at(0.5, "");
     admitted(&rules, "10.0.0.1", 10);
-    rules.drain_global(10, 1.0, 2);
+    rules.drain_global(10, 1.0, 2, 0);
     assert_eq!(rules.sweep(T0 + 10), 0, "offered in the last interval");
     assert_eq!(rules.tracked_keys("g"), Some(1));
     // A client that pauses between requests (one a second, reports every 250 ms) keeps its
     // key assigned: idle means QUIET_REPORTS reports in a row found it unoffered.
     for seq in 3..2 + QUIET_REPORTS {
-        rules.drain_global(10, 0.25, seq);
+        rules.drain_global(10, 0.25, seq, 0);
         assert_eq!(rules.sweep(T0 + 20), 0, "quiet for {} reports", seq - 2);
     }
-    rules.drain_global(10, 0.25, 2 + QUIET_REPORTS);
+    rules.drain_global(10, 0.25, 2 + QUIET_REPORTS, 0);
     assert_eq!(rules.sweep(T0 + 20), 1);
 }
 
@@ -979,10 +1069,10 @@ fn a_sweep_right_after_a_report_keeps_the_keys_that_report_had() {
 fn a_full_store_takes_the_place_of_a_key_one_report_found_unoffered() {
     let rules = global_at(0.0, "    max_keys: 1\n");
     admitted(&rules, "10.0.0.1", 1);
-    rules.drain_global(10, 1.0, 2);
-    rules.drain_global(10, 1.0, 3);
+    rules.drain_global(10, 1.0, 2, 0);
+    rules.drain_global(10, 1.0, 3, 0);
     admitted(&rules, "10.0.0.2", 1);
-    let counts = rules.drain_global(10, 1.0, 4);
+    let counts = rules.drain_global(10, 1.0, 4, 0);
     assert_eq!(counts[0].keys, vec![("10.0.0.2".to_string(), 1, 1, 0.0)]);
     assert_eq!(rules.tracked_keys("g"), Some(1));
 }
@@ -999,7 +1089,7 @@ fn a_global_key_with_a_header_is_reported_and_dropped_by_its_digest() {
         .with_secret(secret.clone());
     let r = req("GET", "/", &[("x-api-key", "sk_live_abc")]).from("10.0.0.1");
     assert!(r.allowed(&rules, T0));
-    let report = rules.drain_global(10, 1.0, 1);
+    let report = rules.drain_global(10, 1.0, 1, 0);
     let named: Vec<&str> = report[0].keys.iter().map(|k| k.0.as_str()).collect();
     let digest = format!("10.0.0.1\u{1f}{}", secret.of_value(b"sk_live_abc"));
     assert_eq!(named, [digest.as_str()]);

@@ -30,6 +30,8 @@ pub(super) struct GlobalRule<'a> {
     pub(super) store: &'a Store<Arc<GlobalCounters>>,
     pub(super) overflow_keys: &'a crate::limit::AtomicDistinct,
     pub(super) fallback: Option<&'a Fallback>,
+    /// When the last report took the rule's counts (0: unknown).
+    pub(super) drained: Nanos,
 }
 
 impl RuleSet {
@@ -151,7 +153,7 @@ impl RuleSet {
         if at == Slot::Overflow {
             g.overflow_keys.insert(name);
         }
-        counters.offer(cost);
+        let offered = counters.offer(cost);
         let ratios = ratios.get_or_insert_with(|| self.ratios.load());
         let age = now.saturating_sub(ratios.at);
         let (factor, stale) = self.staleness.factor(age);
@@ -171,7 +173,15 @@ impl RuleSet {
                 // The ratio may change with the next reply.
                 let interval = self.report_interval.max(1);
                 let mut retry = interval - age % interval;
-                let mut allowed = !took.shared || counters.share(1.0 - p, cost);
+                let mut keep_now = 1.0 - p;
+                if took.shared && choice != Choice::New && factor >= 1.0 && g.drained > 0 {
+                    // Fresh ratios of an assigned key: its allowance, of what it is offered now.
+                    let lagged = (ratios.answers, ratios.own_lag, g.rate.per_sec());
+                    let since = now.saturating_sub(g.drained);
+                    let offered = (offered - u64::from(cost)) as f64;
+                    keep_now = counters.keep_now(keep_now, lagged, offered, since, interval);
+                }
+                let mut allowed = !took.shared || counters.share(keep_now, cost);
                 if allowed && choice == Choice::New && !stale {
                     // Not assigned yet: the provisional limit holds it until a reply does.
                     match g.fallback {
