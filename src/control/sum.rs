@@ -5,8 +5,8 @@
 //! intervals), sums them per (service, rule, key), and smooths the sum over time (an EWMA with
 //! time constant `tau`; not while the controller warms up): smoothing after summing is what
 //! lets replicas share a zone's hosts in any pattern. A sender's step up (and a step down that
-//! matches one), and a new key's sources in its first interval, move the smoothed sum at once
-//! ([`KeySum::step`]). Drop ratios come from the smoothed sums.
+//! matches one; [`KeySum::step`]), and a new key's sources in its first interval
+//! ([`KeySum::add`]), move the smoothed sum at once. Drop ratios come from the smoothed sums.
 //!
 //! Must never: copy a source's name per entry; hold more than [`MAX_TRACKED`] contributions, a
 //! quarter of them for one service, or [`MAX_HELD_BYTES`] per source; walk every key on each
@@ -28,6 +28,9 @@ use crate::limit::Distinct;
 /// their sums, so a flood of fake hosts or keys costs a bounded amount. Past it, new contributions are dropped
 /// (and counted) until old ones expire.
 pub const MAX_TRACKED: usize = 2_000_000;
+
+/// The longest a key is young (see `KeySum::add`), whatever interval its first source states.
+const YOUNG_MOST: f64 = 5.0;
 
 /// One service holds at most this share (1/4) of [`MAX_TRACKED`].
 const PER_SERVICE_SHARE: usize = 4;
@@ -340,7 +343,7 @@ impl KeySum {
         let joined = self.contributors > self.most_contributors;
         self.most_contributors = self.most_contributors.max(self.contributors);
         if self.fresh {
-            self.young_until = self.at + secs;
+            self.young_until = self.at + secs.min(YOUNG_MOST);
         }
         if self.fresh || (joined && self.at < self.young_until) {
             // A key seen for the first time starts from its first sum (every source that
@@ -814,7 +817,6 @@ impl Accumulator {
             }
             ks.advance(now, tau);
             ks.add(rate, secs, key.is_some().then(|| e.limit.per_second()));
-            ks.settle(tau);
             // A sender's step moves the smoothed sum at once, as it moved the sender's own
             // smoothed rate (see `KeySum::step`; a key first seen now starts from its sum
             // already; a last report holds no step).
@@ -832,6 +834,7 @@ impl Accumulator {
                     }
                 }
             }
+            ks.settle(tau);
             group.keys.push((key, rate));
             self.tracked += 1;
         }

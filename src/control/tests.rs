@@ -127,8 +127,8 @@ fn a_new_keys_sum_starts_from_every_zone_that_reports_it_within_its_first_interv
     for (t, source, n) in [
         (0.0, "a", 480),
         (0.001, "b", 160),
+        (0.3, "a", 480),
         (0.4, "c", 80),
-        (0.5, "a", 480),
     ] {
         let mut r = report(source, vec![entry(Some("k"), n, n)]);
         r.interval_ms = 500;

@@ -294,6 +294,11 @@ pub const GUARD_HEADROOM: f64 = 1.25;
 /// through at the whole provisional limit.
 pub const GUARD_FLOOR_UNITS: f64 = 10.0;
 
+/// How far past the fleet's share `keep_now` may go: a rate counted since the last report
+/// reads low for a client that waits and then sends at once (the wait counts as its rate), so
+/// that more than this would let such a client time its way past the share.
+pub const KEEP_NOW_MOST: f64 = 1.125;
+
 /// The least units a key's offered rate now is counted over (see
 /// [`GlobalCounters::keep_now`]): fewer, and chance in the count moves the share.
 pub const NOW_UNITS: f64 = 20.0;
@@ -503,9 +508,10 @@ impl GlobalCounters {
     /// report `lag` before it) under a limit of `limit` units a second, and whether that is a
     /// surge's bound.
     ///
-    /// In steady state, `keep` of its smoothed offered rate as of the report those sums hold,
-    /// the rate that pairs with them (paired with a later one, a surge would be let through at
-    /// its new rate times the old share). Both sides' smoothed rates jump together
+    /// In steady state, `keep` of its smoothed offered rate as the sums weighed it: as of the
+    /// report before the one they hold (at most two back), or the one they hold if it stepped
+    /// (paired with a later one, a surge would be let through at its new rate times the old
+    /// share). Both sides' smoothed rates jump together
     /// ([`jumped`]), so once the sums hold a jump the allowance is this proxy's new share of
     /// the limit, whether the fleet surged with it or its load moved here. A surge here is
     /// held to what this proxy was allowed before it until the sums hold its report, and
@@ -540,17 +546,17 @@ impl GlobalCounters {
     /// The share of what this proxy is offered now that admits its allowance (see
     /// [`Self::allowance`]), for an assigned key the fleet admits `keep` of: `offered` units
     /// before this request in the `since` nanoseconds since the last report (of `interval`)
-    /// took the counts (counting the request deciding, which came at the end of that time,
-    /// would read the rate high: by a request for clients that send at random).
+    /// took the counts.
     ///
     /// The fleet's `keep` is of what it was offered a reply ago; admitting `keep` of what it
     /// is offered now would pass on every swing of the load between (a closed loop's clients
     /// follow their own answers, and all proxies on a busy machine swing together) to the
     /// admitted rate. So this proxy's offered rate over the last interval, the count since the
     /// report taken for its part and the interval before for the rest, scales `keep` to
-    /// admit its allowance; the allowances sum to the limit. Within half and twice `keep`:
-    /// the rate is estimated from counts. `keep` as it is with too few units a report to
-    /// estimate a rate from ([`GUARD_FLOOR_UNITS`]), or with no report taken lately.
+    /// admit its allowance; the allowances sum to the limit. Within half `keep` and
+    /// [`KEEP_NOW_MOST`] times it: the rate is estimated from counts. `keep` as it is with too
+    /// few units a report to estimate a rate from ([`GUARD_FLOOR_UNITS`]), or with no report
+    /// taken lately.
     #[inline]
     pub(super) fn keep_now(
         &self,
@@ -574,7 +580,7 @@ impl GlobalCounters {
         if !(now > 0.0 && allowance > 0.0) {
             return keep;
         }
-        (allowance / now).clamp(keep / 2.0, (2.0 * keep).min(1.0))
+        (allowance / now).clamp(keep / 2.0, (KEEP_NOW_MOST * keep).min(1.0))
     }
 
     /// What a surge here is held to, while it is (see [`Self::allowance`]); for a key the

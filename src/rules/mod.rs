@@ -685,7 +685,6 @@ impl RuleSet {
             else {
                 continue;
             };
-            drained.store(now, Ordering::Relaxed);
             // What the guard allows a key now: a surge the report finds is held to it.
             let take = |c: &GlobalCounters, name: &[u8]| {
                 c.take(secs, seq, || {
@@ -729,6 +728,9 @@ impl RuleSet {
                     Some((key, o, a, jump, e.value().clone()))
                 })
                 .collect();
+            // Once every key's counts are taken: a key counted from this time on has its
+            // counts from before it still.
+            drained.store(now, Ordering::Relaxed);
             let (named, tail) =
                 choose_named(keys, &ratios, &rule.name, rate.per_sec(), top_k, secs, seq);
             // The keys a full store could not track are always in the tail.

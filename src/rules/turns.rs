@@ -174,8 +174,9 @@ impl RuleSet {
                 let interval = self.report_interval.max(1);
                 let mut retry = interval - age % interval;
                 let mut keep_now = 1.0 - p;
-                if took.shared && choice != Choice::New && factor >= 1.0 && g.drained > 0 {
-                    // Fresh ratios of an assigned key: its allowance, of what it is offered now.
+                if took.shared && choice == Choice::Named && factor >= 1.0 && g.drained > 0 {
+                    // Fresh ratios of a key the reply names: its allowance, of what it is
+                    // offered now (the tail's keys share one ratio, and no allowance each).
                     let lagged = (ratios.answers, ratios.own_lag, g.rate.per_sec());
                     let since = now.saturating_sub(g.drained);
                     let offered = (offered - u64::from(cost)) as f64;
