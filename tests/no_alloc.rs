@@ -157,6 +157,16 @@ fn a_canonical_request_passes_hygiene_and_the_hostile_client_checks_without_allo
     assert_eq!(n, 0, "{n} allocations in 1000 sketch decisions");
 }
 
+/// A key the reply names, with a report's time known: its share is of what it is offered
+/// now (`keep_now`), still without allocating. (Keyed by address alone: a digested key's first
+/// decision computes its digest, which the test beside this one counts.)
+#[test]
+fn the_share_of_what_is_offered_now_does_not_allocate() {
+    let (admitted, n, _) = drop_ratio_decisions_after("client_ip", 1_000_000, 1.0, 100, 1);
+    assert_eq!(n, 0, "{n} allocations in 1000 global decisions");
+    assert!(admitted > 0, "nothing admitted at ratio 0.5");
+}
+
 #[test]
 fn the_drop_ratio_path_does_not_allocate() {
     // Reported as one request in a nanosecond under a limit of a million a second, the key's
@@ -190,6 +200,18 @@ fn the_drop_ratio_path_does_not_allocate() {
 /// 0.5 in a microsecond, its last report of one request over `secs`: how many were admitted,
 /// the allocations they made and the digests they computed.
 fn drop_ratio_decisions(key: &str, limit: u32, secs: f64) -> (u32, u64, u64) {
+    drop_ratio_decisions_after(key, limit, secs, 1, 0)
+}
+
+/// [`drop_ratio_decisions`] with the last report of `offered` requests, taken at `drained` on
+/// the limiter clock (0: a time not known).
+fn drop_ratio_decisions_after(
+    key: &str,
+    limit: u32,
+    secs: f64,
+    offered: u32,
+    drained: u64,
+) -> (u32, u64, u64) {
     // No rejection logged: a logged key is digested (that is allowed; deciding is not).
     let yaml = format!("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nlog_rejections: 0\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: g\n    key: {key}\n    limit: {{ rate: {limit}/s }}\n    scope: global\n");
     let config = Config::from_yaml(&yaml, "t").unwrap();
@@ -216,7 +238,10 @@ fn drop_ratio_decisions(key: &str, limit: u32, secs: f64) -> (u32, u64, u64) {
     let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios.clone());
     // A known key, assigned: a report named it and the reply answers that report.
     assert!(decide(&rules, 0));
-    rules.drain_global(10, secs, 1, 0);
+    for _ in 1..offered {
+        decide(&rules, 0);
+    }
+    rules.drain_global(10, secs, 1, drained);
     ratios.store(Arc::new(
         DropRatios::from_reply(&reply, "s", 0).answering(1),
     ));

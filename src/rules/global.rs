@@ -555,8 +555,8 @@ impl GlobalCounters {
     /// report taken for its part and the interval before for the rest, scales `keep` to
     /// admit its allowance; the allowances sum to the limit. Within half `keep` and
     /// [`KEEP_NOW_MOST`] times it: the rate is estimated from counts. `keep` as it is with too
-    /// few units a report to estimate a rate from ([`GUARD_FLOOR_UNITS`]), or with no report
-    /// taken lately.
+    /// few units a report to estimate a rate from ([`NOW_UNITS`]), or with no report taken
+    /// lately.
     #[inline]
     pub(super) fn keep_now(
         &self,
@@ -568,7 +568,7 @@ impl GlobalCounters {
     ) -> f64 {
         let before = f64::from(f32::from_bits(self.raw.load(Ordering::Relaxed)));
         let secs = interval as f64 / NANOS_PER_SEC as f64;
-        if before * secs < GUARD_FLOOR_UNITS || since > 2 * interval {
+        if before * secs < NOW_UNITS || since > 2 * interval {
             return keep;
         }
         let (allowance, _) = self.allowance(keep, answers, lag, limit);
