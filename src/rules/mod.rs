@@ -728,8 +728,8 @@ impl RuleSet {
                     Some((key, o, a, jump, e.value().clone()))
                 })
                 .collect();
-            // Once every key's counts are taken: a key counted from this time on has its
-            // counts from before it still.
+            // Once every key's counts are taken: set before, a key not taken yet would read
+            // its whole interval's count as offered since this report.
             drained.store(now, Ordering::Relaxed);
             let (named, tail) =
                 choose_named(keys, &ratios, &rule.name, rate.per_sec(), top_k, secs, seq);
