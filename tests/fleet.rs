@@ -1652,12 +1652,16 @@ async fn a_new_key_is_held_to_its_provisional_limit_until_its_first_ratio() {
 }
 
 /// A free port on loopback, for a process that must come back at the same address.
+/// A port a restarted process can take again: below the kernel's ephemeral range, so that
+/// another test's bind to port 0 (or an outgoing connection) cannot take it between this
+/// check and the process's own bind.
 fn fixed_port() -> String {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .to_string()
+    loop {
+        let port = fastrand::u16(20_000..32_000);
+        if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+            return l.local_addr().unwrap().to_string();
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
