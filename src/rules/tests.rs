@@ -740,14 +740,18 @@ mod provisional {
         );
     }
 
+    /// [`fleet_of`]'s rule before any reply: the ratios a proxy starts with (no hint).
+    fn unhinted() -> RuleSet {
+        let (rules, ratios) = fleet_of(1.0, "");
+        ratios.store(Arc::new(DropRatios::empty(T0)));
+        rules
+    }
+
     /// With no hint yet (no reply has said how many proxies there are), the provisional
     /// limit is the rule's limit on each proxy.
     #[test]
     fn before_any_hint_the_provisional_limit_is_the_rules_limit() {
-        let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1', report_interval: 1s }\nrules:\n  - name: g\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: global\n";
-        let config = Config::from_yaml(yaml, "t").unwrap_or_else(|e| panic!("{e}"));
-        let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(T0)));
-        let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios);
+        let rules = unhinted();
         let got: u32 = (0..10)
             .map(|i| admitted_at(&rules, "10.0.0.1", 40, T0 + i * NANOS_PER_SEC / 10))
             .sum();
@@ -759,10 +763,7 @@ mod provisional {
     /// to its provisional limit still, not let through as a key the reply left out.
     #[test]
     fn a_key_only_warming_replies_answered_is_still_provisional() {
-        let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: { url: 'http://127.0.0.1:1', report_interval: 1s }\nrules:\n  - name: g\n    key: client_ip\n    limit: { rate: 10/s }\n    scope: global\n";
-        let config = Config::from_yaml(yaml, "t").unwrap_or_else(|e| panic!("{e}"));
-        let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(T0)));
-        let rules = RuleSet::build_with_ratios(&config, &Metrics::new(), ratios);
+        let rules = unhinted();
         for (seq, second) in [(1, 0), (2, 1)] {
             let from = T0 + second * NANOS_PER_SEC;
             let got = second_of(&rules, "10.0.0.1", 40, from);
