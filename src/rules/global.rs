@@ -544,7 +544,8 @@ impl GlobalCounters {
     }
 
     /// The share of what this proxy is offered now that admits its allowance (see
-    /// [`Self::allowance`]), for an assigned key the fleet admits `keep` of: `offered` units
+    /// [`Self::allowance`], asked only when needed), for an assigned key the fleet admits
+    /// `keep` of: `offered` units
     /// before this request in the `since` nanoseconds since the last report (of `interval`)
     /// took the counts.
     ///
@@ -561,7 +562,7 @@ impl GlobalCounters {
     pub(super) fn keep_now(
         &self,
         keep: f64,
-        (answers, lag, limit): (u64, u8, f64),
+        allowance: impl FnOnce() -> f64,
         offered: f64,
         since: Nanos,
         interval: Nanos,
@@ -571,7 +572,7 @@ impl GlobalCounters {
         if before * secs < NOW_UNITS || since > 2 * interval {
             return keep;
         }
-        let (allowance, _) = self.allowance(keep, answers, lag, limit);
+        let allowance = allowance();
         let elapsed = since as f64 / NANOS_PER_SEC as f64;
         // Counted over the time since the report, and at least a quarter of an interval and
         // the time [`NOW_UNITS`] take (the interval before standing in for the rest).

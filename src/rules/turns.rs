@@ -174,13 +174,23 @@ impl RuleSet {
                 let interval = self.report_interval.max(1);
                 let mut retry = interval - age % interval;
                 let mut keep_now = 1.0 - p;
+                // The allowance, once worked out here, for the guard below.
+                let mut allowance = None;
                 if took.shared && choice == Choice::Named && factor >= 1.0 && g.drained > 0 {
                     // Fresh ratios of a key the reply names: its allowance, of what it is
                     // offered now (the tail's keys share one ratio, and no allowance each).
-                    let lagged = (ratios.answers, ratios.own_lag, g.rate.per_sec());
                     let since = now.saturating_sub(g.drained);
                     let offered = (offered - u64::from(cost)) as f64;
-                    keep_now = counters.keep_now(keep_now, lagged, offered, since, interval);
+                    let of = || {
+                        let a = counters.allowance(
+                            keep,
+                            ratios.answers,
+                            ratios.own_lag,
+                            g.rate.per_sec(),
+                        );
+                        allowance.insert(a).0
+                    };
+                    keep_now = counters.keep_now(keep_now, of, offered, since, interval);
                 }
                 let mut allowed = !took.shared || counters.share(keep_now, cost);
                 if allowed && choice == Choice::New && !stale {
@@ -210,7 +220,15 @@ impl RuleSet {
                         counters.give_back(cost);
                     }
                 } else if allowed && !stale {
-                    let bound = guard_bound(&counters, ratios, rule, g.rate, keep, cost, interval);
+                    let bound = guard_bound(
+                        &counters,
+                        ratios,
+                        rule,
+                        g.rate,
+                        (keep, allowance),
+                        cost,
+                        interval,
+                    );
                     if let Some((per_sec, early)) = bound {
                         match counters.guard(now, per_sec, cost, early) {
                             Ok(ns) => took.guard = ns,
@@ -245,8 +263,9 @@ impl RuleSet {
     }
 }
 
-/// What an assigned key's guard lets this proxy admit until the next reply: units a second,
-/// and how far early (`None`: no bound).
+/// What an assigned key's guard lets this proxy admit until the next reply, for the fleet's
+/// share `keep` (and `known`, the key's allowance if the share worked it out already): units a
+/// second, and how far early (`None`: no bound).
 ///
 /// With the fleet's share its limit allows (`keep` > 0): at most that share of what this
 /// proxy was offered, however its load moved since (a surge, a burst), and a report
@@ -261,13 +280,14 @@ fn guard_bound(
     ratios: &DropRatios,
     rule: &CompiledRule,
     rate: &Rate,
-    keep: f64,
+    (keep, known): (f64, Option<(f64, bool)>),
     cost: u32,
     interval: Nanos,
 ) -> Option<(f64, Nanos)> {
     if keep > 0.0 {
-        let (allowance, surge) =
-            counters.allowance(keep, ratios.answers, ratios.own_lag, rate.per_sec());
+        let (allowance, surge) = known.unwrap_or_else(|| {
+            counters.allowance(keep, ratios.answers, ratios.own_lag, rate.per_sec())
+        });
         let floor = (ratios.provisional(&rule.name, rate.per_sec()) * keep.min(1.0))
             .min(GUARD_FLOOR_UNITS * NANOS_PER_SEC as f64 / interval as f64);
         let headroom = if surge { 1.0 } else { GUARD_HEADROOM };
