@@ -224,8 +224,8 @@ pub struct GlobalCounters {
     // Relaxed: counters; the reporter's swap reads each exactly once.
     offered: AtomicU64,
     admitted: AtomicU64,
-    /// The key's credit toward its next admission, in 1/[`UNIT`]s of a unit (high 48 bits,
-    /// signed), and where on the credit line that admission falls (low 16 bits): see
+    /// The key's credit toward its next admission, in 1/[`UNIT`]s of a unit (high 56 bits,
+    /// signed), and where on the credit line that admission falls (low 8 bits): see
     /// [`GlobalCounters::share`]. Relaxed: one word, changed by compare-and-swap.
     share: AtomicU64,
     /// The guard's theoretical arrival time (a GCRA), on the limiter clock: the provisional
@@ -320,17 +320,32 @@ pub fn jumped(before: f64, now: f64, secs: f64) -> bool {
     gap > 3.0 * larger.max(1.0).sqrt() && gap > JUMP_SHARE * larger
 }
 
-/// One unit of credit in a key's share: fractions of a request to 1/65 536.
-const UNIT: i64 = 1 << 16;
+/// One unit of credit in a key's share: fractions of a request to 2⁻²⁴. Far over its limit a
+/// key's share of one proxy's requests is a few in ten thousand: coarser, each request's
+/// earning would be rounded down by a few percent of itself.
+const UNIT_BITS: u32 = 24;
+const UNIT: i64 = 1 << UNIT_BITS;
 /// A request's units past this count as this in its share (what the credit's bits hold).
 const SHARE_MAX_UNITS: u32 = 1 << 24;
+/// The bits of the next admission's place within its unit of credit (the low bits of the
+/// word; the credit, signed, has the rest).
+const PLACE_BITS: u32 = 8;
 
-fn pack(credit: i64, next: i64) -> u64 {
-    ((credit << 16) as u64) | (next as u64 & 0xffff)
+fn pack(credit: i64, place: u8) -> u64 {
+    ((credit << PLACE_BITS) as u64) | u64::from(place)
 }
 
+/// The next admission's place as the word holds it.
+fn place(word: u64) -> u8 {
+    word as u8
+}
+
+/// The credit, and the next admission's place in 1/[`UNIT`]s.
 fn unpack(word: u64) -> (i64, i64) {
-    ((word as i64) >> 16, (word & 0xffff) as i64)
+    (
+        (word as i64) >> PLACE_BITS,
+        i64::from(place(word)) << (UNIT_BITS - PLACE_BITS),
+    )
 }
 
 impl Default for GlobalCounters {
@@ -339,7 +354,7 @@ impl Default for GlobalCounters {
             offered: AtomicU64::new(0),
             admitted: AtomicU64::new(0),
             // Where the first admission falls is drawn like every later one.
-            share: AtomicU64::new(pack(0, i64::from(fastrand::u16(..)))),
+            share: AtomicU64::new(pack(0, fastrand::u8(..))),
             guard: AtomicU64::new(0),
             rate: AtomicU64::new(0),
             raw: AtomicU32::new(0),
@@ -394,9 +409,9 @@ impl GlobalCounters {
                 let credit = credit + earned;
                 admitted = credit >= (units - 1) * UNIT + next;
                 Some(if admitted {
-                    pack(credit - units * UNIT, i64::from(fastrand::u16(..)))
+                    pack(credit - units * UNIT, fastrand::u8(..))
                 } else {
-                    pack(credit, next)
+                    pack(credit, place(word))
                 })
             });
         admitted
@@ -411,9 +426,9 @@ impl GlobalCounters {
         let _ = self
             .share
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
-                let (credit, next) = unpack(word);
+                let (credit, _) = unpack(word);
                 let back = (credit + units * UNIT).min(units * UNIT - 1);
-                Some(pack(back.max(credit), next))
+                Some(pack(back.max(credit), place(word)))
             });
     }
 

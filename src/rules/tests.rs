@@ -583,6 +583,30 @@ mod shares {
         }
     }
 
+    /// Far over its limit a key keeps a tiny share of what one proxy is offered (40/s of tens
+    /// of thousands): its credit is fine enough that the share is still exact, not rounded
+    /// down by a few percent with every request.
+    #[test]
+    fn a_tiny_share_is_exact_over_many_requests() {
+        for keep in [1.27e-4, 3.7e-4, 7.6e-4, 5.7e-3, 2.5e-5] {
+            let c = GlobalCounters::default();
+            let n = 4_000_000u32;
+            let got = (0..n).filter(|_| c.share(keep, 1)).count() as f64;
+            let want = (f64::from(n) * keep).round();
+            assert!(
+                (got - want).abs() <= 1.0,
+                "{got} of {n} at a share of {keep}, want {want}"
+            );
+        }
+        // A request of many units at a tiny share (a weighted rule's cost) too.
+        let c = GlobalCounters::default();
+        let got = (0..1_000_000u32).filter(|_| c.share(2.5e-4, 40)).count() as f64;
+        assert!(
+            (got - 250.0).abs() <= 1.0,
+            "{got} requests of 40 units at 2.5e-4, want 250"
+        );
+    }
+
     /// Requests of a key that come in a fixed cycle (its clients taking turns) are admitted
     /// evenly across the cycle: none of them starves.
     #[test]
