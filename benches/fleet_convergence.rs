@@ -72,10 +72,23 @@ impl Scenario {
 async fn sample(tallies: &[std::sync::Arc<Tally>], deadline: tokio::time::Instant) -> Vec<u64> {
     let start = tokio::time::Instant::now();
     let mut tick = tokio::time::interval_at(start + SAMPLE, SAMPLE);
-    let mut out = Vec::new();
+    let (mut out, mut offered) = (Vec::new(), Vec::new());
     while tokio::time::Instant::now() < deadline {
         tick.tick().await;
-        out.push(tallies.iter().map(|t| t.take().1).sum());
+        let (o, a) = tallies.iter().fold((0, 0), |(o, a), t| {
+            let (to, ta, _) = t.take();
+            (o + to, a + ta)
+        });
+        out.push(a);
+        offered.push(o);
+    }
+    if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
+        // What the tallies offered each second, for reading a window's error against it.
+        let seconds: Vec<String> = offered
+            .chunks_exact(PER_WINDOW)
+            .map(|w| w.iter().sum::<u64>().to_string())
+            .collect();
+        eprintln!("offered per second: {}", seconds.join(" "));
     }
     out
 }

@@ -299,6 +299,14 @@ pub const GUARD_FLOOR_UNITS: f64 = 10.0;
 /// that more than this would let such a client time its way past the share.
 pub const KEEP_NOW_MOST: f64 = 1.125;
 
+/// The most a key may be behind its allowance since the report, in report intervals of it,
+/// for [`GlobalCounters::keep_now`] to make it up (at up to [`CATCH_UP_MOST`] times the
+/// fleet's share): a stall of the load, not a wait.
+pub const CATCH_UP: f64 = 0.125;
+
+/// How far past the fleet's share a debt of [`CATCH_UP`] is made up at.
+pub const CATCH_UP_MOST: f64 = 2.0;
+
 /// The least units a key's offered rate now is counted over (see
 /// [`GlobalCounters::keep_now`]): fewer, and chance in the count moves the share.
 pub const NOW_UNITS: f64 = 20.0;
@@ -570,7 +578,8 @@ impl GlobalCounters {
     /// admitted rate. So this proxy's offered rate over the last interval, the count since the
     /// report taken for its part and the interval before for the rest, scales `keep` to
     /// admit its allowance; the allowances sum to the limit. Within half `keep` and
-    /// [`KEEP_NOW_MOST`] times it: the rate is estimated from counts. `keep` as it is with too
+    /// [`KEEP_NOW_MOST`] times it: the rate is estimated from counts (up to [`CATCH_UP_MOST`]
+    /// times it while the key is behind its allowance by a little). `keep` as it is with too
     /// few units a report to estimate a rate from ([`NOW_UNITS`]), or with no report taken
     /// lately.
     #[inline]
@@ -596,7 +605,18 @@ impl GlobalCounters {
         if !(now > 0.0 && allowance > 0.0) {
             return keep;
         }
-        (allowance / now).clamp(keep / 2.0, (KEEP_NOW_MOST * keep).min(1.0))
+        let share = allowance / now;
+        let most = (KEEP_NOW_MOST * keep).min(1.0);
+        if share > most {
+            // Behind its allowance by a little since the report (the machine's clients
+            // stalled a moment): made up from the next requests. A larger debt is a client
+            // that waited, whose wait is its rate.
+            let due = allowance * elapsed - self.admitted.load(Ordering::Relaxed) as f64;
+            if due > 0.0 && due <= allowance * secs * CATCH_UP {
+                return share.min((CATCH_UP_MOST * keep).min(1.0));
+            }
+        }
+        share.clamp(keep / 2.0, most)
     }
 
     /// What a surge here is held to, while it is (see [`Self::allowance`]); for a key the

@@ -1042,6 +1042,25 @@ mod provisional {
         assert!(got <= 57, "{got} of 100 admitted at a ratio of 0.5");
     }
 
+    /// The machine's clients stall together for a moment (a busy machine, a closed loop's
+    /// clients all waiting): this proxy offered nothing for 150 ms of its second, 85 in all
+    /// at its usual 100/s. What the stall cost is made up from the requests after it, within
+    /// the interval: about the 50 allowed, not the 46 an eighth past the ratio makes.
+    #[test]
+    fn a_stall_of_the_load_is_made_up_within_the_interval() {
+        let after = T0 + NANOS_PER_SEC;
+        let rules = allowed_half_of_100(after);
+        let ms = NANOS_PER_SEC / 1000;
+        let times = (0..100u64)
+            .map(|i| after + i * 10 * ms)
+            .filter(|t| !(after + 300 * ms..after + 450 * ms).contains(t));
+        let got: u32 = times.map(|t| admitted_at(&rules, "10.0.0.1", 1, t)).sum();
+        assert!(
+            (48..=52).contains(&got),
+            "{got} of 85 admitted, allowed 50/s"
+        );
+    }
+
     /// The controller smooths its sums from when each report's rates arrive, so sums taken as
     /// a report arrives pair with this proxy's smoothed rate from the report before it: a key
     /// at 100/s, 110/s, then 120/s (no step), answered at 0.5, is allowed half of its rate
