@@ -224,8 +224,8 @@ pub struct GlobalCounters {
     // Relaxed: counters; the reporter's swap reads each exactly once.
     offered: AtomicU64,
     admitted: AtomicU64,
-    /// The key's credit toward its next admission, in 1/[`UNIT`]s of a unit (high 56 bits,
-    /// signed), and where on the credit line that admission falls (low 8 bits): see
+    /// The key's credit toward its next admission, in 1/[`UNIT`]s of a unit (high 48 bits,
+    /// signed), and where on the credit line that admission falls (low 16 bits): see
     /// [`GlobalCounters::share`]. Relaxed: one word, changed by compare-and-swap.
     share: AtomicU64,
     /// The guard's theoretical arrival time (a GCRA), on the limiter clock: the provisional
@@ -299,14 +299,6 @@ pub const GUARD_FLOOR_UNITS: f64 = 10.0;
 /// that more than this would let such a client time its way past the share.
 pub const KEEP_NOW_MOST: f64 = 1.125;
 
-/// The most a key may be behind its allowance since the report, in report intervals of it,
-/// for [`GlobalCounters::keep_now`] to make it up (at up to [`CATCH_UP_MOST`] times the
-/// fleet's share): a stall of the load, not a wait.
-pub const CATCH_UP: f64 = 0.125;
-
-/// How far past the fleet's share a debt of [`CATCH_UP`] is made up at.
-pub const CATCH_UP_MOST: f64 = 2.0;
-
 /// The least units a key's offered rate now is counted over (see
 /// [`GlobalCounters::keep_now`]): fewer, and chance in the count moves the share.
 pub const NOW_UNITS: f64 = 20.0;
@@ -334,18 +326,19 @@ pub fn jumped(before: f64, now: f64, secs: f64) -> bool {
 const UNIT_BITS: u32 = 24;
 const UNIT: i64 = 1 << UNIT_BITS;
 /// A request's units past this count as this in its share (what the credit's bits hold).
-const SHARE_MAX_UNITS: u32 = 1 << 24;
+const SHARE_MAX_UNITS: u32 = 1 << 22;
 /// The bits of the next admission's place within its unit of credit (the low bits of the
-/// word; the credit, signed, has the rest).
-const PLACE_BITS: u32 = 8;
+/// word; the credit, signed, has the rest): finer than a tiny share's earning per request, so
+/// that clients taking turns do not find the admissions on the same places of the cycle.
+const PLACE_BITS: u32 = 16;
 
-fn pack(credit: i64, place: u8) -> u64 {
+fn pack(credit: i64, place: u16) -> u64 {
     ((credit << PLACE_BITS) as u64) | u64::from(place)
 }
 
 /// The next admission's place as the word holds it.
-fn place(word: u64) -> u8 {
-    word as u8
+fn place(word: u64) -> u16 {
+    word as u16
 }
 
 /// The credit, and the next admission's place in 1/[`UNIT`]s.
@@ -362,7 +355,7 @@ impl Default for GlobalCounters {
             offered: AtomicU64::new(0),
             admitted: AtomicU64::new(0),
             // Where the first admission falls is drawn like every later one.
-            share: AtomicU64::new(pack(0, fastrand::u8(..))),
+            share: AtomicU64::new(pack(0, fastrand::u16(..))),
             guard: AtomicU64::new(0),
             rate: AtomicU64::new(0),
             raw: AtomicU32::new(0),
@@ -417,7 +410,7 @@ impl GlobalCounters {
                 let credit = credit + earned;
                 admitted = credit >= (units - 1) * UNIT + next;
                 Some(if admitted {
-                    pack(credit - units * UNIT, fastrand::u8(..))
+                    pack(credit - units * UNIT, fastrand::u16(..))
                 } else {
                     pack(credit, place(word))
                 })
@@ -578,8 +571,7 @@ impl GlobalCounters {
     /// admitted rate. So this proxy's offered rate over the last interval, the count since the
     /// report taken for its part and the interval before for the rest, scales `keep` to
     /// admit its allowance; the allowances sum to the limit. Within half `keep` and
-    /// [`KEEP_NOW_MOST`] times it: the rate is estimated from counts (up to [`CATCH_UP_MOST`]
-    /// times it while the key is behind its allowance by a little). `keep` as it is with too
+    /// [`KEEP_NOW_MOST`] times it: the rate is estimated from counts. `keep` as it is with too
     /// few units a report to estimate a rate from ([`NOW_UNITS`]), or with no report taken
     /// lately.
     #[inline]
@@ -605,18 +597,7 @@ impl GlobalCounters {
         if !(now > 0.0 && allowance > 0.0) {
             return keep;
         }
-        let share = allowance / now;
-        let most = (KEEP_NOW_MOST * keep).min(1.0);
-        if share > most {
-            // Behind its allowance by a little since the report (the machine's clients
-            // stalled a moment): made up from the next requests. A larger debt is a client
-            // that waited, whose wait is its rate.
-            let due = allowance * elapsed - self.admitted.load(Ordering::Relaxed) as f64;
-            if due > 0.0 && due <= allowance * secs * CATCH_UP {
-                return share.min((CATCH_UP_MOST * keep).min(1.0));
-            }
-        }
-        share.clamp(keep / 2.0, most)
+        (allowance / now).clamp(keep / 2.0, (KEEP_NOW_MOST * keep).min(1.0))
     }
 
     /// What a surge here is held to, while it is (see [`Self::allowance`]); for a key the
