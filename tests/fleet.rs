@@ -1651,10 +1651,9 @@ async fn a_new_key_is_held_to_its_provisional_limit_until_its_first_ratio() {
     assert!(ok >= 1, "the provisional limit admits");
 }
 
-/// A free port on loopback, for a process that must come back at the same address.
-/// A port a restarted process can take again: below the kernel's ephemeral range, so that
-/// another test's bind to port 0 (or an outgoing connection) cannot take it between this
-/// check and the process's own bind.
+/// A free port on loopback, for a process that must come back at the same address: below the
+/// kernel's ephemeral range, so that another test's bind to port 0 (or an outgoing
+/// connection) cannot take it between this check and the process's own bind.
 fn fixed_port() -> String {
     loop {
         let port = fastrand::u16(20_000..32_000);

@@ -561,9 +561,8 @@ impl GlobalCounters {
 
     /// The share of what this proxy is offered now that admits its allowance (see
     /// [`Self::allowance`], asked only when needed), for an assigned key the fleet admits
-    /// `keep` of: `offered` units
-    /// before this request in the `since` nanoseconds since the last report (of `interval`)
-    /// took the counts.
+    /// `keep` of: `offered` units before this request in the `since` nanoseconds since the
+    /// last report (of `interval`) took the counts.
     ///
     /// The fleet's `keep` is of what it was offered a reply ago; admitting `keep` of what it
     /// is offered now would pass on every swing of the load between (a closed loop's clients
