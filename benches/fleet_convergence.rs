@@ -68,18 +68,37 @@ impl Scenario {
     }
 }
 
-/// Counts every tally every [`SAMPLE`] until `deadline`: admitted per sample.
-async fn sample(tallies: &[std::sync::Arc<Tally>], deadline: tokio::time::Instant) -> Vec<u64> {
+/// One sample: what the tallies admitted, and over how many seconds (a tick the machine
+/// delays makes one sample longer and the next shorter; judged by ticks alone, a window's
+/// rate would move with the sampler's lateness).
+#[derive(Clone, Copy)]
+struct Sample {
+    admitted: u64,
+    secs: f64,
+}
+
+/// Counts every tally every [`SAMPLE`] until `deadline`.
+async fn sample(tallies: &[std::sync::Arc<Tally>], deadline: tokio::time::Instant) -> Vec<Sample> {
     let start = tokio::time::Instant::now();
     let mut tick = tokio::time::interval_at(start + SAMPLE, SAMPLE);
     let (mut out, mut offered) = (Vec::new(), Vec::new());
+    let mut each: Vec<Vec<u64>> = vec![Vec::new(); tallies.len()];
+    let mut last = start;
     while tokio::time::Instant::now() < deadline {
         tick.tick().await;
-        let (o, a) = tallies.iter().fold((0, 0), |(o, a), t| {
+        let (mut o, mut a) = (0, 0);
+        for (t, each) in tallies.iter().zip(&mut each) {
             let (to, ta, _) = t.take();
-            (o + to, a + ta)
+            o += to;
+            a += ta;
+            each.push(ta);
+        }
+        let now = tokio::time::Instant::now();
+        out.push(Sample {
+            admitted: a,
+            secs: (now - last).as_secs_f64(),
         });
-        out.push(a);
+        last = now;
         offered.push(o);
     }
     if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
@@ -89,22 +108,38 @@ async fn sample(tallies: &[std::sync::Arc<Tally>], deadline: tokio::time::Instan
             .map(|w| w.iter().sum::<u64>().to_string())
             .collect();
         eprintln!("offered per second: {}", seconds.join(" "));
+        for (i, each) in each.iter().enumerate() {
+            let seconds: Vec<String> = each
+                .chunks_exact(PER_WINDOW)
+                .map(|w| w.iter().sum::<u64>().to_string())
+                .collect();
+            eprintln!("proxy {} admitted per second: {}", i + 1, seconds.join(" "));
+        }
     }
     out
 }
 
-/// Seconds from sample `from` until the first sliding 1 s window of `samples` that `ok` takes.
-fn first_window(samples: &[u64], from: usize, ok: impl Fn(u64) -> bool) -> Option<f64> {
+/// A run of samples' admitted rate, units a second.
+fn rate(samples: &[Sample]) -> f64 {
+    let (admitted, secs) = samples
+        .iter()
+        .fold((0, 0.0), |(a, s), x| (a + x.admitted, s + x.secs));
+    admitted as f64 / secs.max(1e-9)
+}
+
+/// Seconds from sample `from` until the first sliding 1 s window of `samples` whose rate
+/// `ok` takes.
+fn first_window(samples: &[Sample], from: usize, ok: impl Fn(f64) -> bool) -> Option<f64> {
     (from + PER_WINDOW..samples.len())
-        .find(|&end| ok(samples[end + 1 - PER_WINDOW..=end].iter().sum()))
+        .find(|&end| ok(rate(&samples[end + 1 - PER_WINDOW..=end])))
         .map(|end| (end + 1 - from) as f64 / PER_WINDOW as f64)
 }
 
 /// Whole 1 s windows of `samples` from sample `from` on, as errors against `limit`.
-fn window_errors(samples: &[u64], from: usize, limit: u64) -> Vec<f64> {
+fn window_errors(samples: &[Sample], from: usize, limit: u64) -> Vec<f64> {
     samples[from.min(samples.len())..]
         .chunks_exact(PER_WINDOW)
-        .map(|w| (w.iter().sum::<u64>() as f64 - limit as f64) / limit as f64)
+        .map(|w| (rate(w) - limit as f64) / limit as f64)
         .collect()
 }
 
@@ -184,7 +219,7 @@ async fn main() -> anyhow::Result<()> {
                 }
                 let step = 100;
                 let within = first_window(&samples, step, |w| {
-                    (w as f64 - limit as f64).abs() <= 0.1 * limit as f64
+                    (w - limit as f64).abs() <= 0.1 * limit as f64
                 });
                 let event = within.map_or("not within the run".into(), |secs| {
                     format!("within +-10 % {secs:.1} s after the step")
@@ -205,7 +240,7 @@ async fn main() -> anyhow::Result<()> {
                 for g in generators.into_iter().chain(new_generators) {
                     let _ = g.await;
                 }
-                let first_second: u64 = new_first.iter().sum();
+                let first_second: u64 = new_first.iter().map(|x| x.admitted).sum();
                 let event = format!(
                     "the new key's first second: {first_second} admitted ({} of its limit)",
                     pct((first_second as f64 - limit as f64) / limit as f64)
@@ -229,13 +264,13 @@ async fn main() -> anyhow::Result<()> {
                 let cycles: Vec<u64> = samples
                     .chunks_exact(6 * PER_WINDOW)
                     .skip(1)
-                    .map(|c| c.iter().sum())
+                    .map(|c| c.iter().map(|x| x.admitted).sum())
                     .collect();
                 if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
                     // Admitted each second, for reading the cycles' course.
                     let seconds: Vec<String> = samples
                         .chunks_exact(PER_WINDOW)
-                        .map(|w| w.iter().sum::<u64>().to_string())
+                        .map(|w| w.iter().map(|x| x.admitted).sum::<u64>().to_string())
                         .collect();
                     eprintln!("{}: {}", scenario.name(), seconds.join(" "));
                 }
@@ -269,7 +304,7 @@ async fn main() -> anyhow::Result<()> {
                     .iter()
                     .copied()
                     .fold(0.0, |w: f64, e| if e.abs() > w.abs() { e } else { w });
-                let within = first_window(&samples, moved, |w| w as f64 >= 0.9 * limit as f64);
+                let within = first_window(&samples, moved, |w| w >= 0.9 * limit as f64);
                 let event = format!(
                     "worst second after the move: {}; within -10 % {} after it",
                     pct(worst),
