@@ -18,7 +18,8 @@
 //! - rolling restart: two controllers serving at once, each restarted in turn, then every
 //!   aggregator replica (a new name at the same address), 4 s apart, under steady 2.4x.
 //!
-//! Admitted requests are counted every 100 ms and summed into whole 1-second windows. Reported:
+//! Admitted requests are counted every 100 ms and summed into whole 1-second windows, each
+//! judged by its count over the time it really lasted. Reported:
 //! the mean error over the measured part, the worst and the 95th-percentile window's error
 //! (against the limit), and for the step the time from the step until a sliding 1 s window is
 //! first within +-10 % (for the new key: what it was admitted in its first second).
