@@ -104,20 +104,21 @@ async fn sample(tallies: &[std::sync::Arc<Tally>], deadline: tokio::time::Instan
     }
     if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
         // What the tallies offered each second, for reading a window's error against it.
-        let seconds: Vec<String> = offered
-            .chunks_exact(PER_WINDOW)
-            .map(|w| w.iter().sum::<u64>().to_string())
-            .collect();
-        eprintln!("offered per second: {}", seconds.join(" "));
+        eprintln!("offered per second: {}", per_second(&offered));
         for (i, each) in each.iter().enumerate() {
-            let seconds: Vec<String> = each
-                .chunks_exact(PER_WINDOW)
-                .map(|w| w.iter().sum::<u64>().to_string())
-                .collect();
-            eprintln!("proxy {} admitted per second: {}", i + 1, seconds.join(" "));
+            eprintln!("proxy {} admitted per second: {}", i + 1, per_second(each));
         }
     }
     out
+}
+
+/// Per-sample `counts` summed into whole seconds, for printing.
+fn per_second(counts: &[u64]) -> String {
+    let seconds: Vec<String> = counts
+        .chunks_exact(PER_WINDOW)
+        .map(|w| w.iter().sum::<u64>().to_string())
+        .collect();
+    seconds.join(" ")
 }
 
 /// A run of samples' admitted rate, units a second.
@@ -269,11 +270,8 @@ async fn main() -> anyhow::Result<()> {
                     .collect();
                 if std::env::var_os("SPILLWAY_BENCH_WINDOWS").is_some() {
                     // Admitted each second, for reading the cycles' course.
-                    let seconds: Vec<String> = samples
-                        .chunks_exact(PER_WINDOW)
-                        .map(|w| w.iter().map(|x| x.admitted).sum::<u64>().to_string())
-                        .collect();
-                    eprintln!("{}: {}", scenario.name(), seconds.join(" "));
+                    let admitted: Vec<u64> = samples.iter().map(|x| x.admitted).collect();
+                    eprintln!("{}: {}", scenario.name(), per_second(&admitted));
                 }
                 let worst = cycles.iter().copied().max().unwrap_or(0);
                 let mean = cycles.iter().sum::<u64>() as f64 / cycles.len().max(1) as f64;
