@@ -365,14 +365,16 @@ impl KeySum {
         }
     }
 
-    /// A sender's step of `jump` units a second at `now` (its interval `secs`). A step up
-    /// moves the smoothed sum at once (a surge); a step down only as far as it matches steps
-    /// up within two of the sender's intervals, before or after it (load moved between
-    /// proxies: the sum stays where it was). An unmatched step down (a surge or a burst
-    /// ending) is left to smoothing, so that a key that bursts keeps the ratio and the watch
-    /// its last burst earned, and every proxy's guard bounds its next. Either way the sum then
-    /// stands still for the sender's interval.
-    fn step(&mut self, jump: f64, now: f64, secs: f64) {
+    /// A sender's step of `jump` units a second at `now` (its interval `secs`), for a key of
+    /// `limit` units a second. A step up moves the smoothed sum at once (a surge); a step down
+    /// as far as it matches steps up within two of the sender's intervals, before or after it
+    /// (load moved between proxies: the sum stays where it was), and the rest of it as far as
+    /// the sum stays at twice the limit or more (the key is still limited hard: its senders'
+    /// own rates stepped, and their allowances pair them with the sum). The rest (a surge or a
+    /// burst ending) is left to smoothing, so that a key that bursts keeps the ratio and the
+    /// watch its last burst earned, and every proxy's guard bounds its next. Either way the sum
+    /// then stands still for the sender's interval.
+    fn step(&mut self, jump: f64, now: f64, secs: f64, limit: f64) {
         if now > self.match_until {
             self.unmatched_up = 0.0;
             self.pending_down = 0.0;
@@ -386,8 +388,11 @@ impl KeySum {
         } else {
             let matched = self.unmatched_up.min(-jump);
             self.unmatched_up -= matched;
-            self.pending_down += -jump - matched;
-            -matched
+            // Unmatched, down to twice the limit at most (never up to it).
+            let over = (self.smooth_offered - matched - 2.0 * limit).max(0.0);
+            let far = (-jump - matched).min(over);
+            self.pending_down += -jump - matched - far;
+            -matched - far
         };
         if moved != 0.0 {
             self.smooth_offered = (self.smooth_offered + moved).max(0.0);
@@ -785,6 +790,8 @@ impl Accumulator {
                     rule.union = None;
                 }
             }
+            // The rule's limit as the smallest any source states (the ratio's).
+            let key_limit = rule.limit.per_second();
             let (key, ks) = match &e.key {
                 Some(k) => {
                     let arc = match rule.keys.get_key_value(k.as_str()) {
@@ -821,7 +828,7 @@ impl Accumulator {
             // smoothed rate (see `KeySum::step`; a key first seen now starts from its sum
             // already; a last report holds no step).
             if key.is_some() && e.jump != 0.0 && !ks.fresh && !report.last {
-                ks.step(e.jump, now, secs);
+                ks.step(e.jump, now, secs, key_limit);
                 self.steps.1 |= e.jump < 0.0;
                 if e.jump > 0.0 {
                     if let Some(k) = &key {

@@ -1296,6 +1296,38 @@ fn a_step_down_moves_the_sum_only_as_far_as_it_matches_a_step_up() {
 }
 
 #[test]
+fn a_step_down_that_leaves_a_key_far_over_its_limit_moves_the_sum_at_once() {
+    // Two hosts at 10 000/s of a key limited to 100/s; one's load falls by half (a closed
+    // loop's clients on a busy machine) and it says so. The key is still limited hard: no
+    // burst's ratio to keep, and each proxy's allowance pairs its own rate, which stepped,
+    // with the sum. Left to smoothing, the sum would stand near 20 000 for a second, and
+    // every proxy's allowance a quarter short.
+    let mut acc = Accumulator::new(1.0);
+    let send = |acc: &mut Accumulator, host: &str, offered: u64, jump: f64, seq: u64, at: f64| {
+        let mut e = entry(Some("k"), offered, 50);
+        e.jump = jump;
+        let mut r = report(host, vec![e]);
+        r.seq = seq;
+        acc.record(&r, "t", at).unwrap();
+    };
+    for t in 0..5 {
+        send(&mut acc, "a", 10_000, 0.0, t + 1, t as f64);
+        send(&mut acc, "b", 10_000, 0.0, t + 1, t as f64);
+    }
+    send(&mut acc, "b", 5_000, -5_000.0, 6, 5.0);
+    let v = acc.view(None, 5.1)[0].offered_rps;
+    assert!((v - 15_000.0).abs() < 1e-6, "{v}");
+    send(&mut acc, "a", 10, -9_990.0, 6, 5.5);
+    let v = acc.view(None, 5.6)[0].offered_rps;
+    assert!((v - 5_010.0).abs() < 1e-6, "{v}");
+    // Past twice its limit the rest of a step down is left to smoothing (a burst's end keeps
+    // its ratio a while): the sum stops at twice the limit.
+    send(&mut acc, "b", 10, -4_990.0, 7, 6.0);
+    let v = acc.view(None, 6.5)[0].offered_rps;
+    assert!((v - 200.0).abs() < 1e-6, "{v}");
+}
+
+#[test]
 fn a_step_is_a_named_keys_finite_rate_and_no_version_1_reader_sees_one() {
     let mut r = report("a", vec![entry(Some("k"), 10, 10), entry(None, 5, 5)]);
     r.entries[0].jump = 1e12;

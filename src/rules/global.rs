@@ -299,6 +299,19 @@ pub const GUARD_FLOOR_UNITS: f64 = 10.0;
 /// that more than this would let such a client time its way past the share.
 pub const KEEP_NOW_MOST: f64 = 1.125;
 
+/// Past this many requests a report interval offered here (of the cost of the one deciding),
+/// an assigned key is paced: its share admits up to [`PACED_SHARE`] times the fleet's, and the
+/// guard lets through its allowance itself, with no headroom (see the guard in
+/// `RuleSet::check`). A count this large estimates the allowance within a few percent, and a
+/// rate counted since the report cannot follow a swing within the interval (a closed loop's
+/// clients on a busy machine), where pacing holds the allowance through it. Fewer, and the
+/// share decides.
+pub const PACED_REQUESTS: f64 = 2000.0;
+
+/// How far past the fleet's share a paced key's share goes: a swing of what this proxy is
+/// offered down to half of what it reported still leaves the pace, not the share, deciding.
+pub const PACED_SHARE: f64 = 2.0;
+
 /// The least units a key's offered rate now is counted over (see
 /// [`GlobalCounters::keep_now`]): fewer, and chance in the count moves the share.
 pub const NOW_UNITS: f64 = 20.0;
@@ -572,20 +585,24 @@ impl GlobalCounters {
     /// admit its allowance; the allowances sum to the limit. Within half `keep` and
     /// [`KEEP_NOW_MOST`] times it: the rate is estimated from counts. `keep` as it is with too
     /// few units a report to estimate a rate from ([`NOW_UNITS`]), or with no report taken
-    /// lately.
+    /// lately. With [`PACED_REQUESTS`] of `cost` or more a report, [`PACED_SHARE`] times
+    /// `keep`, and `true`: the guard paces the key at its allowance.
     #[inline]
     pub(super) fn keep_now(
         &self,
         keep: f64,
         allowance: impl FnOnce() -> f64,
-        offered: f64,
+        (offered, cost): (f64, u32),
         since: Nanos,
         interval: Nanos,
-    ) -> f64 {
+    ) -> (f64, bool) {
         let before = f64::from(f32::from_bits(self.raw.load(Ordering::Relaxed)));
         let secs = interval as f64 / NANOS_PER_SEC as f64;
         if before * secs < NOW_UNITS || since > 2 * interval {
-            return keep;
+            return (keep, false);
+        }
+        if before * secs >= PACED_REQUESTS * f64::from(cost) {
+            return ((PACED_SHARE * keep).min(1.0), true);
         }
         let allowance = allowance();
         let elapsed = since as f64 / NANOS_PER_SEC as f64;
@@ -594,9 +611,10 @@ impl GlobalCounters {
         let least = (NOW_UNITS / before).clamp(secs / 4.0, secs);
         let now = (offered + before * (least - elapsed).max(0.0)) / least.max(elapsed);
         if !(now > 0.0 && allowance > 0.0) {
-            return keep;
+            return (keep, false);
         }
-        (allowance / now).clamp(keep / 2.0, (KEEP_NOW_MOST * keep).min(1.0))
+        let keep_now = (allowance / now).clamp(keep / 2.0, (KEEP_NOW_MOST * keep).min(1.0));
+        (keep_now, false)
     }
 
     /// What a surge here is held to, while it is (see [`Self::allowance`]); for a key the

@@ -1084,6 +1084,137 @@ mod provisional {
         }
     }
 
+    /// A key of a 1600/s rule over 4 proxies offered 4000/s here for a second, that report
+    /// taken at `drained` and answered with the key's ratio 0.9: this proxy's allowance is
+    /// 400/s, a tenth of what it is offered.
+    fn allowed_tenth_of_4000(drained: Nanos) -> RuleSet {
+        let (rules, ratios) = fleet_limited(1600, 4.0, "");
+        second_of(&rules, "10.0.0.1", 4000, T0);
+        rules.drain_global(10, 1.0, 4, drained);
+        let mut answer = DropRatios::of(
+            T0 + NANOS_PER_SEC,
+            [("g", Some("10.0.0.1"), 0.9)].into_iter(),
+        )
+        .answering(4);
+        answer.hint("g", 200.0, None);
+        ratios.store(Arc::new(answer));
+        rules
+    }
+
+    /// [`allowed_tenth_of_4000`], and a second offered 4000/s after its reply: the time the
+    /// next second starts.
+    fn paced_for_a_second(rules: &RuleSet) -> Nanos {
+        let after = T0 + NANOS_PER_SEC;
+        let got: u32 = (0..4000)
+            .map(|i| admitted_at(rules, "10.0.0.1", 1, after + i * NANOS_PER_SEC / 4000))
+            .sum();
+        // The allowance, and the interval's worth the guard takes early at first.
+        assert!((400..=801).contains(&got), "{got} of 4000, allowed 400/s");
+        after + NANOS_PER_SEC
+    }
+
+    /// A key offered thousands a second (a closed loop's clients on a busy machine) whose
+    /// offered rate falls or rises by 40 % within an interval: what was counted since the
+    /// report lags the swing, so the share alone admits a sixth less or more than this
+    /// proxy's allowance in that second. It is paced instead: its allowance, give or take a
+    /// few requests.
+    #[test]
+    fn a_heavy_key_admits_its_allowance_when_its_load_swings_within_an_interval() {
+        for then in [2400, 5600] {
+            let rules = allowed_tenth_of_4000(T0 + NANOS_PER_SEC);
+            let after = paced_for_a_second(&rules);
+            let half = NANOS_PER_SEC / 2;
+            let first: u32 = (0..2000)
+                .map(|i| admitted_at(&rules, "10.0.0.1", 1, after + i * half / 2000))
+                .sum();
+            let second: u32 = (0..then / 2)
+                .map(|i| admitted_at(&rules, "10.0.0.1", 1, after + half + i * half / (then / 2)))
+                .sum();
+            let got = first + second;
+            assert!(
+                (392..=408).contains(&got),
+                "{got} admitted ({first} + {second}) offered 4000/s then {then}/s, allowed 400/s"
+            );
+        }
+    }
+
+    /// Pacing lets the guard, not the share, pick which requests of a heavy key pass: two
+    /// clients taking turns (A, B, A, B) both still get about half.
+    #[test]
+    fn a_paced_key_whose_clients_take_turns_starves_neither() {
+        let rules = allowed_tenth_of_4000(T0 + NANOS_PER_SEC);
+        let after = paced_for_a_second(&rules);
+        let mut each = [0u32; 2];
+        for i in 0..4000 {
+            let t = after + i * NANOS_PER_SEC / 4000;
+            each[(i % 2) as usize] += admitted_at(&rules, "10.0.0.1", 1, t);
+        }
+        assert!(
+            each.iter().all(|&n| n >= 160),
+            "{each:?} of 2000 each, allowed 400/s between them"
+        );
+    }
+
+    /// A heavy key whose requests come in a burst each second (a batch, a pool of connections
+    /// firing together) still gets its allowance: what the pace did not let through while the
+    /// key was quiet, it lets through in the burst, up to a report interval's worth.
+    #[test]
+    fn a_heavy_key_that_comes_in_bursts_still_gets_its_allowance() {
+        let rules = allowed_tenth_of_4000(T0 + NANOS_PER_SEC);
+        let after = paced_for_a_second(&rules);
+        let ms = NANOS_PER_SEC / 1000;
+        // Quiet for 900 ms, then 4000 in 100 ms.
+        let got: u32 = (0..4000)
+            .map(|i| after + 900 * ms + i * 100 * ms / 4000)
+            .map(|t| admitted_at(&rules, "10.0.0.1", 1, t))
+            .sum();
+        // (Up to two more: where each place of the pace frees is drawn within two spacings.)
+        assert!(
+            (380..=403).contains(&got),
+            "{got} of a burst of 4000, allowed 400/s"
+        );
+    }
+
+    /// Pacing counts requests, not units: a key of requests of cost 100 offered 2000 units a
+    /// second (20 requests) is too few requests to estimate an allowance from closely, and its
+    /// share decides, within the guard's headroom, as for any light key.
+    #[test]
+    fn a_key_of_few_costly_requests_is_not_paced() {
+        let c = GlobalCounters::default();
+        (0..20).for_each(|_| {
+            c.offer(100);
+        });
+        c.take(1.0, 1, || (0.0, 0.0, false));
+        let (_, paced) = c.keep_now(0.1, || 200.0, (0.0, 100), 0, NANOS_PER_SEC);
+        assert!(!paced, "20 requests of cost 100 paced");
+        let (keep, paced) = c.keep_now(0.1, || 200.0, (0.0, 1), 0, NANOS_PER_SEC);
+        assert!(
+            paced && keep == 0.2,
+            "2000 requests of cost 1: {keep} {paced}"
+        );
+    }
+
+    /// A heavy key's client that pauses after each report and then sends its usual count
+    /// over the rest of the interval gains nothing: pacing spends no credit it did not earn.
+    #[test]
+    fn a_heavy_client_that_pauses_after_each_report_gains_nothing() {
+        let ms = NANOS_PER_SEC / 1000;
+        for pause in [100, 250, 500, 800] {
+            let rules = allowed_tenth_of_4000(T0 + NANOS_PER_SEC);
+            let after = paced_for_a_second(&rules);
+            let rest = 1000 - pause;
+            let got: u32 = (0..4000)
+                .map(|i| after + pause * ms + i * rest * ms / 4000)
+                .map(|t| admitted_at(&rules, "10.0.0.1", 1, t))
+                .sum();
+            // (Up to two more: where each place of the pace frees is drawn within two spacings.)
+            assert!(
+                got <= 402,
+                "{got} of 4000 after a {pause} ms pause, allowed 400/s"
+            );
+        }
+    }
+
     /// The controller smooths its sums from when each report's rates arrive, so sums taken as
     /// a report arrives pair with this proxy's smoothed rate from the report before it: a key
     /// at 100/s, 110/s, then 120/s (no step), answered at 0.5, is allowed half of its rate

@@ -174,8 +174,10 @@ impl RuleSet {
                 let interval = self.report_interval.max(1);
                 let mut retry = interval - age % interval;
                 let mut keep_now = 1.0 - p;
-                // The allowance, once worked out here, for the guard below.
+                // The allowance, once worked out here, for the guard below; and whether the
+                // guard paces the key at it.
                 let mut allowance = None;
+                let mut paced = false;
                 if took.shared && choice == Choice::Named && factor >= 1.0 && g.drained > 0 {
                     // Fresh ratios of a key the reply names: its allowance, of what it is
                     // offered now (the tail's keys share one ratio, and no allowance each).
@@ -190,7 +192,8 @@ impl RuleSet {
                         );
                         allowance.insert(a).0
                     };
-                    keep_now = counters.keep_now(keep_now, of, offered, since, interval);
+                    (keep_now, paced) =
+                        counters.keep_now(keep_now, of, (offered, cost), since, interval);
                 }
                 let mut allowed = !took.shared || counters.share(keep_now, cost);
                 if allowed && choice == Choice::New && !stale {
@@ -225,7 +228,7 @@ impl RuleSet {
                         ratios,
                         rule,
                         g.rate,
-                        (keep, allowance),
+                        (keep, allowance, paced),
                         cost,
                         interval,
                     );
@@ -235,7 +238,10 @@ impl RuleSet {
                             Err(wait) => {
                                 allowed = false;
                                 retry = wait;
-                                if took.shared {
+                                // A paced key's share keeps what it paid: given back, every
+                                // request would reach the pace, which would pick by the clock
+                                // alone, the same places of a fixed cycle of clients each time.
+                                if took.shared && !paced {
                                     counters.give_back(cost);
                                 }
                             }
@@ -273,14 +279,16 @@ impl RuleSet {
 /// surge), and for a few units a report its provisional share at least, so that the share
 /// decides in steady state. With no bound from the reply (under half its limit fleet-wide), a
 /// surge here is held until the sums hold it (with no share from the reply, the limit is not
-/// asked).
+/// asked). A `paced` key (see [`crate::rules::PACED_REQUESTS`]) is held to its allowance
+/// itself: its share lets more through, and the pace, not the share, decides what this proxy
+/// admits in any second.
 #[inline]
 fn guard_bound(
     counters: &GlobalCounters,
     ratios: &DropRatios,
     rule: &CompiledRule,
     rate: &Rate,
-    (keep, known): (f64, Option<(f64, bool)>),
+    (keep, known, paced): (f64, Option<(f64, bool)>, bool),
     cost: u32,
     interval: Nanos,
 ) -> Option<(f64, Nanos)> {
@@ -290,11 +298,18 @@ fn guard_bound(
         });
         let floor = (ratios.provisional(&rule.name, rate.per_sec()) * keep.min(1.0))
             .min(GUARD_FLOOR_UNITS * NANOS_PER_SEC as f64 / interval as f64);
-        let headroom = if surge { 1.0 } else { GUARD_HEADROOM };
+        let headroom = if surge || paced { 1.0 } else { GUARD_HEADROOM };
         let per_sec = allowance.max(floor) * headroom;
         let two =
             (2.0 * NANOS_PER_SEC as f64 * f64::from(cost) / per_sec.max(1e-9)).min(1e18) as Nanos;
-        Some((per_sec, interval.max(two)))
+        let early = if paced {
+            // Up to two requests' spacing less, drawn: a pace that frees its place at fixed
+            // times would find the same place of a fixed cycle of clients each time.
+            interval.saturating_sub(fastrand::u64(..=two))
+        } else {
+            interval
+        };
+        Some((per_sec, early.max(two)))
     } else {
         counters
             .held(0.0, ratios.answers, ratios.own_lag, 0.0)
