@@ -1259,17 +1259,22 @@ fn a_senders_step_moves_the_smoothed_sum_at_once_and_holds_it_for_the_senders_in
     assert_eq!(smoothed_after_a_step(200.0), 300.0);
 }
 
+/// `host`'s report number `seq` at `at` of key "k": (offered, admitted) and a step of `jump`.
+fn stepped(acc: &mut Accumulator, host: &str, counts: (u64, u64), jump: f64, seq: u64, at: f64) {
+    let mut e = entry(Some("k"), counts.0, counts.1);
+    e.jump = jump;
+    let mut r = report(host, vec![e]);
+    r.seq = seq;
+    acc.record(&r, "t", at).unwrap();
+}
+
 #[test]
 fn a_step_down_moves_the_sum_only_as_far_as_it_matches_a_step_up() {
     // Two hosts at 100/s; one steps up by 200/s while the other steps down by 100/s, half a
     // second apart (load moving between them, and more of it): the sum moves by the net.
     let mut acc = Accumulator::new(1.0);
     let send = |acc: &mut Accumulator, host: &str, offered: u64, jump: f64, seq: u64, at: f64| {
-        let mut e = entry(Some("k"), offered, offered);
-        e.jump = jump;
-        let mut r = report(host, vec![e]);
-        r.seq = seq;
-        acc.record(&r, "t", at).unwrap();
+        stepped(acc, host, (offered, offered), jump, seq, at)
     };
     for t in 0..5 {
         send(&mut acc, "a", 100, 0.0, t + 1, t as f64);
@@ -1304,11 +1309,7 @@ fn a_step_down_that_leaves_a_key_far_over_its_limit_moves_the_sum_at_once() {
     // every proxy's allowance a quarter short.
     let mut acc = Accumulator::new(1.0);
     let send = |acc: &mut Accumulator, host: &str, offered: u64, jump: f64, seq: u64, at: f64| {
-        let mut e = entry(Some("k"), offered, 50);
-        e.jump = jump;
-        let mut r = report(host, vec![e]);
-        r.seq = seq;
-        acc.record(&r, "t", at).unwrap();
+        stepped(acc, host, (offered, 50), jump, seq, at)
     };
     for t in 0..5 {
         send(&mut acc, "a", 10_000, 0.0, t + 1, t as f64);

@@ -1008,15 +1008,21 @@ mod provisional {
     /// taken at `drained` (0: a time not known) and answered with the key's ratio 0.5: this
     /// proxy's allowance is 50/s.
     fn allowed_half_of_100(drained: Nanos) -> RuleSet {
-        let (rules, ratios) = fleet_limited(400, 4.0, "");
-        assert_eq!(second_of(&rules, "10.0.0.1", 100, T0), 100);
+        answered(400, 100, 0.5, drained)
+    }
+
+    /// A key of a `limit`/s rule over 4 proxies offered `offered` a second here for a second,
+    /// that report taken at `drained` and answered with the key's `ratio`.
+    fn answered(limit: u32, offered: u64, ratio: f64, drained: Nanos) -> RuleSet {
+        let (rules, ratios) = fleet_limited(limit, 4.0, "");
+        second_of(&rules, "10.0.0.1", offered, T0);
         rules.drain_global(10, 1.0, 4, drained);
         let mut answer = DropRatios::of(
             T0 + NANOS_PER_SEC,
-            [("g", Some("10.0.0.1"), 0.5)].into_iter(),
+            [("g", Some("10.0.0.1"), ratio)].into_iter(),
         )
         .answering(4);
-        answer.hint("g", 50.0, None);
+        answer.hint("g", f64::from(limit) / 8.0, None);
         ratios.store(Arc::new(answer));
         rules
     }
@@ -1062,6 +1068,17 @@ mod provisional {
         assert!(got <= 57, "{got} of 100 admitted at a ratio of 0.5");
     }
 
+    /// What `n` requests spread over the second from `from`, after a pause of `pause` ms,
+    /// admit.
+    fn paused_second(rules: &RuleSet, from: Nanos, pause: u64, n: u64) -> u32 {
+        let ms = NANOS_PER_SEC / 1000;
+        let rest = 1000 - pause;
+        (0..n)
+            .map(|i| from + pause * ms + i * rest * ms / n)
+            .map(|t| admitted_at(rules, "10.0.0.1", 1, t))
+            .sum()
+    }
+
     /// A client that pauses after each report (the 429's `Retry-After` says when it comes)
     /// and then sends its usual count over the rest of the interval reads as a low rate
     /// since the report: however long the pause, it gains an eighth past its allowance at
@@ -1069,14 +1086,9 @@ mod provisional {
     #[test]
     fn a_client_that_pauses_after_each_report_gains_little() {
         let after = T0 + NANOS_PER_SEC;
-        let ms = NANOS_PER_SEC / 1000;
         for pause in [100, 125, 150, 200, 500] {
             let rules = allowed_half_of_100(after);
-            let rest = 1000 - pause;
-            let got: u32 = (0..100)
-                .map(|i| after + pause * ms + i * rest * ms / 100)
-                .map(|t| admitted_at(&rules, "10.0.0.1", 1, t))
-                .sum();
+            let got = paused_second(&rules, after, pause, 100);
             assert!(
                 got <= 56,
                 "{got} of 100 after a {pause} ms pause, allowed 50/s"
@@ -1088,17 +1100,7 @@ mod provisional {
     /// taken at `drained` and answered with the key's ratio 0.9: this proxy's allowance is
     /// 400/s, a tenth of what it is offered.
     fn allowed_tenth_of_4000(drained: Nanos) -> RuleSet {
-        let (rules, ratios) = fleet_limited(1600, 4.0, "");
-        second_of(&rules, "10.0.0.1", 4000, T0);
-        rules.drain_global(10, 1.0, 4, drained);
-        let mut answer = DropRatios::of(
-            T0 + NANOS_PER_SEC,
-            [("g", Some("10.0.0.1"), 0.9)].into_iter(),
-        )
-        .answering(4);
-        answer.hint("g", 200.0, None);
-        ratios.store(Arc::new(answer));
-        rules
+        answered(1600, 4000, 0.9, drained)
     }
 
     /// [`allowed_tenth_of_4000`], and a second offered 4000/s after its reply: the time the
@@ -1198,15 +1200,10 @@ mod provisional {
     /// over the rest of the interval gains nothing: pacing spends no credit it did not earn.
     #[test]
     fn a_heavy_client_that_pauses_after_each_report_gains_nothing() {
-        let ms = NANOS_PER_SEC / 1000;
         for pause in [100, 250, 500, 800] {
             let rules = allowed_tenth_of_4000(T0 + NANOS_PER_SEC);
             let after = paced_for_a_second(&rules);
-            let rest = 1000 - pause;
-            let got: u32 = (0..4000)
-                .map(|i| after + pause * ms + i * rest * ms / 4000)
-                .map(|t| admitted_at(&rules, "10.0.0.1", 1, t))
-                .sum();
+            let got = paused_second(&rules, after, pause, 4000);
             // (Up to two more: where each place of the pace frees is drawn within two spacings.)
             assert!(
                 got <= 402,
