@@ -245,6 +245,11 @@ pub struct GlobalCounters {
     /// report's sequence number (high 32 bits) and, for a surge (a jump up), what this proxy
     /// was allowed before it (low 32 bits, an `f32`'s; 0: none). 0: no jump yet.
     surge: AtomicU64,
+    /// The last jump down of this proxy's offered rate: the low 32 bits of its report's
+    /// sequence number (high 32 bits) and what this proxy was allowed before it (low 32 bits,
+    /// an `f32`'s; 0: none): load that comes back within [`DIP_REPORTS`] is held to it at
+    /// least (see [`Self::take`]).
+    dip: AtomicU64,
     /// The share `keep` of the ratios in force at that surge's report (an `f32`'s bits): how
     /// much the fleet's load grew since, against this proxy's own jump, says whether the
     /// fleet surged too.
@@ -312,6 +317,10 @@ pub const PACED_REQUESTS: f64 = 2000.0;
 /// offered down to half of what it reported still leaves the pace, not the share, deciding.
 pub const PACED_SHARE: f64 = 2.0;
 
+/// A jump up within this many reports of a jump down is load coming back, not a surge past
+/// what this proxy was allowed before the fall (see [`GlobalCounters::take`]).
+pub const DIP_REPORTS: u32 = 3;
+
 /// The least units a key's offered rate now is counted over (see
 /// [`GlobalCounters::keep_now`]): fewer, and chance in the count moves the share.
 pub const NOW_UNITS: f64 = 20.0;
@@ -374,6 +383,7 @@ impl Default for GlobalCounters {
             raw: AtomicU32::new(0),
             older: AtomicU32::new(0),
             surge: AtomicU64::new(0),
+            dip: AtomicU64::new(0),
             surge_keep: AtomicU32::new(0),
             quiet: AtomicU8::new(QUIET_REPORTS as u8),
             choice: AtomicU64::new(0),
@@ -685,13 +695,34 @@ impl GlobalCounters {
             let after_jump = surge != 0 && (surge >> 32) as u32 == (seq as u32).wrapping_sub(1);
             let rate = if now > 0.0 && jumped(last, now, secs) {
                 jump = now - last;
+                // What was allowed before the last fall, if it was lately: in the dip this
+                // proxy's own rate stepped before the sums did, and what it was allowed there
+                // is short of its part of the limit.
+                let dip = self.dip.load(Ordering::Relaxed);
+                let lately = (seq as u32).wrapping_sub((dip >> 32) as u32) <= DIP_REPORTS;
+                let before_dip = if dip != 0 && lately {
+                    f64::from(f32::from_bits(dip as u32))
+                } else {
+                    0.0
+                };
+                let (allowed, keep, surging) = bound();
                 let held = if jump > 0.0 {
-                    let (allowed, keep, surging) = bound();
                     if !surging {
                         self.surge_keep.store(bits(keep), Ordering::Relaxed);
                     }
-                    allowed
+                    // Load coming back after a dip: held to what was allowed before it.
+                    if allowed > 0.0 {
+                        allowed.max(before_dip)
+                    } else {
+                        allowed
+                    }
                 } else {
+                    // A fall within a dip keeps what was allowed before the first.
+                    let before = allowed.max(before_dip);
+                    self.dip.store(
+                        (seq as u32 as u64) << 32 | u64::from(bits(before)),
+                        Ordering::Relaxed,
+                    );
                     0.0
                 };
                 self.surge.store(

@@ -1243,6 +1243,50 @@ mod provisional {
         assert!(near(allowed, 150.0), "{allowed}");
     }
 
+    /// Load that falls and comes back within a few reports (a busy machine's closed loop) is
+    /// no surge past what this proxy was allowed before it fell: the hold after the jump back
+    /// up is what it was allowed before the fall, not the little it was allowed in the dip
+    /// (its own rate had stepped down before the sums did).
+    #[test]
+    fn load_coming_back_after_a_dip_is_held_to_what_was_allowed_before_the_dip() {
+        let c = GlobalCounters::default();
+        let none = || (0.0, 0.0, false);
+        let offer = |n: u32| {
+            c.offer(n);
+        };
+        for seq in 1..=3 {
+            offer(4000);
+            c.take(1.0, seq, none);
+        }
+        // The fall: allowed 400 a second before it.
+        offer(1500);
+        let (_, _, jump) = c.take(1.0, 4, || (400.0, 0.1, false));
+        assert!(jump < 0.0, "{jump}");
+        // Back up: allowed 150 in the dip.
+        offer(4000);
+        let (_, _, jump) = c.take(1.0, 5, || (150.0, 0.1, false));
+        assert!(jump > 0.0, "{jump}");
+        assert_eq!(c.held(0.1, 4, 0, 1e6), Some(400.0));
+        // A surge long after a fall is held to what was allowed just before it.
+        let c = GlobalCounters::default();
+        let offer = |n: u32| {
+            c.offer(n);
+        };
+        for seq in 1..=3 {
+            offer(4000);
+            c.take(1.0, seq, none);
+        }
+        offer(1500);
+        c.take(1.0, 4, || (400.0, 0.1, false));
+        for seq in 5..=9 {
+            offer(1500);
+            c.take(1.0, seq, none);
+        }
+        offer(4000);
+        c.take(1.0, 10, || (150.0, 0.1, false));
+        assert_eq!(c.held(0.1, 9, 0, 1e6), Some(150.0));
+    }
+
     /// Once a reply answers a report that named or folded the key, its ratio decides alone.
     #[test]
     fn an_assigned_key_is_decided_by_its_ratio() {
