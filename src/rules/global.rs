@@ -245,11 +245,14 @@ pub struct GlobalCounters {
     /// report's sequence number (high 32 bits) and, for a surge (a jump up), what this proxy
     /// was allowed before it (low 32 bits, an `f32`'s; 0: none). 0: no jump yet.
     surge: AtomicU64,
-    /// The last jump down of this proxy's offered rate: the low 32 bits of its report's
-    /// sequence number (high 32 bits) and what this proxy was allowed before it (low 32 bits,
-    /// an `f32`'s; 0: none): load that comes back within [`DIP_REPORTS`] is held to it at
-    /// least (see [`Self::take`]).
+    /// The last dip of this proxy's offered rate (jumps down within [`DIP_REPORTS`] of the
+    /// first): the low 32 bits of the first one's report's sequence number (high 32 bits) and
+    /// what this proxy was allowed before it (low 32 bits, an `f32`'s); 0: none. See
+    /// [`Self::held`].
     dip: AtomicU64,
+    /// That dip's fleet: the share `keep` in force before it (high 32 bits) and by how many
+    /// units a second this proxy's rate fell in it (low 32 bits), `f32`s' bits.
+    dip_fleet: AtomicU64,
     /// The share `keep` of the ratios in force at that surge's report (an `f32`'s bits): how
     /// much the fleet's load grew since, against this proxy's own jump, says whether the
     /// fleet surged too.
@@ -317,8 +320,9 @@ pub const PACED_REQUESTS: f64 = 2000.0;
 /// offered down to half of what it reported still leaves the pace, not the share, deciding.
 pub const PACED_SHARE: f64 = 2.0;
 
-/// A jump up within this many reports of a jump down is load coming back, not a surge past
-/// what this proxy was allowed before the fall (see [`GlobalCounters::take`]).
+/// A jump up within this many reports of a jump down, while the fleet's load fell with this
+/// proxy's, is load coming back, not a surge past what this proxy was allowed before the fall
+/// (see [`GlobalCounters::held`]).
 pub const DIP_REPORTS: u32 = 3;
 
 /// The least units a key's offered rate now is counted over (see
@@ -384,6 +388,7 @@ impl Default for GlobalCounters {
             older: AtomicU32::new(0),
             surge: AtomicU64::new(0),
             dip: AtomicU64::new(0),
+            dip_fleet: AtomicU64::new(0),
             surge_keep: AtomicU32::new(0),
             quiet: AtomicU8::new(QUIET_REPORTS as u8),
             choice: AtomicU64::new(0),
@@ -627,7 +632,8 @@ impl GlobalCounters {
         (keep_now, false)
     }
 
-    /// What a surge here is held to, while it is (see [`Self::allowance`]); for a key the
+    /// What a surge here is held to, while it is (see [`Self::allowance`]; after a dip of the
+    /// fleet's, what was allowed before it, if more: [`Self::before_dip`]); for a key the
     /// reply does not bound (`keep` 0: under half its limit fleet-wide), until the sums hold
     /// the surge's report (if the fleet is still under half its limit with it, nothing to
     /// hold).
@@ -657,7 +663,58 @@ impl GlobalCounters {
             }
             _ => false,
         };
-        holds.then_some(before)
+        holds.then(|| before.max(self.before_dip(surge, limit)))
+    }
+
+    /// For a surge (its `surge` word) within [`DIP_REPORTS`] of a dip's first fall, while the
+    /// fleet's load fell by half this proxy's fall or more between that fall and the surge
+    /// (the ratios in force at each): what this proxy was allowed before the dip. Load coming
+    /// back after a dip of the fleet's (a busy machine) is no surge past it; in the dip this
+    /// proxy's rate stepped down a reply before the sums did, and what it was allowed there is
+    /// short. Else (load that left for another proxy and came back: that proxy was given its
+    /// part meanwhile) 0.
+    fn before_dip(&self, surge: u64, limit: f64) -> f64 {
+        let dip = self.dip.load(Ordering::Relaxed);
+        let since = ((surge >> 32) as u32).wrapping_sub((dip >> 32) as u32);
+        if dip == 0 || since > DIP_REPORTS {
+            return 0.0;
+        }
+        let fleet = self.dip_fleet.load(Ordering::Relaxed);
+        let keep_before = f64::from(f32::from_bits((fleet >> 32) as u32));
+        let fell = f64::from(f32::from_bits(fleet as u32));
+        let keep_at_surge = f64::from(f32::from_bits(self.surge_keep.load(Ordering::Relaxed)));
+        if !(keep_before > 0.0 && keep_at_surge > 0.0) {
+            return 0.0;
+        }
+        if limit / keep_before - limit / keep_at_surge >= fell / 2.0 {
+            f64::from(f32::from_bits(dip as u32))
+        } else {
+            0.0
+        }
+    }
+
+    /// Records a fall of `by` units a second at report `seq`, this proxy allowed `allowed` by
+    /// ratios that keep `keep` before it: the first of a dip, or one more within
+    /// [`DIP_REPORTS`] of its first (which keeps the first's number, what was allowed before
+    /// it and the fleet's share then, and adds the fall). Only a key the reply bounds.
+    fn fell(&self, seq: u64, by: f64, allowed: f64, keep: f64) {
+        if !(keep > 0.0 && allowed > 0.0) {
+            return;
+        }
+        let bits = |r: f64| u64::from((r as f32).to_bits());
+        let dip = self.dip.load(Ordering::Relaxed);
+        let first = (dip >> 32) as u32;
+        if dip != 0 && (seq as u32).wrapping_sub(first) <= DIP_REPORTS {
+            let fleet = self.dip_fleet.load(Ordering::Relaxed);
+            let fallen = f64::from(f32::from_bits(fleet as u32)) + by;
+            self.dip_fleet
+                .store(fleet & !0xffff_ffff | bits(fallen), Ordering::Relaxed);
+        } else {
+            self.dip
+                .store((seq as u32 as u64) << 32 | bits(allowed), Ordering::Relaxed);
+            self.dip_fleet
+                .store(bits(keep) << 32 | bits(by), Ordering::Relaxed);
+        }
     }
 
     /// Offered and admitted over the last `secs` for report `seq`, zeroed, and by how many
@@ -667,7 +724,8 @@ impl GlobalCounters {
     /// step the controller hears of). A jump up starts a surge held to what `bound` says the
     /// key is allowed now (see [`Self::allowance`]): units a second (0: no bound), by ratios
     /// that keep what share, and whether that is a surge's hold already (which the new jump
-    /// continues, from where it began); a jump down ends one.
+    /// continues, from where it began); a jump down ends one, and is a dip's fall, with what
+    /// `bound` said was allowed before it (see [`Self::held`]).
     pub(super) fn take(
         &self,
         secs: f64,
@@ -695,34 +753,14 @@ impl GlobalCounters {
             let after_jump = surge != 0 && (surge >> 32) as u32 == (seq as u32).wrapping_sub(1);
             let rate = if now > 0.0 && jumped(last, now, secs) {
                 jump = now - last;
-                // What was allowed before the last fall, if it was lately: in the dip this
-                // proxy's own rate stepped before the sums did, and what it was allowed there
-                // is short of its part of the limit.
-                let dip = self.dip.load(Ordering::Relaxed);
-                let lately = (seq as u32).wrapping_sub((dip >> 32) as u32) <= DIP_REPORTS;
-                let before_dip = if dip != 0 && lately {
-                    f64::from(f32::from_bits(dip as u32))
-                } else {
-                    0.0
-                };
                 let (allowed, keep, surging) = bound();
                 let held = if jump > 0.0 {
                     if !surging {
                         self.surge_keep.store(bits(keep), Ordering::Relaxed);
                     }
-                    // Load coming back after a dip: held to what was allowed before it.
-                    if allowed > 0.0 {
-                        allowed.max(before_dip)
-                    } else {
-                        allowed
-                    }
+                    allowed
                 } else {
-                    // A fall within a dip keeps what was allowed before the first.
-                    let before = allowed.max(before_dip);
-                    self.dip.store(
-                        (seq as u32 as u64) << 32 | u64::from(bits(before)),
-                        Ordering::Relaxed,
-                    );
+                    self.fell(seq, -jump, allowed, keep);
                     0.0
                 };
                 self.surge.store(

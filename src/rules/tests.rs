@@ -1243,12 +1243,11 @@ mod provisional {
         assert!(near(allowed, 150.0), "{allowed}");
     }
 
-    /// Load that falls and comes back within a few reports (a busy machine's closed loop) is
-    /// no surge past what this proxy was allowed before it fell: the hold after the jump back
-    /// up is what it was allowed before the fall, not the little it was allowed in the dip
-    /// (its own rate had stepped down before the sums did).
-    #[test]
-    fn load_coming_back_after_a_dip_is_held_to_what_was_allowed_before_the_dip() {
+    /// A key at 4000/s here, allowed 400 of it (a share of 0.1 of a fleet of three such
+    /// proxies under a limit of 1200), falls to 1500/s at report 4 and comes back at report
+    /// `back`, allowed 150 in the dip by ratios that kept `keep_then`: what the surge is held
+    /// to until the sums hold it.
+    fn held_after_a_dip(back: u64, keep_then: f64) -> Option<f64> {
         let c = GlobalCounters::default();
         let none = || (0.0, 0.0, false);
         let offer = |n: u32| {
@@ -1258,33 +1257,34 @@ mod provisional {
             offer(4000);
             c.take(1.0, seq, none);
         }
-        // The fall: allowed 400 a second before it.
         offer(1500);
         let (_, _, jump) = c.take(1.0, 4, || (400.0, 0.1, false));
         assert!(jump < 0.0, "{jump}");
-        // Back up: allowed 150 in the dip.
-        offer(4000);
-        let (_, _, jump) = c.take(1.0, 5, || (150.0, 0.1, false));
-        assert!(jump > 0.0, "{jump}");
-        assert_eq!(c.held(0.1, 4, 0, 1e6), Some(400.0));
-        // A surge long after a fall is held to what was allowed just before it.
-        let c = GlobalCounters::default();
-        let offer = |n: u32| {
-            c.offer(n);
-        };
-        for seq in 1..=3 {
-            offer(4000);
-            c.take(1.0, seq, none);
-        }
-        offer(1500);
-        c.take(1.0, 4, || (400.0, 0.1, false));
-        for seq in 5..=9 {
+        for seq in 5..back {
             offer(1500);
             c.take(1.0, seq, none);
         }
         offer(4000);
-        c.take(1.0, 10, || (150.0, 0.1, false));
-        assert_eq!(c.held(0.1, 9, 0, 1e6), Some(150.0));
+        let (_, _, jump) = c.take(1.0, back, || (150.0, keep_then, false));
+        assert!(jump > 0.0, "{jump}");
+        c.held(keep_then, back - 1, 0, 1200.0)
+    }
+
+    /// Load that falls and comes back within a few reports while the fleet's fell with it (a
+    /// busy machine's closed loop) is no surge past what this proxy was allowed before the
+    /// fall: the hold is that, not the little it was allowed in the dip (its own rate had
+    /// stepped down a reply before the sums did). Load that left for another proxy and came
+    /// back (the fleet's unchanged: that proxy was given its part meanwhile), or a dip long
+    /// past, is held to what it was allowed just before.
+    #[test]
+    fn load_coming_back_after_a_fleet_wide_dip_is_held_to_what_was_allowed_before_it() {
+        // All three proxies fell to 1500/s: the fleet's share rose to 1200 / 4500.
+        assert_eq!(held_after_a_dip(5, 1200.0 / 4500.0), Some(400.0));
+        assert_eq!(held_after_a_dip(7, 1200.0 / 4500.0), Some(400.0));
+        // Only this one fell, its load gone to another: the fleet's share stayed 0.1.
+        assert_eq!(held_after_a_dip(5, 0.1), Some(150.0));
+        // Long after the fall.
+        assert_eq!(held_after_a_dip(10, 1200.0 / 4500.0), Some(150.0));
     }
 
     /// Once a reply answers a report that named or folded the key, its ratio decides alone.
