@@ -827,8 +827,13 @@ mod provisional {
 
     /// Offers `key` `n` requests spread evenly over the second from `from`: how many pass.
     fn second_of(rules: &RuleSet, key: &str, n: u64, from: Nanos) -> u32 {
+        spread(rules, key, n, from, NANOS_PER_SEC)
+    }
+
+    /// What `n` requests of `key` spread evenly over `span` from `from` admit.
+    fn spread(rules: &RuleSet, key: &str, n: u64, from: Nanos, span: Nanos) -> u32 {
         (0..n)
-            .map(|i| admitted_at(rules, key, 1, from + i * NANOS_PER_SEC / n))
+            .map(|i| admitted_at(rules, key, 1, from + i * span / n))
             .sum()
     }
 
@@ -1072,11 +1077,7 @@ mod provisional {
     /// admit.
     fn paused_second(rules: &RuleSet, from: Nanos, pause: u64, n: u64) -> u32 {
         let ms = NANOS_PER_SEC / 1000;
-        let rest = 1000 - pause;
-        (0..n)
-            .map(|i| from + pause * ms + i * rest * ms / n)
-            .map(|t| admitted_at(rules, "10.0.0.1", 1, t))
-            .sum()
+        spread(rules, "10.0.0.1", n, from + pause * ms, (1000 - pause) * ms)
     }
 
     /// A client that pauses after each report (the 429's `Retry-After` says when it comes)
@@ -1107,9 +1108,7 @@ mod provisional {
     /// next second starts.
     fn paced_for_a_second(rules: &RuleSet) -> Nanos {
         let after = T0 + NANOS_PER_SEC;
-        let got: u32 = (0..4000)
-            .map(|i| admitted_at(rules, "10.0.0.1", 1, after + i * NANOS_PER_SEC / 4000))
-            .sum();
+        let got = second_of(rules, "10.0.0.1", 4000, after);
         // The allowance, and the interval's worth the guard takes early at first.
         assert!((400..=801).contains(&got), "{got} of 4000, allowed 400/s");
         after + NANOS_PER_SEC
@@ -1126,12 +1125,8 @@ mod provisional {
             let rules = allowed_tenth_of_4000(T0 + NANOS_PER_SEC);
             let after = paced_for_a_second(&rules);
             let half = NANOS_PER_SEC / 2;
-            let first: u32 = (0..2000)
-                .map(|i| admitted_at(&rules, "10.0.0.1", 1, after + i * half / 2000))
-                .sum();
-            let second: u32 = (0..then / 2)
-                .map(|i| admitted_at(&rules, "10.0.0.1", 1, after + half + i * half / (then / 2)))
-                .sum();
+            let first = spread(&rules, "10.0.0.1", 2000, after, half);
+            let second = spread(&rules, "10.0.0.1", then / 2, after + half, half);
             let got = first + second;
             assert!(
                 (392..=408).contains(&got),
@@ -1166,10 +1161,7 @@ mod provisional {
         let after = paced_for_a_second(&rules);
         let ms = NANOS_PER_SEC / 1000;
         // Quiet for 900 ms, then 4000 in 100 ms.
-        let got: u32 = (0..4000)
-            .map(|i| after + 900 * ms + i * 100 * ms / 4000)
-            .map(|t| admitted_at(&rules, "10.0.0.1", 1, t))
-            .sum();
+        let got = spread(&rules, "10.0.0.1", 4000, after + 900 * ms, 100 * ms);
         // (Up to two more: where each place of the pace frees is drawn within two spacings.)
         assert!(
             (380..=403).contains(&got),
