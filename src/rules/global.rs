@@ -6,7 +6,7 @@
 //! hand one counter's interval to two reports.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU16, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use crate::config::Rate;
@@ -260,6 +260,14 @@ pub struct GlobalCounters {
     /// How many reports in a row found nothing offered (saturating; none taken yet counts as
     /// [`QUIET_REPORTS`]).
     quiet: AtomicU8,
+    /// Bumped by every [`Self::take`] once it has changed the counts an allowance is worked
+    /// out from: one worked out before it is stale.
+    taken: AtomicU16,
+    /// The allowance decisions last worked out ([`Self::allowance_of`]), tagged with the
+    /// reply it is for and the [`Self::take`] it followed (high 32 bits; 0: none), and the
+    /// allowance itself (low 32 bits, an `f32`'s, negative for a surge's bound): once per
+    /// reply and report, not per request.
+    allowed: AtomicU64,
     /// What the last report this key was in did with it, staged until its answer comes: the
     /// report's sequence number (high 48 bits), the choice before it (8 bits) and its own (low 8
     /// bits): 0 not yet reported, [`NAMED`] or [`FOLDED`]. Relaxed: one word the reporter
@@ -391,6 +399,8 @@ impl Default for GlobalCounters {
             dip_fleet: AtomicU64::new(0),
             surge_keep: AtomicU32::new(0),
             quiet: AtomicU8::new(QUIET_REPORTS as u8),
+            taken: AtomicU16::new(0),
+            allowed: AtomicU64::new(0),
             choice: AtomicU64::new(0),
             name: std::sync::OnceLock::new(),
         }
@@ -585,6 +595,29 @@ impl GlobalCounters {
         // Never past the whole limit: the sums and this proxy's part of them are smoothed in
         // different places, and near nothing the sums may say less than this proxy alone.
         ((paired * keep).min(limit), false)
+    }
+
+    /// [`Self::allowance`] for a decision: the reply `answers` says `keep` of this key
+    /// whatever request asks, and the counts change only with a [`Self::take`], so it is
+    /// worked out once for each reply and report and kept.
+    #[inline]
+    pub(super) fn allowance_of(&self, keep: f64, answers: u64, lag: u8, limit: f64) -> (f64, bool) {
+        // Read before the counts: a take between them leaves what is worked out untagged
+        // for the counts it changed.
+        let taken = self.taken.load(Ordering::Acquire);
+        // Bit 0 set: never the empty word's tag.
+        let tag = (answers as u16 as u32) << 16 | u32::from(taken & 0x7fff) << 1 | 1;
+        let word = self.allowed.load(Ordering::Relaxed);
+        if (word >> 32) as u32 == tag {
+            let a = f32::from_bits(word as u32);
+            return (f64::from(a.abs()), a.is_sign_negative());
+        }
+        let (a, surge) = self.allowance(keep, answers, lag, limit);
+        let a = a as f32;
+        let bits = if surge { -a } else { a }.to_bits();
+        self.allowed
+            .store(u64::from(tag) << 32 | u64::from(bits), Ordering::Relaxed);
+        (f64::from(a), surge)
     }
 
     /// The share of what this proxy is offered now that admits its allowance (see
@@ -789,6 +822,7 @@ impl GlobalCounters {
             0
         };
         self.quiet.store(quiet, Ordering::Relaxed);
+        self.taken.fetch_add(1, Ordering::Release);
         (offered, admitted, jump)
     }
 }
@@ -896,6 +930,33 @@ mod tests {
         assert_eq!(s.factor(10), (0.5, true));
         assert_eq!(s.factor(15), (0.0, true));
         assert_eq!(s.factor(1000), (0.0, true));
+    }
+
+    #[test]
+    fn a_decision_s_allowance_is_worked_out_again_for_each_reply_and_report() {
+        let c = GlobalCounters::default();
+        let report = |n: u32, seq: u64| {
+            for _ in 0..n {
+                c.offer(1);
+            }
+            c.take(1.0, seq, || (0.0, 0.0, false));
+        };
+        report(100, 1);
+        report(100, 2);
+        let first = c.allowance_of(0.5, 2, 0, 1000.0);
+        assert_eq!(first, (50.0, false));
+        assert_eq!(
+            c.allowance_of(0.5, 2, 0, 1000.0),
+            first,
+            "kept for the reply"
+        );
+        // A new reply.
+        assert_eq!(c.allowance_of(0.2, 3, 0, 1000.0), (20.0, false));
+        // A report that moves the rate, under the same reply: worked out again.
+        report(400, 3);
+        let after = c.allowance_of(0.2, 3, 0, 1000.0);
+        assert_ne!(after, (20.0, false));
+        assert_eq!(after, c.allowance(0.2, 3, 0, 1000.0));
     }
 
     #[test]

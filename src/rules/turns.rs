@@ -184,7 +184,7 @@ impl RuleSet {
                     let since = now.saturating_sub(g.drained);
                     let offered = (offered - u64::from(cost)) as f64;
                     let of = || {
-                        let a = counters.allowance(
+                        let a = counters.allowance_of(
                             keep,
                             ratios.answers,
                             ratios.own_lag,
@@ -294,7 +294,7 @@ fn guard_bound(
 ) -> Option<(f64, Nanos)> {
     if keep > 0.0 {
         let (allowance, surge) = known.unwrap_or_else(|| {
-            counters.allowance(keep, ratios.answers, ratios.own_lag, rate.per_sec())
+            counters.allowance_of(keep, ratios.answers, ratios.own_lag, rate.per_sec())
         });
         let floor = (ratios.provisional(&rule.name, rate.per_sec()) * keep.min(1.0))
             .min(GUARD_FLOOR_UNITS * NANOS_PER_SEC as f64 / interval as f64);
