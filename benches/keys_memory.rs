@@ -1,6 +1,7 @@
 //! Memory per tracked key, and RSS when 1 M distinct keys are offered to a rule capped at
 //! `max_keys: 100000`: client addresses for every algorithm, then header keys of 60 bytes (the
-//! longest kept as they are, framed) and of 16 KiB (kept as a 17-byte hash).
+//! longest kept as they are, framed) and of 16 KiB (kept as a 17-byte hash), and a global
+//! rule's client addresses (their counters for the reports).
 //!
 //! `cargo bench --bench keys_memory`. Each algorithm runs in a fresh child process, so that
 //! one's freed memory does not flatter the next. RSS is read from /proc/self/statm (Linux).
@@ -30,8 +31,19 @@ fn one(limit: &str, key: &str) {
         Some((part, n)) => (part, n.parse::<usize>().unwrap()),
         None => (key, 0),
     };
+    // `... scope: global`: a global rule's keys (their counters for the reports), with a
+    // control plane that never answers.
+    let (rate, global) = match limit.split_once(" scope: global") {
+        Some((rate, _)) => (rate, "    scope: global\n"),
+        None => (limit, ""),
+    };
+    let control = if global.is_empty() {
+        ""
+    } else {
+        "control_plane: { url: 'http://127.0.0.1:1' }\n"
+    };
     let yaml = format!(
-        "service: m\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: r\n    key: {part}\n    limit: {limit}\n    max_keys: {CAP}\n"
+        "service: m\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\n{control}rules:\n  - name: r\n    key: {part}\n    limit: {rate}\n{global}    max_keys: {CAP}\n"
     );
     let config = Config::from_yaml(&yaml, "bench").unwrap();
     let metrics = Metrics::new();
@@ -88,6 +100,7 @@ fn main() {
         })
         .collect();
     runs.push(("{ concurrency: 4 }".into(), "client_ip"));
+    runs.push(("{ rate: 10/s } scope: global".into(), "client_ip"));
     // Keys as long as a local key is kept (64 B: heap past 24) and far longer (hashed).
     runs.push(("{ rate: 10/s }".into(), "header:x-k=60"));
     runs.push(("{ rate: 10/s }".into(), "header:x-k=16384"));

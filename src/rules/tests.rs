@@ -825,6 +825,30 @@ mod provisional {
         assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 7);
     }
 
+    /// Keys past a full store share one set of counters, but each has its own share from the
+    /// reply: the guard works out each one's allowance, never one kept for another key.
+    #[test]
+    fn keys_past_a_full_store_are_each_guarded_by_their_own_share() {
+        let (rules, ratios) = fleet_limited(40, 4.0, "    max_keys: 1\n");
+        // 10.0.0.1 takes the store's one place; 10.0.0.2 goes to the shared overflow, which
+        // is reported (folded) at 20/s.
+        admitted_at(&rules, "10.0.0.1", 1, T0);
+        second_of(&rules, "10.0.0.2", 20, T0);
+        rules.drain_global(10, 1.0, 4, 0);
+        // The reply names both (other proxies reported them by name): 10.0.0.2 far over its
+        // limit (it keeps 0.1: an allowance of 2/s of the overflow's 20/s), 10.0.0.3 watched
+        // under it (it keeps 10: an allowance of the whole limit).
+        let at = T0 + NANOS_PER_SEC;
+        let named = [("g", Some("10.0.0.2"), 0.9), ("g", Some("10.0.0.3"), -9.0)];
+        let mut answer = DropRatios::of(at, named.into_iter()).answering(4);
+        answer.hint("g", 5.0, None);
+        ratios.store(Arc::new(answer));
+        // 10.0.0.2 first: its share admits one of ten, and the guard works out its 2/s.
+        assert_eq!(admitted_at(&rules, "10.0.0.2", 10, at), 1);
+        let got = second_of(&rules, "10.0.0.3", 30, at);
+        assert_eq!(got, 30, "{got} of 30 admitted under an allowance of 40/s");
+    }
+
     /// Offers `key` `n` requests spread evenly over the second from `from`: how many pass.
     fn second_of(rules: &RuleSet, key: &str, n: u64, from: Nanos) -> u32 {
         spread(rules, key, n, from, NANOS_PER_SEC)

@@ -224,7 +224,9 @@ impl RuleSet {
                     }
                 } else if allowed && !stale {
                     let bound = guard_bound(
-                        &counters,
+                        // The shared overflow counters stand for many keys, each with its own
+                        // share: their allowance is not kept.
+                        (&counters, at != Slot::Overflow),
                         ratios,
                         rule,
                         g.rate,
@@ -281,10 +283,11 @@ impl RuleSet {
 /// surge here is held until the sums hold it (with no share from the reply, the limit is not
 /// asked). A `paced` key (see [`crate::rules::PACED_REQUESTS`]) is held to its allowance
 /// itself: its share lets more through, and the pace, not the share, decides what this proxy
-/// admits in any second.
+/// admits in any second. `kept`: `counters` are one key's, whose allowance is kept for the
+/// reply ([`GlobalCounters::allowance_of`]).
 #[inline]
 fn guard_bound(
-    counters: &GlobalCounters,
+    (counters, kept): (&GlobalCounters, bool),
     ratios: &DropRatios,
     rule: &CompiledRule,
     rate: &Rate,
@@ -294,7 +297,12 @@ fn guard_bound(
 ) -> Option<(f64, Nanos)> {
     if keep > 0.0 {
         let (allowance, surge) = known.unwrap_or_else(|| {
-            counters.allowance_of(keep, ratios.answers, ratios.own_lag, rate.per_sec())
+            let (answers, lag, limit) = (ratios.answers, ratios.own_lag, rate.per_sec());
+            if kept {
+                counters.allowance_of(keep, answers, lag, limit)
+            } else {
+                counters.allowance(keep, answers, lag, limit)
+            }
         });
         let floor = (ratios.provisional(&rule.name, rate.per_sec()) * keep.min(1.0))
             .min(GUARD_FLOOR_UNITS * NANOS_PER_SEC as f64 / interval as f64);
