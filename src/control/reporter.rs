@@ -182,6 +182,9 @@ impl Reporter {
         let covered = Duration::from_nanos(now.saturating_sub(since))
             .clamp(Duration::from_millis(100), Duration::from_secs(600));
         let seq = self.seq.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        // Names the proxy in the per-key trace of the drain (see `RuleSet::drain_global`).
+        let _span = tracing::trace_span!(target: crate::rules::FLEET_TRACE, "report", source = %self.source)
+            .entered();
         let counts = rules.drain_global(self.top_k, covered.as_secs_f64(), seq, self.clock.now());
         report_of(
             counts,

@@ -718,7 +718,38 @@ impl RuleSet {
                     if rule.digested && !e.value().named() {
                         return None;
                     }
-                    let (o, a, jump) = take(e.value(), e.value().reported(e.key()));
+                    let name = e.value().reported(e.key());
+                    // What the key was allowed until now, for the trace: before `take` moves it.
+                    let traced = tracing::enabled!(target: FLEET_TRACE, tracing::Level::TRACE)
+                        .then(|| {
+                            let c = e.value();
+                            let choice = c.choice(ratios.answers);
+                            let (_, keep) =
+                                ratios.ratio_keep(&rule.name, name, || choice != Choice::Named);
+                            let limit = rate.per_sec();
+                            (
+                                keep,
+                                c.allowance(keep, ratios.answers, ratios.own_lag, limit),
+                            )
+                        });
+                    let (o, a, jump) = take(e.value(), name);
+                    if let Some((keep, (allowance, held))) = traced {
+                        tracing::trace!(
+                            target: FLEET_TRACE,
+                            rule = %rule.name,
+                            key = %String::from_utf8_lossy(name),
+                            seq,
+                            answers = ratios.answers,
+                            lag = ratios.own_lag,
+                            offered = o,
+                            admitted = a,
+                            jump,
+                            keep,
+                            allowance,
+                            held,
+                            "drained"
+                        );
+                    }
                     if o == 0 {
                         // Not in this report: the last report it was in still says how the
                         // control plane sees it.

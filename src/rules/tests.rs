@@ -825,6 +825,44 @@ mod provisional {
         assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 7);
     }
 
+    /// The fleet trace: one event per named key and report, with what it was offered and what
+    /// it was allowed until then.
+    #[test]
+    fn a_report_traces_each_named_key_with_its_allowance() {
+        struct Lines(std::sync::mpsc::Sender<Vec<u8>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                let _ = self.0.send(b.to_vec());
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_ansi(false)
+            .with_writer(move || Lines(tx.clone()))
+            .finish();
+        // Reported at 10/s and answered with a ratio of 0.5: allowed 5/s.
+        let (rules, _) = assigned_with(0.5);
+        second_of(&rules, "10.0.0.1", 12, T0 + NANOS_PER_SEC);
+        tracing::subscriber::with_default(subscriber, || rules.drain_global(10, 1.0, 5, 0));
+        let text = String::from_utf8(rx.try_iter().flatten().collect()).unwrap();
+        for field in [
+            "drained",
+            "key=10.0.0.1",
+            "seq=5",
+            "answers=4",
+            "offered=12",
+            "keep=0.5",
+            "allowance=5.0",
+        ] {
+            assert!(text.contains(field), "{field} not in {text}");
+        }
+    }
+
     /// Keys past a full store share one set of counters, but each has its own share from the
     /// reply: the guard works out each one's allowance, never one kept for another key.
     #[test]
