@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """What the proxies of a fleet were allowed, report by report, against a global rule's limit.
 
-Reads the `spillway::fleet` trace (one event per named key and report; see `FLEET_TRACE` in
+Reads the `spillway::fleet` trace (one event per key and report that counts it; see `FLEET_TRACE` in
 src/rules/global.rs) from a file or stdin, e.g.
 
     RUST_LOG=spillway::fleet=trace SPILLWAY_BENCH_WINDOWS=1 cargo bench --locked \

@@ -896,11 +896,11 @@ pub(super) fn choose_named(
     (named, tail)
 }
 
-/// The `tracing` target of one event per named key and report at `trace` level (what it was
-/// offered and admitted, its jump, the reply's share and the allowance it was held to until
-/// then), in a span naming the proxy: `RUST_LOG=info,spillway::fleet=trace` on a proxy or the
-/// fleet benches, and `bench/fleet_trace.py` sums what the proxies were allowed against the
-/// limit report by report.
+/// The `tracing` target of one event per key and report that counts it, at `trace` level
+/// (what it was offered and admitted, its jump, the reply's share and the allowance it was
+/// held to until then), in a span naming the proxy: `RUST_LOG=info,spillway::fleet=trace` on a
+/// proxy or the fleet benches, and `bench/fleet_trace.py` sums what the proxies were allowed
+/// against the limit report by report.
 pub const FLEET_TRACE: &str = "spillway::fleet";
 
 /// Reports in a row that must find a global key unoffered before the sweep forgets it.

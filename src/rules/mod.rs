@@ -733,7 +733,7 @@ impl RuleSet {
                             )
                         });
                     let (o, a, jump) = take(e.value(), name);
-                    if let Some((keep, (allowance, held))) = traced {
+                    if let (Some((keep, (allowance, held))), 1..) = (traced, o) {
                         tracing::trace!(
                             target: FLEET_TRACE,
                             rule = %rule.name,

@@ -825,8 +825,8 @@ mod provisional {
         assert_eq!(admitted_at(&rules, "10.0.0.1", 400, T0), 7);
     }
 
-    /// The fleet trace: one event per named key and report, with what it was offered and what
-    /// it was allowed until then.
+    /// The fleet trace: one event per key and report that counts it, with what it was offered
+    /// and what it was allowed until then.
     #[test]
     fn a_report_traces_each_named_key_with_its_allowance() {
         struct Lines(std::sync::mpsc::Sender<Vec<u8>>);
