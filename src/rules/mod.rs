@@ -709,6 +709,10 @@ impl RuleSet {
                     }
                 })
             };
+            // The trace's lines, written once the map is let go (a slow log must not hold its
+            // shards); allocated only while the trace is on.
+            let traced = tracing::enabled!(target: FLEET_TRACE, tracing::Level::TRACE);
+            let mut traces = Vec::new();
             let keys: Vec<(String, u64, u64, f64, Arc<GlobalCounters>)> = store
                 .map
                 .iter()
@@ -720,35 +724,18 @@ impl RuleSet {
                     }
                     let name = e.value().reported(e.key());
                     // What the key was allowed until now, for the trace: before `take` moves it.
-                    let traced = tracing::enabled!(target: FLEET_TRACE, tracing::Level::TRACE)
-                        .then(|| {
-                            let c = e.value();
-                            let choice = c.choice(ratios.answers);
-                            let (_, keep) =
-                                ratios.ratio_keep(&rule.name, name, || choice != Choice::Named);
-                            let limit = rate.per_sec();
-                            (
-                                keep,
-                                c.allowance(keep, ratios.answers, ratios.own_lag, limit),
-                            )
-                        });
+                    let before = traced.then(|| {
+                        let c = e.value();
+                        let named = c.choice(ratios.answers) == Choice::Named;
+                        let (_, keep) = ratios.ratio_keep(&rule.name, name, || !named);
+                        let limit = rate.per_sec();
+                        let allowed = c.allowance(keep, ratios.answers, ratios.own_lag, limit);
+                        (named, keep, allowed)
+                    });
                     let (o, a, jump) = take(e.value(), name);
-                    if let (Some((keep, (allowance, held))), 1..) = (traced, o) {
-                        tracing::trace!(
-                            target: FLEET_TRACE,
-                            rule = %rule.name,
-                            key = %String::from_utf8_lossy(name),
-                            seq,
-                            answers = ratios.answers,
-                            lag = ratios.own_lag,
-                            offered = o,
-                            admitted = a,
-                            jump,
-                            keep,
-                            allowance,
-                            held,
-                            "drained"
-                        );
+                    if let (Some(before), 1..) = (before, o) {
+                        let key = String::from_utf8_lossy(name).into_owned();
+                        traces.push((key, o, a, jump, before));
                     }
                     if o == 0 {
                         // Not in this report: the last report it was in still says how the
@@ -759,6 +746,26 @@ impl RuleSet {
                     Some((key, o, a, jump, e.value().clone()))
                 })
                 .collect();
+            let stale = self.staleness.factor(now.saturating_sub(ratios.at)).1 && now > 0;
+            for (key, offered, admitted, jump, (named, keep, (allowance, held))) in traces {
+                tracing::trace!(
+                    target: FLEET_TRACE,
+                    rule = %rule.name,
+                    key = %key,
+                    seq,
+                    answers = ratios.answers,
+                    lag = ratios.own_lag,
+                    offered,
+                    admitted,
+                    jump,
+                    named,
+                    stale,
+                    keep,
+                    allowance,
+                    held,
+                    "drained"
+                );
+            }
             // Once every key's counts are taken: set before, a key not taken yet would read
             // its whole interval's count as offered since this report.
             drained.store(now, Ordering::Relaxed);
