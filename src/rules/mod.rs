@@ -685,12 +685,16 @@ impl RuleSet {
             else {
                 continue;
             };
+            // What the last answered report did with a key, and the share the reply keeps it to.
+            let share_of = |c: &GlobalCounters, name: &[u8]| {
+                let choice = c.choice(ratios.answers);
+                let (_, keep) = ratios.ratio_keep(&rule.name, name, || choice != Choice::Named);
+                (choice, keep)
+            };
             // What the guard allows a key now: a surge the report finds is held to it.
             let take = |c: &GlobalCounters, name: &[u8]| {
                 c.take(secs, seq, || {
-                    let choice = c.choice(ratios.answers);
-                    let tail = || choice != Choice::Named;
-                    let (_, keep) = ratios.ratio_keep(&rule.name, name, tail);
+                    let (choice, keep) = share_of(c, name);
                     let limit = rate.per_sec();
                     if keep > 0.0 {
                         let (allowed, surging) =
@@ -726,23 +730,21 @@ impl RuleSet {
                     // What the key was allowed until now, for the trace: before `take` moves it.
                     let before = traced.then(|| {
                         let c = e.value();
-                        let named = c.choice(ratios.answers) == Choice::Named;
-                        let (_, keep) = ratios.ratio_keep(&rule.name, name, || !named);
+                        let (choice, keep) = share_of(c, name);
                         let limit = rate.per_sec();
                         let allowed = c.allowance(keep, ratios.answers, ratios.own_lag, limit);
-                        (named, keep, allowed)
+                        (choice == Choice::Named, keep, allowed)
                     });
                     let (o, a, jump) = take(e.value(), name);
-                    if let (Some(before), 1..) = (before, o) {
-                        let key = String::from_utf8_lossy(name).into_owned();
-                        traces.push((key, o, a, jump, before));
-                    }
                     if o == 0 {
                         // Not in this report: the last report it was in still says how the
                         // control plane sees it.
                         return None;
                     }
-                    let key = String::from_utf8_lossy(e.value().reported(e.key())).into_owned();
+                    let key = String::from_utf8_lossy(name).into_owned();
+                    if let Some(before) = before {
+                        traces.push((key.clone(), o, a, jump, before));
+                    }
                     Some((key, o, a, jump, e.value().clone()))
                 })
                 .collect();
