@@ -931,6 +931,16 @@ fn quiet_for(c: &Arc<GlobalCounters>, reports: u8) -> bool {
 mod tests {
     use super::*;
 
+    /// `n` units offered to `c`, then report `seq` taken over 1 s with `bound` as what the
+    /// guard allows: how many it counted, and its jump.
+    fn reported(c: &GlobalCounters, n: u32, seq: u64, bound: (f64, f64, bool)) -> (u64, f64) {
+        for _ in 0..n {
+            c.offer(1);
+        }
+        let (offered, _, jump) = c.take(1.0, seq, || bound);
+        (offered, jump)
+    }
+
     #[test]
     fn stale_ratios_fall_linearly_to_zero_over_decay() {
         let s = Staleness {
@@ -946,12 +956,7 @@ mod tests {
     #[test]
     fn a_decision_s_allowance_is_worked_out_again_for_each_reply_and_report() {
         let c = GlobalCounters::default();
-        let report = |n: u32, seq: u64| {
-            for _ in 0..n {
-                c.offer(1);
-            }
-            c.take(1.0, seq, || (0.0, 0.0, false));
-        };
+        let report = |n: u32, seq: u64| reported(&c, n, seq, (0.0, 0.0, false));
         let close = |(a, s): (f64, bool), (b, t): (f64, bool)| {
             assert_eq!(s, t, "surge");
             assert!((a - b).abs() <= 1e-6 * b.abs(), "{a} against {b}");
@@ -975,10 +980,7 @@ mod tests {
         close(after, c.allowance(0.2, 3, 0, 1000.0));
         assert!(after.0 > 30.0, "{after:?}");
         // A surge's bound keeps its flag.
-        for _ in 0..1000 {
-            c.offer(1);
-        }
-        c.take(1.0, 4, || (7.5, 0.2, false));
+        reported(&c, 1000, 4, (7.5, 0.2, false));
         close(c.allowance(0.2, 3, 0, 1000.0), (7.5, true));
         close(c.allowance_of(0.2, 3, 0, 1000.0), (7.5, true));
         close(c.allowance_of(0.2, 3, 0, 1000.0), (7.5, true));
@@ -1003,10 +1005,7 @@ mod tests {
     fn a_step_moves_the_smoothed_rate_at_once_and_the_first_whole_interval_after_it_follows() {
         let c = GlobalCounters::default();
         let report = |n: u32, seq: u64| {
-            for _ in 0..n {
-                c.offer(1);
-            }
-            let (offered, _, jump) = c.take(1.0, seq, || (5.0, 0.5, false));
+            let (offered, jump) = reported(&c, n, seq, (5.0, 0.5, false));
             assert_eq!(offered, u64::from(n));
             jump
         };
