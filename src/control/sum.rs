@@ -243,6 +243,10 @@ struct Reporter {
     until: f64,
 }
 
+/// The ways a sender's step moved a key's smoothed sum (see `KeySum::stepped`).
+const STEPPED_UP: u8 = 1;
+const STEPPED_DOWN: u8 = 2;
+
 /// One (service, rule, key): the sum of the values held for it and its smoothed history.
 #[derive(Debug)]
 struct KeySum {
@@ -252,10 +256,16 @@ struct KeySum {
     smooth_admitted: f64,
     /// When the smoothed values were last brought up to date.
     at: f64,
-    /// Until when the smoothed values stand still: a sender's step moved them to its new
-    /// rate, and the held sum is pulled toward it only once it no longer holds that sender's
-    /// counts from before the step (a zone's sums take one forward to hold the step whole).
+    /// Until when the smoothed values move only one way: a sender's step moved them to its
+    /// new rate, and the held sum may pull them back (against the step) only once it no
+    /// longer holds that sender's counts from before the step (a zone's sums take one
+    /// forward to hold the step whole). The other way, the other senders' rates go on
+    /// moving them: frozen, they would fall behind what each proxy's own smoothed rate says,
+    /// which its allowance pairs with the sum.
     still_until: f64,
+    /// Which way the steps since `still_until` was set moved the sum: [`STEPPED_UP`],
+    /// [`STEPPED_DOWN`], or both (the sum then stands still).
+    stepped: u8,
     /// Senders' steps up not yet matched by steps down, and steps down not yet matched by
     /// steps up, until `match_until` (see [`KeySum::step`]).
     unmatched_up: f64,
@@ -286,6 +296,7 @@ impl KeySum {
             smooth_admitted: 0.0,
             at: now,
             still_until: f64::NEG_INFINITY,
+            stepped: 0,
             unmatched_up: 0.0,
             pending_down: 0.0,
             match_until: f64::NEG_INFINITY,
@@ -301,15 +312,27 @@ impl KeySum {
 
     /// The smoothed (offered, admitted) at `now`, without changing anything.
     fn smoothed(&self, now: f64, tau: f64) -> (f64, f64) {
-        let a = if tau > 0.0 {
-            1.0 - (-(now - self.at.max(self.still_until)).max(0.0) / tau).exp()
-        } else {
-            1.0
+        if tau <= 0.0 {
+            return (self.offered, self.admitted);
+        }
+        let toward = |(o, a): (f64, f64), secs: f64| {
+            let f = 1.0 - (-secs.max(0.0) / tau).exp();
+            (o + f * (self.offered - o), a + f * (self.admitted - a))
         };
-        (
-            self.smooth_offered + a * (self.offered - self.smooth_offered),
-            self.smooth_admitted + a * (self.admitted - self.smooth_admitted),
-        )
+        let mut from = (self.smooth_offered, self.smooth_admitted);
+        let mut since = self.at;
+        if since < self.still_until {
+            // After a step, only the other way (see `still_until`).
+            let until = now.min(self.still_until);
+            let (o, a) = toward(from, until - since);
+            from = match self.stepped {
+                STEPPED_UP => (o.max(from.0), a.max(from.1)),
+                STEPPED_DOWN => (o.min(from.0), a.min(from.1)),
+                _ => from,
+            };
+            since = until;
+        }
+        toward(from, now - since)
     }
 
     /// Brings the smoothed values to `now`: the held sum has stood since `at`.
@@ -373,7 +396,7 @@ impl KeySum {
     /// own rates stepped, and their allowances pair them with the sum). The rest (a surge or a
     /// burst ending) is left to smoothing, so that a key that bursts keeps the ratio and the
     /// watch its last burst earned, and every proxy's guard bounds its next. Either way the sum
-    /// then stands still for the sender's interval.
+    /// then moves only the step's way for the sender's interval (see `still_until`).
     fn step(&mut self, jump: f64, now: f64, secs: f64, limit: f64) {
         if now > self.match_until {
             self.unmatched_up = 0.0;
@@ -396,6 +419,14 @@ impl KeySum {
         };
         if moved != 0.0 {
             self.smooth_offered = (self.smooth_offered + moved).max(0.0);
+            if now >= self.still_until {
+                self.stepped = 0;
+            }
+            self.stepped |= if moved > 0.0 {
+                STEPPED_UP
+            } else {
+                STEPPED_DOWN
+            };
             self.still_until = self.still_until.max(now + secs);
         }
     }

@@ -1287,11 +1287,13 @@ fn a_step_down_moves_the_sum_only_as_far_as_it_matches_a_step_up() {
     );
     let before = acc.view(None, 5.5)[0].offered_rps;
     send(&mut acc, "a", 300, 200.0, 6, 5.5);
-    let after = acc.view(None, 5.6)[0].offered_rps;
+    let after = acc.view(None, 5.5)[0].offered_rps;
     assert!(
         (after - before - 100.0).abs() < 1e-9,
         "200 up, 100 of it matched: {before} -> {after}"
     );
+    // From there the held sum (310, more than the smoothed one) pulls it the step's way.
+    assert!(acc.view(None, 5.6)[0].offered_rps > after);
     // An unmatched step down: smoothing alone, never below nothing.
     let mut acc = Accumulator::new(1.0);
     send(&mut acc, "a", 100, 0.0, 1, 0.0);
@@ -1322,10 +1324,39 @@ fn a_step_down_that_leaves_a_key_far_over_its_limit_moves_the_sum_at_once() {
     let v = acc.view(None, 5.6)[0].offered_rps;
     assert!((v - 5_010.0).abs() < 1e-6, "{v}");
     // Past twice its limit the rest of a step down is left to smoothing (a burst's end keeps
-    // its ratio a while): the sum stops at twice the limit.
+    // its ratio a while): the sum stops at twice the limit, and smoothing goes on from there.
     send(&mut acc, "b", 10, -4_990.0, 7, 6.0);
-    let v = acc.view(None, 6.5)[0].offered_rps;
+    let v = acc.view(None, 6.0)[0].offered_rps;
     assert!((v - 200.0).abs() < 1e-6, "{v}");
+    let v = acc.view(None, 6.5)[0].offered_rps;
+    assert!((v - (20.0 + 180.0 * (-0.5f64).exp())).abs() < 1e-6, "{v}");
+}
+
+#[test]
+fn after_a_senders_step_the_others_rates_go_on_moving_the_sum_the_steps_way() {
+    // Two hosts at 1 000/s. One doubles, its zone's forward holding half a window of it (1 500
+    // counted): the sum steps to 3 000 and is not pulled back toward the 2 500 held.
+    let mut acc = Accumulator::new(1.0);
+    for t in 0..5 {
+        stepped(&mut acc, "a", (1_000, 1_000), 0.0, t + 1, t as f64);
+        stepped(&mut acc, "b", (1_000, 1_000), 0.0, t + 1, t as f64);
+    }
+    stepped(&mut acc, "a", (1_500, 1_000), 1_000.0, 6, 5.0);
+    let v = acc.view(None, 5.5)[0].offered_rps;
+    assert!((v - 3_000.0).abs() < 1e-6, "{v}");
+    // The other's rate rises meanwhile without a step of its own (what its proxy's smoothed
+    // rate follows): the sum follows it, from where it stands.
+    stepped(&mut acc, "b", (2_000, 1_000), 0.0, 6, 5.5);
+    let v = acc.view(None, 5.9)[0].offered_rps;
+    let toward = 3_000.0 + 500.0 * (1.0 - (-0.4f64).exp());
+    assert!((v - toward).abs() < 1e-6, "{v} against {toward}");
+    // Once the step's interval is over, the held sum pulls either way.
+    stepped(&mut acc, "b", (500, 500), 0.0, 7, 6.0);
+    let (at, v) = (
+        acc.view(None, 6.0)[0].offered_rps,
+        acc.view(None, 6.5)[0].offered_rps,
+    );
+    assert!(v < at, "{at} -> {v}");
 }
 
 #[test]

@@ -1048,7 +1048,10 @@ mod tests {
         reported(&quiet, 100, 1, (0.0, 0.0, false));
         reported(&quiet, 100, 2, (200.0, 0.0, false));
         reported(&quiet, 50, 3, (200.0, 0.0, false));
-        assert_eq!(quiet.allowance(partial, 3, 0, limit), (50.0 * partial, false));
+        assert_eq!(
+            quiet.allowance(partial, 3, 0, limit),
+            (50.0 * partial, false)
+        );
     }
 
     #[test]
