@@ -263,8 +263,8 @@ struct KeySum {
     /// moving them: frozen, they would fall behind what each proxy's own smoothed rate says,
     /// which its allowance pairs with the sum.
     still_until: f64,
-    /// Which way the steps since `still_until` was set moved the sum: [`STEPPED_UP`],
-    /// [`STEPPED_DOWN`], or both (the sum then stands still).
+    /// Which way the steps since the window up to `still_until` opened moved the sum:
+    /// [`STEPPED_UP`], [`STEPPED_DOWN`], or both (the sum then stands still).
     stepped: u8,
     /// Senders' steps up not yet matched by steps down, and steps down not yet matched by
     /// steps up, until `match_until` (see [`KeySum::step`]).
@@ -322,7 +322,7 @@ impl KeySum {
         let mut from = (self.smooth_offered, self.smooth_admitted);
         let mut since = self.at;
         if since < self.still_until {
-            // After a step, only the other way (see `still_until`).
+            // After a step, only the step's way (see `still_until`).
             let until = now.min(self.still_until);
             let (o, a) = toward(from, until - since);
             from = match self.stepped {

@@ -1360,6 +1360,26 @@ fn after_a_senders_step_the_others_rates_go_on_moving_the_sum_the_steps_way() {
 }
 
 #[test]
+fn steps_both_ways_within_a_senders_interval_hold_the_sum_where_they_left_it() {
+    // Two hosts at 10 000/s: one steps up by 10 000, the other down by 4 000 (matched by the
+    // first's jump: load moving), each zone's forward holding half a window of its step.
+    let mut acc = Accumulator::new(1.0);
+    for t in 0..5 {
+        stepped(&mut acc, "a", (10_000, 50), 0.0, t + 1, t as f64);
+        stepped(&mut acc, "b", (10_000, 50), 0.0, t + 1, t as f64);
+    }
+    stepped(&mut acc, "a", (15_000, 50), 10_000.0, 6, 5.0);
+    stepped(&mut acc, "b", (8_000, 50), -4_000.0, 6, 5.2);
+    let at = acc.view(None, 5.2)[0].offered_rps;
+    assert!((at - 26_000.0).abs() < 1e-6, "{at}");
+    // Moved both ways: the held 23 000 pulls neither way until the last step's window closes.
+    let v = acc.view(None, 6.1)[0].offered_rps;
+    assert!((v - at).abs() < 1e-6, "{v}");
+    let v = acc.view(None, 6.5)[0].offered_rps;
+    assert!(v < at - 100.0, "{v}");
+}
+
+#[test]
 fn a_step_is_a_named_keys_finite_rate_and_no_version_1_reader_sees_one() {
     let mut r = report("a", vec![entry(Some("k"), 10, 10), entry(None, 5, 5)]);
     r.entries[0].jump = 1e12;

@@ -242,8 +242,8 @@ pub struct GlobalCounters {
     /// The smoothed rate as of the report before the two `rate` holds (an `f32`'s bits).
     older: AtomicU32,
     /// The last jump of this proxy's offered rate ([`jumped`]): the low 32 bits of its
-    /// report's sequence number (high 32 bits) and what this proxy was allowed before it (low
-    /// 32 bits, an `f32`'s, negated for a fall; 0: none). 0: no jump yet.
+    /// report's sequence number (high 32 bits) and, for a surge (a jump up), what this proxy
+    /// was allowed before it (low 32 bits, an `f32`'s; 0: none). 0: no jump yet.
     surge: AtomicU64,
     /// The last dip of this proxy's offered rate (jumps down within [`DIP_REPORTS`] of the
     /// first): the low 32 bits of the first one's report's sequence number (high 32 bits) and
@@ -253,9 +253,9 @@ pub struct GlobalCounters {
     /// That dip's fleet: the share `keep` in force before it (high 32 bits) and by how many
     /// units a second this proxy's rate fell in it (low 32 bits), `f32`s' bits.
     dip_fleet: AtomicU64,
-    /// The share `keep` of the ratios in force at that jump's report (an `f32`'s bits): how
-    /// much the fleet's load grew (or fell) since, against this proxy's own jump, says
-    /// whether the fleet surged (or fell) too.
+    /// The share `keep` of the ratios in force at that surge's report (an `f32`'s bits): how
+    /// much the fleet's load grew since, against this proxy's own jump, says whether the
+    /// fleet surged too.
     surge_keep: AtomicU32,
     /// How many reports in a row found nothing offered (saturating; none taken yet counts as
     /// [`QUIET_REPORTS`]).
@@ -328,9 +328,9 @@ pub const PACED_REQUESTS: f64 = 2000.0;
 /// offered down to half of what it reported still leaves the pace, not the share, deciding.
 pub const PACED_SHARE: f64 = 2.0;
 
-/// A jump up within this many reports of a jump down, while the fleet's load fell with this
-/// proxy's, is load coming back, not a surge past what this proxy was allowed before the fall
-/// (see [`GlobalCounters::held`]).
+/// A jump up within this many reports of a jump down, while the rest of the fleet's load fell
+/// with this proxy's, is load coming back, not a surge past what this proxy was allowed before
+/// the fall (see [`GlobalCounters::held`]).
 pub const DIP_REPORTS: u32 = 3;
 
 /// The least units a key's offered rate now is counted over (see
@@ -594,27 +594,7 @@ impl GlobalCounters {
         }));
         // Never past the whole limit: the sums and this proxy's part of them are smoothed in
         // different places, and near nothing the sums may say less than this proxy alone.
-        let allowed = (paired * keep).min(limit);
-        // A fall's hold (see `held`'s surge, whose mirror it is): sums that hold the fall's
-        // report may not hold the falls of the fleet's other proxies in the same moment
-        // (a busy machine slows them all), each on its way through an aggregator; the fleet's
-        // share then rises by this proxy's fall only, and what this proxy is allowed falls
-        // short of its part. While the sums hold that report and the fleet's load fell by
-        // half this proxy's fall or more, what it was allowed before the fall, if more; the
-        // sums of the report after hold the rest. Load that moved to another proxy leaves
-        // the fleet's load where it was, and the allowance falls at once.
-        let before = f32::from_bits(surge as u32);
-        if before < 0.0 && keep > 0.0 && since_step == u32::from(lag) {
-            let before = f64::from(-before);
-            let keep_before = f64::from(f32::from_bits(self.surge_keep.load(Ordering::Relaxed)));
-            let own = f64::from(f32::from_bits((word >> 32) as u32));
-            if keep_before > 0.0
-                && limit / keep_before - limit / keep >= (before / keep_before - own) / 2.0
-            {
-                return (allowed.max(before), false);
-            }
-        }
-        (allowed, false)
+        ((paired * keep).min(limit), false)
     }
 
     /// [`Self::allowance`] for a decision on one key's counters (not the shared overflow's,
@@ -721,12 +701,15 @@ impl GlobalCounters {
     }
 
     /// For a surge (its `surge` word) within [`DIP_REPORTS`] of a dip's first fall, while the
-    /// fleet's load fell by half this proxy's fall or more between that fall and the surge
-    /// (the ratios in force at each): what this proxy was allowed before the dip. Load coming
-    /// back after a dip of the fleet's (a busy machine) is no surge past it; in the dip this
-    /// proxy's rate stepped down a reply before the sums did, and what it was allowed there is
-    /// short. Else (load that left for another proxy and came back: that proxy was given its
-    /// part meanwhile) 0.
+    /// rest of the fleet's load (the fleet's, this proxy's fall aside) fell by half this
+    /// proxy's fall or more between that fall and the surge (the ratios in force at each):
+    /// what this proxy was allowed before the dip. Load coming back after a dip of the
+    /// fleet's (a busy machine) is no surge past it; in the dip this proxy's rate stepped down
+    /// a reply before the sums did, and what it was allowed there is short. Else 0: load that
+    /// left for another proxy and came back (that proxy was given its part meanwhile), or that
+    /// left this proxy alone and came back (the rest of the fleet was given this proxy's part
+    /// meanwhile: held to it on the way back, a client that pauses here every few reports
+    /// would be admitted twice).
     fn before_dip(&self, surge: u64, limit: f64) -> f64 {
         let dip = self.dip.load(Ordering::Relaxed);
         let since = ((surge >> 32) as u32).wrapping_sub((dip >> 32) as u32);
@@ -740,7 +723,7 @@ impl GlobalCounters {
         if !(keep_before > 0.0 && keep_at_surge > 0.0) {
             return 0.0;
         }
-        if limit / keep_before - limit / keep_at_surge >= fell / 2.0 {
+        if limit / keep_before - limit / keep_at_surge - fell >= fell / 2.0 {
             f64::from(f32::from_bits(dip as u32))
         } else {
             0.0
@@ -815,15 +798,7 @@ impl GlobalCounters {
                     allowed
                 } else {
                     self.fell(seq, -jump, allowed, keep);
-                    // A fall of a key the reply bounds keeps what was allowed before it,
-                    // negated, for its hold (see [`Self::allowance`]), and the share in force,
-                    // as a surge does.
-                    if keep > 0.0 {
-                        self.surge_keep.store(bits(keep), Ordering::Relaxed);
-                        -allowed
-                    } else {
-                        0.0
-                    }
+                    0.0
                 };
                 self.surge.store(
                     (seq as u32 as u64) << 32 | u64::from(bits(held)),
@@ -1012,46 +987,6 @@ mod tests {
         close(c.allowance(0.2, 3, 0, 1000.0), (7.5, true));
         close(c.allowance_of(0.2, 3, 0, 1000.0), (7.5, true));
         close(c.allowance_of(0.2, 3, 0, 1000.0), (7.5, true));
-    }
-
-    #[test]
-    fn a_fall_with_the_fleet_s_is_held_to_what_was_allowed_before_it_for_the_sums_that_hold_it() {
-        // A limit of 300 a second; the fleet offers 600, this proxy 100 of it and keeps half.
-        let limit = 300.0;
-        let c = GlobalCounters::default();
-        reported(&c, 100, 1, (50.0, 0.5, false));
-        reported(&c, 100, 2, (50.0, 0.5, false));
-        // Every proxy's load halves in the same moment; this proxy's fall is in report 3.
-        let (_, jump) = reported(&c, 50, 3, (50.0, 0.5, false));
-        assert_eq!(jump, -50.0);
-        // Sums that hold no fall yet pair with the rate before it.
-        assert_eq!(c.allowance(0.5, 2, 0, limit), (50.0, false));
-        // The first sums that hold it hold only the falls that arrived with it: the fleet's
-        // 550 keeps 300/550, which would allow this proxy 27. It fell with the fleet (by its
-        // own 50 at least): held to the 50 before.
-        let partial = limit / 550.0;
-        assert_eq!(c.allowance(partial, 3, 0, limit), (50.0, false));
-        // Load that moved to another proxy leaves the fleet's 600 where it was: no hold,
-        // this proxy's share of the limit falls at once.
-        assert_eq!(c.allowance(0.5, 3, 0, limit), (25.0, false));
-        reported(&c, 50, 4, (50.0, partial, false));
-        // The same sums, through a relay a report behind: held.
-        assert_eq!(c.allowance(partial, 4, 1, limit), (50.0, false));
-        // The sums after them hold every fall (300 keeps all): the fall is this proxy's now.
-        assert_eq!(c.allowance(1.0, 4, 0, limit), (50.0, false));
-        let (a, surge) = c.allowance(0.8, 4, 0, limit);
-        assert!((a - 40.0).abs() < 1e-3 && !surge, "{a}");
-        let (a, _) = c.allowance(0.8, 5, 1, limit);
-        assert!((a - 40.0).abs() < 1e-3, "{a}");
-        // Nor for a key the reply does not bound.
-        let quiet = GlobalCounters::default();
-        reported(&quiet, 100, 1, (0.0, 0.0, false));
-        reported(&quiet, 100, 2, (200.0, 0.0, false));
-        reported(&quiet, 50, 3, (200.0, 0.0, false));
-        assert_eq!(
-            quiet.allowance(partial, 3, 0, limit),
-            (50.0 * partial, false)
-        );
     }
 
     #[test]

@@ -1324,12 +1324,13 @@ mod provisional {
         c.held(keep_then, back - 1, 0, 1200.0)
     }
 
-    /// Load that falls and comes back within a few reports while the fleet's fell with it (a
-    /// busy machine's closed loop) is no surge past what this proxy was allowed before the
-    /// fall: the hold is that, not the little it was allowed in the dip (its own rate had
-    /// stepped down a reply before the sums did). Load that left for another proxy and came
-    /// back (the fleet's unchanged: that proxy was given its part meanwhile), or a dip long
-    /// past, is held to what it was allowed just before.
+    /// Load that falls and comes back within a few reports while the rest of the fleet's fell
+    /// with it (a busy machine's closed loop) is no surge past what this proxy was allowed
+    /// before the fall: the hold is that, not the little it was allowed in the dip (its own
+    /// rate had stepped down a reply before the sums did). Load that left for another proxy
+    /// and came back (the fleet's unchanged: that proxy was given its part meanwhile), load
+    /// that left this proxy alone and came back (the other proxies were given its part
+    /// meanwhile), or a dip long past, is held to what it was allowed just before.
     #[test]
     fn load_coming_back_after_a_fleet_wide_dip_is_held_to_what_was_allowed_before_it() {
         // All three proxies fell to 1500/s: the fleet's share rose to 1200 / 4500.
@@ -1337,6 +1338,12 @@ mod provisional {
         assert_eq!(held_after_a_dip(7, 1200.0 / 4500.0), Some(400.0));
         // Only this one fell, its load gone to another: the fleet's share stayed 0.1.
         assert_eq!(held_after_a_dip(5, 0.1), Some(150.0));
+        // Only this one fell, its load gone (a client that pauses here to come back to the
+        // pre-dip allowance while the others were given its part): the fleet's 12 000 fell by
+        // this proxy's 2 500 alone.
+        assert_eq!(held_after_a_dip(5, 1200.0 / 9500.0), Some(150.0));
+        // Another proxy fell with it (the fleet fell by 5 000): held.
+        assert_eq!(held_after_a_dip(5, 1200.0 / 7000.0), Some(400.0));
         // Long after the fall.
         assert_eq!(held_after_a_dip(10, 1200.0 / 4500.0), Some(150.0));
     }
