@@ -328,9 +328,9 @@ pub const PACED_REQUESTS: f64 = 2000.0;
 /// offered down to half of what it reported still leaves the pace, not the share, deciding.
 pub const PACED_SHARE: f64 = 2.0;
 
-/// A jump up within this many reports of a jump down, while the rest of the fleet's load fell
-/// with this proxy's, is load coming back, not a surge past what this proxy was allowed before
-/// the fall (see [`GlobalCounters::held`]).
+/// A jump up within this many reports of a jump down, while the fleet's load fell by as large
+/// a part as this proxy's, is load coming back, not a surge past what this proxy was allowed
+/// before the fall (see [`GlobalCounters::held`]).
 pub const DIP_REPORTS: u32 = 3;
 
 /// The least units a key's offered rate now is counted over (see
@@ -697,20 +697,20 @@ impl GlobalCounters {
             }
             _ => false,
         };
-        holds.then(|| before.max(self.before_dip(surge, limit)))
+        holds.then(|| before.max(self.before_dip(surge)))
     }
 
     /// For a surge (its `surge` word) within [`DIP_REPORTS`] of a dip's first fall, while the
-    /// rest of the fleet's load (the fleet's, this proxy's fall aside) fell by half this
-    /// proxy's fall or more between that fall and the surge (the ratios in force at each):
-    /// what this proxy was allowed before the dip. Load coming back after a dip of the
-    /// fleet's (a busy machine) is no surge past it; in the dip this proxy's rate stepped down
-    /// a reply before the sums did, and what it was allowed there is short. Else 0: load that
-    /// left for another proxy and came back (that proxy was given its part meanwhile), or that
-    /// left this proxy alone and came back (the rest of the fleet was given this proxy's part
-    /// meanwhile: held to it on the way back, a client that pauses here every few reports
-    /// would be admitted twice).
-    fn before_dip(&self, surge: u64, limit: f64) -> f64 {
+    /// fleet's load fell by as large a part of itself as this proxy's did between that fall
+    /// and the surge (the ratios in force at each): what this proxy was allowed before the
+    /// dip. Load coming back after a dip of the fleet's (a busy machine) is no surge past it;
+    /// in the dip this proxy's rate stepped down a reply before the sums did, and what it was
+    /// allowed there is short. Else 0. A fleet that fell by a smaller part gave the proxies
+    /// that fell less a larger share meanwhile: held to what it had before, load coming back
+    /// here would be admitted on top of that (a client that pauses on one proxy, or on all but
+    /// one, every few reports). With every proxy held fallen by no larger a part than the
+    /// fleet, the others fell by as large a part, and their shares did not grow.
+    fn before_dip(&self, surge: u64) -> f64 {
         let dip = self.dip.load(Ordering::Relaxed);
         let since = ((surge >> 32) as u32).wrapping_sub((dip >> 32) as u32);
         if dip == 0 || since > DIP_REPORTS {
@@ -720,11 +720,15 @@ impl GlobalCounters {
         let keep_before = f64::from(f32::from_bits((fleet >> 32) as u32));
         let fell = f64::from(f32::from_bits(fleet as u32));
         let keep_at_surge = f64::from(f32::from_bits(self.surge_keep.load(Ordering::Relaxed)));
-        if !(keep_before > 0.0 && keep_at_surge > 0.0) {
+        let allowed = f64::from(f32::from_bits(dip as u32));
+        if !(keep_before > 0.0 && keep_at_surge > 0.0 && allowed > 0.0) {
             return 0.0;
         }
-        if limit / keep_before - limit / keep_at_surge - fell >= fell / 2.0 {
-            f64::from(f32::from_bits(dip as u32))
+        // The parts that fell: the fleet's, from its sums (limit / keep), and this proxy's,
+        // of its rate as the sums then paired it (what it was allowed / keep).
+        let fleet_fell = 1.0 - keep_before / keep_at_surge;
+        if fleet_fell >= fell * keep_before / allowed {
+            allowed
         } else {
             0.0
         }

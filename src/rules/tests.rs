@@ -1324,28 +1324,33 @@ mod provisional {
         c.held(keep_then, back - 1, 0, 1200.0)
     }
 
-    /// Load that falls and comes back within a few reports while the rest of the fleet's fell
-    /// with it (a busy machine's closed loop) is no surge past what this proxy was allowed
+    /// Load that falls and comes back within a few reports while the fleet's fell by as large
+    /// a part (a busy machine's closed loop) is no surge past what this proxy was allowed
     /// before the fall: the hold is that, not the little it was allowed in the dip (its own
     /// rate had stepped down a reply before the sums did). Load that left for another proxy
     /// and came back (the fleet's unchanged: that proxy was given its part meanwhile), load
-    /// that left this proxy alone and came back (the other proxies were given its part
-    /// meanwhile), or a dip long past, is held to what it was allowed just before.
+    /// that left this proxy, or all but one, and came back (the proxies that fell less were
+    /// given a larger share meanwhile), or a dip long past, is held to what it was allowed
+    /// just before.
     #[test]
     fn load_coming_back_after_a_fleet_wide_dip_is_held_to_what_was_allowed_before_it() {
-        // All three proxies fell to 1500/s: the fleet's share rose to 1200 / 4500.
-        assert_eq!(held_after_a_dip(5, 1200.0 / 4500.0), Some(400.0));
-        assert_eq!(held_after_a_dip(7, 1200.0 / 4500.0), Some(400.0));
+        // This proxy fell by 5/8 of its 4000/s; the others by a little more (the fleet's 12 000
+        // to 4 400): the fleet's share rose to 1200 / 4400.
+        assert_eq!(held_after_a_dip(5, 1200.0 / 4400.0), Some(400.0));
+        assert_eq!(held_after_a_dip(7, 1200.0 / 4400.0), Some(400.0));
         // Only this one fell, its load gone to another: the fleet's share stayed 0.1.
         assert_eq!(held_after_a_dip(5, 0.1), Some(150.0));
         // Only this one fell, its load gone (a client that pauses here to come back to the
         // pre-dip allowance while the others were given its part): the fleet's 12 000 fell by
         // this proxy's 2 500 alone.
         assert_eq!(held_after_a_dip(5, 1200.0 / 9500.0), Some(150.0));
-        // Another proxy fell with it (the fleet fell by 5 000): held.
-        assert_eq!(held_after_a_dip(5, 1200.0 / 7000.0), Some(400.0));
+        // Two of the three fell alike, the third not (a client that pauses on all but one
+        // proxy): the fleet's 12 000 fell to 7 000, a smaller part than this proxy's.
+        assert_eq!(held_after_a_dip(5, 1200.0 / 7000.0), Some(150.0));
+        // The others fell by a smaller part than this one (to 1800/s each: 5 100 in all).
+        assert_eq!(held_after_a_dip(5, 1200.0 / 5100.0), Some(150.0));
         // Long after the fall.
-        assert_eq!(held_after_a_dip(10, 1200.0 / 4500.0), Some(150.0));
+        assert_eq!(held_after_a_dip(10, 1200.0 / 4400.0), Some(150.0));
     }
 
     /// Once a reply answers a report that named or folded the key, its ratio decides alone.
