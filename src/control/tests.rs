@@ -1268,6 +1268,15 @@ fn stepped(acc: &mut Accumulator, host: &str, counts: (u64, u64), jump: f64, seq
     acc.record(&r, "t", at).unwrap();
 }
 
+/// Hosts "a" and "b" each report `counts` (offered, admitted) of key "k" once a second for
+/// five seconds, from 0: a steady sum to step from.
+fn two_steady_hosts(acc: &mut Accumulator, counts: (u64, u64)) {
+    for t in 0..5 {
+        stepped(acc, "a", counts, 0.0, t + 1, t as f64);
+        stepped(acc, "b", counts, 0.0, t + 1, t as f64);
+    }
+}
+
 #[test]
 fn a_step_down_moves_the_sum_only_as_far_as_it_matches_a_step_up() {
     // Two hosts at 100/s; one steps up by 200/s while the other steps down by 100/s, half a
@@ -1276,10 +1285,7 @@ fn a_step_down_moves_the_sum_only_as_far_as_it_matches_a_step_up() {
     let send = |acc: &mut Accumulator, host: &str, offered: u64, jump: f64, seq: u64, at: f64| {
         stepped(acc, host, (offered, offered), jump, seq, at)
     };
-    for t in 0..5 {
-        send(&mut acc, "a", 100, 0.0, t + 1, t as f64);
-        send(&mut acc, "b", 100, 0.0, t + 1, t as f64);
-    }
+    two_steady_hosts(&mut acc, (100, 100));
     send(&mut acc, "b", 10, -100.0, 6, 5.0);
     assert!(
         acc.view(None, 5.1)[0].offered_rps > 190.0,
@@ -1313,10 +1319,7 @@ fn a_step_down_that_leaves_a_key_far_over_its_limit_moves_the_sum_at_once() {
     let send = |acc: &mut Accumulator, host: &str, offered: u64, jump: f64, seq: u64, at: f64| {
         stepped(acc, host, (offered, 50), jump, seq, at)
     };
-    for t in 0..5 {
-        send(&mut acc, "a", 10_000, 0.0, t + 1, t as f64);
-        send(&mut acc, "b", 10_000, 0.0, t + 1, t as f64);
-    }
+    two_steady_hosts(&mut acc, (10_000, 50));
     send(&mut acc, "b", 5_000, -5_000.0, 6, 5.0);
     let v = acc.view(None, 5.1)[0].offered_rps;
     assert!((v - 15_000.0).abs() < 1e-6, "{v}");
@@ -1337,10 +1340,7 @@ fn after_a_senders_step_the_others_rates_go_on_moving_the_sum_the_steps_way() {
     // Two hosts at 1 000/s. One doubles, its zone's forward holding half a window of it (1 500
     // counted): the sum steps to 3 000 and is not pulled back toward the 2 500 held.
     let mut acc = Accumulator::new(1.0);
-    for t in 0..5 {
-        stepped(&mut acc, "a", (1_000, 1_000), 0.0, t + 1, t as f64);
-        stepped(&mut acc, "b", (1_000, 1_000), 0.0, t + 1, t as f64);
-    }
+    two_steady_hosts(&mut acc, (1_000, 1_000));
     stepped(&mut acc, "a", (1_500, 1_000), 1_000.0, 6, 5.0);
     let v = acc.view(None, 5.5)[0].offered_rps;
     assert!((v - 3_000.0).abs() < 1e-6, "{v}");
@@ -1364,10 +1364,7 @@ fn steps_both_ways_within_a_senders_interval_hold_the_sum_where_they_left_it() {
     // Two hosts at 10 000/s: one steps up by 10 000, the other down by 4 000 (matched by the
     // first's jump: load moving), each zone's forward holding half a window of its step.
     let mut acc = Accumulator::new(1.0);
-    for t in 0..5 {
-        stepped(&mut acc, "a", (10_000, 50), 0.0, t + 1, t as f64);
-        stepped(&mut acc, "b", (10_000, 50), 0.0, t + 1, t as f64);
-    }
+    two_steady_hosts(&mut acc, (10_000, 50));
     stepped(&mut acc, "a", (15_000, 50), 10_000.0, 6, 5.0);
     stepped(&mut acc, "b", (8_000, 50), -4_000.0, 6, 5.2);
     let at = acc.view(None, 5.2)[0].offered_rps;
