@@ -48,13 +48,15 @@ pub async fn admit(
             Err((set, remote)) => Box::pin(ask_store(&set, remote, req, now)).await,
         };
         match verdict {
-            Verdict::Allow(admit) => {
+            Verdict::Allow(mut admit) => {
                 if admit.wait > 0 {
                     Box::pin(tokio::time::sleep(Duration::from_nanos(admit.wait))).await;
                 }
                 if let Some(place) = place {
                     place.admitted();
                 }
+                // From here the request goes to the app: what it owes settles whatever happens.
+                admit.charges.arm(clock);
                 return Ok(admit);
             }
             Verdict::BadRequest(bad) => return Err(Refusal::BadRequest(bad)),

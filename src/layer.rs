@@ -242,7 +242,15 @@ where
             let resp = inner.call(req).await?;
             admit.permits.iter_mut().for_each(Permit::responded);
             admit.permits.retain(|p| !p.releases_at_head());
-            let mut resp = resp.map(|b| Either::Left(PermitBody::new(b, admit.permits)));
+            admit
+                .charges
+                .head(|name| resp.headers().get(name).map(|v| v.as_bytes()));
+            let charges = std::mem::take(&mut admit.charges);
+            let mut resp = resp.map(|b| {
+                let mut body = PermitBody::new(b, admit.permits);
+                body.charge(charges);
+                Either::Left(body)
+            });
             // `states` is filled only under `headers: always`, so this is a no-op otherwise.
             respond::add_rate_headers(resp.headers_mut(), &admit.states);
             Ok(resp)

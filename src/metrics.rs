@@ -309,6 +309,12 @@ pub struct Metrics {
     pub evicted: IntCounterVec,
     pub overflow: IntCounterVec,
     pub sketch_refused: IntCounterVec,
+    /// `spillway_response_units_total{rule, kind}`: a response cost's units, `reserved` at
+    /// admission and `charged` once the response said them.
+    pub response_units: IntCounterVec,
+    /// `spillway_response_usage_unread_total{rule, reason}`: responses charged their rule's
+    /// `unknown` (`missing`, `malformed`, `cut_short`), or clamped to its `max` (`clamped`).
+    pub usage_unread: IntCounterVec,
     pub delay_queue: IntGaugeVec,
     pub delayed: IntCounterVec,
     durations: [Histogram; 3],
@@ -406,6 +412,22 @@ impl Metrics {
                 "Requests of untracked keys (the rule's store full) refused by its count-min sketch.",
             ),
             &["rule"],
+        )
+        .expect("valid metric");
+        let response_units = IntCounterVec::new(
+            Opts::new(
+                "spillway_response_units_total",
+                "Units of rules whose cost is the response's: reserved at admission, and charged once the response said them (the reservation reconciled).",
+            ),
+            &["rule", "kind"],
+        )
+        .expect("valid metric");
+        let usage_unread = IntCounterVec::new(
+            Opts::new(
+                "spillway_response_usage_unread_total",
+                "Responses whose usage could not be read as sent (missing, malformed or cut_short: charged the rule's unknown) or was past the rule's max (clamped).",
+            ),
+            &["rule", "reason"],
         )
         .expect("valid metric");
         let delay_queue = IntGaugeVec::new(
@@ -527,6 +549,8 @@ impl Metrics {
             Box::new(evicted.clone()),
             Box::new(overflow.clone()),
             Box::new(sketch_refused.clone()),
+            Box::new(response_units.clone()),
+            Box::new(usage_unread.clone()),
             Box::new(delay_queue.clone()),
             Box::new(delayed.clone()),
             Box::new(duration.clone()),
@@ -620,6 +644,8 @@ impl Metrics {
             evicted,
             overflow,
             sketch_refused,
+            response_units,
+            usage_unread,
             delay_queue,
             delayed,
             durations,

@@ -184,3 +184,35 @@ async fn a_global_rule_limits_the_layer_and_the_sidecar_together() {
     sc.shutdown();
     sc.wait().await;
 }
+
+#[tokio::test]
+async fn the_layer_charges_usage_an_inner_service_says_in_its_response() {
+    let rules = "rules:
+  - name: tokens
+    key: [header:x-api-key]
+    limit: { rate: 100/h, burst: 1000 }
+    cost: { response: { header: x-usage-tokens }, reserve: 0, max: 100000 }
+";
+    let layer = spillway::RateLimitLayer::from_yaml(rules, "layer").unwrap();
+    let app = tower::service_fn(|_req: http::Request<Full<Bytes>>| async {
+        let mut resp = http::Response::new(Full::new(Bytes::from_static(b"answer")));
+        resp.headers_mut()
+            .insert("x-usage-tokens", http::HeaderValue::from_static("1200"));
+        Ok::<_, Infallible>(resp)
+    });
+    let svc = layer.layer(app);
+    let call = || {
+        let req = http::Request::get("http://app/v1/chat/completions")
+            .header("x-api-key", "k")
+            .body(Full::new(Bytes::new()))
+            .unwrap();
+        svc.clone().oneshot(req)
+    };
+    let resp = call().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(&resp.into_body().collect().await.unwrap().to_bytes()[..], b"answer");
+    // 1 200 used of 1 000: in debt, refused, however little the next call would use.
+    let resp = call().await.unwrap();
+    assert_eq!(resp.status(), 429);
+    assert!(resp.headers().contains_key("retry-after"));
+}

@@ -12,7 +12,7 @@ use arc_swap::ArcSwap;
 use http::{HeaderMap, Method, Uri};
 use spillway::internal::control::{Ratio, Reply, VERSION};
 use spillway::internal::key::RequestView;
-use spillway::internal::limit::Algorithm;
+use spillway::internal::limit::{Algorithm, AnyClock, ManualClock};
 use spillway::internal::metrics::Metrics;
 use spillway::internal::rules::DropRatios;
 use spillway::internal::rules::{RuleSet, Verdict};
@@ -103,6 +103,41 @@ fn a_known_key_is_decided_without_allocating_for_every_algorithm() {
             algorithm.name()
         );
     }
+}
+
+#[test]
+fn a_response_cost_read_from_a_header_is_decided_and_charged_without_allocating() {
+    // No refusal (a logged one is digested, and the digest count is the process's).
+    let yaml = "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nlog_rejections: 0\nrules:\n  - name: tokens\n    key: header:x-api-key\n    limit: { rate: 1000/s, burst: 1000000 }\n    cost: { response: { header: x-usage-tokens }, reserve: 10, max: 5000 }\n";
+    let config = Config::from_yaml(yaml, "t").unwrap();
+    let rules = RuleSet::build(&config, &Metrics::new());
+    let clock = AnyClock::Manual(ManualClock::new(1_000_000_000));
+    let usage: HeaderMap = [(
+        http::HeaderName::from_static("x-usage-tokens"),
+        http::HeaderValue::from_static("420"),
+    )]
+    .into_iter()
+    .collect();
+    let uri = Uri::from_static("/v1/chat/completions");
+    let call = |now| {
+        let view = RequestView::new(&Method::POST, &uri, &HEADERS, IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let Verdict::Allow(mut admit) = rules.check(&view, now) else {
+            return false;
+        };
+        admit.charges.arm(&clock);
+        admit.charges.head(|name| usage.get(name).map(|v| v.as_bytes()));
+        true
+    };
+    // The first call inserts the key (and the first charge sets the rule's clock).
+    assert!(allocations_during(|| assert!(call(1_000_000_000))) > 0);
+    let mut admitted = 0;
+    let n = allocations_during(|| {
+        for i in 0..1000 {
+            admitted += u32::from(call(1_000_000_000 + i * 1_000_000));
+        }
+    });
+    assert_eq!(admitted, 1000, "every call admitted and charged");
+    assert_eq!(n, 0, "{n} allocations in 1000 decisions and charges");
 }
 
 #[test]

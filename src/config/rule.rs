@@ -308,6 +308,9 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
         }
         return Ok(());
     }
+    if let Some(Cost::Response(cost)) = &r.cost {
+        check_response_cost(r, cost)?;
+    }
     if r.scope == Scope::Global {
         match &r.limit {
             Limit::Concurrency(_) => {
@@ -400,6 +403,45 @@ pub(super) fn check_rule(r: &RawRule) -> Result<(), String> {
     }
 }
 
+/// What a response cost needs of its rule: a bucket that can be charged after the decision,
+/// and a request that is decided once.
+fn check_response_cost(r: &RawRule, cost: &ResponseCost) -> Result<(), String> {
+    if r.on_limit == OnLimit::Delay {
+        return Err("on_limit: delay waits for units before the request goes on; a response's cost is known only after it has gone, so there is nothing to wait for: use on_limit: reject".into());
+    }
+    match r.scope {
+        Scope::Local => {}
+        Scope::Global | Scope::Redis => {
+            return Err(format!(
+                "cost.response: a response's cost is charged by local rules in this release, not by scope: {} ones",
+                if r.scope == Scope::Global { "global" } else { "redis" }
+            ))
+        }
+    }
+    match &r.limit {
+        Limit::Rate {
+            algorithm: Algorithm::TokenBucket | Algorithm::Gcra,
+            burst,
+            ..
+        } => {
+            if cost.reserve > burst.get() {
+                return Err(format!(
+                    "cost.reserve: {} exceeds limit.burst {burst}: such requests could never be admitted",
+                    cost.reserve
+                ));
+            }
+            Ok(())
+        }
+        Limit::Rate { algorithm, .. } => Err(format!(
+            "cost.response: a response's cost is charged as debt to a token_bucket or gcra (a budget that refills); {} cannot owe units",
+            algorithm.name()
+        )),
+        Limit::Concurrency(_) | Limit::Adaptive(_) => {
+            Err("cost: applies to rate limits, not to concurrency".into())
+        }
+    }
+}
+
 impl From<Rule> for RawRule {
     fn from(r: Rule) -> Self {
         // An adaptive limit takes no cost: printed, it would not read back.
@@ -438,7 +480,8 @@ pub enum OnLimit {
     Delay,
 }
 
-/// Units a request takes: a constant, or read from a request header.
+/// Units a request takes: a constant, read from a request header, or what the app's response
+/// says it consumed (charged after the response).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Cost {
     Fixed(u32),
@@ -451,6 +494,176 @@ pub enum Cost {
         /// Whose header is honoured.
         from: CostFrom,
     },
+    Response(ResponseCost),
+}
+
+impl Cost {
+    /// The units taken when the request is decided: all of them, or a response cost's
+    /// reservation.
+    pub fn response(&self) -> Option<&ResponseCost> {
+        match self {
+            Cost::Response(r) => Some(r),
+            _ => None,
+        }
+    }
+}
+
+/// A cost known only once the app has answered: the request is admitted while its key's
+/// budget is not in debt (taking `reserve` up front), and the units the response says are
+/// charged when it says them, the reservation reconciled.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResponseCost {
+    pub usage: Usage,
+    /// Units taken at admission (0: admitted while not in debt), given back or topped up once
+    /// the response's units are known.
+    pub reserve: u32,
+    /// Usage past this counts as this (and is counted as clamped).
+    pub max: u32,
+    /// Charged when the response never says its units (the field missing or malformed, or
+    /// the response cut short before it): at least 1, never nothing by accident.
+    pub unknown: u32,
+}
+
+/// Where a response says what it consumed. Only the app's response is read: the client never
+/// names its own usage.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Usage {
+    /// A response header field: one whole number.
+    Header(HeaderNameStr),
+    /// A trailer field (HTTP/1 chunked, HTTP/2): one whole number.
+    Trailer(HeaderNameStr),
+    /// The body's bytes delivered to the client (counted as they are sent; a body cut short
+    /// is charged what was sent).
+    BodyBytes,
+}
+
+/// `{ header: NAME }` or `{ trailer: NAME }`: one of them.
+#[derive(Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawUsageField {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) header: Option<HeaderNameStr>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) trailer: Option<HeaderNameStr>,
+}
+
+impl<'de> Deserialize<'de> for Usage {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Usage;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("{ header: NAME }, { trailer: NAME } or body_bytes")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<Usage, E> {
+                match v {
+                    "body_bytes" => Ok(Usage::BodyBytes),
+                    _ => Err(E::custom(format!(
+                        "{v}: give {{ header: NAME }}, {{ trailer: NAME }} or body_bytes"
+                    ))),
+                }
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Usage, A::Error> {
+                let raw = RawUsageField::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                match (raw.header, raw.trailer) {
+                    (Some(h), None) => Ok(Usage::Header(h)),
+                    (None, Some(t)) => Ok(Usage::Trailer(t)),
+                    _ => Err(de::Error::custom(
+                        "give one of header: or trailer: (the field the app's response says its usage in)",
+                    )),
+                }
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+impl Serialize for Usage {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let field = |header, trailer| RawUsageField { header, trailer };
+        match self {
+            Usage::Header(h) => field(Some(h.clone()), None).serialize(s),
+            Usage::Trailer(t) => field(None, Some(t.clone())).serialize(s),
+            Usage::BodyBytes => s.serialize_str("body_bytes"),
+        }
+    }
+}
+
+#[derive(Deserialize, Serialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawResponseCost {
+    /// Where the response says its units.
+    pub(super) response: Usage,
+    /// Units taken at admission (default 1), reconciled once the response says its units.
+    #[serde(default = "one_u32")]
+    pub(super) reserve: u32,
+    pub(super) max: NonZeroU32,
+    /// Charged when the response never says its units (default: the reservation, at least 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) unknown: Option<NonZeroU32>,
+}
+
+fn one_u32() -> u32 {
+    1
+}
+
+/// Either map form of a cost, read whole before it is told apart.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCostMap {
+    header: Option<HeaderNameStr>,
+    default: Option<NonZeroU32>,
+    max: NonZeroU32,
+    from: Option<CostFrom>,
+    response: Option<Usage>,
+    reserve: Option<u32>,
+    unknown: Option<NonZeroU32>,
+}
+
+impl RawCostMap {
+    fn cost(self) -> Result<Cost, String> {
+        let max = self.max.get();
+        if let Some(usage) = self.response {
+            if self.header.is_some() || self.default.is_some() || self.from.is_some() {
+                return Err("a response cost takes response, reserve, max and unknown; header, default and from are a request header's cost".into());
+            }
+            let reserve = self.reserve.unwrap_or(1);
+            if reserve > max {
+                return Err(format!("reserve {reserve} exceeds max {max}"));
+            }
+            if usage == Usage::BodyBytes && self.unknown.is_some() {
+                return Err("unknown: a body's bytes are always known (a body cut short is charged what was sent)".into());
+            }
+            let unknown = self.unknown.map_or(reserve.max(1), NonZeroU32::get);
+            if unknown > max {
+                return Err(format!("unknown {unknown} exceeds max {max}"));
+            }
+            return Ok(Cost::Response(ResponseCost {
+                usage,
+                reserve,
+                max,
+                unknown,
+            }));
+        }
+        let Some(header) = self.header else {
+            return Err(
+                "give header: (a request header's cost) or response: (the app's response's)".into(),
+            );
+        };
+        if self.reserve.is_some() || self.unknown.is_some() {
+            return Err("reserve and unknown apply to a response cost (response:)".into());
+        }
+        let default = self.default.map_or(1, NonZeroU32::get);
+        if default > max {
+            return Err(format!("default {default} exceeds max {max}"));
+        }
+        Ok(Cost::Header {
+            header: header.0,
+            default,
+            max,
+            from: self.from.unwrap_or_default(),
+        })
+    }
 }
 
 /// Whose cost header a rule honours.
@@ -486,7 +699,7 @@ impl<'de> Deserialize<'de> for Cost {
         impl<'de> Visitor<'de> for V {
             type Value = Cost;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("a whole number >= 1, or { header: NAME, default: N, max: N }")
+                f.write_str("a whole number >= 1, { header: NAME, default: N, max: N }, or { response: WHERE, reserve: N, max: N }")
             }
             fn visit_u64<E: de::Error>(self, n: u64) -> Result<Cost, E> {
                 match u32::try_from(n) {
@@ -498,19 +711,9 @@ impl<'de> Deserialize<'de> for Cost {
                 Err(E::custom(format!("{n}: must be >= 1")))
             }
             fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Cost, A::Error> {
-                let raw = RawCostHeader::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                if raw.default > raw.max {
-                    return Err(de::Error::custom(format!(
-                        "default {} exceeds max {}",
-                        raw.default, raw.max
-                    )));
-                }
-                Ok(Cost::Header {
-                    header: raw.header.0,
-                    default: raw.default.get(),
-                    max: raw.max.get(),
-                    from: raw.from,
-                })
+                RawCostMap::deserialize(de::value::MapAccessDeserializer::new(map))?
+                    .cost()
+                    .map_err(de::Error::custom)
             }
         }
         d.deserialize_any(V)
@@ -531,6 +734,15 @@ impl Serialize for Cost {
                 default: NonZeroU32::new(*default).unwrap_or(NonZeroU32::MIN),
                 max: NonZeroU32::new(*max).unwrap_or(NonZeroU32::MIN),
                 from: *from,
+            }
+            .serialize(s),
+            Cost::Response(r) => RawResponseCost {
+                response: r.usage.clone(),
+                reserve: r.reserve,
+                max: NonZeroU32::new(r.max).unwrap_or(NonZeroU32::MIN),
+                unknown: (r.usage != Usage::BodyBytes)
+                    .then(|| NonZeroU32::new(r.unknown))
+                    .flatten(),
             }
             .serialize(s),
         }

@@ -195,9 +195,23 @@ impl JsonSchema for Cost {
     }
     fn json_schema(generator: &mut SchemaGenerator) -> Schema {
         let header = generator.subschema_for::<RawCostHeader>();
+        let response = generator.subschema_for::<RawResponseCost>();
         json_schema!({
-            "description": "Units each request takes: a whole number, or read from a request header.",
-            "anyOf": [{ "type": "integer", "minimum": 1, "maximum": 4294967295u64 }, header]
+            "description": "Units each request takes: a whole number, read from a request header, or what the app's response says it consumed (charged after it).",
+            "anyOf": [{ "type": "integer", "minimum": 1, "maximum": 4294967295u64 }, header, response]
+        })
+    }
+}
+
+impl JsonSchema for Usage {
+    fn schema_name() -> Cow<'static, str> {
+        "Usage".into()
+    }
+    fn json_schema(generator: &mut SchemaGenerator) -> Schema {
+        let field = generator.subschema_for::<RawUsageField>();
+        json_schema!({
+            "description": "Where the app's response says what it consumed: { header: NAME } or { trailer: NAME } (one whole number), or body_bytes (the body's bytes sent to the client).",
+            "anyOf": [{ "type": "string", "enum": ["body_bytes"] }, field]
         })
     }
 }

@@ -370,6 +370,126 @@ fn cost_delay_and_limits_are_checked_against_each_other() {
 }
 
 #[test]
+fn a_response_cost_parses_with_its_defaults_and_prints_back() {
+    for (cost, want) in [
+        (
+            "{ response: { header: X-Usage-Tokens }, max: 8000 }",
+            ResponseCost {
+                usage: Usage::Header(HeaderNameStr(http::HeaderName::from_static(
+                    "x-usage-tokens",
+                ))),
+                reserve: 1,
+                max: 8000,
+                unknown: 1,
+            },
+        ),
+        (
+            "{ response: { trailer: x-usage }, reserve: 0, max: 8000, unknown: 500 }",
+            ResponseCost {
+                usage: Usage::Trailer(HeaderNameStr(http::HeaderName::from_static("x-usage"))),
+                reserve: 0,
+                max: 8000,
+                unknown: 500,
+            },
+        ),
+        (
+            "{ response: body_bytes, reserve: 4096, max: 10000000 }",
+            ResponseCost {
+                usage: Usage::BodyBytes,
+                reserve: 4096,
+                max: 10_000_000,
+                unknown: 4096,
+            },
+        ),
+    ] {
+        let yaml = with_rule(&format!(
+            "  - name: a\n    key: path\n    limit: {{ rate: 100000/m, burst: 100000 }}\n    cost: {cost}\n"
+        ));
+        let c = Config::from_yaml(&yaml, "t.yaml").unwrap_or_else(|e| panic!("{cost}: {e}"));
+        assert_eq!(c.rules[0].cost, Cost::Response(want), "{cost}");
+        // What `check-config --print` shows reads back as the same rule.
+        let printed = serde_norway::to_string(&c.rules[0]).unwrap();
+        let again: Rule =
+            serde_norway::from_str(&printed).unwrap_or_else(|e| panic!("{printed}: {e}"));
+        assert_eq!(again.cost, c.rules[0].cost, "{printed}");
+    }
+}
+
+#[test]
+fn a_response_cost_that_cannot_mean_what_it_says_is_refused() {
+    let tokens = "cost: { response: { header: x-usage }, max: 100 }";
+    for (rule, want) in [
+        (
+            format!("limit: {{ rate: 10/s }}\n    {tokens}\n    on_limit: delay"),
+            "nothing to wait for",
+        ),
+        (
+            format!("limit: {{ concurrency: 2 }}\n    {tokens}"),
+            "cost: applies to rate limits",
+        ),
+        (
+            format!("limit: {{ rate: 10/s, algorithm: fixed_window }}\n    {tokens}"),
+            "fixed_window cannot owe units",
+        ),
+        (
+            format!("limit: {{ rate: 10/s, algorithm: leaky_bucket }}\n    {tokens}"),
+            "leaky_bucket cannot owe units",
+        ),
+        (
+            format!("limit: {{ rate: 10/s }}\n    scope: redis\n    {tokens}"),
+            "not by scope: redis",
+        ),
+        (
+            "limit: { rate: 10/s, burst: 5 }\n    cost: { response: { header: x-usage }, reserve: 6, max: 100 }".into(),
+            "reserve: 6 exceeds limit.burst 5",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: { response: { header: x-usage }, reserve: 200, max: 100 }".into(),
+            "reserve 200 exceeds max 100",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: { response: { header: x-usage }, unknown: 200, max: 100 }".into(),
+            "unknown 200 exceeds max 100",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: { response: body_bytes, unknown: 5, max: 100 }".into(),
+            "always known",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: { response: { header: x-usage }, default: 5, max: 100 }".into(),
+            "header, default and from are a request header's",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: { header: x-cost, reserve: 5, max: 100 }".into(),
+            "reserve and unknown apply to a response cost",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: { response: { header: x-a, trailer: x-b }, max: 100 }".into(),
+            "one of header: or trailer:",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: { response: tokens, max: 100 }".into(),
+            "tokens: give",
+        ),
+        (
+            "limit: { rate: 10/s }\n    cost: { max: 100 }".into(),
+            "give header:",
+        ),
+    ] {
+        let e = err(&with_rule(&format!(
+            "  - name: a\n    key: path\n    {rule}\n"
+        )));
+        assert!(e.contains(want), "{rule}: {e}");
+    }
+    // A global rule's control plane is checked first; with one, the scope is refused.
+    let e = err(&format!(
+        "{}control_plane:\n  url: http://127.0.0.1:1\n",
+        with_rule(&format!("  - name: a\n    key: path\n    limit: {{ rate: 10/s }}\n    scope: global\n    {tokens}\n"))
+    ));
+    assert!(e.contains("not by scope: global"), "{e}");
+}
+
+#[test]
 fn a_header_cost_parses_with_its_default() {
     let c = Config::from_yaml(
         &with_rule("  - name: a\n    key: path\n    limit: { rate: 10/s }\n    cost: { header: X-Request-Cost, max: 100 }\n    on_limit: delay\n    max_delay: 2s\n    max_queue: 7\n"),

@@ -58,6 +58,18 @@ impl Gcra {
         })
     }
 
+    /// Charges `units` at `now` whatever the bucket holds: past empty, the key owes them (its
+    /// next requests are refused until the debt has refilled). For a cost known after the
+    /// decision (a response's usage): the decision took what was reserved, this the rest.
+    pub fn owe(&self, quota: &Quota, now: Nanos, units: u32) {
+        let need = quota.emission.saturating_mul(u64::from(units));
+        let _ = self
+            .tat
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
+                Some(tat.max(now).saturating_add(need))
+            });
+    }
+
     /// Units available at `now` (fractions dropped), without taking any.
     pub fn available(&self, quota: &Quota, now: Nanos) -> u32 {
         let ahead = self.tat.load(Ordering::Relaxed).saturating_sub(now);

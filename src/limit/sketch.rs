@@ -67,6 +67,14 @@ impl Sketch {
         }
     }
 
+    /// Counts `units` for `key` at `now` whatever the estimate (a cost known after the
+    /// decision): the key owes them for as long as the sketch remembers (two windows).
+    pub fn owe(&self, key: &[u8], quota: &Quota, now: Nanos, units: u32) {
+        let epoch = self.roll(now / quota.window().max(1));
+        let units = isize::try_from(units).unwrap_or(isize::MAX);
+        self.windows[(epoch % 2) as usize].incr(key, units);
+    }
+
     /// Gives back `cost` units a decision at `now` took for `key` (another rule refused).
     pub fn refund(&self, key: &[u8], quota: &Quota, now: Nanos, cost: u32) {
         let epoch = now / quota.window().max(1);

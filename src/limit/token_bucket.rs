@@ -16,6 +16,11 @@ impl TokenBucket {
         Self(Gcra::new())
     }
 
+    /// Charges `units` at `now`, past empty if need be (see [`Gcra::owe`]).
+    pub fn owe(&self, quota: &Quota, now: Nanos, units: u32) {
+        self.0.owe(quota, now, units)
+    }
+
     /// Units available at `now` (fractions dropped), without taking any.
     pub fn available(&self, quota: &Quota, now: Nanos) -> u32 {
         self.0.available(quota, now)

@@ -138,7 +138,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
     let client = shared.client_ip.who(req.headers(), peer.ip());
     let view = RequestView::for_proxy(req, client, trusted, shared.hygiene.strict_path);
     let admitted = gate::admit(&shared.rules, &shared.clock, &view).await;
-    let admit = match admitted {
+    let mut admit = match admitted {
         Ok(admit) => admit,
         Err(refusal) => {
             let outcome = match &refusal {
@@ -191,6 +191,13 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         close: get_body,
     };
     let mut resp = fwd.send(req, admit.permits).await;
+    // What the response owes rules whose cost is the response's: its head's now, the rest
+    // as its body streams (dropped here, the app never answered: charged as cut short).
+    if let (false, http_body_util::Either::Left(body)) = (admit.charges.is_empty(), &mut resp.body)
+    {
+        admit.charges.head(|name| resp.head.field(name));
+        body.charge(std::mem::take(&mut admit.charges));
+    }
     let outcome = if matches!(resp.body, http_body_util::Either::Left(_)) {
         // A rule's own `upstream_body_idle` (an event stream's) goes with its body.
         if let Some(idle) = admit.body_idle {

@@ -28,7 +28,7 @@ use http_body_util::{Either, Full};
 use crate::config::HeaderMode;
 use crate::limit::Permits;
 pub use crate::metrics::{Reason, UpstreamError};
-use crate::rules::{Denial, RateState, Refusal};
+use crate::rules::{Charges, Denial, RateState, Refusal};
 
 pub mod answers;
 
@@ -457,16 +457,28 @@ fn problem<L, R: From<Full<Bytes>>>(status: StatusCode, body: Bytes) -> Ours<L, 
     resp
 }
 
-/// A response body that holds concurrency slots until it ends or is dropped.
+/// A response body that holds concurrency slots until it ends or is dropped, and settles what
+/// the response owes the rules whose cost is the response's ([`Charges`]) as it streams: its
+/// bytes, its trailers, and at its end (or its drop, cut short) what was never said.
 #[derive(Debug)]
 pub struct PermitBody<B> {
     inner: B,
     permits: Permits,
+    charges: Charges,
 }
 
 impl<B> PermitBody<B> {
     pub fn new(inner: B, permits: Permits) -> Self {
-        Self { inner, permits }
+        Self {
+            inner,
+            permits,
+            charges: Charges::default(),
+        }
+    }
+
+    /// Hands the body the charges it settles (the head's already settled).
+    pub fn charge(&mut self, charges: Charges) {
+        self.charges = charges;
     }
 
     pub fn inner(&self) -> &B {
@@ -487,10 +499,28 @@ impl<B: Body + Unpin> Body for PermitBody<B> {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        let end = matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream();
+        if !self.charges.is_empty() {
+            match &polled {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if let Some(data) = frame.data_ref() {
+                        self.charges.data(bytes::Buf::remaining(data));
+                    } else if let Some(trailers) = frame.trailers_ref() {
+                        self.charges.trailers(trailers);
+                    }
+                }
+                // The body broke off: what it owes settles as cut short.
+                Poll::Ready(Some(Err(_))) => self.charges.end(false),
+                _ => {}
+            }
+            if end {
+                self.charges.end(true);
+            }
+        }
         // Free the slots as soon as the body is over, before its last bytes reach the client:
         // hyper may never poll a body of known length again, and a client that saw the end
         // must be able to use the slot it just gave back.
-        if matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream() {
+        if end {
             self.permits.clear();
         }
         polled

@@ -206,7 +206,11 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
             algorithm, quota, ..
         } => Kind::Rate {
             quota: *quota,
-            store: RateStore::new(*algorithm, parts),
+            store: match r.cost {
+                // A bucket either way: the config gives a response cost to no other.
+                Cost::Response(_) => RateStore::owed(parts),
+                _ => RateStore::new(*algorithm, parts),
+            },
             overflow: Overflow {
                 sketch: std::sync::OnceLock::new(),
                 size: r.sketch,
@@ -313,7 +317,12 @@ pub(super) fn compile(
             delayed: metrics.delayed.with_label_values(&[label]),
         }),
     });
+    let charge = r
+        .cost
+        .response()
+        .map(|cost| Arc::new(ChargeRule::new(kind.clone(), cost.clone(), metrics, label)));
     CompiledRule {
+        charge,
         body_idle: r.upstream_body_idle.map(|d| d.0),
         digested: r.log_keys == LogKeys::Digest && crate::key::has_private(&r.key.0),
         matcher: Matcher::from(&r.matcher),
@@ -396,13 +405,15 @@ impl CompiledRule {
         }
     }
 
-    /// The request's cost under this rule, at least 1. A cost header is read only from a
-    /// trusted proxy (unless the rule says `from: any`); one it reads must be a whole number
-    /// of at least 1, sent once.
+    /// The request's cost under this rule: at least 1, or a response cost's reservation (which
+    /// may be 0). A cost header is read only from a trusted proxy (unless the rule says
+    /// `from: any`); one it reads must be a whole number of at least 1, sent once.
     #[inline]
     pub(super) fn cost_of(&self, req: &RequestView<'_>) -> Result<u32, BadRequest> {
         match &self.cost {
             Cost::Fixed(n) => Ok(*n),
+            // The response's units are charged after it (`charge`); this is what is held.
+            Cost::Response(r) => Ok(r.reserve),
             Cost::Header {
                 header,
                 default,

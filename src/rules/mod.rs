@@ -90,6 +90,8 @@ struct CompiledRule {
     body_idle: Option<std::time::Duration>,
     /// Its key has a private part, shown and reported as a digest (`log_keys: digest`).
     digested: bool,
+    /// A cost that is the response's: what its charges need.
+    charge: Option<Arc<ChargeRule>>,
 }
 
 /// How many of a rule's rejections were logged in the current second: the log answers "why
@@ -309,6 +311,9 @@ pub struct Admit {
     pub wait: Nanos,
     /// The longest `upstream_body_idle` of the rules that applied, if any set one.
     pub body_idle: Option<std::time::Duration>,
+    /// What the response owes the rules whose cost is the response's, to be armed once the
+    /// request is admitted and settled as the response comes.
+    pub charges: Charges,
 }
 
 /// A rule's state after a decision, for the `RateLimit` headers.
@@ -889,6 +894,7 @@ fn concurrency_idle(c: &Arc<Concurrency>) -> bool {
     c.in_flight() == 0 && Arc::strong_count(c) == 1
 }
 
+mod charge;
 mod compile;
 mod global;
 mod kept;
@@ -898,6 +904,8 @@ mod share;
 mod store;
 mod turns;
 
+use charge::ChargeRule;
+pub use charge::Charges;
 use compile::*;
 pub use global::*;
 pub use kept::{Answer, Answers, Render};

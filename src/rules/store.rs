@@ -105,6 +105,10 @@ impl Fallback {
 
 /// One store per algorithm, so that each key costs only its own algorithm's state.
 pub(super) enum RateStore {
+    /// A token bucket or GCRA (the same limit) whose cost is the response's: each state is
+    /// shared with the charges of its calls in flight, so that a charge reaches it without a
+    /// lookup and it is never forgotten while one is.
+    Owed(Store<Arc<Gcra>>),
     TokenBucket(Store<TokenBucket>),
     Gcra(Store<Gcra>),
     LeakyBucket(Store<LeakyBucket>),
@@ -116,6 +120,7 @@ pub(super) enum RateStore {
 macro_rules! each_store {
     ($rs:expr, $s:ident => $body:expr) => {
         match $rs {
+            RateStore::Owed($s) => $body,
             RateStore::TokenBucket($s) => $body,
             RateStore::Gcra($s) => $body,
             RateStore::LeakyBucket($s) => $body,
@@ -127,6 +132,11 @@ macro_rules! each_store {
 }
 
 impl RateStore {
+    /// The store of a token bucket or GCRA whose cost is the response's.
+    pub(super) fn owed(parts: StoreParts) -> Self {
+        RateStore::Owed(Store::new(parts))
+    }
+
     pub(super) fn new(algorithm: Algorithm, parts: StoreParts) -> Self {
         match algorithm {
             Algorithm::TokenBucket => RateStore::TokenBucket(Store::new(parts)),
@@ -178,12 +188,70 @@ impl RateStore {
         each_store!(self, s => s.with_slot(key, slot, |st| st.refund(quota, now, cost)))
     }
 
+    /// [`Self::check`] for a rule whose cost is the response's ([`RateStore::Owed`]): on an
+    /// admission, also the state its charge settles with.
+    pub(super) fn check_owed(
+        &self,
+        key: &[u8],
+        quota: &Quota,
+        now: Nanos,
+        cost: u32,
+        overflow: &Overflow,
+    ) -> (Decision, Slot, Option<Owed>) {
+        let RateStore::Owed(s) = self else {
+            let (decision, slot) = self.check(key, quota, now, cost, overflow);
+            debug_assert!(false, "a response cost's rule has an owed store");
+            return (decision, slot, None);
+        };
+        let tracked = s.tracked(key, now, |st| st.is_idle(quota, now)).map(|st| {
+            let decision = st.check(quota, now, cost);
+            (
+                decision,
+                decision.is_allowed().then(|| Owed::Keyed(st.clone())),
+            )
+        });
+        match tracked {
+            Some((decision, owed)) => (decision, Slot::Keyed, owed),
+            None => {
+                let decision = overflow.sketch().check(key, quota, now, cost);
+                if !decision.is_allowed() {
+                    overflow.refused.inc();
+                    return (decision, Slot::Sketch, None);
+                }
+                // A key with no place: its charge finds it in the sketch by name.
+                (decision, Slot::Sketch, Some(Owed::Sketch(key.into())))
+            }
+        }
+    }
+
     pub(super) fn sweep(&self, quota: &Quota, now: Nanos) -> usize {
         each_store!(self, s => s.sweep(|st| st.is_idle(quota, now)))
     }
 
     pub(super) fn len(&self) -> usize {
         each_store!(self, s => s.len.load(Ordering::Relaxed))
+    }
+}
+
+/// The state a charge after the response settles with: the key's own, or (a key its store
+/// had no place for) the rule's sketch, by the key.
+pub(super) enum Owed {
+    Keyed(Arc<Gcra>),
+    Sketch(Box<[u8]>),
+}
+
+impl Limiter for Arc<Gcra> {
+    #[inline]
+    fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        (**self).check(quota, now, cost)
+    }
+    fn refund(&self, quota: &Quota, now: Nanos, cost: u32) {
+        (**self).refund(quota, now, cost)
+    }
+    /// Not while a call in flight holds it: its charge is still to come.
+    #[inline]
+    fn is_idle(&self, quota: &Quota, now: Nanos) -> bool {
+        Arc::strong_count(self) == 1 && (**self).is_idle(quota, now)
     }
 }
 

@@ -46,7 +46,17 @@ impl RuleSet {
         overflow: &Overflow,
         granted: &mut Granted<'_>,
     ) -> Decision {
-        let (decision, slot) = store.check(t.key, quota, t.now, t.cost, overflow);
+        let (decision, slot) = match &t.rule.charge {
+            None => store.check(t.key, quota, t.now, t.cost, overflow),
+            Some(charge) => {
+                let (decision, slot, owed) =
+                    store.check_owed(t.key, quota, t.now, t.cost, overflow);
+                if let Some(owed) = owed {
+                    granted.admit.charges.push(charge, owed, t.cost);
+                }
+                (decision, slot)
+            }
+        };
         match decision {
             Decision::Allow { wait, .. } if wait > t.rule.max_wait => {
                 store.refund(t.key, slot, quota, t.now, t.cost, overflow);

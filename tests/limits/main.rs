@@ -7,3 +7,4 @@ mod common;
 mod adaptive;
 mod algorithms;
 mod rules;
+mod usage;

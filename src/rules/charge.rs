@@ -1,0 +1,252 @@
+//! Costs charged after the response: what a request admitted by a rule whose cost is the
+//! app's response's (`cost: { response: ... }`) owes once the app has said what it consumed.
+//!
+//! The decision took the rule's reservation; a [`Charge`] per such rule rides with the
+//! response and settles once: at the head (a header), at the trailers, or at the body's end
+//! (its bytes), the reservation topped up as debt or given back. A response that never says
+//! (the field missing or malformed, the body cut short, the app never answering) is charged
+//! the rule's `unknown`, a body's bytes what was sent. Only the app's response is read.
+//! Must never: charge a request twice or not at all once armed, charge one that was refused,
+//! look its key up again (a charge holds its key's state, which is not forgotten meanwhile),
+//! allocate for a tracked key, or block.
+
+use std::sync::Arc;
+
+use http::HeaderMap;
+use prometheus::IntCounter;
+use smallvec::SmallVec;
+
+use super::store::Owed;
+use super::Kind;
+use crate::config::{ResponseCost, Usage};
+use crate::limit::{AnyClock, Clock, Limiter, Nanos};
+
+/// What a rule whose cost is the response's needs to charge it: its state, its cost and its
+/// counters. One per compiled rule, shared by its charges.
+pub(super) struct ChargeRule {
+    pub(super) kind: Arc<Kind>,
+    /// The limiter clock its decisions were made on: the first armed charge's (one rule set
+    /// decides on one clock).
+    clock: std::sync::OnceLock<AnyClock>,
+    pub(super) cost: ResponseCost,
+    pub(super) reserved: IntCounter,
+    pub(super) charged: IntCounter,
+    missing: IntCounter,
+    malformed: IntCounter,
+    cut_short: IntCounter,
+    clamped: IntCounter,
+}
+
+impl ChargeRule {
+    pub(super) fn new(
+        kind: Arc<Kind>,
+        cost: ResponseCost,
+        metrics: &crate::metrics::Metrics,
+        rule: &str,
+    ) -> Self {
+        let units = |kind| metrics.response_units.with_label_values(&[rule, kind]);
+        let unread = |reason| metrics.usage_unread.with_label_values(&[rule, reason]);
+        ChargeRule {
+            kind,
+            clock: std::sync::OnceLock::new(),
+            cost,
+            reserved: units("reserved"),
+            charged: units("charged"),
+            missing: unread("missing"),
+            malformed: unread("malformed"),
+            cut_short: unread("cut_short"),
+            clamped: unread("clamped"),
+        }
+    }
+}
+
+/// The charges of one admitted request: none for most, one per response-cost rule that
+/// admitted it. Armed with the limiter's clock once the request is admitted; until then
+/// dropping them charges nothing (a refused request's reservations were given back).
+#[derive(Default)]
+pub struct Charges {
+    list: SmallVec<[Charge; 1]>,
+    armed: bool,
+}
+
+impl std::fmt::Debug for Charges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Charges")
+            .field("pending", &self.list.iter().filter(|c| !c.settled).count())
+            .finish()
+    }
+}
+
+struct Charge {
+    rule: Arc<ChargeRule>,
+    owed: Owed,
+    reserved: u32,
+    /// Body bytes sent so far.
+    sent: u64,
+    settled: bool,
+}
+
+/// Why a response's usage was not read as sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Unread {
+    Missing,
+    Malformed,
+    CutShort,
+}
+
+impl Charges {
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    /// A charge for `rule` settling with `owed`, `reserved` units taken.
+    pub(super) fn push(&mut self, rule: &Arc<ChargeRule>, owed: Owed, reserved: u32) {
+        self.list.push(Charge {
+            rule: rule.clone(),
+            owed,
+            reserved,
+            sent: 0,
+            settled: false,
+        });
+    }
+
+    /// The request was admitted: from now on every charge settles, at the latest when these
+    /// are dropped.
+    pub fn arm(&mut self, clock: &AnyClock) {
+        if self.list.is_empty() || self.armed {
+            return;
+        }
+        for c in &self.list {
+            c.rule.reserved.inc_by(u64::from(c.reserved));
+            c.rule.clock.get_or_init(|| clock.clone());
+        }
+        self.armed = true;
+    }
+
+    /// Whether the charges settle, and the time on the clock their decisions were made on.
+    fn now(&self) -> Option<Nanos> {
+        let rule = &self.list.first()?.rule;
+        self.armed
+            .then(|| rule.clock.get().map(Clock::now))
+            .flatten()
+    }
+
+    /// The response head has come: charges read from a header settle, by `field` (the first
+    /// value of a response field).
+    pub fn head<'a>(&mut self, field: impl Fn(&http::HeaderName) -> Option<&'a [u8]>) {
+        let Some(now) = self.now() else { return };
+        for c in self.list.iter_mut().filter(|c| !c.settled) {
+            if let Usage::Header(name) = &c.rule.cost.usage {
+                c.settle(now, read(field(&name.0)));
+            }
+        }
+    }
+
+    /// `len` body bytes are on their way to the client.
+    #[inline]
+    pub fn data(&mut self, len: usize) {
+        for c in self.list.iter_mut() {
+            c.sent = c.sent.saturating_add(len as u64);
+        }
+    }
+
+    /// The response's trailers: charges read from one settle.
+    pub fn trailers(&mut self, trailers: &HeaderMap) {
+        let Some(now) = self.now() else { return };
+        for c in self.list.iter_mut().filter(|c| !c.settled) {
+            if let Usage::Trailer(name) = &c.rule.cost.usage {
+                let mut values = trailers.get_all(&name.0).iter();
+                let value = match (values.next(), values.next()) {
+                    (Some(v), None) => read(Some(v.as_bytes())),
+                    (None, _) => Err(Unread::Missing),
+                    (Some(_), Some(_)) => Err(Unread::Malformed),
+                };
+                c.settle(now, value);
+            }
+        }
+    }
+
+    /// The body is over (`whole`: it ended as framed; else it was cut short): every charge
+    /// still open settles, a body's bytes at what was sent, the rest at `unknown`.
+    pub fn end(&mut self, whole: bool) {
+        let Some(now) = self.now() else { return };
+        for c in self.list.iter_mut().filter(|c| !c.settled) {
+            let value = match &c.rule.cost.usage {
+                Usage::BodyBytes => Ok(c.sent),
+                _ if whole => Err(Unread::Missing),
+                _ => Err(Unread::CutShort),
+            };
+            c.settle(now, value);
+        }
+    }
+}
+
+impl Drop for Charges {
+    fn drop(&mut self) {
+        // Armed and not ended: the response was cut short, or the app never answered.
+        self.end(false);
+    }
+}
+
+impl Charge {
+    /// Charges the response's units (or, unread, the rule's `unknown`), reconciling what was
+    /// reserved.
+    fn settle(&mut self, now: Nanos, value: Result<u64, Unread>) {
+        self.settled = true;
+        let rule = &*self.rule;
+        let units = match value {
+            Ok(n) if n > u64::from(rule.cost.max) => {
+                rule.clamped.inc();
+                rule.cost.max
+            }
+            Ok(n) => n as u32,
+            Err(why) => {
+                match why {
+                    Unread::Missing => rule.missing.inc(),
+                    Unread::Malformed => rule.malformed.inc(),
+                    Unread::CutShort => rule.cut_short.inc(),
+                }
+                rule.cost.unknown
+            }
+        };
+        rule.charged.inc_by(u64::from(units));
+        let Kind::Rate {
+            quota, overflow, ..
+        } = &*rule.kind
+        else {
+            return;
+        };
+        if units == self.reserved {
+            return;
+        }
+        match &self.owed {
+            Owed::Keyed(state) if units > self.reserved => {
+                state.owe(quota, now, units - self.reserved)
+            }
+            Owed::Keyed(state) => state.refund(quota, now, self.reserved - units),
+            Owed::Sketch(key) if units > self.reserved => {
+                overflow
+                    .sketch()
+                    .owe(key, quota, now, units - self.reserved)
+            }
+            Owed::Sketch(key) => overflow
+                .sketch()
+                .refund(key, quota, now, self.reserved - units),
+        }
+    }
+}
+
+/// A usage field's value: one whole number, spaces around it allowed; past `u64` it is as
+/// large as can be (clamped by the caller).
+fn read(value: Option<&[u8]>) -> Result<u64, Unread> {
+    let v = value.ok_or(Unread::Missing)?.trim_ascii();
+    if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
+        return Err(Unread::Malformed);
+    }
+    Ok(v.iter().fold(0u64, |n, d| {
+        n.saturating_mul(10).saturating_add(u64::from(d - b'0'))
+    }))
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,334 @@
+use std::net::IpAddr;
+
+use http::{HeaderMap, HeaderName, Method, Uri};
+
+use super::super::*;
+use crate::config::Config;
+use crate::limit::{AnyClock, Clock, ManualClock, NANOS_PER_SEC};
+
+const T0: Nanos = 10 * NANOS_PER_SEC;
+
+/// A rule set of `rules`, its metrics, and a manual clock at [`T0`] that arms charges.
+fn ruleset(rules: &str) -> (RuleSet, Metrics, ManualClock) {
+    let yaml =
+        format!("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n{rules}");
+    let config = Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+    let metrics = Metrics::new();
+    (
+        RuleSet::build(&config, &metrics),
+        metrics,
+        ManualClock::new(T0),
+    )
+}
+
+fn tokens(extra: &str) -> String {
+    format!(
+        "  - name: tokens\n    key: header:x-api-key\n    limit: {{ rate: 100/s, burst: 1000 }}\n    cost: {{ response: {{ header: x-usage-tokens }}, max: 5000{extra} }}\n"
+    )
+}
+
+struct Client {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    ip: IpAddr,
+}
+
+fn client(key: &str) -> Client {
+    let mut headers = HeaderMap::new();
+    headers.insert("x-api-key", key.parse().unwrap());
+    Client {
+        method: Method::POST,
+        uri: "/v1/chat/completions".parse().unwrap(),
+        headers,
+        ip: "192.0.2.1".parse().unwrap(),
+    }
+}
+
+impl Client {
+    fn check(&self, rules: &RuleSet, clock: &ManualClock) -> Verdict {
+        let view = RequestView::new(&self.method, &self.uri, &self.headers, self.ip);
+        rules.check(&view, clock.now())
+    }
+
+    /// Admitted, with its charges armed as the gate arms them.
+    fn admit(&self, rules: &RuleSet, clock: &ManualClock) -> Option<Charges> {
+        match self.check(rules, clock) {
+            Verdict::Allow(mut admit) => {
+                admit.charges.arm(&AnyClock::Manual(clock.clone()));
+                Some(admit.charges)
+            }
+            _ => None,
+        }
+    }
+
+    fn retry_after(&self, rules: &RuleSet, clock: &ManualClock) -> Option<Nanos> {
+        match self.check(rules, clock) {
+            Verdict::Deny(d) => d.retry_after,
+            _ => None,
+        }
+    }
+}
+
+/// The head of a response carrying `fields`.
+fn head(charges: &mut Charges, fields: &[(&str, &str)]) {
+    let map: HeaderMap = fields
+        .iter()
+        .map(|(k, v)| {
+            (
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            )
+        })
+        .collect();
+    charges.head(|name| map.get(name).map(|v| v.as_bytes()));
+}
+
+fn units(m: &Metrics, kind: &str) -> u64 {
+    m.response_units.with_label_values(&["tokens", kind]).get()
+}
+
+fn unread(m: &Metrics, reason: &str) -> u64 {
+    m.usage_unread.with_label_values(&["tokens", reason]).get()
+}
+
+#[test]
+fn usage_past_the_budget_is_owed_and_refuses_the_key_until_it_has_refilled() {
+    let (rules, m, clock) = ruleset(&tokens(""));
+    let a = client("a");
+    let mut c = a.admit(&rules, &clock).expect("a full budget admits");
+    // 1 reserved, then 1 500 used of a 1 000 budget: 500 owed, at 100 a second.
+    head(&mut c, &[("x-usage-tokens", "1500")]);
+    drop(c);
+    assert_eq!(units(&m, "charged"), 1500);
+    assert_eq!(units(&m, "reserved"), 1);
+    let retry = a.retry_after(&rules, &clock).expect("in debt: refused");
+    // The debt (500) and the reservation (1), at 10 ms a unit.
+    assert_eq!(retry, 501 * NANOS_PER_SEC / 100);
+    assert!(
+        client("b").admit(&rules, &clock).is_some(),
+        "another key's budget is its own"
+    );
+    clock.set(T0 + retry - 1);
+    assert!(a.admit(&rules, &clock).is_none(), "a nanosecond early");
+    clock.set(T0 + retry);
+    assert!(
+        a.admit(&rules, &clock).is_some(),
+        "admitted once the debt has refilled"
+    );
+}
+
+#[test]
+fn a_key_with_budget_left_is_admitted_however_much_each_call_will_use() {
+    // Decided before: admitted while not in debt, however large the call turns out.
+    let (rules, _, clock) = ruleset(&tokens(", reserve: 0"));
+    let a = client("a");
+    let mut c = a.admit(&rules, &clock).unwrap();
+    head(&mut c, &[("x-usage-tokens", "999")]);
+    drop(c);
+    let mut c = a.admit(&rules, &clock).expect("one unit left: not in debt");
+    head(&mut c, &[("x-usage-tokens", "4000")]);
+    drop(c);
+    assert!(a.admit(&rules, &clock).is_none());
+}
+
+#[test]
+fn a_reservation_is_given_back_or_topped_up_once_the_usage_is_known() {
+    let (rules, m, clock) = ruleset(&tokens(", reserve: 400"));
+    let a = client("a");
+    // Two calls in flight reserve 800 of 1 000: a third is refused before either answers.
+    let mut first = a.admit(&rules, &clock).unwrap();
+    let mut second = a.admit(&rules, &clock).unwrap();
+    assert!(
+        a.admit(&rules, &clock).is_none(),
+        "reservations bound what is in flight"
+    );
+    head(&mut first, &[("x-usage-tokens", "100")]);
+    drop(first);
+    // 300 given back: 500 left, a third call fits.
+    let third = a.admit(&rules, &clock).expect("the refund made room");
+    head(&mut second, &[("x-usage-tokens", "700")]);
+    drop(second);
+    drop(third);
+    // 100 + 700 + the third's unread usage (its reservation, 400): 1 200 of 1 000.
+    assert_eq!(units(&m, "charged"), 1200);
+    assert_eq!(units(&m, "reserved"), 1200);
+    assert_eq!(unread(&m, "cut_short"), 1);
+    assert_eq!(
+        a.retry_after(&rules, &clock),
+        Some(600 * NANOS_PER_SEC / 100),
+        "200 owed and 400 to reserve"
+    );
+}
+
+#[test]
+fn usage_that_cannot_be_read_is_charged_unknown_and_counted_by_why() {
+    let (rules, m, clock) = ruleset(&tokens(", reserve: 0, unknown: 300"));
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (&[], "missing"),
+        (&[("x-usage-tokens", "-5")], "malformed"),
+        (&[("x-usage-tokens", "1.5")], "malformed"),
+        (&[("x-usage-tokens", "")], "malformed"),
+        (&[("x-usage-tokens", "12 tokens")], "malformed"),
+        (&[("x-usage-tokens", "0x10")], "malformed"),
+    ];
+    for (i, (fields, why)) in cases.iter().enumerate() {
+        clock.set(T0 + i as u64 * 100 * NANOS_PER_SEC);
+        let before = unread(&m, why);
+        let mut c = client("a").admit(&rules, &clock).unwrap();
+        head(&mut c, fields);
+        drop(c);
+        assert_eq!(unread(&m, why), before + 1, "{fields:?}");
+    }
+    assert_eq!(units(&m, "charged"), 300 * cases.len() as u64);
+    // Spaces around a number are read; zero is a usage (a cached answer).
+    let mut c = client("a").admit(&rules, &clock).unwrap();
+    head(&mut c, &[("x-usage-tokens", " 0 ")]);
+    drop(c);
+    assert_eq!(units(&m, "charged"), 300 * cases.len() as u64);
+}
+
+#[test]
+fn absurd_usage_is_clamped_to_max_and_counted() {
+    let (rules, m, clock) = ruleset(&tokens(", reserve: 0"));
+    let mut c = client("a").admit(&rules, &clock).unwrap();
+    head(
+        &mut c,
+        &[("x-usage-tokens", "99999999999999999999999999999999")],
+    );
+    drop(c);
+    assert_eq!(units(&m, "charged"), 5000);
+    assert_eq!(unread(&m, "clamped"), 1);
+    // 5 000 used of 1 000: 4 000 owed, 40 s at 100/s.
+    assert_eq!(
+        client("a").retry_after(&rules, &clock),
+        Some(40 * NANOS_PER_SEC)
+    );
+}
+
+#[test]
+fn a_response_cut_short_or_never_answered_is_charged_and_a_refused_request_is_not() {
+    let (rules, m, clock) = ruleset(&format!(
+        "{}  - name: strict\n    key: header:x-api-key\n    limit: {{ rate: 1/s, burst: 1 }}\n",
+        tokens(", reserve: 10, unknown: 700")
+    ));
+    let a = client("a");
+    // Admitted by both rules; the app never answers (the charges are dropped armed).
+    drop(a.admit(&rules, &clock).unwrap());
+    assert_eq!(units(&m, "charged"), 700);
+    assert_eq!(unread(&m, "cut_short"), 1);
+    // Refused by the second rule: the first one's reservation is given back, nothing owed.
+    assert!(a.admit(&rules, &clock).is_none());
+    assert_eq!(units(&m, "charged"), 700);
+    // Decided but never armed (the client left while a shaping rule held it): nothing.
+    clock.set(T0 + NANOS_PER_SEC);
+    let Verdict::Allow(admit) = a.check(&rules, &clock) else {
+        panic!("admitted")
+    };
+    drop(admit);
+    assert_eq!(units(&m, "charged"), 700);
+    assert_eq!(units(&m, "reserved"), 10);
+}
+
+#[test]
+fn trailers_and_body_bytes_settle_as_the_body_streams() {
+    let (rules, m, clock) = ruleset(
+        "  - name: trailer\n    key: header:x-api-key\n    limit: { rate: 100/s, burst: 1000 }\n    cost: { response: { trailer: x-usage }, reserve: 0, max: 5000, unknown: 50 }\n  - name: bytes\n    key: header:x-api-key\n    limit: { rate: 1000/s, burst: 10000 }\n    cost: { response: body_bytes, reserve: 0, max: 100000 }\n",
+    );
+    let count = |rule: &str| m.response_units.with_label_values(&[rule, "charged"]).get();
+    let mut c = client("a").admit(&rules, &clock).unwrap();
+    head(&mut c, &[("x-usage", "999")]);
+    assert_eq!(count("trailer"), 0, "a trailer rule does not read the head");
+    c.data(1200);
+    c.data(34);
+    let mut trailers = HeaderMap::new();
+    trailers.insert("x-usage", "321".parse().unwrap());
+    c.trailers(&trailers);
+    assert_eq!(count("trailer"), 321);
+    assert_eq!(count("bytes"), 0, "bytes settle at the end");
+    c.end(true);
+    assert_eq!(count("bytes"), 1234);
+    drop(c);
+    assert_eq!(
+        (count("trailer"), count("bytes")),
+        (321, 1234),
+        "settled once"
+    );
+    // Cut short: the bytes sent, and the trailer's unknown.
+    let mut c = client("a").admit(&rules, &clock).unwrap();
+    c.data(10);
+    drop(c);
+    assert_eq!((count("trailer"), count("bytes")), (371, 1244));
+    // Ended without the trailer, or with it twice.
+    let mut c = client("a").admit(&rules, &clock).unwrap();
+    c.end(true);
+    let mut c2 = client("a").admit(&rules, &clock).unwrap();
+    let mut twice = HeaderMap::new();
+    twice.append("x-usage", "1".parse().unwrap());
+    twice.append("x-usage", "2".parse().unwrap());
+    c2.trailers(&twice);
+    drop((c, c2));
+    assert_eq!(count("trailer"), 471);
+    let why = |r: &str| m.usage_unread.with_label_values(&["trailer", r]).get();
+    assert_eq!(
+        (why("missing"), why("malformed"), why("cut_short")),
+        (1, 1, 1)
+    );
+}
+
+#[test]
+fn a_shadow_rule_owes_what_it_admits_and_never_refuses() {
+    let (rules, m, clock) = ruleset(&format!("{}    mode: shadow\n", tokens(", reserve: 0")));
+    let a = client("a");
+    let mut c = a.admit(&rules, &clock).unwrap();
+    head(&mut c, &[("x-usage-tokens", "3000")]);
+    drop(c);
+    let c = a
+        .admit(&rules, &clock)
+        .expect("a shadow rule never refuses");
+    drop(c);
+    assert_eq!(
+        m.requests
+            .with_label_values(&["tokens", "shadow_rejected"])
+            .get(),
+        1
+    );
+    // The refused-in-shadow request is not charged: enforced, it would not have run.
+    assert_eq!(units(&m, "charged"), 3000);
+}
+
+#[test]
+fn a_key_past_the_store_is_charged_in_the_sketch() {
+    let (rules, m, clock) =
+        ruleset(&tokens(", reserve: 0").replace("    cost:", "    max_keys: 1\n    cost:"));
+    // `a` holds the store's one place (in debt, so it cannot be forgotten).
+    let mut c = client("a").admit(&rules, &clock).unwrap();
+    head(&mut c, &[("x-usage-tokens", "2000")]);
+    drop(c);
+    let b = client("b");
+    let mut c = b.admit(&rules, &clock).expect("b is new to the sketch");
+    head(&mut c, &[("x-usage-tokens", "2000")]);
+    drop(c);
+    assert_eq!(units(&m, "charged"), 4000);
+    assert!(b.admit(&rules, &clock).is_none(), "b owes in the sketch");
+}
+
+#[test]
+fn a_key_with_a_call_in_flight_is_not_forgotten_before_its_charge() {
+    let (rules, _, clock) = ruleset(&tokens(", reserve: 0"));
+    let a = client("a");
+    let mut c = a.admit(&rules, &clock).unwrap();
+    // A long stream: the key's bucket refilled while it ran, but its charge is to come.
+    clock.set(T0 + 60 * NANOS_PER_SEC);
+    assert_eq!(rules.sweep(clock.now()), 0);
+    head(&mut c, &[("x-usage-tokens", "1500")]);
+    drop(c);
+    assert_eq!(
+        a.retry_after(&rules, &clock),
+        Some(500 * NANOS_PER_SEC / 100),
+        "1 500 of a full 1 000: 500 owed"
+    );
+    // Repaid and nothing in flight: forgotten as any full bucket.
+    clock.set(T0 + 120 * NANOS_PER_SEC);
+    assert_eq!(rules.sweep(clock.now()), 1);
+}
