@@ -239,6 +239,10 @@ where
                 Ok(a) => a,
                 Err(refusal) => return Ok(respond::answer(&refusal, grpc)),
             };
+            if admit.charges.reads_body() {
+                // A compressed answer could not be read for its usage: ask for none.
+                req.headers_mut().remove(http::header::ACCEPT_ENCODING);
+            }
             let resp = inner.call(req).await?;
             admit.permits.iter_mut().for_each(Permit::responded);
             admit.permits.retain(|p| !p.releases_at_head());

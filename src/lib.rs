@@ -56,6 +56,7 @@ mod target;
 mod tune;
 #[cfg(feature = "ui")]
 mod ui;
+mod usage;
 mod watch;
 
 pub use config::{Config, ConfigError};
@@ -97,6 +98,9 @@ pub mod internal {
     }
     pub mod key {
         pub use crate::key::*;
+    }
+    pub mod usage {
+        pub use crate::usage::*;
     }
     pub mod layer {
         pub use crate::layer::*;

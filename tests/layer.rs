@@ -210,7 +210,10 @@ async fn the_layer_charges_usage_an_inner_service_says_in_its_response() {
     };
     let resp = call().await.unwrap();
     assert_eq!(resp.status(), 200);
-    assert_eq!(&resp.into_body().collect().await.unwrap().to_bytes()[..], b"answer");
+    assert_eq!(
+        &resp.into_body().collect().await.unwrap().to_bytes()[..],
+        b"answer"
+    );
     // 1 200 used of 1 000: in debt, refused, however little the next call would use.
     let resp = call().await.unwrap();
     assert_eq!(resp.status(), 429);

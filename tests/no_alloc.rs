@@ -120,12 +120,19 @@ fn a_response_cost_read_from_a_header_is_decided_and_charged_without_allocating(
     .collect();
     let uri = Uri::from_static("/v1/chat/completions");
     let call = |now| {
-        let view = RequestView::new(&Method::POST, &uri, &HEADERS, IpAddr::V4(Ipv4Addr::LOCALHOST));
+        let view = RequestView::new(
+            &Method::POST,
+            &uri,
+            &HEADERS,
+            IpAddr::V4(Ipv4Addr::LOCALHOST),
+        );
         let Verdict::Allow(mut admit) = rules.check(&view, now) else {
             return false;
         };
         admit.charges.arm(&clock);
-        admit.charges.head(|name| usage.get(name).map(|v| v.as_bytes()));
+        admit
+            .charges
+            .head(|name| usage.get(name).map(|v| v.as_bytes()));
         true
     };
     // The first call inserts the key (and the first charge sets the rule's clock).

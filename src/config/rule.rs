@@ -535,9 +535,12 @@ pub enum Usage {
     /// The body's bytes delivered to the client (counted as they are sent; a body cut short
     /// is charged what was sent).
     BodyBytes,
+    /// Whole numbers at JSON pointers of a JSON body, or of an event stream's events (the
+    /// last found at each pointer), summed.
+    Json(crate::usage::Pointers),
 }
 
-/// `{ header: NAME }` or `{ trailer: NAME }`: one of them.
+/// `{ header: NAME }`, `{ trailer: NAME }` or `{ json: POINTERS }`: one of them.
 #[derive(Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawUsageField {
@@ -545,6 +548,18 @@ pub(super) struct RawUsageField {
     pub(super) header: Option<HeaderNameStr>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) trailer: Option<HeaderNameStr>,
+    /// JSON pointers (`/usage/total_tokens`), one or a list summed, or `openai` or
+    /// `anthropic`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) json: Option<OneOrMany>,
+}
+
+/// One string, or a list of them.
+#[derive(Deserialize, Serialize, JsonSchema)]
+#[serde(untagged)]
+pub(super) enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
 }
 
 impl<'de> Deserialize<'de> for Usage {
@@ -553,23 +568,37 @@ impl<'de> Deserialize<'de> for Usage {
         impl<'de> Visitor<'de> for V {
             type Value = Usage;
             fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-                f.write_str("{ header: NAME }, { trailer: NAME } or body_bytes")
+                f.write_str(
+                    "{ header: NAME }, { trailer: NAME }, { json: POINTERS }, json or body_bytes",
+                )
             }
             fn visit_str<E: de::Error>(self, v: &str) -> Result<Usage, E> {
                 match v {
                     "body_bytes" => Ok(Usage::BodyBytes),
+                    "json" => crate::usage::Pointers::parse(crate::usage::OPENAI.iter().copied())
+                        .map(Usage::Json)
+                        .map_err(E::custom),
                     _ => Err(E::custom(format!(
-                        "{v}: give {{ header: NAME }}, {{ trailer: NAME }} or body_bytes"
+                        "{v}: give {{ header: NAME }}, {{ trailer: NAME }}, {{ json: POINTERS }}, json or body_bytes"
                     ))),
                 }
             }
             fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<Usage, A::Error> {
                 let raw = RawUsageField::deserialize(de::value::MapAccessDeserializer::new(map))?;
-                match (raw.header, raw.trailer) {
-                    (Some(h), None) => Ok(Usage::Header(h)),
-                    (None, Some(t)) => Ok(Usage::Trailer(t)),
+                match (raw.header, raw.trailer, raw.json) {
+                    (Some(h), None, None) => Ok(Usage::Header(h)),
+                    (None, Some(t), None) => Ok(Usage::Trailer(t)),
+                    (None, None, Some(j)) => {
+                        let list = match &j {
+                            OneOrMany::One(p) => vec![p.as_str()],
+                            OneOrMany::Many(ps) => ps.iter().map(String::as_str).collect(),
+                        };
+                        crate::usage::Pointers::parse(list)
+                            .map(Usage::Json)
+                            .map_err(de::Error::custom)
+                    }
                     _ => Err(de::Error::custom(
-                        "give one of header: or trailer: (the field the app's response says its usage in)",
+                        "give one of header:, trailer: or json: (where the app's response says its usage)",
                     )),
                 }
             }
@@ -580,11 +609,18 @@ impl<'de> Deserialize<'de> for Usage {
 
 impl Serialize for Usage {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        let field = |header, trailer| RawUsageField { header, trailer };
+        let field = |header, trailer, json| RawUsageField {
+            header,
+            trailer,
+            json,
+        };
         match self {
-            Usage::Header(h) => field(Some(h.clone()), None).serialize(s),
-            Usage::Trailer(t) => field(None, Some(t.clone())).serialize(s),
+            Usage::Header(h) => field(Some(h.clone()), None, None).serialize(s),
+            Usage::Trailer(t) => field(None, Some(t.clone()), None).serialize(s),
             Usage::BodyBytes => s.serialize_str("body_bytes"),
+            Usage::Json(p) => {
+                field(None, None, Some(OneOrMany::Many(p.text().to_vec()))).serialize(s)
+            }
         }
     }
 }

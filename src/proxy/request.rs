@@ -190,6 +190,10 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         upgrades: &shared.hygiene.upgrades,
         close: get_body,
     };
+    if admit.charges.reads_body() {
+        // A compressed answer could not be read for its usage: ask for none.
+        req.headers_mut().remove(http::header::ACCEPT_ENCODING);
+    }
     let mut resp = fwd.send(req, admit.permits).await;
     // What the response owes rules whose cost is the response's: its head's now, the rest
     // as its body streams (dropped here, the app never answered: charged as cut short).

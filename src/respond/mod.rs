@@ -504,7 +504,12 @@ impl<B: Body + Unpin> Body for PermitBody<B> {
             match &polled {
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Some(data) = frame.data_ref() {
-                        self.charges.data(bytes::Buf::remaining(data));
+                        // Every chunk of the frame's data, read in place.
+                        let mut chunks = [std::io::IoSlice::new(&[]); 16];
+                        let n = bytes::Buf::chunks_vectored(data, &mut chunks);
+                        for chunk in &chunks[..n] {
+                            self.charges.data(chunk);
+                        }
                     } else if let Some(trailers) = frame.trailers_ref() {
                         self.charges.trailers(trailers);
                     }

@@ -20,6 +20,7 @@ use super::store::Owed;
 use super::Kind;
 use crate::config::{ResponseCost, Usage};
 use crate::limit::{AnyClock, Clock, Limiter, Nanos};
+use crate::usage;
 
 /// What a rule whose cost is the response's needs to charge it: its state, its cost and its
 /// counters. One per compiled rule, shared by its charges.
@@ -34,6 +35,7 @@ pub(super) struct ChargeRule {
     missing: IntCounter,
     malformed: IntCounter,
     cut_short: IntCounter,
+    encoded: IntCounter,
     clamped: IntCounter,
 }
 
@@ -55,6 +57,7 @@ impl ChargeRule {
             missing: unread("missing"),
             malformed: unread("malformed"),
             cut_short: unread("cut_short"),
+            encoded: unread("encoded"),
             clamped: unread("clamped"),
         }
     }
@@ -83,7 +86,16 @@ struct Charge {
     reserved: u32,
     /// Body bytes sent so far.
     sent: u64,
+    /// A body read for its usage: its scan, from the head on (boxed: only such rules pay for
+    /// it).
+    scan: Option<Box<Scan>>,
     settled: bool,
+}
+
+/// How a body is read for its usage: as one JSON document, or as an event stream.
+enum Scan {
+    Json(usage::Json),
+    Events(usage::Events),
 }
 
 /// Why a response's usage was not read as sent.
@@ -92,6 +104,8 @@ enum Unread {
     Missing,
     Malformed,
     CutShort,
+    /// A compressed body (the proxy asked for none).
+    Encoded,
 }
 
 impl Charges {
@@ -106,8 +120,17 @@ impl Charges {
             owed,
             reserved,
             sent: 0,
+            scan: None,
             settled: false,
         });
+    }
+
+    /// Whether a charge reads the response's body for its usage: the request then asks the
+    /// app for no compression (`Accept-Encoding` removed), which the scan cannot read.
+    pub fn reads_body(&self) -> bool {
+        self.list
+            .iter()
+            .any(|c| matches!(c.rule.cost.usage, Usage::Json(_)))
     }
 
     /// The request was admitted: from now on every charge settles, at the latest when these
@@ -136,17 +159,40 @@ impl Charges {
     pub fn head<'a>(&mut self, field: impl Fn(&http::HeaderName) -> Option<&'a [u8]>) {
         let Some(now) = self.now() else { return };
         for c in self.list.iter_mut().filter(|c| !c.settled) {
-            if let Usage::Header(name) = &c.rule.cost.usage {
-                c.settle(now, read(field(&name.0)));
+            match &c.rule.cost.usage {
+                Usage::Header(name) => c.settle(now, read(field(&name.0))),
+                Usage::Json(pointers) => {
+                    let identity = field(&http::header::CONTENT_ENCODING)
+                        .is_none_or(|e| e.trim_ascii().eq_ignore_ascii_case(b"identity"));
+                    if !identity {
+                        c.settle(now, Err(Unread::Encoded));
+                        continue;
+                    }
+                    let events = field(&http::header::CONTENT_TYPE).is_some_and(|t| {
+                        t.len() >= 17 && t[..17].eq_ignore_ascii_case(b"text/event-stream")
+                    });
+                    c.scan = Some(Box::new(if events {
+                        Scan::Events(usage::Events::new(pointers))
+                    } else {
+                        Scan::Json(usage::Json::new(pointers))
+                    }));
+                }
+                _ => {}
             }
         }
     }
 
-    /// `len` body bytes are on their way to the client.
+    /// `bytes` of the body are on their way to the client.
     #[inline]
-    pub fn data(&mut self, len: usize) {
+    pub fn data(&mut self, bytes: &[u8]) {
         for c in self.list.iter_mut() {
-            c.sent = c.sent.saturating_add(len as u64);
+            c.sent = c.sent.saturating_add(bytes.len() as u64);
+            if let (Some(scan), Usage::Json(pointers)) = (&mut c.scan, &c.rule.cost.usage) {
+                match &mut **scan {
+                    Scan::Json(json) => json.feed(pointers, bytes),
+                    Scan::Events(events) => events.feed(pointers, bytes),
+                }
+            }
         }
     }
 
@@ -171,8 +217,9 @@ impl Charges {
     pub fn end(&mut self, whole: bool) {
         let Some(now) = self.now() else { return };
         for c in self.list.iter_mut().filter(|c| !c.settled) {
-            let value = match &c.rule.cost.usage {
-                Usage::BodyBytes => Ok(c.sent),
+            let value = match (&c.rule.cost.usage, c.scan.as_deref_mut()) {
+                (Usage::BodyBytes, _) => Ok(c.sent),
+                (Usage::Json(pointers), Some(scan)) => scanned(pointers, scan, whole),
                 _ if whole => Err(Unread::Missing),
                 _ => Err(Unread::CutShort),
             };
@@ -205,6 +252,7 @@ impl Charge {
                     Unread::Missing => rule.missing.inc(),
                     Unread::Malformed => rule.malformed.inc(),
                     Unread::CutShort => rule.cut_short.inc(),
+                    Unread::Encoded => rule.encoded.inc(),
                 }
                 rule.cost.unknown
             }
@@ -233,6 +281,41 @@ impl Charge {
                 .sketch()
                 .refund(key, quota, now, self.reserved - units),
         }
+    }
+}
+
+/// What a body's scan says its usage is, once the body is over (`whole`: as framed): the sum
+/// of the numbers found at the pointers (one found is enough: what the app said stands, even
+/// in a body cut short after it); a value there that is not a whole number, or a body that is
+/// not JSON (nor an event stream of it), is malformed.
+fn scanned(pointers: &usage::Pointers, scan: &mut Scan, whole: bool) -> Result<u64, Unread> {
+    let (found, read_whole) = match scan {
+        Scan::Json(json) => {
+            json.end();
+            (json.found(), json.done())
+        }
+        Scan::Events(events) => {
+            events.end(pointers);
+            (events.found(), true)
+        }
+    };
+    let found = &found[..pointers.text().len()];
+    if found.contains(&usage::Found::Bad) {
+        return Err(Unread::Malformed);
+    }
+    let mut any = false;
+    let sum = found.iter().fold(0u64, |sum, f| match f {
+        usage::Found::Number(n) => {
+            any = true;
+            sum.saturating_add(*n)
+        }
+        _ => sum,
+    });
+    match (any, whole, read_whole) {
+        (true, ..) => Ok(sum),
+        (false, false, _) => Err(Unread::CutShort),
+        (false, true, true) => Err(Unread::Missing),
+        (false, true, false) => Err(Unread::Malformed),
     }
 }
 

@@ -359,3 +359,149 @@ async fn an_app_that_breaks_off_its_body_or_never_answers_is_charged_unknown() {
     until_units(&sc, "tokens", "charged", 700.0).await;
     assert_eq!(unread(&sc, "tokens", "cut_short").await, Some(1.0));
 }
+
+/// A raw HTTP/1 app that answers each request with `head` and then `body` in writes of
+/// `piece` bytes (flushed one by one: they reach the proxy in pieces), closing after it if
+/// `head` says so, and sending the request heads it read to `heads`.
+async fn in_pieces(
+    head: &'static str,
+    body: &'static str,
+    piece: usize,
+) -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<String>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let addr = raw_server(move |s| {
+        let tx = tx.clone();
+        async move {
+            let mut s = BufReader::new(s);
+            loop {
+                let mut request = String::new();
+                loop {
+                    let mut line = String::new();
+                    match s.read_line(&mut line).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) => request.push_str(&line),
+                    }
+                    if line == "\r\n" {
+                        break;
+                    }
+                }
+                let _ = tx.send(request);
+                let w = s.get_mut();
+                if w.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                for part in body.as_bytes().chunks(piece) {
+                    if w.write_all(part).await.is_err() || w.flush().await.is_err() {
+                        return;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                // A body without a length ends with the connection.
+                if head.contains("Connection: close") {
+                    return;
+                }
+            }
+        }
+    })
+    .await;
+    (addr, rx)
+}
+
+const COMPLETION: &str = r#"{"id":"chatcmpl-1","object":"chat.completion","choices":[{"index":0,"message":{"role":"assistant","content":"Two plus two is four."},"finish_reason":"stop"}],"usage":{"prompt_tokens":1100,"completion_tokens":400,"total_tokens":1500}}"#;
+
+#[tokio::test]
+async fn a_json_bodys_usage_is_read_as_it_passes_and_the_app_is_asked_for_no_compression() {
+    let head: &'static str = Box::leak(
+        format!(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            COMPLETION.len()
+        )
+        .into_boxed_str(),
+    );
+    let (app, mut heads) = in_pieces(head, COMPLETION, 7).await;
+    let (sc, _) = proxy(app, &budget("{ response: json, reserve: 0, max: 100000 }")).await;
+    let (status, _, body) = send(
+        &client(),
+        sc.addr(),
+        "GET",
+        "/v1/chat/completions",
+        &[("x-api-key", "a"), ("accept-encoding", "gzip, br")],
+    )
+    .await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, COMPLETION),
+        "passed on whole"
+    );
+    let request = heads.recv().await.unwrap().to_ascii_lowercase();
+    assert!(!request.contains("accept-encoding"), "{request}");
+    assert_eq!(units(&sc, "tokens", "charged").await, Some(1500.0));
+    let (status, headers, _) = get(sc.addr(), "/v1/chat/completions", &A).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(headers["retry-after"], "5", "500 owed at 100 a second");
+}
+
+const OPENAI_STREAM: &str = concat!(
+    "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Two\"}}],\"usage\":null}\n\n",
+    "data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" plus two\"}}],\"usage\":null}\n\n",
+    "data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":900,\"completion_tokens\":300,\"total_tokens\":1200}}\n\n",
+    "data: [DONE]\n\n",
+);
+
+const ANTHROPIC_STREAM: &str = concat!(
+    "event: message_start\n",
+    "data: {\"type\":\"message_start\",\"message\":{\"id\":\"msg_1\",\"usage\":{\"input_tokens\":700,\"output_tokens\":1}}}\n\n",
+    "event: content_block_delta\n",
+    "data: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"Four.\"}}\n\n",
+    "event: message_delta\n",
+    "data: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"end_turn\"},\"usage\":{\"output_tokens\":600}}\n\n",
+    "event: message_stop\n",
+    "data: {\"type\":\"message_stop\"}\n\n",
+);
+
+const STREAM_HEAD: &str =
+    "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n";
+
+#[tokio::test]
+async fn an_event_streams_usage_is_read_in_both_common_shapes() {
+    for (json, stream, want) in [
+        ("json", OPENAI_STREAM, 1200.0),
+        ("{ json: anthropic }", ANTHROPIC_STREAM, 1300.0),
+    ] {
+        let (app, _) = in_pieces(STREAM_HEAD, stream, 5).await;
+        let (sc, _) = proxy(
+            app,
+            &budget(&format!("{{ response: {json}, reserve: 0, max: 100000 }}")),
+        )
+        .await;
+        let (status, _, body) = get(sc.addr(), "/v1/messages", &A).await;
+        assert_eq!((status, body.as_str()), (StatusCode::OK, stream), "{json}");
+        assert_eq!(units(&sc, "tokens", "charged").await, Some(want), "{json}");
+        assert_eq!(
+            get(sc.addr(), "/v1/messages", &A).await.0,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{json}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_compressed_body_is_charged_unknown_and_counted() {
+    let (app, _) = in_pieces(
+        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Encoding: gzip\r\nContent-Length: 4\r\n\r\n",
+        "\x1f\x08\x00\x00",
+        4,
+    )
+    .await;
+    let (sc, _) = proxy(
+        app,
+        &budget("{ response: json, reserve: 0, max: 100000, unknown: 2500 }"),
+    )
+    .await;
+    assert_eq!(get(sc.addr(), "/", &A).await.0, StatusCode::OK);
+    assert_eq!(unread(&sc, "tokens", "encoded").await, Some(1.0));
+    assert_eq!(units(&sc, "tokens", "charged").await, Some(2500.0));
+}

@@ -239,8 +239,8 @@ fn trailers_and_body_bytes_settle_as_the_body_streams() {
     let mut c = client("a").admit(&rules, &clock).unwrap();
     head(&mut c, &[("x-usage", "999")]);
     assert_eq!(count("trailer"), 0, "a trailer rule does not read the head");
-    c.data(1200);
-    c.data(34);
+    c.data(&[b'x'; 1200]);
+    c.data(&[b'x'; 34]);
     let mut trailers = HeaderMap::new();
     trailers.insert("x-usage", "321".parse().unwrap());
     c.trailers(&trailers);
@@ -256,7 +256,7 @@ fn trailers_and_body_bytes_settle_as_the_body_streams() {
     );
     // Cut short: the bytes sent, and the trailer's unknown.
     let mut c = client("a").admit(&rules, &clock).unwrap();
-    c.data(10);
+    c.data(&[b'x'; 10]);
     drop(c);
     assert_eq!((count("trailer"), count("bytes")), (371, 1244));
     // Ended without the trailer, or with it twice.
@@ -331,4 +331,121 @@ fn a_key_with_a_call_in_flight_is_not_forgotten_before_its_charge() {
     // Repaid and nothing in flight: forgotten as any full bucket.
     clock.set(T0 + 120 * NANOS_PER_SEC);
     assert_eq!(rules.sweep(clock.now()), 1);
+}
+
+/// A rule reading `json` usage, 100 units a second, 1 000 at most.
+fn json_rule(json: &str) -> String {
+    format!(
+        "  - name: tokens\n    key: header:x-api-key\n    limit: {{ rate: 100/s, burst: 1000 }}\n    cost: {{ response: {json}, reserve: 0, max: 100000, unknown: 333 }}\n"
+    )
+}
+
+/// A response with `fields` and `body` in pieces of `piece` bytes, ended `whole` or not.
+fn respond(c: &mut Charges, fields: &[(&str, &str)], body: &str, piece: usize, whole: bool) {
+    head(c, fields);
+    for part in body.as_bytes().chunks(piece) {
+        c.data(part);
+    }
+    if whole {
+        c.end(true);
+    }
+}
+
+#[test]
+fn a_json_bodys_usage_is_read_as_it_streams_in_any_pieces() {
+    let (rules, m, clock) = ruleset(&json_rule("json"));
+    let body = r#"{"id":"x","choices":[{"message":{"content":"{\"usage\":{\"total_tokens\":1}}"}}],"usage":{"prompt_tokens":9,"completion_tokens":3,"total_tokens":12}}"#;
+    for piece in [1, 5, body.len()] {
+        let mut c = client("a").admit(&rules, &clock).unwrap();
+        respond(
+            &mut c,
+            &[("content-type", "application/json")],
+            body,
+            piece,
+            true,
+        );
+    }
+    assert_eq!(units(&m, "charged"), 36);
+    // Summed pointers, and Anthropic's shape named.
+    let (rules, m, clock) = ruleset(&json_rule(
+        "{ json: [/usage/prompt_tokens, /usage/completion_tokens] }",
+    ));
+    let mut c = client("a").admit(&rules, &clock).unwrap();
+    respond(&mut c, &[], body, 7, true);
+    assert_eq!(units(&m, "charged"), 12);
+    let (rules, m, clock) = ruleset(&json_rule("{ json: anthropic }"));
+    let mut c = client("a").admit(&rules, &clock).unwrap();
+    let stream = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":20,\"output_tokens\":1}}}\n\nevent: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":30}}\n\n";
+    respond(
+        &mut c,
+        &[("content-type", "text/event-stream; charset=utf-8")],
+        stream,
+        3,
+        true,
+    );
+    assert_eq!(units(&m, "charged"), 50);
+}
+
+#[test]
+fn a_body_without_readable_usage_is_charged_unknown_by_why() {
+    let (rules, m, clock) = ruleset(&json_rule("json"));
+    // (response fields, body, ended whole, why it is unread)
+    type Case<'a> = (&'a [(&'a str, &'a str)], &'a str, bool, &'a str);
+    let cases: &[Case] = &[
+        (
+            &[],
+            r#"{"error":{"message":"overloaded"}}"#,
+            true,
+            "missing",
+        ),
+        (&[], r#"{"usage":{"total_tokens":"12"}}"#, true, "malformed"),
+        (&[], r#"{"usage":{"total_tokens":-3}}"#, true, "malformed"),
+        (&[], "<html>bad gateway</html>", true, "malformed"),
+        (&[], r#"{"usage":{"total_to"#, false, "cut_short"),
+        (
+            &[("content-encoding", "gzip")],
+            "\x1f\u{8b}...",
+            true,
+            "encoded",
+        ),
+        (
+            &[("content-type", "text/event-stream")],
+            "data: {\"usage\":null}\n\ndata: [DONE]\n\n",
+            true,
+            "missing",
+        ),
+    ];
+    for (i, (fields, body, whole, why)) in cases.iter().enumerate() {
+        clock.set(T0 + i as u64 * 100 * NANOS_PER_SEC);
+        let before = unread(&m, why);
+        let mut c = client("a").admit(&rules, &clock).unwrap();
+        respond(&mut c, fields, body, 4, *whole);
+        drop(c);
+        assert_eq!(unread(&m, why), before + 1, "{body}");
+    }
+    assert_eq!(units(&m, "charged"), 333 * cases.len() as u64);
+    // The usage said before the body broke off stands.
+    let mut c = client("b").admit(&rules, &clock).unwrap();
+    respond(
+        &mut c,
+        &[("content-type", "text/event-stream")],
+        "data: {\"usage\":{\"total_tokens\":77}}\n\ndata: {\"choices\":[",
+        4,
+        false,
+    );
+    drop(c);
+    assert_eq!(units(&m, "charged"), 333 * cases.len() as u64 + 77);
+}
+
+#[test]
+fn only_a_rule_that_reads_the_body_asks_for_it_uncompressed() {
+    for (rule, reads) in [
+        (json_rule("json"), true),
+        (json_rule("{ header: x-usage }"), false),
+        (json_rule("body_bytes").replace(", unknown: 333", ""), false),
+    ] {
+        let (rules, _, clock) = ruleset(&rule);
+        let c = client("a").admit(&rules, &clock).unwrap();
+        assert_eq!(c.reads_body(), reads, "{rule}");
+    }
 }
