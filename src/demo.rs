@@ -291,6 +291,7 @@ pub async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
 }
 
 pub mod fleet;
+pub mod tokens;
 
 /// `spillway demo --fleet`: a controller, three aggregators (two replicas for one zone), three
 /// proxies and an uneven load (6:2:1 across the proxies, 1x the limit then 3x), with a table

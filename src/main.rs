@@ -251,8 +251,12 @@ enum Command {
         seconds: u64,
         /// A whole fleet instead: a controller, two aggregator replicas for one zone and one
         /// for another, three proxies.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "tokens")]
         fleet: bool,
+        /// Token budgets instead: a fake OpenAI-compatible app streaming chat completions,
+        /// each API key charged the tokens its answers say they used.
+        #[arg(long)]
+        tokens: bool,
     },
 }
 
@@ -568,9 +572,17 @@ wrote {}",
                 }
             }
         }
-        Command::Demo { seconds, fleet } => {
+        Command::Demo {
+            seconds,
+            fleet,
+            tokens,
+        } => {
             if fleet {
                 run(spillway::internal::demo::fleet())
+            } else if tokens {
+                run(spillway::internal::demo::tokens::run(
+                    std::time::Duration::from_secs(seconds),
+                ))
             } else {
                 run(spillway::internal::demo::run(
                     std::time::Duration::from_secs(seconds),

@@ -465,7 +465,7 @@ fn a_response_cost_that_cannot_mean_what_it_says_is_refused() {
         ),
         (
             "limit: { rate: 10/s }\n    cost: { response: { header: x-a, trailer: x-b }, max: 100 }".into(),
-            "one of header: or trailer:",
+            "one of header:, trailer: or json:",
         ),
         (
             "limit: { rate: 10/s }\n    cost: { response: tokens, max: 100 }".into(),

@@ -126,7 +126,7 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -
     if denial.capacity {
         return reduced_capacity(denial, grpc);
     }
-    let rule = &denial.state.rule;
+    let rule = denial.state.rule();
     let retry = denial.retry_after_secs();
     if grpc != Form::Http {
         return grpc_exhausted(denial, rule, retry, grpc);
@@ -148,7 +148,7 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -
     // The policy is the rule's, the one its answers are built with.
     debug_assert_eq!(
         answer.headers.get(&RATELIMIT_POLICY),
-        Some(&denial.state.policy)
+        Some(denial.state.policy())
     );
     let mut resp = Response::new(Either::Right(Full::new(answer.body.clone()).into()));
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
@@ -268,7 +268,7 @@ const REDUCED_CAPACITY: &str =
 /// 503 with `Retry-After` for a request an adaptive limit refused: the upstream is at the
 /// concurrency its latency allows now. No `RateLimit` headers: this is not the client's quota.
 fn reduced_capacity<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -> Ours<L, R> {
-    let rule = &denial.state.rule;
+    let rule = denial.state.rule();
     let secs = denial.retry_after_secs().unwrap_or(1);
     let mut resp = if grpc != Form::Http {
         // UNAVAILABLE: gRPC clients retry it with back-off.
@@ -299,20 +299,24 @@ pub fn add_rate_headers(headers: &mut HeaderMap, states: &[RateState]) {
         return;
     }
     if let [one] = states {
-        headers.insert(RATELIMIT_POLICY.clone(), one.policy.clone());
+        headers.insert(RATELIMIT_POLICY.clone(), one.policy().clone());
     } else {
         let mut joined = BytesMut::with_capacity(64 * states.len());
         for (i, s) in states.iter().enumerate() {
             if i > 0 {
                 joined.put_slice(b", ");
             }
-            joined.put_slice(s.policy.as_bytes());
+            joined.put_slice(s.policy().as_bytes());
         }
         if let Ok(v) = HeaderValue::from_maybe_shared(joined.freeze()) {
             headers.insert(RATELIMIT_POLICY.clone(), v);
         }
     }
-    let value = ratelimit_value(states.iter().map(|s| (&*s.rule, s.remaining, s.reset_secs)));
+    let value = ratelimit_value(
+        states
+            .iter()
+            .map(|s| (&**s.rule(), s.remaining, s.reset_secs)),
+    );
     headers.insert(RATELIMIT.clone(), value);
 }
 
@@ -464,7 +468,8 @@ fn problem<L, R: From<Full<Bytes>>>(status: StatusCode, body: Bytes) -> Ours<L, 
 pub struct PermitBody<B> {
     inner: B,
     permits: Permits,
-    charges: Charges,
+    /// Boxed: most bodies carry none, and every body is moved a few times.
+    charges: Option<Box<Charges>>,
 }
 
 impl<B> PermitBody<B> {
@@ -472,13 +477,14 @@ impl<B> PermitBody<B> {
         Self {
             inner,
             permits,
-            charges: Charges::default(),
+            charges: None,
         }
     }
 
-    /// Hands the body the charges it settles (the head's already settled).
+    /// Hands the body the charges still open once its head was read (see
+    /// [`Charges::pending`]).
     pub fn charge(&mut self, charges: Charges) {
-        self.charges = charges;
+        self.charges = charges.pending().then(|| Box::new(charges));
     }
 
     pub fn inner(&self) -> &B {
@@ -500,7 +506,7 @@ impl<B: Body + Unpin> Body for PermitBody<B> {
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let polled = Pin::new(&mut self.inner).poll_frame(cx);
         let end = matches!(polled, Poll::Ready(None)) || self.inner.is_end_stream();
-        if !self.charges.is_empty() {
+        if let Some(charges) = &mut self.charges {
             match &polled {
                 Poll::Ready(Some(Ok(frame))) => {
                     if let Some(data) = frame.data_ref() {
@@ -508,18 +514,18 @@ impl<B: Body + Unpin> Body for PermitBody<B> {
                         let mut chunks = [std::io::IoSlice::new(&[]); 16];
                         let n = bytes::Buf::chunks_vectored(data, &mut chunks);
                         for chunk in &chunks[..n] {
-                            self.charges.data(chunk);
+                            charges.data(chunk);
                         }
                     } else if let Some(trailers) = frame.trailers_ref() {
-                        self.charges.trailers(trailers);
+                        charges.trailers(trailers);
                     }
                 }
                 // The body broke off: what it owes settles as cut short.
-                Poll::Ready(Some(Err(_))) => self.charges.end(false),
+                Poll::Ready(Some(Err(_))) => charges.end(false),
                 _ => {}
             }
             if end {
-                self.charges.end(true);
+                charges.end(true);
             }
         }
         // Free the slots as soon as the body is over, before its last bytes reach the client:
@@ -553,8 +559,7 @@ mod tests {
     fn denial(answers: &Arc<Answers>, retry_secs: Option<u64>) -> Denial {
         Denial {
             state: RateState {
-                rule: Arc::from("per-ip"),
-                policy: policy(),
+                answers: answers.clone(),
                 remaining: 0,
                 reset_secs: retry_secs.unwrap_or(0),
             },

@@ -84,16 +84,15 @@ struct Charge {
     rule: Arc<ChargeRule>,
     owed: Owed,
     reserved: u32,
-    /// Body bytes sent so far.
-    sent: u64,
-    /// A body read for its usage: its scan, from the head on (boxed: only such rules pay for
-    /// it).
-    scan: Option<Box<Scan>>,
     settled: bool,
+    /// A body read for its usage, from the head on (boxed: only such rules pay for it).
+    body: Option<Box<Scan>>,
 }
 
-/// How a body is read for its usage: as one JSON document, or as an event stream.
+/// How a body is read for its usage: its bytes counted, or read as one JSON document or as
+/// an event stream.
 enum Scan {
+    Bytes(u64),
     Json(usage::Json),
     Events(usage::Events),
 }
@@ -119,10 +118,14 @@ impl Charges {
             rule: rule.clone(),
             owed,
             reserved,
-            sent: 0,
-            scan: None,
             settled: false,
+            body: None,
         });
+    }
+
+    /// Whether a charge is still open once the head has been read: the body must carry them.
+    pub fn pending(&self) -> bool {
+        self.armed && self.list.iter().any(|c| !c.settled)
     }
 
     /// Whether a charge reads the response's body for its usage: the request then asks the
@@ -171,13 +174,14 @@ impl Charges {
                     let events = field(&http::header::CONTENT_TYPE).is_some_and(|t| {
                         t.len() >= 17 && t[..17].eq_ignore_ascii_case(b"text/event-stream")
                     });
-                    c.scan = Some(Box::new(if events {
+                    c.body = Some(Box::new(if events {
                         Scan::Events(usage::Events::new(pointers))
                     } else {
                         Scan::Json(usage::Json::new(pointers))
                     }));
                 }
-                _ => {}
+                Usage::BodyBytes => c.body = Some(Box::new(Scan::Bytes(0))),
+                Usage::Trailer(_) => {}
             }
         }
     }
@@ -186,12 +190,11 @@ impl Charges {
     #[inline]
     pub fn data(&mut self, bytes: &[u8]) {
         for c in self.list.iter_mut() {
-            c.sent = c.sent.saturating_add(bytes.len() as u64);
-            if let (Some(scan), Usage::Json(pointers)) = (&mut c.scan, &c.rule.cost.usage) {
-                match &mut **scan {
-                    Scan::Json(json) => json.feed(pointers, bytes),
-                    Scan::Events(events) => events.feed(pointers, bytes),
-                }
+            match (c.body.as_deref_mut(), &c.rule.cost.usage) {
+                (Some(Scan::Bytes(sent)), _) => *sent = sent.saturating_add(bytes.len() as u64),
+                (Some(Scan::Json(json)), Usage::Json(pointers)) => json.feed(pointers, bytes),
+                (Some(Scan::Events(events)), Usage::Json(pointers)) => events.feed(pointers, bytes),
+                _ => {}
             }
         }
     }
@@ -217,8 +220,10 @@ impl Charges {
     pub fn end(&mut self, whole: bool) {
         let Some(now) = self.now() else { return };
         for c in self.list.iter_mut().filter(|c| !c.settled) {
-            let value = match (&c.rule.cost.usage, c.scan.as_deref_mut()) {
-                (Usage::BodyBytes, _) => Ok(c.sent),
+            let value = match (&c.rule.cost.usage, c.body.as_deref_mut()) {
+                (_, Some(Scan::Bytes(sent))) => Ok(*sent),
+                // The app never answered: no byte was sent.
+                (Usage::BodyBytes, _) => Ok(0),
                 (Usage::Json(pointers), Some(scan)) => scanned(pointers, scan, whole),
                 _ if whole => Err(Unread::Missing),
                 _ => Err(Unread::CutShort),
@@ -229,9 +234,12 @@ impl Charges {
 }
 
 impl Drop for Charges {
+    #[inline]
     fn drop(&mut self) {
         // Armed and not ended: the response was cut short, or the app never answered.
-        self.end(false);
+        if self.armed {
+            self.end(false);
+        }
     }
 }
 
@@ -290,6 +298,7 @@ impl Charge {
 /// not JSON (nor an event stream of it), is malformed.
 fn scanned(pointers: &usage::Pointers, scan: &mut Scan, whole: bool) -> Result<u64, Unread> {
     let (found, read_whole) = match scan {
+        Scan::Bytes(_) => return Err(Unread::Malformed),
         Scan::Json(json) => {
             json.end();
             (json.found(), json.done())

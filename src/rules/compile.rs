@@ -341,10 +341,7 @@ pub(super) fn compile(
             }),
             _ => Nanos::MAX,
         },
-        // Cloned here, the value's bytes become shared now rather than on the rule's first
-        // refusal (`state` clones it per request).
-        answers: Arc::new(Answers::new(name.clone(), policy.clone())),
-        policy,
+        answers: Arc::new(Answers::new(name.clone(), policy)),
         allowed: metrics.requests.with_label_values(&[label, "allowed"]),
         rejected: metrics.requests.with_label_values(&[label, "rejected"]),
         shadow_rejected: metrics
@@ -358,8 +355,7 @@ pub(super) fn compile(
 impl CompiledRule {
     pub(super) fn state(&self, remaining: u32, reset_secs: u64) -> RateState {
         RateState {
-            rule: self.name.clone(),
-            policy: self.policy.clone(),
+            answers: self.answers.clone(),
             remaining,
             reset_secs,
         }

@@ -45,6 +45,16 @@ impl Answers {
         }
     }
 
+    /// The rule's name.
+    pub fn rule(&self) -> &Arc<str> {
+        &self.rule
+    }
+
+    /// The rule's `RateLimit-Policy` value.
+    pub fn policy(&self) -> &HeaderValue {
+        &self.policy
+    }
+
     /// The kept answer for `retry`, rendered on first use; `None` for a hint not kept.
     pub fn get(&self, retry: Option<u64>, render: Render) -> Option<&Arc<Answer>> {
         let secs = retry?;

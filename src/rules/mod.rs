@@ -77,9 +77,8 @@ struct CompiledRule {
     /// A leaky bucket's `max_delay`: a request that would wait longer in its queue is refused
     /// (`Nanos::MAX`: no bound but the queue's).
     max_wait: Nanos,
-    /// `"name";q=<burst>;w=<window seconds>`, built once.
-    policy: HeaderValue,
-    /// This rule's 429s, built once per retry hint.
+    /// This rule's 429s, built once per retry hint, with its name and its
+    /// `"name";q=<burst>;w=<window seconds>` policy, built once.
     answers: Arc<Answers>,
     allowed: IntCounter,
     rejected: IntCounter,
@@ -316,14 +315,26 @@ pub struct Admit {
     pub charges: Charges,
 }
 
-/// A rule's state after a decision, for the `RateLimit` headers.
+/// A rule's state after a decision, for the `RateLimit` headers: the rule (its name and
+/// policy, through its answers: one pointer, as every admission carries a few of these) and
+/// where its quota stands.
 #[derive(Debug, Clone)]
 pub struct RateState {
-    pub rule: Arc<str>,
-    pub policy: HeaderValue,
+    pub answers: Arc<Answers>,
     pub remaining: u32,
     /// Seconds until the quota is whole again (allowed) or a retry is admitted (denied).
     pub reset_secs: u64,
+}
+
+impl RateState {
+    pub fn rule(&self) -> &Arc<str> {
+        self.answers.rule()
+    }
+
+    /// The rule's `RateLimit-Policy` value.
+    pub fn policy(&self) -> &HeaderValue {
+        self.answers.policy()
+    }
 }
 
 /// Why a request was refused.

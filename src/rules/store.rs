@@ -219,7 +219,11 @@ impl RateStore {
                     return (decision, Slot::Sketch, None);
                 }
                 // A key with no place: its charge finds it in the sketch by name.
-                (decision, Slot::Sketch, Some(Owed::Sketch(key.into())))
+                (
+                    decision,
+                    Slot::Sketch,
+                    Some(Owed::Sketch(Box::new(key.into()))),
+                )
             }
         }
     }
@@ -237,7 +241,8 @@ impl RateStore {
 /// had no place for) the rule's sketch, by the key.
 pub(super) enum Owed {
     Keyed(Arc<Gcra>),
-    Sketch(Box<[u8]>),
+    /// Boxed twice: one pointer, so that a charge stays small in every request's admission.
+    Sketch(Box<Box<[u8]>>),
 }
 
 impl Limiter for Arc<Gcra> {

@@ -84,10 +84,10 @@ fn a_denial_says_when_to_retry_and_names_the_rule() {
     let Verdict::Deny(d) = r.check(&rules, T0 + NANOS_PER_SEC) else {
         panic!("expected a denial")
     };
-    assert_eq!(&*d.state.rule, "slow");
+    assert_eq!(&**d.state.rule(), "slow");
     assert_eq!(d.retry_after, Some(59 * NANOS_PER_SEC));
     assert_eq!(d.retry_after_secs(), Some(59));
-    assert_eq!(d.state.policy, "\"slow\";q=1;w=60");
+    assert_eq!(d.state.policy(), "\"slow\";q=1;w=60");
     assert_eq!(count(&m, "slow", "allowed"), 1);
     assert_eq!(count(&m, "slow", "rejected"), 1);
 }
@@ -266,7 +266,7 @@ fn with_headers_always_allowed_requests_carry_each_rules_state() {
         states[0].reset_secs, 1,
         "100 ms to be whole again, rounded up"
     );
-    assert_eq!(states[0].policy, "\"r\";q=20;w=2");
+    assert_eq!(states[0].policy(), "\"r\";q=20;w=2");
 }
 
 #[test]

@@ -256,6 +256,7 @@ fn trailers_and_body_bytes_settle_as_the_body_streams() {
     );
     // Cut short: the bytes sent, and the trailer's unknown.
     let mut c = client("a").admit(&rules, &clock).unwrap();
+    head(&mut c, &[]);
     c.data(&[b'x'; 10]);
     drop(c);
     assert_eq!((count("trailer"), count("bytes")), (371, 1244));
