@@ -202,11 +202,36 @@ impl Json {
 
     /// Reads `bytes` of the document.
     pub fn feed(&mut self, pointers: &Pointers, bytes: &[u8]) {
-        for &b in bytes {
-            if self.state == State::Failed {
-                return;
+        let mut i = 0;
+        while i < bytes.len() {
+            match self.state {
+                State::Failed => return,
+                // Inside a string (most of a body's bytes) only its end, an escape or a control
+                // byte matters: a run up to the next is skipped, or (a key that may be on a
+                // pointer's way) kept at once.
+                State::Str {
+                    key,
+                    escaped: false,
+                } => {
+                    let rest = &bytes[i..];
+                    let run = rest
+                        .iter()
+                        .position(|&c| c == b'"' || c == b'\\' || c < 0x20)
+                        .unwrap_or(rest.len());
+                    if key && self.stack.last().is_some_and(|f| f.live != 0) {
+                        let room = MAX_SEGMENT - self.key.len();
+                        self.key.extend_from_slice(&rest[..run.min(room)]);
+                        self.key_long |= run > room;
+                    }
+                    i += run;
+                    if i == bytes.len() {
+                        return;
+                    }
+                }
+                _ => {}
             }
-            self.byte(pointers, b);
+            self.byte(pointers, bytes[i]);
+            i += 1;
         }
     }
 
@@ -514,7 +539,27 @@ impl Events {
     }
 
     pub fn feed(&mut self, pointers: &Pointers, bytes: &[u8]) {
-        for &b in bytes {
+        let mut i = 0;
+        while i < bytes.len() {
+            // The rest of a data line goes to the event's document at once; the rest of
+            // another line is skipped.
+            if matches!(self.line, Line::Data | Line::Skip) {
+                let rest = &bytes[i..];
+                let end = rest
+                    .iter()
+                    .position(|&c| c == b'\n' || c == b'\r')
+                    .unwrap_or(rest.len());
+                if end > 0 {
+                    if self.line == Line::Data {
+                        self.event.feed(pointers, &rest[..end]);
+                    }
+                    self.cr = false;
+                    i += end;
+                    continue;
+                }
+            }
+            let b = bytes[i];
+            i += 1;
             let cr = std::mem::replace(&mut self.cr, b == b'\r');
             if b == b'\n' && cr {
                 continue;

@@ -216,3 +216,41 @@ proptest! {
         prop_assert_eq!(found, Some(want), "{}", text);
     }
 }
+
+proptest! {
+    /// Differential, for event streams: each event's data (pretty-printed JSON over several
+    /// `data:` lines, or one) read as serde_json reads it, the last value found at each pointer
+    /// standing, whatever the line endings and however the stream's bytes are cut.
+    #[test]
+    fn events_find_what_serde_json_finds_in_the_last_event_that_has_it(
+        events in prop::collection::vec((values(), any::<bool>()), 1..5),
+        crlf in any::<bool>(),
+        piece in 1usize..64,
+    ) {
+        let list = ["/usage/total_tokens", "/usage", "/0"];
+        let p = pointers(&list);
+        let eol = if crlf { "\r\n" } else { "\n" };
+        let mut stream = String::new();
+        let mut want = vec![Found::None; list.len()];
+        for (v, pretty) in &events {
+            let text = if *pretty { serde_json::to_string_pretty(v) } else { serde_json::to_string(v) }.unwrap();
+            stream.push_str(&format!("event: e{eol}"));
+            for line in text.lines() {
+                stream.push_str(&format!("data: {line}{eol}"));
+            }
+            stream.push_str(eol);
+            for (w, ptr) in want.iter_mut().zip(list) {
+                let found = expected(v, ptr);
+                if found != Found::None {
+                    *w = found;
+                }
+            }
+        }
+        let mut e = Events::new(&p);
+        for part in stream.as_bytes().chunks(piece) {
+            e.feed(&p, part);
+        }
+        e.end(&p);
+        prop_assert_eq!(&e.found()[..list.len()], &want[..], "{}", stream);
+    }
+}
