@@ -1075,3 +1075,130 @@ async fn keys_refused_by_a_later_local_rule_spend_none_of_new_keys() {
     let keys: u64 = redis::cmd("DBSIZE").query_async(&mut conn).await.unwrap();
     assert!(keys <= 1, "{keys}");
 }
+
+/// An app that answers every request with `x-usage-tokens: <usage>`.
+async fn app_using(usage: u32) -> SocketAddr {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    raw_server(move |s| async move {
+        let mut s = tokio::io::BufReader::new(s);
+        loop {
+            let mut line = String::new();
+            loop {
+                line.clear();
+                match s.read_line(&mut line).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) if line == "\r\n" => break,
+                    Ok(_) => {}
+                }
+            }
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nx-usage-tokens: {usage}\r\n\r\nok"
+            );
+            if s.get_mut().write_all(answer.as_bytes()).await.is_err() {
+                return;
+            }
+        }
+    })
+    .await
+}
+
+/// The `RateLimit` field's remaining units (`r=`).
+fn remaining(headers: &http::HeaderMap) -> u64 {
+    let v = headers["ratelimit"].to_str().unwrap();
+    let r = v
+        .split(';')
+        .find_map(|p| p.trim().strip_prefix("r="))
+        .unwrap();
+    r.parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_usage_is_owed_in_redis_and_every_proxy_refuses_the_key_in_debt() {
+    let redis = RedisServer::start();
+    let rule = |reserve: u32| {
+        yaml(
+            &redis,
+            "",
+            "{ rate: 100/h, burst: 1000 }",
+            &format!("    cost: {{ response: {{ header: x-usage-tokens }}, reserve: {reserve}, max: 100000 }}\n"),
+        )
+    };
+    // One proxy's call uses 1 500 of the key's 1 000: it owes 500 in Redis, and another proxy
+    // refuses the key until the debt has refilled (and the next call's unit with it).
+    let (heavy, light) = (app_using(1500).await, app_using(100).await);
+    let a = start(heavy, &rule(1)).await;
+    let b = start(heavy, &rule(1)).await;
+    assert_eq!(
+        get(a.addr(), "/", &[("x-client", "k")]).await.0,
+        StatusCode::OK
+    );
+    let mut conn = redis.conn().await;
+    let tat = rkey("k", ":tat");
+    // The charge goes to Redis after the response, off its path: wait until it is there.
+    let mut owed = false;
+    for _ in 0..500 {
+        let ttl: i64 = redis::cmd("PTTL")
+            .arg(&tat)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        // Past the bucket's 1 000 units of 36 s: the key is in debt.
+        if ttl > 36_000_000 {
+            owed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        owed,
+        "the usage never reached redis: {}",
+        metrics(&a)
+            .await
+            .lines()
+            .filter(|l| l.contains("redis") || l.contains("response_"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let (status, headers, _) = get(b.addr(), "/", &[("x-client", "k")]).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = headers["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!(
+        (501 * 36..=501 * 36 + 1).contains(&retry),
+        "Retry-After {retry}"
+    );
+    assert_eq!(
+        count(
+            &metrics(&a).await,
+            "spillway_response_units_total{kind=\"charged\",rule=\"r\"}"
+        ),
+        1500.0
+    );
+
+    // A reservation larger than the usage is given back in Redis.
+    let c = start(light, &rule(500)).await;
+    let d = start(light, &rule(500)).await;
+    assert_eq!(
+        get(c.addr(), "/", &[("x-client", "j")]).await.0,
+        StatusCode::OK
+    );
+    let mut left = 0;
+    for _ in 0..500 {
+        let (status, headers, _) = get(d.addr(), "/", &[("x-client", "j")]).await;
+        assert_eq!(status, StatusCode::OK);
+        // d's call reserved 500 of what c's left: 1 000 - 100 - 500 once c's refund is in.
+        left = remaining(&headers);
+        if left == 400 {
+            break;
+        }
+        // Not yet: give d's own call back by waiting for its charge (100 as well).
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(left, 400, "the unused reservation was given back");
+    assert_eq!(
+        count(
+            &metrics(&c).await,
+            "spillway_response_units_total{kind=\"lost\",rule=\"r\"}"
+        ),
+        0.0
+    );
+}

@@ -411,11 +411,13 @@ fn check_response_cost(r: &RawRule, cost: &ResponseCost) -> Result<(), String> {
     }
     match r.scope {
         Scope::Local => {}
-        Scope::Global | Scope::Redis => {
-            return Err(format!(
-                "cost.response: a response's cost is charged by local rules in this release, not by scope: {} ones",
-                if r.scope == Scope::Global { "global" } else { "redis" }
-            ))
+        // Redis's scripts take at least one unit a decision.
+        Scope::Redis if cost.reserve == 0 => {
+            return Err("cost.reserve: at least 1 with scope: redis (a decision there takes a unit)".into())
+        }
+        Scope::Redis => {}
+        Scope::Global => {
+            return Err("cost.response: a response's cost is charged by local and redis rules in this release, not by scope: global ones".into())
         }
     }
     match &r.limit {

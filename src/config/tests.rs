@@ -436,8 +436,8 @@ fn a_response_cost_that_cannot_mean_what_it_says_is_refused() {
             "leaky_bucket cannot owe units",
         ),
         (
-            format!("limit: {{ rate: 10/s }}\n    scope: redis\n    {tokens}"),
-            "not by scope: redis",
+            "limit: { rate: 10/s }\n    scope: redis\n    cost: { response: { header: x-usage }, reserve: 0, max: 100 }".into(),
+            "at least 1 with scope: redis",
         ),
         (
             "limit: { rate: 10/s, burst: 5 }\n    cost: { response: { header: x-usage }, reserve: 6, max: 100 }".into(),

@@ -45,6 +45,17 @@ impl RemoteStore for Arc<Exact> {
         })
     }
 
+    fn owe(
+        &self,
+        rule: Arc<str>,
+        key: Box<[u8]>,
+        quota: Quota,
+        units: i64,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + 'static>> {
+        let exact = self.clone();
+        Box::pin(async move { exact.owe(&rule, &key, &quota, units).await.is_ok() })
+    }
+
     fn on_error(&self) -> OnError {
         Exact::on_error(self)
     }
@@ -134,6 +145,8 @@ struct Scripts {
     sliding_window_log: Script,
     sliding_window_counter: Script,
     gcra: Script,
+    /// A response's units charged after it to a `gcra` key.
+    owe: Script,
 }
 
 /// A script: the shebang first (Redis 7: a script with one is refused whole, `OOM`, while
@@ -153,15 +166,17 @@ impl Scripts {
             sliding_window_log: script(include_str!("lua/sliding_window_log.lua")),
             sliding_window_counter: script(include_str!("lua/sliding_window_counter.lua")),
             gcra: script(include_str!("lua/gcra.lua")),
+            owe: script(include_str!("lua/owe.lua")),
         }
     }
 
-    fn all(&self) -> [&Script; 4] {
+    fn all(&self) -> [&Script; 5] {
         [
             &self.fixed_window,
             &self.sliding_window_log,
             &self.sliding_window_counter,
             &self.gcra,
+            &self.owe,
         ]
     }
 }
@@ -302,6 +317,40 @@ impl Exact {
         quota: &Quota,
         cost: u32,
     ) -> Result<Answer, Failure> {
+        let (script, args) = self.invocation(algorithm, quota, cost);
+        let v = self.run(rule, key, script, &args).await?;
+        Ok(parse_answer(&v).expect("run checked the answer's shape"))
+    }
+
+    /// Charges `units` (given back when negative) to `key` of `rule`'s bucket (`gcra` or
+    /// `token_bucket`) after the response that said them, under the breaker's rules as any
+    /// decision: nothing is sent while it is open.
+    pub async fn owe(
+        self: &Arc<Self>,
+        rule: &str,
+        key: &[u8],
+        quota: &Quota,
+        units: i64,
+    ) -> Result<(), Failure> {
+        let args = [
+            "0".to_string(),
+            units.to_string(),
+            format!("{:.3}", quota.emission() as f64 / 1000.0),
+        ];
+        self.run(rule, key, &self.scripts.owe, &args)
+            .await
+            .map(drop)
+    }
+
+    /// Runs `script` on `key` of `rule` with `args`: its answer (four integers, as every
+    /// script answers), under the breaker and the timeout, failures counted.
+    async fn run(
+        self: &Arc<Self>,
+        rule: &str,
+        key: &[u8],
+        script: &Script,
+        args: &[String],
+    ) -> Result<Vec<i64>, Failure> {
         let now = self.clock.now();
         let probe = match self.breaker.admit(now) {
             Admit::Call => false,
@@ -317,9 +366,8 @@ impl Exact {
             return Err(Failure::NotConnected);
         };
         let redis_key = redis_key(&self.secret, &self.service, rule, key);
-        let (script, args) = self.invocation(algorithm, quota, cost);
         let mut call = script.key(redis_key);
-        for a in &args {
+        for a in args {
             call.arg(a.as_str());
         }
         let start = tokio::time::Instant::now();
@@ -334,9 +382,9 @@ impl Exact {
         self.metrics.duration.observe(start.elapsed().as_secs_f64());
         match result {
             Ok(Ok(v)) => match parse_answer(&v) {
-                Some(answer) => {
+                Some(_) => {
                     self.succeeded();
-                    Ok(answer)
+                    Ok(v)
                 }
                 None => {
                     self.failed(Failure::Script, probe);

@@ -3,7 +3,8 @@
 //!
 //! The decision took the rule's reservation; a [`Charge`] per such rule rides with the
 //! response and settles once: at the head (a header), at the trailers, or at the body's end
-//! (its bytes), the reservation topped up as debt or given back. A response that never says
+//! (its bytes or its JSON), the reservation topped up as debt or given back, in the key's
+//! bucket here, or (`scope: redis`) by one script call sent off the request's path. A response that never says
 //! (the field missing or malformed, the body cut short, the app never answering) is charged
 //! the rule's `unknown`, a body's bytes what was sent. Only the app's response is read.
 //! Must never: charge a request twice or not at all once armed, charge one that was refused,
@@ -25,6 +26,7 @@ use crate::usage;
 /// What a rule whose cost is the response's needs to charge it: its state, its cost and its
 /// counters. One per compiled rule, shared by its charges.
 pub(super) struct ChargeRule {
+    name: Arc<str>,
     pub(super) kind: Arc<Kind>,
     /// The limiter clock its decisions were made on: the first armed charge's (one rule set
     /// decides on one clock).
@@ -32,6 +34,8 @@ pub(super) struct ChargeRule {
     pub(super) cost: ResponseCost,
     pub(super) reserved: IntCounter,
     pub(super) charged: IntCounter,
+    /// Units a remote store did not take (it failed, or its breaker was open).
+    lost: IntCounter,
     missing: IntCounter,
     malformed: IntCounter,
     cut_short: IntCounter,
@@ -44,11 +48,14 @@ impl ChargeRule {
         kind: Arc<Kind>,
         cost: ResponseCost,
         metrics: &crate::metrics::Metrics,
-        rule: &str,
+        name: &Arc<str>,
     ) -> Self {
+        let rule = &**name;
         let units = |kind| metrics.response_units.with_label_values(&[rule, kind]);
         let unread = |reason| metrics.usage_unread.with_label_values(&[rule, reason]);
         ChargeRule {
+            name: name.clone(),
+            lost: units("lost"),
             kind,
             clock: std::sync::OnceLock::new(),
             cost,
@@ -266,15 +273,22 @@ impl Charge {
             }
         };
         rule.charged.inc_by(u64::from(units));
-        let Kind::Rate {
-            quota, overflow, ..
-        } = &*rule.kind
-        else {
-            return;
-        };
         if units == self.reserved {
             return;
         }
+        let (quota, overflow) = match (&self.owed, &*rule.kind) {
+            (Owed::Remote(remote), Kind::Redis { quota, .. }) => {
+                let units = i64::from(units) - i64::from(self.reserved);
+                return owe_remote(&self.rule, remote, *quota, units);
+            }
+            (
+                _,
+                Kind::Rate {
+                    quota, overflow, ..
+                },
+            ) => (quota, overflow),
+            _ => return,
+        };
         match &self.owed {
             Owed::Keyed(state) if units > self.reserved => {
                 state.owe(quota, now, units - self.reserved)
@@ -288,8 +302,33 @@ impl Charge {
             Owed::Sketch(key) => overflow
                 .sketch()
                 .refund(key, quota, now, self.reserved - units),
+            // A remote key's rule is decided remotely (settled above).
+            Owed::Remote(_) => {}
         }
     }
+}
+
+/// Sends the charge of `units` (given back when negative) to a remote store, off the request's
+/// path: counted as lost if the store does not take it, or if there is no runtime to send it
+/// from.
+fn owe_remote(
+    rule: &Arc<ChargeRule>,
+    remote: &super::store::RemoteKey,
+    quota: crate::limit::Quota,
+    units: i64,
+) {
+    let (store, key) = remote;
+    let sent = store.owe(rule.name.clone(), key.clone(), quota, units);
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        rule.lost.inc_by(units.max(0) as u64);
+        return;
+    };
+    let rule = rule.clone();
+    rt.spawn(async move {
+        if !sent.await {
+            rule.lost.inc_by(units.max(0) as u64);
+        }
+    });
 }
 
 /// What a body's scan says its usage is, once the body is over (`whole`: as framed): the sum

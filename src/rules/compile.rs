@@ -320,7 +320,7 @@ pub(super) fn compile(
     let charge = r
         .cost
         .response()
-        .map(|cost| Arc::new(ChargeRule::new(kind.clone(), cost.clone(), metrics, label)));
+        .map(|cost| Arc::new(ChargeRule::new(kind.clone(), cost.clone(), metrics, &name)));
     CompiledRule {
         charge,
         body_idle: r.upstream_body_idle.map(|d| d.0),

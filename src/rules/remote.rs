@@ -67,6 +67,15 @@ pub trait RemoteStore: Send + Sync {
         &'a self,
         q: Question<'a>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<StoreAnswer>> + Send + 'a>>;
+    /// Charges `units` (given back when negative) to `key` of `rule`'s bucket after the
+    /// response said them (`cost: { response }`); whether the store took them.
+    fn owe(
+        &self,
+        rule: Arc<str>,
+        key: Box<[u8]>,
+        quota: Quota,
+        units: i64,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + 'static>>;
     /// What a decision does when the store gave no answer.
     fn on_error(&self) -> OnError;
     /// Whether a refusal is remembered until its retry time and answered without asking.
@@ -140,6 +149,12 @@ impl RuleSet {
                 ..
             } => {
                 remote.taken.push((call.rule, Taken::Redis(slot)));
+                // A response cost is charged to the key in the store (admitted by the
+                // fallback too: the store's debt is the one every proxy sees).
+                if let (Some(charge), Some(store)) = (&rule.charge, &self.store) {
+                    let owed = Owed::Remote(Box::new((store.clone(), call.key.clone().into())));
+                    remote.admit.charges.push(charge, owed, call.cost);
+                }
                 if self.header_mode == HeaderMode::Always {
                     remote
                         .admit

@@ -243,7 +243,12 @@ pub(super) enum Owed {
     Keyed(Arc<Gcra>),
     /// Boxed twice: one pointer, so that a charge stays small in every request's admission.
     Sketch(Box<Box<[u8]>>),
+    /// A `scope: redis` rule's key, charged by the store.
+    Remote(Box<RemoteKey>),
 }
+
+/// A key of a `scope: redis` rule and the store that holds its state.
+pub(super) type RemoteKey = (Arc<dyn RemoteStore>, Box<[u8]>);
 
 impl Limiter for Arc<Gcra> {
     #[inline]
