@@ -210,8 +210,8 @@ impl JsonSchema for Usage {
     fn json_schema(generator: &mut SchemaGenerator) -> Schema {
         let field = generator.subschema_for::<RawUsageField>();
         json_schema!({
-            "description": "Where the app's response says what it consumed: { header: NAME } or { trailer: NAME } (one whole number), or body_bytes (the body's bytes sent to the client).",
-            "anyOf": [{ "type": "string", "enum": ["body_bytes"] }, field]
+            "description": "Where the app's response says what it consumed: { header: NAME } or { trailer: NAME } (one whole number), { json: POINTERS } (JSON pointers of a JSON body or of its event stream's events, summed; or openai, anthropic), json (/usage/total_tokens), or body_bytes (the body's bytes sent to the client).",
+            "anyOf": [{ "type": "string", "enum": ["body_bytes", "json"] }, field]
         })
     }
 }

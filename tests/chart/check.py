@@ -475,11 +475,12 @@ def wait_port(port, what, seconds=30):
 
 
 class App(http.server.BaseHTTPRequestHandler):
-    """The app behind the proxy: 200 to everything."""
+    """The app behind the proxy: 200 to everything, saying it used 42 units."""
 
     def do_GET(self):
         self.send_response(200)
         self.send_header("content-length", "2")
+        self.send_header("x-usage-tokens", "42")
         self.end_headers()
         self.wfile.write(b"ok")
 
@@ -488,8 +489,8 @@ class App(http.server.BaseHTTPRequestHandler):
 
 
 def dashboard():
-    """Every panel of the dashboard shows data: a proxy (with a global, a Redis, an adaptive and
-    a shadow rule), an aggregator and a controller run on loopback with a real app and a real
+    """Every panel of the dashboard shows data: a proxy (with a global, a Redis, an adaptive, a
+    shadow and a response-cost rule), an aggregator and a controller run on loopback with a real app and a real
     Redis, a real Prometheus scrapes them (labelled as the chart's monitors label a pod), and
     each panel's queries run against it as Grafana sends them with every variable on "All"."""
     with open(os.path.join(CHART, "files", "dashboard.json")) as f:
@@ -553,6 +554,11 @@ rules:
     key: [client_ip]
     limit: {{ rate: 1/h }}
     mode: shadow
+  - name: tokens
+    match: {{ path: /tokens }}
+    key: [client_ip]
+    limit: {{ rate: 100/s, burst: 1000 }}
+    cost: {{ response: {{ header: x-usage-tokens }}, max: 4000 }}
 """)
         proxy, proxy_addr, proxy_admin = start(["proxy", "--config", config])
         procs.append(proxy)
@@ -567,7 +573,7 @@ rules:
                 except Exception:
                     pass
 
-        senders = [threading.Thread(target=send, args=(p,)) for p in ["/", "/", "/", "/exact"]]
+        senders = [threading.Thread(target=send, args=(p,)) for p in ["/", "/", "/", "/exact", "/tokens"]]
         for t in senders:
             t.start()
         # A name counts once any read showed it; bounded: 30 s.
