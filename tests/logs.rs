@@ -1,6 +1,7 @@
 //! Logs as a log collector reads them: `--log-format json` gives one object a line, text has
 //! no colour codes when stderr is not a terminal, and a rule's rejections are logged (rule,
-//! decision, key, client, method, path, `traceparent`) within `log_rejections` lines a second.
+//! decision, key, client, method, path, `traceparent`, units) within `log_rejections` lines a
+//! second.
 
 mod common;
 
@@ -176,4 +177,24 @@ async fn text_logs_have_no_colour_codes_when_not_on_a_terminal() {
     let text = stderr_of("text", 3).await;
     assert!(text.contains("request refused by a rule"), "{text}");
     assert!(!text.contains('\u{1b}'), "escape codes in {text:?}");
+}
+
+#[tokio::test]
+async fn a_rejection_by_a_response_cost_says_the_units_the_key_owes() {
+    // The app's "ok" is 2 bytes against a budget of 1: the key owes 1 once it has answered.
+    let (text, _) = stderr_with(
+        "json",
+        3,
+        "",
+        "    cost: { response: body_bytes, reserve: 0, max: 1000 }\n",
+    )
+    .await;
+    let rejection = text
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|l| l["target"] == "spillway::rejection")
+        .unwrap_or_else(|| panic!("no rejection logged: {text}"));
+    assert_eq!(rejection["rule"], "one-per-hour");
+    assert_eq!(rejection["units"], 0, "the reservation: {rejection}");
+    assert_eq!(rejection["owed"], 1, "{rejection}");
 }

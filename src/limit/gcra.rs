@@ -70,6 +70,15 @@ impl Gcra {
             });
     }
 
+    /// Units owed at `now` past an empty bucket (a fraction owed counts as one; 0 when not
+    /// in debt).
+    pub fn owed(&self, quota: &Quota, now: Nanos) -> u64 {
+        let ahead = self.tat.load(Ordering::Relaxed).saturating_sub(now);
+        ahead
+            .saturating_sub(quota.tolerance)
+            .div_ceil(quota.emission)
+    }
+
     /// Units available at `now` (fractions dropped), without taking any.
     pub fn available(&self, quota: &Quota, now: Nanos) -> u32 {
         let ahead = self.tat.load(Ordering::Relaxed).saturating_sub(now);

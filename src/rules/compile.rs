@@ -380,6 +380,27 @@ impl CompiledRule {
         }
     }
 
+    /// For a local rule whose cost is the response's: the units `req`'s key owes past its
+    /// budget at `now` (0: none). Looked up again: for the rejection log only.
+    #[cold]
+    pub(super) fn owed(&self, req: &RequestView<'_>, now: Nanos) -> Option<u64> {
+        self.charge.as_ref()?;
+        let Kind::Rate {
+            quota,
+            store: RateStore::Owed(store),
+            ..
+        } = &*self.kind
+        else {
+            return None;
+        };
+        let mut key = KeyBuf::new();
+        if self.key_of(req, &mut key) != Extract::Found {
+            return None;
+        }
+        let owed = store.map.get(&key[..]).map_or(0, |s| s.owed(quota, now));
+        Some(owed)
+    }
+
     /// The 400 for a request that sends a keyed field more than once.
     #[cold]
     pub(super) fn repeated_key(&self, req: &RequestView<'_>) -> BadRequest {

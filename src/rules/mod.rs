@@ -563,7 +563,9 @@ impl RuleSet {
     /// Logs a rejection by `rule` of `req`, within the rule's budget of lines a second
     /// (`log_rejections`): the rule, the decision, the key in the form global rules report it
     /// (`sha256:` and a digest past 64 bytes or for bytes that are not UTF-8, as the UI shows
-    /// it), the client, method, path and the request's `traceparent`.
+    /// it), the client, method, path and the request's `traceparent`; the units the request
+    /// takes under the rule (its cost, or a response cost's reservation) and, for a local rule
+    /// whose cost is the response's, the units its key owes past its budget.
     #[cold]
     fn log_rejection(
         &self,
@@ -584,6 +586,8 @@ impl RuleSet {
             .get("traceparent")
             .and_then(|v| v.to_str().ok())
             .unwrap_or("");
+        let units = rule.cost_of(req).ok();
+        let owed = rule.owed(req, now);
         tracing::info!(
             target: "spillway::rejection",
             rule = %rule.name,
@@ -593,6 +597,8 @@ impl RuleSet {
             method = %req.method,
             path = %req.uri.path(),
             traceparent,
+            units,
+            owed,
             "request refused by a rule"
         );
     }
