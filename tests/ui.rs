@@ -80,7 +80,7 @@ async fn the_status_pages_show_rules_rates_keys_and_who_reports() {
             "control_plane: {{ url: 'http://{}', report_interval: 200ms, stale_after: 5s, host: pod-a, zone: eu-1 }}\n",
             ctl.addr
         ),
-        "rules:\n  - name: per-key\n    key: [header:x-api-key]\n    limit: { rate: 50/s }\n    scope: global\n  - name: per-client\n    key: [client_ip]\n    limit: { rate: 1000/s }\n    mode: shadow\n",
+        "rules:\n  - name: per-key\n    key: [header:x-api-key]\n    limit: { rate: 50/s }\n    scope: global\n  - name: per-client\n    key: [client_ip]\n    limit: { rate: 1000/s }\n    mode: shadow\n  - name: bytes\n    key: [client_ip]\n    limit: { rate: 1000000/s }\n    cost: { response: body_bytes, reserve: 0, max: 100000 }\n",
     );
     let path = temp_file("ui.yaml", &yaml);
     let proxy = Proc::spawn(&["proxy", "--config", path.to_str().unwrap()]);
@@ -142,6 +142,14 @@ async fn the_status_pages_show_rules_rates_keys_and_who_reports() {
     assert!(
         row(&page, "per-client").contains("|local (shadow)|"),
         "{page}"
+    );
+    // A budget charged after the response shows its units.
+    let bytes = row(&page, "bytes");
+    assert!(
+        bytes.contains(
+            "units/s charged|1000000/s (burst 1000000) units of the response's body bytes|"
+        ),
+        "{bytes}"
     );
     assert!(row(&page, "control plane").contains("|fresh|"), "{page}");
 

@@ -90,10 +90,22 @@ fn ui_state(shared: &Shared) -> Bytes {
         .iter()
         .map(|r| {
             let name = r.name.0.as_str();
+            // A budget charged after the response counts its units, not requests.
+            let units = r.cost.response().map(|c| match &c.usage {
+                crate::config::Usage::Header(h) => format!("header {}", h.0),
+                crate::config::Usage::Trailer(t) => format!("trailer {}", t.0),
+                crate::config::Usage::BodyBytes => "body bytes".into(),
+                crate::config::Usage::Json(p) => format!("JSON {}", p.text().join(" + ")),
+            });
             let (kind, limit) = match &r.limit {
                 crate::config::Limit::Rate { rate, burst, .. } => (
                     format!("{:?}", r.scope).to_lowercase(),
-                    format!("{rate} (burst {burst})"),
+                    match &units {
+                        Some(what) => {
+                            format!("{rate} (burst {burst}) units of the response's {what}")
+                        }
+                        None => format!("{rate} (burst {burst})"),
+                    },
                 ),
                 crate::config::Limit::Concurrency(n) => {
                     ("concurrency".into(), format!("{n} in flight"))
@@ -120,6 +132,9 @@ fn ui_state(shared: &Shared) -> Bytes {
                 "allowed": count(name, "allowed"), "rejected": count(name, "rejected"),
                 "shadow_rejected": count(name, "shadow_rejected"),
                 "keys": rules.tracked_keys(name),
+                "units_charged": units.is_some().then(|| {
+                    m.response_units.with_label_values(&[name, "charged"]).get()
+                }),
             })
         })
         .collect();
