@@ -240,8 +240,12 @@ where
                 Err(refusal) => return Ok(respond::answer(&refusal, grpc)),
             };
             if admit.charges.reads_body() {
-                // A compressed answer could not be read for its usage: ask for none.
-                req.headers_mut().remove(http::header::ACCEPT_ENCODING);
+                // A compressed answer could not be read for its usage: ask for none (an
+                // absent field would let the app choose any coding).
+                req.headers_mut().insert(
+                    http::header::ACCEPT_ENCODING,
+                    http::HeaderValue::from_static("identity"),
+                );
             }
             let resp = inner.call(req).await?;
             admit.permits.iter_mut().for_each(Permit::responded);

@@ -310,10 +310,11 @@ pub struct Metrics {
     pub overflow: IntCounterVec,
     pub sketch_refused: IntCounterVec,
     /// `spillway_response_units_total{rule, kind}`: a response cost's units, `reserved` at
-    /// admission and `charged` once the response said them.
+    /// admission, `charged` once the response said them, `lost` by a remote store.
     pub response_units: IntCounterVec,
     /// `spillway_response_usage_unread_total{rule, reason}`: responses charged their rule's
-    /// `unknown` (`missing`, `malformed`, `cut_short`), or clamped to its `max` (`clamped`).
+    /// `unknown` (`missing`, `malformed`, `cut_short`, `encoded`), or clamped to its `max`
+    /// (`clamped`).
     pub usage_unread: IntCounterVec,
     pub delay_queue: IntGaugeVec,
     pub delayed: IntCounterVec,
@@ -417,7 +418,7 @@ impl Metrics {
         let response_units = IntCounterVec::new(
             Opts::new(
                 "spillway_response_units_total",
-                "Units of rules whose cost is the response's: reserved at admission, and charged once the response said them (the reservation reconciled).",
+                "Units of rules whose cost is the response's: reserved at admission, charged once the response said them (the reservation reconciled), and lost (a remote store did not take what it was owed).",
             ),
             &["rule", "kind"],
         )
@@ -425,7 +426,7 @@ impl Metrics {
         let usage_unread = IntCounterVec::new(
             Opts::new(
                 "spillway_response_usage_unread_total",
-                "Responses whose usage could not be read as sent (missing, malformed or cut_short: charged the rule's unknown) or was past the rule's max (clamped).",
+                "Responses whose usage could not be read as sent (missing, malformed, cut_short or encoded: charged the rule's unknown) or was past the rule's max (clamped).",
             ),
             &["rule", "reason"],
         )

@@ -522,7 +522,8 @@ pub struct ResponseCost {
     /// Usage past this counts as this (and is counted as clamped).
     pub max: u32,
     /// Charged when the response never says its units (the field missing or malformed, or
-    /// the response cut short before it): at least 1, never nothing by accident.
+    /// the response cut short before it): at least 1 (by default `max`), never nothing by
+    /// accident.
     pub unknown: u32,
 }
 
@@ -636,7 +637,7 @@ pub(super) struct RawResponseCost {
     #[serde(default = "one_u32")]
     pub(super) reserve: u32,
     pub(super) max: NonZeroU32,
-    /// Charged when the response never says its units (default: the reservation, at least 1).
+    /// Charged when the response never says its units (default: max).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) unknown: Option<NonZeroU32>,
 }
@@ -672,7 +673,10 @@ impl RawCostMap {
             if usage == Usage::BodyBytes && self.unknown.is_some() {
                 return Err("unknown: a body's bytes are always known (a body cut short is charged what was sent)".into());
             }
-            let unknown = self.unknown.map_or(reserve.max(1), NonZeroU32::get);
+            // Unsaid, a call is charged as the most it could have used: a client that can keep
+            // the usage out of the answer (a stream without its usage chunk, a disconnect
+            // before it) gains nothing by it.
+            let unknown = self.unknown.map_or(max, NonZeroU32::get);
             if unknown > max {
                 return Err(format!("unknown {unknown} exceeds max {max}"));
             }

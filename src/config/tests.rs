@@ -380,7 +380,7 @@ fn a_response_cost_parses_with_its_defaults_and_prints_back() {
                 ))),
                 reserve: 1,
                 max: 8000,
-                unknown: 1,
+                unknown: 8000,
             },
         ),
         (
@@ -398,7 +398,7 @@ fn a_response_cost_parses_with_its_defaults_and_prints_back() {
                 usage: Usage::BodyBytes,
                 reserve: 4096,
                 max: 10_000_000,
-                unknown: 4096,
+                unknown: 10_000_000,
             },
         ),
     ] {

@@ -336,6 +336,7 @@ impl Exact {
             "0".to_string(),
             units.to_string(),
             format!("{:.3}", quota.emission() as f64 / 1000.0),
+            format!("{:.3}", quota.refill_time() as f64 / 1000.0),
         ];
         self.run(rule, key, &self.scripts.owe, &args)
             .await

@@ -15,6 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{Decision, Limiter, Nanos, Quota};
 
+/// The most time a key's debt may take to refill (a year): a charge past it is dropped.
+pub const MAX_DEBT: Nanos = 365 * 86_400 * super::NANOS_PER_SEC;
+
 /// Per-key GCRA state: 8 bytes.
 #[derive(Debug, Default)]
 pub struct Gcra {
@@ -41,7 +44,8 @@ impl Gcra {
         let need = quota.emission * u64::from(cost);
         super::decide(&self.tat, |tat| {
             let base = tat.max(now);
-            let new_tat = base + need;
+            // Saturating: a key deep in debt (see `owe`) is far ahead, never wrapped.
+            let new_tat = base.saturating_add(need);
             let ahead = new_tat - now;
             if ahead > quota.tolerance {
                 let deny = Decision::Deny {
@@ -61,12 +65,15 @@ impl Gcra {
     /// Charges `units` at `now` whatever the bucket holds: past empty, the key owes them (its
     /// next requests are refused until the debt has refilled). For a cost known after the
     /// decision (a response's usage): the decision took what was reserved, this the rest.
+    /// The debt stops at [`MAX_DEBT`] past the tolerance: beyond, a Retry-After says nothing
+    /// more, and the arithmetic stays far from overflowing.
     pub fn owe(&self, quota: &Quota, now: Nanos, units: u32) {
         let need = quota.emission.saturating_mul(u64::from(units));
+        let most = now.saturating_add(quota.tolerance).saturating_add(MAX_DEBT);
         let _ = self
             .tat
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
-                Some(tat.max(now).saturating_add(need))
+                Some(tat.max(now).saturating_add(need).min(most.max(tat)))
             });
     }
 

@@ -191,8 +191,12 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         close: get_body,
     };
     if admit.charges.reads_body() {
-        // A compressed answer could not be read for its usage: ask for none.
-        req.headers_mut().remove(http::header::ACCEPT_ENCODING);
+        // A compressed answer could not be read for its usage: ask for none (an
+        // absent field would let the app choose any coding).
+        req.headers_mut().insert(
+            http::header::ACCEPT_ENCODING,
+            http::HeaderValue::from_static("identity"),
+        );
     }
     let mut resp = fwd.send(req, admit.permits).await;
     // What the response owes rules whose cost is the response's: its head's now, the rest

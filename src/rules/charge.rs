@@ -91,6 +91,8 @@ struct Charge {
     rule: Arc<ChargeRule>,
     owed: Owed,
     reserved: u32,
+    /// When the reservation was taken (the limiter clock).
+    at: Nanos,
     settled: bool,
     /// A body read for its usage, from the head on (boxed: only such rules pay for it).
     body: Option<Box<Scan>>,
@@ -119,12 +121,13 @@ impl Charges {
         self.list.is_empty()
     }
 
-    /// A charge for `rule` settling with `owed`, `reserved` units taken.
-    pub(super) fn push(&mut self, rule: &Arc<ChargeRule>, owed: Owed, reserved: u32) {
+    /// A charge for `rule` settling with `owed`, `reserved` units taken at `at`.
+    pub(super) fn push(&mut self, rule: &Arc<ChargeRule>, owed: Owed, reserved: u32, at: Nanos) {
         self.list.push(Charge {
             rule: rule.clone(),
             owed,
             reserved,
+            at,
             settled: false,
             body: None,
         });
@@ -179,7 +182,10 @@ impl Charges {
                         continue;
                     }
                     let events = field(&http::header::CONTENT_TYPE).is_some_and(|t| {
-                        t.len() >= 17 && t[..17].eq_ignore_ascii_case(b"text/event-stream")
+                        let media = t.split(|&c| c == b';').next().unwrap_or(t);
+                        media
+                            .trim_ascii()
+                            .eq_ignore_ascii_case(b"text/event-stream")
                     });
                     c.body = Some(Box::new(if events {
                         Scan::Events(usage::Events::new(pointers))
@@ -231,7 +237,9 @@ impl Charges {
                 (_, Some(Scan::Bytes(sent))) => Ok(*sent),
                 // The app never answered: no byte was sent.
                 (Usage::BodyBytes, _) => Ok(0),
-                (Usage::Json(pointers), Some(scan)) => scanned(pointers, scan, whole),
+                (Usage::Json(pointers), Some(scan)) => {
+                    scanned(pointers, scan, whole, c.rule.cost.unknown)
+                }
                 _ if whole => Err(Unread::Missing),
                 _ => Err(Unread::CutShort),
             };
@@ -273,37 +281,36 @@ impl Charge {
             }
         };
         rule.charged.inc_by(u64::from(units));
-        if units == self.reserved {
-            return;
-        }
-        let (quota, overflow) = match (&self.owed, &*rule.kind) {
-            (Owed::Remote(remote), Kind::Redis { quota, .. }) => {
-                let units = i64::from(units) - i64::from(self.reserved);
-                return owe_remote(&self.rule, remote, *quota, units);
-            }
-            (
-                _,
-                Kind::Rate {
-                    quota, overflow, ..
-                },
-            ) => (quota, overflow),
+        let (quota, overflow) = match &*rule.kind {
+            Kind::Rate {
+                quota, overflow, ..
+            } => (quota, Some(overflow)),
+            Kind::Redis { quota, .. } => (quota, None),
             _ => return,
         };
-        match &self.owed {
-            Owed::Keyed(state) if units > self.reserved => {
-                state.owe(quota, now, units - self.reserved)
+        // What the reservation still holds: the part of it the bucket has not refilled since
+        // (given back past that, it would be given back twice, and wipe out a later debt).
+        let refilled = now.saturating_sub(self.at) / quota.emission().max(1);
+        let held = u64::from(self.reserved).saturating_sub(refilled) as u32;
+        let (owe, back) = if units > self.reserved {
+            (units - self.reserved, 0)
+        } else {
+            (0, (self.reserved - units).min(held))
+        };
+        if owe == 0 && back == 0 {
+            return;
+        }
+        match (&self.owed, overflow) {
+            (Owed::Remote(remote), _) => {
+                owe_remote(&self.rule, remote, *quota, i64::from(owe) - i64::from(back))
             }
-            Owed::Keyed(state) => state.refund(quota, now, self.reserved - units),
-            Owed::Sketch(key) if units > self.reserved => {
-                overflow
-                    .sketch()
-                    .owe(key, quota, now, units - self.reserved)
+            (Owed::Keyed(state), _) if owe > 0 => state.owe(quota, now, owe),
+            (Owed::Keyed(state), _) => state.refund(quota, now, back),
+            (Owed::Sketch(key), Some(overflow)) if owe > 0 => {
+                overflow.sketch().owe(key, quota, now, owe)
             }
-            Owed::Sketch(key) => overflow
-                .sketch()
-                .refund(key, quota, now, self.reserved - units),
-            // A remote key's rule is decided remotely (settled above).
-            Owed::Remote(_) => {}
+            (Owed::Sketch(key), Some(overflow)) => overflow.sketch().refund(key, quota, now, back),
+            (Owed::Sketch(_), None) => {}
         }
     }
 }
@@ -332,10 +339,16 @@ fn owe_remote(
 }
 
 /// What a body's scan says its usage is, once the body is over (`whole`: as framed): the sum
-/// of the numbers found at the pointers (one found is enough: what the app said stands, even
-/// in a body cut short after it); a value there that is not a whole number, or a body that is
-/// not JSON (nor an event stream of it), is malformed.
-fn scanned(pointers: &usage::Pointers, scan: &mut Scan, whole: bool) -> Result<u64, Unread> {
+/// of the numbers found at the pointers (what the app said stands, even in a body cut short
+/// after it; cut short before some pointer was found, at least `unknown`); a value there that
+/// is not a whole number, or a body that is not JSON (nor an event stream of it), is
+/// malformed.
+fn scanned(
+    pointers: &usage::Pointers,
+    scan: &mut Scan,
+    whole: bool,
+    unknown: u32,
+) -> Result<u64, Unread> {
     let (found, read_whole) = match scan {
         Scan::Bytes(_) => return Err(Unread::Malformed),
         Scan::Json(json) => {
@@ -359,7 +372,11 @@ fn scanned(pointers: &usage::Pointers, scan: &mut Scan, whole: bool) -> Result<u
         }
         _ => sum,
     });
+    let all = found.iter().all(|f| *f != usage::Found::None);
     match (any, whole, read_whole) {
+        // Cut short before every pointer was found (a stream's output count comes last):
+        // what was found, or `unknown` if that is more.
+        (true, false, _) if !all => Ok(sum.max(u64::from(unknown))),
         (true, ..) => Ok(sum),
         (false, false, _) => Err(Unread::CutShort),
         (false, true, true) => Err(Unread::Missing),

@@ -276,10 +276,11 @@ pub(super) fn slot(
     }
 }
 
-/// What a rule's per-key state depends on: while these are equal, the state stays valid.
+/// What a rule's per-key state depends on: while these are equal, the state stays valid (a
+/// cost that becomes, or stops being, the response's changes the store's kind).
 pub(super) fn identity(r: &Rule) -> String {
     format!(
-        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}|{:?}|{:?}|{:?}",
+        "{:?}|{:?}|{:?}|{:?}|{:?}|{}|{:?}|{}|{:?}|{:?}|{:?}|{}",
         r.name,
         r.key,
         r.limit,
@@ -290,7 +291,8 @@ pub(super) fn identity(r: &Rule) -> String {
         r.new_keys,
         r.release,
         r.client_share,
-        r.sketch
+        r.sketch,
+        r.cost.response().is_some()
     )
 }
 

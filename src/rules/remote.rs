@@ -97,7 +97,8 @@ impl RuleSet {
     /// gave none, and `on_error` decides): a verdict when that ends the decision (a refusal,
     /// which gives back what the local rules granted and is remembered until its retry time,
     /// so that the key's next requests are answered here). Units the store granted to earlier
-    /// rules of a refused request are not given back (Redis has no refund).
+    /// rules of a refused request are not given back (a decision there is one script call,
+    /// and a refund would be another on the refusal's path).
     pub fn answer(
         &self,
         remote: &mut Remote,
@@ -114,6 +115,9 @@ impl RuleSet {
         else {
             return None;
         };
+        // Redis itself took the reservation (else `on_error` decided, and Redis is owed all of
+        // a response's units).
+        let in_store = answer.is_some_and(|a| a.admitted);
         let (decision, slot) = match answer {
             Some(a) if a.admitted => (
                 Decision::Allow {
@@ -149,11 +153,13 @@ impl RuleSet {
                 ..
             } => {
                 remote.taken.push((call.rule, Taken::Redis(slot)));
-                // A response cost is charged to the key in the store (admitted by the
-                // fallback too: the store's debt is the one every proxy sees).
+                // A response cost is charged to the key in the store (admitted by
+                // `on_error` too: the store's debt is the one every proxy sees; a fallback's
+                // local reservation is not reconciled).
                 if let (Some(charge), Some(store)) = (&rule.charge, &self.store) {
                     let owed = Owed::Remote(Box::new((store.clone(), call.key.clone().into())));
-                    remote.admit.charges.push(charge, owed, call.cost);
+                    let reserved = if in_store { call.cost } else { 0 };
+                    remote.admit.charges.push(charge, owed, reserved, now);
                 }
                 if self.header_mode == HeaderMode::Always {
                     remote

@@ -52,7 +52,7 @@ impl RuleSet {
                 let (decision, slot, owed) =
                     store.check_owed(t.key, quota, t.now, t.cost, overflow);
                 if let Some(owed) = owed {
-                    granted.admit.charges.push(charge, owed, t.cost);
+                    granted.admit.charges.push(charge, owed, t.cost, t.now);
                 }
                 (decision, slot)
             }

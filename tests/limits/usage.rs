@@ -437,7 +437,8 @@ async fn a_json_bodys_usage_is_read_as_it_passes_and_the_app_is_asked_for_no_com
         "passed on whole"
     );
     let request = heads.recv().await.unwrap().to_ascii_lowercase();
-    assert!(!request.contains("accept-encoding"), "{request}");
+    assert!(request.contains("accept-encoding: identity\r\n"), "{request}");
+    assert!(!request.contains("gzip"), "{request}");
     assert_eq!(units(&sc, "tokens", "charged").await, Some(1500.0));
     let (status, headers, _) = get(sc.addr(), "/v1/chat/completions", &A).await;
     assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);

@@ -134,7 +134,7 @@ fn a_key_with_budget_left_is_admitted_however_much_each_call_will_use() {
 
 #[test]
 fn a_reservation_is_given_back_or_topped_up_once_the_usage_is_known() {
-    let (rules, m, clock) = ruleset(&tokens(", reserve: 400"));
+    let (rules, m, clock) = ruleset(&tokens(", reserve: 400, unknown: 400"));
     let a = client("a");
     // Two calls in flight reserve 800 of 1 000: a third is refused before either answers.
     let mut first = a.admit(&rules, &clock).unwrap();
@@ -449,4 +449,113 @@ fn only_a_rule_that_reads_the_body_asks_for_it_uncompressed() {
         let c = client("a").admit(&rules, &clock).unwrap();
         assert_eq!(c.reads_body(), reads, "{rule}");
     }
+}
+
+#[test]
+fn a_reservation_the_bucket_has_refilled_since_is_not_given_back_again() {
+    let (rules, _, clock) = ruleset(&tokens(", reserve: 50"));
+    let a = client("a");
+    // A slow call reserves 50; a second later its 50 units have refilled (100 a second).
+    let mut slow = a.admit(&rules, &clock).unwrap();
+    clock.set(T0 + NANOS_PER_SEC);
+    let mut heavy = a.admit(&rules, &clock).unwrap();
+    head(&mut heavy, &[("x-usage-tokens", "1500")]);
+    drop(heavy);
+    let owed = a.retry_after(&rules, &clock).expect("in debt");
+    // The slow call used 1 of its 50: nothing of them is still held to give back.
+    head(&mut slow, &[("x-usage-tokens", "1")]);
+    drop(slow);
+    assert_eq!(a.retry_after(&rules, &clock), Some(owed), "the debt stands");
+    // Settled at once, the same reservation is given back whole.
+    let b = client("b");
+    let mut c = b.admit(&rules, &clock).unwrap();
+    head(&mut c, &[("x-usage-tokens", "1")]);
+    drop(c);
+    let mut c = b.admit(&rules, &clock).unwrap();
+    head(&mut c, &[("x-usage-tokens", "949")]);
+    drop(c);
+    assert!(
+        b.admit(&rules, &clock).is_some(),
+        "1 + 949 + 50 reserved: exactly full"
+    );
+}
+
+#[test]
+fn a_reload_that_makes_a_cost_the_responses_charges_it() {
+    let yaml = |cost: &str| {
+        format!("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: tokens\n    key: header:x-api-key\n    limit: {{ rate: 100/s, burst: 1000 }}\n    cost: {cost}\n")
+    };
+    let metrics = Metrics::new();
+    let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(0)));
+    let before = Config::from_yaml(&yaml("1"), "t").unwrap();
+    let first = RuleSet::build(&before, &metrics);
+    let after = Config::from_yaml(
+        &yaml("{ response: { header: x-usage-tokens }, max: 5000 }"),
+        "t",
+    )
+    .unwrap();
+    let rules = RuleSet::rebuild(&after, &metrics, ratios, Some(&first));
+    let clock = ManualClock::new(T0);
+    let a = client("a");
+    let mut c = a.admit(&rules, &clock).unwrap();
+    head(&mut c, &[("x-usage-tokens", "1500")]);
+    drop(c);
+    assert!(
+        a.retry_after(&rules, &clock).is_some(),
+        "charged after the reload"
+    );
+}
+
+#[test]
+fn a_debt_stops_a_year_past_the_budget_and_nothing_overflows() {
+    let (rules, _, clock) = ruleset(
+        "  - name: tokens\n    key: header:x-api-key\n    limit: { rate: 1/d, burst: 10 }\n    cost: { response: { header: x-usage-tokens }, reserve: 0, max: 4000000000 }\n",
+    );
+    let a = client("a");
+    let mut open = Vec::new();
+    for _ in 0..50 {
+        open.push(
+            a.admit(&rules, &clock)
+                .expect("not in debt until the first answer"),
+        );
+    }
+    for mut c in open {
+        head(&mut c, &[("x-usage-tokens", "4000000000")]);
+    }
+    let retry = a.retry_after(&rules, &clock).expect("in debt");
+    let year = crate::limit::gcra::MAX_DEBT;
+    assert!(retry <= year + 86_400 * NANOS_PER_SEC, "{retry}");
+    assert!(retry >= year, "{retry}");
+}
+
+#[test]
+fn a_stream_cut_before_its_last_count_pays_at_least_unknown() {
+    let (rules, m, clock) = ruleset(&json_rule("{ json: anthropic }"));
+    let start = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":20,\"output_tokens\":1}}}\n\nevent: content_block_delta\ndata: {\"delta\":{\"text\":\"Hi\"}}\n\n";
+    let mut c = client("a").admit(&rules, &clock).unwrap();
+    respond(
+        &mut c,
+        &[("content-type", "text/event-stream")],
+        start,
+        5,
+        false,
+    );
+    drop(c);
+    assert_eq!(
+        units(&m, "charged"),
+        333,
+        "the input count alone would be 20"
+    );
+    // A count already past `unknown` stands.
+    let big = start.replace("\"input_tokens\":20", "\"input_tokens\":900");
+    let mut c = client("b").admit(&rules, &clock).unwrap();
+    respond(
+        &mut c,
+        &[("content-type", "text/event-stream")],
+        &big,
+        5,
+        false,
+    );
+    drop(c);
+    assert_eq!(units(&m, "charged"), 333 + 900);
 }
