@@ -268,6 +268,24 @@ async fn show_one_rejection(
 
 /// A tiny app: answers every request with 200 and a short body.
 pub async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
+    serve_app(service_fn(|_req: Request<Incoming>| async {
+        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(
+            b"hello from the app\n",
+        ))))
+    }))
+    .await
+}
+
+/// Serves `service` over HTTP/1 on a loopback port of its own, each connection in a task.
+pub(crate) async fn serve_app<S, B>(service: S) -> anyhow::Result<std::net::SocketAddr>
+where
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let listener = TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     tokio::spawn(async move {
@@ -275,12 +293,8 @@ pub async fn start_upstream() -> anyhow::Result<std::net::SocketAddr> {
             let Ok((stream, _)) = listener.accept().await else {
                 continue;
             };
+            let service = service.clone();
             tokio::spawn(async move {
-                let service = service_fn(|_req: Request<Incoming>| async {
-                    Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from_static(
-                        b"hello from the app\n",
-                    ))))
-                });
                 let _ = hyper::server::conn::http1::Builder::new()
                     .serve_connection(TokioIo::new(stream), service)
                     .await;

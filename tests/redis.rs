@@ -1078,27 +1078,9 @@ async fn keys_refused_by_a_later_local_rule_spend_none_of_new_keys() {
 
 /// An app that answers every request with `x-usage-tokens: <usage>`.
 async fn app_using(usage: u32) -> SocketAddr {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-    raw_server(move |s| async move {
-        let mut s = tokio::io::BufReader::new(s);
-        loop {
-            let mut line = String::new();
-            loop {
-                line.clear();
-                match s.read_line(&mut line).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) if line == "\r\n" => break,
-                    Ok(_) => {}
-                }
-            }
-            let answer = format!(
-                "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nx-usage-tokens: {usage}\r\n\r\nok"
-            );
-            if s.get_mut().write_all(answer.as_bytes()).await.is_err() {
-                return;
-            }
-        }
-    })
+    answering(&format!(
+        "HTTP/1.1 200 OK\r\nContent-Length: 2\r\nx-usage-tokens: {usage}\r\n\r\nok"
+    ))
     .await
 }
 

@@ -17,8 +17,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::{Frame, Incoming};
 use hyper::service::service_fn;
 use hyper_util::client::legacy::{connect::HttpConnector, Client};
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::TcpListener;
+use hyper_util::rt::TokioExecutor;
 
 use crate::{Config, Sidecar};
 
@@ -189,21 +188,7 @@ fn total_tokens(body: &[u8]) -> u64 {
 
 /// The fake app: see the module's documentation. Its answers stream a chunk every 5 ms.
 pub async fn start_llm() -> anyhow::Result<std::net::SocketAddr> {
-    let listener = TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), service_fn(answer))
-                    .await;
-            });
-        }
-    });
-    Ok(addr)
+    super::serve_app(service_fn(answer)).await
 }
 
 type AppBody = http_body_util::Either<Full<Bytes>, Chunks>;

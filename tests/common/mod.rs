@@ -835,6 +835,34 @@ where
     addr
 }
 
+/// A raw HTTP/1 app on loopback that answers every request head on a connection (requests
+/// without a body) with `answer`, as written.
+pub async fn answering(answer: &str) -> SocketAddr {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let answer: Arc<str> = answer.into();
+    raw_server(move |s| {
+        let answer = answer.clone();
+        async move {
+            let mut s = tokio::io::BufReader::new(s);
+            loop {
+                let mut line = String::new();
+                loop {
+                    line.clear();
+                    match s.read_line(&mut line).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(_) if line == "\r\n" => break,
+                        Ok(_) => {}
+                    }
+                }
+                if s.get_mut().write_all(answer.as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+        }
+    })
+    .await
+}
+
 /// Whether the proxy closes `s` (an end of stream with nothing more) within 10 s.
 pub async fn at_end(s: &mut tokio::io::BufReader<tokio::net::TcpStream>) -> bool {
     use tokio::io::AsyncReadExt;

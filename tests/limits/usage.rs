@@ -23,30 +23,6 @@ fn budget(cost: &str) -> String {
     )
 }
 
-/// A raw HTTP/1 app on loopback that answers every request head on a connection with
-/// `answer`, as written.
-async fn answering(answer: &'static str) -> std::net::SocketAddr {
-    raw_server(move |s| async move {
-        let mut s = BufReader::new(s);
-        loop {
-            let mut line = String::new();
-            // A request head (no body: the tests send GETs), then the answer.
-            loop {
-                line.clear();
-                match s.read_line(&mut line).await {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) if line == "\r\n" => break,
-                    Ok(_) => {}
-                }
-            }
-            if s.get_mut().write_all(answer.as_bytes()).await.is_err() {
-                return;
-            }
-        }
-    })
-    .await
-}
-
 /// The sidecar in front of `upstream` with `rest`, its limiters on a manual clock.
 async fn proxy(upstream: std::net::SocketAddr, rest: &str) -> (Sidecar, ManualClock) {
     let clock = ManualClock::new(1_000_000_000);
@@ -437,7 +413,10 @@ async fn a_json_bodys_usage_is_read_as_it_passes_and_the_app_is_asked_for_no_com
         "passed on whole"
     );
     let request = heads.recv().await.unwrap().to_ascii_lowercase();
-    assert!(request.contains("accept-encoding: identity\r\n"), "{request}");
+    assert!(
+        request.contains("accept-encoding: identity\r\n"),
+        "{request}"
+    );
     assert!(!request.contains("gzip"), "{request}");
     assert_eq!(units(&sc, "tokens", "charged").await, Some(1500.0));
     let (status, headers, _) = get(sc.addr(), "/v1/chat/completions", &A).await;
