@@ -51,9 +51,20 @@ impl RemoteStore for Arc<Exact> {
         key: Box<[u8]>,
         quota: Quota,
         units: i64,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + 'static>> {
+        lost: prometheus::IntCounter,
+    ) {
+        let owed = units.max(0) as u64;
+        // Off the request's path: a task of the runtime the response was served on.
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            lost.inc_by(owed);
+            return;
+        };
         let exact = self.clone();
-        Box::pin(async move { exact.owe(&rule, &key, &quota, units).await.is_ok() })
+        rt.spawn(async move {
+            if exact.owe(&rule, &key, &quota, units).await.is_err() {
+                lost.inc_by(owed);
+            }
+        });
     }
 
     fn on_error(&self) -> OnError {

@@ -139,7 +139,7 @@ impl Charges {
     }
 
     /// Whether a charge reads the response's body for its usage: the request then asks the
-    /// app for no compression (`Accept-Encoding` removed), which the scan cannot read.
+    /// app for no compression (`Accept-Encoding: identity`), which the scan cannot read.
     pub fn reads_body(&self) -> bool {
         self.list
             .iter()
@@ -315,9 +315,8 @@ impl Charge {
     }
 }
 
-/// Sends the charge of `units` (given back when negative) to a remote store, off the request's
-/// path: counted as lost if the store does not take it, or if there is no runtime to send it
-/// from.
+/// Sends the charge of `units` (given back when negative) to a remote store, which sends it
+/// off the request's path and counts what it does not take as lost.
 fn owe_remote(
     rule: &Arc<ChargeRule>,
     remote: &super::store::RemoteKey,
@@ -325,17 +324,13 @@ fn owe_remote(
     units: i64,
 ) {
     let (store, key) = remote;
-    let sent = store.owe(rule.name.clone(), key.clone(), quota, units);
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        rule.lost.inc_by(units.max(0) as u64);
-        return;
-    };
-    let rule = rule.clone();
-    rt.spawn(async move {
-        if !sent.await {
-            rule.lost.inc_by(units.max(0) as u64);
-        }
-    });
+    store.owe(
+        rule.name.clone(),
+        key.clone(),
+        quota,
+        units,
+        rule.lost.clone(),
+    );
 }
 
 /// What a body's scan says its usage is, once the body is over (`whole`: as framed): the sum

@@ -68,14 +68,9 @@ pub trait RemoteStore: Send + Sync {
         q: Question<'a>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<StoreAnswer>> + Send + 'a>>;
     /// Charges `units` (given back when negative) to `key` of `rule`'s bucket after the
-    /// response said them (`cost: { response }`); whether the store took them.
-    fn owe(
-        &self,
-        rule: Arc<str>,
-        key: Box<[u8]>,
-        quota: Quota,
-        units: i64,
-    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = bool> + Send + 'static>>;
+    /// response said them (`cost: { response }`), in the background: the caller never waits.
+    /// Units owed that the store does not take are counted in `lost`.
+    fn owe(&self, rule: Arc<str>, key: Box<[u8]>, quota: Quota, units: i64, lost: IntCounter);
     /// What a decision does when the store gave no answer.
     fn on_error(&self) -> OnError;
     /// Whether a refusal is remembered until its retry time and answered without asking.
