@@ -77,6 +77,10 @@ impl ChargeRule {
 pub struct Charges {
     list: SmallVec<[Charge; 1]>,
     armed: bool,
+    /// When the request was decided (its reservations taken), in whole milliseconds of the
+    /// limiter clock, wrapping: kept here once, and small, because every admission carries
+    /// these (a reservation is given back only as far as the bucket has not refilled it).
+    at_ms: u32,
 }
 
 impl std::fmt::Debug for Charges {
@@ -91,8 +95,6 @@ struct Charge {
     rule: Arc<ChargeRule>,
     owed: Owed,
     reserved: u32,
-    /// When the reservation was taken (the limiter clock).
-    at: Nanos,
     settled: bool,
     /// A body read for its usage, from the head on (boxed: only such rules pay for it).
     body: Option<Box<Scan>>,
@@ -123,11 +125,11 @@ impl Charges {
 
     /// A charge for `rule` settling with `owed`, `reserved` units taken at `at`.
     pub(super) fn push(&mut self, rule: &Arc<ChargeRule>, owed: Owed, reserved: u32, at: Nanos) {
+        self.at_ms = millis(at);
         self.list.push(Charge {
             rule: rule.clone(),
             owed,
             reserved,
-            at,
             settled: false,
             body: None,
         });
@@ -171,14 +173,15 @@ impl Charges {
     /// value of a response field).
     pub fn head<'a>(&mut self, field: impl Fn(&http::HeaderName) -> Option<&'a [u8]>) {
         let Some(now) = self.now() else { return };
+        let at = self.at_ms;
         for c in self.list.iter_mut().filter(|c| !c.settled) {
             match &c.rule.cost.usage {
-                Usage::Header(name) => c.settle(now, read(field(&name.0))),
+                Usage::Header(name) => c.settle(now, at, read(field(&name.0))),
                 Usage::Json(pointers) => {
                     let identity = field(&http::header::CONTENT_ENCODING)
                         .is_none_or(|e| e.trim_ascii().eq_ignore_ascii_case(b"identity"));
                     if !identity {
-                        c.settle(now, Err(Unread::Encoded));
+                        c.settle(now, at, Err(Unread::Encoded));
                         continue;
                     }
                     let events = field(&http::header::CONTENT_TYPE).is_some_and(|t| {
@@ -215,6 +218,7 @@ impl Charges {
     /// The response's trailers: charges read from one settle.
     pub fn trailers(&mut self, trailers: &HeaderMap) {
         let Some(now) = self.now() else { return };
+        let at = self.at_ms;
         for c in self.list.iter_mut().filter(|c| !c.settled) {
             if let Usage::Trailer(name) = &c.rule.cost.usage {
                 let mut values = trailers.get_all(&name.0).iter();
@@ -223,7 +227,7 @@ impl Charges {
                     (None, _) => Err(Unread::Missing),
                     (Some(_), Some(_)) => Err(Unread::Malformed),
                 };
-                c.settle(now, value);
+                c.settle(now, at, value);
             }
         }
     }
@@ -232,6 +236,7 @@ impl Charges {
     /// still open settles, a body's bytes at what was sent, the rest at `unknown`.
     pub fn end(&mut self, whole: bool) {
         let Some(now) = self.now() else { return };
+        let at = self.at_ms;
         for c in self.list.iter_mut().filter(|c| !c.settled) {
             let value = match (&c.rule.cost.usage, c.body.as_deref_mut()) {
                 (_, Some(Scan::Bytes(sent))) => Ok(*sent),
@@ -243,7 +248,7 @@ impl Charges {
                 _ if whole => Err(Unread::Missing),
                 _ => Err(Unread::CutShort),
             };
-            c.settle(now, value);
+            c.settle(now, at, value);
         }
     }
 }
@@ -261,7 +266,7 @@ impl Drop for Charges {
 impl Charge {
     /// Charges the response's units (or, unread, the rule's `unknown`), reconciling what was
     /// reserved.
-    fn settle(&mut self, now: Nanos, value: Result<u64, Unread>) {
+    fn settle(&mut self, now: Nanos, at_ms: u32, value: Result<u64, Unread>) {
         self.settled = true;
         let rule = &*self.rule;
         let units = match value {
@@ -290,7 +295,8 @@ impl Charge {
         };
         // What the reservation still holds: the part of it the bucket has not refilled since
         // (given back past that, it would be given back twice, and wipe out a later debt).
-        let refilled = now.saturating_sub(self.at) / quota.emission().max(1);
+        let elapsed = u64::from(millis(now).wrapping_sub(at_ms)) * 1_000_000;
+        let refilled = elapsed / quota.emission().max(1);
         let held = u64::from(self.reserved).saturating_sub(refilled) as u32;
         let (owe, back) = if units > self.reserved {
             (units - self.reserved, 0)
@@ -313,6 +319,11 @@ impl Charge {
             (Owed::Sketch(_), None) => {}
         }
     }
+}
+
+/// `now` in whole milliseconds, wrapping (a call of up to 49 days is told apart).
+fn millis(now: Nanos) -> u32 {
+    (now / 1_000_000) as u32
 }
 
 /// Sends the charge of `units` (given back when negative) to a remote store, which sends it
