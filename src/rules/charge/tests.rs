@@ -564,5 +564,9 @@ fn a_stream_cut_before_its_last_count_pays_at_least_unknown() {
 fn an_admission_carries_its_charges_in_few_bytes() {
     // Every request's admission is moved a few times on the request path: past 256 bytes,
     // moves become calls to memcpy (BENCHMARKS, issue 44).
-    assert!(std::mem::size_of::<Admit>() <= 192, "{}", std::mem::size_of::<Admit>());
+    assert!(
+        std::mem::size_of::<Admit>() <= 192,
+        "{}",
+        std::mem::size_of::<Admit>()
+    );
 }
