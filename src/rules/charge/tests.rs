@@ -562,8 +562,8 @@ fn a_stream_cut_before_its_last_count_pays_at_least_unknown() {
 
 #[test]
 fn an_admission_carries_its_charges_in_few_bytes() {
-    // Every request's admission is moved a few times on the request path: past 256 bytes,
-    // moves become calls to memcpy (BENCHMARKS, issue 44).
+    // Every request's admission is moved a few times on the request path, and a larger one
+    // cost every request instructions (BENCHMARKS.md, issue 44, says how many and why).
     assert!(
         std::mem::size_of::<Admit>() <= 192,
         "{}",
