@@ -279,6 +279,42 @@ async fn an_uneven_fleet_converges_to_the_limit_and_keys_stay_independent() {
     );
 }
 
+/// A fleet token budget: the app says what each call used (`x-usage-tokens`), the proxies
+/// report offered and admitted tokens (a refused call at its key's mean), and the controller's
+/// ratio holds the fleet's tokens, not its requests, to the limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_token_budget_is_held_in_the_units_the_responses_report() {
+    let (_one, _up, ctl) = fleet().await;
+    let app =
+        answering("HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-usage-tokens: 5\r\n\r\nok").await;
+    let agg = aggregator(ctl.addr, "z1");
+    // Reserving 1: decided at the reservation alone, each call would count a fifth of itself.
+    let cost = "    cost: { response: { header: x-usage-tokens }, reserve: 1, max: 1000 }\n";
+    let p: Vec<Proc> = (1..=2)
+        .map(|i| proxy(&format!("p{i}"), app, agg.addr, cost))
+        .collect();
+    let refs: Vec<&Proc> = p.iter().collect();
+    // 20 calls a second at each proxy, 5 tokens each: twice the 100 tokens a second.
+    offer_all(&refs, "hot", &[20, 20], 3.0).await;
+    let (ok, limited, other) = offer_all(&refs, "hot", &[20, 20], 4.0).await;
+    assert_eq!(other, 0, "no errors from the proxies");
+    assert!(
+        limited > 0,
+        "the fleet's tokens are past the budget: some refused"
+    );
+    // Decided at the reservation alone, the fleet would admit about a quarter too few.
+    assert_within(ok * 5, 4.0, 0.15, "tokens");
+    let charged = counted(
+        p[0].admin,
+        "spillway_response_units_total{kind=\"charged\",rule=\"per-key\"}",
+    )
+    .await;
+    assert!(
+        charged >= 5.0,
+        "the proxy charged its calls' tokens: {charged}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_zones_and_a_proxy_reporting_straight_to_the_controller_share_one_limit() {
     let (_one, up, ctl) = fleet().await;

@@ -413,12 +413,11 @@ fn check_response_cost(r: &RawRule, cost: &ResponseCost) -> Result<(), String> {
         Scope::Local => {}
         // Redis's scripts take at least one unit a decision.
         Scope::Redis if cost.reserve == 0 => {
-            return Err("cost.reserve: at least 1 with scope: redis (a decision there takes a unit)".into())
+            return Err(
+                "cost.reserve: at least 1 with scope: redis (a decision there takes a unit)".into(),
+            )
         }
-        Scope::Redis => {}
-        Scope::Global => {
-            return Err("cost.response: a response's cost is charged by local and redis rules in this release, not by scope: global ones".into())
-        }
+        Scope::Redis | Scope::Global => {}
     }
     match &r.limit {
         Limit::Rate {
@@ -426,7 +425,8 @@ fn check_response_cost(r: &RawRule, cost: &ResponseCost) -> Result<(), String> {
             burst,
             ..
         } => {
-            if cost.reserve > burst.get() {
+            // A global rule's reservation is only its keys' first estimate: no bucket holds it.
+            if r.scope != Scope::Global && cost.reserve > burst.get() {
                 return Err(format!(
                     "cost.reserve: {} exceeds limit.burst {burst}: such requests could never be admitted",
                     cost.reserve

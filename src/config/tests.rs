@@ -481,12 +481,18 @@ fn a_response_cost_that_cannot_mean_what_it_says_is_refused() {
         )));
         assert!(e.contains(want), "{rule}: {e}");
     }
-    // A global rule's control plane is checked first; with one, the scope is refused.
-    let e = err(&format!(
-        "{}control_plane:\n  url: http://127.0.0.1:1\n",
-        with_rule(&format!("  - name: a\n    key: path\n    limit: {{ rate: 10/s }}\n    scope: global\n    {tokens}\n"))
-    ));
-    assert!(e.contains("not by scope: global"), "{e}");
+    // A global rule takes a response cost (its reservation is a first estimate, not held in a
+    // bucket: past the rate is allowed), but not with delay.
+    let global = |extra: &str| {
+        format!(
+            "{}control_plane:\n  url: http://127.0.0.1:1\n",
+            with_rule(&format!("  - name: a\n    key: path\n    limit: {{ rate: 10/s }}\n    scope: global\n    cost: {{ response: {{ header: x-usage }}, reserve: 50, max: 1000 }}\n{extra}"))
+        )
+    };
+    let c = Config::from_yaml(&global(""), "test.yaml").expect("a global response cost");
+    assert!(matches!(&c.rules[0].cost, Cost::Response(r) if r.reserve == 50));
+    let e = err(&global("    on_limit: delay\n    max_delay: 1s\n"));
+    assert!(e.contains("nothing to wait for"), "{e}");
 }
 
 #[test]

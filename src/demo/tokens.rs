@@ -175,7 +175,7 @@ async fn call(
 }
 
 /// The last `"total_tokens":N` in `body`.
-fn total_tokens(body: &[u8]) -> u64 {
+pub fn total_tokens(body: &[u8]) -> u64 {
     let needle = b"\"total_tokens\":";
     let Some(at) = body.windows(needle.len()).rposition(|w| w == needle) else {
         return 0;
@@ -211,7 +211,8 @@ async fn answer(req: Request<Incoming>) -> Result<Response<AppBody>, std::conver
     let request: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     let model = request["model"].as_str().unwrap_or("demo").to_string();
     let prompt = 20 + fastrand::u64(..80);
-    let completion = 80 + fastrand::u64(..800);
+    // 100 to 899 tokens a call in all.
+    let completion = 80 + fastrand::u64(..720);
     let usage = serde_json::json!({
         "prompt_tokens": prompt,
         "completion_tokens": completion,

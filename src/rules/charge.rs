@@ -286,6 +286,10 @@ impl Charge {
             }
         };
         rule.charged.inc_by(u64::from(units));
+        if let Owed::Global(counters, shared, per_unit) = &self.owed {
+            counters.settle(self.reserved, units, *shared, *per_unit);
+            return;
+        }
         let (quota, overflow) = match &*rule.kind {
             Kind::Rate {
                 quota, overflow, ..
@@ -316,7 +320,7 @@ impl Charge {
                 overflow.sketch().owe(key, quota, now, owe)
             }
             (Owed::Sketch(key), Some(overflow)) => overflow.sketch().refund(key, quota, now, back),
-            (Owed::Sketch(_), None) => {}
+            (Owed::Sketch(_), None) | (Owed::Global(..), _) => {}
         }
     }
 }

@@ -273,10 +273,22 @@ pub struct GlobalCounters {
     /// bits): 0 not yet reported, [`NAMED`] or [`FOLDED`]. Relaxed: one word the reporter
     /// writes once per report, read with the ratios that say which report they answer.
     choice: AtomicU64,
+    /// For a rule whose cost is the response's: the key's mean charged units per admitted
+    /// request, smoothed over the last [`MEAN_OF`] or so (an `f32`'s bits; 0: none charged
+    /// yet), which a decision takes as the request's units (see [`Self::estimate`]).
+    mean: AtomicU32,
     /// The name reports and ratios know the key by when it is not the key itself (a digest
     /// of its private parts): worked out on the key's first decision.
     name: std::sync::OnceLock<Box<[u8]>>,
 }
+
+/// How many of a key's recent charges its mean charged units weigh (see
+/// [`GlobalCounters::estimate`]): every refused request counts the mean as offered, and every
+/// request earns the key's share a part of it, so that its chance swings become the fleet's
+/// (a few calls' mean of calls of 100 to 900 tokens swings by a tenth); a change in what the
+/// key's calls cost is charged in full meanwhile (the share pays actual units), only the
+/// refusals' estimate follows it this slowly.
+pub const MEAN_OF: f32 = 32.0;
 
 const NAMED: u64 = 1;
 const FOLDED: u64 = 2;
@@ -343,15 +355,17 @@ pub const JUMP_SHARE: f64 = 0.25;
 
 /// Whether a key offered at `now` units a second over `secs`, against a smoothed `before`,
 /// stepped: further from it than chance puts a count (three standard deviations of a Poisson
-/// count) and than [`JUMP_SHARE`] of the rate. A proxy's smoothed rate then jumps to `now`,
-/// and its report says by how much, so that the controller's smoothed sum jumps with it: a
-/// surge held within a report, and load moved between proxies (one jumps up, another down)
-/// leaves the sum where it was.
-pub fn jumped(before: f64, now: f64, secs: f64) -> bool {
+/// count of requests of `per_request` units each) and than [`JUMP_SHARE`] of the rate. A
+/// proxy's smoothed rate then jumps to `now`, and its report says by how much, so that the
+/// controller's smoothed sum jumps with it: a surge held within a report, and load moved
+/// between proxies (one jumps up, another down) leaves the sum where it was. Counted in
+/// units, requests of many units each (a response's tokens) swing the count by far more than
+/// a count of units would by chance.
+pub fn jumped(before: f64, now: f64, secs: f64, per_request: f64) -> bool {
     let (expected, counted) = (before * secs, now * secs);
     let gap = (counted - expected).abs();
     let larger = expected.max(counted);
-    gap > 3.0 * larger.max(1.0).sqrt() && gap > JUMP_SHARE * larger
+    gap > 3.0 * (larger.max(1.0) * per_request.max(1.0)).sqrt() && gap > JUMP_SHARE * larger
 }
 
 /// One unit of credit in a key's share: fractions of a request to 2⁻²⁴. Far over its limit a
@@ -402,6 +416,7 @@ impl Default for GlobalCounters {
             taken: AtomicU16::new(0),
             allowed: AtomicU64::new(0),
             choice: AtomicU64::new(0),
+            mean: AtomicU32::new(0),
             name: std::sync::OnceLock::new(),
         }
     }
@@ -468,6 +483,85 @@ impl GlobalCounters {
                 let (credit, _) = unpack(word);
                 let back = (credit + units * UNIT).min(units * UNIT - 1);
                 Some(pack(back.max(credit), place(word)))
+            });
+    }
+
+    /// For a rule whose cost is the response's: the units a request of this key is decided
+    /// by, before its response says what it cost: the key's mean charged units, or `reserve`
+    /// before any was charged; at least 1 (a refused request offered something).
+    #[inline]
+    pub(super) fn estimate(&self, reserve: u32) -> u32 {
+        let mean = f32::from_bits(self.mean.load(Ordering::Relaxed));
+        let units = if mean > 0.0 {
+            mean.round() as u32
+        } else {
+            reserve
+        };
+        units.max(1)
+    }
+
+    /// A request decided as `estimate` units (see [`Self::estimate`]) was charged `units`
+    /// after its response: the counts the next report sends, the share's credit (if the
+    /// share decided it, `shared`) and the guard (which took `per_unit` nanoseconds a unit;
+    /// 0: none) take the difference, so that each is in actual units; and the key's mean
+    /// moves toward `units`. Over its estimate the credit goes into debt, which later
+    /// requests earn back before the share admits again; under it, the difference is given
+    /// back in full (capped at what a credit may hold, [`SHARE_MAX_UNITS`] either way): given
+    /// back only in part, the share would admit less than its part of the limit, since a
+    /// refund that comes while later requests have earned credit is as common as a debt. A
+    /// credit a refund raised past one request admits the next ones at once; the guard still
+    /// paces them.
+    pub(super) fn settle(&self, estimate: u32, units: u32, shared: bool, per_unit: f32) {
+        let update = |c: &AtomicU64, delta: i64| {
+            let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                Some(n.saturating_add_signed(delta))
+            });
+        };
+        let delta = i64::from(units) - i64::from(estimate);
+        if delta != 0 {
+            update(&self.offered, delta);
+            update(&self.admitted, delta);
+        }
+        if shared && delta != 0 {
+            let most = i64::from(SHARE_MAX_UNITS) * UNIT;
+            let least = -most;
+            let _ = self
+                .share
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+                    let (credit, _) = unpack(word);
+                    let after = credit.saturating_sub(delta.saturating_mul(UNIT));
+                    // Never past what the credit's bits hold, nor past where it was.
+                    let after = if delta < 0 {
+                        after.min(most.max(credit))
+                    } else {
+                        after.max(least.min(credit))
+                    };
+                    Some(pack(after, place(word)))
+                });
+        }
+        if per_unit > 0.0 && delta != 0 {
+            let ns = (f64::from(per_unit) * delta.unsigned_abs() as f64).min(1e18) as u64;
+            let _ = self
+                .guard
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
+                    Some(if delta > 0 {
+                        tat.saturating_add(ns)
+                    } else {
+                        tat.saturating_sub(ns)
+                    })
+                });
+        }
+        let _ = self
+            .mean
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                let mean = f32::from_bits(bits);
+                let units = units as f32;
+                let next = if mean > 0.0 {
+                    mean + (units - mean) / MEAN_OF
+                } else {
+                    units
+                };
+                Some(next.max(f32::MIN_POSITIVE).to_bits())
             });
     }
 
@@ -792,7 +886,10 @@ impl GlobalCounters {
         } else {
             let surge = self.surge.load(Ordering::Relaxed);
             let after_jump = surge != 0 && (surge >> 32) as u32 == (seq as u32).wrapping_sub(1);
-            let rate = if now > 0.0 && jumped(last, now, secs) {
+            // A response cost's requests are the key's mean charged units each; a fixed or
+            // request header's cost is not known here, and counts as one unit a request.
+            let per_request = f64::from(f32::from_bits(self.mean.load(Ordering::Relaxed)));
+            let rate = if now > 0.0 && jumped(last, now, secs, per_request) {
                 jump = now - last;
                 let (allowed, keep, surging) = bound();
                 let held = if jump > 0.0 {
@@ -995,17 +1092,22 @@ mod tests {
 
     #[test]
     fn a_step_past_chance_and_a_quarter_of_the_rate_jumps() {
-        assert!(jumped(100.0, 300.0, 1.0));
-        assert!(jumped(300.0, 100.0, 1.0));
+        assert!(jumped(100.0, 300.0, 1.0, 1.0));
+        assert!(jumped(300.0, 100.0, 1.0, 1.0));
         // Within three standard deviations of a Poisson count: chance (25 against 33.5).
-        assert!(!jumped(100.0, 125.0, 1.0));
-        assert!(!jumped(2.0, 6.0, 1.0));
+        assert!(!jumped(100.0, 125.0, 1.0, 1.0));
+        assert!(!jumped(2.0, 6.0, 1.0, 1.0));
         // Past them at a high rate, but under a quarter of it: a drift the smoothing takes.
-        assert!(!jumped(10_000.0, 12_000.0, 1.0));
+        assert!(!jumped(10_000.0, 12_000.0, 1.0, 1.0));
         // The same rates over a longer interval are more counts, less chance; over a
         // shorter one, fewer.
-        assert!(jumped(100.0, 150.0, 10.0));
-        assert!(!jumped(100.0, 150.0, 0.25));
+        assert!(jumped(100.0, 150.0, 10.0, 1.0));
+        assert!(!jumped(100.0, 150.0, 0.25, 1.0));
+        // Counted in units of requests of 500 each: 30 requests' chance swings are no step,
+        // 2.5 times as many is one.
+        assert!(jumped(15_000.0, 21_000.0, 1.0, 1.0));
+        assert!(!jumped(15_000.0, 21_000.0, 1.0, 500.0));
+        assert!(jumped(15_000.0, 37_500.0, 1.0, 500.0));
     }
 
     #[test]

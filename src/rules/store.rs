@@ -245,6 +245,9 @@ pub(super) enum Owed {
     Sketch(Box<Box<[u8]>>),
     /// A `scope: redis` rule's key, charged by the store.
     Remote(Box<RemoteKey>),
+    /// A `scope: global` rule's key: whether its share decided the request, and the
+    /// nanoseconds a unit its guard took (see [`GlobalCounters::settle`]).
+    Global(Arc<GlobalCounters>, bool, f32),
 }
 
 /// A key of a `scope: redis` rule and the store that holds its state.

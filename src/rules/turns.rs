@@ -147,8 +147,15 @@ impl RuleSet {
         ratios: &mut Option<arc_swap::Guard<Arc<DropRatios>>>,
         granted: &mut Granted<'_>,
     ) -> Decision {
-        let (rule, cost, now) = (t.rule, t.cost, t.now);
+        let (rule, now) = (t.rule, t.now);
         let (counters, at) = g.store.with(t.key, now, global_reclaimable, Arc::clone);
+        // A response's cost is known after it: decided by the key's mean charged units (its
+        // reservation before any), the difference charged once the response says.
+        let cost = if rule.charge.is_some() {
+            counters.estimate(t.cost)
+        } else {
+            t.cost
+        };
         // The name the control plane knows the key by: a digest is worked out once per key
         // and kept with its counters, never for a known key.
         let overflow;
@@ -275,6 +282,11 @@ impl RuleSet {
         };
         if decision.is_allowed() {
             took.units = cost;
+            if let Some(charge) = &rule.charge {
+                let per_unit = took.guard as f32 / cost as f32;
+                let owed = Owed::Global(counters.clone(), took.shared, per_unit);
+                granted.admit.charges.push(charge, owed, cost, now);
+            }
             granted.taken.push((t.i, Taken::Global(counters, took)));
         }
         decision

@@ -570,3 +570,106 @@ fn an_admission_carries_its_charges_in_few_bytes() {
         std::mem::size_of::<Admit>()
     );
 }
+
+/// A global rule of `rate` units a second per client address whose cost is the response's
+/// `x-usage-tokens` (reserve 50), with no reply yet, and the ratios to answer it by.
+fn global_tokens(rate: u32) -> (RuleSet, Metrics, ManualClock, Arc<ArcSwap<DropRatios>>) {
+    let yaml = format!(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:1' }}\nrules:\n  - name: tokens\n    key: client_ip\n    limit: {{ rate: {rate}/s }}\n    scope: global\n    cost: {{ response: {{ header: x-usage-tokens }}, reserve: 50, max: 5000 }}\n"
+    );
+    let config = Config::from_yaml(&yaml, "t").unwrap_or_else(|e| panic!("{e}"));
+    let metrics = Metrics::new();
+    let ratios = Arc::new(ArcSwap::from_pointee(DropRatios::empty(T0)));
+    let rules = RuleSet::build_with_ratios(&config, &metrics, ratios.clone());
+    (rules, metrics, ManualClock::new(T0), ratios)
+}
+
+/// One call of `a` admitted and charged `used` tokens; whether it was admitted.
+fn call(a: &Client, rules: &RuleSet, clock: &ManualClock, used: u32) -> bool {
+    let Some(mut c) = a.admit(rules, clock) else {
+        return false;
+    };
+    head(&mut c, &[("x-usage-tokens", &used.to_string())]);
+    true
+}
+
+#[test]
+fn a_global_rule_reports_the_units_its_responses_were_charged_and_refusals_at_the_keys_mean() {
+    let (rules, m, clock, ratios) = global_tokens(1_000_000);
+    let a = client("a");
+    for (i, used) in [100, 300, 500].into_iter().enumerate() {
+        // A second apart: a new key's guard, the provisional limit, has no burst.
+        clock.set(T0 + i as u64 * NANOS_PER_SEC);
+        assert!(call(&a, &rules, &clock, used), "no ratio: admitted");
+    }
+    assert_eq!(units(&m, "charged"), 900);
+    // The first was decided at its reservation, the next ones at the key's mean so far.
+    let second = 100.0 + (300.0 - 100.0) / MEAN_OF;
+    assert_eq!(units(&m, "reserved"), 50 + 100 + second.round() as u64);
+    let report = rules.drain_global(10, 1.0, 1, 0);
+    assert_eq!(
+        report[0].keys,
+        vec![("192.0.2.1".to_string(), 900, 900, 0.0)],
+        "offered and admitted in the units charged"
+    );
+    // Refused by the reply to that report: each refusal offered the key's mean, never the
+    // reservation.
+    let mean = second + (500.0 - second) / MEAN_OF;
+    ratios.store(Arc::new(
+        DropRatios::of(
+            clock.now(),
+            [("tokens", Some("192.0.2.1"), 1.0)].into_iter(),
+        )
+        .answering(1),
+    ));
+    for _ in 0..4 {
+        assert!(!call(&a, &rules, &clock, 100), "a ratio of 1 refuses");
+    }
+    let report = rules.drain_global(10, 1.0, 2, 0);
+    let (_, offered, admitted, _) = &report[0].keys[0];
+    assert_eq!((*offered, *admitted), (4 * mean.round() as u64, 0));
+}
+
+#[test]
+fn a_global_key_s_share_is_held_in_units_charged_and_a_call_past_it_is_debt() {
+    let (rules, m, clock, ratios) = global_tokens(1_000_000);
+    let a = client("a");
+    // Named by a report (taken over a nanosecond: its guard's allowance bounds nothing here),
+    // answered with a ratio of 0.6: it keeps 40 % of what it offers.
+    assert!(call(&a, &rules, &clock, 500));
+    rules.drain_global(10, 1e-9, 1, 0);
+    ratios.store(Arc::new(
+        DropRatios::of(T0, [("tokens", Some("192.0.2.1"), 0.6)].into_iter()).answering(1),
+    ));
+    let reserved = units(&m, "reserved");
+    // Calls of 100 to 900 tokens: each is decided at the key's mean, and the share's credit
+    // pays its actual tokens, going into debt past it.
+    let mut rng = fastrand::Rng::with_seed(7);
+    let (mut used, mut admitted) = (0u64, 0u64);
+    for _ in 0..3000 {
+        let tokens = rng.u32(100..=900);
+        if call(&a, &rules, &clock, tokens) {
+            admitted += u64::from(tokens);
+        }
+        used += u64::from(tokens);
+    }
+    let want = 0.4 * used as f64;
+    assert!(
+        (admitted as f64 - want).abs() <= 0.03 * want,
+        "{admitted} tokens admitted of {used}"
+    );
+    // Decided at estimates, charged in tokens: the reconciliation is what moved the credit.
+    let estimated = units(&m, "reserved") - reserved;
+    assert_ne!(estimated, admitted);
+    // A call far past the estimate puts the key in debt: the share refuses until its later
+    // requests have earned it back (at 0.4 of a ~500-token estimate each, about 10 of them).
+    let mut c = loop {
+        if let Some(c) = a.admit(&rules, &clock) {
+            break c;
+        }
+    };
+    head(&mut c, &[("x-usage-tokens", "5000")]);
+    drop(c);
+    let refused = (0..8).filter(|_| a.admit(&rules, &clock).is_none()).count();
+    assert_eq!(refused, 8, "in debt: every request refused");
+}
