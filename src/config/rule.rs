@@ -417,7 +417,15 @@ fn check_response_cost(r: &RawRule, cost: &ResponseCost) -> Result<(), String> {
                 "cost.reserve: at least 1 with scope: redis (a decision there takes a unit)".into(),
             )
         }
-        Scope::Redis | Scope::Global => {}
+        Scope::Redis => {}
+        // What a key's share on one proxy holds of debt (`crate::rules::SHARE_MAX_UNITS`).
+        Scope::Global if cost.max > 1 << 22 => {
+            return Err(format!(
+                "cost.max: {} is more than a global rule charges one call (4194304)",
+                cost.max
+            ))
+        }
+        Scope::Global => {}
     }
     match &r.limit {
         Limit::Rate {

@@ -493,6 +493,11 @@ fn a_response_cost_that_cannot_mean_what_it_says_is_refused() {
     assert!(matches!(&c.rules[0].cost, Cost::Response(r) if r.reserve == 50));
     let e = err(&global("    on_limit: delay\n    max_delay: 1s\n"));
     assert!(e.contains("nothing to wait for"), "{e}");
+    let e = err(&global("").replace("max: 1000", "max: 5000000"));
+    assert!(
+        e.contains("more than a global rule charges one call"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -220,8 +220,19 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
     if !admit.states.is_empty() {
         respond::add_rate_headers(resp.head.headers_mut(), &admit.states);
     }
+    admit.charges.release();
+    release(admit.states);
     metrics.duration(outcome).observe(elapsed(shared, start));
     resp
+}
+
+/// Drops `held` unless it owns nothing (empty and inline): dropped as such, a list of items
+/// that need dropping costs every request a call for nothing.
+#[inline(always)]
+fn release<A: smallvec::Array>(held: smallvec::SmallVec<A>) {
+    if held.is_empty() && !held.spilled() {
+        std::mem::forget(held);
+    }
 }
 
 /// A GET or HEAD with a body, under `bodies_on_get: reject` (what follows on the connection may

@@ -135,6 +135,15 @@ impl Charges {
         });
     }
 
+    /// Drops these, with no call when they hold nothing (no charge, as for every request no
+    /// response cost applies to): see `proxy::request::release`.
+    #[inline(always)]
+    pub fn release(self) {
+        if !self.armed && self.list.is_empty() && !self.list.spilled() {
+            std::mem::forget(self);
+        }
+    }
+
     /// Whether a charge is still open once the head has been read: the body must carry them.
     pub fn pending(&self) -> bool {
         self.armed && self.list.iter().any(|c| !c.settled)
@@ -287,7 +296,7 @@ impl Charge {
         };
         rule.charged.inc_by(u64::from(units));
         if let Owed::Global(counters, shared, per_unit) = &self.owed {
-            counters.settle(self.reserved, units, *shared, *per_unit);
+            counters.settle(now, self.reserved, units, (*shared, *per_unit));
             return;
         }
         let (quota, overflow) = match &*rule.kind {

@@ -427,8 +427,18 @@ impl CompiledRule {
     /// The request's cost under this rule: at least 1, or a response cost's reservation (which
     /// may be 0). A cost header is read only from a trusted proxy (unless the rule says
     /// `from: any`); one it reads must be a whole number of at least 1, sent once.
-    #[inline]
+    #[inline(always)]
     pub(super) fn cost_of(&self, req: &RequestView<'_>) -> Result<u32, BadRequest> {
+        match &self.cost {
+            Cost::Fixed(n) => Ok(*n),
+            _ => self.cost_read(req),
+        }
+    }
+
+    /// [`Self::cost_of`] for a cost that is not a constant: apart, so that the constant one,
+    /// every rule's by default, is decided inline.
+    #[inline(never)]
+    fn cost_read(&self, req: &RequestView<'_>) -> Result<u32, BadRequest> {
         match &self.cost {
             Cost::Fixed(n) => Ok(*n),
             // The response's units are charged after it (`charge`); this is what is held.

@@ -282,6 +282,11 @@ pub struct GlobalCounters {
     name: std::sync::OnceLock<Box<[u8]>>,
 }
 
+/// How far past now a charge after the response sets a key's guard back at most (see
+/// [`GlobalCounters::settle`]): a few report intervals' pacing; the debt itself is the
+/// share's credit's to hold.
+pub const GUARD_DEBT: Nanos = 2 * NANOS_PER_SEC;
+
 /// How many of a key's recent charges its mean charged units weigh (see
 /// [`GlobalCounters::estimate`]): every refused request counts the mean as offered, and every
 /// request earns the key's share a part of it, so that its chance swings become the fleet's
@@ -373,8 +378,9 @@ pub fn jumped(before: f64, now: f64, secs: f64, per_request: f64) -> bool {
 /// earning would be rounded down by a few percent of itself.
 const UNIT_BITS: u32 = 24;
 const UNIT: i64 = 1 << UNIT_BITS;
-/// A request's units past this count as this in its share (what the credit's bits hold).
-const SHARE_MAX_UNITS: u32 = 1 << 22;
+/// A request's units past this count as this in its share (what the credit's bits hold); a
+/// global rule's response cost may charge no more (`check-config`).
+pub const SHARE_MAX_UNITS: u32 = 1 << 22;
 /// The bits of the next admission's place within its unit of credit (the low bits of the
 /// word; the credit, signed, has the rest): finer than a tiny share's earning per request, so
 /// that clients taking turns do not find the admissions on the same places of the cycle.
@@ -450,7 +456,8 @@ impl GlobalCounters {
     /// others starve. The credit stays within (−1, 1) units of a request, so a new key's
     /// first n requests admit n × keep within one, and any n in a row within two (the
     /// jitter's price: a stretch may begin after a place drawn late and end before one
-    /// drawn early).
+    /// drawn early); a response cost's charges move it past that, by what a call used
+    /// beyond or short of its estimate (see [`Self::settle`]).
     #[inline]
     pub(super) fn share(&self, keep: f64, units: u32) -> bool {
         let units = i64::from(units.min(SHARE_MAX_UNITS));
@@ -511,7 +518,8 @@ impl GlobalCounters {
     /// refund that comes while later requests have earned credit is as common as a debt. A
     /// credit a refund raised past one request admits the next ones at once; the guard still
     /// paces them.
-    pub(super) fn settle(&self, estimate: u32, units: u32, shared: bool, per_unit: f32) {
+    pub(super) fn settle(&self, now: Nanos, estimate: u32, units: u32, held: (bool, f32)) {
+        let (shared, per_unit) = held;
         let update = |c: &AtomicU64, delta: i64| {
             let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
                 Some(n.saturating_add_signed(delta))
@@ -544,8 +552,11 @@ impl GlobalCounters {
             let _ = self
                 .guard
                 .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |tat| {
+                    // The share's credit holds the debt; the guard, which paces what this
+                    // proxy admits, is set back by at most [`GUARD_DEBT`] past now.
                     Some(if delta > 0 {
                         tat.saturating_add(ns)
+                            .min(tat.max(now.saturating_add(GUARD_DEBT)))
                     } else {
                         tat.saturating_sub(ns)
                     })
@@ -1088,6 +1099,26 @@ mod tests {
         close(c.allowance(0.2, 3, 0, 1000.0), (7.5, true));
         close(c.allowance_of(0.2, 3, 0, 1000.0), (7.5, true));
         close(c.allowance_of(0.2, 3, 0, 1000.0), (7.5, true));
+    }
+
+    #[test]
+    fn a_charge_past_its_estimate_sets_the_guard_back_at_most_guard_debt() {
+        let c = GlobalCounters::default();
+        let now = 100 * NANOS_PER_SEC;
+        // The guard took 500 units at a millisecond each; the call used 4 000 000.
+        let took = c
+            .guard(now, 1000.0, 500, NANOS_PER_SEC)
+            .expect("a fresh guard");
+        c.settle(now, 500, 4_000_000, (false, took as f32 / 500.0));
+        assert_eq!(c.guard.load(Ordering::Relaxed), now + GUARD_DEBT);
+        // Within it, the whole difference: 100 units more is 100 ms.
+        let c = GlobalCounters::default();
+        let took = c.guard(now, 1000.0, 500, NANOS_PER_SEC).unwrap();
+        c.settle(now, 500, 600, (false, took as f32 / 500.0));
+        assert_eq!(c.guard.load(Ordering::Relaxed), now + 600 * 1_000_000);
+        // Under it, given back.
+        c.settle(now, 500, 100, (false, took as f32 / 500.0));
+        assert_eq!(c.guard.load(Ordering::Relaxed), now + 200 * 1_000_000);
     }
 
     #[test]

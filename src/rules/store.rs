@@ -16,6 +16,15 @@ pub(super) struct Overflow {
 }
 
 impl Overflow {
+    /// The sketch's decision for a key its store had no place for, its refusals counted.
+    pub(super) fn check(&self, key: &[u8], quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        let decision = self.sketch().check(key, quota, now, cost);
+        if !decision.is_allowed() {
+            self.refused.inc();
+        }
+        decision
+    }
+
     pub(super) fn sketch(&self) -> &Sketch {
         self.sketch.get_or_init(|| {
             Sketch::new(
@@ -162,13 +171,7 @@ impl RateStore {
             .map(|st| st.check(quota, now, cost)));
         match tracked {
             Some(decision) => (decision, Slot::Keyed),
-            None => {
-                let decision = overflow.sketch().check(key, quota, now, cost);
-                if !decision.is_allowed() {
-                    overflow.refused.inc();
-                }
-                (decision, Slot::Sketch)
-            }
+            None => (overflow.check(key, quota, now, cost), Slot::Sketch),
         }
     }
 
@@ -213,17 +216,12 @@ impl RateStore {
         match tracked {
             Some((decision, owed)) => (decision, Slot::Keyed, owed),
             None => {
-                let decision = overflow.sketch().check(key, quota, now, cost);
-                if !decision.is_allowed() {
-                    overflow.refused.inc();
-                    return (decision, Slot::Sketch, None);
-                }
+                let decision = overflow.check(key, quota, now, cost);
                 // A key with no place: its charge finds it in the sketch by name.
-                (
-                    decision,
-                    Slot::Sketch,
-                    Some(Owed::Sketch(Box::new(key.into()))),
-                )
+                let owed = decision
+                    .is_allowed()
+                    .then(|| Owed::Sketch(Box::new(key.into())));
+                (decision, Slot::Sketch, owed)
             }
         }
     }

@@ -150,11 +150,12 @@ impl RuleSet {
         let (rule, now) = (t.rule, t.now);
         let (counters, at) = g.store.with(t.key, now, global_reclaimable, Arc::clone);
         // A response's cost is known after it: decided by the key's mean charged units (its
-        // reservation before any), the difference charged once the response says.
-        let cost = if rule.charge.is_some() {
-            counters.estimate(t.cost)
-        } else {
-            t.cost
+        // reservation before any), the difference charged once the response says. The shared
+        // overflow counters stand for many keys: each is decided at the reservation.
+        let cost = match &rule.charge {
+            Some(_) if at != Slot::Overflow => counters.estimate(t.cost),
+            Some(_) => t.cost.max(1),
+            None => t.cost,
         };
         // The name the control plane knows the key by: a digest is worked out once per key
         // and kept with its counters, never for a known key.
@@ -283,8 +284,14 @@ impl RuleSet {
         if decision.is_allowed() {
             took.units = cost;
             if let Some(charge) = &rule.charge {
-                let per_unit = took.guard as f32 / cost as f32;
-                let owed = Owed::Global(counters.clone(), took.shared, per_unit);
+                // The overflow's share and guard are many keys': one key's debt is not theirs.
+                let own = at != Slot::Overflow;
+                let per_unit = if own {
+                    took.guard as f32 / cost as f32
+                } else {
+                    0.0
+                };
+                let owed = Owed::Global(counters.clone(), took.shared && own, per_unit);
                 granted.admit.charges.push(charge, owed, cost, now);
             }
             granted.taken.push((t.i, Taken::Global(counters, took)));
