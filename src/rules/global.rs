@@ -508,10 +508,13 @@ impl GlobalCounters {
     }
 
     /// A request decided as `estimate` units (see [`Self::estimate`]) was charged `units`
-    /// after its response: the counts the next report sends, the share's credit (if the
-    /// share decided it, `shared`) and the guard (which took `per_unit` nanoseconds a unit;
-    /// 0: none) take the difference, so that each is in actual units; and the key's mean
-    /// moves toward `units`. Over its estimate the credit goes into debt, which later
+    /// after its response: the admitted count the next report sends, the share's credit (if
+    /// the share decided it, `shared`) and the guard (which took `per_unit` nanoseconds a
+    /// unit; 0: none) take the difference, so that each is in actual units; and the key's mean
+    /// moves toward `units`. The offered count keeps the estimate, as a refused request's
+    /// does: the fleet's ratio then follows how many calls the key makes and their mean, not
+    /// which sizes chance gave the admitted ones (which would swing it by several percent a
+    /// report, and the next report's admissions with it). Over its estimate the credit goes into debt, which later
     /// requests earn back before the share admits again; under it, the difference is given
     /// back in full (capped at what a credit may hold, [`SHARE_MAX_UNITS`] either way): given
     /// back only in part, the share would admit less than its part of the limit, since a
@@ -527,7 +530,6 @@ impl GlobalCounters {
         };
         let delta = i64::from(units) - i64::from(estimate);
         if delta != 0 {
-            update(&self.offered, delta);
             update(&self.admitted, delta);
         }
         if shared && delta != 0 {

@@ -605,12 +605,13 @@ fn a_global_rule_reports_the_units_its_responses_were_charged_and_refusals_at_th
     assert_eq!(units(&m, "charged"), 900);
     // The first was decided at its reservation, the next ones at the key's mean so far.
     let second = 100.0 + (300.0 - 100.0) / MEAN_OF;
-    assert_eq!(units(&m, "reserved"), 50 + 100 + second.round() as u64);
+    let estimated = 50 + 100 + second.round() as u64;
+    assert_eq!(units(&m, "reserved"), estimated);
     let report = rules.drain_global(10, 1.0, 1, 0);
     assert_eq!(
         report[0].keys,
-        vec![("192.0.2.1".to_string(), 900, 900, 0.0)],
-        "offered and admitted in the units charged"
+        vec![("192.0.2.1".to_string(), estimated, 900, 0.0)],
+        "offered at the estimates the calls were decided by, admitted in the units charged"
     );
     // Refused by the reply to that report: each refusal offered the key's mean, never the
     // reservation.
