@@ -1,10 +1,11 @@
 //! Costs charged after the response: what a request admitted by a rule whose cost is the
 //! app's response's (`cost: { response: ... }`) owes once the app has said what it consumed.
 //!
-//! The decision took the rule's reservation; a [`Charge`] per such rule rides with the
-//! response and settles once: at the head (a header), at the trailers, or at the body's end
-//! (its bytes or its JSON), the reservation topped up as debt or given back, in the key's
-//! bucket here, or (`scope: redis`) by one script call sent off the request's path. A response that never says
+//! The decision took the rule's reservation (`scope: global`: the key's estimate); a
+//! [`Charge`] per such rule rides with the response and settles once: at the head (a header),
+//! at the trailers, or at the body's end (its bytes or its JSON), the reservation topped up as
+//! debt or given back, in the key's bucket here, in its fleet counters and share (`scope:
+//! global`), or (`scope: redis`) by one script call sent off the request's path. A response that never says
 //! (the field missing or malformed, the body cut short, the app never answering) is charged
 //! the rule's `unknown`, a body's bytes what was sent. Only the app's response is read.
 //! Must never: charge a request twice or not at all once armed, charge one that was refused,
