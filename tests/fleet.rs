@@ -302,7 +302,8 @@ async fn a_fleet_token_budget_is_held_in_the_units_the_responses_report() {
         limited > 0,
         "the fleet's tokens are past the budget: some refused"
     );
-    // Decided at the reservation alone, the fleet admitted about a quarter too few.
+    // Decided at the reservation alone, a refused call would offer a fifth of what the
+    // admitted ones cost, and the fleet's ratio would let too few through.
     assert_within(ok * 5, 4.0, 0.2, "tokens");
     // Each answer was charged its 5 tokens at its head, before the client had it.
     let mut charged = 0.0;

@@ -288,11 +288,11 @@ pub struct GlobalCounters {
 pub const GUARD_DEBT: Nanos = 2 * NANOS_PER_SEC;
 
 /// How many of a key's recent charges its mean charged units weigh (see
-/// [`GlobalCounters::estimate`]): every refused request counts the mean as offered, and every
-/// request earns the key's share a part of it, so that its chance swings become the fleet's
-/// (a few calls' mean of calls of 100 to 900 tokens swings by a tenth); a change in what the
-/// key's calls cost is charged in full meanwhile (the share pays actual units), only the
-/// refusals' estimate follows it this slowly.
+/// [`GlobalCounters::estimate`]): every request counts the mean as offered and earns the key's
+/// share a part of it, so that the mean's chance swings become the fleet's (the mean of a few
+/// calls of widely spread sizes swings by a large part of itself); a change in what the key's
+/// calls cost is charged in full meanwhile (the share pays actual units), only the estimate
+/// follows it this slowly.
 pub const MEAN_OF: f32 = 32.0;
 
 const NAMED: u64 = 1;
@@ -513,8 +513,8 @@ impl GlobalCounters {
     /// unit; 0: none) take the difference, so that each is in actual units; and the key's mean
     /// moves toward `units`. The offered count keeps the estimate, as a refused request's
     /// does: the fleet's ratio then follows how many calls the key makes and their mean, not
-    /// which sizes chance gave the admitted ones (which would swing it by several percent a
-    /// report, and the next report's admissions with it). Over its estimate the credit goes into debt, which later
+    /// which sizes chance gave the admitted ones (which would swing it, and the next report's
+    /// admissions with it). Over its estimate the credit goes into debt, which later
     /// requests earn back before the share admits again; under it, the difference is given
     /// back in full (capped at what a credit may hold, [`SHARE_MAX_UNITS`] either way): given
     /// back only in part, the share would admit less than its part of the limit, since a
