@@ -523,14 +523,13 @@ impl GlobalCounters {
     /// paces them.
     pub(super) fn settle(&self, now: Nanos, estimate: u32, units: u32, held: (bool, f32)) {
         let (shared, per_unit) = held;
-        let update = |c: &AtomicU64, delta: i64| {
-            let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                Some(n.saturating_add_signed(delta))
-            });
-        };
         let delta = i64::from(units) - i64::from(estimate);
         if delta != 0 {
-            update(&self.admitted, delta);
+            let _ = self
+                .admitted
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                    Some(n.saturating_add_signed(delta))
+                });
         }
         if shared && delta != 0 {
             let most = i64::from(SHARE_MAX_UNITS) * UNIT;

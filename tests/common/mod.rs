@@ -835,25 +835,31 @@ where
     addr
 }
 
+/// One request head read from `s`, up to and with its blank line (a raw app's requests carry
+/// no body); `None` once the connection ends or fails first.
+pub async fn read_head<R: tokio::io::AsyncBufRead + Unpin>(s: &mut R) -> Option<String> {
+    use tokio::io::AsyncBufReadExt;
+    let mut head = String::new();
+    loop {
+        let at = head.len();
+        match s.read_line(&mut head).await {
+            Ok(0) | Err(_) => return None,
+            Ok(_) if &head[at..] == "\r\n" => return Some(head),
+            Ok(_) => {}
+        }
+    }
+}
+
 /// A raw HTTP/1 app on loopback that answers every request head on a connection (requests
 /// without a body) with `answer`, as written.
 pub async fn answering(answer: &str) -> SocketAddr {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
     let answer: Arc<str> = answer.into();
     raw_server(move |s| {
         let answer = answer.clone();
         async move {
             let mut s = tokio::io::BufReader::new(s);
-            loop {
-                let mut line = String::new();
-                loop {
-                    line.clear();
-                    match s.read_line(&mut line).await {
-                        Ok(0) | Err(_) => return,
-                        Ok(_) if line == "\r\n" => break,
-                        Ok(_) => {}
-                    }
-                }
+            while read_head(&mut s).await.is_some() {
                 if s.get_mut().write_all(answer.as_bytes()).await.is_err() {
                     return;
                 }

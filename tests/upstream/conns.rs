@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::common::*;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Notify;
 
@@ -36,15 +36,9 @@ async fn counting(per_conn: usize) -> Counting {
             tokio::spawn(async move {
                 let mut stream = BufReader::new(stream);
                 for _ in 0..per_conn {
-                    // Read one request head (GETs only: no body).
-                    let mut line = String::new();
-                    loop {
-                        line.clear();
-                        match stream.read_line(&mut line).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(_) if line == "\r\n" => break,
-                            Ok(_) => {}
-                        }
+                    // One request head (GETs only: no body).
+                    if read_head(&mut stream).await.is_none() {
+                        return;
                     }
                     r.fetch_add(1, Ordering::SeqCst);
                     let body = n.to_string();
