@@ -23,6 +23,7 @@
 //! - `proxy`: the data plane (accept, decide, forward, drain) and its admin listener
 //!   (`/metrics`, `/healthz`, `/readyz`, `/config`).
 //! - `metrics`: every Prometheus family, handles resolved once.
+//! - `logs`: the process's log subscriber and its filter, changed at run time.
 //! - `watch`: noticing config changes (directory events, SIGHUP) for hot reload.
 //! - `tune`: limits from Prometheus history; shadow rules promoted when safe.
 //! - `ui`: the built-in status page on the admin ports.
@@ -47,6 +48,7 @@ mod inject;
 mod key;
 mod layer;
 mod limit;
+mod logs;
 mod metrics;
 mod proxy;
 mod respond;
@@ -110,6 +112,9 @@ pub mod internal {
     }
     pub mod metrics {
         pub use crate::metrics::*;
+    }
+    pub mod logs {
+        pub use crate::logs::*;
     }
     pub mod proxy {
         pub use crate::proxy::*;

@@ -230,6 +230,56 @@ enum Command {
     },
     /// Print the JSON Schema of the configuration file (for editors: the one in schema/).
     Schema,
+    /// Why a request would be refused: which rules match it, each one's key (as logs show it)
+    /// and that key's state on a running sidecar, and what each would decide now, taking
+    /// nothing. With --config, offline: rules and keys only.
+    Explain {
+        /// The request's path and query.
+        #[arg(default_value = "/")]
+        path: String,
+        /// The method.
+        #[arg(long, short = 'X', default_value = "GET")]
+        method: String,
+        /// A header field, `name: value` (repeatable).
+        #[arg(long = "header", short = 'H')]
+        headers: Vec<String>,
+        /// The address the request comes from (default 127.0.0.1).
+        #[arg(long)]
+        client: Option<std::net::IpAddr>,
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Explain offline from this configuration (a YAML file, or a saved `/config`): no
+        /// sidecar asked, no state.
+        #[arg(long, short)]
+        config: Option<PathBuf>,
+        /// Print the answer as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Each rule's most active keys on a running sidecar now (read from its stores), or with
+    /// --controller the fleet's heaviest keys of global rules.
+    Top {
+        /// Keys per rule.
+        #[arg(short, default_value_t = 10)]
+        n: usize,
+        #[command(flatten)]
+        admin: AdminArgs,
+        /// Ask the controller instead (its admin URL's host and port, e.g. 127.0.0.1:7000),
+        /// with --token-file a token that may read the service's state.
+        #[arg(long)]
+        controller: Option<String>,
+        /// Print the answer as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Read or change the log filter of a running sidecar (`RUST_LOG`'s syntax: `debug`,
+    /// `info,spillway::rejection=off`).
+    LogLevel {
+        /// The new filter; without it, the one in force is printed.
+        filter: Option<String>,
+        #[command(flatten)]
+        admin: AdminArgs,
+    },
     /// Print the digest each value (a header's as sent, a query parameter's percent-decoded)
     /// is logged and reported as: how support finds a customer's key in logs and in the
     /// control plane. One line per value.
@@ -258,6 +308,125 @@ enum Command {
         #[arg(long)]
         tokens: bool,
     },
+}
+
+/// How the command line reaches a sidecar's admin listener.
+#[derive(clap::Args)]
+struct AdminArgs {
+    /// The sidecar's admin address (its `admin:`).
+    #[arg(long, env = "SPILLWAY_ADMIN", default_value = "127.0.0.1:9901")]
+    admin: String,
+    /// A file holding the token of its `admin_token_file`, for an address beyond loopback.
+    #[arg(long, env = "SPILLWAY_ADMIN_TOKEN_FILE")]
+    token_file: Option<PathBuf>,
+}
+
+impl AdminArgs {
+    /// `method` `path` on the admin listener with `body`: the status and the answer's text.
+    fn call(&self, method: &str, path: &str, body: Vec<u8>) -> Result<(u16, String), String> {
+        let token = match &self.token_file {
+            Some(f) => Some(
+                spillway::internal::control::auth::read_token(f)
+                    .map_err(|e| format!("--token-file {}: {e}", f.display()))?,
+            ),
+            None => None,
+        };
+        call(&self.admin, method, path, token, body)
+    }
+}
+
+/// One HTTP/1.1 request to `authority` (host:port), with a bearer `token`.
+fn call(
+    authority: &str,
+    method: &str,
+    path: &str,
+    token: Option<Vec<u8>>,
+    body: Vec<u8>,
+) -> Result<(u16, String), String> {
+    use http_body_util::BodyExt;
+    let uri: http::Uri = format!("http://{authority}{path}")
+        .parse()
+        .map_err(|e| format!("{authority}: {e}"))?;
+    let mut req = http::Request::builder().method(method).uri(uri);
+    if let Some(t) = token {
+        let mut value = b"Bearer ".to_vec();
+        value.extend_from_slice(&t);
+        req = req.header(http::header::AUTHORIZATION, value);
+    }
+    if !body.is_empty() {
+        req = req.header(http::header::CONTENT_TYPE, "application/json");
+    }
+    let req = req
+        .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+        .map_err(|e| e.to_string())?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    rt.block_on(async move {
+        let client =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build_http();
+        let asked = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            let resp = client
+                .request(req)
+                .await
+                .map_err(|e| format!("{authority}: {e}"))?;
+            let status = resp.status().as_u16();
+            let body = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| format!("{authority}: {e}"))?
+                .to_bytes();
+            Ok::<_, String>((status, String::from_utf8_lossy(&body).into_owned()))
+        });
+        asked
+            .await
+            .map_err(|_| format!("{authority}: no answer within 10 s"))?
+    })
+}
+
+/// Prints an explanation for a person: the decision, then a line or two per rule.
+fn print_explanation(doc: &serde_json::Value) {
+    let s = |v: &serde_json::Value, k: &str| {
+        v.get(k).and_then(|x| x.as_str()).unwrap_or("").to_string()
+    };
+    let mut head = format!("decision: {}", s(doc, "decision"));
+    if let Some(by) = doc.get("by").and_then(|b| b.as_str()) {
+        head.push_str(&format!(" by rule {by}"));
+    }
+    if let Some(r) = doc.get("retry_after_s").and_then(|r| r.as_u64()) {
+        head.push_str(&format!(" (Retry-After: {r})"));
+    }
+    println!("{head}");
+    if let Some(reason) = doc.get("reason").and_then(|r| r.as_str()) {
+        println!("  {reason}");
+    }
+    println!("client {}  path {}", s(doc, "client"), s(doc, "path"));
+    for r in doc
+        .get("rules")
+        .and_then(|r| r.as_array())
+        .into_iter()
+        .flatten()
+    {
+        let key = r
+            .get("key")
+            .and_then(|k| k.as_str())
+            .map(|k| format!(" key {k:?}"))
+            .unwrap_or_default();
+        println!(
+            "- {} ({}, {}): {}{key}",
+            s(r, "rule"),
+            s(r, "kind"),
+            s(r, "mode"),
+            s(r, "decision")
+        );
+        println!("    {}", s(r, "reason"));
+        if let Some(state) = r.get("state").filter(|v| !v.is_null()) {
+            println!("    state {state}");
+        }
+    }
 }
 
 /// Who may talk to a controller or aggregator, and over what.
@@ -340,18 +509,7 @@ fn main() -> ExitCode {
         Command::Demo { .. } => "warn",
         _ => "info",
     };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_filter));
-    let logs = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    match cli.log_format {
-        // Escape codes only where a terminal reads them: not in `kubectl logs` or a file.
-        LogFormat::Text => logs
-            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-            .init(),
-        LogFormat::Json => logs.json().flatten_event(true).init(),
-    }
+    spillway::internal::logs::init(matches!(cli.log_format, LogFormat::Json), default_filter);
     match cli.command {
         Command::CheckConfig {
             files,
@@ -542,6 +700,60 @@ wrote {}",
             print!("{}", spillway::internal::config::schema::text());
             ExitCode::SUCCESS
         }
+        Command::Explain {
+            path,
+            method,
+            headers,
+            client,
+            admin,
+            config,
+            json,
+        } => match explain(path, method, headers, client, &admin, config.as_deref()) {
+            Ok(doc) => {
+                if json {
+                    println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+                } else {
+                    print_explanation(&doc);
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::Top {
+            n,
+            admin,
+            controller,
+            json,
+        } => match top(n, &admin, controller.as_deref(), json) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Command::LogLevel { filter, admin } => {
+            let answer = match filter {
+                Some(f) => admin.call("PUT", "/log-level", f.into_bytes()),
+                None => admin.call("GET", "/log-level", Vec::new()),
+            };
+            match answer {
+                Ok((200, text)) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                Ok((status, text)) => {
+                    eprintln!("error: {status}: {}", text.trim());
+                    ExitCode::from(2)
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
+        }
         Command::Digest {
             config,
             secret_file,
@@ -590,6 +802,155 @@ wrote {}",
             }
         }
     }
+}
+
+/// `spillway explain`: asks the sidecar, or explains offline from `config`.
+fn explain(
+    path: String,
+    method: String,
+    headers: Vec<String>,
+    client: Option<std::net::IpAddr>,
+    admin: &AdminArgs,
+    config: Option<&std::path::Path>,
+) -> Result<serde_json::Value, String> {
+    let mut fields = Vec::new();
+    for h in &headers {
+        let (name, value) = h
+            .split_once(':')
+            .ok_or_else(|| format!("-H {h:?}: give a header as `name: value`"))?;
+        fields.push(serde_json::json!([name.trim(), value.trim()]));
+    }
+    let asked = serde_json::json!({
+        "method": method, "path": path, "headers": fields, "client": client,
+    });
+    match config {
+        Some(file) => {
+            let text = read_input(file)?;
+            let config = offline_config(&text, &file.display().to_string())?;
+            let asked = serde_json::from_value(asked).map_err(|e| e.to_string())?;
+            spillway::internal::proxy::admin::explain_offline(&config, asked)
+        }
+        None => {
+            let body = serde_json::to_vec(&asked).map_err(|e| e.to_string())?;
+            match admin.call("POST", "/explain", body)? {
+                (200, text) => serde_json::from_str(&text).map_err(|e| format!("the answer: {e}")),
+                (status, text) => Err(format!("{status}: {}", text.trim())),
+            }
+        }
+    }
+}
+
+/// A configuration from a YAML file, or from what a sidecar's `/config` served (its
+/// version, load time, source and pending fields taken out).
+fn offline_config(text: &str, file: &str) -> Result<spillway::Config, String> {
+    if let Ok(serde_json::Value::Object(mut doc)) = serde_json::from_str::<serde_json::Value>(text)
+    {
+        for meta in ["version", "loaded_at", "source", "pending_restart"] {
+            doc.remove(meta);
+        }
+        let text = serde_json::to_string(&doc).map_err(|e| e.to_string())?;
+        return spillway::Config::from_yaml(&text, file).map_err(|e| e.to_string());
+    }
+    spillway::Config::from_yaml(text, file).map_err(|e| e.to_string())
+}
+
+/// `spillway top`: each rule's most active keys on a sidecar, or the fleet's from the
+/// controller.
+fn top(n: usize, admin: &AdminArgs, controller: Option<&str>, json: bool) -> Result<(), String> {
+    let (status, text) = match controller {
+        Some(c) => {
+            let token = match &admin.token_file {
+                Some(f) => Some(
+                    spillway::internal::control::auth::read_token(f)
+                        .map_err(|e| format!("--token-file {}: {e}", f.display()))?,
+                ),
+                None => None,
+            };
+            call(c, "GET", "/v1/state", token, Vec::new())?
+        }
+        None => admin.call("GET", &format!("/top?n={n}"), Vec::new())?,
+    };
+    if status != 200 {
+        return Err(format!("{status}: {}", text.trim()));
+    }
+    let doc: serde_json::Value =
+        serde_json::from_str(&text).map_err(|e| format!("the answer: {e}"))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&doc).unwrap_or_default());
+        return Ok(());
+    }
+    let s = |v: &serde_json::Value, k: &str| {
+        v.get(k)
+            .map(|x| x.as_str().map_or_else(|| x.to_string(), str::to_string))
+            .unwrap_or_default()
+    };
+    if controller.is_some() {
+        // The fleet's heaviest keys of each global rule, by offered rate.
+        let mut keys: Vec<&serde_json::Value> = doc
+            .get("keys")
+            .and_then(|k| k.as_array())
+            .into_iter()
+            .flatten()
+            .collect();
+        let rate =
+            |k: &serde_json::Value, f: &str| k.get(f).and_then(|x| x.as_f64()).unwrap_or(0.0);
+        keys.sort_by(|a, b| {
+            rate(b, "offered_rps")
+                .partial_cmp(&rate(a, "offered_rps"))
+                .unwrap_or(std::cmp::Ordering::Equal)
+        });
+        println!(
+            "{:<16} {:<16} {:<40} {:>12} {:>12} {:>12}",
+            "service", "rule", "key", "offered/s", "admitted/s", "refused/s"
+        );
+        let mut shown: std::collections::HashMap<(String, String), usize> = Default::default();
+        for k in keys {
+            let seen = shown.entry((s(k, "service"), s(k, "rule"))).or_default();
+            *seen += 1;
+            if *seen > n {
+                continue;
+            }
+            let (o, a) = (rate(k, "offered_rps"), rate(k, "admitted_rps"));
+            println!(
+                "{:<16} {:<16} {:<40} {:>12.1} {:>12.1} {:>12.1}",
+                s(k, "service"),
+                s(k, "rule"),
+                s(k, "key"),
+                o,
+                a,
+                (o - a).max(0.0)
+            );
+        }
+        return Ok(());
+    }
+    for r in doc
+        .get("rules")
+        .and_then(|r| r.as_array())
+        .into_iter()
+        .flatten()
+    {
+        println!(
+            "{} ({}): {} keys; {}",
+            s(r, "rule"),
+            s(r, "kind"),
+            s(r, "keys"),
+            s(r, "used")
+        );
+        for k in r
+            .get("top")
+            .and_then(|t| t.as_array())
+            .into_iter()
+            .flatten()
+        {
+            let limited = if k.get("limited").and_then(|l| l.as_bool()) == Some(true) {
+                "  limited now"
+            } else {
+                ""
+            };
+            println!("  {:<48} {:>10}{limited}", s(k, "key"), s(k, "used"));
+        }
+    }
+    Ok(())
 }
 
 /// Runs a control-plane role until SIGTERM/SIGINT: the signal handlers first, then `start`,

@@ -31,9 +31,16 @@ pub struct Config {
     pub listen: SocketAddr,
     /// The app beside us, `http://host:port`.
     pub upstream: Upstream,
-    /// Admin listener: `/metrics`, `/healthz`, `/readyz`, `/config`.
+    /// Admin listener: `/metrics`, `/healthz`, `/readyz`, `/config`, `/ui`; and, from
+    /// loopback only (or with `admin_token_file`'s token), `/explain`, `/top` and
+    /// `/log-level`.
     #[serde(default = "default_admin")]
     pub admin: SocketAddr,
+    /// A file holding a bearer token that opens `/explain`, `/top` and `/log-level` to
+    /// requests from beyond loopback (`Authorization: Bearer <token>`), read at each request.
+    /// Without it they answer loopback only: never the scraped address.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_token_file: Option<std::path::PathBuf>,
     /// The hosts the app answers for; a request naming another gets 421 (empty: any host).
     /// A request without a host (HTTP/1.0) is served, and every host rule counts it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

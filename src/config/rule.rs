@@ -454,8 +454,9 @@ fn check_response_cost(r: &RawRule, cost: &ResponseCost) -> Result<(), String> {
 
 impl From<Rule> for RawRule {
     fn from(r: Rule) -> Self {
-        // An adaptive limit takes no cost: printed, it would not read back.
-        let cost = (!matches!(r.limit, Limit::Adaptive(_))).then_some(r.cost.clone());
+        // A concurrency or adaptive limit takes no cost: printed, it would not read back.
+        let slots = matches!(r.limit, Limit::Adaptive(_) | Limit::Concurrency(_));
+        let cost = (!slots).then_some(r.cost.clone());
         RawRule {
             name: r.name,
             matcher: r.matcher,

@@ -30,6 +30,11 @@ use super::MAX_BODY;
 
 pub type Body = Full<Bytes>;
 
+/// The address a request came from, in its extensions: who may ask what the admin
+/// listener keeps for loopback.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer(pub std::net::IpAddr);
+
 /// Serves `handler` on `listener` (over TLS with `tls`) until `stop` turns true. Each
 /// connection gets a handshake and a header-read timeout, so a slow client cannot hold a task
 /// forever.
@@ -81,7 +86,8 @@ pub async fn serve<H, F>(
             {
                 return;
             }
-            let service = service_fn(move |req| {
+            let service = service_fn(move |mut req: Request<Incoming>| {
+                req.extensions_mut().insert(Peer(peer));
                 let handler = handler.clone();
                 async move { Ok::<_, Infallible>(handler(req).await) }
             });

@@ -37,6 +37,15 @@ impl FixedWindow {
 }
 
 impl Limiter for FixedWindow {
+    fn peek(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        let copy = FixedWindow {
+            state: std::sync::atomic::AtomicU64::new(
+                self.state.load(std::sync::atomic::Ordering::Relaxed),
+            ),
+        };
+        copy.check(quota, now, cost)
+    }
+
     #[inline]
     fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
         let limit = quota.burst();

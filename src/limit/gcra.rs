@@ -34,6 +34,13 @@ impl Gcra {
         }
     }
 
+    /// A state of its own with this one's value now.
+    pub(crate) fn copy(&self) -> Self {
+        Self {
+            tat: AtomicU64::new(self.tat.load(Ordering::Relaxed)),
+        }
+    }
+
     /// Takes `cost` units at `now`, or says when they will be there. On success also returns
     /// `max(tat, now)`: the instant the request's units start, which a shaper waits for.
     #[inline]
@@ -94,6 +101,10 @@ impl Gcra {
 }
 
 impl Limiter for Gcra {
+    fn peek(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        self.copy().check(quota, now, cost)
+    }
+
     #[inline]
     fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
         self.take(quota, now, cost).0

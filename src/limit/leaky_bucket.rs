@@ -14,6 +14,10 @@ use super::{Decision, Gcra, Limiter, Nanos, Quota};
 pub struct LeakyBucket(Gcra);
 
 impl Limiter for LeakyBucket {
+    fn peek(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        LeakyBucket(self.0.copy()).check(quota, now, cost)
+    }
+
     #[inline]
     fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
         match self.0.take(quota, now, cost) {

@@ -42,6 +42,9 @@ pub trait Limiter: Send + Sync + 'static {
     /// True when the state at `now` is indistinguishable from a fresh one, so that forgetting
     /// the key loses nothing (no client gets a bucket it did not earn).
     fn is_idle(&self, quota: &Quota, now: Nanos) -> bool;
+    /// The decision [`Self::check`] would make at `now`, taking nothing: on a copy of the
+    /// state (for `explain`, off the request path).
+    fn peek(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision;
 }
 
 /// One decision on a state that is one atomic word: `step` reads the word and gives the new

@@ -64,6 +64,15 @@ fn earliest(prev: u64, cur: u64, cost: u64, limit: u64, window: u64) -> Option<u
 }
 
 impl Limiter for SlidingWindowCounter {
+    fn peek(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        let copy = SlidingWindowCounter {
+            state: std::sync::atomic::AtomicU64::new(
+                self.state.load(std::sync::atomic::Ordering::Relaxed),
+            ),
+        };
+        copy.check(quota, now, cost)
+    }
+
     #[inline]
     fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
         let limit = u64::from(quota.burst());

@@ -18,7 +18,7 @@ use super::{Decision, Limiter, Nanos, Quota};
 /// Bytes one admitted request costs while it is in the window.
 pub const BYTES_PER_ENTRY: u64 = 16;
 
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 struct Log {
     /// Admission time and the running total of admitted cost including this entry, oldest
     /// first. The running totals rise, so the entry to wait for is found by binary search.
@@ -61,6 +61,14 @@ impl SlidingWindowLog {
 }
 
 impl Limiter for SlidingWindowLog {
+    // A copy of one key's log, off the request path (`explain`).
+    #[allow(clippy::disallowed_types)]
+    fn peek(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        // The lock is held for the copy only.
+        let log = self.log().clone();
+        SlidingWindowLog(Mutex::new(log)).check(quota, now, cost)
+    }
+
     fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
         let limit = u64::from(quota.burst());
         let cost = u64::from(cost);

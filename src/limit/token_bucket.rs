@@ -28,6 +28,10 @@ impl TokenBucket {
 }
 
 impl Limiter for TokenBucket {
+    fn peek(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        TokenBucket(self.0.copy()).check(quota, now, cost)
+    }
+
     #[inline]
     fn check(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
         self.0.take(quota, now, cost).0

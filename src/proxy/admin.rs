@@ -1,8 +1,12 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/config`.
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/config`, `/ui`; and for support,
+//! from loopback or with the `admin_token_file`'s token only, `/explain` (what the rules would
+//! decide of a described request, and why), `/top` (each rule's most active keys) and
+//! `/log-level` (the log filter, read and changed).
 //!
 //! Owns the operator-facing HTTP endpoints on their own port, so that probes and scrapes never
-//! compete with client traffic and are never rate limited. Must never: expose raw keys, or
-//! answer ready while draining.
+//! compete with client traffic and are never rate limited. Must never: expose raw keys, answer
+//! ready while draining, take anything from a key's state, or serve the support endpoints to
+//! the scraped address without the token.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -22,7 +26,12 @@ use super::{config_json, Shared};
 pub async fn serve(listener: TcpListener, shared: Arc<Shared>, stop: watch::Receiver<bool>) {
     crate::control::server::serve(listener, stop, None, move |req| {
         let shared = shared.clone();
-        async move { route(&shared, req) }
+        async move {
+            match req.uri().path() {
+                "/explain" | "/top" | "/log-level" => support(&shared, req).await,
+                _ => route(&shared, req),
+            }
+        }
     })
     .await;
 }
@@ -72,7 +81,7 @@ fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
         }
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found; try /metrics /healthz /readyz /config /ui\n",
+            "not found; try /metrics /healthz /readyz /config /ui (and from loopback /explain /top /log-level)\n",
         ),
     }
 }
@@ -161,6 +170,316 @@ fn ui_state(shared: &Shared) -> Bytes {
     Bytes::from(serde_json::to_vec(&doc).unwrap_or_default())
 }
 
+/// The largest request description `/explain` reads, and the longest it waits for it.
+const EXPLAIN_BODY: usize = 64 << 10;
+const EXPLAIN_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The support endpoints: served to loopback, or to a request with the admin token.
+async fn support(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let peer = req
+        .extensions()
+        .get::<crate::control::server::Peer>()
+        .map(|p| p.0);
+    let token_file = shared.config.load().admin_token_file.clone();
+    if let Err((status, why)) = may_support(peer, req.headers(), token_file.as_deref()) {
+        return text(status, why);
+    }
+    let now = crate::limit::Clock::now(&shared.clock);
+    match (req.uri().path(), req.method()) {
+        ("/explain", &Method::POST) => {
+            let body = match read_body(req).await {
+                Ok(body) => body,
+                Err(resp) => return resp,
+            };
+            let asked: Asked = match serde_json::from_slice(&body) {
+                Ok(asked) => asked,
+                Err(e) => {
+                    return owned(
+                        StatusCode::BAD_REQUEST,
+                        format!("malformed description: {e}\n"),
+                    )
+                }
+            };
+            match explain(shared, asked, now) {
+                Ok(doc) => json(StatusCode::OK, &doc),
+                Err(e) => owned(StatusCode::BAD_REQUEST, format!("{e}\n")),
+            }
+        }
+        ("/explain", _) => text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "POST a request description: {\"method\", \"path\", \"headers\", \"client\"}\n",
+        ),
+        ("/top", &Method::GET) => {
+            let n = req
+                .uri()
+                .query()
+                .and_then(|q| q.split('&').find_map(|p| p.strip_prefix("n=")))
+                .and_then(|n| n.parse::<usize>().ok())
+                .unwrap_or(10)
+                .clamp(1, 1000);
+            let rules = shared.rules.load();
+            json(
+                StatusCode::OK,
+                &serde_json::json!({ "rules": rules.top(n, now) }),
+            )
+        }
+        ("/log-level", &Method::GET) => match crate::logs::level() {
+            Some(level) => owned(StatusCode::OK, format!("{level}\n")),
+            None => text(
+                StatusCode::NOT_FOUND,
+                "no log filter of Spillway's in this process\n",
+            ),
+        },
+        ("/log-level", &Method::PUT | &Method::POST) => {
+            let body = match read_body(req).await {
+                Ok(body) => body,
+                Err(resp) => return resp,
+            };
+            let spec = String::from_utf8_lossy(&body);
+            match crate::logs::set_level(&spec) {
+                Ok(()) => {
+                    tracing::warn!(filter = %spec.trim(), "log filter changed through the admin listener");
+                    owned(StatusCode::OK, format!("{}\n", spec.trim()))
+                }
+                Err(e) => owned(StatusCode::BAD_REQUEST, format!("{e}\n")),
+            }
+        }
+        _ => text(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "POST /explain, GET /top, GET or PUT /log-level\n",
+        ),
+    }
+}
+
+/// From a loopback address (a `kubectl port-forward` or `exec` arrives so), or with the token
+/// in `token_file` (read now, so that a rotated Secret counts at once): else why not.
+fn may_support(
+    peer: Option<std::net::IpAddr>,
+    headers: &http::HeaderMap,
+    token_file: Option<&std::path::Path>,
+) -> Result<(), (StatusCode, &'static str)> {
+    if peer.is_some_and(|p| p.to_canonical().is_loopback()) {
+        return Ok(());
+    }
+    let Some(file) = token_file else {
+        return Err((
+            StatusCode::FORBIDDEN,
+            "served to loopback only (kubectl port-forward), or with admin_token_file's token\n",
+        ));
+    };
+    let token = match crate::control::auth::read_token(file) {
+        Ok(token) => token,
+        Err(e) => {
+            tracing::warn!(error = %e, "admin_token_file cannot be read: the support endpoints answer loopback only");
+            return Err((
+                StatusCode::FORBIDDEN,
+                "the admin token cannot be read here\n",
+            ));
+        }
+    };
+    let given = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .unwrap_or_default();
+    if bool::from(subtle::ConstantTimeEq::ct_eq(given, &token[..])) {
+        Ok(())
+    } else {
+        Err((
+            StatusCode::UNAUTHORIZED,
+            "a bearer token is needed from beyond loopback\n",
+        ))
+    }
+}
+
+/// A bounded body, within [`EXPLAIN_WAIT`].
+async fn read_body(req: Request<Incoming>) -> Result<Bytes, Response<Full<Bytes>>> {
+    use http_body_util::BodyExt;
+    let limited = http_body_util::Limited::new(req.into_body(), EXPLAIN_BODY);
+    match tokio::time::timeout(EXPLAIN_WAIT, limited.collect()).await {
+        Ok(Ok(body)) => Ok(body.to_bytes()),
+        Ok(Err(_)) => Err(text(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "a body of 64 KiB at most\n",
+        )),
+        Err(_) => Err(text(
+            StatusCode::REQUEST_TIMEOUT,
+            "the body came too slowly\n",
+        )),
+    }
+}
+
+/// A request to explain: as a client would send it to the proxy.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Asked {
+    #[serde(default = "get")]
+    pub method: String,
+    /// The request target: a path and query.
+    #[serde(default = "root")]
+    pub path: String,
+    /// Header fields: an object, or a list of `[name, value]` pairs (for a repeated field).
+    #[serde(default)]
+    pub headers: Fields,
+    /// The address the request comes from (the socket peer: with a trusted proxy's, its
+    /// `X-Forwarded-For` counts as the proxy would count it). Default: 127.0.0.1.
+    #[serde(default)]
+    pub client: Option<std::net::IpAddr>,
+}
+
+fn get() -> String {
+    "GET".into()
+}
+
+fn root() -> String {
+    "/".into()
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(untagged)]
+pub enum Fields {
+    #[default]
+    None,
+    Map(std::collections::BTreeMap<String, String>),
+    List(Vec<(String, String)>),
+}
+
+/// What the rules would decide of `asked` at `now`: the request made as the proxy makes it
+/// (its hygiene, its client), then explained.
+fn explain(
+    shared: &Shared,
+    asked: Asked,
+    now: crate::limit::Nanos,
+) -> Result<serde_json::Value, String> {
+    let config = shared.config.load();
+    let rules = shared.rules.load();
+    let how = (&shared.hygiene, &shared.client_ip, &config.hosts[..]);
+    describe(how, &rules, asked, now)
+}
+
+/// What `config`'s rules make of `asked` with no state (no proxy reached): which rules match
+/// it and with which key; decisions are a fresh key's.
+pub fn explain_offline(
+    config: &crate::config::Config,
+    asked: Asked,
+) -> Result<serde_json::Value, String> {
+    let secret = crate::digest::Secret::of(config.key_secret_file.as_deref())?;
+    let metrics = crate::metrics::Metrics::new();
+    let rules = crate::rules::RuleSet::build(config, &metrics).with_secret(secret);
+    let hygiene = crate::hygiene::Hygiene::of(config);
+    let policy = config.client_ip.policy();
+    let mut doc = describe((&hygiene, &policy, &config.hosts[..]), &rules, asked, 0)?;
+    if let serde_json::Value::Object(m) = &mut doc {
+        m.insert("offline".into(), true.into());
+        if let Some(serde_json::Value::Array(list)) = m.get_mut("rules") {
+            for r in list.iter_mut().filter_map(|r| r.as_object_mut()) {
+                r.remove("state");
+                r.remove("remaining");
+                r.remove("retry_after_s");
+                if matches!(
+                    r.get("decision").and_then(|d| d.as_str()),
+                    Some("admit" | "refuse" | "asks_redis")
+                ) {
+                    r.insert("decision".into(), "applies".into());
+                    r.insert("reason".into(), "its match selects the request; its key's state is the proxy's (ask a running one)".into());
+                }
+            }
+        }
+        if m.get("decision").and_then(|d| d.as_str()) != Some("bad_request") {
+            m.insert("decision".into(), "unknown offline".into());
+            m.remove("by");
+            m.remove("retry_after_s");
+        }
+    }
+    Ok(doc)
+}
+
+/// [`RuleSet::explain`] of `asked`, made a request by `hygiene` and `policy` as the proxy
+/// makes one (a missing `Host` is the first of `hosts`).
+fn describe(
+    (hygiene, policy, hosts): (
+        &crate::hygiene::Hygiene,
+        &crate::key::ClientIpPolicy,
+        &[crate::config::ServedHost],
+    ),
+    rules: &crate::rules::RuleSet,
+    asked: Asked,
+    now: crate::limit::Nanos,
+) -> Result<serde_json::Value, String> {
+    let mut builder = Request::builder()
+        .method(asked.method.as_str())
+        .uri(asked.path.as_str());
+    let fields: Vec<(String, String)> = match asked.headers {
+        Fields::None => Vec::new(),
+        Fields::Map(m) => m.into_iter().collect(),
+        Fields::List(l) => l,
+    };
+    let has_host = fields.iter().any(|(k, _)| k.eq_ignore_ascii_case("host"));
+    for (k, v) in &fields {
+        builder = builder.header(k.as_str(), v.as_str());
+    }
+    if !has_host {
+        // A request must name a host the app serves: the first of `hosts:`.
+        let host = match hosts.first() {
+            None => "localhost".to_string(),
+            Some(crate::config::ServedHost::Name(n)) => n.clone(),
+            Some(crate::config::ServedHost::Subdomains(s)) => format!("any{s}"),
+            Some(crate::config::ServedHost::Ip(ip)) => match ip {
+                std::net::IpAddr::V4(a) => a.to_string(),
+                std::net::IpAddr::V6(a) => format!("[{a}]"),
+            },
+        };
+        builder = builder.header(http::header::HOST, host);
+    }
+    let mut req = builder
+        .body(())
+        .map_err(|e| format!("not a request: {e}"))?;
+    let peer = asked
+        .client
+        .unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
+    if let Err(refused) = hygiene.apply(&mut req) {
+        return Ok(serde_json::json!({
+            "decision": "bad_request",
+            "status": refused.status.as_u16(),
+            "reason": refused.detail,
+            "rules": [],
+        }));
+    }
+    let trusted = policy.trusts(peer);
+    if !trusted {
+        hygiene.untrusted(&mut req);
+    }
+    let client = policy.who(req.headers(), peer);
+    let view = crate::key::RequestView::for_proxy(&req, client, trusted, hygiene.strict_path);
+    let explained = rules.explain(&view, now);
+    let mut doc = serde_json::to_value(&explained).map_err(|e| e.to_string())?;
+    if let serde_json::Value::Object(m) = &mut doc {
+        m.insert("client".into(), client.keyed.to_string().into());
+        m.insert("path".into(), view.path().to_string().into());
+    }
+    Ok(doc)
+}
+
+fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Full<Bytes>> {
+    let body = serde_json::to_vec_pretty(value).unwrap_or_default();
+    let mut resp = Response::new(Full::new(Bytes::from(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+fn owned(status: StatusCode, body: String) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(Bytes::from(body)));
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    resp
+}
+
 fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
     let mut resp = Response::new(Full::new(Bytes::from_static(body.as_bytes())));
     *resp.status_mut() = status;
@@ -169,4 +488,59 @@ fn text(status: StatusCode, body: &'static str) -> Response<Full<Bytes>> {
         http::HeaderValue::from_static("text/plain; charset=utf-8"),
     );
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bearer(token: &str) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            http::header::AUTHORIZATION,
+            format!("Bearer {token}").parse().unwrap(),
+        );
+        h
+    }
+
+    #[test]
+    fn the_support_endpoints_answer_loopback_or_the_token_and_nobody_else() {
+        let none = http::HeaderMap::new();
+        let far: std::net::IpAddr = "10.1.2.3".parse().unwrap();
+        let mapped: std::net::IpAddr = "::ffff:127.0.0.1".parse().unwrap();
+        for near in ["127.0.0.1", "::1"] {
+            assert!(may_support(Some(near.parse().unwrap()), &none, None).is_ok());
+        }
+        assert!(may_support(Some(mapped), &none, None).is_ok());
+        // The scraped address, without a token file: refused, whatever it sends.
+        assert_eq!(
+            may_support(Some(far), &bearer("x"), None).unwrap_err().0,
+            StatusCode::FORBIDDEN
+        );
+        assert!(may_support(None, &none, None).is_err());
+        let dir = std::env::temp_dir().join(format!("spillway-admin-{}", fastrand::u64(..)));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("token");
+        std::fs::write(&file, "s3cret\n").unwrap();
+        assert_eq!(
+            may_support(Some(far), &none, Some(&file)).unwrap_err().0,
+            StatusCode::UNAUTHORIZED
+        );
+        assert_eq!(
+            may_support(Some(far), &bearer("s3cre"), Some(&file))
+                .unwrap_err()
+                .0,
+            StatusCode::UNAUTHORIZED
+        );
+        assert!(may_support(Some(far), &bearer("s3cret"), Some(&file)).is_ok());
+        // A token file gone: loopback only again, never open.
+        std::fs::remove_file(&file).unwrap();
+        assert_eq!(
+            may_support(Some(far), &bearer("s3cret"), Some(&file))
+                .unwrap_err()
+                .0,
+            StatusCode::FORBIDDEN
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -30,7 +30,7 @@
 //! wheel).
 
 mod accept;
-mod admin;
+pub mod admin;
 mod body;
 mod clients;
 mod connection;

@@ -429,6 +429,55 @@ impl Default for GlobalCounters {
 }
 
 impl GlobalCounters {
+    /// Counters of their own with these ones' values now (for `explain`, which decides on
+    /// the copy and takes nothing from the key).
+    pub(super) fn copy(&self) -> Self {
+        let r = Ordering::Relaxed;
+        let name = std::sync::OnceLock::new();
+        if let Some(n) = self.name.get() {
+            let _ = name.set(n.clone());
+        }
+        GlobalCounters {
+            offered: AtomicU64::new(self.offered.load(r)),
+            admitted: AtomicU64::new(self.admitted.load(r)),
+            share: AtomicU64::new(self.share.load(r)),
+            guard: AtomicU64::new(self.guard.load(r)),
+            rate: AtomicU64::new(self.rate.load(r)),
+            raw: AtomicU32::new(self.raw.load(r)),
+            older: AtomicU32::new(self.older.load(r)),
+            surge: AtomicU64::new(self.surge.load(r)),
+            dip: AtomicU64::new(self.dip.load(r)),
+            dip_fleet: AtomicU64::new(self.dip_fleet.load(r)),
+            surge_keep: AtomicU32::new(self.surge_keep.load(r)),
+            quiet: AtomicU8::new(self.quiet.load(r)),
+            taken: AtomicU16::new(self.taken.load(r)),
+            allowed: AtomicU64::new(self.allowed.load(r)),
+            choice: AtomicU64::new(self.choice.load(r)),
+            mean: AtomicU32::new(self.mean.load(r)),
+            name,
+        }
+    }
+
+    /// Units offered since the last report.
+    pub(super) fn offered_now(&self) -> u64 {
+        self.offered.load(Ordering::Relaxed)
+    }
+
+    /// What `explain` shows of the key at `now`: counts since the last report, its smoothed
+    /// offered rate as last reported, its credit in requests and when its guard admits next.
+    pub(super) fn describe(&self, now: Nanos) -> serde_json::Value {
+        let r = Ordering::Relaxed;
+        let (credit, _) = unpack(self.share.load(r));
+        let guard = self.guard.load(r);
+        serde_json::json!({
+            "offered_since_report": self.offered.load(r),
+            "admitted_since_report": self.admitted.load(r),
+            "offered_per_sec_reported": f32::from_bits((self.rate.load(r) >> 32) as u32),
+            "share_credit": credit as f64 / UNIT as f64,
+            "guard_next_in_ms": guard.saturating_sub(now) as f64 / 1e6,
+        })
+    }
+
     /// The key's reported name, worked out by `shown` the first time.
     #[inline]
     pub(super) fn name(&self, shown: impl FnOnce() -> crate::key::KeyBuf) -> &[u8] {

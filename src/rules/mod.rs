@@ -418,6 +418,7 @@ impl RuleSet {
                 key: &key,
                 cost,
                 now,
+                dry: false,
             };
             let decision = match &*rule.kind {
                 Kind::Rate {
@@ -913,6 +914,7 @@ fn concurrency_idle(c: &Arc<Concurrency>) -> bool {
 
 mod charge;
 mod compile;
+mod explain;
 mod global;
 mod kept;
 mod matcher;
@@ -924,6 +926,7 @@ mod turns;
 use charge::ChargeRule;
 pub use charge::Charges;
 use compile::*;
+pub use explain::{Explanation, RuleExplained, TopKey, TopRule};
 pub use global::*;
 pub use kept::{Answer, Answers, Render};
 use matcher::*;

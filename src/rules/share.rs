@@ -44,26 +44,39 @@ impl Share {
         if exempt.iter().any(|c| c.contains(client)) {
             return Part::Exempt;
         }
-        let (v4, v6);
-        let key: &[u8] = match client_of(client) {
-            IpAddr::V4(a) => {
-                v4 = a.octets();
-                &v4
-            }
-            IpAddr::V6(a) => {
-                v6 = a.octets();
-                &v6
-            }
-        };
+        let key = client_key(client);
         let part = self.of(limit);
         let (taken, _) = self
             .clients
-            .with(key, now, concurrency_idle, |c| c.try_take(part));
+            .with(key.as_slice(), now, concurrency_idle, |c| c.try_take(part));
         taken.map_or(Part::Full, Part::Taken)
+    }
+
+    /// How many slots `client` holds of its part of `limit`, and that part; `None` for an
+    /// exempt address. Takes nothing (`explain`).
+    pub(super) fn peek(&self, client: IpAddr, limit: u32, exempt: &[Cidr]) -> Option<(u32, u32)> {
+        if exempt.iter().any(|c| c.contains(client)) {
+            return None;
+        }
+        let key = client_key(client);
+        let held = self
+            .clients
+            .map
+            .get(key.as_slice())
+            .map_or(0, |c| c.in_flight());
+        Some((held, self.of(limit)))
     }
 
     /// Forgets clients that hold nothing.
     pub(super) fn sweep(&self) -> usize {
         self.clients.sweep(concurrency_idle)
+    }
+}
+
+/// The key a client's part is kept under: its address (an IPv6 one by its /64).
+fn client_key(client: IpAddr) -> smallvec::SmallVec<[u8; 16]> {
+    match client_of(client) {
+        IpAddr::V4(a) => smallvec::SmallVec::from_slice(&a.octets()),
+        IpAddr::V6(a) => smallvec::SmallVec::from_slice(&a.octets()),
     }
 }

@@ -107,6 +107,16 @@ impl Fallback {
             .refund(key, slot, &self.quota, now, cost, &self.overflow)
     }
 
+    /// [`Self::check`], or with `dry` its [`RateStore::peek`] (taking nothing).
+    #[inline]
+    pub(super) fn decide(&self, key: &[u8], now: Nanos, cost: u32, dry: bool) -> (Decision, Slot) {
+        if dry {
+            (self.store.peek(key, &self.quota, now, cost).0, Slot::Keyed)
+        } else {
+            self.check(key, now, cost)
+        }
+    }
+
     pub(super) fn sweep(&self, now: Nanos) -> usize {
         self.store.sweep(&self.quota, now)
     }
@@ -230,9 +240,58 @@ impl RateStore {
         each_store!(self, s => s.sweep(|st| st.is_idle(quota, now)))
     }
 
+    /// The decision [`Self::check`] would make for `key` at `now`, taking nothing, and
+    /// whether the store tracks the key (else as a fresh state would decide: the sketch of
+    /// a full store is not asked). Off the request path (`explain`).
+    pub(super) fn peek(
+        &self,
+        key: &[u8],
+        quota: &Quota,
+        now: Nanos,
+        cost: u32,
+    ) -> (Decision, bool) {
+        each_store!(self, s => match s.map.get(key) {
+            Some(st) => (st.peek(quota, now, cost), true),
+            None => (fresh_like(&s.overflow, quota, now, cost), false),
+        })
+    }
+
     pub(super) fn len(&self) -> usize {
         each_store!(self, s => s.len.load(Ordering::Relaxed))
     }
+
+    /// The algorithm's name, as the configuration writes it.
+    pub(super) fn algorithm_name(&self) -> &'static str {
+        match self {
+            RateStore::Owed(_) => "gcra (charged after the response)",
+            RateStore::TokenBucket(_) => "token_bucket",
+            RateStore::Gcra(_) => "gcra",
+            RateStore::LeakyBucket(_) => "leaky_bucket",
+            RateStore::FixedWindow(_) => "fixed_window",
+            RateStore::SlidingWindowLog(_) => "sliding_window_log",
+            RateStore::SlidingWindowCounter(_) => "sliding_window_counter",
+        }
+    }
+
+    /// `f` of each tracked key and what a request of one unit would get now ([`Self::peek`]):
+    /// a shard's read lock is held while its keys are read (new keys of that shard wait).
+    pub(super) fn each<T>(
+        &self,
+        quota: &Quota,
+        now: Nanos,
+        mut f: impl FnMut(&[u8], Decision) -> T,
+    ) -> Vec<T> {
+        each_store!(self, s => s
+            .map
+            .iter()
+            .map(|e| f(e.key(), e.value().peek(quota, now, 1)))
+            .collect())
+    }
+}
+
+/// What a fresh state of `like`'s type decides.
+fn fresh_like<S: Default + Limiter>(_like: &S, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+    S::default().check(quota, now, cost)
 }
 
 /// The state a charge after the response settles with: the key's own, or (a key its store
@@ -258,6 +317,9 @@ impl Limiter for Arc<Gcra> {
     }
     fn refund(&self, quota: &Quota, now: Nanos, cost: u32) {
         (**self).refund(quota, now, cost)
+    }
+    fn peek(&self, quota: &Quota, now: Nanos, cost: u32) -> Decision {
+        (**self).peek(quota, now, cost)
     }
     /// Not while a call in flight holds it: its charge is still to come.
     #[inline]

@@ -14,6 +14,8 @@ pub(super) struct Turn<'a, 'r> {
     pub(super) key: &'a [u8],
     pub(super) cost: u32,
     pub(super) now: Nanos,
+    /// `explain`'s turn: decided on copies, taking nothing (a fallback peeks).
+    pub(super) dry: bool,
 }
 
 /// What the rules of one decision granted so far: two locals of [`RuleSet::check`], lent (a
@@ -147,8 +149,22 @@ impl RuleSet {
         ratios: &mut Option<arc_swap::Guard<Arc<DropRatios>>>,
         granted: &mut Granted<'_>,
     ) -> Decision {
+        let (counters, at) = g.store.with(t.key, t.now, global_reclaimable, Arc::clone);
+        self.global_decide(t, &g, counters, at, ratios, granted)
+    }
+
+    /// [`Self::global_turn`] on the key's `counters`, found in the store's slot `at`.
+    #[inline]
+    pub(super) fn global_decide(
+        &self,
+        t: &Turn<'_, '_>,
+        g: &GlobalRule<'_>,
+        counters: Arc<GlobalCounters>,
+        at: Slot,
+        ratios: &mut Option<arc_swap::Guard<Arc<DropRatios>>>,
+        granted: &mut Granted<'_>,
+    ) -> Decision {
         let (rule, now) = (t.rule, t.now);
-        let (counters, at) = g.store.with(t.key, now, global_reclaimable, Arc::clone);
         // A response's cost is known after it: decided by the key's mean charged units (its
         // reservation before any), the difference charged once the response says. The shared
         // overflow counters stand for many keys: each is decided at the reservation.
@@ -178,7 +194,7 @@ impl RuleSet {
         let mut took = GlobalTaken::default();
         let decision = match g.fallback {
             Some(fallback) if stale => {
-                let (d, slot) = fallback.check(t.key, now, cost);
+                let (d, slot) = fallback.decide(t.key, now, cost, t.dry);
                 took.slot = Some(slot);
                 d
             }
@@ -218,7 +234,7 @@ impl RuleSet {
                     // Not assigned yet: the provisional limit holds it until a reply does.
                     match g.fallback {
                         Some(fallback) => {
-                            let (d, slot) = fallback.check(t.key, now, cost);
+                            let (d, slot) = fallback.decide(t.key, now, cost, t.dry);
                             allowed = d.is_allowed();
                             if let Decision::Deny { retry_after } = d {
                                 retry = retry_after.unwrap_or(retry);

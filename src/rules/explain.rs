@@ -1,0 +1,486 @@
+//! `explain`: for a described request, which rules match, each one's key as logs and reports
+//! show it, that key's state, and what each rule and the whole set would decide now, and why.
+//! Owns [`RuleSet::explain`] and [`RuleSet::top`]. Must never: take anything from a key (every
+//! decision is made on a copy of its state, or read from it), create a key's state, hold a
+//! store's lock beyond one key's copy, or ask Redis (a `scope: redis` rule's answer is the
+//! refusal it remembers, else "asks Redis").
+
+use serde::Serialize;
+
+use super::*;
+
+/// What the rules would make of one request now.
+#[derive(Debug, Serialize)]
+pub struct Explanation {
+    /// `admit`, `refuse` (429, or 503 for an adaptive limit), `bad_request` (400), or
+    /// `asks_redis` (the local rules admit; Redis decides).
+    pub decision: &'static str,
+    /// The enforcing rule that decides a refusal or a 400.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub by: Option<String>,
+    /// Seconds a refused client is told to wait (`Retry-After`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_s: Option<u64>,
+    pub rules: Vec<RuleExplained>,
+}
+
+/// One rule's part of an [`Explanation`].
+#[derive(Debug, Serialize)]
+pub struct RuleExplained {
+    pub rule: String,
+    /// `enforce` or `shadow` (a shadow rule's refusal is counted, never made).
+    pub mode: &'static str,
+    /// `local`, `global`, `redis`, `concurrency` or `adaptive`.
+    pub kind: &'static str,
+    /// `admit`, `refuse`, `not_matched`, `no_key` (the request lacks a key part: the rule
+    /// does not apply), `bad_request` or `asks_redis`.
+    pub decision: &'static str,
+    /// Why, in a sentence.
+    pub reason: String,
+    /// The key as the rejection log and the control plane show it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// The key as `top` lists it (local keys are stored in a form of their own).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stored: Option<String>,
+    /// The units the request takes under the rule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub units: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remaining: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub retry_after_s: Option<u64>,
+    /// The key's state: whatever the rule's kind keeps.
+    #[serde(skip_serializing_if = "serde_json::Value::is_null")]
+    pub state: serde_json::Value,
+}
+
+impl RuleExplained {
+    fn new(rule: &CompiledRule, decision: &'static str, reason: String) -> Self {
+        RuleExplained {
+            rule: rule.name.to_string(),
+            mode: match rule.mode {
+                Mode::Enforce => "enforce",
+                Mode::Shadow => "shadow",
+            },
+            kind: rule.kind_name(),
+            decision,
+            reason,
+            key: None,
+            stored: None,
+            units: None,
+            remaining: None,
+            retry_after_s: None,
+            state: serde_json::Value::Null,
+        }
+    }
+}
+
+impl CompiledRule {
+    fn kind_name(&self) -> &'static str {
+        match &*self.kind {
+            Kind::Rate { .. } => "local",
+            Kind::Global { .. } => "global",
+            Kind::Redis { .. } => "redis",
+            Kind::Concurrency { .. } => "concurrency",
+            Kind::Adaptive { .. } => "adaptive",
+        }
+    }
+}
+
+/// One key of a rule in [`RuleSet::top`].
+#[derive(Debug, Serialize)]
+pub struct TopKey {
+    pub key: String,
+    /// How much of its limit the key holds now: units used of a local limit's burst, in
+    /// flight of a concurrency limit's slots, offered since the last report of a global rule.
+    pub used: f64,
+    /// A request of one unit would be refused now.
+    pub limited: bool,
+}
+
+/// One rule's most active keys in [`RuleSet::top`].
+#[derive(Debug, Serialize)]
+pub struct TopRule {
+    pub rule: String,
+    pub kind: &'static str,
+    /// Keys tracked.
+    pub keys: usize,
+    /// What `used` counts.
+    pub used: &'static str,
+    pub top: Vec<TopKey>,
+}
+
+impl RuleSet {
+    /// What the rules would decide of `req` at `now`, rule by rule, taking nothing.
+    pub fn explain(&self, req: &RequestView<'_>, now: Nanos) -> Explanation {
+        let mut out = Explanation {
+            decision: "admit",
+            by: None,
+            retry_after_s: None,
+            rules: Vec::with_capacity(self.rules.len()),
+        };
+        let mut key = KeyBuf::new();
+        let mut ratios = None;
+        let mut redis = false;
+        for (i, rule) in self.rules.iter().enumerate() {
+            if !rule.matcher.matches(req) {
+                out.rules.push(RuleExplained::new(
+                    rule,
+                    "not_matched",
+                    "its match: does not select the request".into(),
+                ));
+                continue;
+            }
+            let mut e = match rule.key_of(req, &mut key) {
+                Extract::Found => RuleExplained::new(rule, "admit", String::new()),
+                Extract::Missing => {
+                    out.rules.push(RuleExplained::new(
+                        rule,
+                        "no_key",
+                        "the request lacks a part of the rule's key: the rule does not apply"
+                            .into(),
+                    ));
+                    continue;
+                }
+                Extract::Repeated => {
+                    let bad = rule.repeated_key(req);
+                    let e = RuleExplained::new(rule, "bad_request", bad.detail);
+                    out.decided(rule, "bad_request", None);
+                    out.rules.push(e);
+                    continue;
+                }
+            };
+            e.key = Some(String::from_utf8_lossy(&self.shown_key(rule, req)).into_owned());
+            if !matches!(&*rule.kind, Kind::Global { .. } | Kind::Adaptive { .. }) {
+                e.stored = Some(self.stored_form(rule, &key));
+            }
+            let cost = match rule.cost_of(req) {
+                Ok(cost) => cost,
+                Err(bad) => {
+                    e.decision = "bad_request";
+                    e.reason = bad.detail;
+                    out.decided(rule, "bad_request", None);
+                    out.rules.push(e);
+                    continue;
+                }
+            };
+            e.units = Some(cost);
+            let t = Turn {
+                i,
+                rule,
+                req,
+                key: &key,
+                cost,
+                now,
+                dry: true,
+            };
+            let decision = match &*rule.kind {
+                Kind::Rate { quota, store, .. } => {
+                    let (d, tracked) = store.peek(&key, quota, now, cost);
+                    e.state = serde_json::json!({
+                        "algorithm": store.algorithm_name(),
+                        "tracked": tracked,
+                        "burst": quota.burst(),
+                        "per_sec": f64::from(quota.count()) * NANOS_PER_SEC as f64
+                            / quota.period() as f64,
+                    });
+                    e.reason = if tracked {
+                        "the key's own state".into()
+                    } else {
+                        "a key not seen lately: a fresh state".into()
+                    };
+                    match d {
+                        Decision::Allow { wait, .. } if wait > rule.max_wait => Decision::Deny {
+                            retry_after: Some(wait - rule.max_wait),
+                        },
+                        d => d,
+                    }
+                }
+                Kind::Concurrency {
+                    max, store, share, ..
+                } => {
+                    let held = store.map.get(&key[..]).map_or(0, |c| c.in_flight());
+                    let part = share
+                        .as_ref()
+                        .and_then(|s| s.peek(req.client_ip, *max, &self.share_exempt));
+                    e.state = serde_json::json!({
+                        "in_flight": held, "max": max,
+                        "client_in_flight": part.map(|p| p.0),
+                        "client_max": part.map(|p| p.1),
+                    });
+                    let client_full = part.is_some_and(|(h, m)| h >= m);
+                    e.reason = if held >= *max {
+                        format!("{held} of {max} slots in flight")
+                    } else if client_full {
+                        "the client holds its whole part of the slots".into()
+                    } else {
+                        format!("{held} of {max} slots in flight: a slot is free")
+                    };
+                    slot_decision(held < *max && !client_full, *max - held.min(*max))
+                }
+                Kind::Adaptive { limiter, share } => {
+                    let (held, limit) = (limiter.in_flight(), limiter.limit());
+                    let part = share
+                        .as_ref()
+                        .and_then(|s| s.peek(req.client_ip, limit, &self.share_exempt));
+                    e.state = serde_json::json!({
+                        "in_flight": held, "limit_now": limit,
+                        "client_in_flight": part.map(|p| p.0),
+                        "client_max": part.map(|p| p.1),
+                    });
+                    let client_full = part.is_some_and(|(h, m)| h >= m);
+                    e.reason = format!("{held} in flight against an adaptive limit of {limit} now");
+                    slot_decision(held < limit && !client_full, limit - held.min(limit))
+                }
+                Kind::Redis { refused, .. } => {
+                    let remembered = refused.map.get(&key[..]).and_then(|r| r.refused(now, cost));
+                    e.state = serde_json::json!({ "refusal_remembered": remembered.is_some() });
+                    match remembered {
+                        Some(retry) => {
+                            e.reason =
+                                "Redis refused this key lately: refused here until its retry time"
+                                    .into();
+                            Decision::Deny {
+                                retry_after: Some(retry),
+                            }
+                        }
+                        None => {
+                            e.decision = "asks_redis";
+                            e.reason =
+                                "decided by Redis once every local rule admits (state not read)"
+                                    .into();
+                            redis = true;
+                            out.rules.push(e);
+                            continue;
+                        }
+                    }
+                }
+                Kind::Global {
+                    rate,
+                    store,
+                    overflow_keys,
+                    fallback,
+                    drained,
+                } => {
+                    let g = GlobalRule {
+                        rate,
+                        store,
+                        overflow_keys,
+                        fallback: fallback.as_ref(),
+                        drained: drained.load(Ordering::Relaxed),
+                    };
+                    let found = store.map.get(&key[..]).map(|c| c.copy());
+                    let tracked = found.is_some();
+                    let counters = Arc::new(found.unwrap_or_default());
+                    let r = ratios.get_or_insert_with(|| self.ratios.load());
+                    let age = now.saturating_sub(r.at);
+                    let (factor, stale) = self.staleness.factor(age);
+                    let choice = counters.choice(r.answers);
+                    // The name the control plane knows the key by, as the decision finds it.
+                    let shown = e.key.clone().unwrap_or_default();
+                    let name: &[u8] = if rule.digested {
+                        shown.as_bytes()
+                    } else {
+                        &key
+                    };
+                    let (ratio, keep) = r.ratio_keep(&rule.name, name, || choice != Choice::Named);
+                    let mut state = counters.describe(now);
+                    if let serde_json::Value::Object(m) = &mut state {
+                        m.insert("tracked".into(), tracked.into());
+                        m.insert("limit_per_sec".into(), rate.per_sec().into());
+                        m.insert("drop_ratio".into(), (ratio * factor).into());
+                        m.insert("ratios_age_s".into(), (age as f64 / 1e9).into());
+                        m.insert("stale".into(), stale.into());
+                        m.insert("fallback".into(), (stale && fallback.is_some()).into());
+                        m.insert(
+                            "assigned".into(),
+                            match choice {
+                                Choice::New => "no: not in a report the control plane answered",
+                                Choice::Named => "named in the last answered report",
+                                Choice::Folded => "folded into the rule's other keys",
+                            }
+                            .into(),
+                        );
+                        if keep > 0.0 {
+                            let (allowance, surge) =
+                                counters.allowance(keep, r.answers, r.own_lag, rate.per_sec());
+                            m.insert("allowance_per_sec".into(), allowance.into());
+                            m.insert("surge_held".into(), surge.into());
+                        }
+                        if choice == Choice::New && fallback.is_none() {
+                            m.insert(
+                                "provisional_per_sec".into(),
+                                r.provisional(&rule.name, rate.per_sec()).into(),
+                            );
+                        }
+                    }
+                    e.state = state;
+                    e.reason = if stale && fallback.is_some() {
+                        "the control plane is silent: the rule's fallback limit decides".into()
+                    } else if stale && factor <= 0.0 {
+                        "the control plane is silent: fail open".into()
+                    } else if choice == Choice::New {
+                        "a key no reply has assigned yet: its provisional limit decides".into()
+                    } else if ratio > 0.0 {
+                        format!(
+                            "the fleet is over the limit: this proxy admits {:.4} of the key's requests, within its allowance",
+                            1.0 - ratio * factor
+                        )
+                    } else {
+                        "under its limit fleet-wide (drop ratio 0)".into()
+                    };
+                    let mut admit = Admit::default();
+                    let mut taken = SmallVec::new();
+                    let mut granted = Granted {
+                        admit: &mut admit,
+                        taken: &mut taken,
+                    };
+                    self.global_decide(&t, &g, counters, Slot::Keyed, &mut ratios, &mut granted)
+                }
+            };
+            match decision {
+                Decision::Allow { remaining, .. } => {
+                    e.decision = "admit";
+                    e.remaining = Some(remaining);
+                }
+                Decision::Deny { retry_after } => {
+                    e.decision = "refuse";
+                    e.remaining = Some(0);
+                    e.retry_after_s = retry_after.map(|n| ceil_secs(n).max(1));
+                    if rule.mode == Mode::Enforce {
+                        out.decided(rule, "refuse", e.retry_after_s);
+                    } else {
+                        e.reason.push_str(" (shadow: counted, not refused)");
+                    }
+                }
+            }
+            out.rules.push(e);
+        }
+        if out.decision == "admit" && redis {
+            out.decision = "asks_redis";
+        }
+        out
+    }
+
+    /// Each rule's `n` most active keys now, read from its store (nothing is counted per
+    /// request for this): one key's state at a time.
+    pub fn top(&self, n: usize, now: Nanos) -> Vec<TopRule> {
+        let mut out = Vec::new();
+        for rule in &self.rules {
+            let shown = |k: &[u8]| self.stored_form(rule, k);
+            let (used, mut keys): (&'static str, Vec<TopKey>) = match &*rule.kind {
+                Kind::Rate { quota, store, .. } => (
+                    "units of the burst in use",
+                    store.each(quota, now, |k, d| {
+                        let (used, limited) = match d {
+                            Decision::Allow { remaining, .. } => (
+                                f64::from(quota.burst().saturating_sub(remaining + 1)),
+                                false,
+                            ),
+                            Decision::Deny { .. } => (f64::from(quota.burst()), true),
+                        };
+                        TopKey {
+                            key: shown(k),
+                            used,
+                            limited,
+                        }
+                    }),
+                ),
+                Kind::Concurrency { max, store, .. } => (
+                    "requests in flight",
+                    store
+                        .map
+                        .iter()
+                        .map(|e| TopKey {
+                            key: shown(e.key()),
+                            used: f64::from(e.value().in_flight()),
+                            limited: e.value().in_flight() >= *max,
+                        })
+                        .collect(),
+                ),
+                Kind::Global { store, .. } => (
+                    "units offered since the last report",
+                    store
+                        .map
+                        .iter()
+                        .map(|e| TopKey {
+                            // Reported by name: its private parts digested already.
+                            key: String::from_utf8_lossy(e.value().reported(e.key())).into_owned(),
+                            used: e.value().offered_now() as f64,
+                            limited: false,
+                        })
+                        .collect(),
+                ),
+                Kind::Redis { refused, .. } => (
+                    "refused by Redis lately (1: its refusal is remembered)",
+                    refused
+                        .map
+                        .iter()
+                        .filter(|e| !e.value().expired(now))
+                        .map(|e| TopKey {
+                            key: shown(e.key()),
+                            used: 1.0,
+                            limited: true,
+                        })
+                        .collect(),
+                ),
+                Kind::Adaptive { .. } => continue,
+            };
+            let tracked = keys.len();
+            keys.sort_by(|a, b| {
+                (b.limited, b.used)
+                    .partial_cmp(&(a.limited, a.used))
+                    .unwrap_or(std::cmp::Ordering::Equal)
+            });
+            keys.truncate(n);
+            out.push(TopRule {
+                rule: rule.name.to_string(),
+                kind: rule.kind_name(),
+                keys: tracked,
+                used,
+                top: keys,
+            });
+        }
+        out
+    }
+}
+
+impl RuleSet {
+    /// A key as its store keeps it, for `top` (and `explain`, to find it there): a digest of
+    /// the whole key when it has private parts (the store keeps them as sent), else its bytes
+    /// escaped (parts framed; a long key is kept as a hash of itself).
+    fn stored_form(&self, rule: &CompiledRule, key: &[u8]) -> String {
+        if rule.digested {
+            format!("key-digest:{}", self.secret.of_value(key))
+        } else {
+            key.escape_ascii().to_string()
+        }
+    }
+}
+
+/// A slot limit's decision: a slot free, or refused with the hint a refusal gives.
+fn slot_decision(free: bool, remaining: u32) -> Decision {
+    if free {
+        Decision::Allow {
+            remaining: remaining.saturating_sub(1),
+            reset_after: 0,
+            wait: 0,
+        }
+    } else {
+        Decision::Deny {
+            retry_after: Some(CONCURRENCY_RETRY),
+        }
+    }
+}
+
+impl Explanation {
+    /// The first rule that refuses (enforcing) or cannot decide the request (any) decides.
+    fn decided(&mut self, rule: &CompiledRule, how: &'static str, retry: Option<u64>) {
+        if self.by.is_none() {
+            self.decision = how;
+            self.by = Some(rule.name.to_string());
+            self.retry_after_s = retry;
+        }
+    }
+}
