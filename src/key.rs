@@ -144,6 +144,10 @@ pub struct RequestView<'a> {
     /// The path as rules see it; worked out at once (one pass over a canonical path, which
     /// costs less than a `OnceLock` would).
     path: Cow<'a, str>,
+    /// Whose request ids are taken (`request_id.from`).
+    ids: crate::ids::IdFrom,
+    /// The id made for the request, if none is taken (its text is written only if asked).
+    made: crate::ids::RequestId,
 }
 
 impl<'a> RequestView<'a> {
@@ -169,16 +173,19 @@ impl<'a> RequestView<'a> {
             strict_path: false,
             host: OnceLock::new(),
             path: path_form(uri, false),
+            ids: crate::ids::IdFrom::Trusted,
+            made: crate::ids::RequestId::made(),
         }
     }
 
     /// The view the proxy decides by: `client` behind a `trusted` peer or not, paths
-    /// compared as written when `strict` (one construction, no builder moves).
+    /// compared as written when `strict`, request ids taken as `ids` says (one construction,
+    /// no builder moves).
     pub fn for_proxy<B>(
         req: &'a http::Request<B>,
         client: Client,
-        trusted: bool,
-        strict: bool,
+        (trusted, strict): (bool, bool),
+        ids: crate::ids::IdFrom,
     ) -> Self {
         RequestView {
             method: req.method(),
@@ -190,6 +197,8 @@ impl<'a> RequestView<'a> {
             strict_path: strict,
             host: OnceLock::new(),
             path: path_form(req.uri(), strict),
+            ids,
+            made: crate::ids::RequestId::made(),
         }
     }
 
@@ -206,6 +215,12 @@ impl<'a> RequestView<'a> {
             self.path = path_form(self.uri, yes);
         }
         self
+    }
+
+    /// The request's id ([`crate::ids::RequestId::of`]), the same however often asked.
+    #[inline]
+    pub fn request_id(&self) -> crate::ids::RequestId {
+        crate::ids::RequestId::of(self.headers, self.trusted_peer, self.ids, self.made)
     }
 
     /// The path rules match and key by: as written under `path_match: strict`, else without
@@ -458,6 +473,56 @@ pub fn extract(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> Ex
 /// Bounded by [`canonical_text`] before use.
 pub fn extract_text(parts: &[KeyPart], req: &RequestView<'_>, out: &mut KeyBuf) -> Extract {
     extract_shown(parts, req, |v, out| out.extend_from_slice(v), out)
+}
+
+/// A key as a store keeps it, written as [`extract_shown`] writes it from a request (each
+/// private part by `digest`): for listing a store's keys without their requests. `local`: a
+/// local rule's framed key ([`extract`], [`bound_local`]), else the text form. `None` for a
+/// local key kept as its hash, or bytes that are not a key of `parts`.
+pub fn shown_stored(
+    parts: &[KeyPart],
+    stored: &[u8],
+    local: bool,
+    digest: impl Fn(&[u8], &mut KeyBuf),
+) -> Option<KeyBuf> {
+    let mut values: SmallVec<[&[u8]; 4]> = SmallVec::new();
+    if local {
+        if stored.len() == 17 && stored[0] == HASHED {
+            return None;
+        }
+        let mut rest = stored;
+        while !rest.is_empty() {
+            let len = u32::from_le_bytes(rest.get(..4)?.try_into().ok()?) as usize;
+            values.push(rest.get(4..4 + len)?);
+            rest = &rest[4 + len..];
+        }
+    } else {
+        values.extend(stored.split(|&b| b == 0x1f));
+    }
+    if values.len() != parts.len() {
+        return None;
+    }
+    let mut out = KeyBuf::new();
+    for (i, (part, value)) in parts.iter().zip(values).enumerate() {
+        if i > 0 {
+            out.push(0x1f);
+        }
+        match part {
+            KeyPart::Header(_) | KeyPart::Query(_) => digest(value, &mut out),
+            KeyPart::ClientIp | KeyPart::ClientNet { .. } if local => {
+                use std::io::Write;
+                let ip = match value.len() {
+                    4 => IpAddr::from(<[u8; 4]>::try_from(value).ok()?),
+                    16 => IpAddr::from(<[u8; 16]>::try_from(value).ok()?),
+                    _ => return None,
+                };
+                let _ = write!(out, "{ip}");
+            }
+            _ => out.extend_from_slice(value),
+        }
+    }
+    canonical_text(&mut out);
+    Some(out)
 }
 
 /// Whether a key of `parts` has a private part (a `header:` or `query:` value).

@@ -228,7 +228,7 @@ where
             // The inner service is given what the rules saw: the sidecar's request hygiene,
             // with its defaults.
             if let Err(refused) = shared.hygiene.apply(&mut req) {
-                return Ok(refused.response());
+                return Ok(refused.response(&crate::ids::RequestId::made().text()));
             }
             let client = shared.client_ip.who(req.headers(), peer);
             let trusted = shared.client_ip.trusts(peer);
@@ -237,7 +237,9 @@ where
             let admitted = admit(&shared.rules, &shared.clock, &view).await;
             let mut admit = match admitted {
                 Ok(a) => a,
-                Err(refusal) => return Ok(respond::answer(&refusal, grpc)),
+                Err(refusal) => {
+                    return Ok(respond::answer(&refusal, grpc, &view.request_id().text()));
+                }
             };
             if admit.charges.reads_body() {
                 // A compressed answer could not be read for its usage: ask for none (an

@@ -9,6 +9,7 @@
 //! - `limit`: the limiter cores, pure, clock injected: one module per algorithm.
 //! - `config`: the YAML schema, parsed and validated with file/line/field errors.
 //! - `key`: which bucket a request belongs to; the client address; bounded key forms.
+//! - `ids`: request ids, taken from a trusted request or made here.
 //! - `digest`: the keyed digest a key's private parts are shown and sent as.
 //! - `fds`: room for the descriptors a process's connections need (proxy and control plane).
 //! - `target`: the canonical request path, and the form rules match it in.
@@ -44,6 +45,7 @@ mod fds;
 mod gate;
 mod hop;
 mod hygiene;
+mod ids;
 mod inject;
 mod key;
 mod layer;
@@ -94,6 +96,9 @@ pub mod internal {
     }
     pub mod hygiene {
         pub use crate::hygiene::*;
+    }
+    pub mod ids {
+        pub use crate::ids::*;
     }
     pub mod inject {
         pub use crate::inject::*;

@@ -152,6 +152,9 @@ async fn the_status_pages_show_rules_rates_keys_and_who_reports() {
         "{bytes}"
     );
     assert!(row(&page, "control plane").contains("|fresh|"), "{page}");
+    // The keys holding their limits now, for loopback (or the admin token): by digest.
+    assert!(page.contains(&format!("<td>{heavy_key}</td>")), "{page}");
+    assert!(!page.contains("heavy-key"), "a key in clear: {page}");
 
     stop.store(true, Ordering::Relaxed);
     load.await.unwrap();

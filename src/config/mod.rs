@@ -94,8 +94,51 @@ pub struct Config {
     /// Where `scope: redis` rules keep their exact, shared counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub redis: Option<RedisConfig>,
+    /// Request ids: whose are taken, and whether the app is sent one made here.
+    #[serde(default, skip_serializing_if = "RequestIds::is_default")]
+    pub request_id: RequestIds,
+    /// An access log (off unless set): every request Spillway refuses or answers itself, and
+    /// one in `admitted_one_in` of those it forwards, a line each on stderr (JSON with
+    /// `--log-format json`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub access_log: Option<AccessLog>,
     #[serde(default)]
     pub rules: Vec<Rule>,
+}
+
+/// `request_id:`: the id every answer of Spillway's carries (`x-request-id`, and in its
+/// problem document), its rejection and access log lines too.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RequestIds {
+    /// Whose `x-request-id` (or `traceparent`) is taken: `trusted` (a peer in
+    /// `client_ip.trusted_proxies`, the default), `any`, or `never` (always made here).
+    #[serde(default)]
+    pub from: crate::ids::IdFrom,
+    /// Send the app the id as `x-request-id` when it has none it takes (made here, or a
+    /// client's it does not take, replaced). Off by default: the app's request is unchanged.
+    #[serde(default)]
+    pub forward: bool,
+}
+
+impl RequestIds {
+    fn is_default(&self) -> bool {
+        *self == RequestIds::default()
+    }
+}
+
+/// `access_log:`: which requests get a line.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AccessLog {
+    /// One in this many forwarded requests gets a line (1: all; 0: none); every refusal and
+    /// every error answered here does.
+    #[serde(default = "default_admitted_one_in")]
+    pub admitted_one_in: u32,
+}
+
+fn default_admitted_one_in() -> u32 {
+    100
 }
 
 fn default_admin() -> SocketAddr {

@@ -408,3 +408,57 @@ fn private_blocks_are_told_from_ones_that_reach_the_internet() {
         assert!(!block.parse::<Cidr>().unwrap().is_private(), "{block}");
     }
 }
+
+#[test]
+fn a_stored_key_is_shown_as_its_request_would_be_logged() {
+    let (m, u) = (
+        Method::GET,
+        "/Some/Path?tenant=acme".parse::<Uri>().unwrap(),
+    );
+    let mut h = HeaderMap::new();
+    h.insert("x-api-key", "sk-live-1".parse().unwrap());
+    let req = view(&m, &u, &h);
+    let digest = |v: &[u8], out: &mut KeyBuf| {
+        out.extend_from_slice(b"~");
+        out.extend_from_slice(&v.len().to_string().into_bytes());
+    };
+    let parts: Vec<KeyPart> = [
+        "client_ip",
+        "header:x-api-key",
+        "path",
+        "query:tenant",
+        "method",
+    ]
+    .iter()
+    .map(|p| p.parse().unwrap())
+    .collect();
+    let mut logged = KeyBuf::new();
+    assert_eq!(
+        extract_shown(&parts, &req, digest, &mut logged),
+        Extract::Found
+    );
+    canonical_text(&mut logged);
+    // A local rule's framed key, and a global or redis rule's text form.
+    let mut local = KeyBuf::new();
+    assert_eq!(extract(&parts, &req, &mut local), Extract::Found);
+    bound_local(&mut local);
+    assert_eq!(
+        shown_stored(&parts, &local, true, digest).as_deref(),
+        Some(&logged[..])
+    );
+    let mut text = KeyBuf::new();
+    assert_eq!(extract_text(&parts, &req, &mut text), Extract::Found);
+    assert_eq!(
+        shown_stored(&parts, &text, false, digest).as_deref(),
+        Some(&logged[..])
+    );
+    // Not a key of these parts, or a long key kept as its hash: nothing to show.
+    assert_eq!(shown_stored(&parts[..2], &local, true, digest), None);
+    let mut long = KeyBuf::new();
+    long.extend_from_slice(&[7; 100]);
+    let mut framed = KeyBuf::new();
+    framed.extend_from_slice(&100u32.to_le_bytes());
+    framed.extend_from_slice(&long);
+    bound_local(&mut framed);
+    assert_eq!(shown_stored(&parts[1..2], &framed, true, digest), None);
+}

@@ -61,7 +61,11 @@ fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
         "/ui" => crate::ui::page(),
         #[cfg(feature = "ui")]
         "/ui/state.json" => {
-            let mut resp = Response::new(Full::new(ui_state(shared)));
+            // Keys only for who may ask `/top` (loopback, or the token).
+            let peer = req.extensions().get::<crate::control::server::Peer>().map(|p| p.0);
+            let token_file = shared.config.load().admin_token_file.clone();
+            let keys = may_support(peer, req.headers(), token_file.as_deref()).is_ok();
+            let mut resp = Response::new(Full::new(ui_state(shared, keys)));
             resp.headers_mut().insert(
                 CONTENT_TYPE,
                 http::HeaderValue::from_static("application/json"),
@@ -89,7 +93,7 @@ fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
 /// The proxy's state for its status page: per rule its counters (the page turns them into
 /// rates), limit, mode and keys tracked; the control plane's staleness; Redis.
 #[cfg(feature = "ui")]
-fn ui_state(shared: &Shared) -> Bytes {
+fn ui_state(shared: &Shared, keys: bool) -> Bytes {
     let config = shared.config.load();
     let rules = shared.rules.load();
     let m = &shared.metrics;
@@ -159,6 +163,22 @@ fn ui_state(shared: &Shared) -> Bytes {
             "breaker_open": m.redis.breaker_state.get() != 0,
         })
     });
+    // Each rule's keys holding the most of their limits now, read from the stores.
+    let top = keys.then(|| {
+        let now = crate::limit::Clock::now(&shared.clock);
+        rules
+            .top(5, now)
+            .into_iter()
+            .flat_map(|r| {
+                let (rule, used) = (r.rule, r.used);
+                r.top.into_iter().map(move |k| {
+                    serde_json::json!({
+                        "rule": rule, "key": k.key, "used": k.used, "of": used, "limited": k.limited,
+                    })
+                })
+            })
+            .collect::<Vec<_>>()
+    });
     let doc = serde_json::json!({
         "role": "proxy",
         "service": config.service.0,
@@ -166,6 +186,7 @@ fn ui_state(shared: &Shared) -> Bytes {
         "rules": list,
         "control_plane": control_plane,
         "redis": redis,
+        "top": top,
     });
     Bytes::from(serde_json::to_vec(&doc).unwrap_or_default())
 }
@@ -449,7 +470,12 @@ fn describe(
         hygiene.untrusted(&mut req);
     }
     let client = policy.who(req.headers(), peer);
-    let view = crate::key::RequestView::for_proxy(&req, client, trusted, hygiene.strict_path);
+    let view = crate::key::RequestView::for_proxy(
+        &req,
+        client,
+        (trusted, hygiene.strict_path),
+        crate::ids::IdFrom::Trusted,
+    );
     let explained = rules.explain(&view, now);
     let mut doc = serde_json::to_value(&explained).map_err(|e| e.to_string())?;
     if let serde_json::Value::Object(m) = &mut doc {

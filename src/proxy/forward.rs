@@ -198,6 +198,8 @@ pub struct Forward<'a> {
     /// The upstream connection must not carry another request after this one (a body on a
     /// GET, which the app may not read): `Connection: close` goes with it.
     pub close: bool,
+    /// The request's id, for an answer of ours.
+    pub id: crate::ids::RequestId,
 }
 
 impl Forward<'_> {
@@ -213,6 +215,7 @@ impl Forward<'_> {
             return Reply::whole(respond::error(
                 StatusCode::NOT_IMPLEMENTED,
                 "CONNECT is not served by this proxy",
+                &self.id.text(),
             ));
         }
         let coming = matches!(req.body(), Either::Left(body) if !body.is_end_stream());
@@ -392,11 +395,11 @@ impl Forward<'_> {
 
     fn refuse(&self, refused: Refused) -> Reply {
         self.metrics.refused(refused.reason).inc();
-        Reply::refused(&refused)
+        Reply::refused(&refused, &self.id.text())
     }
 
     fn failed(&self, kind: UpstreamError) -> Reply {
-        failed(self.metrics, kind)
+        failed(self.metrics, kind, &self.id.text())
     }
 
     /// Points the request at the upstream (absolute form, for the pooled client) and rewrites
@@ -416,6 +419,7 @@ impl Forward<'_> {
             Reply::whole(respond::error(
                 StatusCode::BAD_REQUEST,
                 "request target cannot be forwarded",
+                &self.id.text(),
             ))
         })?;
         *req.version_mut() = Version::HTTP_2;
@@ -448,10 +452,10 @@ const BODY_TIMEOUT: Refused = Refused::closing(
 );
 
 /// The answer to a request the upstream did not answer, counted in `metrics` by `kind`.
-pub(super) fn failed(metrics: &Metrics, kind: UpstreamError) -> Reply {
+pub(super) fn failed(metrics: &Metrics, kind: UpstreamError, id: &crate::ids::IdText) -> Reply {
     let refused = Refused::upstream(kind);
     metrics.refused(refused.reason).inc();
-    Reply::refused(&refused)
+    Reply::refused(&refused, id)
 }
 
 /// The listed protocol an HTTP/1.1 upgrade request (`Connection: upgrade` + `Upgrade: ...`)

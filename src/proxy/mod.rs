@@ -30,6 +30,7 @@
 //! wheel).
 
 mod accept;
+mod access;
 pub mod admin;
 mod body;
 mod clients;

@@ -191,6 +191,8 @@ fn restart_fields(old: &Config, new: &Config) -> Vec<&'static str> {
     check("timeouts", !same(&old.timeouts, &new.timeouts));
     check("limits", !same(&old.limits, &new.limits));
     check("workers", old.workers != new.workers);
+    check("request_id", old.request_id != new.request_id);
+    check("access_log", old.access_log != new.access_log);
     check(
         "control_plane",
         !same(&old.control_plane, &new.control_plane),

@@ -18,7 +18,7 @@ use super::body::ReqBody;
 use super::protocol::Handler;
 use super::response::{self, Reply};
 use super::shared::Shared;
-use super::{connection, deadlines, forward, upstream_pool};
+use super::{access, connection, deadlines, forward, upstream_pool};
 use crate::gate;
 use crate::key::RequestView;
 use crate::limit::Clock;
@@ -64,6 +64,7 @@ impl Conn {
         Err(forward::failed(
             &shared.metrics,
             crate::metrics::UpstreamError::Saturated,
+            &crate::ids::RequestId::made().text(),
         ))
     }
 }
@@ -126,7 +127,21 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
             .duration(Outcome::Error)
             .observe(elapsed(shared, start));
         metrics.refused(refused.reason).inc();
-        return Reply::refused(&refused);
+        // Before the trusted peer's fields are told from a client's: made here.
+        let id = crate::ids::RequestId::made().text();
+        let reply = Reply::refused(&refused, &id);
+        if let Some(asked) = access::Asked::of(req, shared.access_log) {
+            let answered = access::Answered {
+                status: refused.status,
+                decision: "error",
+                rule: None,
+                id: &id,
+                bytes_sent: None,
+                seconds: elapsed(shared, start),
+            };
+            access::log(&asked, peer, None, &answered);
+        }
+        return reply;
     }
     let grpc = respond::form(req.method(), req.version(), req.headers());
     // The decision itself is synchronous; `admit` only awaits when a rule delays the request,
@@ -136,11 +151,18 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         shared.hygiene.untrusted(req);
     }
     let client = shared.client_ip.who(req.headers(), peer.ip());
-    let view = RequestView::for_proxy(req, client, trusted, shared.hygiene.strict_path);
+    let view = RequestView::for_proxy(
+        req,
+        client,
+        (trusted, shared.hygiene.strict_path),
+        shared.request_ids.from,
+    );
     let admitted = gate::admit(&shared.rules, &shared.clock, &view).await;
+    let id = view.request_id();
     let mut admit = match admitted {
         Ok(admit) => admit,
         Err(refusal) => {
+            let id = id.text();
             let outcome = match &refusal {
                 gate::Refusal::Limited(_) => Outcome::Rejected,
                 gate::Refusal::BadRequest(bad) => {
@@ -148,11 +170,27 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
                     Outcome::Error
                 }
             };
-            metrics.duration(outcome).observe(elapsed(shared, start));
-            let mut resp = match respond::kept(&refusal, grpc) {
+            let seconds = elapsed(shared, start);
+            metrics.duration(outcome).observe(seconds);
+            let mut resp = match respond::kept(&refusal, grpc, &id) {
                 Some(kept) => Reply::kept(kept),
-                None => Reply::whole(respond::answer(&refusal, grpc)),
+                None => Reply::whole(respond::answer(&refusal, grpc, &id)),
             };
+            if let Some(asked) = access::Asked::of(req, shared.access_log) {
+                let (decision, rule) = match &refusal {
+                    gate::Refusal::Limited(d) => ("rejected", d.state.rule()),
+                    gate::Refusal::BadRequest(bad) => ("error", &bad.rule),
+                };
+                let answered = access::Answered {
+                    status: resp.head.status(),
+                    decision,
+                    rule: Some(rule),
+                    id: &id,
+                    bytes_sent: None,
+                    seconds,
+                };
+                access::log(&asked, peer, Some(client.keyed), &answered);
+            }
             // Refused before its body was read: read (and drop) a small body so that the
             // connection stays usable and the client reads our answer; a large or slow one
             // closes the connection instead (nginx's lingering close, bounded). A body in
@@ -176,6 +214,13 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         }
     };
 
+    // The app gets the request's id (the one a rule's log line used, an answer of ours
+    // would) when `forward` says so.
+    if shared.request_ids.forward {
+        req.headers_mut()
+            .insert(crate::ids::X_REQUEST_ID.clone(), id.text().header_value());
+    }
+    let asked = access::Asked::of(req, shared.access_log);
     let fwd = forward::Forward {
         client: &conn.client,
         upstream: &shared.upstream,
@@ -189,6 +234,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         now: start,
         upgrades: &shared.hygiene.upgrades,
         close: get_body,
+        id,
     };
     if admit.charges.reads_body() {
         // A compressed answer could not be read for its usage: ask for none (an
@@ -222,7 +268,23 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
     }
     admit.charges.release();
     release(admit.states);
-    metrics.duration(outcome).observe(elapsed(shared, start));
+    let seconds = elapsed(shared, start);
+    metrics.duration(outcome).observe(seconds);
+    if let Some(asked) = asked {
+        let answered = access::Answered {
+            status: resp.head.status(),
+            decision: if outcome == Outcome::Upstream {
+                "forwarded"
+            } else {
+                "error"
+            },
+            rule: None,
+            id: &fwd.id.text(),
+            bytes_sent: resp.head.field(&http::header::CONTENT_LENGTH),
+            seconds,
+        };
+        access::log(&asked, peer, Some(client.keyed), &answered);
+    }
     resp
 }
 

@@ -59,8 +59,9 @@ enum Unread {
 pub enum Lines<'a> {
     /// An upstream's runs of lines; whether a `Date` and a `Content-Length` are among them.
     Upstream(&'a Passed),
-    /// A kept 429's lines (no `Content-Length`, no `Date`).
-    Kept(&'a [u8]),
+    /// A kept 429's lines (no `Content-Length`, no `Date`), and the request's id, for an
+    /// `x-request-id` line after them.
+    Kept(&'a [u8], &'a crate::ids::IdText),
 }
 
 impl Reply {
@@ -86,9 +87,10 @@ impl Reply {
         }
     }
 
-    /// A rule's kept 429, its fields unread.
+    /// A rule's kept 429, its fields unread, and so its document: our HTTP/1 side writes it
+    /// from the head ([`ResponseHead::kept_document`]), [`Reply::into_http`] puts it in the body.
     pub fn kept(kept: Kept) -> Self {
-        let body = Either::Right(Full::new(kept.body()));
+        let body = Either::Right(Full::new(Bytes::new()));
         Reply {
             head: ResponseHead {
                 status: StatusCode::TOO_MANY_REQUESTS,
@@ -101,9 +103,9 @@ impl Reply {
         }
     }
 
-    /// Spillway's refusal `refused`, the connection's fate in its head.
-    pub fn refused(refused: &Refused) -> Self {
-        let mut reply = Reply::whole(refused.answer());
+    /// Spillway's refusal `refused` of the request `id`, the connection's fate in its head.
+    pub fn refused(refused: &Refused, id: &crate::ids::IdText) -> Self {
+        let mut reply = Reply::whole(refused.answer(id));
         reply.head.close = refused.close;
         reply
     }
@@ -131,6 +133,9 @@ impl Reply {
     /// The response for a server that writes its own heads (hyper's): every field in the map.
     /// The connection's fate is not a field of an HTTP/2 response.
     pub fn into_http(mut self) -> Response<Body> {
+        if let Unread::Kept(kept) = &self.head.unread {
+            self.body = Either::Right(Full::new(kept.body()));
+        }
         self.head.map_unread();
         let mut resp = Response::new(self.body);
         *resp.status_mut() = self.head.status;
@@ -162,6 +167,9 @@ impl ResponseHead {
         match &self.unread {
             Unread::None => None,
             Unread::Upstream(passed) => passed.runs().find_map(|lines| field_in(lines, name)),
+            Unread::Kept(kept) if name == crate::ids::X_REQUEST_ID.as_str() => {
+                Some(kept.id().as_bytes())
+            }
             Unread::Kept(kept) => field_in(kept.fields(), name),
         }
     }
@@ -172,9 +180,21 @@ impl ResponseHead {
         let lines = match &self.unread {
             Unread::None => None,
             Unread::Upstream(passed) => Some(Lines::Upstream(passed)),
-            Unread::Kept(kept) => Some(Lines::Kept(kept.fields())),
+            Unread::Kept(kept) => Some(Lines::Kept(kept.fields(), kept.id())),
         };
         (&self.headers, lines)
+    }
+
+    /// A kept 429's document, its end still to be written with the request's id (see
+    /// [`Reply::kept`]): the open document and its whole length.
+    pub fn kept_document(&self) -> Option<(&[u8], usize)> {
+        match &self.unread {
+            Unread::Kept(kept) => {
+                let open = kept.open_body();
+                Some((open, open.len() + crate::respond::id_member_len(kept.id())))
+            }
+            _ => None,
+        }
     }
 
     /// The client connection closes after this response.

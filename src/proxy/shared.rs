@@ -57,6 +57,10 @@ pub struct Shared {
     /// The active configuration's version, for `/config`.
     pub loaded: ArcSwap<reload::Loaded>,
     pub(super) reload_lock: tokio::sync::Mutex<()>,
+    /// `request_id` (a restart field).
+    pub(super) request_ids: crate::config::RequestIds,
+    /// `access_log`'s one in how many forwarded requests (a restart field; `None`: off).
+    pub(super) access_log: Option<u32>,
 }
 
 impl Shared {
@@ -108,6 +112,8 @@ impl Shared {
                 None,
             )),
             reload_lock: tokio::sync::Mutex::new(()),
+            request_ids: config.request_id.clone(),
+            access_log: config.access_log.as_ref().map(|a| a.admitted_one_in),
             config: ArcSwap::from_pointee(config),
         }
     }

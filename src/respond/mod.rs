@@ -26,6 +26,7 @@ use http_body::{Body, Frame, SizeHint};
 use http_body_util::{Either, Full};
 
 use crate::config::HeaderMode;
+pub use crate::ids::{IdText, X_REQUEST_ID};
 use crate::limit::Permits;
 pub use crate::metrics::{Reason, UpstreamError};
 use crate::rules::{Charges, Denial, RateState, Refusal};
@@ -109,10 +110,10 @@ pub(crate) static NO_STORE: HeaderValue = HeaderValue::from_static("no-store");
 
 /// The answer to a refused request, in its response's map (the tower layer's, and the sidecar's
 /// when the rule keeps none: see [`kept`]).
-pub fn answer<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: Form) -> Ours<L, R> {
+pub fn answer<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: Form, id: &IdText) -> Ours<L, R> {
     match refusal {
-        Refusal::Limited(denial) => too_many_requests(denial, grpc),
-        Refusal::BadRequest(bad) => Refused::from(bad).response(),
+        Refusal::Limited(denial) => too_many_requests(denial, grpc, id),
+        Refusal::BadRequest(bad) => Refused::from(bad).response(id),
     }
 }
 
@@ -122,14 +123,18 @@ pub fn answer<L, R: From<Full<Bytes>>>(refusal: &Refusal, grpc: Form) -> Ours<L,
 /// the retry hint in whole seconds, so they come from the rule's [`Answers`]: shared bytes,
 /// built on a rule's first refusal with that hint (nginx answers `limit_req` with a static
 /// page; this is as close as we get while saying which rule and when).
-pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -> Ours<L, R> {
+pub fn too_many_requests<L, R: From<Full<Bytes>>>(
+    denial: &Denial,
+    grpc: Form,
+    id: &IdText,
+) -> Ours<L, R> {
     if denial.capacity {
-        return reduced_capacity(denial, grpc);
+        return reduced_capacity(denial, grpc, id);
     }
     let rule = denial.state.rule();
     let retry = denial.retry_after_secs();
     if grpc != Form::Http {
-        return grpc_exhausted(denial, rule, retry, grpc);
+        return grpc_exhausted(denial, rule, retry, grpc, id);
     }
     // A denial's state is `r=0;t=<retry, or 0 for never>` (rules.rs), which is what the
     // cached `RateLimit` value says.
@@ -150,10 +155,59 @@ pub fn too_many_requests<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -
         answer.headers.get(&RATELIMIT_POLICY),
         Some(denial.state.policy())
     );
-    let mut resp = Response::new(Either::Right(Full::new(answer.body.clone()).into()));
+    let body = with_id(&answer.body, id);
+    let mut resp = Response::new(Either::Right(Full::new(body).into()));
     *resp.status_mut() = StatusCode::TOO_MANY_REQUESTS;
     *resp.headers_mut() = fields(answer, denial.header_mode != HeaderMode::Never);
+    resp.headers_mut()
+        .insert(X_REQUEST_ID.clone(), id.header_value());
     resp
+}
+
+/// `doc` (a problem document, ending `}` and a newline) with the request's id as its last
+/// member, `"request_id"`. Written into this thread's room for answers, whose space the
+/// next answers reuse once this one is sent.
+pub fn with_id(doc: &Bytes, id: &IdText) -> Bytes {
+    /// The room a thread's answers are written in, at least.
+    const ROOM: usize = 4096;
+    thread_local! {
+        static ANSWERS: std::cell::RefCell<BytesMut> = std::cell::RefCell::new(BytesMut::new());
+    }
+    let Some(open) = open_document(doc) else {
+        return doc.clone();
+    };
+    ANSWERS.with(|room| {
+        let Ok(mut room) = room.try_borrow_mut() else {
+            return doc.clone();
+        };
+        let len = open.len() + id_member_len(id);
+        if room.capacity() < len {
+            // Taken back in place once every answer written in it was sent.
+            room.reserve(ROOM.max(len));
+        }
+        room.put_slice(open);
+        put_id_member(&mut *room, id);
+        room.split().freeze()
+    })
+}
+
+/// A problem document without its closing `}` and newline, for its id to follow.
+pub fn open_document(doc: &[u8]) -> Option<&[u8]> {
+    doc.strip_suffix(b"}\n")
+}
+
+const ID_MEMBER: &[u8] = b",\"request_id\":\"";
+
+/// The bytes [`put_id_member`] writes.
+pub fn id_member_len(id: &IdText) -> usize {
+    ID_MEMBER.len() + id.as_bytes().len() + 3
+}
+
+/// Closes an open problem document ([`open_document`]) with the request's id.
+pub fn put_id_member(out: &mut impl BufMut, id: &IdText) {
+    out.put_slice(ID_MEMBER);
+    out.put_slice(id.as_bytes());
+    out.put_slice(b"\"}\n");
 }
 
 /// A 429's header fields in a map, with the `RateLimit` ones when `rate` (any `headers` mode but
@@ -170,7 +224,7 @@ fn fields(answer: &Answer, rate: bool) -> HeaderMap {
 /// The 429 a rule keeps for `refusal`, when it keeps one (a plain HTTP request, a retry hint of
 /// up to a minute): the sidecar answers with its fields as they are kept, no map cloned, walked
 /// and dropped per refusal (`proxy::response`'s head holds them unread). `None`: [`answer`].
-pub fn kept(refusal: &Refusal, grpc: Form) -> Option<Kept> {
+pub fn kept(refusal: &Refusal, grpc: Form, id: &IdText) -> Option<Kept> {
     let Refusal::Limited(denial) = refusal else {
         return None;
     };
@@ -181,6 +235,7 @@ pub fn kept(refusal: &Refusal, grpc: Form) -> Option<Kept> {
     Some(Kept {
         answer: answer.clone(),
         rate: denial.header_mode != HeaderMode::Never,
+        id: *id,
     })
 }
 
@@ -191,6 +246,8 @@ pub struct Kept {
     answer: Arc<Answer>,
     /// With the `RateLimit` headers (any `headers` mode but `never`).
     rate: bool,
+    /// The request's id, in its own field and in the document.
+    id: IdText,
 }
 
 impl Kept {
@@ -204,14 +261,27 @@ impl Kept {
         }]
     }
 
-    /// The same fields in a map.
-    pub fn map(&self) -> HeaderMap {
-        fields(&self.answer, self.rate)
+    /// The request's id: an `x-request-id` field after [`Self::fields`].
+    pub fn id(&self) -> &IdText {
+        &self.id
     }
 
-    /// The problem document.
+    /// The same fields in a map, the id's too.
+    pub fn map(&self) -> HeaderMap {
+        let mut map = fields(&self.answer, self.rate);
+        map.insert(X_REQUEST_ID.clone(), self.id.header_value());
+        map
+    }
+
+    /// The problem document, with the request's id.
     pub fn body(&self) -> Bytes {
-        self.answer.body.clone()
+        with_id(&self.answer.body, &self.id)
+    }
+
+    /// The problem document without its end, which [`put_id_member`] writes: for a server
+    /// that writes the document itself (ours), with no copy of it made first.
+    pub fn open_body(&self) -> &[u8] {
+        open_document(&self.answer.body).unwrap_or(&self.answer.body)
     }
 }
 
@@ -229,11 +299,13 @@ fn grpc_exhausted<L, R: From<Full<Bytes>>>(
     rule: &str,
     retry: Option<u64>,
     form: Form,
+    id: &IdText,
 ) -> Ours<L, R> {
     let mut resp = Response::new(Either::Right(Full::new(Bytes::new()).into()));
     let h = resp.headers_mut();
     h.insert(CONTENT_TYPE, grpc_type(form));
     h.insert(CACHE_CONTROL, NO_STORE.clone());
+    h.insert(X_REQUEST_ID.clone(), id.header_value());
     h.insert(GRPC_STATUS.clone(), HeaderValue::from_static("8"));
     // grpc-message is percent-encoded; the detail is plain ASCII without '%'.
     let mut msg = String::with_capacity(96);
@@ -267,7 +339,11 @@ const REDUCED_CAPACITY: &str =
 
 /// 503 with `Retry-After` for a request an adaptive limit refused: the upstream is at the
 /// concurrency its latency allows now. No `RateLimit` headers: this is not the client's quota.
-fn reduced_capacity<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -> Ours<L, R> {
+fn reduced_capacity<L, R: From<Full<Bytes>>>(
+    denial: &Denial,
+    grpc: Form,
+    id: &IdText,
+) -> Ours<L, R> {
     let rule = denial.state.rule();
     let secs = denial.retry_after_secs().unwrap_or(1);
     let mut resp = if grpc != Form::Http {
@@ -284,12 +360,14 @@ fn reduced_capacity<L, R: From<Full<Bytes>>>(denial: &Denial, grpc: Form) -> Our
             body,
             "{{\"type\":\"{REDUCED_CAPACITY}\",\"title\":\"Temporary Reduced Capacity\",\"status\":503,\
              \"detail\":\"the upstream is at the concurrency rule {rule} allows for its latency now; retry in {secs} s\",\
-             \"rule\":\"{rule}\",\"retry_after\":{secs}}}"
+             \"rule\":\"{rule}\",\"retry_after\":{secs},\"request_id\":\"{id}\"}}"
         );
         problem(StatusCode::SERVICE_UNAVAILABLE, body.freeze())
     };
     resp.headers_mut()
         .insert(RETRY_AFTER, HeaderValue::from(secs));
+    resp.headers_mut()
+        .insert(X_REQUEST_ID.clone(), id.header_value());
     resp
 }
 
@@ -410,8 +488,8 @@ impl Refused {
 
     /// The answer: [`Refused::answer`], with `Connection: close` when the connection closes
     /// (the embedded layer's; the sidecar keeps the connection's fate in its response's head).
-    pub fn response<L, R: From<Full<Bytes>>>(&self) -> Ours<L, R> {
-        let mut resp = self.answer();
+    pub fn response<L, R: From<Full<Bytes>>>(&self, id: &IdText) -> Ours<L, R> {
+        let mut resp = self.answer(id);
         if self.close {
             resp.headers_mut()
                 .insert(http::header::CONNECTION, HeaderValue::from_static("close"));
@@ -421,9 +499,11 @@ impl Refused {
 
     /// The answer, the connection's fate aside: a problem document (naming the rule, if one),
     /// with `Retry-After: 1` when no upstream connection came free.
-    pub fn answer<L, R: From<Full<Bytes>>>(&self) -> Ours<L, R> {
-        let doc = document(self.status, &self.detail, self.rule.as_deref());
+    pub fn answer<L, R: From<Full<Bytes>>>(&self, id: &IdText) -> Ours<L, R> {
+        let doc = document(self.status, &self.detail, self.rule.as_deref(), id);
         let mut resp = problem(self.status, doc);
+        resp.headers_mut()
+            .insert(X_REQUEST_ID.clone(), id.header_value());
         if self.reason == Reason::Upstream(UpstreamError::Saturated) {
             resp.headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from_static("1"));
@@ -433,12 +513,15 @@ impl Refused {
 }
 
 /// A short problem document for errors Spillway answers itself (400, 431, 502, 503, 504).
-pub fn error<L, R: From<Full<Bytes>>>(status: StatusCode, detail: &str) -> Ours<L, R> {
-    problem(status, document(status, detail, None))
+pub fn error<L, R: From<Full<Bytes>>>(status: StatusCode, detail: &str, id: &IdText) -> Ours<L, R> {
+    let mut resp = problem(status, document(status, detail, None, id));
+    resp.headers_mut()
+        .insert(X_REQUEST_ID.clone(), id.header_value());
+    resp
 }
 
 /// The problem document of an error of ours, naming the rule when one could not decide.
-fn document(status: StatusCode, detail: &str, rule: Option<&str>) -> Bytes {
+fn document(status: StatusCode, detail: &str, rule: Option<&str>, id: &IdText) -> Bytes {
     let title = status.canonical_reason().unwrap_or("Error");
     let mut body = format!(
         "{{\"type\":\"about:blank\",\"title\":\"{title}\",\"status\":{},\"detail\":{}",
@@ -448,7 +531,8 @@ fn document(status: StatusCode, detail: &str, rule: Option<&str>) -> Bytes {
     if let Some(rule) = rule {
         let _ = write!(body, ",\"rule\":{}", serde_json::Value::from(rule));
     }
-    body.push_str("}\n");
+    // An id is visible ASCII without quotes or backslashes: no escaping.
+    let _ = writeln!(body, ",\"request_id\":\"{id}\"}}");
     Bytes::from(body)
 }
 
@@ -549,6 +633,11 @@ impl<B: Body + Unpin> Body for PermitBody<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The id the tests' answers are for.
+    fn rid() -> IdText {
+        IdText::from_bytes(b"test-id-1").unwrap()
+    }
     use crate::config::HeaderMode;
     use crate::rules::RateState;
 
@@ -589,8 +678,12 @@ mod tests {
         let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
         // 3 s is kept, 61 s and "never" are formatted per refusal: all must read the same way.
         for secs in [Some(3), Some(3), Some(61), None] {
-            let (status, headers, body) =
-                parts(too_many_requests(&denial(&answers, secs), Form::Http)).await;
+            let (status, headers, body) = parts(too_many_requests(
+                &denial(&answers, secs),
+                Form::Http,
+                &rid(),
+            ))
+            .await;
             assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
             assert_eq!(
                 headers
@@ -633,19 +726,24 @@ mod tests {
             reason: Reason::RepeatedKey,
             detail: "sent \"twice\"".to_string(),
         };
-        let (status, headers, body) =
-            parts(answer(&Refusal::BadRequest(bad.clone()), Form::Http)).await;
+        let (status, headers, body) = parts(answer(
+            &Refusal::BadRequest(bad.clone()),
+            Form::Http,
+            &rid(),
+        ))
+        .await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert!(!headers.contains_key(http::header::CONNECTION));
         assert_eq!(
             body,
             "{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\
-             \"detail\":\"sent \\\"twice\\\"\",\"rule\":\"per-key\"}\n"
+             \"detail\":\"sent \\\"twice\\\"\",\"rule\":\"per-key\",\"request_id\":\"test-id-1\"}\n"
         );
+        assert_eq!(headers["x-request-id"], "test-id-1");
         assert_eq!(Refused::from(&bad).reason, Reason::RepeatedKey);
         // The hygiene's and the head parser's: their status, and a close when asked.
         let closing = Refused::closing(StatusCode::BAD_REQUEST, Reason::Host, "no host");
-        let (status, headers, body) = parts(closing.response()).await;
+        let (status, headers, body) = parts(closing.response(&rid())).await;
         assert_eq!(status, StatusCode::BAD_REQUEST);
         assert_eq!(headers[http::header::CONNECTION], "close");
         let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -659,7 +757,7 @@ mod tests {
             "elsewhere",
         )
         .saying("not here".into());
-        let (status, headers, body) = parts(kept.response()).await;
+        let (status, headers, body) = parts(kept.response(&rid())).await;
         assert_eq!(status, StatusCode::MISDIRECTED_REQUEST);
         assert!(!headers.contains_key(http::header::CONNECTION));
         let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
@@ -680,12 +778,18 @@ mod tests {
         for mode in [HeaderMode::OnReject, HeaderMode::Always, HeaderMode::Never] {
             let mut d = denial(&answers, Some(7));
             d.header_mode = mode;
-            let (status, headers, body) = parts(too_many_requests(&d, Form::Http)).await;
+            let (status, headers, body) = parts(too_many_requests(&d, Form::Http, &rid())).await;
             let refusal = Refusal::Limited(d);
-            let kept = super::kept(&refusal, Form::Http).expect("a 7 s hint is kept");
-            assert_eq!(String::from_utf8_lossy(kept.fields()), lines(&headers));
+            let kept = super::kept(&refusal, Form::Http, &rid()).expect("a 7 s hint is kept");
+            // The id is written after the kept lines, from the request.
+            let id_line = "x-request-id: test-id-1\r\n";
+            let fields = String::from_utf8_lossy(kept.fields()) + id_line;
+            assert_eq!(fields, lines(&headers));
             assert_eq!(kept.map(), headers, "{mode:?}");
             assert_eq!(kept.body(), body);
+            let doc: serde_json::Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(doc["request_id"], "test-id-1");
+            assert_eq!(doc["rule"], "per-ip");
             assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
         }
     }
@@ -733,18 +837,28 @@ mod tests {
             (Some(7), Form::Grpc),
         ] {
             let refusal = Refusal::Limited(denial(&answers, secs));
-            assert!(kept(&refusal, grpc).is_none(), "{secs:?} {grpc:?}");
-            let resp = answer::<(), Full<Bytes>>(&refusal, grpc);
+            assert!(kept(&refusal, grpc, &rid()).is_none(), "{secs:?} {grpc:?}");
+            let resp = answer::<(), Full<Bytes>>(&refusal, grpc, &rid());
             assert!(resp.headers().contains_key(RETRY_AFTER) || secs.is_none());
         }
-        assert!(kept(&Refusal::Limited(denial(&answers, Some(7))), Form::Http).is_some());
+        assert!(kept(
+            &Refusal::Limited(denial(&answers, Some(7))),
+            Form::Http,
+            &rid()
+        )
+        .is_some());
     }
 
     #[test]
     fn a_kept_429s_fields_are_read_and_mapped_through_its_head_and_one_added_stays() {
         use crate::proxy::response::{Lines, Reply};
         let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
-        let kept = kept(&Refusal::Limited(denial(&answers, Some(7))), Form::Http).unwrap();
+        let kept = kept(
+            &Refusal::Limited(denial(&answers, Some(7))),
+            Form::Http,
+            &rid(),
+        )
+        .unwrap();
         let mut reply = Reply::kept(kept.clone());
         assert_eq!(reply.head.status(), StatusCode::TOO_MANY_REQUESTS);
         // Read where they are, without mapping them.
@@ -753,7 +867,7 @@ mod tests {
         assert_eq!(reply.head.field(&http::header::ETAG), None);
         let (map, lines) = reply.head.written();
         assert!(map.is_empty(), "no map for a kept 429");
-        assert!(matches!(lines, Some(Lines::Kept(f)) if f == kept.fields()));
+        assert!(matches!(lines, Some(Lines::Kept(f, _)) if f == kept.fields()));
         // The connection's fate is not a field.
         reply.head.close();
         assert!(reply.head.closes());
@@ -779,7 +893,7 @@ mod tests {
             let refused = Refused::upstream(kind);
             assert_eq!(refused.reason.label(), kind.label());
             assert!(!refused.close, "{kind:?}: the client connection goes on");
-            let resp = refused.response::<(), Full<Bytes>>();
+            let resp = refused.response::<(), Full<Bytes>>(&rid());
             assert!(resp.status().is_server_error(), "{kind:?}");
             let retry = resp.headers().get(RETRY_AFTER);
             assert_eq!(
@@ -794,13 +908,13 @@ mod tests {
     fn a_refusal_that_closes_the_connection_says_so_in_its_heads_fate_not_a_field() {
         use crate::proxy::response::Reply;
         let closing = Refused::closing(StatusCode::BAD_REQUEST, Reason::Host, "no host");
-        let reply = Reply::refused(&closing);
+        let reply = Reply::refused(&closing, &rid());
         assert!(reply.head.closes());
         assert!(reply.head.field(&http::header::CONNECTION).is_none());
         let kept = Refused::new(StatusCode::MISDIRECTED_REQUEST, Reason::Misdirected, "x");
-        assert!(!Reply::refused(&kept).head.closes());
+        assert!(!Reply::refused(&kept, &rid()).head.closes());
         // Any `Connection` value naming the token, in any case.
-        let mut listed = kept.response();
+        let mut listed = kept.response(&rid());
         listed
             .headers_mut()
             .append(http::header::CONNECTION, HeaderValue::from_static("x-a"));
@@ -818,7 +932,7 @@ mod tests {
         let answers = Arc::new(Answers::new(Arc::from("per-ip"), policy()));
         let mut d = denial(&answers, Some(1));
         d.header_mode = HeaderMode::Never;
-        let (_, headers, _) = parts(too_many_requests(&d, Form::Http)).await;
+        let (_, headers, _) = parts(too_many_requests(&d, Form::Http, &rid())).await;
         assert_eq!(headers[RETRY_AFTER], "1");
         assert!(!headers.contains_key(&RATELIMIT));
         assert!(!headers.contains_key(&RATELIMIT_POLICY));

@@ -200,7 +200,7 @@ impl RuleSet {
                 Kind::Concurrency {
                     max, store, share, ..
                 } => {
-                    let held = store.map.get(&key[..]).map_or(0, |c| c.in_flight());
+                    let held = store.peek_state(&key, |c| c.in_flight()).unwrap_or(0);
                     let part = share
                         .as_ref()
                         .and_then(|s| s.peek(req.client_ip, *max, &self.share_exempt));
@@ -234,7 +234,7 @@ impl RuleSet {
                     slot_decision(held < limit && !client_full, limit - held.min(limit))
                 }
                 Kind::Redis { refused, .. } => {
-                    let remembered = refused.map.get(&key[..]).and_then(|r| r.refused(now, cost));
+                    let remembered = refused.peek_state(&key, |r| r.refused(now, cost)).flatten();
                     e.state = serde_json::json!({ "refusal_remembered": remembered.is_some() });
                     match remembered {
                         Some(retry) => {
@@ -270,7 +270,7 @@ impl RuleSet {
                         fallback: fallback.as_ref(),
                         drained: drained.load(Ordering::Relaxed),
                     };
-                    let found = store.map.get(&key[..]).map(|c| c.copy());
+                    let found = store.peek_state(&key, |c| c.copy());
                     let tracked = found.is_some();
                     let counters = Arc::new(found.unwrap_or_default());
                     let r = ratios.get_or_insert_with(|| self.ratios.load());
@@ -447,14 +447,19 @@ impl RuleSet {
 }
 
 impl RuleSet {
-    /// A key as its store keeps it, for `top` (and `explain`, to find it there): a digest of
-    /// the whole key when it has private parts (the store keeps them as sent), else its bytes
-    /// escaped (parts framed; a long key is kept as a hash of itself).
+    /// A key as its store keeps it, for `top`, written as the logs write it (private parts
+    /// as digests, unless `log_keys: clear`); a local key kept as its hash (past 64 bytes) as
+    /// `hashed:` and that hash, which `explain` shows as `stored` for a request.
     fn stored_form(&self, rule: &CompiledRule, key: &[u8]) -> String {
-        if rule.digested {
-            format!("key-digest:{}", self.secret.of_value(key))
+        let local = !matches!(&*rule.kind, Kind::Global { .. } | Kind::Redis { .. });
+        let shown = if rule.digested {
+            shown_stored(&rule.key, key, local, |v, out| self.secret.push(v, out))
         } else {
-            key.escape_ascii().to_string()
+            shown_stored(&rule.key, key, local, |v, out| out.extend_from_slice(v))
+        };
+        match shown {
+            Some(text) => String::from_utf8_lossy(&text).into_owned(),
+            None => format!("hashed:{}", key.escape_ascii()),
         }
     }
 }

@@ -123,7 +123,7 @@ impl DropRatios {
     /// replies (0: no bound). A ratio is `(offered - limit) / offered`: the control plane
     /// sends it below 0 for keys it watches under their limit, which readers of one version
     /// back take as 0.
-    #[inline]
+    #[inline(always)]
     pub fn ratio_keep(&self, rule: &str, key: &[u8], tail: impl FnOnce() -> bool) -> (f64, f64) {
         let Some(r) = self.rules.get(rule) else {
             return (0.0, 0.0);

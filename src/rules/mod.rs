@@ -33,8 +33,8 @@ use crate::config::{
     OnLimit, Rate, Rule, Scope, SketchSize,
 };
 use crate::key::{
-    bound_local, canonical_text, extract, extract_shown, extract_text, Extract, KeyBuf, KeyPart,
-    RequestView,
+    bound_local, canonical_text, extract, extract_shown, extract_text, shown_stored, Extract,
+    KeyBuf, KeyPart, RequestView,
 };
 use crate::limit::{
     ceil_secs, Adaptive, Algorithm, Concurrency, Decision, FixedWindow, Gcra, LeakyBucket, Limiter,
@@ -600,6 +600,7 @@ impl RuleSet {
             traceparent,
             units,
             owed,
+            request_id = %req.request_id().text(),
             "request refused by a rule"
         );
     }

@@ -250,8 +250,8 @@ impl RateStore {
         now: Nanos,
         cost: u32,
     ) -> (Decision, bool) {
-        each_store!(self, s => match s.map.get(key) {
-            Some(st) => (st.peek(quota, now, cost), true),
+        each_store!(self, s => match s.peek_state(key, |st| st.peek(quota, now, cost)) {
+            Some(decision) => (decision, true),
             None => (fresh_like(&s.overflow, quota, now, cost), false),
         })
     }
@@ -455,6 +455,16 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
         };
         self.reclaim_every.store(next, Ordering::Relaxed);
         freed
+    }
+
+    /// `f` of `key`'s state, if the store tracks it; nothing is created. Off the request path
+    /// (`explain`): looked up by a key of the stored type, so that the request path's lookup
+    /// by borrowed bytes keeps the one caller it is inlined into.
+    #[cold]
+    pub(super) fn peek_state<R>(&self, key: &[u8], f: impl FnOnce(&S) -> R) -> Option<R> {
+        self.map
+            .get(&StoredKey::from_slice(key))
+            .map(|s| f(s.value()))
     }
 
     /// Runs `f` on the state a decision used, if it still exists.

@@ -153,8 +153,10 @@ impl RuleSet {
         self.global_decide(t, &g, counters, at, ratios, granted)
     }
 
-    /// [`Self::global_turn`] on the key's `counters`, found in the store's slot `at`.
-    #[inline]
+    /// [`Self::global_turn`] on the key's `counters`, found in the store's slot `at`. Always
+    /// inlined: `explain` decides by it too, and a second caller would leave the request
+    /// path's outlined.
+    #[inline(always)]
     pub(super) fn global_decide(
         &self,
         t: &Turn<'_, '_>,

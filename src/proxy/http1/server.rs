@@ -310,7 +310,8 @@ impl ClientConn {
     /// Answers a refused head with its status, counted by its reason, and ends the connection.
     async fn refuse(mut self, handler: &impl Handler, why: Refusal) -> Result<(), Error> {
         handler.refused(why.reason);
-        let mut resp = Reply::refused(&why);
+        // No head was read to take an id from.
+        let mut resp = Reply::refused(&why, &crate::ids::RequestId::made().text());
         let asked = ResponseAsks {
             head: false,
             http10: false,
@@ -358,7 +359,12 @@ impl ClientConn {
         let given = headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| parse_length(v.as_bytes()));
-        let known = resp.body.size_hint().exact();
+        // A kept 429's document is the head's to give: its end is the request's id.
+        let kept = resp.head.kept_document();
+        let known = match kept {
+            Some((_, len)) => Some(len as u64),
+            None => resp.body.size_hint().exact(),
+        };
         let framing = if asked.head
             || status.is_informational()
             || status == StatusCode::NO_CONTENT
@@ -374,17 +380,31 @@ impl ClientConn {
             ResponseFraming::Chunked
         };
         self.out.clear();
+        let lines = Lines::of(lines);
+        let id = lines.id;
         write_head(
             &mut self.out,
             status,
-            (headers, Lines::of(lines)),
+            (headers, lines),
             &framing,
             known,
             asked,
             stay,
         );
+        let whole = match (kept, id, &framing) {
+            (Some((open, _)), Some(id), ResponseFraming::Length(_)) => {
+                self.out.extend_from_slice(open);
+                crate::respond::put_id_member(&mut self.out, id);
+                true
+            }
+            _ => false,
+        };
         // Not kept while the body streams.
         resp.head.sent();
+        if whole {
+            send_all(&self.stream, &mut self.clock, &self.out).await?;
+            return Ok(stay);
+        }
         let body_idle = resp
             .head
             .extensions()
@@ -546,19 +566,23 @@ struct Lines<'a> {
     runs: SmallVec<[&'a [u8]; 3]>,
     date: bool,
     length: bool,
+    /// A kept 429's request id, written as `x-request-id` after the runs.
+    id: Option<&'a crate::ids::IdText>,
 }
 
 impl<'a> Lines<'a> {
     fn of(lines: Option<response::Lines<'a>>) -> Self {
         match lines {
-            Some(response::Lines::Kept(fields)) => Lines {
+            Some(response::Lines::Kept(fields, id)) => Lines {
                 runs: smallvec::smallvec![fields],
+                id: Some(id),
                 ..Lines::default()
             },
             Some(response::Lines::Upstream(passed)) => Lines {
                 runs: passed.runs().collect(),
                 date: passed.date,
                 length: passed.length,
+                id: None,
             },
             None => Lines::default(),
         }
@@ -597,6 +621,11 @@ fn write_head(
     }
     for run in lines.runs {
         out.extend_from_slice(run);
+    }
+    if let Some(id) = lines.id {
+        out.extend_from_slice(b"x-request-id: ");
+        out.extend_from_slice(id.as_bytes());
+        out.extend_from_slice(b"\r\n");
     }
     if !lines.date && !headers.contains_key(header::DATE) {
         date::with(|d| field(out, b"date", d));

@@ -1,0 +1,107 @@
+//! The access log (`access_log:`): a line for every request Spillway refuses or answers
+//! itself, and for one in `admitted_one_in` of those it forwards, with the fields of nginx's
+//! and Envoy's default formats and the rule, the decision and the request's id. Owns what a
+//! line holds and when one is written. Must never: cost a request anything while the log is
+//! off (one branch), allocate for a request it will not log, or hold the request's head.
+
+use std::net::SocketAddr;
+
+use http::header::{HeaderValue, CONTENT_LENGTH, HOST, REFERER, USER_AGENT};
+use http::{Method, Request, Uri, Version};
+
+use crate::ids::IdText;
+
+/// The target an access line is logged under (`RUST_LOG` may name it).
+pub const TARGET: &str = "spillway::access";
+
+/// What a line says of the request, copied from its head before it goes upstream (each field
+/// a reference count, not a copy of the text).
+pub(super) struct Asked {
+    method: Method,
+    uri: Uri,
+    version: Version,
+    host: Option<HeaderValue>,
+    user_agent: Option<HeaderValue>,
+    referer: Option<HeaderValue>,
+    forwarded_for: Option<HeaderValue>,
+    length: Option<HeaderValue>,
+    /// Whether a forwarded answer gets a line (refusals and errors always do).
+    pub(super) sampled: bool,
+}
+
+impl Asked {
+    /// `req`'s fields, when the log is on (`one_in`: its sampling of forwarded requests).
+    #[inline(always)]
+    pub(super) fn of<B>(req: &Request<B>, one_in: Option<u32>) -> Option<Asked> {
+        one_in.map(|n| Self::copied(req, n))
+    }
+
+    #[cold]
+    fn copied<B>(req: &Request<B>, one_in: u32) -> Asked {
+        let h = req.headers();
+        Asked {
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            version: req.version(),
+            host: h.get(HOST).cloned(),
+            user_agent: h.get(USER_AGENT).cloned(),
+            referer: h.get(REFERER).cloned(),
+            forwarded_for: h.get("x-forwarded-for").cloned(),
+            length: h.get(CONTENT_LENGTH).cloned(),
+            sampled: one_in > 0 && fastrand::u32(..one_in) == 0,
+        }
+    }
+}
+
+/// How a request ended, for its line.
+pub(super) struct Answered<'a> {
+    pub(super) status: http::StatusCode,
+    /// `forwarded`, `rejected` (a rule's 429 or 503) or `error` (an answer of ours).
+    pub(super) decision: &'static str,
+    /// The rule that refused it, or could not decide it.
+    pub(super) rule: Option<&'a str>,
+    pub(super) id: &'a IdText,
+    /// The response's `Content-Length`, when it has one.
+    pub(super) bytes_sent: Option<&'a [u8]>,
+    pub(super) seconds: f64,
+}
+
+/// Writes `asked`'s line from `peer` (`client`: the address the rules keyed, `None` before
+/// they did) as `answered` says, unless it is a forwarded request not sampled.
+pub(super) fn log(
+    asked: &Asked,
+    peer: SocketAddr,
+    client: Option<std::net::IpAddr>,
+    answered: &Answered<'_>,
+) {
+    if answered.decision == "forwarded" && !asked.sampled {
+        return;
+    }
+    let text = |v: &Option<HeaderValue>| {
+        v.as_ref()
+            .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+            .unwrap_or_default()
+    };
+    let number =
+        |v: Option<&[u8]>| -> Option<u64> { std::str::from_utf8(v?).ok()?.trim().parse().ok() };
+    tracing::info!(
+        target: TARGET,
+        request_id = %answered.id,
+        client = %client.unwrap_or(peer.ip()),
+        peer = %peer,
+        method = %asked.method,
+        path = %asked.uri.path_and_query().map_or("/", |p| p.as_str()),
+        protocol = ?asked.version,
+        authority = %text(&asked.host),
+        status = answered.status.as_u16(),
+        decision = answered.decision,
+        rule = answered.rule.unwrap_or(""),
+        bytes_received = number(asked.length.as_ref().map(HeaderValue::as_bytes)),
+        bytes_sent = number(answered.bytes_sent),
+        duration_ms = answered.seconds * 1e3,
+        user_agent = %text(&asked.user_agent),
+        referer = %text(&asked.referer),
+        x_forwarded_for = %text(&asked.forwarded_for),
+        "access"
+    );
+}
