@@ -250,6 +250,10 @@ async fn top_lists_keys_from_the_stores_and_a_digested_key_never_in_clear() {
     let e = explain(sc.admin_addr(), "/tb", &[("x-client", "alice-secret")]).await;
     assert_eq!(first["key"], e["rules"][0]["stored"], "{e:#}");
     assert_eq!(tb["top"][1]["limited"], false);
+    // And the keys refused lately: alice's one refusal.
+    assert_eq!(tb["refused"][0]["key"], first["key"]);
+    assert_eq!(tb["refused"][0]["refusals"], 1);
+    assert_eq!(tb["refused"].as_array().unwrap().len(), 1);
 }
 
 #[tokio::test]

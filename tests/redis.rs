@@ -1184,3 +1184,77 @@ async fn a_responses_usage_is_owed_in_redis_and_every_proxy_refuses_the_key_in_d
         0.0
     );
 }
+
+/// `/explain`'s answer for `path` with `headers`, from the sidecar's admin listener.
+async fn explained(sc: &Sidecar, headers: &[(&str, &str)]) -> serde_json::Value {
+    use http_body_util::BodyExt;
+    let fields: Vec<[&str; 2]> = headers.iter().map(|(k, v)| [*k, *v]).collect();
+    let body = serde_json::json!({ "path": "/", "headers": fields }).to_string();
+    let req = hyper::Request::post(format!("http://{}/explain", sc.admin_addr()))
+        .body(
+            http_body_util::Full::new(bytes::Bytes::from(body))
+                .map_err(|never| match never {})
+                .boxed(),
+        )
+        .unwrap();
+    let resp = client().request(req).await.unwrap();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    serde_json::from_slice(&body).unwrap()
+}
+
+#[tokio::test]
+async fn explain_reads_every_algorithms_state_in_redis_without_writing_it() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    for algorithm in ALGORITHMS {
+        // No refusal remembered here: each answer is Redis's.
+        let sc = proxy(
+            &up,
+            &redis,
+            "  cache_refusals: false\n",
+            &limit("2/m", algorithm),
+            "",
+        )
+        .await;
+        clear_of_window_edge(&redis, Duration::from_secs(60), Duration::from_secs(5)).await;
+        let key = [("x-client", algorithm)];
+        let mut admitted = 0;
+        for _ in 0..3 {
+            // Asked twice: a read that wrote would leave the real request a different answer.
+            explained(&sc, &key).await;
+            let e = explained(&sc, &key).await;
+            let rule = &e["rules"][0];
+            assert_eq!(rule["state"]["read_from_redis"], true, "{algorithm}: {e:#}");
+            let (status, _, _) = get(sc.addr(), "/", &key).await;
+            match rule["decision"].as_str() {
+                Some("admit") => {
+                    assert_eq!(e["decision"], "admit", "{algorithm}: {e:#}");
+                    assert_eq!(status, StatusCode::OK, "{algorithm}: {e:#}");
+                    admitted += 1;
+                }
+                Some("refuse") => {
+                    assert_eq!(
+                        (e["decision"].as_str(), e["by"].as_str()),
+                        (Some("refuse"), Some("r"))
+                    );
+                    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{algorithm}: {e:#}");
+                }
+                other => panic!("{algorithm}: {other:?}: {e:#}"),
+            }
+        }
+        assert_eq!(admitted, 2, "{algorithm}");
+        sc.shutdown();
+    }
+}
+
+#[tokio::test]
+async fn explain_says_what_on_error_does_when_redis_is_gone() {
+    let mut redis = RedisServer::start();
+    let up = upstream().await;
+    let sc = proxy(&up, &redis, "  on_error: deny\n", &limit("2/m", "gcra"), "").await;
+    redis.stop();
+    let e = explained(&sc, &[("x-client", "a")]).await;
+    assert_eq!(e["decision"], "asks_redis", "{e:#}");
+    let reason = e["rules"][0]["reason"].as_str().unwrap();
+    assert!(reason.contains("on_error: deny"), "{reason}");
+}

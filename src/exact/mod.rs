@@ -45,6 +45,17 @@ impl RemoteStore for Arc<Exact> {
         })
     }
 
+    fn peek<'a>(
+        &'a self,
+        q: Question<'a>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<Answer>> + Send + 'a>> {
+        Box::pin(async move {
+            Exact::peek(self, q.rule, q.key, q.algorithm, q.quota, q.cost)
+                .await
+                .ok()
+        })
+    }
+
     fn owe(
         &self,
         rule: Arc<str>,
@@ -158,6 +169,11 @@ struct Scripts {
     gcra: Script,
     /// A response's units charged after it to a `gcra` key.
     owe: Script,
+    /// What each of the four would answer, read only (`explain`).
+    peek_fixed_window: Script,
+    peek_sliding_window_log: Script,
+    peek_sliding_window_counter: Script,
+    peek_gcra: Script,
 }
 
 /// A script: the shebang first (Redis 7: a script with one is refused whole, `OOM`, while
@@ -170,6 +186,15 @@ fn script(body: &str) -> Script {
     ))
 }
 
+/// A script that Redis refuses to let write (Redis 7's `no-writes` flag): it runs on a
+/// replica, under a read-only user, and past `maxmemory`.
+fn read_only(body: &str) -> Script {
+    Script::new(&format!(
+        "#!lua flags=no-writes\n{}\n{body}",
+        include_str!("lua/prelude.lua")
+    ))
+}
+
 impl Scripts {
     fn new() -> Self {
         Scripts {
@@ -178,6 +203,12 @@ impl Scripts {
             sliding_window_counter: script(include_str!("lua/sliding_window_counter.lua")),
             gcra: script(include_str!("lua/gcra.lua")),
             owe: script(include_str!("lua/owe.lua")),
+            peek_fixed_window: read_only(include_str!("lua/peek_fixed_window.lua")),
+            peek_sliding_window_log: read_only(include_str!("lua/peek_sliding_window_log.lua")),
+            peek_sliding_window_counter: read_only(include_str!(
+                "lua/peek_sliding_window_counter.lua"
+            )),
+            peek_gcra: read_only(include_str!("lua/peek_gcra.lua")),
         }
     }
 
@@ -330,6 +361,30 @@ impl Exact {
     ) -> Result<Answer, Failure> {
         let (script, args) = self.invocation(algorithm, quota, cost);
         let v = self.run(rule, key, script, &args).await?;
+        Ok(parse_answer(&v).expect("run checked the answer's shape"))
+    }
+
+    /// What [`Self::decide`] would answer now, by a script that cannot write (`explain`).
+    pub async fn peek(
+        self: &Arc<Self>,
+        rule: &str,
+        key: &[u8],
+        algorithm: Algorithm,
+        quota: &Quota,
+        cost: u32,
+    ) -> Result<Answer, Failure> {
+        let (script, args) = self.invocation(algorithm, quota, cost);
+        let s = &self.scripts;
+        let peek = if std::ptr::eq(script, &s.fixed_window) {
+            &s.peek_fixed_window
+        } else if std::ptr::eq(script, &s.sliding_window_log) {
+            &s.peek_sliding_window_log
+        } else if std::ptr::eq(script, &s.sliding_window_counter) {
+            &s.peek_sliding_window_counter
+        } else {
+            &s.peek_gcra
+        };
+        let v = self.run(rule, key, peek, &args).await?;
         Ok(parse_answer(&v).expect("run checked the answer's shape"))
     }
 

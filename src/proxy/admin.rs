@@ -171,11 +171,23 @@ fn ui_state(shared: &Shared, keys: bool) -> Bytes {
             .into_iter()
             .flat_map(|r| {
                 let (rule, used) = (r.rule, r.used);
-                r.top.into_iter().map(move |k| {
-                    serde_json::json!({
-                        "rule": rule, "key": k.key, "used": k.used, "of": used, "limited": k.limited,
+                let refused = r.refused.into_iter().map({
+                    let rule = rule.clone();
+                    move |k| {
+                        serde_json::json!({
+                            "rule": rule, "key": k.key, "used": k.refusals,
+                            "of": "refusals over the last minute or two", "limited": true,
+                        })
+                    }
+                });
+                r.top
+                    .into_iter()
+                    .map(move |k| {
+                        serde_json::json!({
+                            "rule": rule, "key": k.key, "used": k.used, "of": used, "limited": k.limited,
+                        })
                     })
-                })
+                    .chain(refused)
             })
             .collect::<Vec<_>>()
     });
@@ -221,7 +233,7 @@ async fn support(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes
                     )
                 }
             };
-            match explain(shared, asked, now) {
+            match explain(shared, asked, now).await {
                 Ok(doc) => json(StatusCode::OK, &doc),
                 Err(e) => owned(StatusCode::BAD_REQUEST, format!("{e}\n")),
             }
@@ -365,16 +377,28 @@ pub enum Fields {
 }
 
 /// What the rules would decide of `asked` at `now`: the request made as the proxy makes it
-/// (its hygiene, its client), then explained.
-fn explain(
+/// (its hygiene, its client), explained, and Redis asked read only for `scope: redis` rules.
+async fn explain(
     shared: &Shared,
     asked: Asked,
     now: crate::limit::Nanos,
 ) -> Result<serde_json::Value, String> {
-    let config = shared.config.load();
-    let rules = shared.rules.load();
+    let config = shared.config.load_full();
+    let rules = shared.rules.load_full();
     let how = (&shared.hygiene, &shared.client_ip, &config.hosts[..]);
-    describe(how, &rules, asked, now)
+    let (mut explained, client, path) = match describe(how, &rules, asked, now)? {
+        Ok(described) => described,
+        Err(refused) => return Ok(refused),
+    };
+    let asks = explained.asks.clone();
+    for ask in &asks {
+        let answer = match (rules.store(), rules.redis_question(ask)) {
+            (Some(store), Some(q)) => store.peek(q).await,
+            _ => None,
+        };
+        explained.redis_answered(ask, answer, rules.store().map(|s| s.on_error()));
+    }
+    document(&explained, client, path)
 }
 
 /// What `config`'s rules make of `asked` with no state (no proxy reached): which rules match
@@ -388,7 +412,10 @@ pub fn explain_offline(
     let rules = crate::rules::RuleSet::build(config, &metrics).with_secret(secret);
     let hygiene = crate::hygiene::Hygiene::of(config);
     let policy = config.client_ip.policy();
-    let mut doc = describe((&hygiene, &policy, &config.hosts[..]), &rules, asked, 0)?;
+    let mut doc = match describe((&hygiene, &policy, &config.hosts[..]), &rules, asked, 0)? {
+        Ok((explained, client, path)) => document(&explained, client, path)?,
+        Err(refused) => refused,
+    };
     if let serde_json::Value::Object(m) = &mut doc {
         m.insert("offline".into(), true.into());
         if let Some(serde_json::Value::Array(list)) = m.get_mut("rules") {
@@ -414,8 +441,24 @@ pub fn explain_offline(
     Ok(doc)
 }
 
+/// An explanation as JSON, with the client the rules keyed and the path they matched.
+fn document(
+    explained: &crate::rules::Explanation,
+    client: String,
+    path: String,
+) -> Result<serde_json::Value, String> {
+    let mut doc = serde_json::to_value(explained).map_err(|e| e.to_string())?;
+    if let serde_json::Value::Object(m) = &mut doc {
+        m.insert("client".into(), client.into());
+        m.insert("path".into(), path.into());
+    }
+    Ok(doc)
+}
+
 /// [`RuleSet::explain`] of `asked`, made a request by `hygiene` and `policy` as the proxy
-/// makes one (a missing `Host` is the first of `hosts`).
+/// makes one (a missing `Host` is the first of `hosts`): the explanation, the client the
+/// rules keyed and the path they matched; or the hygiene's refusal's document.
+#[allow(clippy::type_complexity)]
 fn describe(
     (hygiene, policy, hosts): (
         &crate::hygiene::Hygiene,
@@ -425,7 +468,7 @@ fn describe(
     rules: &crate::rules::RuleSet,
     asked: Asked,
     now: crate::limit::Nanos,
-) -> Result<serde_json::Value, String> {
+) -> Result<Result<(crate::rules::Explanation, String, String), serde_json::Value>, String> {
     let mut builder = Request::builder()
         .method(asked.method.as_str())
         .uri(asked.path.as_str());
@@ -458,12 +501,12 @@ fn describe(
         .client
         .unwrap_or(std::net::IpAddr::from([127, 0, 0, 1]));
     if let Err(refused) = hygiene.apply(&mut req) {
-        return Ok(serde_json::json!({
+        return Ok(Err(serde_json::json!({
             "decision": "bad_request",
             "status": refused.status.as_u16(),
             "reason": refused.detail,
             "rules": [],
-        }));
+        })));
     }
     let trusted = policy.trusts(peer);
     if !trusted {
@@ -477,12 +520,11 @@ fn describe(
         crate::ids::IdFrom::Trusted,
     );
     let explained = rules.explain(&view, now);
-    let mut doc = serde_json::to_value(&explained).map_err(|e| e.to_string())?;
-    if let serde_json::Value::Object(m) = &mut doc {
-        m.insert("client".into(), client.keyed.to_string().into());
-        m.insert("path".into(), view.path().to_string().into());
-    }
-    Ok(doc)
+    Ok(Ok((
+        explained,
+        client.keyed.to_string(),
+        view.path().to_string(),
+    )))
 }
 
 fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Full<Bytes>> {

@@ -350,6 +350,7 @@ pub(super) fn compile(
             .requests
             .with_label_values(&[label, "shadow_rejected"]),
         logged: LogBudget::default(),
+        refused_keys: Default::default(),
         name,
     }
 }

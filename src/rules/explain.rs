@@ -22,6 +22,20 @@ pub struct Explanation {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_after_s: Option<u64>,
     pub rules: Vec<RuleExplained>,
+    /// The `scope: redis` rules whose answer is Redis's: for the caller to ask it, read only
+    /// ([`RuleSet::redis_question`], [`Explanation::redis_answered`]).
+    #[serde(skip)]
+    pub asks: Vec<RedisAsk>,
+}
+
+/// A question `explain` leaves to Redis: the rule (`rule`th, `at` in the explanation's list),
+/// its key and the request's units. Never shown (the key is as the client sent it).
+#[derive(Debug, Clone)]
+pub struct RedisAsk {
+    at: usize,
+    rule: usize,
+    key: Vec<u8>,
+    cost: u32,
 }
 
 /// One rule's part of an [`Explanation`].
@@ -109,6 +123,16 @@ pub struct TopRule {
     /// What `used` counts.
     pub used: &'static str,
     pub top: Vec<TopKey>,
+    /// The keys refused most over this minute and the last, with their refusals counted
+    /// (up to a hundred a second: a flood's first each second).
+    pub refused: Vec<RefusedKey>,
+}
+
+/// A key of [`TopRule::refused`].
+#[derive(Debug, Serialize)]
+pub struct RefusedKey {
+    pub key: String,
+    pub refusals: u64,
 }
 
 impl RuleSet {
@@ -119,6 +143,7 @@ impl RuleSet {
             by: None,
             retry_after_s: None,
             rules: Vec::with_capacity(self.rules.len()),
+            asks: Vec::new(),
         };
         let mut key = KeyBuf::new();
         let mut ratios = None;
@@ -247,10 +272,14 @@ impl RuleSet {
                         }
                         None => {
                             e.decision = "asks_redis";
-                            e.reason =
-                                "decided by Redis once every local rule admits (state not read)"
-                                    .into();
+                            e.reason = "decided by Redis once every local rule admits".into();
                             redis = true;
+                            out.asks.push(RedisAsk {
+                                at: out.rules.len(),
+                                rule: i,
+                                key: key.to_vec(),
+                                cost,
+                            });
                             out.rules.push(e);
                             continue;
                         }
@@ -425,7 +454,7 @@ impl RuleSet {
                         })
                         .collect(),
                 ),
-                Kind::Adaptive { .. } => continue,
+                Kind::Adaptive { .. } => ("requests in flight", Vec::new()),
             };
             let tracked = keys.len();
             keys.sort_by(|a, b| {
@@ -434,12 +463,22 @@ impl RuleSet {
                     .unwrap_or(std::cmp::Ordering::Equal)
             });
             keys.truncate(n);
+            let refused = rule
+                .refused_keys
+                .top(n, now)
+                .into_iter()
+                .map(|(k, refusals)| RefusedKey {
+                    key: shown(&k),
+                    refusals,
+                })
+                .collect();
             out.push(TopRule {
                 rule: rule.name.to_string(),
                 kind: rule.kind_name(),
                 keys: tracked,
                 used,
                 top: keys,
+                refused,
             });
         }
         out
@@ -447,6 +486,24 @@ impl RuleSet {
 }
 
 impl RuleSet {
+    /// The question `ask` puts to the store, as a decision would put it.
+    pub fn redis_question<'a>(&'a self, ask: &'a RedisAsk) -> Option<Question<'a>> {
+        let rule = self.rules.get(ask.rule)?;
+        let Kind::Redis {
+            algorithm, quota, ..
+        } = &*rule.kind
+        else {
+            return None;
+        };
+        Some(Question {
+            rule: &rule.name,
+            key: &ask.key,
+            algorithm: *algorithm,
+            quota,
+            cost: ask.cost,
+        })
+    }
+
     /// A key as its store keeps it, for `top`, written as the logs write it (private parts
     /// as digests, unless `log_keys: clear`); a local key kept as its hash (past 64 bytes) as
     /// `hashed:` and that hash, which `explain` shows as `stored` for a request.
@@ -480,6 +537,64 @@ fn slot_decision(free: bool, remaining: u32) -> Decision {
 }
 
 impl Explanation {
+    /// What Redis, asked read only, said of `ask` (`None`: no answer, so `on_error` decides):
+    /// the rule's decision, and the whole one's if no rule refused before.
+    pub fn redis_answered(
+        &mut self,
+        ask: &RedisAsk,
+        answer: Option<StoreAnswer>,
+        on_error: Option<OnError>,
+    ) {
+        let Some(e) = self.rules.get_mut(ask.at) else {
+            return;
+        };
+        let enforce = e.mode == "enforce";
+        match answer {
+            Some(a) => {
+                e.state = serde_json::json!({
+                    "read_from_redis": true,
+                    "remaining": a.remaining,
+                    "reset_s": a.reset_after as f64 / NANOS_PER_SEC as f64,
+                });
+                e.remaining = Some(a.remaining);
+                if a.admitted {
+                    e.decision = "admit";
+                    e.reason = "Redis would admit it (read by a script that cannot write)".into();
+                } else {
+                    e.decision = "refuse";
+                    e.retry_after_s = a.retry_after.map(|n| ceil_secs(n).max(1));
+                    e.reason = "Redis would refuse it (read by a script that cannot write)".into();
+                    if enforce && self.by.is_none() {
+                        self.decision = "refuse";
+                        self.by = Some(e.rule.clone());
+                        self.retry_after_s = e.retry_after_s;
+                    }
+                }
+            }
+            None => {
+                e.reason = match on_error {
+                    Some(OnError::Allow) => "Redis gave no answer: on_error: allow admits it",
+                    Some(OnError::Deny) => "Redis gave no answer: on_error: deny refuses it",
+                    Some(OnError::Fallback) => {
+                        "Redis gave no answer: on_error: fallback, the local limit, decides"
+                    }
+                    None => "no Redis to ask",
+                }
+                .into();
+            }
+        }
+        // Every question answered with an admission: the request is admitted.
+        if self.decision == "asks_redis"
+            && self.asks.iter().all(|a| {
+                self.rules
+                    .get(a.at)
+                    .is_some_and(|r| r.decision == "admit" || r.mode == "shadow")
+            })
+        {
+            self.decision = "admit";
+        }
+    }
+
     /// The first rule that refuses (enforcing) or cannot decide the request (any) decides.
     fn decided(&mut self, rule: &CompiledRule, how: &'static str, retry: Option<u64>) {
         if self.by.is_none() {

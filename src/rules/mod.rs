@@ -85,6 +85,8 @@ struct CompiledRule {
     shadow_rejected: IntCounter,
     /// Rejections logged in the current second.
     logged: LogBudget,
+    /// Its keys refused lately, for `top`.
+    refused_keys: refused::RefusedKeys,
     /// The rule's `upstream_body_idle`.
     body_idle: Option<std::time::Duration>,
     /// Its key has a private part, shown and reported as a digest (`log_keys: digest`).
@@ -491,6 +493,7 @@ impl RuleSet {
                     }
                     Mode::Enforce => {
                         self.log_rejection(rule, req, "rejected", now);
+                        rule.refused_keys.record(&key, now);
                         return self.refuse(rule, req, granted.taken, now, retry_after);
                     }
                 },
@@ -523,6 +526,9 @@ impl RuleSet {
         if let Some((i, retry)) = refused_new {
             let rule = &self.rules[i];
             self.log_rejection(rule, req, "rejected", now);
+            if let Some(call) = calls.iter().find(|c| c.rule == i) {
+                rule.refused_keys.record(&call.key, now);
+            }
             return self.refuse(rule, req, &taken, now, Some(retry));
         }
         if !calls.is_empty() {
@@ -919,6 +925,7 @@ mod explain;
 mod global;
 mod kept;
 mod matcher;
+mod refused;
 mod remote;
 mod share;
 mod store;
@@ -927,7 +934,7 @@ mod turns;
 use charge::ChargeRule;
 pub use charge::Charges;
 use compile::*;
-pub use explain::{Explanation, RuleExplained, TopKey, TopRule};
+pub use explain::{Explanation, RefusedKey, RuleExplained, TopKey, TopRule};
 pub use global::*;
 pub use kept::{Answer, Answers, Render};
 use matcher::*;

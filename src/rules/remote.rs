@@ -67,6 +67,12 @@ pub trait RemoteStore: Send + Sync {
         &'a self,
         q: Question<'a>,
     ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<StoreAnswer>> + Send + 'a>>;
+    /// What [`Self::decide`] would answer now, writing nothing (`explain`); `None` when the
+    /// store gave no answer.
+    fn peek<'a>(
+        &'a self,
+        q: Question<'a>,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Option<StoreAnswer>> + Send + 'a>>;
     /// Charges `units` (given back when negative) to `key` of `rule`'s bucket after the
     /// response said them (`cost: { response }`), in the background: the caller never waits.
     /// Units owed that the store does not take are counted in `lost`.
@@ -172,6 +178,7 @@ impl RuleSet {
                 }
                 Mode::Enforce => {
                     self.log_rejection(rule, req, "rejected", now);
+                    rule.refused_keys.record(&call.key, now);
                     Some(self.refuse(rule, req, &remote.taken, now, retry_after))
                 }
             },
