@@ -182,8 +182,9 @@ def counted(cmd, port, out_dir, requests, load, admin=None):
     return total / requests, status
 
 
-def spillway_cmd(binary, port, up, limit, d, control=None):
-    """`control`: (controller port, admin port) for a global rule, else a local one."""
+def spillway_cmd(binary, port, up, limit, d, control=None, extra=""):
+    """`control`: (controller port, admin port) for a global rule, else a local one; `extra`:
+    YAML added to the configuration."""
     rate = f"{limit}/s" if limit else "1000000000/s"
     if control:
         ctl, admin = control
@@ -192,6 +193,8 @@ def spillway_cmd(binary, port, up, limit, d, control=None):
         yaml = yaml.replace("admin: 127.0.0.1:0", f"admin: 127.0.0.1:{admin}")
     else:
         yaml = "workers: 1\n" + C.spillway_yaml(port, up, C.rule(rate))
+    if extra:
+        yaml = extra.rstrip("\n") + "\n" + yaml
     path = os.path.join(d, f"spillway-{port}.yaml")
     with open(path, "w") as f:
         f.write(yaml)
@@ -207,12 +210,12 @@ def nginx_cmd(port, up, limit, d, h2=False):
     return [C.NGINX, "-p", d, "-c", conf, "-e", f"{d}/error.log"]
 
 
-def proxy_cmd(binary, port, up, limit, d, h2=False):
+def proxy_cmd(binary, port, up, limit, d, h2=False, extra=""):
     """The command of a proxy in the foreground: Spillway's `binary`, or nginx for `None`
     (`h2`: nginx takes HTTP/2 with prior knowledge; Spillway always does)."""
     if binary is None:
         return nginx_cmd(port, up, limit, d, h2)
-    return spillway_cmd(binary, port, up, limit, d)
+    return spillway_cmd(binary, port, up, limit, d, extra=extra)
 
 
 def proxies(baseline):
@@ -229,7 +232,10 @@ def main():
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--conns", type=int, default=16)
     ap.add_argument("--baseline", help="another spillway binary to count beside this one")
-    ap.add_argument("--only", help="count only the paths whose name contains this")
+    ap.add_argument("--only", help="count only the paths whose name contains this (=NAME: only NAME)")
+    ap.add_argument("--extra", default="",
+                    help="YAML appended to this build's configuration only (e.g. an access log), "
+                         "to count its cost against --baseline (which may be the same binary)")
     args = ap.parse_args()
 
     up_port, upstream = C.start_upstream()
@@ -238,7 +244,13 @@ def main():
     try:
         paths = PATHS + [(SPLIT, None, False, 1024), (AFTER, None, False, 0)]
         paths += [(p, limit, False, 0) for p, limit in GLOBAL]
-        paths = [p for p in paths if not args.only or args.only in p[0]]
+        def chosen(name):
+            if not args.only:
+                return True
+            if args.only.startswith("="):
+                return name == args.only[1:]
+            return args.only in name
+        paths = [p for p in paths if chosen(p[0])]
         if any(p[0] in dict(GLOBAL) for p in paths):
             ctl_port = C.free_port()
             ctl = C.Proc([C.SPILLWAY, "controller", "--listen", f"127.0.0.1:{ctl_port}",
@@ -251,10 +263,11 @@ def main():
                 d = tempfile.mkdtemp(prefix="spillway-bench-cg-")
                 port = C.free_port()
                 admin = C.free_port() if is_global else None
+                extra = args.extra if name == "spillway" else ""
                 if is_global:
-                    cmd = spillway_cmd(binary, port, up_port, limit, d, (ctl_port, admin))
+                    cmd = spillway_cmd(binary, port, up_port, limit, d, (ctl_port, admin), extra)
                 else:
-                    cmd = proxy_cmd(binary, port, up_port, limit, d, h2)
+                    cmd = proxy_cmd(binary, port, up_port, limit, d, h2, extra)
                 after = AfterChunked(port, args.conns) if path_name == AFTER else None
                 if after:
                     load = after

@@ -3,6 +3,7 @@
 # that does not move with the machine's noise, for A/B of small changes (see BENCHMARKS.md).
 # Installs what it needs from Debian when missing (valgrind, nginx, h2load).
 #   bench/instructions.sh [--requests N] [--conns N] [--baseline /path/to/other/spillway]
+#     [--only NAME-PART | =NAME] [--extra YAML-for-this-build-only]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
