@@ -418,41 +418,39 @@ impl RuleSet {
                 ),
                 Kind::Concurrency { max, store, .. } => (
                     "requests in flight",
-                    store
-                        .map
-                        .iter()
-                        .map(|e| TopKey {
-                            key: shown(e.key()),
-                            used: f64::from(e.value().in_flight()),
-                            limited: e.value().in_flight() >= *max,
+                    store.each_key(|k, c| {
+                        Some(TopKey {
+                            key: shown(k),
+                            used: f64::from(c.in_flight()),
+                            limited: c.in_flight() >= *max,
                         })
-                        .collect(),
+                    }),
                 ),
                 Kind::Global { store, .. } => (
                     "units offered since the last report",
-                    store
-                        .map
-                        .iter()
-                        .map(|e| TopKey {
-                            // Reported by name: its private parts digested already.
-                            key: String::from_utf8_lossy(e.value().reported(e.key())).into_owned(),
-                            used: e.value().offered_now() as f64,
+                    store.each_key(|k, c| {
+                        // By the name it is reported by (its private parts digested), or as
+                        // the logs write it before that name is worked out.
+                        let key = match (rule.digested, c.named()) {
+                            (true, false) => shown(k),
+                            _ => String::from_utf8_lossy(c.reported(k)).into_owned(),
+                        };
+                        Some(TopKey {
+                            key,
+                            used: c.offered_now() as f64,
                             limited: false,
                         })
-                        .collect(),
+                    }),
                 ),
                 Kind::Redis { refused, .. } => (
                     "refused by Redis lately (1: its refusal is remembered)",
-                    refused
-                        .map
-                        .iter()
-                        .filter(|e| !e.value().expired(now))
-                        .map(|e| TopKey {
-                            key: shown(e.key()),
+                    refused.each_key(|k, r| {
+                        (!r.expired(now)).then(|| TopKey {
+                            key: shown(k),
                             used: 1.0,
                             limited: true,
                         })
-                        .collect(),
+                    }),
                 ),
                 Kind::Adaptive { .. } => ("requests in flight", Vec::new()),
             };

@@ -273,19 +273,15 @@ impl RateStore {
         }
     }
 
-    /// `f` of each tracked key and what a request of one unit would get now ([`Self::peek`]):
-    /// a shard's read lock is held while its keys are read (new keys of that shard wait).
+    /// `f` of each tracked key and what a request of one unit would get now ([`Self::peek`]),
+    /// one key's state at a time ([`Store::each_key`]).
     pub(super) fn each<T>(
         &self,
         quota: &Quota,
         now: Nanos,
         mut f: impl FnMut(&[u8], Decision) -> T,
     ) -> Vec<T> {
-        each_store!(self, s => s
-            .map
-            .iter()
-            .map(|e| f(e.key(), e.value().peek(quota, now, 1)))
-            .collect())
+        each_store!(self, s => s.each_key(|k, st| Some(f(k, st.peek(quota, now, 1)))))
     }
 }
 
@@ -465,6 +461,17 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
         self.map
             .get(&StoredKey::from_slice(key))
             .map(|s| f(s.value()))
+    }
+
+    /// `f` of each tracked key and its state, for `top`: the keys are copied first (a shard's
+    /// read lock held while its keys are), then each state is read under its own lookup, so
+    /// that no lock is held across more than one key's state.
+    #[cold]
+    pub(super) fn each_key<T>(&self, mut f: impl FnMut(&[u8], &S) -> Option<T>) -> Vec<T> {
+        let keys: Vec<StoredKey> = self.map.iter().map(|e| e.key().clone()).collect();
+        keys.iter()
+            .filter_map(|k| self.peek_state(k, |s| f(k, s)).flatten())
+            .collect()
     }
 
     /// Runs `f` on the state a decision used, if it still exists.
