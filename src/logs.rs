@@ -70,6 +70,8 @@ pub fn set_level(spec: &str) -> Result<(), String> {
     }
     let filter = EnvFilter::try_new(spec).map_err(|e| format!("{spec:?}: {e}"))?;
     let mut current = current.lock().unwrap_or_else(|p| p.into_inner());
+    // Said before the swap: a new filter of `off` would hide it.
+    tracing::warn!(from = %*current, to = %spec, "the log filter is changed through the admin listener");
     set(filter)?;
     *current = spec.to_string();
     Ok(())

@@ -335,7 +335,8 @@ impl AdminArgs {
     }
 }
 
-/// One HTTP/1.1 request to `authority` (host:port), with a bearer `token`.
+/// One HTTP/1.1 request to `authority` (host:port), with a bearer `token` (in clear: reach a
+/// sidecar through `kubectl port-forward`, not across a network).
 fn call(
     authority: &str,
     method: &str,

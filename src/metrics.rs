@@ -324,6 +324,9 @@ pub struct Metrics {
     pub upstream_discards: [IntCounter; 3],
     /// `spillway_client_send_timeouts_total`.
     pub send_timeouts: IntCounter,
+    /// `spillway_access_log_dropped_total`: refusal and error lines past the access log's
+    /// budget.
+    pub access_dropped: IntCounter,
     /// `spillway_upstream_connection_waiters`.
     pub upstream_waiters: IntGauge,
     /// `spillway_h2_response_bytes_held`: the process's HTTP/2 response bytes not yet written.
@@ -485,6 +488,11 @@ impl Metrics {
             "Responses given up because the client took none of their bytes for timeouts.send (the HTTP/1 connection closed, the HTTP/2 stream's response dropped).",
         )
         .expect("valid metric");
+        let access_dropped = IntCounter::new(
+            "spillway_access_log_dropped_total",
+            "Access log lines of refusals and errors not written: past access_log.refusals_per_second.",
+        )
+        .expect("valid metric");
         let upstream_waiters = IntGauge::new(
             "spillway_upstream_connection_waiters",
             "Requests waiting now for an upstream connection under limits.max_upstream_connections.",
@@ -558,6 +566,7 @@ impl Metrics {
             Box::new(upstream.clone()),
             Box::new(discarded.clone()),
             Box::new(send_timeouts.clone()),
+            Box::new(access_dropped.clone()),
             Box::new(upstream_waiters.clone()),
             Box::new(h2_held.clone()),
             Box::new(h2_shed.clone()),
@@ -653,6 +662,7 @@ impl Metrics {
             upstream_errors,
             upstream_discards,
             send_timeouts,
+            access_dropped,
             upstream_waiters,
             h2_held,
             h2_shed,

@@ -246,3 +246,27 @@ async fn an_http2_clients_429_carries_its_id_too() {
     let doc: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(doc["request_id"], h["x-request-id"].to_str().unwrap());
 }
+
+#[tokio::test]
+async fn the_access_log_never_writes_a_query_and_keeps_to_its_budget_of_refusal_lines() {
+    let up = upstream().await;
+    let proxy = Logged::start(
+        &up.addr.to_string(),
+        "access_log: { admitted_one_in: 1, refusals_per_second: 1 }\n",
+    );
+    let (status, _, _) = get(proxy.addr, "/echo?api_key=sk-secret-1", &[]).await;
+    assert_eq!(status, StatusCode::OK);
+    // Four refusals within a second (at most two seconds): one or two lines, not four.
+    for _ in 0..6 {
+        get(proxy.addr, "/api/x", &[("x-client", "alice")]).await;
+    }
+    let lines = proxy.lines("spillway::access");
+    let text = format!("{lines:?}");
+    assert!(!text.contains("sk-secret-1"), "{text}");
+    assert!(lines.iter().any(|l| l["path"] == "/echo"), "{text}");
+    let refused = lines.iter().filter(|l| l["decision"] == "rejected").count();
+    assert!(
+        (1..=2).contains(&refused),
+        "{refused} refusal lines: {text}"
+    );
+}

@@ -132,13 +132,22 @@ impl RequestIds {
 #[serde(deny_unknown_fields)]
 pub struct AccessLog {
     /// One in this many forwarded requests gets a line (1: all; 0: none); every refusal and
-    /// every error answered here does.
+    /// every error answered here does, up to `refusals_per_second`.
     #[serde(default = "default_admitted_one_in")]
     pub admitted_one_in: u32,
+    /// Lines of refusals and errors a second, at most: a flood of refused requests must not
+    /// become a flood of log writes (those past it are counted in
+    /// `spillway_access_log_dropped_total`).
+    #[serde(default = "default_refusals_per_second")]
+    pub refusals_per_second: u32,
 }
 
 fn default_admitted_one_in() -> u32 {
     100
+}
+
+fn default_refusals_per_second() -> u32 {
+    1000
 }
 
 fn default_admin() -> SocketAddr {

@@ -384,8 +384,41 @@ impl Exact {
         } else {
             &s.peek_gcra
         };
-        let v = self.run(rule, key, peek, &args).await?;
-        Ok(parse_answer(&v).expect("run checked the answer's shape"))
+        self.read(rule, key, peek, &args).await
+    }
+
+    /// Runs a read-only `script` for `explain` apart from the decisions: nothing while the
+    /// breaker is not closed (its probe is a decision's), and neither its failures nor its
+    /// time are counted (an operator's question must not open the breaker or move the
+    /// latency the alerts read).
+    async fn read(
+        self: &Arc<Self>,
+        rule: &str,
+        key: &[u8],
+        script: &Script,
+        args: &[String],
+    ) -> Result<Answer, Failure> {
+        if self.breaker.open_until.load(Ordering::Relaxed) != 0 {
+            return Err(Failure::BreakerOpen);
+        }
+        let conn = self.conn.load_full().ok_or(Failure::NotConnected)?;
+        let mut call = script.key(redis_key(&self.secret, &self.service, rule, key));
+        for a in args {
+            call.arg(a.as_str());
+        }
+        let mut conn = (*conn).clone();
+        let answer = tokio::time::timeout(self.timeout, async {
+            match &mut conn {
+                Conn::Single(c) => call.invoke_async::<Vec<i64>>(c).await,
+                Conn::Cluster(c) => call.invoke_async::<Vec<i64>>(c).await,
+            }
+        })
+        .await;
+        match answer {
+            Ok(Ok(v)) => parse_answer(&v).ok_or(Failure::Script),
+            Ok(Err(_)) => Err(Failure::Connection),
+            Err(_) => Err(Failure::Timeout),
+        }
     }
 
     /// Charges `units` (given back when negative) to `key` of `rule`'s bucket (`gcra` or

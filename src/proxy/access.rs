@@ -1,8 +1,9 @@
 //! The access log (`access_log:`): a line for every request Spillway refuses or answers
-//! itself, and for one in `admitted_one_in` of those it forwards, with the fields of nginx's
-//! and Envoy's default formats and the rule, the decision and the request's id. Owns what a
-//! line holds and when one is written. Must never: cost a request anything while the log is
-//! off (one branch), allocate for a request it will not log, or hold the request's head.
+//! itself (up to `refusals_per_second`), and for one in `admitted_one_in` of those it
+//! forwards, with the fields of nginx's and Envoy's default formats and the rule, the
+//! decision and the request's id. Owns what a line holds and when one is written. Must
+//! never: cost a request anything while the log is off (one branch), hold the request's
+//! head, or write a query (a key's private part may be in it).
 
 use std::net::SocketAddr;
 
@@ -10,6 +11,38 @@ use http::header::{HeaderValue, CONTENT_LENGTH, HOST, REFERER, USER_AGENT};
 use http::{Method, Request, Uri, Version};
 
 use crate::ids::IdText;
+use crate::limit::NANOS_PER_SEC;
+
+/// The access log as configured, and its budget of refusal and error lines this second.
+pub struct AccessLog {
+    one_in: u32,
+    per_second: u32,
+    // Relaxed: a bound, not an exact count (as the rejection log's budget).
+    second: std::sync::atomic::AtomicU64,
+    count: std::sync::atomic::AtomicU32,
+}
+
+impl AccessLog {
+    pub(super) fn of(config: &crate::config::AccessLog) -> Self {
+        AccessLog {
+            one_in: config.admitted_one_in,
+            per_second: config.refusals_per_second,
+            second: Default::default(),
+            count: Default::default(),
+        }
+    }
+
+    /// Whether one more refusal or error line fits this second (`now` on the monotonic
+    /// clock, nanoseconds).
+    fn take(&self, now: u64) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        let this = now / NANOS_PER_SEC;
+        if self.second.load(Relaxed) != this && self.second.swap(this, Relaxed) != this {
+            self.count.store(0, Relaxed);
+        }
+        self.count.fetch_add(1, Relaxed) < self.per_second
+    }
+}
 
 /// The target an access line is logged under (`RUST_LOG` may name it).
 pub const TARGET: &str = "spillway::access";
@@ -30,10 +63,10 @@ pub(super) struct Asked {
 }
 
 impl Asked {
-    /// `req`'s fields, when the log is on (`one_in`: its sampling of forwarded requests).
+    /// `req`'s fields, when the log is on.
     #[inline(always)]
-    pub(super) fn of<B>(req: &Request<B>, one_in: Option<u32>) -> Option<Asked> {
-        one_in.map(|n| Self::copied(req, n))
+    pub(super) fn of<B>(req: &Request<B>, log: &Option<AccessLog>) -> Option<Asked> {
+        log.as_ref().map(|l| Self::copied(req, l.one_in))
     }
 
     #[cold]
@@ -67,14 +100,21 @@ pub(super) struct Answered<'a> {
 }
 
 /// Writes `asked`'s line from `peer` (`client`: the address the rules keyed, `None` before
-/// they did) as `answered` says, unless it is a forwarded request not sampled.
+/// they did) as `answered` says at `now`, unless it is a forwarded request not sampled, or a
+/// refusal or error past the second's budget (counted in `dropped`).
 pub(super) fn log(
+    (log, now, dropped): (&Option<AccessLog>, u64, &prometheus::IntCounter),
     asked: &Asked,
     peer: SocketAddr,
     client: Option<std::net::IpAddr>,
     answered: &Answered<'_>,
 ) {
-    if answered.decision == "forwarded" && !asked.sampled {
+    if answered.decision == "forwarded" {
+        if !asked.sampled {
+            return;
+        }
+    } else if !log.as_ref().is_some_and(|l| l.take(now)) {
+        dropped.inc();
         return;
     }
     let text = |v: &Option<HeaderValue>| {
@@ -90,7 +130,8 @@ pub(super) fn log(
         client = %client.unwrap_or(peer.ip()),
         peer = %peer,
         method = %asked.method,
-        path = %asked.uri.path_and_query().map_or("/", |p| p.as_str()),
+        // The path only: a query may hold a key's private part (`query:` keys).
+        path = %asked.uri.path(),
         protocol = ?asked.version,
         authority = %text(&asked.host),
         status = answered.status.as_u16(),

@@ -263,17 +263,15 @@ async fn support(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes
                 "no log filter of Spillway's in this process\n",
             ),
         },
-        ("/log-level", &Method::PUT | &Method::POST) => {
+        // PUT only: a web page cannot send one without asking first (a POST it can).
+        ("/log-level", &Method::PUT) => {
             let body = match read_body(req).await {
                 Ok(body) => body,
                 Err(resp) => return resp,
             };
             let spec = String::from_utf8_lossy(&body);
             match crate::logs::set_level(&spec) {
-                Ok(()) => {
-                    tracing::warn!(filter = %spec.trim(), "log filter changed through the admin listener");
-                    owned(StatusCode::OK, format!("{}\n", spec.trim()))
-                }
+                Ok(()) => owned(StatusCode::OK, format!("{}\n", spec.trim())),
                 Err(e) => owned(StatusCode::BAD_REQUEST, format!("{e}\n")),
             }
         }
@@ -284,44 +282,68 @@ async fn support(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes
     }
 }
 
-/// From a loopback address (a `kubectl port-forward` or `exec` arrives so), or with the token
-/// in `token_file` (read now, so that a rotated Secret counts at once): else why not.
+/// With the token in `token_file` (read when a request carries one, so that a rotated Secret
+/// counts at once), from anywhere; else from this host's own loopback address (127.0.0.1 or
+/// ::1: a `kubectl port-forward` or `exec` arrives so; not the rest of 127/8, where a mesh's
+/// inbound traffic comes from) and as a tool asks, not a web page: no `Origin` (a cross-site
+/// request) and a `Host` that is `localhost` or an address (not a name a page rebound).
+/// Else why not.
 fn may_support(
     peer: Option<std::net::IpAddr>,
     headers: &http::HeaderMap,
     token_file: Option<&std::path::Path>,
 ) -> Result<(), (StatusCode, &'static str)> {
-    if peer.is_some_and(|p| p.to_canonical().is_loopback()) {
-        return Ok(());
-    }
-    let Some(file) = token_file else {
-        return Err((
-            StatusCode::FORBIDDEN,
-            "served to loopback only (kubectl port-forward), or with admin_token_file's token\n",
-        ));
-    };
-    let token = match crate::control::auth::read_token(file) {
-        Ok(token) => token,
-        Err(e) => {
-            tracing::warn!(error = %e, "admin_token_file cannot be read: the support endpoints answer loopback only");
-            return Err((
-                StatusCode::FORBIDDEN,
-                "the admin token cannot be read here\n",
-            ));
-        }
-    };
     let given = headers
         .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-        .unwrap_or_default();
-    if bool::from(subtle::ConstantTimeEq::ct_eq(given, &token[..])) {
-        Ok(())
-    } else {
-        Err((
-            StatusCode::UNAUTHORIZED,
-            "a bearer token is needed from beyond loopback\n",
-        ))
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
+    if let (Some(file), Some(given)) = (token_file, given) {
+        match crate::control::auth::read_token(file) {
+            Ok(token) if bool::from(subtle::ConstantTimeEq::ct_eq(given, &token[..])) => {
+                return Ok(())
+            }
+            Ok(_) => return Err((StatusCode::UNAUTHORIZED, "that is not the admin token\n")),
+            Err(e) => {
+                tracing::warn!(error = %e, "admin_token_file cannot be read: the support endpoints answer loopback only");
+            }
+        }
     }
+    let near = peer.is_some_and(|p| {
+        p.to_canonical() == std::net::IpAddr::from(std::net::Ipv4Addr::LOCALHOST)
+            || p == std::net::IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
+    });
+    if !near {
+        return Err(match token_file {
+            Some(_) => (
+                StatusCode::UNAUTHORIZED,
+                "a bearer token is needed from beyond loopback\n",
+            ),
+            None => (
+                StatusCode::FORBIDDEN,
+                "served to loopback only (kubectl port-forward), or with admin_token_file's token\n",
+            ),
+        });
+    }
+    if headers.contains_key(http::header::ORIGIN) {
+        return Err((
+            StatusCode::FORBIDDEN,
+            "a web page's request (Origin): ask with spillway or curl, or with the token\n",
+        ));
+    }
+    let host = headers
+        .get(http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    let name = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host.split(':').next().unwrap_or(""),
+    };
+    if !(name.eq_ignore_ascii_case("localhost") || name.parse::<std::net::IpAddr>().is_ok()) {
+        return Err((
+            StatusCode::FORBIDDEN,
+            "asked by a host name (a rebound page?): ask localhost or the address, or with the token\n",
+        ));
+    }
+    Ok(())
 }
 
 /// A bounded body, within [`EXPLAIN_WAIT`].
@@ -571,27 +593,67 @@ mod tests {
         h
     }
 
+    fn with(pairs: &[(&str, &str)]) -> http::HeaderMap {
+        let mut h = http::HeaderMap::new();
+        for (k, v) in pairs {
+            h.insert(
+                http::HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        h
+    }
+
     #[test]
     fn the_support_endpoints_answer_loopback_or_the_token_and_nobody_else() {
-        let none = http::HeaderMap::new();
+        let tool = with(&[("host", "127.0.0.1:9901")]);
         let far: std::net::IpAddr = "10.1.2.3".parse().unwrap();
-        let mapped: std::net::IpAddr = "::ffff:127.0.0.1".parse().unwrap();
-        for near in ["127.0.0.1", "::1"] {
-            assert!(may_support(Some(near.parse().unwrap()), &none, None).is_ok());
+        for near in ["127.0.0.1", "::1", "::ffff:127.0.0.1"] {
+            assert!(
+                may_support(Some(near.parse().unwrap()), &tool, None).is_ok(),
+                "{near}"
+            );
         }
-        assert!(may_support(Some(mapped), &none, None).is_ok());
+        for host in ["localhost:9901", "[::1]:9901", "127.0.0.1"] {
+            let h = with(&[("host", host)]);
+            assert!(
+                may_support(Some("::1".parse().unwrap()), &h, None).is_ok(),
+                "{host}"
+            );
+        }
+        // The rest of 127/8 is a mesh's inbound traffic (127.0.0.6), not an operator.
+        let mesh: std::net::IpAddr = "127.0.0.6".parse().unwrap();
+        assert_eq!(
+            may_support(Some(mesh), &tool, None).unwrap_err().0,
+            StatusCode::FORBIDDEN
+        );
+        // A web page: cross-site (Origin), or rebound to this address under its own name.
+        let page = with(&[
+            ("host", "127.0.0.1:9901"),
+            ("origin", "https://evil.example"),
+        ]);
+        let near: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+        assert_eq!(
+            may_support(Some(near), &page, None).unwrap_err().0,
+            StatusCode::FORBIDDEN
+        );
+        let rebound = with(&[("host", "evil.example:9901")]);
+        assert_eq!(
+            may_support(Some(near), &rebound, None).unwrap_err().0,
+            StatusCode::FORBIDDEN
+        );
         // The scraped address, without a token file: refused, whatever it sends.
         assert_eq!(
             may_support(Some(far), &bearer("x"), None).unwrap_err().0,
             StatusCode::FORBIDDEN
         );
-        assert!(may_support(None, &none, None).is_err());
+        assert!(may_support(None, &tool, None).is_err());
         let dir = std::env::temp_dir().join(format!("spillway-admin-{}", fastrand::u64(..)));
         std::fs::create_dir_all(&dir).unwrap();
         let file = dir.join("token");
         std::fs::write(&file, "s3cret\n").unwrap();
         assert_eq!(
-            may_support(Some(far), &none, Some(&file)).unwrap_err().0,
+            may_support(Some(far), &tool, Some(&file)).unwrap_err().0,
             StatusCode::UNAUTHORIZED
         );
         assert_eq!(
@@ -601,14 +663,22 @@ mod tests {
             StatusCode::UNAUTHORIZED
         );
         assert!(may_support(Some(far), &bearer("s3cret"), Some(&file)).is_ok());
+        // The token opens it to a page's request too (a page cannot know it).
+        let mut h = bearer("s3cret");
+        h.insert(
+            http::header::ORIGIN,
+            "https://evil.example".parse().unwrap(),
+        );
+        assert!(may_support(Some(far), &h, Some(&file)).is_ok());
         // A token file gone: loopback only again, never open.
         std::fs::remove_file(&file).unwrap();
         assert_eq!(
             may_support(Some(far), &bearer("s3cret"), Some(&file))
                 .unwrap_err()
                 .0,
-            StatusCode::FORBIDDEN
+            StatusCode::UNAUTHORIZED
         );
+        assert!(may_support(Some(near), &tool, Some(&file)).is_ok());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

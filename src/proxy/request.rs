@@ -127,10 +127,13 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
             .duration(Outcome::Error)
             .observe(elapsed(shared, start));
         metrics.refused(refused.reason).inc();
-        // Before the trusted peer's fields are told from a client's: made here.
-        let id = crate::ids::RequestId::made().text();
+        // A trusted peer's id, if its head was sound enough to read one.
+        let trusted = shared.client_ip.trusts(peer.ip());
+        let made = crate::ids::RequestId::made();
+        let id =
+            crate::ids::RequestId::of(req.headers(), trusted, shared.request_ids.from, made).text();
         let reply = Reply::refused(&refused, &id);
-        if let Some(asked) = access::Asked::of(req, shared.access_log) {
+        if let Some(asked) = access::Asked::of(req, &shared.access_log) {
             let answered = access::Answered {
                 status: refused.status,
                 decision: "error",
@@ -139,7 +142,17 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
                 bytes_sent: None,
                 seconds: elapsed(shared, start),
             };
-            access::log(&asked, peer, None, &answered);
+            access::log(
+                (
+                    &shared.access_log,
+                    shared.clock.now(),
+                    &metrics.access_dropped,
+                ),
+                &asked,
+                peer,
+                None,
+                &answered,
+            );
         }
         return reply;
     }
@@ -176,7 +189,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
                 Some(kept) => Reply::kept(kept),
                 None => Reply::whole(respond::answer(&refusal, grpc, &id)),
             };
-            if let Some(asked) = access::Asked::of(req, shared.access_log) {
+            if let Some(asked) = access::Asked::of(req, &shared.access_log) {
                 let (decision, rule) = match &refusal {
                     gate::Refusal::Limited(d) => ("rejected", d.state.rule()),
                     gate::Refusal::BadRequest(bad) => ("error", &bad.rule),
@@ -189,7 +202,17 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
                     bytes_sent: None,
                     seconds,
                 };
-                access::log(&asked, peer, Some(client.keyed), &answered);
+                access::log(
+                    (
+                        &shared.access_log,
+                        shared.clock.now(),
+                        &metrics.access_dropped,
+                    ),
+                    &asked,
+                    peer,
+                    Some(client.keyed),
+                    &answered,
+                );
             }
             // Refused before its body was read: read (and drop) a small body so that the
             // connection stays usable and the client reads our answer; a large or slow one
@@ -220,7 +243,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         req.headers_mut()
             .insert(crate::ids::X_REQUEST_ID.clone(), id.text().header_value());
     }
-    let asked = access::Asked::of(req, shared.access_log);
+    let asked = access::Asked::of(req, &shared.access_log);
     let fwd = forward::Forward {
         client: &conn.client,
         upstream: &shared.upstream,
@@ -283,7 +306,17 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
             bytes_sent: resp.head.field(&http::header::CONTENT_LENGTH),
             seconds,
         };
-        access::log(&asked, peer, Some(client.keyed), &answered);
+        access::log(
+            (
+                &shared.access_log,
+                shared.clock.now(),
+                &metrics.access_dropped,
+            ),
+            &asked,
+            peer,
+            Some(client.keyed),
+            &answered,
+        );
     }
     resp
 }

@@ -59,8 +59,8 @@ pub struct Shared {
     pub(super) reload_lock: tokio::sync::Mutex<()>,
     /// `request_id` (a restart field).
     pub(super) request_ids: crate::config::RequestIds,
-    /// `access_log`'s one in how many forwarded requests (a restart field; `None`: off).
-    pub(super) access_log: Option<u32>,
+    /// `access_log` (a restart field; `None`: off), with its budget of refusal lines.
+    pub(super) access_log: Option<super::access::AccessLog>,
 }
 
 impl Shared {
@@ -113,7 +113,7 @@ impl Shared {
             )),
             reload_lock: tokio::sync::Mutex::new(()),
             request_ids: config.request_id.clone(),
-            access_log: config.access_log.as_ref().map(|a| a.admitted_one_in),
+            access_log: config.access_log.as_ref().map(super::access::AccessLog::of),
             config: ArcSwap::from_pointee(config),
         }
     }

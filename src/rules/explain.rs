@@ -2,8 +2,8 @@
 //! show it, that key's state, and what each rule and the whole set would decide now, and why.
 //! Owns [`RuleSet::explain`] and [`RuleSet::top`]. Must never: take anything from a key (every
 //! decision is made on a copy of its state, or read from it), create a key's state, hold a
-//! store's lock beyond one key's copy, or ask Redis (a `scope: redis` rule's answer is the
-//! refusal it remembers, else "asks Redis").
+//! store's lock beyond one key's copy, write a key's private part, or await (a `scope: redis`
+//! rule's question is left to the caller, who asks Redis read only).
 
 use serde::Serialize;
 
@@ -26,6 +26,9 @@ pub struct Explanation {
     /// ([`RuleSet::redis_question`], [`Explanation::redis_answered`]).
     #[serde(skip)]
     pub asks: Vec<RedisAsk>,
+    /// A rule's decision could not be read (a full store's sketch).
+    #[serde(skip)]
+    unknown: bool,
 }
 
 /// A question `explain` leaves to Redis: the rule (`rule`th, `at` in the explanation's list),
@@ -144,6 +147,7 @@ impl RuleSet {
             retry_after_s: None,
             rules: Vec::with_capacity(self.rules.len()),
             asks: Vec::new(),
+            unknown: false,
         };
         let mut key = KeyBuf::new();
         let mut ratios = None;
@@ -215,6 +219,14 @@ impl RuleSet {
                     } else {
                         "a key not seen lately: a fresh state".into()
                     };
+                    if !tracked && store.is_full() {
+                        // Such a key is decided by the rule's sketch, which is not read here.
+                        e.decision = "unknown";
+                        e.reason = "a key the full store has no place for: the rule's sketch decides it (max_keys)".into();
+                        out.unknown = true;
+                        out.rules.push(e);
+                        continue;
+                    }
                     match d {
                         Decision::Allow { wait, .. } if wait > rule.max_wait => Decision::Deny {
                             retry_after: Some(wait - rule.max_wait),
@@ -301,6 +313,14 @@ impl RuleSet {
                     };
                     let found = store.peek_state(&key, |c| c.copy());
                     let tracked = found.is_some();
+                    if !tracked && store.len.load(Ordering::Relaxed) >= store.max_keys {
+                        // Such a key shares the store's overflow counters, not read here.
+                        e.decision = "unknown";
+                        e.reason = "a key the full store has no place for: it shares the rule's overflow counters (max_keys)".into();
+                        out.unknown = true;
+                        out.rules.push(e);
+                        continue;
+                    }
                     let counters = Arc::new(found.unwrap_or_default());
                     let r = ratios.get_or_insert_with(|| self.ratios.load());
                     let age = now.saturating_sub(r.at);
@@ -373,6 +393,20 @@ impl RuleSet {
                     e.decision = "admit";
                     e.remaining = Some(remaining);
                 }
+                Decision::Deny { retry_after }
+                    if rule
+                        .delay
+                        .as_ref()
+                        .is_some_and(|d| retry_after.is_some_and(|r| r <= d.max_delay)) =>
+                {
+                    // `on_limit: delay`: the request waits in the rule's queue (if it has a
+                    // place) and is decided again.
+                    e.decision = "delay";
+                    e.retry_after_s = retry_after.map(|n| ceil_secs(n).max(1));
+                    e.reason.push_str(
+                        "; on_limit: delay: it waits that long in the rule's queue, then is decided again",
+                    );
+                }
                 Decision::Deny { retry_after } => {
                     e.decision = "refuse";
                     e.remaining = Some(0);
@@ -388,6 +422,9 @@ impl RuleSet {
         }
         if out.decision == "admit" && redis {
             out.decision = "asks_redis";
+        }
+        if out.decision == "admit" && out.unknown {
+            out.decision = "unknown";
         }
         out
     }
@@ -514,7 +551,17 @@ impl RuleSet {
         };
         match shown {
             Some(text) => String::from_utf8_lossy(&text).into_owned(),
-            None => format!("hashed:{}", key.escape_ascii()),
+            // A local key kept as its hash (past 64 bytes): the hash, not reversible.
+            None if local && key.len() == 17 => {
+                let hex: String = key[1..].iter().map(|b| format!("{b:02x}")).collect();
+                format!("hashed:{hex}")
+            }
+            // A text key kept as the digest of a long one: that digest.
+            None if !local && key.starts_with(b"sha256:") && key.is_ascii() => {
+                String::from_utf8_lossy(key).into_owned()
+            }
+            // Anything else is never written as it is: a digest of the whole key.
+            None => format!("key-digest:{}", self.secret.of_value(key)),
         }
     }
 }

@@ -260,6 +260,11 @@ impl RateStore {
         each_store!(self, s => s.len.load(Ordering::Relaxed))
     }
 
+    /// Whether the store holds `max_keys` keys (a new key then goes to the sketch).
+    pub(super) fn is_full(&self) -> bool {
+        each_store!(self, s => s.len.load(Ordering::Relaxed) >= s.max_keys)
+    }
+
     /// The algorithm's name, as the configuration writes it.
     pub(super) fn algorithm_name(&self) -> &'static str {
         match self {
