@@ -293,7 +293,8 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
     release(admit.states);
     let seconds = elapsed(shared, start);
     metrics.duration(outcome).observe(seconds);
-    if let Some(asked) = asked {
+    // A forwarded request's line only if sampled: its fields are not read otherwise.
+    if let Some(asked) = asked.filter(|a| a.sampled || outcome != Outcome::Upstream) {
         let answered = access::Answered {
             status: resp.head.status(),
             decision: if outcome == Outcome::Upstream {
