@@ -92,6 +92,7 @@ fn check_one(file: &std::path::Path, skip_files: bool) -> Result<spillway::Confi
             "redis.ca_file",
             config.redis.as_ref().and_then(|r| r.ca_file.clone()),
         ),
+        ("admin_token_file", config.admin_token_file.clone()),
     ];
     for (field, path) in named.into_iter().filter(|_| !skip_files) {
         if let Some(path) = path {
