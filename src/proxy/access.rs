@@ -53,47 +53,59 @@ pub(super) struct Asked {
     method: Method,
     uri: Uri,
     version: Version,
+    /// The fields a line shows besides: read only for a request whose line is sure (a
+    /// refusal, or a forwarded request sampled); a forwarded request's error line goes
+    /// without them. Boxed: the rest of the request's future does not carry them.
+    fields: Option<Box<Fields>>,
+    /// Whether a forwarded answer gets a line (refusals and errors always do).
+    pub(super) sampled: bool,
+}
+
+#[derive(Default)]
+struct Fields {
     host: Option<HeaderValue>,
     user_agent: Option<HeaderValue>,
     referer: Option<HeaderValue>,
     forwarded_for: Option<HeaderValue>,
     length: Option<HeaderValue>,
-    /// Whether a forwarded answer gets a line (refusals and errors always do).
-    pub(super) sampled: bool,
 }
 
 impl Asked {
-    /// `req`'s fields, when the log is on.
+    /// `req`'s part of a line, when the log is on: all of it if `sure` (a line will be
+    /// written), else as sampling decides.
     #[inline(always)]
-    pub(super) fn of<B>(req: &Request<B>, log: &Option<AccessLog>) -> Option<Asked> {
-        log.as_ref().map(|l| Self::copied(req, l.one_in))
+    pub(super) fn of<B>(req: &Request<B>, log: &Option<AccessLog>, sure: bool) -> Option<Asked> {
+        log.as_ref().map(|l| Self::copied(req, l.one_in, sure))
     }
 
     #[cold]
-    fn copied<B>(req: &Request<B>, one_in: u32) -> Asked {
-        let mut asked = Asked {
+    fn copied<B>(req: &Request<B>, one_in: u32, sure: bool) -> Asked {
+        let sampled = one_in > 0 && fastrand::u32(..one_in) == 0;
+        Asked {
             method: req.method().clone(),
             uri: req.uri().clone(),
             version: req.version(),
-            host: None,
-            user_agent: None,
-            referer: None,
-            forwarded_for: None,
-            length: None,
-            sampled: one_in > 0 && fastrand::u32(..one_in) == 0,
-        };
+            fields: (sure || sampled).then(|| Box::new(Fields::of(req.headers()))),
+            sampled,
+        }
+    }
+}
+
+impl Fields {
+    fn of(headers: &http::HeaderMap) -> Fields {
+        let mut f = Fields::default();
         // One pass over the fields, not a lookup (a hash) for each.
-        for (name, value) in req.headers() {
+        for (name, value) in headers {
             let slot = if name == HOST {
-                &mut asked.host
+                &mut f.host
             } else if name == USER_AGENT {
-                &mut asked.user_agent
+                &mut f.user_agent
             } else if name == REFERER {
-                &mut asked.referer
+                &mut f.referer
             } else if name == CONTENT_LENGTH {
-                &mut asked.length
+                &mut f.length
             } else if name.as_str() == "x-forwarded-for" {
-                &mut asked.forwarded_for
+                &mut f.forwarded_for
             } else {
                 continue;
             };
@@ -101,7 +113,7 @@ impl Asked {
                 *slot = Some(value.clone());
             }
         }
-        asked
+        f
     }
 }
 
@@ -136,6 +148,8 @@ pub(super) fn log(
         dropped.inc();
         return;
     }
+    let none = Fields::default();
+    let fields = asked.fields.as_deref().unwrap_or(&none);
     let text = |v: &Option<HeaderValue>| {
         v.as_ref()
             .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
@@ -152,16 +166,16 @@ pub(super) fn log(
         // The path only: a query may hold a key's private part (`query:` keys).
         path = %asked.uri.path(),
         protocol = ?asked.version,
-        authority = %text(&asked.host),
+        authority = %text(&fields.host),
         status = answered.status.as_u16(),
         decision = answered.decision,
         rule = answered.rule.unwrap_or(""),
-        bytes_received = number(asked.length.as_ref().map(HeaderValue::as_bytes)),
+        bytes_received = number(fields.length.as_ref().map(HeaderValue::as_bytes)),
         bytes_sent = number(answered.bytes_sent),
         duration_ms = answered.seconds * 1e3,
-        user_agent = %text(&asked.user_agent),
-        referer = %text(&asked.referer),
-        x_forwarded_for = %text(&asked.forwarded_for),
+        user_agent = %text(&fields.user_agent),
+        referer = %text(&fields.referer),
+        x_forwarded_for = %text(&fields.forwarded_for),
         "access"
     );
 }

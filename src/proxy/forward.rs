@@ -198,8 +198,9 @@ pub struct Forward<'a> {
     /// The upstream connection must not carry another request after this one (a body on a
     /// GET, which the app may not read): `Connection: close` goes with it.
     pub close: bool,
-    /// The request's id, for an answer of ours.
+    /// The request's id, for an answer of ours; sent upstream too with `forward_id`.
     pub id: crate::ids::RequestId,
+    pub forward_id: bool,
 }
 
 impl Forward<'_> {
@@ -253,6 +254,9 @@ impl Forward<'_> {
         );
         added.upgrade = asked;
         added.close = self.close;
+        if self.forward_id {
+            added.request_id = Some(Box::new(self.id.text()));
+        }
         // A body still coming goes up before the response timeout starts.
         // (Still a stream if it was one and was not read whole above: asking again would
         // lock an HTTP/2 stream's state.)

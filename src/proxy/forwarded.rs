@@ -39,6 +39,9 @@ pub struct Added {
     pub upgrade: Option<&'static str>,
     /// A body still coming tells its progress here, for the exchange's deadlines.
     pub progress: Option<std::sync::Arc<super::body::Progress>>,
+    /// The request's id, sent as `x-request-id` in place of the client's (`request_id.forward`).
+    /// Boxed: most proxies send none, and this is moved with every request.
+    pub request_id: Option<Box<crate::ids::IdText>>,
 }
 
 /// Bytes of `X-Forwarded-For` kept in [`Added`] without an allocation.
@@ -113,6 +116,7 @@ impl Added {
             close: false,
             upgrade: None,
             progress: None,
+            request_id: None,
         }
     }
 
@@ -147,6 +151,10 @@ impl Added {
             (&X_FORWARDED_FOR, Some(&self.forwarded_for[..])),
             (&X_FORWARDED_PROTO, value(&self.proto)),
             (&X_FORWARDED_HOST, value(&self.forwarded_host)),
+            (
+                &crate::ids::X_REQUEST_ID,
+                self.request_id.as_deref().map(crate::ids::IdText::as_bytes),
+            ),
         ]
         .into_iter()
         .filter_map(|(name, value)| value.map(|v| (name, v)))

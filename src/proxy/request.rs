@@ -133,7 +133,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         let id =
             crate::ids::RequestId::of(req.headers(), trusted, shared.request_ids.from, made).text();
         let reply = Reply::refused(&refused, &id);
-        if let Some(asked) = access::Asked::of(req, &shared.access_log) {
+        if let Some(asked) = access::Asked::of(req, &shared.access_log, true) {
             let answered = access::Answered {
                 status: refused.status,
                 decision: "error",
@@ -189,7 +189,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
                 Some(kept) => Reply::kept(kept),
                 None => Reply::whole(respond::answer(&refusal, grpc, &id)),
             };
-            if let Some(asked) = access::Asked::of(req, &shared.access_log) {
+            if let Some(asked) = access::Asked::of(req, &shared.access_log, true) {
                 let (decision, rule) = match &refusal {
                     gate::Refusal::Limited(d) => ("rejected", d.state.rule()),
                     gate::Refusal::BadRequest(bad) => ("error", &bad.rule),
@@ -237,13 +237,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         }
     };
 
-    // The app gets the request's id (the one a rule's log line used, an answer of ours
-    // would) when `forward` says so.
-    if shared.request_ids.forward {
-        req.headers_mut()
-            .insert(crate::ids::X_REQUEST_ID.clone(), id.text().header_value());
-    }
-    let asked = access::Asked::of(req, &shared.access_log);
+    let asked = access::Asked::of(req, &shared.access_log, false);
     let fwd = forward::Forward {
         client: &conn.client,
         upstream: &shared.upstream,
@@ -258,6 +252,9 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         upgrades: &shared.hygiene.upgrades,
         close: get_body,
         id,
+        // The app gets the request's id (the one a rule's log line used, an answer of ours
+        // would) when `forward` says so, written as the request goes up.
+        forward_id: shared.request_ids.forward,
     };
     if admit.charges.reads_body() {
         // A compressed answer could not be read for its usage: ask for none (an
