@@ -72,7 +72,10 @@ pub fn set_level(spec: &str) -> Result<(), String> {
     let mut current = current.lock().unwrap_or_else(|p| p.into_inner());
     // Said before the swap: a new filter of `off` would hide it.
     tracing::warn!(from = %*current, to = %spec, "the log filter is changed through the admin listener");
-    set(filter)?;
+    if let Err(e) = set(filter) {
+        tracing::error!(error = %e, "the log filter was not changed");
+        return Err(e);
+    }
     *current = spec.to_string();
     Ok(())
 }

@@ -256,8 +256,8 @@ async fn the_access_log_never_writes_a_query_and_keeps_to_its_budget_of_refusal_
     );
     let (status, _, _) = get(proxy.addr, "/echo?api_key=sk-secret-1", &[]).await;
     assert_eq!(status, StatusCode::OK);
-    // Four refusals within a second (at most two seconds): one or two lines, not four.
-    for _ in 0..6 {
+    // Twenty refusals, a line a second at most: far fewer lines than refusals.
+    for _ in 0..22 {
         get(proxy.addr, "/api/x", &[("x-client", "alice")]).await;
     }
     let lines = proxy.lines("spillway::access");
@@ -266,7 +266,7 @@ async fn the_access_log_never_writes_a_query_and_keeps_to_its_budget_of_refusal_
     assert!(lines.iter().any(|l| l["path"] == "/echo"), "{text}");
     let refused = lines.iter().filter(|l| l["decision"] == "rejected").count();
     assert!(
-        (1..=2).contains(&refused),
+        (1..=10).contains(&refused),
         "{refused} refusal lines: {text}"
     );
 }

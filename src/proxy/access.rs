@@ -37,8 +37,14 @@ impl AccessLog {
     fn take(&self, now: u64) -> bool {
         use std::sync::atomic::Ordering::Relaxed;
         let this = now / NANOS_PER_SEC;
-        if self.second.load(Relaxed) != this && self.second.swap(this, Relaxed) != this {
-            self.count.store(0, Relaxed);
+        if self.second.load(Relaxed) != this {
+            if self.second.swap(this, Relaxed) != this {
+                self.count.store(0, Relaxed);
+            }
+        } else if self.count.load(Relaxed) >= self.per_second {
+            // Read first: under a flood most refusals find the budget spent, and then write
+            // nothing to a line every worker reads.
+            return false;
         }
         self.count.fetch_add(1, Relaxed) < self.per_second
     }

@@ -301,7 +301,8 @@ fn may_support(
             Ok(token) if bool::from(subtle::ConstantTimeEq::ct_eq(given, &token[..])) => {
                 return Ok(())
             }
-            Ok(_) => return Err((StatusCode::UNAUTHORIZED, "that is not the admin token\n")),
+            // A stale token through a port-forward: loopback decides, below.
+            Ok(_) => {}
             Err(e) => {
                 tracing::warn!(error = %e, "admin_token_file cannot be read: the support endpoints answer loopback only");
             }

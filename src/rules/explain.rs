@@ -12,8 +12,9 @@ use super::*;
 /// What the rules would make of one request now.
 #[derive(Debug, Serialize)]
 pub struct Explanation {
-    /// `admit`, `refuse` (429, or 503 for an adaptive limit), `bad_request` (400), or
-    /// `asks_redis` (the local rules admit; Redis decides).
+    /// `admit`, `refuse` (429, or 503 for an adaptive limit), `bad_request` (400), `delay`
+    /// (a rule's queue), `unknown` (a rule's decision was not read), or `asks_redis` (the
+    /// local rules admit; Redis decides, and was not reached).
     pub decision: &'static str,
     /// The enforcing rule that decides a refusal or a 400.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -49,8 +50,10 @@ pub struct RuleExplained {
     pub mode: &'static str,
     /// `local`, `global`, `redis`, `concurrency` or `adaptive`.
     pub kind: &'static str,
-    /// `admit`, `refuse`, `not_matched`, `no_key` (the request lacks a key part: the rule
-    /// does not apply), `bad_request` or `asks_redis`.
+    /// `admit`, `refuse`, `delay` (`on_limit: delay`: it waits, then is decided again),
+    /// `unknown` (decided by a full store's sketch or overflow, not read), `not_matched`,
+    /// `no_key` (the request lacks a key part: the rule does not apply), `bad_request` or
+    /// `asks_redis`.
     pub decision: &'static str,
     /// Why, in a sentence.
     pub reason: String,
@@ -237,7 +240,16 @@ impl RuleSet {
                 Kind::Concurrency {
                     max, store, share, ..
                 } => {
-                    let held = store.peek_state(&key, |c| c.in_flight()).unwrap_or(0);
+                    // An untracked key of a full store shares its overflow's slots.
+                    let held = store
+                        .peek_state(&key, |c| c.in_flight())
+                        .unwrap_or_else(|| {
+                            if store.len.load(Ordering::Relaxed) >= store.max_keys {
+                                store.overflow.in_flight()
+                            } else {
+                                0
+                            }
+                        });
                     let part = share
                         .as_ref()
                         .and_then(|s| s.peek(req.client_ip, *max, &self.share_exempt));
@@ -394,18 +406,20 @@ impl RuleSet {
                     e.remaining = Some(remaining);
                 }
                 Decision::Deny { retry_after }
-                    if rule
-                        .delay
-                        .as_ref()
-                        .is_some_and(|d| retry_after.is_some_and(|r| r <= d.max_delay)) =>
+                    if rule.mode == Mode::Enforce
+                        && rule
+                            .delay
+                            .as_ref()
+                            .is_some_and(|d| retry_after.is_some_and(|r| r <= d.max_delay)) =>
                 {
                     // `on_limit: delay`: the request waits in the rule's queue (if it has a
                     // place) and is decided again.
                     e.decision = "delay";
                     e.retry_after_s = retry_after.map(|n| ceil_secs(n).max(1));
                     e.reason.push_str(
-                        "; on_limit: delay: it waits that long in the rule's queue, then is decided again",
+                        "; on_limit: delay: it waits that long in the rule's queue (if it has a place), then is decided again",
                     );
+                    out.decided(rule, "delay", e.retry_after_s);
                 }
                 Decision::Deny { retry_after } => {
                     e.decision = "refuse";
@@ -551,19 +565,30 @@ impl RuleSet {
         };
         match shown {
             Some(text) => String::from_utf8_lossy(&text).into_owned(),
-            // A local key kept as its hash (past 64 bytes): the hash, not reversible.
-            None if local && key.len() == 17 => {
+            // A local key kept as its keyed hash (past 64 bytes): that hash.
+            None if local && key.len() == 17 && key[0] == 0xff => {
                 let hex: String = key[1..].iter().map(|b| format!("{b:02x}")).collect();
                 format!("hashed:{hex}")
             }
-            // A text key kept as the digest of a long one: that digest.
-            None if !local && key.starts_with(b"sha256:") && key.is_ascii() => {
+            // A text key kept as the SHA-256 of a long one, with no private part in it (with
+            // one, an unkeyed hash could be guessed back): that hash.
+            None if !local && !rule.digested && is_sha256_form(key) => {
                 String::from_utf8_lossy(key).into_owned()
             }
             // Anything else is never written as it is: a digest of the whole key.
             None => format!("key-digest:{}", self.secret.of_value(key)),
         }
     }
+}
+
+/// Whether `key` is the form a long text key is kept in: `sha256:` and 64 lower-case hex
+/// digits.
+fn is_sha256_form(key: &[u8]) -> bool {
+    key.len() == 71
+        && key.starts_with(b"sha256:")
+        && key[7..]
+            .iter()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 /// A slot limit's decision: a slot free, or refused with the hint a refusal gives.
@@ -636,7 +661,7 @@ impl Explanation {
                     .is_some_and(|r| r.decision == "admit" || r.mode == "shadow")
             })
         {
-            self.decision = "admit";
+            self.decision = if self.unknown { "unknown" } else { "admit" };
         }
     }
 
