@@ -142,17 +142,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
                 bytes_sent: None,
                 seconds: elapsed(shared, start),
             };
-            access::log(
-                (
-                    &shared.access_log,
-                    shared.clock.now(),
-                    &metrics.access_dropped,
-                ),
-                &asked,
-                peer,
-                None,
-                &answered,
-            );
+            access_line(shared, &asked, (peer, None), &answered);
         }
         return reply;
     }
@@ -202,17 +192,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
                     bytes_sent: None,
                     seconds,
                 };
-                access::log(
-                    (
-                        &shared.access_log,
-                        shared.clock.now(),
-                        &metrics.access_dropped,
-                    ),
-                    &asked,
-                    peer,
-                    Some(client.keyed),
-                    &answered,
-                );
+                access_line(shared, &asked, (peer, Some(client.keyed)), &answered);
             }
             // Refused before its body was read: read (and drop) a small body so that the
             // connection stays usable and the client reads our answer; a large or slow one
@@ -304,17 +284,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
             bytes_sent: resp.head.field(&http::header::CONTENT_LENGTH),
             seconds,
         };
-        access::log(
-            (
-                &shared.access_log,
-                shared.clock.now(),
-                &metrics.access_dropped,
-            ),
-            &asked,
-            peer,
-            Some(client.keyed),
-            &answered,
-        );
+        access_line(shared, &asked, (peer, Some(client.keyed)), &answered);
     }
     resp
 }
@@ -363,6 +333,18 @@ pub(super) async fn drained(mut body: forward::Streamed) -> bool {
     tokio::time::timeout(DRAIN_TIME, drain)
         .await
         .unwrap_or(false)
+}
+
+/// Writes `asked`'s access log line, from `peer` keyed as `client`, as `answered` says.
+fn access_line(
+    shared: &Shared,
+    asked: &access::Asked,
+    (peer, client): (SocketAddr, Option<std::net::IpAddr>),
+    answered: &access::Answered<'_>,
+) {
+    let now = shared.clock.now();
+    let budget = (&shared.access_log, now, &shared.metrics.access_dropped);
+    access::log(budget, asked, peer, client, answered);
 }
 
 pub(super) fn elapsed(shared: &Shared, start: u64) -> f64 {

@@ -312,16 +312,11 @@ impl RuleSet {
                 Kind::Global {
                     rate,
                     store,
-                    overflow_keys,
                     fallback,
-                    drained,
+                    ..
                 } => {
-                    let g = GlobalRule {
-                        rate,
-                        store,
-                        overflow_keys,
-                        fallback: fallback.as_ref(),
-                        drained: drained.load(Ordering::Relaxed),
+                    let Some(g) = GlobalRule::of(&rule.kind) else {
+                        continue;
                     };
                     let found = store.peek_state(&key, |c| c.copy());
                     let tracked = found.is_some();
@@ -537,20 +532,7 @@ impl RuleSet {
 impl RuleSet {
     /// The question `ask` puts to the store, as a decision would put it.
     pub fn redis_question<'a>(&'a self, ask: &'a RedisAsk) -> Option<Question<'a>> {
-        let rule = self.rules.get(ask.rule)?;
-        let Kind::Redis {
-            algorithm, quota, ..
-        } = &*rule.kind
-        else {
-            return None;
-        };
-        Some(Question {
-            rule: &rule.name,
-            key: &ask.key,
-            algorithm: *algorithm,
-            quota,
-            cost: ask.cost,
-        })
+        self.question_of(ask.rule, &ask.key, ask.cost)
     }
 
     /// A key as its store keeps it, for `top`, written as the logs write it (private parts

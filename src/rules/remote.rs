@@ -20,7 +20,20 @@ impl Remote {
     /// The next question for the store, or `None` once all were answered.
     pub fn question<'a>(&'a self, rules: &'a RuleSet) -> Option<Question<'a>> {
         let call = self.calls.get(self.asked)?;
-        let rule = &rules.rules[call.rule];
+        rules.question_of(call.rule, &call.key, call.cost)
+    }
+}
+
+impl RuleSet {
+    /// The question for the store of the `i`th rule (a `scope: redis` one) for `cost` units
+    /// of `key`.
+    pub(super) fn question_of<'a>(
+        &'a self,
+        i: usize,
+        key: &'a [u8],
+        cost: u32,
+    ) -> Option<Question<'a>> {
+        let rule = self.rules.get(i)?;
         let Kind::Redis {
             algorithm, quota, ..
         } = &*rule.kind
@@ -29,10 +42,10 @@ impl Remote {
         };
         Some(Question {
             rule: &rule.name,
-            key: &call.key,
+            key,
             algorithm: *algorithm,
             quota,
-            cost: call.cost,
+            cost,
         })
     }
 }

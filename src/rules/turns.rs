@@ -36,6 +36,30 @@ pub(super) struct GlobalRule<'a> {
     pub(super) drained: Nanos,
 }
 
+impl<'a> GlobalRule<'a> {
+    /// A `scope: global` rule's parts, from its kind.
+    #[inline]
+    pub(super) fn of(kind: &'a Kind) -> Option<Self> {
+        let Kind::Global {
+            rate,
+            store,
+            overflow_keys,
+            fallback,
+            drained,
+        } = kind
+        else {
+            return None;
+        };
+        Some(GlobalRule {
+            rate,
+            store,
+            overflow_keys,
+            fallback: fallback.as_ref(),
+            drained: drained.load(Ordering::Relaxed),
+        })
+    }
+}
+
 impl RuleSet {
     /// A local rate rule: its store's decision. A leaky bucket's place past `max_delay` is
     /// given back (the next request may fit) and the request refused.
