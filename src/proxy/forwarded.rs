@@ -141,8 +141,18 @@ impl Added {
         self.set().chain(close)
     }
 
-    /// The end-to-end headers set (`Connection: close`, when set, is the hop's own).
+    /// The end-to-end headers set (`Connection: close`, when set, is the hop's own), the
+    /// request's id among them when it is sent.
     pub fn set(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
+        self.hop_set().chain(
+            self.request_id
+                .as_deref()
+                .map(|id| (&crate::ids::X_REQUEST_ID, id.as_bytes())),
+        )
+    }
+
+    /// [`Self::set`] but the request's id.
+    fn hop_set(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
         fn value(v: &Option<HeaderValue>) -> Option<&[u8]> {
             v.as_ref().map(HeaderValue::as_bytes)
         }
@@ -151,10 +161,6 @@ impl Added {
             (&X_FORWARDED_FOR, Some(&self.forwarded_for[..])),
             (&X_FORWARDED_PROTO, value(&self.proto)),
             (&X_FORWARDED_HOST, value(&self.forwarded_host)),
-            (
-                &crate::ids::X_REQUEST_ID,
-                self.request_id.as_deref().map(crate::ids::IdText::as_bytes),
-            ),
         ]
         .into_iter()
         .filter_map(|(name, value)| value.map(|v| (name, v)))
@@ -165,8 +171,10 @@ impl Added {
     pub fn passes(&self, name: &HeaderName) -> bool {
         !hop_by_hop(name)
             && !self.listed.contains(name)
-            && self.set().all(|(set, _)| set != name)
+            && self.hop_set().all(|(set, _)| set != name)
             && (self.trusted || name != X_FORWARDED_HOST)
+            // Asked only when an id is sent: most proxies send none.
+            && (self.request_id.is_none() || *name != crate::ids::X_REQUEST_ID)
     }
 }
 
