@@ -99,6 +99,13 @@ impl RequestId {
     /// A new id made here: this thread's random prefix and its next count.
     #[inline]
     pub fn made() -> RequestId {
+        let (prefix, n) = Self::next();
+        RequestId::Made { prefix, n }
+    }
+
+    /// What [`Self::made`] makes, as its two numbers (what a request keeps until asked).
+    #[inline]
+    pub fn next() -> (u64, u64) {
         thread_local! {
             static NEXT: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
         }
@@ -109,7 +116,7 @@ impl RequestId {
                 prefix = fastrand::u64(1..);
             }
             next.set((prefix, n.wrapping_add(1)));
-            RequestId::Made { prefix, n }
+            (prefix, n)
         })
     }
 

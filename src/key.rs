@@ -146,8 +146,9 @@ pub struct RequestView<'a> {
     path: Cow<'a, str>,
     /// Whose request ids are taken (`request_id.from`).
     ids: crate::ids::IdFrom,
-    /// The id made for the request, if none is taken (its text is written only if asked).
-    made: crate::ids::RequestId,
+    /// The id made for the request, if none is taken (`RequestId::Made`'s numbers; its text
+    /// is written only if asked).
+    made: (u64, u64),
 }
 
 impl<'a> RequestView<'a> {
@@ -174,7 +175,7 @@ impl<'a> RequestView<'a> {
             host: OnceLock::new(),
             path: path_form(uri, false),
             ids: crate::ids::IdFrom::Trusted,
-            made: crate::ids::RequestId::made(),
+            made: crate::ids::RequestId::next(),
         }
     }
 
@@ -198,7 +199,7 @@ impl<'a> RequestView<'a> {
             host: OnceLock::new(),
             path: path_form(req.uri(), strict),
             ids,
-            made: crate::ids::RequestId::made(),
+            made: crate::ids::RequestId::next(),
         }
     }
 
@@ -220,7 +221,9 @@ impl<'a> RequestView<'a> {
     /// The request's id ([`crate::ids::RequestId::of`]), the same however often asked.
     #[inline]
     pub fn request_id(&self) -> crate::ids::RequestId {
-        crate::ids::RequestId::of(self.headers, self.trusted_peer, self.ids, self.made)
+        let (prefix, n) = self.made;
+        let made = crate::ids::RequestId::Made { prefix, n };
+        crate::ids::RequestId::of(self.headers, self.trusted_peer, self.ids, made)
     }
 
     /// The path rules match and key by: as written under `path_match: strict`, else without

@@ -39,8 +39,9 @@ pub struct Added {
     pub upgrade: Option<&'static str>,
     /// A body still coming tells its progress here, for the exchange's deadlines.
     pub progress: Option<std::sync::Arc<super::body::Progress>>,
-    /// The request's id, sent as `x-request-id` in place of the client's (`request_id.forward`).
-    /// Boxed: most proxies send none, and this is moved with every request.
+    /// The request's id, sent as `x-request-id` (`request_id.forward`; the client's field of
+    /// that name is taken out of the request before). Boxed: most proxies send none, and this
+    /// is moved with every request.
     pub request_id: Option<Box<crate::ids::IdText>>,
 }
 
@@ -151,8 +152,8 @@ impl Added {
         )
     }
 
-    /// [`Self::set`] but the request's id.
-    fn hop_set(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
+    /// [`Self::set`] but the request's id (written apart: most requests send none).
+    pub fn hop_set(&self) -> impl Iterator<Item = (&HeaderName, &[u8])> {
         fn value(v: &Option<HeaderValue>) -> Option<&[u8]> {
             v.as_ref().map(HeaderValue::as_bytes)
         }
@@ -173,8 +174,6 @@ impl Added {
             && !self.listed.contains(name)
             && self.hop_set().all(|(set, _)| set != name)
             && (self.trusted || name != X_FORWARDED_HOST)
-            // Asked only when an id is sent: most proxies send none.
-            && (self.request_id.is_none() || *name != crate::ids::X_REQUEST_ID)
     }
 }
 

@@ -218,6 +218,10 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
     };
 
     let asked = access::Asked::of(req, &shared.access_log, false);
+    if shared.request_ids.forward {
+        // Ours goes in its place, as the request goes up.
+        req.headers_mut().remove(&crate::ids::X_REQUEST_ID);
+    }
     let fwd = forward::Forward {
         client: &conn.client,
         upstream: &shared.upstream,

@@ -347,8 +347,11 @@ pub(super) fn write_head<B>(out: &mut Vec<u8>, req: &Request<B>, added: &Added, 
         added.passes(name) && !(chunked && *name == http::header::CONTENT_LENGTH)
     });
     let passing = passing.map(|(name, value)| (name, value.as_bytes()));
-    for (name, value) in passing.chain(added.set()) {
+    for (name, value) in passing.chain(added.hop_set()) {
         field(out, name.as_str().as_bytes(), value);
+    }
+    if let Some(id) = &added.request_id {
+        field(out, b"x-request-id", id.as_bytes());
     }
     if chunked {
         field(out, b"transfer-encoding", b"chunked");
