@@ -155,9 +155,14 @@ impl PerClient {
 /// that the kernel does not reset it over unread bytes before the answer is read).
 async fn refuse(mut stream: tokio::net::TcpStream, within: std::time::Duration) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    const ANSWER: &[u8] = b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/plain\r\ncontent-length: 40\r\nretry-after: 1\r\ncache-control: no-store\r\nconnection: close\r\n\r\ntoo many connections from this client.\r\n";
+    // An id as every answer of ours has (no request was read to take one from).
+    let id = crate::ids::RequestId::made().text();
+    let mut answer = Vec::with_capacity(256);
+    answer.extend_from_slice(b"HTTP/1.1 429 Too Many Requests\r\ncontent-type: text/plain\r\ncontent-length: 40\r\nretry-after: 1\r\ncache-control: no-store\r\nconnection: close\r\nx-request-id: ");
+    answer.extend_from_slice(id.as_bytes());
+    answer.extend_from_slice(b"\r\n\r\ntoo many connections from this client.\r\n");
     let _ = tokio::time::timeout(within, async {
-        stream.write_all(ANSWER).await?;
+        stream.write_all(&answer).await?;
         stream.shutdown().await?;
         let mut sink = [0u8; 1024];
         while stream.read(&mut sink).await? > 0 {}

@@ -458,6 +458,7 @@ async fn one_address_is_stopped_at_its_connection_cap() {
     let a = read_answer(&mut fifth).await;
     assert_eq!(a.status, "HTTP/1.1 429 Too Many Requests", "{}", a.head);
     assert!(a.head.contains("connection: close"), "{}", a.head);
+    assert!(a.head.contains("x-request-id: "), "{}", a.head);
     assert!(closes(&mut fifth).await);
     let mut other = connect_from([127, 0, 0, 3], sc.addr()).await;
     assert_eq!(one_get(&mut other).await, "HTTP/1.1 200 OK");
