@@ -65,6 +65,8 @@ pub(super) struct Asked {
     fields: Option<Box<Fields>>,
     /// Whether a forwarded answer gets a line (refusals and errors always do).
     pub(super) sampled: bool,
+    /// Its line took its place in the second's budget already.
+    budgeted: bool,
 }
 
 #[derive(Default)]
@@ -77,11 +79,25 @@ struct Fields {
 }
 
 impl Asked {
-    /// `req`'s part of a line, when the log is on: all of it if `sure` (a line will be
-    /// written), else as sampling decides.
+    /// `req`'s part of a line, when the log is on: all of it if `sure` (a refusal's line,
+    /// if the second's budget has room for it at `now()`: else nothing is copied, and the
+    /// line is counted in `dropped`), else as sampling decides.
     #[inline(always)]
-    pub(super) fn of<B>(req: &Request<B>, log: &Option<AccessLog>, sure: bool) -> Option<Asked> {
-        log.as_ref().map(|l| Self::copied(req, l.one_in, sure))
+    pub(super) fn of<B>(
+        req: &Request<B>,
+        (log, now, dropped): (
+            &Option<AccessLog>,
+            impl FnOnce() -> u64,
+            &prometheus::IntCounter,
+        ),
+        sure: bool,
+    ) -> Option<Asked> {
+        let log = log.as_ref()?;
+        if sure && !log.take(now()) {
+            dropped.inc();
+            return None;
+        }
+        Some(Self::copied(req, log.one_in, sure))
     }
 
     #[cold]
@@ -93,6 +109,7 @@ impl Asked {
             version: req.version(),
             fields: (sure || sampled).then(|| Box::new(Fields::of(req.headers()))),
             sampled,
+            budgeted: sure,
         }
     }
 }
@@ -150,7 +167,7 @@ pub(super) fn log(
         if !asked.sampled {
             return;
         }
-    } else if !log.as_ref().is_some_and(|l| l.take(now)) {
+    } else if !asked.budgeted && !log.as_ref().is_some_and(|l| l.take(now)) {
         dropped.inc();
         return;
     }

@@ -133,7 +133,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         let id =
             crate::ids::RequestId::of(req.headers(), trusted, shared.request_ids.from, made).text();
         let reply = Reply::refused(&refused, &id);
-        if let Some(asked) = access::Asked::of(req, &shared.access_log, true) {
+        if let Some(asked) = access::Asked::of(req, refusal_budget(shared), true) {
             let answered = access::Answered {
                 status: refused.status,
                 decision: "error",
@@ -179,7 +179,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
                 Some(kept) => Reply::kept(kept),
                 None => Reply::whole(respond::answer(&refusal, grpc, &id)),
             };
-            if let Some(asked) = access::Asked::of(req, &shared.access_log, true) {
+            if let Some(asked) = access::Asked::of(req, refusal_budget(shared), true) {
                 let (decision, rule) = match &refusal {
                     gate::Refusal::Limited(d) => ("rejected", d.state.rule()),
                     gate::Refusal::BadRequest(bad) => ("error", &bad.rule),
@@ -217,7 +217,12 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         }
     };
 
-    let asked = access::Asked::of(req, &shared.access_log, false);
+    let asked = access::Asked::of(
+        req,
+        // Not sure of a line: the budget is asked at the line.
+        (&shared.access_log, || 0, &shared.metrics.access_dropped),
+        false,
+    );
     if shared.request_ids.forward {
         // Ours goes in its place, as the request goes up.
         req.headers_mut().remove(&crate::ids::X_REQUEST_ID);
@@ -346,9 +351,29 @@ fn access_line(
     (peer, client): (SocketAddr, Option<std::net::IpAddr>),
     answered: &access::Answered<'_>,
 ) {
+    access::log(access_budget(shared), asked, peer, client, answered);
+}
+
+/// The access log, now, and where its dropped lines are counted.
+fn access_budget(shared: &Shared) -> (&Option<access::AccessLog>, u64, &prometheus::IntCounter) {
     let now = shared.clock.now();
-    let budget = (&shared.access_log, now, &shared.metrics.access_dropped);
-    access::log(budget, asked, peer, client, answered);
+    (&shared.access_log, now, &shared.metrics.access_dropped)
+}
+
+/// [`access_budget`] for a refusal's line, the clock read only if the log is on.
+#[allow(clippy::type_complexity)]
+fn refusal_budget(
+    shared: &Shared,
+) -> (
+    &Option<access::AccessLog>,
+    impl FnOnce() -> u64 + '_,
+    &prometheus::IntCounter,
+) {
+    (
+        &shared.access_log,
+        || shared.clock.now(),
+        &shared.metrics.access_dropped,
+    )
 }
 
 pub(super) fn elapsed(shared: &Shared, start: u64) -> f64 {

@@ -124,7 +124,7 @@ pub struct TopKey {
 pub struct TopRule {
     pub rule: String,
     pub kind: &'static str,
-    /// Keys tracked.
+    /// Keys tracked (of which `top` read at most the first 10 000 the store walks).
     pub keys: usize,
     /// What `used` counts.
     pub used: &'static str,

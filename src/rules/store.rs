@@ -371,6 +371,9 @@ pub(super) struct Store<S> {
     pub(super) reclaim_every: AtomicU64,
 }
 
+/// The keys of a store `top` reads at most a call.
+pub(super) const TOP_SCAN: usize = 10_000;
+
 /// A full store looks for states to replace at most this often (a sweep visits every key)...
 pub(super) const RECLAIM_EVERY: Nanos = NANOS_PER_SEC / 10;
 /// ...and, while its looks free nothing, backs off to this.
@@ -473,7 +476,13 @@ impl<S: Default + Send + Sync + 'static> Store<S> {
     /// that no lock is held across more than one key's state.
     #[cold]
     pub(super) fn each_key<T>(&self, mut f: impl FnMut(&[u8], &S) -> Option<T>) -> Vec<T> {
-        let keys: Vec<StoredKey> = self.map.iter().map(|e| e.key().clone()).collect();
+        // Past this many a call reads the first the map walks: `/ui` asks every second.
+        let keys: Vec<StoredKey> = self
+            .map
+            .iter()
+            .take(TOP_SCAN)
+            .map(|e| e.key().clone())
+            .collect();
         keys.iter()
             .filter_map(|k| self.peek_state(k, |s| f(k, s)).flatten())
             .collect()
