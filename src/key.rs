@@ -528,6 +528,131 @@ pub fn shown_stored(
     Some(out)
 }
 
+/// A key written as its parts' values (`overrides:`), in the form the rule's store keeps it:
+/// `local`, a local rule's framed key ([`extract`], [`bound_local`]); else the text form
+/// ([`extract_text`], [`canonical_text`]). An address is keyed as a request from it would be
+/// (`client_ip` through `policy`, `client_ip/N` cut to N; a block is its first address); a
+/// host and (unless `strict_path`) a path compare without case. When a private part is written
+/// as its digest (`~` and 32 hex digits, what `spillway digest` prints) every private part
+/// must be, and the key is returned in its shown form ([`extract_shown`]) with `true`.
+pub fn written_key(
+    parts: &[KeyPart],
+    values: &[String],
+    local: bool,
+    (policy, strict_path): (&ClientIpPolicy, bool),
+) -> Result<(KeyBuf, bool), String> {
+    use std::io::Write;
+    if values.len() != parts.len() {
+        return Err(format!(
+            "the rule's key has {} part{} ({}); write {}",
+            parts.len(),
+            if parts.len() == 1 { "" } else { "s" },
+            parts
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            if parts.len() == 1 {
+                "one value".to_string()
+            } else {
+                format!("a list of {} values in that order", parts.len())
+            }
+        ));
+    }
+    let is_digest = |v: &str| {
+        v.len() == 33
+            && v.as_bytes()[0] == crate::digest::MARK
+            && v[1..]
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let private: SmallVec<[bool; 4]> = parts
+        .iter()
+        .zip(values)
+        .filter(|(p, _)| matches!(p, KeyPart::Header(_) | KeyPart::Query(_)))
+        .map(|(_, v)| is_digest(v))
+        .collect();
+    let shown = private.iter().any(|d| *d);
+    if shown && !private.iter().all(|d| *d) {
+        return Err(
+            "write every header: and query: part of a key as its digest (~...) or none of them"
+                .into(),
+        );
+    }
+    let text = shown || !local;
+    let mut out = KeyBuf::new();
+    for (i, (part, value)) in parts.iter().zip(values).enumerate() {
+        let addr = |v: &str| -> Result<IpAddr, String> {
+            let v = v.trim();
+            let ip = v.split_once('/').map_or(v, |(a, _)| a);
+            ip.parse::<IpAddr>()
+                .map(|ip| policy.unwrapped(ip.to_canonical()))
+                .map_err(|_| format!("{v:?}: {part} is an address"))
+        };
+        let bytes: KeyBuf = match part {
+            KeyPart::ClientIp => {
+                let ip = policy.cut(addr(value)?);
+                let mut b = KeyBuf::new();
+                match (text, ip) {
+                    (true, ip) => {
+                        let _ = write!(b, "{ip}");
+                    }
+                    (false, IpAddr::V4(v4)) => b.extend_from_slice(&v4.octets()),
+                    (false, IpAddr::V6(v6)) => b.extend_from_slice(&v6.octets()),
+                }
+                b
+            }
+            KeyPart::ClientNet { v4, v6 } => {
+                let ip = match addr(value)? {
+                    IpAddr::V4(a) if v4.is_some() && !private_v4(a) => {
+                        IpAddr::V4(mask_v4(a, v4.unwrap_or(32)))
+                    }
+                    IpAddr::V6(a) if v6.is_some() && !private_v6(a) => {
+                        IpAddr::V6(mask_v6(a, v6.unwrap_or(128)))
+                    }
+                    other => policy.cut(other),
+                };
+                let mut b = KeyBuf::new();
+                match (text, ip) {
+                    (true, ip) => {
+                        let _ = write!(b, "{ip}");
+                    }
+                    (false, IpAddr::V4(v4)) => b.extend_from_slice(&v4.octets()),
+                    (false, IpAddr::V6(v6)) => b.extend_from_slice(&v6.octets()),
+                }
+                b
+            }
+            KeyPart::Host => KeyBuf::from_iter(value.bytes().map(|b| b.to_ascii_lowercase())),
+            KeyPart::Path if !strict_path => KeyBuf::from_iter(
+                crate::target::match_form(value)
+                    .bytes()
+                    .map(|b| b.to_ascii_lowercase()),
+            ),
+            KeyPart::Method => {
+                if http::Method::from_bytes(value.as_bytes()).is_err() {
+                    return Err(format!("{value:?}: not a method"));
+                }
+                KeyBuf::from_slice(value.as_bytes())
+            }
+            _ => KeyBuf::from_slice(value.as_bytes()),
+        };
+        if text {
+            if i > 0 {
+                out.push(0x1f);
+            }
+            out.extend_from_slice(&bytes);
+        } else {
+            push(&mut out, &bytes);
+        }
+    }
+    if text {
+        canonical_text(&mut out);
+    } else {
+        bound_local(&mut out);
+    }
+    Ok((out, shown))
+}
+
 /// Whether a key of `parts` has a private part (a `header:` or `query:` value).
 pub fn has_private(parts: &[KeyPart]) -> bool {
     parts

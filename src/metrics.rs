@@ -306,6 +306,10 @@ pub struct Metrics {
     registry: Registry,
     pub requests: IntCounterVec,
     pub keys: IntGaugeVec,
+    /// `spillway_overrides{rule}`: keys with a limit of their own, loaded.
+    pub overrides: IntGaugeVec,
+    /// `spillway_overrides_reloads_total{rule,result}`: loads of an `overrides_file`.
+    pub overrides_reloads: IntCounterVec,
     pub evicted: IntCounterVec,
     pub overflow: IntCounterVec,
     pub sketch_refused: IntCounterVec,
@@ -392,6 +396,22 @@ impl Metrics {
         let keys = IntGaugeVec::new(
             Opts::new("spillway_keys", "Keys tracked per rule."),
             &["rule"],
+        )
+        .expect("valid metric");
+        let overrides = IntGaugeVec::new(
+            Opts::new(
+                "spillway_overrides",
+                "Keys with a limit of their own, per rule (overrides and overrides_file).",
+            ),
+            &["rule"],
+        )
+        .expect("valid metric");
+        let overrides_reloads = IntCounterVec::new(
+            Opts::new(
+                "spillway_overrides_reloads_total",
+                "Loads of a rule's overrides_file; result is ok or error (the last good set stays).",
+            ),
+            &["rule", "result"],
         )
         .expect("valid metric");
         let evicted = IntCounterVec::new(
@@ -555,6 +575,8 @@ impl Metrics {
             Box::new(control_plane_stale.clone()),
             Box::new(requests.clone()),
             Box::new(keys.clone()),
+            Box::new(overrides.clone()),
+            Box::new(overrides_reloads.clone()),
             Box::new(evicted.clone()),
             Box::new(overflow.clone()),
             Box::new(sketch_refused.clone()),
@@ -651,6 +673,8 @@ impl Metrics {
             registry,
             requests,
             keys,
+            overrides,
+            overrides_reloads,
             evicted,
             overflow,
             sketch_refused,

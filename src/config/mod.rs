@@ -700,6 +700,20 @@ impl Config {
             });
         }
         check_rule_names(&config.rules, text, file)?;
+        check_replaces(&config.rules).map_err(|(i, message)| ConfigError::Invalid {
+            file: file.to_string(),
+            line: line_of_nth_name(text, &config.rules[i].name.0, 1),
+            column: None,
+            message,
+        })?;
+        config
+            .check_override_keys()
+            .map_err(|(i, message)| ConfigError::Invalid {
+                file: file.to_string(),
+                line: line_of_nth_name(text, &config.rules[i].name.0, 1),
+                column: None,
+                message,
+            })?;
         check_control_plane(config.control_plane.as_ref(), &config.rules, text, file)?;
         config.check_redis(text, file)?;
         check_trusted_headers(&config.trusted_headers).map_err(|message| ConfigError::Invalid {
@@ -823,11 +837,13 @@ pub(crate) fn line_of_nth_name(text: &str, value: &str, n: usize) -> Option<usiz
         .map(|(i, _)| i + 1)
 }
 
+mod overrides;
 mod rule;
 pub mod schema;
 mod shared;
 mod values;
 
+pub use overrides::*;
 pub use rule::*;
 pub use shared::*;
 pub use values::*;

@@ -46,6 +46,12 @@ pub struct Rule {
     /// each second (as many again at once); past it such a key gets 429 here, so that a client
     /// rotating keys cannot fill Redis.
     pub new_keys: NonZeroU32,
+    /// Rules this one stands in for: they do not apply to a request this rule applies to.
+    pub replaces: Vec<Name>,
+    /// Keys with a limit of their own.
+    pub overrides: Vec<Override>,
+    /// A file of more such keys, reloaded whenever it changes (a bad one keeps the last).
+    pub overrides_file: Option<std::path::PathBuf>,
 }
 
 /// How a rule's private key parts are shown and sent.
@@ -128,6 +134,13 @@ pub(super) struct RawRule {
     /// Only with `scope: redis` (default 1 000 a second).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) new_keys: Option<NonZeroU32>,
+    /// Rules this one stands in for (a more specific rule for a general one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) replaces: Vec<Name>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(super) overrides: Vec<Override>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) overrides_file: Option<std::path::PathBuf>,
 }
 
 fn is_digest(l: &LogKeys) -> bool {
@@ -170,8 +183,15 @@ impl TryFrom<RawRule> for Rule {
     fn try_from(r: RawRule) -> Result<Self, String> {
         // The parser locates this error at the rule, not at one field: name the rule.
         check_rule(&r).map_err(|e| format!("rule {}: {e}", r.name))?;
+        check_overridable(&r).map_err(|e| format!("rule {}: {e}", r.name))?;
+        if r.overrides.len() > MAX_OVERRIDES {
+            return Err(format!(
+                "rule {}: overrides: at most {MAX_OVERRIDES} entries",
+                r.name
+            ));
+        }
         let client_share = shared_slots(&r).then(|| r.client_share.unwrap_or(DEFAULT_CLIENT_SHARE));
-        Ok(Rule {
+        let rule = Rule {
             name: r.name,
             matcher: r.matcher,
             key: r.key,
@@ -193,7 +213,23 @@ impl TryFrom<RawRule> for Rule {
             upstream_body_idle: r.upstream_body_idle,
             log_keys: r.log_keys,
             new_keys: r.new_keys.unwrap_or_else(default_new_keys),
-        })
+            replaces: r.replaces,
+            overrides: r.overrides,
+            overrides_file: r.overrides_file,
+        };
+        for (i, o) in rule.overrides.iter().enumerate() {
+            if o.key.0.len() != rule.key.0.len() {
+                return Err(format!(
+                    "rule {}: overrides[{i}]: key {}: the rule's key has {} part(s); write their values in order",
+                    rule.name,
+                    o.key,
+                    rule.key.0.len()
+                ));
+            }
+            check_own(&rule, &o.limit)
+                .map_err(|e| format!("rule {}: overrides[{i}] ({}): {e}", rule.name, o.key))?;
+        }
+        Ok(rule)
     }
 }
 
@@ -476,6 +512,9 @@ impl From<Rule> for RawRule {
             upstream_body_idle: r.upstream_body_idle,
             log_keys: r.log_keys,
             new_keys: (r.scope == Scope::Redis).then_some(r.new_keys),
+            replaces: r.replaces,
+            overrides: r.overrides,
+            overrides_file: r.overrides_file,
         }
     }
 }
@@ -820,6 +859,14 @@ pub struct Match {
     pub headers_present: Vec<HeaderNameStr>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub headers_absent: Vec<HeaderNameStr>,
+    /// The client's address is in one of these blocks: the address the keys use (through
+    /// `client_ip.trusted_proxies`), before any prefix cuts it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub client_ip: Vec<super::CidrStr>,
+    /// The client's address is in none of these blocks: an exemption (the office, a
+    /// partner's range, the cluster's own probes).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub except_client_ip: Vec<super::CidrStr>,
 }
 
 /// A rule's limit: a rate (with `burst` and an algorithm), or a concurrency cap.

@@ -28,8 +28,13 @@ impl RuleSet {
         ratios: Arc<ArcSwap<DropRatios>>,
         previous: Option<&RuleSet>,
     ) -> RuleSet {
-        let mut set = Self::from_rules_keeping(&config.rules, config.headers, metrics, previous)
-            .in_fleet(config.control_plane.as_ref(), ratios);
+        let reading = (
+            &config.client_ip.policy(),
+            config.path_match == crate::config::PathMatch::Strict,
+        );
+        let mut set =
+            Self::from_rules_keeping(&config.rules, config.headers, metrics, previous, reading)
+                .in_fleet(config.control_plane.as_ref(), ratios);
         set.log_rejections = config.log_rejections;
         set.share_exempt = config.per_client_exempt().into();
         // The secret is read once, at start (a restart field): a reload keeps it.
@@ -59,7 +64,8 @@ impl RuleSet {
 
     /// Compiles `rules`, resolving their metric handles in `metrics`.
     pub fn from_rules(rules: &[Rule], header_mode: HeaderMode, metrics: &Metrics) -> RuleSet {
-        Self::from_rules_keeping(rules, header_mode, metrics, None)
+        let policy = crate::key::ClientIpPolicy::default();
+        Self::from_rules_keeping(rules, header_mode, metrics, None, (&policy, false))
     }
 
     /// As [`from_rules`](Self::from_rules); a rule whose identity (name, key, limit, scope,
@@ -70,21 +76,44 @@ impl RuleSet {
         header_mode: HeaderMode,
         metrics: &Metrics,
         previous: Option<&RuleSet>,
+        (policy, strict): (&crate::key::ClientIpPolicy, bool),
     ) -> RuleSet {
-        RuleSet {
-            rules: rules
+        let mut compiled: Vec<CompiledRule> = rules
+            .iter()
+            .map(|r| {
+                let identity = identity(r);
+                let kept = previous.and_then(|p| {
+                    p.rules
+                        .iter()
+                        .find(|old| old.identity == identity)
+                        .map(|old| old.kind.clone())
+                });
+                let mut rule = compile(r, metrics, identity, kept);
+                // Unchanged overrides keep their table (and what their file loaded).
+                let wanted = overrides::Overrides::identity(r, policy, strict);
+                rule.overrides = previous
+                    .and_then(|p| {
+                        p.rules.iter().find_map(|old| {
+                            old.overrides
+                                .as_ref()
+                                .filter(|o| o.identity == wanted)
+                                .cloned()
+                        })
+                    })
+                    .or_else(|| overrides::Overrides::of(r, policy, strict, metrics).map(Arc::new));
+                rule
+            })
+            .collect();
+        for (i, r) in rules.iter().enumerate() {
+            compiled[i].replaced_by = rules
                 .iter()
-                .map(|r| {
-                    let identity = identity(r);
-                    let kept = previous.and_then(|p| {
-                        p.rules
-                            .iter()
-                            .find(|old| old.identity == identity)
-                            .map(|old| old.kind.clone())
-                    });
-                    compile(r, metrics, identity, kept)
-                })
-                .collect(),
+                .enumerate()
+                .filter(|(_, o)| o.replaces.contains(&r.name))
+                .map(|(j, _)| j)
+                .collect();
+        }
+        RuleSet {
+            rules: compiled,
             header_mode,
             ratios: Arc::new(ArcSwap::from_pointee(DropRatios::empty(0))),
             staleness: Staleness {
@@ -351,19 +380,13 @@ pub(super) fn compile(
             .with_label_values(&[label, "shadow_rejected"]),
         logged: LogBudget::default(),
         refused_keys: Default::default(),
+        overrides: None,
+        replaced_by: Box::default(),
         name,
     }
 }
 
 impl CompiledRule {
-    pub(super) fn state(&self, remaining: u32, reset_secs: u64) -> RateState {
-        RateState {
-            answers: self.answers.clone(),
-            remaining,
-            reset_secs,
-        }
-    }
-
     /// Writes the rule's key for `req` into `key`, bounded: a global or redis rule's in its
     /// fleet-wide text form, a local rule's as bytes (hashed past 64).
     #[inline]

@@ -40,6 +40,8 @@ pub struct RedisAsk {
     rule: usize,
     key: Vec<u8>,
     cost: u32,
+    /// The key's own limit, asked instead of the rule's.
+    own: Option<Quota>,
 }
 
 /// One rule's part of an [`Explanation`].
@@ -73,6 +75,9 @@ pub struct RuleExplained {
     /// The key's state: whatever the rule's kind keeps.
     #[serde(skip_serializing_if = "serde_json::Value::is_null")]
     pub state: serde_json::Value,
+    /// The key's own limit (`overrides:`), when it has one.
+    #[serde(rename = "override", skip_serializing_if = "Option::is_none")]
+    pub own: Option<String>,
 }
 
 impl RuleExplained {
@@ -92,6 +97,7 @@ impl RuleExplained {
             remaining: None,
             retry_after_s: None,
             state: serde_json::Value::Null,
+            own: None,
         }
     }
 }
@@ -164,6 +170,22 @@ impl RuleSet {
                 ));
                 continue;
             }
+            if !rule.replaced_by.is_empty() && self.replaced(rule, req) {
+                let by: Vec<&str> = rule
+                    .replaced_by
+                    .iter()
+                    .map(|&j| &*self.rules[j].name)
+                    .collect();
+                out.rules.push(RuleExplained::new(
+                    rule,
+                    "replaced",
+                    format!(
+                        "a rule that replaces it applies to the request ({})",
+                        by.join(", ")
+                    ),
+                ));
+                continue;
+            }
             let mut e = match rule.key_of(req, &mut key) {
                 Extract::Found => RuleExplained::new(rule, "admit", String::new()),
                 Extract::Missing => {
@@ -187,6 +209,21 @@ impl RuleSet {
             if !matches!(&*rule.kind, Kind::Global { .. } | Kind::Adaptive { .. }) {
                 e.stored = Some(self.stored_form(rule, &key));
             }
+            let table;
+            let own = match &rule.overrides {
+                None => None,
+                Some(o) => {
+                    table = o.load();
+                    self.own_limit(&table, rule, &key, req)
+                }
+            };
+            e.own = own.map(overrides::Own::describe);
+            if let Some(overrides::Own::Unlimited) = own {
+                e.decision = "unlimited";
+                e.reason = "the key's override: the rule does not limit it".into();
+                out.rules.push(e);
+                continue;
+            }
             let cost = match rule.cost_of(req) {
                 Ok(cost) => cost,
                 Err(bad) => {
@@ -206,9 +243,14 @@ impl RuleSet {
                 cost,
                 now,
                 dry: true,
+                own,
             };
             let decision = match &*rule.kind {
                 Kind::Rate { quota, store, .. } => {
+                    let quota = match own {
+                        Some(overrides::Own::Rate { quota, .. }) => quota,
+                        _ => quota,
+                    };
                     let (d, tracked) = store.peek(&key, quota, now, cost);
                     e.state = serde_json::json!({
                         "algorithm": store.algorithm_name(),
@@ -240,6 +282,10 @@ impl RuleSet {
                 Kind::Concurrency {
                     max, store, share, ..
                 } => {
+                    let max = match own {
+                        Some(overrides::Own::Slots { max, .. }) => max,
+                        _ => max,
+                    };
                     // An untracked key of a full store shares its overflow's slots.
                     let held = store
                         .peek_state(&key, |c| c.in_flight())
@@ -303,6 +349,10 @@ impl RuleSet {
                                 rule: i,
                                 key: key.to_vec(),
                                 cost,
+                                own: match own {
+                                    Some(overrides::Own::Rate { quota, .. }) => Some(*quota),
+                                    _ => None,
+                                },
                             });
                             out.rules.push(e);
                             continue;
@@ -315,9 +365,14 @@ impl RuleSet {
                     fallback,
                     ..
                 } => {
-                    let Some(g) = GlobalRule::of(&rule.kind) else {
+                    let Some(mut g) = GlobalRule::of(&rule.kind) else {
                         continue;
                     };
+                    let rate = match own {
+                        Some(overrides::Own::Rate { rate, .. }) => rate,
+                        _ => rate,
+                    };
+                    g.rate = rate;
                     let found = store.peek_state(&key, |c| c.copy());
                     let tracked = found.is_some();
                     if !tracked && store.len.load(Ordering::Relaxed) >= store.max_keys {
@@ -532,7 +587,11 @@ impl RuleSet {
 impl RuleSet {
     /// The question `ask` puts to the store, as a decision would put it.
     pub fn redis_question<'a>(&'a self, ask: &'a RedisAsk) -> Option<Question<'a>> {
-        self.question_of(ask.rule, &ask.key, ask.cost)
+        let mut q = self.question_of(ask.rule, &ask.key, ask.cost)?;
+        if let Some(own) = &ask.own {
+            q.quota = own;
+        }
+        Some(q)
     }
 
     /// A key as its store keeps it, for `top`, written as the logs write it (private parts

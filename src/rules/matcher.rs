@@ -20,6 +20,10 @@ pub(super) struct Matcher {
     pub(super) headers: Vec<(http::HeaderName, HeaderValue)>,
     pub(super) present: Vec<http::HeaderName>,
     pub(super) absent: Vec<http::HeaderName>,
+    /// The client's address is in one of these (none listed: any).
+    pub(super) client_in: Vec<crate::key::Cidr>,
+    /// The client's address is in none of these.
+    pub(super) client_out: Vec<crate::key::Cidr>,
 }
 
 impl From<&Match> for Matcher {
@@ -49,6 +53,8 @@ impl From<&Match> for Matcher {
             headers: m.headers.0.clone(),
             present: m.headers_present.iter().map(|h| h.0.clone()).collect(),
             absent: m.headers_absent.iter().map(|h| h.0.clone()).collect(),
+            client_in: m.client_ip.iter().map(|c| c.0).collect(),
+            client_out: m.except_client_ip.iter().map(|c| c.0).collect(),
         }
     }
 }
@@ -112,6 +118,13 @@ impl Matcher {
             return false;
         }
         if !self.absent.is_empty() && self.absent.iter().any(|h| req.headers.contains_key(h)) {
+            return false;
+        }
+        if !self.client_in.is_empty() && !self.client_in.iter().any(|c| c.contains(req.client_addr))
+        {
+            return false;
+        }
+        if self.client_out.iter().any(|c| c.contains(req.client_addr)) {
             return false;
         }
         if !self.headers.is_empty()

@@ -93,6 +93,11 @@ struct CompiledRule {
     digested: bool,
     /// A cost that is the response's: what its charges need.
     charge: Option<Arc<ChargeRule>>,
+    /// Keys with a limit of their own; `None` (most rules): no lookup at all.
+    overrides: Option<Arc<overrides::Overrides>>,
+    /// Rules that stand in for this one: it does not apply to a request one of them applies
+    /// to (empty for most).
+    replaced_by: Box<[usize]>,
 }
 
 /// How many of a rule's rejections were logged in the current second: the log answers "why
@@ -394,6 +399,9 @@ impl RuleSet {
             if !rule.matcher.matches(req) {
                 continue;
             }
+            if !rule.replaced_by.is_empty() && self.replaced(rule, req) {
+                continue;
+            }
             match rule.key_of(req, &mut key) {
                 Extract::Found => {
                     if rule.body_idle.is_some() {
@@ -406,6 +414,17 @@ impl RuleSet {
                     return Verdict::BadRequest(rule.repeated_key(req));
                 }
             }
+            let table;
+            let own = match &rule.overrides {
+                None => None,
+                Some(o) => {
+                    table = o.load();
+                    match self.own_limit(&table, rule, &key, req) {
+                        Some(overrides::Own::Unlimited) => continue,
+                        own => own,
+                    }
+                }
+            };
             let cost = match rule.cost_of(req) {
                 Ok(cost) => cost,
                 Err(bad) => {
@@ -421,6 +440,7 @@ impl RuleSet {
                 cost,
                 now,
                 dry: false,
+                own,
             };
             let decision = match &*rule.kind {
                 Kind::Rate {
@@ -451,6 +471,12 @@ impl RuleSet {
                             rule: i,
                             key: key.to_vec(),
                             cost,
+                            own: match own {
+                                Some(overrides::Own::Rate { quota, answers, .. }) => {
+                                    Some((*quota, answers.clone()))
+                                }
+                                _ => None,
+                            },
                         });
                         continue;
                     }
@@ -463,7 +489,10 @@ impl RuleSet {
                     drained,
                 } => {
                     let g = GlobalRule {
-                        rate,
+                        rate: match own {
+                            Some(overrides::Own::Rate { rate, .. }) => rate,
+                            _ => rate,
+                        },
                         store,
                         overflow_keys,
                         fallback: fallback.as_ref(),
@@ -480,10 +509,11 @@ impl RuleSet {
                 } => {
                     granted.admit.wait = granted.admit.wait.max(wait);
                     if want_states {
-                        granted
-                            .admit
-                            .states
-                            .push(rule.state(remaining, ceil_secs(reset_after)));
+                        granted.admit.states.push(RateState {
+                            answers: t.answers().clone(),
+                            remaining,
+                            reset_secs: ceil_secs(reset_after),
+                        });
                     }
                 }
                 Decision::Deny { retry_after } => match rule.mode {
@@ -494,7 +524,13 @@ impl RuleSet {
                     Mode::Enforce => {
                         self.log_rejection(rule, req, "rejected", now);
                         rule.refused_keys.record(&key, now);
-                        return self.refuse(rule, req, granted.taken, now, retry_after);
+                        return self.refuse(
+                            (rule, t.answers()),
+                            req,
+                            granted.taken,
+                            now,
+                            retry_after,
+                        );
                     }
                 },
             }
@@ -529,7 +565,7 @@ impl RuleSet {
             if let Some(call) = calls.iter().find(|c| c.rule == i) {
                 rule.refused_keys.record(&call.key, now);
             }
-            return self.refuse(rule, req, &taken, now, Some(retry));
+            return self.refuse((rule, &rule.answers), req, &taken, now, Some(retry));
         }
         if !calls.is_empty() {
             return Verdict::Remote(Box::new(Remote {
@@ -548,7 +584,7 @@ impl RuleSet {
     /// follow from the rule).
     fn refuse(
         &self,
-        rule: &CompiledRule,
+        (rule, answers): (&CompiledRule, &Arc<Answers>),
         req: &RequestView<'_>,
         taken: &[(usize, Taken)],
         now: Nanos,
@@ -558,12 +594,16 @@ impl RuleSet {
         rule.rejected.inc();
         let reset = retry_after.map_or(0, |n| ceil_secs(n).max(1));
         Verdict::Deny(Denial {
-            state: rule.state(0, reset),
+            state: RateState {
+                answers: answers.clone(),
+                remaining: 0,
+                reset_secs: reset,
+            },
             retry_after,
             header_mode: self.header_mode,
             delay: rule.delay.clone(),
             capacity: matches!(*rule.kind, Kind::Adaptive { .. }),
-            answers: rule.answers.clone(),
+            answers: answers.clone(),
         })
     }
 
@@ -663,6 +703,15 @@ impl RuleSet {
                     },
                     Taken::Rate(slot, cost),
                 ) => {
+                    // A key with its own limit was decided by it.
+                    let table = rule.overrides.as_ref().map(|o| o.load());
+                    let quota = match table
+                        .as_ref()
+                        .and_then(|t| self.own_limit(t, rule, &key, req))
+                    {
+                        Some(overrides::Own::Rate { quota, .. }) => quota,
+                        _ => quota,
+                    };
                     store.refund(&key, *slot, quota, now, *cost, overflow);
                 }
                 (Kind::Global { fallback, .. }, Taken::Global(counters, took)) => {
@@ -925,6 +974,7 @@ mod explain;
 mod global;
 mod kept;
 mod matcher;
+mod overrides;
 mod refused;
 mod remote;
 mod share;

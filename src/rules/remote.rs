@@ -20,7 +20,11 @@ impl Remote {
     /// The next question for the store, or `None` once all were answered.
     pub fn question<'a>(&'a self, rules: &'a RuleSet) -> Option<Question<'a>> {
         let call = self.calls.get(self.asked)?;
-        rules.question_of(call.rule, &call.key, call.cost)
+        let mut q = rules.question_of(call.rule, &call.key, call.cost)?;
+        if let Some((own, _)) = &call.own {
+            q.quota = own;
+        }
+        Some(q)
     }
 }
 
@@ -104,6 +108,8 @@ pub(super) struct RedisCall {
     pub(super) rule: usize,
     pub(super) key: Vec<u8>,
     pub(super) cost: u32,
+    /// The key's own limit (`overrides:`), asked of Redis instead of the rule's, and its 429s.
+    pub(super) own: Option<(Quota, Arc<Answers>)>,
 }
 
 impl RuleSet {
@@ -123,6 +129,7 @@ impl RuleSet {
         let call = remote.calls.get(remote.asked)?;
         remote.asked += 1;
         let rule = &self.rules[call.rule];
+        let answers = call.own.as_ref().map_or(&rule.answers, |(_, a)| a);
         let Kind::Redis {
             refused, fallback, ..
         } = &*rule.kind
@@ -176,10 +183,11 @@ impl RuleSet {
                     remote.admit.charges.push(charge, owed, reserved, now);
                 }
                 if self.header_mode == HeaderMode::Always {
-                    remote
-                        .admit
-                        .states
-                        .push(rule.state(remaining, ceil_secs(reset_after)));
+                    remote.admit.states.push(RateState {
+                        answers: answers.clone(),
+                        remaining,
+                        reset_secs: ceil_secs(reset_after),
+                    });
                 }
                 None
             }
@@ -192,7 +200,7 @@ impl RuleSet {
                 Mode::Enforce => {
                     self.log_rejection(rule, req, "rejected", now);
                     rule.refused_keys.record(&call.key, now);
-                    Some(self.refuse(rule, req, &remote.taken, now, retry_after))
+                    Some(self.refuse((rule, answers), req, &remote.taken, now, retry_after))
                 }
             },
         }

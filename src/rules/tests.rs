@@ -1518,3 +1518,200 @@ fn a_reload_keeps_a_rules_state_only_while_what_its_state_was_built_from_is_the_
         assert!(changed.kept_from(&first).is_empty(), "{extra}");
     }
 }
+
+#[test]
+fn client_ip_blocks_select_and_exempt_clients() {
+    let (rules, m) = ruleset(
+        r#"  - name: partners
+    match: { client_ip: [198.51.100.0/24, "2001:db8:1::/48"] }
+    key: client_ip
+    limit: { rate: 1/h, burst: 3 }
+  - name: everyone-else
+    match: { except_client_ip: [198.51.100.0/24, 203.0.113.7, "2001:db8:1::/48"] }
+    key: client_ip
+    limit: { rate: 1/h, burst: 1 }
+"#,
+        "on_reject",
+    );
+    let admitted = |ip: &str| {
+        let r = req("GET", "/", &[]).from(ip);
+        (0..10).filter(|_| r.allowed(&rules, T0)).count()
+    };
+    assert_eq!(
+        admitted("198.51.100.9"),
+        3,
+        "a partner has its own limit only"
+    );
+    assert_eq!(
+        admitted("::ffff:198.51.100.10"),
+        3,
+        "an IPv4-mapped partner too"
+    );
+    assert_eq!(admitted("2001:db8:1:ffff::1"), 3);
+    assert_eq!(
+        admitted("203.0.113.7"),
+        10,
+        "the exempt office is limited by neither"
+    );
+    assert_eq!(admitted("203.0.113.8"), 1, "its neighbour is not exempt");
+    assert_eq!(admitted("2001:db8:2::1"), 1);
+    assert_eq!(count(&m, "partners", "allowed"), 9);
+}
+
+#[test]
+fn a_client_ip_block_that_is_not_a_block_is_refused() {
+    for bad in ["10.0.0.1/8", "10.0.0.0/33", "office", "fd00::/129"] {
+        let yaml = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: r\n    match: {{ except_client_ip: [\"{bad}\"] }}\n    key: client_ip\n    limit: {{ rate: 1/s }}\n"
+        );
+        let e = Config::from_yaml(&yaml, "t").unwrap_err().to_string();
+        assert!(e.contains(bad), "{bad}: {e}");
+    }
+}
+
+#[test]
+fn an_override_replaces_the_rules_limit_for_its_key_only() {
+    let (rules, m) = ruleset(
+        r#"  - name: per-key
+    key: [header:x-api-key]
+    limit: { rate: 2/m }
+    overrides:
+      - { key: vip, limit: { rate: 10/m } }
+      - { key: partner, limit: unlimited }
+      - { key: naughty, limit: { rate: 1/m } }
+"#,
+        "always",
+    );
+    let admitted = |k: &str| {
+        let r = req("GET", "/", &[("x-api-key", k)]);
+        (0..30).filter(|_| r.allowed(&rules, T0)).count()
+    };
+    assert_eq!(admitted("vip"), 10, "a raise: more than the rule's 2");
+    assert_eq!(admitted("partner"), 30, "unlimited");
+    assert_eq!(admitted("naughty"), 1, "a cut");
+    assert_eq!(admitted("someone"), 2, "everyone else has the rule's");
+    // The unlimited key is not decided by the rule at all.
+    assert_eq!(count(&m, "per-key", "allowed"), 13);
+    // A raised key's answers carry its own policy.
+    let Verdict::Deny(d) = req("GET", "/", &[("x-api-key", "vip")]).check(&rules, T0) else {
+        panic!("vip is spent")
+    };
+    assert_eq!(d.state.policy(), "\"per-key\";q=10;w=60");
+    let Verdict::Deny(d) = req("GET", "/", &[("x-api-key", "someone")]).check(&rules, T0) else {
+        panic!("someone is spent")
+    };
+    assert_eq!(d.state.policy(), "\"per-key\";q=2;w=60");
+}
+
+#[test]
+fn an_override_written_as_a_digest_or_in_parts_finds_its_key() {
+    let secret = crate::digest::Secret::default();
+    let digest = secret.of_value(b"sk-live-123");
+    let (rules, _) = ruleset(
+        &format!(
+            r#"  - name: per-key
+    key: [header:x-api-key]
+    limit: {{ rate: 1/m }}
+    overrides:
+      - {{ key: "{digest}", limit: {{ rate: 5/m }} }}
+  - name: per-route
+    key: [header:x-tenant, method, path]
+    limit: {{ rate: 1/m }}
+    overrides:
+      - {{ key: [acme, POST, /Upload/], limit: {{ rate: 3/m }} }}
+"#
+        ),
+        "on_reject",
+    );
+    let rules = rules.with_secret(secret);
+    let r = req("GET", "/", &[("x-api-key", "sk-live-123")]);
+    assert_eq!((0..9).filter(|_| r.allowed(&rules, T0)).count(), 5);
+    let r = req("GET", "/", &[("x-api-key", "sk-live-124")]);
+    assert_eq!((0..9).filter(|_| r.allowed(&rules, T0)).count(), 1);
+    // The path as rules see it: without case or its trailing slash.
+    let r = req("POST", "/upload", &[("x-tenant", "acme")]);
+    assert_eq!((0..9).filter(|_| r.allowed(&rules, T0)).count(), 3);
+    let r = req("GET", "/upload", &[("x-tenant", "acme")]);
+    assert_eq!((0..9).filter(|_| r.allowed(&rules, T0)).count(), 1);
+}
+
+#[test]
+fn overrides_that_cannot_hold_as_written_are_refused() {
+    let bad = [
+        ("key: [header:k]\n    limit: { rate: 2/m }\n    overrides: [{ key: [a, b], limit: unlimited }]", "part"),
+        ("key: [header:k]\n    limit: { rate: 2/m }\n    overrides: [{ key: a, limit: { concurrency: 3 } }]", "rate"),
+        ("key: [header:k]\n    limit: { concurrency: 2 }\n    overrides: [{ key: a, limit: { rate: 3/s } }]", "concurrency"),
+        ("key: [header:k]\n    limit: { rate: 2/m }\n    overrides: [{ key: a, limit: unlimited }, { key: a, limit: { rate: 1/s } }]", "same key"),
+        ("key: []\n    limit: { rate: 2/m }\n    overrides: [{ key: a, limit: unlimited }]", "needs a key"),
+        ("key: [header:k]\n    limit: { rate: 2/m, algorithm: fixed_window }\n    overrides: [{ key: a, limit: { rate: 10/h } }]", "burst"),
+        ("key: [header:k]\n    limit: { rate: 2/m }\n    cost: 5\n    overrides: [{ key: a, limit: { rate: 4/m } }]", "cost"),
+        ("key: [header:k]\n    limit: { rate: 2/m }\n    overrides: [{ key: a, limit: lots }]", "unlimited"),
+        ("key: [client_ip]\n    limit: { rate: 2/m }\n    overrides: [{ key: office, limit: unlimited }]", "address"),
+        ("key: [header:k, header:j]\n    limit: { rate: 2/m }\n    overrides: [{ key: [\"~0123456789abcdef0123456789abcdef\", clear], limit: unlimited }]", "digest"),
+        ("key: [header:k]\n    scope: global\n    limit: { rate: 2/m }\n    overrides: [{ key: a, limit: { rate: 4/m, burst: 8 } }]", "burst"),
+    ];
+    for (rule, want) in bad {
+        let yaml = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: http://127.0.0.1:1 }}\nrules:\n  - name: r\n    {rule}\n"
+        );
+        let e = Config::from_yaml(&yaml, "t").unwrap_err().to_string();
+        assert!(e.contains(want), "{rule}: {e}");
+    }
+}
+
+#[test]
+fn a_rule_that_replaces_another_stands_in_for_it() {
+    let (rules, m) = ruleset(
+        r#"  - name: default
+    key: client_ip
+    limit: { rate: 2/m }
+  - name: partners
+    match: { headers: { x-plan: partner } }
+    key: client_ip
+    limit: { rate: 5/m }
+    replaces: [default]
+  - name: everyone
+    key: client_ip
+    limit: { rate: 20/m }
+"#,
+        "on_reject",
+    );
+    let admitted = |r: &Req| (0..30).filter(|_| r.allowed(&rules, T0)).count();
+    assert_eq!(
+        admitted(&req("GET", "/", &[("x-plan", "partner")]).from("10.0.0.1")),
+        5
+    );
+    assert_eq!(admitted(&req("GET", "/", &[]).from("10.0.0.2")), 2);
+    assert_eq!(
+        count(&m, "default", "allowed"),
+        2,
+        "default never saw the partner"
+    );
+    // A rule not named is not replaced: `everyone` counted both.
+    assert_eq!(count(&m, "everyone", "allowed"), 7);
+}
+
+#[test]
+fn replaces_that_could_not_mean_anything_is_refused() {
+    let rule = |name: &str, extra: &str| {
+        format!("  - name: {name}\n    key: client_ip\n    limit: {{ rate: 1/s }}\n{extra}")
+    };
+    for (rules, want) in [
+        (rule("a", "    replaces: [b]\n"), "no rule is called"),
+        (rule("a", "    replaces: [a]\n"), "itself"),
+        (
+            rule("a", "    replaces: [b]\n") + &rule("b", "    replaces: [a]\n"),
+            "replace each other",
+        ),
+        (
+            rule("a", "    replaces: [b]\n    mode: shadow\n") + &rule("b", ""),
+            "shadow",
+        ),
+    ] {
+        let yaml = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n{rules}"
+        );
+        let e = Config::from_yaml(&yaml, "t").unwrap_err().to_string();
+        assert!(e.contains(want), "{rules}: {e}");
+    }
+}

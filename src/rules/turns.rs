@@ -16,6 +16,18 @@ pub(super) struct Turn<'a, 'r> {
     pub(super) now: Nanos,
     /// `explain`'s turn: decided on copies, taking nothing (a fallback peeks).
     pub(super) dry: bool,
+    /// The key's own limit (`overrides:`), if it has one.
+    pub(super) own: Option<&'a overrides::Own>,
+}
+
+impl Turn<'_, '_> {
+    /// The 429 parts and policy of this turn's key: its own limit's, else the rule's.
+    #[inline]
+    pub(super) fn answers(&self) -> &Arc<Answers> {
+        self.own
+            .and_then(overrides::Own::answers)
+            .unwrap_or(&self.rule.answers)
+    }
 }
 
 /// What the rules of one decision granted so far: two locals of [`RuleSet::check`], lent (a
@@ -72,6 +84,10 @@ impl RuleSet {
         overflow: &Overflow,
         granted: &mut Granted<'_>,
     ) -> Decision {
+        let quota = match t.own {
+            Some(overrides::Own::Rate { quota, .. }) => quota,
+            _ => quota,
+        };
         let (decision, slot) = match &t.rule.charge {
             None => store.check(t.key, quota, t.now, t.cost, overflow),
             Some(charge) => {
@@ -132,6 +148,10 @@ impl RuleSet {
         share: Option<&Share>,
         granted: &mut Granted<'_>,
     ) -> Decision {
+        let max = match t.own {
+            Some(overrides::Own::Slots { max, .. }) => *max,
+            _ => max,
+        };
         let (permit, _) = store.with(t.key, t.now, concurrency_idle, |c| {
             c.try_acquire(max, at_head)
         });
