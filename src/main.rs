@@ -104,6 +104,11 @@ fn check_one(file: &std::path::Path, skip_files: bool) -> Result<spillway::Confi
         spillway::internal::digest::Secret::load(path)
             .map_err(|e| format!("{}: {e}", file.display()))?;
     }
+    if !skip_files {
+        config
+            .check_override_files()
+            .map_err(|e| format!("{}: {e}", file.display()))?;
+    }
     Ok(config)
 }
 

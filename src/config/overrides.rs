@@ -348,3 +348,25 @@ impl Config {
         Ok(())
     }
 }
+
+impl Config {
+    /// Reads and checks every rule's `overrides_file` as the proxy would load it (with the
+    /// rule's inline entries): `spillway check-config`.
+    pub fn check_override_files(&self) -> Result<(), String> {
+        let policy = self.client_ip.policy();
+        let strict = self.path_match == PathMatch::Strict;
+        for r in &self.rules {
+            let Some(path) = &r.overrides_file else {
+                continue;
+            };
+            let file = path.display().to_string();
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("rule {}: overrides_file {file}: {e}", r.name))?;
+            let entries = parse_overrides(&text, &file).map_err(|e| e.to_string())?;
+            let all: Vec<Override> = r.overrides.iter().chain(&entries).cloned().collect();
+            written_keys(r, &all, &policy, strict)
+                .map_err(|e| format!("rule {}: overrides_file {file}: {e}", r.name))?;
+        }
+        Ok(())
+    }
+}

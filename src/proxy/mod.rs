@@ -41,6 +41,7 @@ pub mod forward;
 mod forwarded;
 pub(crate) mod http1;
 mod http2;
+mod override_files;
 mod protocol;
 pub mod reload;
 mod request;
@@ -177,6 +178,12 @@ impl Sidecar {
             .metrics
             .config_loaded_at
             .set(shared.loaded.load().loaded_at);
+        // Each key's own limit holds from the first request: the files load before serving.
+        override_files::load(shared.rules.load_full(), None)
+            .await
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+        shared.override_files.until(stop.subscribe()).await;
+        override_files::watch_new(&shared).await;
         let task = tokio::spawn(serve(
             listeners,
             admin_listener,

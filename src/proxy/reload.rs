@@ -110,6 +110,16 @@ pub(super) async fn reload(
     );
     #[cfg(feature = "redis")]
     let rules = rules.with_store(crate::exact::store(&exact));
+    // The overrides files of the new rules load before they run: a bad one fails the reload.
+    let rules = Arc::new(rules);
+    super::override_files::load(rules.clone(), None)
+        .await
+        .map_err(|message| ConfigError::Invalid {
+            file: file.clone(),
+            line: None,
+            column: None,
+            message,
+        })?;
     let kept = rules.kept_from(&previous);
     let fresh = active
         .rules
@@ -117,7 +127,7 @@ pub(super) async fn reload(
         .map(|r| r.name.0.clone())
         .filter(|n| !kept.contains(n))
         .collect();
-    shared.rules.store(Arc::new(rules));
+    shared.rules.store(rules);
     #[cfg(feature = "redis")]
     shared.exact.store(exact);
     shared.config.store(Arc::new(active));
@@ -128,6 +138,7 @@ pub(super) async fn reload(
         pending_restart: pending_restart.clone(),
     }));
     shared.metrics.config_loaded_at.set(unix_now());
+    super::override_files::watch_new(shared).await;
     Ok(Some(Reloaded {
         version,
         kept,

@@ -57,6 +57,8 @@ pub struct Shared {
     /// The active configuration's version, for `/config`.
     pub loaded: ArcSwap<reload::Loaded>,
     pub(super) reload_lock: tokio::sync::Mutex<()>,
+    /// The `overrides_file`s watched.
+    pub(super) override_files: super::override_files::Watched,
     /// `request_id` (a restart field).
     pub(super) request_ids: crate::config::RequestIds,
     /// `access_log` (a restart field; `None`: off), with its budget of refusal lines.
@@ -112,6 +114,7 @@ impl Shared {
                 None,
             )),
             reload_lock: tokio::sync::Mutex::new(()),
+            override_files: Default::default(),
             request_ids: config.request_id.clone(),
             access_log: config.access_log.as_ref().map(super::access::AccessLog::of),
             config: ArcSwap::from_pointee(config),

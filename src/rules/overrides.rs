@@ -283,10 +283,7 @@ impl RuleSet {
     /// Loads the `overrides_file` of each rule that has `path` (every rule with one when
     /// `None`), returning each rule's result: the number of entries loaded, `None` when the
     /// text is what was loaded. Blocking.
-    pub fn load_override_files(
-        &self,
-        path: Option<&Path>,
-    ) -> Vec<(Arc<str>, FileLoad)> {
+    pub fn load_override_files(&self, path: Option<&Path>) -> Vec<(Arc<str>, FileLoad)> {
         self.rules
             .iter()
             .filter_map(|r| {
