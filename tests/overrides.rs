@@ -227,3 +227,50 @@ async fn an_exemption_by_address_cannot_be_claimed_by_a_forwarded_header() {
     assert_eq!(count("203.0.113.5").await, 6);
     assert_eq!(count("198.51.100.7").await, 2);
 }
+
+/// A global rule: the raised key's own limit goes with its reports, and the controller holds
+/// it to that while the rule's other keys are held to the rule's.
+#[tokio::test]
+async fn a_global_key_with_its_own_limit_is_held_to_it_fleet_wide() {
+    let ctl = controller_in_process().await;
+    let rules =
+        global_rule(ctl.addr) + "    overrides:\n      - { key: vip, limit: { rate: 100000/s } }\n";
+    let (sc, _up) = sidecar(&rules).await;
+    let (mut k_dropped, mut vip_dropped) = (0, 0);
+    // Both offered alike, far over 5/s, until k has been dropped often (bounded).
+    for _ in 0..6000 {
+        if k_dropped >= 20 {
+            break;
+        }
+        for (key, dropped) in [("k", &mut k_dropped), ("vip", &mut vip_dropped)] {
+            match get(sc.addr(), "/", &[("x-api-key", key)]).await.0 {
+                StatusCode::OK => {}
+                StatusCode::TOO_MANY_REQUESTS => *dropped += 1,
+                other => panic!("{key}: {other}"),
+            }
+        }
+    }
+    assert!(k_dropped >= 20, "the rule's limit never held k");
+    // Then on the controller's answers (bounded: 3000 rounds), which name both keys.
+    let mut answered = 0.0;
+    for _ in 0..3000 {
+        let (_, text) = admin(&sc, "/metrics").await;
+        answered = metric(&text, "spillway_reports_total{result=\"ok\"}").unwrap_or(0.0);
+        if answered >= 5.0 {
+            break;
+        }
+        for key in ["k", "vip"] {
+            let refused =
+                get(sc.addr(), "/", &[("x-api-key", key)]).await.0 == StatusCode::TOO_MANY_REQUESTS;
+            if refused && key == "vip" {
+                vip_dropped += 1;
+            }
+        }
+    }
+    assert!(answered >= 5.0, "the controller never answered");
+    assert_eq!(
+        vip_dropped, 0,
+        "vip's own limit is far above what it was offered"
+    );
+    ctl.shutdown();
+}

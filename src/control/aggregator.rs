@@ -765,6 +765,7 @@ mod tests {
             sketch: None,
             hosts: 0,
             jump: 0.0,
+            own: None,
         };
         let entries: Vec<Entry> = (0..60_000).map(entry).collect();
         let parts = split(entries.clone(), 0);

@@ -146,6 +146,12 @@ pub struct Entry {
     /// the sender's own smoothed rate did, so that the two stay paired through a surge.
     #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub jump: f64,
+    /// For a named key with a limit of its own (`overrides:`): that limit, which the
+    /// controller holds the key to instead of the rule's (the smallest any sender states; a
+    /// sender that states none states the rule's). A zone's sums relay the smallest of their
+    /// hosts'.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub own: Option<Limit>,
 }
 
 fn is_zero(n: &u32) -> bool {

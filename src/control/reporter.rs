@@ -85,10 +85,12 @@ fn report_of(
             sketch: None,
             hosts: 0,
             jump: 0.0,
+            own: None,
         };
         for (k, o, a, jump) in &counts.keys {
             let mut e = entry(Some(k.clone()), 0, *o, *a);
             e.jump = *jump;
+            e.own = counts.owns.get(k).map(|r| Limit::of(*r));
             entries.push(e);
         }
         // The tail goes even when empty: a report that names the rule is answered with its
@@ -223,6 +225,7 @@ impl Reporter {
     /// was counted so far goes with the first interval's report, whose rate it is).
     pub fn announce(&self, rules: &RuleSet) -> Report {
         let nothing = rules.global_rules().map(|(rule, rate)| GlobalCounts {
+            owns: Default::default(),
             rule: rule.to_string(),
             rate,
             keys: Vec::new(),

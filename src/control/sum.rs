@@ -285,6 +285,10 @@ struct KeySum {
     fresh: bool,
     /// For the folded tail: how many sources folded how many keys (the most applies).
     folded: BTreeMap<u64, u32>,
+    /// Once a source stated a limit of the key's own (`overrides:`): what each source states
+    /// of it (its own, else the rule's), per second, and until when that stands. The key is
+    /// held to the smallest; empty (most keys): the rule's.
+    own: Vec<(u64, f64, f64)>,
 }
 
 impl KeySum {
@@ -307,7 +311,25 @@ impl KeySum {
             idle_since: now,
             fresh: true,
             folded: BTreeMap::new(),
+            own: Vec::new(),
         }
+    }
+
+    /// Source `id` states `per_sec` as the key's limit until `until` (see [`KeySum::own`]).
+    fn state_own(&mut self, id: u64, per_sec: f64, until: f64, now: f64) {
+        self.own.retain(|s| s.0 != id && s.2 > now);
+        self.own.push((id, per_sec, until));
+    }
+
+    /// The key's limit at `now`: the smallest its sources state while any states one of its
+    /// own, else `rule` (a raise applies once every source states it).
+    fn own_limit(&self, rule: f64, now: f64) -> f64 {
+        self.own
+            .iter()
+            .filter(|s| s.2 > now)
+            .map(|s| s.1)
+            .reduce(f64::min)
+            .unwrap_or(rule)
     }
 
     /// The smoothed (offered, admitted) at `now`, without changing anything.
@@ -454,10 +476,10 @@ impl KeySum {
 
     /// The limit (per second) of this key under a rule of `limit` whose tails fold
     /// `distinct` keys fleet-wide, each with its own limit.
-    fn limit<K>(key: Option<K>, limit: f64, distinct: f64) -> f64 {
+    fn limit<K>(&self, key: Option<K>, limit: f64, distinct: f64, now: f64) -> f64 {
         match key {
             None => limit * distinct,
-            Some(_) => limit,
+            Some(_) => self.own_limit(limit, now),
         }
     }
 }
@@ -853,8 +875,16 @@ impl Accumulator {
                 rate.offered = rate.offered.min(before.offered);
                 rate.admitted = rate.admitted.min(before.admitted);
             }
+            if key.is_some() && (e.own.is_some() || !ks.own.is_empty()) {
+                ks.state_own(id, e.own.unwrap_or(e.limit).per_second(), now + hold, now);
+            }
+            let key_limit = if key.is_some() {
+                ks.own_limit(key_limit, now)
+            } else {
+                key_limit
+            };
             ks.advance(now, tau);
-            ks.add(rate, secs, key.is_some().then(|| e.limit.per_second()));
+            ks.add(rate, secs, key.is_some().then_some(key_limit));
             // A sender's step moves the smoothed sum at once, as it moved the sender's own
             // smoothed rate (see `KeySum::step`; a key first seen now starts from its sum
             // already; a last report holds no step).
@@ -1022,7 +1052,7 @@ impl Accumulator {
                 for (key, k) in rule.all_keys() {
                     keys += 1;
                     let (offered, admitted) = k.smoothed(now, self.tau());
-                    let ratio = drop_ratio(offered, KeySum::limit(key, limit, distinct));
+                    let ratio = drop_ratio(offered, k.limit(key, limit, distinct, now));
                     total.offered += offered;
                     total.admitted += admitted;
                     total.dropped += offered * ratio;
@@ -1191,7 +1221,7 @@ impl Accumulator {
                 let mut seen: Vec<Seen> = Vec::new();
                 for (key, k) in rule.all_keys() {
                     let (offered, admitted) = k.smoothed(now, self.tau());
-                    let limit_here = KeySum::limit(key, limit, distinct);
+                    let limit_here = k.limit(key, limit, distinct, now);
                     let ratio = drop_ratio(offered, limit_here);
                     state.keys += 1;
                     state.offered_rps += offered;
@@ -1318,7 +1348,7 @@ impl Accumulator {
                 let distinct = rule.distinct();
                 for (key, k) in rule.all_keys() {
                     let (offered, admitted) = k.smoothed(now, self.tau());
-                    let limit_here = KeySum::limit(key, limit, distinct);
+                    let limit_here = k.limit(key, limit, distinct, now);
                     out.push(KeyView::of(
                         service,
                         rule_name,

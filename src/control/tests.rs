@@ -15,6 +15,7 @@ fn entry(key: Option<&str>, offered: u64, admitted: u64) -> Entry {
         sketch: None,
         hosts: 0,
         jump: 0.0,
+        own: None,
     }
 }
 
@@ -1420,4 +1421,74 @@ fn a_zone_forwards_each_hosts_step_once_with_the_keys_next_units() {
     zone.record(step("a", 300, 0.0, 3), "t", 2.0).unwrap();
     let (entries, _) = zone.take(2.5, false);
     assert_eq!(entries[0].jump, 0.0, "each step forwarded once");
+}
+
+#[test]
+fn a_keys_own_limit_is_the_smallest_its_senders_state_and_a_raise_waits_for_all() {
+    let own = |per_sec: u64| {
+        let mut e = entry(Some("vip"), 300, 300);
+        e.own = Some(Limit {
+            count: per_sec,
+            period_ms: 1000,
+        });
+        e
+    };
+    let mut acc = Accumulator::new(0.0);
+    // One proxy raised vip to 400/s; the other still states the rule's 100/s.
+    acc.record(&report("a", vec![own(400)]), "t", 0.0).unwrap();
+    acc.record(&report("b", vec![entry(Some("vip"), 300, 300)]), "t", 0.0)
+        .unwrap();
+    let v = acc.view(None, 0.0);
+    assert_eq!(key(&v, "vip").limit_rps, 100.0, "not every proxy reloaded");
+    assert!((key(&v, "vip").ratio - (600.0 - 100.0) / 600.0).abs() < 1e-9);
+    // Both state the raise: 600/s offered against 400/s.
+    acc.record(&report("a", vec![own(400)]), "t", 1.0).unwrap();
+    acc.record(&report("b", vec![own(400)]), "t", 1.0).unwrap();
+    let v = acc.view(None, 1.0);
+    assert_eq!(key(&v, "vip").limit_rps, 400.0);
+    assert!((key(&v, "vip").ratio - (600.0 - 400.0) / 600.0).abs() < 1e-9);
+    // A cut applies as soon as one proxy states it.
+    acc.record(&report("a", vec![own(50)]), "t", 2.0).unwrap();
+    assert_eq!(key(&acc.view(None, 2.0), "vip").limit_rps, 50.0);
+}
+
+#[test]
+fn a_zone_relays_the_smallest_own_limit_its_hosts_state() {
+    let mut z = ZoneSums::new(0.0, 1000);
+    let host = |name: &str, own: Option<u64>| {
+        let mut e = entry(Some("vip"), 100, 100);
+        e.own = own.map(|count| Limit {
+            count,
+            period_ms: 1000,
+        });
+        (report(name, vec![e]), name.to_string())
+    };
+    for (r, owner) in [host("h1", Some(400)), host("h2", None)] {
+        z.record(r, &owner, 0.0).unwrap();
+    }
+    let (out, _) = z.take(1.0, false);
+    let vip = out
+        .iter()
+        .find(|e| e.key.as_deref() == Some("vip"))
+        .unwrap();
+    assert_eq!(vip.own.map(|l| l.count), Some(100), "h2 states the rule's");
+    for (r, owner) in [host("h1", Some(400)), host("h2", Some(300))] {
+        z.record(r, &owner, 1.0).unwrap();
+    }
+    let (out, _) = z.take(2.0, false);
+    let vip = out
+        .iter()
+        .find(|e| e.key.as_deref() == Some("vip"))
+        .unwrap();
+    assert_eq!(vip.own.map(|l| l.count), Some(300));
+    // No host states one: none relayed.
+    for (r, owner) in [host("h1", None), host("h2", None)] {
+        z.record(r, &owner, 2.0).unwrap();
+    }
+    let (out, _) = z.take(3.0, false);
+    let vip = out
+        .iter()
+        .find(|e| e.key.as_deref() == Some("vip"))
+        .unwrap();
+    assert_eq!(vip.own, None);
 }

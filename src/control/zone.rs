@@ -61,6 +61,10 @@ struct Pending {
     jump: f64,
     /// Accrued in the window now pending (else, once its fraction is handed on, forgotten).
     touched: bool,
+    /// The smallest limit its hosts stated for the key (a host's own, else the rule's) since
+    /// it was last handed on, relayed when some host stated one of its own.
+    limit: Option<Limit>,
+    own: bool,
 }
 
 impl Pending {
@@ -113,6 +117,8 @@ struct HeldKey {
     offered: f64,
     admitted: f64,
     jump: f64,
+    /// The key's own limit, if the host stated one.
+    own: Option<Limit>,
 }
 
 /// A (service, rule, key) whose offered rate stepped.
@@ -255,6 +261,7 @@ impl ZoneSums {
                 offered: e.offered as f64 / secs,
                 admitted: e.admitted.min(e.offered) as f64 / secs,
                 jump: e.jump,
+                own: e.own,
             });
         }
         holding.charge = taken;
@@ -340,6 +347,7 @@ impl ZoneSums {
                     sketch: None,
                     hosts: 0,
                     jump: 0.0,
+                    own: None,
                 };
                 for (k, units) in p.keys.iter_mut() {
                     // A step goes with the key's next whole units (a forward of the key).
@@ -348,6 +356,10 @@ impl ZoneSums {
                         let mut e = entry(Some(k), whole);
                         e.jump = jump;
                         units.jump = 0.0;
+                        if std::mem::take(&mut units.own) {
+                            e.own = units.limit;
+                        }
+                        units.limit = None;
                         out.push(e);
                     }
                 }
@@ -464,7 +476,10 @@ fn fold_past(out: &mut Vec<Entry>, from: usize, most: usize) {
     }
     let (mut named, tails): (Vec<Entry>, Vec<Entry>) =
         out.drain(from..).partition(|e| e.key.is_some());
-    named.select_nth_unstable_by(most - 1, |a, b| b.offered.cmp(&a.offered));
+    // A key with a limit of its own stays named: the tail's ratio is the rule's limit's.
+    named.select_nth_unstable_by(most - 1, |a, b| {
+        (b.own.is_some(), b.offered).cmp(&(a.own.is_some(), a.offered))
+    });
     let folded = named.split_off(most);
     let mut tails: HashMap<String, Entry> =
         tails.into_iter().map(|t| (t.rule.clone(), t)).collect();
@@ -581,6 +596,14 @@ fn accrue(
             // A tail has no sum of one key to step.
             if named {
                 units.jump += std::mem::take(&mut k.jump);
+                let stated = k.own.unwrap_or(r.limit);
+                if units
+                    .limit
+                    .is_none_or(|l| stated.per_second() < l.per_second())
+                {
+                    units.limit = Some(stated);
+                }
+                units.own |= k.own.is_some();
             }
         }
     }

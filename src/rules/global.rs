@@ -1010,7 +1010,13 @@ pub struct GlobalCounts {
     pub other: (u64, u64, u64),
     /// The distinct keys folded into `other` (those a full store could not track included).
     pub folded: crate::limit::Distinct,
+    /// The named keys with a limit of their own (`overrides:`), and that limit.
+    pub owns: std::collections::HashMap<String, Rate>,
 }
+
+/// A key drained for a report: its name, offered and admitted units, step, counters, and its
+/// own limit if it has one.
+pub(super) type Drained = (String, u64, u64, f64, Arc<GlobalCounters>, Option<Rate>);
 
 /// Keys a report names per rule beyond its `top_k`, heaviest first: what the control plane
 /// asked for, bounded so that a report's size does not grow with the keys.
@@ -1026,7 +1032,7 @@ pub type Counted = (String, u64, u64, f64);
 /// [`EXTRA_NAMED`] of those `ratios` watches for `rule` or that offered at least `name_above`
 /// units per second over `secs` (before any reply, the rule's `limit`).
 pub(super) fn choose_named(
-    mut keys: Vec<(String, u64, u64, f64, Arc<GlobalCounters>)>,
+    mut keys: Vec<Drained>,
     ratios: &DropRatios,
     rule: &str,
     limit: f64,
@@ -1045,8 +1051,9 @@ pub(super) fn choose_named(
     let mut named = Vec::new();
     let mut tail = Vec::new();
     let mut extra = 0;
-    for (i, (key, o, a, jump, counters)) in keys.into_iter().enumerate() {
-        let mut name = i < top_k;
+    for (i, (key, o, a, jump, counters, own)) in keys.into_iter().enumerate() {
+        // A key with its own limit is always named: the tail's ratio is the rule's limit's.
+        let mut name = i < top_k || own.is_some();
         if !name && extra < EXTRA_NAMED && asked(&key, o) {
             extra += 1;
             name = true;

@@ -770,11 +770,20 @@ impl RuleSet {
                 let (_, keep) = ratios.ratio_keep(&rule.name, name, || choice != Choice::Named);
                 (choice, keep)
             };
+            // Keys with a limit of their own: each is held to it, and always named.
+            let table = rule.overrides.as_ref().map(|o| o.load());
+            let own_of = |stored: &[u8], name: &[u8]| -> Option<Rate> {
+                let t = table.as_ref()?;
+                match t.get(stored, || KeyBuf::from_slice(name))? {
+                    overrides::Own::Rate { rate, .. } => Some(*rate),
+                    _ => None,
+                }
+            };
             // What the guard allows a key now: a surge the report finds is held to it.
-            let take = |c: &GlobalCounters, name: &[u8]| {
+            let take = |c: &GlobalCounters, name: &[u8], own: Option<Rate>| {
                 c.take(secs, seq, || {
                     let (choice, keep) = share_of(c, name);
-                    let limit = rate.per_sec();
+                    let limit = own.unwrap_or(*rate).per_sec();
                     if keep > 0.0 {
                         let (allowed, surging) =
                             c.allowance(keep, ratios.answers, ratios.own_lag, limit);
@@ -796,7 +805,7 @@ impl RuleSet {
             // shards); allocated only while the trace is on.
             let traced = tracing::enabled!(target: FLEET_TRACE, tracing::Level::TRACE);
             let mut traces = Vec::new();
-            let keys: Vec<(String, u64, u64, f64, Arc<GlobalCounters>)> = store
+            let keys: Vec<Drained> = store
                 .map
                 .iter()
                 .filter_map(|e| {
@@ -806,15 +815,16 @@ impl RuleSet {
                         return None;
                     }
                     let name = e.value().reported(e.key());
+                    let own = own_of(e.key(), name);
+                    let limit = own.unwrap_or(*rate).per_sec();
                     // What the key was allowed until now, for the trace: before `take` moves it.
                     let before = traced.then(|| {
                         let c = e.value();
                         let (choice, keep) = share_of(c, name);
-                        let limit = rate.per_sec();
                         let allowed = c.allowance(keep, ratios.answers, ratios.own_lag, limit);
                         (choice == Choice::Named, keep, allowed)
                     });
-                    let (o, a, jump) = take(e.value(), name);
+                    let (o, a, jump) = take(e.value(), name, own);
                     if o == 0 {
                         // Not in this report: the last report it was in still says how the
                         // control plane sees it.
@@ -824,7 +834,7 @@ impl RuleSet {
                     if let Some(before) = before {
                         traces.push((key.clone(), o, a, jump, before));
                     }
-                    Some((key, o, a, jump, e.value().clone()))
+                    Some((key, o, a, jump, e.value().clone(), own))
                 })
                 .collect();
             let stale = self.staleness.factor(now.saturating_sub(ratios.at)).1 && now > 0;
@@ -850,6 +860,10 @@ impl RuleSet {
             // Once every key's counts are taken: set before, a key not taken yet would read
             // its whole interval's count as offered since this report.
             drained.store(now, Ordering::Relaxed);
+            let owns: std::collections::HashMap<String, Rate> = keys
+                .iter()
+                .filter_map(|k| Some((k.0.clone(), k.5?)))
+                .collect();
             let (named, tail) =
                 choose_named(keys, &ratios, &rule.name, rate.per_sec(), top_k, secs, seq);
             // The keys a full store could not track are always in the tail.
@@ -864,6 +878,7 @@ impl RuleSet {
             out.push(GlobalCounts {
                 rule: rule.name.to_string(),
                 rate: *rate,
+                owns,
                 keys: named,
                 other,
                 folded,

@@ -1715,3 +1715,31 @@ fn replaces_that_could_not_mean_anything_is_refused() {
         assert!(e.contains(want), "{rules}: {e}");
     }
 }
+
+#[test]
+fn a_global_key_with_its_own_limit_is_always_named_with_that_limit() {
+    let (rules, _) = ruleset(
+        r#"  - name: g
+    key: client_ip
+    scope: global
+    limit: { rate: 100/s }
+    overrides:
+      - { key: 10.0.0.9, limit: { rate: 500/s } }
+"#,
+        "on_reject\ncontrol_plane: { url: 'http://127.0.0.1:1' }",
+    );
+    for i in 0..10 {
+        let r = req("GET", "/", &[]).from(&format!("10.0.0.{i}"));
+        for n in 0..(if i == 9 { 1 } else { 5 }) {
+            r.allowed(&rules, T0 + n);
+        }
+    }
+    // top_k 1 names the heaviest; the light key with an override is named all the same.
+    let report = rules.drain_global(1, 1.0, 1, 0);
+    let named: Vec<&str> = report[0].keys.iter().map(|k| k.0.as_str()).collect();
+    assert_eq!(named.len(), 2, "{named:?}");
+    assert!(named.contains(&"10.0.0.9"), "{named:?}");
+    assert_eq!(report[0].owns.len(), 1);
+    assert_eq!(report[0].owns["10.0.0.9"].count.get(), 500);
+    assert_eq!(report[0].other.2, 8);
+}
