@@ -55,6 +55,7 @@ mod metrics;
 mod proxy;
 mod respond;
 mod rules;
+mod scenario;
 mod target;
 #[cfg(feature = "tune")]
 mod tune;
@@ -105,6 +106,9 @@ pub mod internal {
     }
     pub mod key {
         pub use crate::key::*;
+    }
+    pub mod scenario {
+        pub use crate::scenario::*;
     }
     pub mod usage {
         pub use crate::usage::*;

@@ -112,6 +112,68 @@ fn check_one(file: &std::path::Path, skip_files: bool) -> Result<spillway::Confi
     Ok(config)
 }
 
+/// `spillway test`: runs each scenario file, prints each scenario's outcome.
+fn scenarios(files: &[PathBuf], json: bool) -> ExitCode {
+    use spillway::internal::scenario;
+    let mut all = Vec::new();
+    let mut failed = false;
+    for file in files {
+        match scenario::run_file(file) {
+            Ok(outcomes) => {
+                for o in outcomes {
+                    failed |= !o.passed;
+                    if !json {
+                        let mark = if o.passed { "ok  " } else { "FAIL" };
+                        println!(
+                            "{mark} {}: {} ({} requests)",
+                            file.display(),
+                            o.scenario,
+                            o.requests
+                        );
+                        for (name, seen) in &o.clients {
+                            let first = seen
+                                .first_refused_s
+                                .map_or("never".to_string(), |s| format!("{s:.3}s"));
+                            println!(
+                                "       {name}: sent {}, admitted {}, refused {} (first {first}){}",
+                                seen.sent,
+                                seen.admitted,
+                                seen.refused,
+                                if seen.bad_requests > 0 {
+                                    format!(", {} bad requests", seen.bad_requests)
+                                } else {
+                                    String::new()
+                                }
+                            );
+                        }
+                        for f in &o.failures {
+                            println!("       expected: {f}");
+                        }
+                        for n in &o.notes {
+                            println!("       note: {n}");
+                        }
+                    }
+                    all.push(
+                        serde_json::json!({ "file": file.display().to_string(), "outcome": o }),
+                    );
+                }
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    if json {
+        println!("{}", serde_json::Value::Array(all));
+    }
+    if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
 /// The text of `file`, or of stdin for `-`.
 fn read_input(file: &std::path::Path) -> Result<String, String> {
     if file.as_os_str() == "-" {
@@ -299,6 +361,17 @@ enum Command {
         /// The values; `-` reads one per line from stdin.
         #[arg(required = true)]
         values: Vec<String>,
+    },
+    /// Prove what a configuration's limits do before it ships: run scenario files (clients,
+    /// their headers and rates over simulated time, and what each must be admitted) through
+    /// the real decision code on a manual clock. Exits 1 if an expectation fails.
+    Test {
+        /// Scenario files (each names its configuration).
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
+        /// Print a JSON array of outcomes instead of text.
+        #[arg(long)]
+        json: bool,
     },
     /// Run an upstream, the proxy and a load generator on loopback, and show the limiter work.
     Demo {
@@ -761,6 +834,7 @@ wrote {}",
                 }
             }
         }
+        Command::Test { files, json } => scenarios(&files, json),
         Command::Digest {
             config,
             secret_file,

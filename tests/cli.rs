@@ -12,6 +12,8 @@ fn check_config_accepts_the_example_configs() {
     for file in [
         "config/spillway.yaml",
         "config/tiers.yaml",
+        "config/fleet.yaml",
+        "config/overrides.yaml",
         #[cfg(feature = "redis")]
         "config/exact.yaml",
     ] {

@@ -64,7 +64,7 @@ pub fn build_report(
 }
 
 /// The report numbered `seq` of `counts`, covering `interval`.
-fn report_of(
+pub(crate) fn report_of(
     counts: impl IntoIterator<Item = GlobalCounts>,
     service: &str,
     source: &str,
