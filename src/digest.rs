@@ -6,8 +6,9 @@
 //!
 //! Owns the secret and the digest. Must never: run on a known key's local or global decision
 //! (a global key keeps its digest with its counters; a Redis decision, a round trip anyway,
-//! names its Redis key with one), show or send the secret, or leave a digest that two replicas
-//! with one secret would compute apart.
+//! names its Redis key with one) but for a rule whose `overrides:` name keys by digest (a key
+//! not listed by its bytes is looked up by its digest), show or send the secret, or leave a
+//! digest that two replicas with one secret would compute apart.
 
 use std::sync::Arc;
 

@@ -313,3 +313,44 @@ fn drop_ratio_decisions_after(
         spillway::internal::digest::computed() - digests,
     )
 }
+
+#[test]
+fn an_override_lookup_does_not_allocate() {
+    let digest = spillway::internal::digest::Secret::default().of_value(b"sk_other");
+    for (listed, note) in [
+        // The key by its bytes, a raise.
+        (
+            format!("{{ key: {API_KEY}, limit: {{ rate: 50/s }} }}"),
+            "by its bytes",
+        ),
+        // Another key by its digest: this key is looked up by its digest too, and not found.
+        (
+            format!("{{ key: \"{digest}\", limit: unlimited }}"),
+            "not listed, digests listed",
+        ),
+        // This key by its digest.
+        (
+            format!(
+                "{{ key: \"{}\", limit: {{ rate: 50/s }} }}",
+                spillway::internal::digest::Secret::default().of_value(API_KEY.as_bytes())
+            ),
+            "by its digest",
+        ),
+    ] {
+        let yaml = format!(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nlog_rejections: 0\nrules:\n  - name: r\n    key: header:x-api-key\n    limit: {{ rate: 5/s }}\n    overrides: [{listed}]\n"
+        );
+        let config = Config::from_yaml(&yaml, "t").unwrap();
+        let rules = RuleSet::build(&config, &Metrics::new());
+        // Past every limit here: refusals are warmed too.
+        for i in 0..100 {
+            decide(&rules, 1_000_000_000 + i);
+        }
+        let n = allocations_during(|| {
+            for i in 0..1000 {
+                decide(&rules, 2_000_000_000 + i * 1_000_000);
+            }
+        });
+        assert_eq!(n, 0, "{note}: {n} allocations in 1000 decisions");
+    }
+}
