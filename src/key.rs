@@ -694,7 +694,8 @@ const HASHED: u8 = 0xff;
 /// Bounds a local key: past [`INLINE_KEY`] bytes it becomes `HASHED` and a 128-bit SipHash
 /// of it under this process's random secret, so that a flood of long keys costs 17 bytes each
 /// and no client can aim two keys at one hash without knowing the secret.
-#[inline]
+// Always: the request path's key_of is the caller that counts (an override's key is another).
+#[inline(always)]
 pub fn bound_local(key: &mut KeyBuf) {
     if key.len() <= INLINE_KEY {
         return;
@@ -1019,6 +1020,8 @@ impl ClientIpPolicy {
     /// prefixes; else all of a gateway's clients share its /64), 6to4 (`2002::/16`, else each
     /// IPv4 address has a /48 of keys) and Teredo (`2001::/32`, else a relay's clients share
     /// one /64).
+    // Always: `who`, per request, is the caller that counts (an override's key is another).
+    #[inline(always)]
     pub fn unwrapped(&self, ip: IpAddr) -> IpAddr {
         let IpAddr::V6(v6) = ip else { return ip };
         let o = v6.octets();

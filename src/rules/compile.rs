@@ -105,12 +105,14 @@ impl RuleSet {
             })
             .collect();
         for (i, r) in rules.iter().enumerate() {
-            compiled[i].replaced_by = rules
+            let c = &mut compiled[i];
+            c.replaced_by = rules
                 .iter()
                 .enumerate()
                 .filter(|(_, o)| o.replaces.contains(&r.name))
                 .map(|(j, _)| j)
                 .collect();
+            c.extras = c.overrides.is_some() || !c.replaced_by.is_empty();
         }
         RuleSet {
             rules: compiled,
@@ -381,6 +383,7 @@ pub(super) fn compile(
         logged: LogBudget::default(),
         refused_keys: Default::default(),
         overrides: None,
+        extras: false,
         replaced_by: Box::default(),
         name,
     }

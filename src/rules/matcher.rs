@@ -124,7 +124,9 @@ impl Matcher {
         {
             return false;
         }
-        if self.client_out.iter().any(|c| c.contains(req.client_addr)) {
+        if !self.client_out.is_empty()
+            && self.client_out.iter().any(|c| c.contains(req.client_addr))
+        {
             return false;
         }
         if !self.headers.is_empty()

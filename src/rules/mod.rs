@@ -95,6 +95,8 @@ struct CompiledRule {
     charge: Option<Arc<ChargeRule>>,
     /// Keys with a limit of their own; `None` (most rules): no lookup at all.
     overrides: Option<Arc<overrides::Overrides>>,
+    /// It has overrides or rules that stand in for it: the one flag a decision reads for both.
+    extras: bool,
     /// Rules that stand in for this one: it does not apply to a request one of them applies
     /// to (empty for most).
     replaced_by: Box<[usize]>,
@@ -395,11 +397,14 @@ impl RuleSet {
         let mut calls: SmallVec<[RedisCall; 1]> = SmallVec::new();
         let mut key = KeyBuf::new();
         let mut ratios = None;
+        // The overrides table of the rule deciding now, if it has one.
+        let mut table = None;
         for (i, rule) in self.rules.iter().enumerate() {
             if !rule.matcher.matches(req) {
                 continue;
             }
-            if !rule.replaced_by.is_empty() && self.replaced(rule, req) {
+            // Rare: one flag for both (overrides, and rules that stand in for this one).
+            if rule.extras && self.replaced(rule, req) {
                 continue;
             }
             match rule.key_of(req, &mut key) {
@@ -414,16 +419,13 @@ impl RuleSet {
                     return Verdict::BadRequest(rule.repeated_key(req));
                 }
             }
-            let table;
-            let own = match &rule.overrides {
-                None => None,
-                Some(o) => {
-                    table = o.load();
-                    match self.own_limit(&table, rule, &key, req) {
-                        Some(overrides::Own::Unlimited) => continue,
-                        own => own,
-                    }
+            let own = if rule.extras {
+                match self.own_of(rule, &key, req, &mut table) {
+                    Some(overrides::Own::Unlimited) => continue,
+                    own => own,
                 }
+            } else {
+                None
             };
             let cost = match rule.cost_of(req) {
                 Ok(cost) => cost,
@@ -472,9 +474,7 @@ impl RuleSet {
                             key: key.to_vec(),
                             cost,
                             own: match own {
-                                Some(overrides::Own::Rate { quota, answers, .. }) => {
-                                    Some((*quota, answers.clone()))
-                                }
+                                Some(overrides::Own::Rate { quota, .. }) => Some(*quota),
                                 _ => None,
                             },
                         });

@@ -323,9 +323,28 @@ impl RuleSet {
         })
     }
 
+    /// The own limit of `rule`'s `key`, its table loaded into `table` (the caller's, which
+    /// outlives the answer's use). Out of line: asked only by a rule with extras.
+    #[inline(never)]
+    pub(super) fn own_of<'t>(
+        &self,
+        rule: &CompiledRule,
+        key: &[u8],
+        req: &RequestView<'_>,
+        table: &'t mut Option<arc_swap::Guard<Arc<Table>>>,
+    ) -> Option<&'t Own> {
+        let o = rule.overrides.as_ref()?;
+        let t = table.insert(o.load());
+        self.own_limit(t, rule, key, req)
+    }
+
     /// Whether a rule that stands in for `rule` applies to `req` (matches it, and has its
     /// key); then `rule` does not.
+    #[inline(never)]
     pub(super) fn replaced(&self, rule: &CompiledRule, req: &RequestView<'_>) -> bool {
+        if rule.replaced_by.is_empty() {
+            return false;
+        }
         let mut key = KeyBuf::new();
         rule.replaced_by.iter().any(|&j| {
             let other = &self.rules[j];

@@ -21,7 +21,7 @@ impl Remote {
     pub fn question<'a>(&'a self, rules: &'a RuleSet) -> Option<Question<'a>> {
         let call = self.calls.get(self.asked)?;
         let mut q = rules.question_of(call.rule, &call.key, call.cost)?;
-        if let Some((own, _)) = &call.own {
+        if let Some(own) = &call.own {
             q.quota = own;
         }
         Some(q)
@@ -108,8 +108,10 @@ pub(super) struct RedisCall {
     pub(super) rule: usize,
     pub(super) key: Vec<u8>,
     pub(super) cost: u32,
-    /// The key's own limit (`overrides:`), asked of Redis instead of the rule's, and its 429s.
-    pub(super) own: Option<(Quota, Arc<Answers>)>,
+    /// The key's own limit (`overrides:`), asked of Redis instead of the rule's. (Its 429s
+    /// are looked up again on the answer: a field with a destructor would cost every decision
+    /// the drop of its calls.)
+    pub(super) own: Option<Quota>,
 }
 
 impl RuleSet {
@@ -129,7 +131,12 @@ impl RuleSet {
         let call = remote.calls.get(remote.asked)?;
         remote.asked += 1;
         let rule = &self.rules[call.rule];
-        let answers = call.own.as_ref().map_or(&rule.answers, |(_, a)| a);
+        let table = call.own.and(rule.overrides.as_ref()).map(|o| o.load());
+        let answers = table
+            .as_ref()
+            .and_then(|t| self.own_limit(t, rule, &call.key, req))
+            .and_then(overrides::Own::answers)
+            .unwrap_or(&rule.answers);
         let Kind::Redis {
             refused, fallback, ..
         } = &*rule.kind
