@@ -503,6 +503,9 @@ fn print_explanation(doc: &serde_json::Value) {
             s(r, "decision")
         );
         println!("    {}", s(r, "reason"));
+        if let Some(own) = r.get("override").and_then(|o| o.as_str()) {
+            println!("    the key's own limit (overrides): {own}");
+        }
         if let Some(state) = r.get("state").filter(|v| !v.is_null()) {
             println!("    state {state}");
         }

@@ -433,6 +433,10 @@ pub fn explain_offline(
     let secret = crate::digest::Secret::of(config.key_secret_file.as_deref())?;
     let metrics = crate::metrics::Metrics::new();
     let rules = crate::rules::RuleSet::build(config, &metrics).with_secret(secret);
+    // The keys' own limits as the proxy would load them (a command's read, not a worker's).
+    for (rule, loaded) in rules.load_override_files(None) {
+        loaded.map_err(|e| format!("rule {rule}: overrides_file {e}"))?;
+    }
     let hygiene = crate::hygiene::Hygiene::of(config);
     let policy = config.client_ip.policy();
     let mut doc = match describe((&hygiene, &policy, &config.hosts[..]), &rules, asked, 0)? {

@@ -54,7 +54,8 @@ pub struct RuleExplained {
     pub kind: &'static str,
     /// `admit`, `refuse`, `delay` (`on_limit: delay`: it waits, then is decided again),
     /// `unknown` (decided by a full store's sketch or overflow, not read), `not_matched`,
-    /// `no_key` (the request lacks a key part: the rule does not apply), `bad_request` or
+    /// `replaced` (a rule naming it in `replaces:` applies), `no_key` (the request lacks a key
+    /// part: the rule does not apply), `unlimited` (the key's override), `bad_request` or
     /// `asks_redis`.
     pub decision: &'static str,
     /// Why, in a sentence.
