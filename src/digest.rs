@@ -25,12 +25,15 @@ const KEPT: usize = 16;
 /// the digest of a value they guess (check-config and the start-up log say so).
 const BUILT_IN: &[u8] = b"spillway: no key_secret_file configured";
 
-/// Digests computed by this process: a known key's decision never adds one (`tests/no_alloc.rs`).
-static COMPUTED: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+thread_local! {
+    /// Digests computed by this thread: a known key's decision never adds one
+    /// (`tests/no_alloc.rs`; per thread, so that tests deciding at the same time do not count).
+    static COMPUTED: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
 
-/// How many digests this process has computed.
+/// How many digests this thread has computed.
 pub fn computed() -> u64 {
-    COMPUTED.load(std::sync::atomic::Ordering::Relaxed)
+    COMPUTED.with(std::cell::Cell::get)
 }
 
 /// A secret shorter than this is refused: it could be guessed.
@@ -103,7 +106,7 @@ impl Secret {
 
     /// Appends the digest of `value`: [`MARK`] and 32 lower-case hex digits.
     pub fn push(&self, value: &[u8], out: &mut crate::key::KeyBuf) {
-        COMPUTED.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        COMPUTED.with(|c| c.set(c.get() + 1));
         let mut mac = (*self.mac).clone();
         mac.update(value);
         let sum = mac.finalize().into_bytes();

@@ -232,6 +232,7 @@ pub fn run_file(path: &Path) -> Result<Vec<Outcome>, String> {
 
 /// Bounds: a scenario is a test, not a load generator.
 const MAX_REQUESTS: u64 = 50_000_000;
+const MAX_DURATION: std::time::Duration = std::time::Duration::from_secs(86_400);
 const MAX_PROXIES: u32 = 1_000;
 
 /// Runs `s` against `config` on `proxies` simulated proxies.
@@ -242,17 +243,30 @@ pub fn run(config: &Config, s: &Scenario, proxies: u32) -> Result<Outcome, Strin
             s.name
         ));
     }
+    if s.duration.0 > MAX_DURATION {
+        return Err(format!(
+            "{}: duration: at most {MAX_DURATION:?} of simulated time",
+            s.name
+        ));
+    }
     let end = nanos(s.duration);
-    let mut events = Vec::new();
-    for (c, client) in s.clients.iter().enumerate() {
-        times(client, end, |t| events.push((t, c as u32)))
+    // Counted before any is made: a scenario is a test, not a load generator.
+    let mut total = 0u64;
+    for client in &s.clients {
+        let n = times(client, end, |_| {}, true)
             .map_err(|e| format!("{}: client {}: {e}", s.name, client.name))?;
-        if events.len() as u64 > MAX_REQUESTS {
-            return Err(format!(
-                "{}: more than {MAX_REQUESTS} requests; shorten it or lower the rates",
-                s.name
-            ));
-        }
+        total = total.saturating_add(n);
+    }
+    if total > MAX_REQUESTS {
+        return Err(format!(
+            "{}: {total} requests, more than {MAX_REQUESTS}; shorten it or lower the rates",
+            s.name
+        ));
+    }
+    let mut events = Vec::with_capacity(total as usize);
+    for (c, client) in s.clients.iter().enumerate() {
+        times(client, end, |t| events.push((t, c as u32)), false)
+            .map_err(|e| format!("{}: client {}: {e}", s.name, client.name))?;
     }
     for e in &s.expect {
         if !s.clients.iter().any(|c| c.name == e.client) {
@@ -304,7 +318,8 @@ pub fn run(config: &Config, s: &Scenario, proxies: u32) -> Result<Outcome, Strin
                 seen.admitted += 1;
                 seen.per_second[second] += 1;
                 if let Some(hold) = s.clients[c].hold {
-                    held.push(std::cmp::Reverse((now + nanos(hold), next_hold)));
+                    let until = now.saturating_add(nanos(hold).min(end));
+                    held.push(std::cmp::Reverse((until, next_hold)));
                     holding.insert(next_hold, admit);
                     next_hold += 1;
                 }
@@ -353,8 +368,14 @@ fn nanos(d: Dur) -> Nanos {
     Nanos::try_from(d.0.as_nanos()).unwrap_or(Nanos::MAX)
 }
 
-/// Each request time of `client` before `end`, evenly spaced at its rate.
-fn times(client: &Client, end: Nanos, mut put: impl FnMut(Nanos)) -> Result<(), String> {
+/// Each request time of `client` before `end`, evenly spaced at its rate; how many (only
+/// counted, none put, when `count_only`).
+fn times(
+    client: &Client,
+    end: Nanos,
+    mut put: impl FnMut(Nanos),
+    count_only: bool,
+) -> Result<u64, String> {
     let from = client.from.map_or(0, nanos);
     let until = client.until.map_or(end, nanos).min(end);
     let mut steps: Vec<(Nanos, Option<Rate>)> = match (&client.rate, client.steps.is_empty()) {
@@ -368,20 +389,29 @@ fn times(client: &Client, end: Nanos, mut put: impl FnMut(Nanos)) -> Result<(), 
         (None, true) => return Err("missing rate (such as 5/s) or steps".into()),
     };
     steps.sort_by_key(|s| s.0);
+    let mut n = 0u64;
     for (i, (at, rate)) in steps.iter().enumerate() {
         let stop = steps.get(i + 1).map_or(until, |s| s.0).min(until);
         let Some(rate) = rate else { continue };
+        if stop <= *at {
+            continue;
+        }
         // The i-th request at i x period / count: no drift from a rounded spacing.
-        let (period, count) = (rate.period.as_nanos(), u128::from(rate.count.get()));
-        for i in 0u128.. {
-            let t = (*at as u128).saturating_add(i * period / count);
+        let (period, count) = (rate.period.as_nanos().max(1), u128::from(rate.count.get()));
+        let here = (u128::from(stop - at) * count).div_ceil(period);
+        n = n.saturating_add(u64::try_from(here).unwrap_or(u64::MAX));
+        if count_only {
+            continue;
+        }
+        for i in 0..here {
+            let t = u128::from(*at) + i * period / count;
             if t >= u128::from(stop) {
                 break;
             }
             put(t as Nanos);
         }
     }
-    Ok(())
+    Ok(n)
 }
 
 fn check(e: &Expect, client: &Client, seen: &Seen, failures: &mut Vec<String>) {
@@ -768,5 +798,88 @@ impl RemoteStore for ExactStore {
 
     fn metrics(&self) -> &crate::metrics::RedisMetrics {
         self.metrics.get_or_init(|| Metrics::new().redis)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> Config {
+        Config::from_yaml(
+            "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: r\n    key: client_ip\n    limit: { rate: 10/s }\n",
+            "t",
+        )
+        .unwrap()
+    }
+
+    fn scenario(yaml: &str) -> Scenario {
+        serde_norway::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn a_scenario_past_its_bounds_is_refused_before_anything_is_made() {
+        let c = config();
+        for (yaml, says) in [
+            (
+                "name: s\nduration: 1d\nclients: [{ name: a, rate: 1000000/s }]\n",
+                "more than",
+            ),
+            (
+                "name: s\nduration: 2d\nclients: [{ name: a, rate: 1/s }]\n",
+                "duration: at most",
+            ),
+            (
+                "name: s\nduration: 1s\nclients: [{ name: a }]\n",
+                "missing rate",
+            ),
+            (
+                "name: s\nduration: 1s\nclients: [{ name: a, rate: 1/s }]\nexpect: [{ client: b, admitted: 1 }]\n",
+                "no client is called",
+            ),
+        ] {
+            let e = run(&c, &scenario(yaml), 1).unwrap_err();
+            assert!(e.contains(says), "{yaml}: {e}");
+        }
+        assert!(run(
+            &c,
+            &scenario("name: s\nduration: 1s\nclients: [{ name: a, rate: 1/s }]\n"),
+            0
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn requests_come_evenly_at_their_rate_and_far_starts_cost_nothing() {
+        let c = config();
+        let o = run(
+            &c,
+            &scenario(
+                "name: s\nduration: 10s\nclients: [{ name: a, rate: 3/s, from: 100000d, hold: 100000d }, { name: b, steps: [{ at: 0s, rate: 7/s }, { at: 5s, rate: 0/s }] }]\n",
+            ),
+            1,
+        )
+        .unwrap();
+        assert_eq!(o.clients[0].1.sent, 0);
+        assert_eq!(o.clients[1].1.sent, 35);
+    }
+
+    #[test]
+    fn an_expectation_that_does_not_hold_fails_the_scenario_and_says_why() {
+        let c = config();
+        let o = run(
+            &c,
+            &scenario(
+                "name: s\nduration: 10s\nclients: [{ name: a, rate: 20/s }]\nexpect: [{ client: a, admitted: 150 }, { client: a, first_refused: never }, { client: a, during: { from: 5s, to: 10s }, admitted: { min: 50, max: 50 } }, { client: a, most_per_second: 20 }]\n",
+            ),
+            1,
+        )
+        .unwrap();
+        assert!(!o.passed);
+        // 10/s and a burst of 10: 10 + 10 x 9.95 s (the last request at 9.95 s).
+        assert_eq!(o.clients[0].1.admitted, 109);
+        assert_eq!(o.failures.len(), 2, "{:?}", o.failures);
+        assert!(o.failures[0].contains("admitted 109"), "{:?}", o.failures);
+        assert!(o.failures[1].contains("expected never"), "{:?}", o.failures);
     }
 }

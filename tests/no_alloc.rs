@@ -317,16 +317,18 @@ fn drop_ratio_decisions_after(
 #[test]
 fn an_override_lookup_does_not_allocate() {
     let digest = spillway::internal::digest::Secret::default().of_value(b"sk_other");
-    for (listed, note) in [
-        // The key by its bytes, a raise.
+    for (listed, note, digests) in [
+        // The key by its bytes, a raise: no digest worked out.
         (
             format!("{{ key: {API_KEY}, limit: {{ rate: 50/s }} }}"),
             "by its bytes",
+            0,
         ),
         // Another key by its digest: this key is looked up by its digest too, and not found.
         (
             format!("{{ key: \"{digest}\", limit: unlimited }}"),
             "not listed, digests listed",
+            1000,
         ),
         // This key by its digest.
         (
@@ -335,6 +337,7 @@ fn an_override_lookup_does_not_allocate() {
                 spillway::internal::digest::Secret::default().of_value(API_KEY.as_bytes())
             ),
             "by its digest",
+            1000,
         ),
     ] {
         let yaml = format!(
@@ -346,11 +349,14 @@ fn an_override_lookup_does_not_allocate() {
         for i in 0..100 {
             decide(&rules, 1_000_000_000 + i);
         }
+        let before = spillway::internal::digest::computed();
         let n = allocations_during(|| {
             for i in 0..1000 {
                 decide(&rules, 2_000_000_000 + i * 1_000_000);
             }
         });
         assert_eq!(n, 0, "{note}: {n} allocations in 1000 decisions");
+        let computed = spillway::internal::digest::computed() - before;
+        assert_eq!(computed, digests, "{note}: digests worked out");
     }
 }

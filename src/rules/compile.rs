@@ -165,6 +165,7 @@ pub(super) fn fallback_store(r: &Rule, metrics: &Metrics, label: &str) -> Option
                 quota: *quota,
                 store: RateStore::new(*algorithm, store_parts(r, metrics, &label)),
                 overflow: Overflow {
+                    quota: *quota,
                     sketch: std::sync::OnceLock::new(),
                     size: r.sketch,
                     refused: metrics.sketch_refused.with_label_values(&[&label]),
@@ -243,6 +244,7 @@ pub(super) fn compile_kind(r: &Rule, metrics: &Metrics, label: &str) -> Kind {
                 _ => RateStore::new(*algorithm, parts),
             },
             overflow: Overflow {
+                quota: *quota,
                 sketch: std::sync::OnceLock::new(),
                 size: r.sketch,
                 refused: metrics.sketch_refused.with_label_values(&[label]),

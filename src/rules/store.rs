@@ -9,6 +9,9 @@ use super::*;
 
 /// The count-min sketch of a rate rule's untracked keys, made when the store first fills.
 pub(super) struct Overflow {
+    /// The rule's own limit: the sketch's windows are the rule's, whatever a key's own limit
+    /// (`overrides:`) says, so that one key's window never rolls every key's counts.
+    pub(super) quota: Quota,
     pub(super) sketch: std::sync::OnceLock<Sketch>,
     pub(super) size: SketchSize,
     /// Refusals the sketch made (conservative: its estimates only over-count).
@@ -16,9 +19,10 @@ pub(super) struct Overflow {
 }
 
 impl Overflow {
-    /// The sketch's decision for a key its store had no place for, its refusals counted.
-    pub(super) fn check(&self, key: &[u8], quota: &Quota, now: Nanos, cost: u32) -> Decision {
-        let decision = self.sketch().check(key, quota, now, cost);
+    /// The sketch's decision for a key its store had no place for, its refusals counted: by
+    /// the rule's limit (a key with its own is decided by it only once it has a place).
+    pub(super) fn check(&self, key: &[u8], now: Nanos, cost: u32) -> Decision {
+        let decision = self.sketch().check(key, &self.quota, now, cost);
         if !decision.is_allowed() {
             self.refused.inc();
         }
@@ -181,7 +185,7 @@ impl RateStore {
             .map(|st| st.check(quota, now, cost)));
         match tracked {
             Some(decision) => (decision, Slot::Keyed),
-            None => (overflow.check(key, quota, now, cost), Slot::Sketch),
+            None => (overflow.check(key, now, cost), Slot::Sketch),
         }
     }
 
@@ -195,7 +199,7 @@ impl RateStore {
         overflow: &Overflow,
     ) {
         if slot == Slot::Sketch {
-            overflow.sketch().refund(key, quota, now, cost);
+            overflow.sketch().refund(key, &overflow.quota, now, cost);
             return;
         }
         each_store!(self, s => s.with_slot(key, slot, |st| st.refund(quota, now, cost)))
@@ -226,7 +230,7 @@ impl RateStore {
         match tracked {
             Some((decision, owed)) => (decision, Slot::Keyed, owed),
             None => {
-                let decision = overflow.check(key, quota, now, cost);
+                let decision = overflow.check(key, now, cost);
                 // A key with no place: its charge finds it in the sketch by name.
                 let owed = decision
                     .is_allowed()

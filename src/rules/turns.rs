@@ -148,13 +148,18 @@ impl RuleSet {
         share: Option<&Share>,
         granted: &mut Granted<'_>,
     ) -> Decision {
-        let max = match t.own {
-            Some(overrides::Own::Slots { max, .. }) => *max,
-            _ => max,
+        // A key with its own limit has it in its own state; the shared overflow (a full
+        // store) keeps the rule's.
+        let (permit, max) = match store.tracked(t.key, t.now, concurrency_idle) {
+            Some(c) => {
+                let max = match t.own {
+                    Some(overrides::Own::Slots { max, .. }) => *max,
+                    _ => max,
+                };
+                (c.try_acquire(max, at_head), max)
+            }
+            None => (store.overflow.try_acquire(max, at_head), max),
         };
-        let (permit, _) = store.with(t.key, t.now, concurrency_idle, |c| {
-            c.try_acquire(max, at_head)
-        });
         let permit = permit.and_then(|p| {
             let part = self.client_part(share, t.req, max, t.now)?;
             Some(p.with_part(part))
