@@ -56,7 +56,7 @@ fn load() {
     let loaded = rules.load_override_files(None);
     let took = started.elapsed();
     let after = rss_bytes();
-    assert!(loaded[0].1.is_ok(), "{:?}", loaded[0].1);
+    assert!(loaded[0].1 .0.is_ok(), "{:?}", loaded[0].1);
     println!(
         "overrides_file of {ENTRIES} entries ({} KiB): loaded in {:.0} ms, RSS +{:.1} MiB ({:.0} bytes an entry; the parse's garbage included)",
         text.len() / 1024,

@@ -566,12 +566,19 @@ pub fn written_key(
                 .bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
     };
-    let private: SmallVec<[bool; 4]> = parts
-        .iter()
-        .zip(values)
-        .filter(|(p, _)| matches!(p, KeyPart::Header(_) | KeyPart::Query(_)))
-        .map(|(_, v)| is_digest(v))
-        .collect();
+    let mut private: SmallVec<[bool; 4]> = SmallVec::new();
+    for (p, v) in parts.iter().zip(values) {
+        if !matches!(p, KeyPart::Header(_) | KeyPart::Query(_)) {
+            continue;
+        }
+        // A mistyped digest read as a value would be a key any reader of the logs could send.
+        if v.starts_with('~') && !is_digest(v) {
+            return Err(format!(
+                "{v:?}: a value starting with ~ is read as a digest: ~ and 32 lower-case hex digits (spillway digest)"
+            ));
+        }
+        private.push(is_digest(v));
+    }
     let shown = private.iter().any(|d| *d);
     if shown && !private.iter().all(|d| *d) {
         return Err(
@@ -582,16 +589,32 @@ pub fn written_key(
     let text = shown || !local;
     let mut out = KeyBuf::new();
     for (i, (part, value)) in parts.iter().zip(values).enumerate() {
-        let addr = |v: &str| -> Result<IpAddr, String> {
+        // An address, and the prefix written after it, if any.
+        let addr = |v: &str| -> Result<(IpAddr, Option<u8>), String> {
             let v = v.trim();
-            let ip = v.split_once('/').map_or(v, |(a, _)| a);
+            let (ip, len) = match v.split_once('/') {
+                Some((a, n)) => (
+                    a,
+                    Some(
+                        n.parse::<u8>()
+                            .map_err(|_| format!("{v:?}: not a prefix length"))?,
+                    ),
+                ),
+                None => (v, None),
+            };
             ip.parse::<IpAddr>()
-                .map(|ip| policy.unwrapped(ip.to_canonical()))
+                .map(|ip| (policy.unwrapped(ip.to_canonical()), len))
                 .map_err(|_| format!("{v:?}: {part} is an address"))
         };
         let bytes: KeyBuf = match part {
             KeyPart::ClientIp => {
-                let ip = policy.cut(addr(value)?);
+                let (ip, len) = addr(value)?;
+                if len.is_some() {
+                    return Err(format!(
+                        "{value:?}: client_ip keys one client: write its address (client_ip/N keys a block)"
+                    ));
+                }
+                let ip = policy.cut(ip);
                 let mut b = KeyBuf::new();
                 match (text, ip) {
                     (true, ip) => {
@@ -603,7 +626,8 @@ pub fn written_key(
                 b
             }
             KeyPart::ClientNet { v4, v6 } => {
-                let ip = match addr(value)? {
+                let (ip, len) = addr(value)?;
+                let ip = match ip {
                     IpAddr::V4(a) if v4.is_some() && !private_v4(a) => {
                         IpAddr::V4(mask_v4(a, v4.unwrap_or(32)))
                     }
@@ -612,6 +636,18 @@ pub fn written_key(
                     }
                     other => policy.cut(other),
                 };
+                // A block of another size than the key's would name a part of a key, or many.
+                let keyed = match ip {
+                    IpAddr::V4(a) if private_v4(a) => 32,
+                    IpAddr::V6(a) if private_v6(a) => 128,
+                    IpAddr::V4(_) => v4.unwrap_or(policy.ipv4_prefix),
+                    IpAddr::V6(_) => v6.unwrap_or(policy.ipv6_prefix),
+                };
+                if len.is_some_and(|n| n != keyed) {
+                    return Err(format!(
+                        "{value:?}: {part} keys this address's /{keyed}: write that block, or an address in it"
+                    ));
+                }
                 let mut b = KeyBuf::new();
                 match (text, ip) {
                     (true, ip) => {
@@ -622,15 +658,26 @@ pub fn written_key(
                 }
                 b
             }
-            KeyPart::Host => KeyBuf::from_iter(value.bytes().map(|b| b.to_ascii_lowercase())),
+            KeyPart::Host => {
+                // As a request's host is keyed: no port, no trailing dot.
+                let host = value.strip_suffix('.').unwrap_or(value);
+                if host.contains(':') && !host.starts_with('[') {
+                    return Err(format!("{value:?}: a host is written without its port"));
+                }
+                KeyBuf::from_iter(host.bytes().map(|b| b.to_ascii_lowercase()))
+            }
             KeyPart::Path if !strict_path => KeyBuf::from_iter(
                 crate::target::match_form(value)
                     .bytes()
                     .map(|b| b.to_ascii_lowercase()),
             ),
             KeyPart::Method => {
-                if http::Method::from_bytes(value.as_bytes()).is_err() {
-                    return Err(format!("{value:?}: not a method"));
+                if http::Method::from_bytes(value.as_bytes()).is_err()
+                    || value.bytes().any(|b| b.is_ascii_lowercase())
+                {
+                    return Err(format!(
+                        "{value:?}: not a method (they are upper case: GET)"
+                    ));
                 }
                 KeyBuf::from_slice(value.as_bytes())
             }

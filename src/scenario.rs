@@ -565,7 +565,7 @@ impl Fleet {
             let rules = RuleSet::build_with_ratios(config, &Metrics::new(), r.clone())
                 .with_secret(secret.clone())
                 .with_store(Some(redis.clone()));
-            for (rule, result) in rules.load_override_files(None) {
+            for (rule, (result, _)) in rules.load_override_files(None) {
                 result.map_err(|e| format!("rule {rule}: overrides_file {e}"))?;
             }
             proxies.push(Arc::new(rules));

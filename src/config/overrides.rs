@@ -75,15 +75,23 @@ pub enum OwnLimit {
 )]
 enum RawOwn {
     Word(String),
-    #[serde(rename_all = "snake_case")]
-    Rate {
-        rate: Rate,
-        #[serde(default, skip_serializing_if = "Option::is_none")]
-        burst: Option<NonZeroU32>,
-    },
-    Concurrency {
-        concurrency: NonZeroU32,
-    },
+    Rate(OwnRate),
+    Concurrency(OwnSlots),
+}
+
+/// Unknown fields refused: a misspelt `burst` read as the default would raise nobody.
+#[derive(Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct OwnRate {
+    rate: Rate,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    burst: Option<NonZeroU32>,
+}
+
+#[derive(Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+struct OwnSlots {
+    concurrency: NonZeroU32,
 }
 
 impl<'de> Deserialize<'de> for OwnLimit {
@@ -93,11 +101,11 @@ impl<'de> Deserialize<'de> for OwnLimit {
             RawOwn::Word(w) => Err(de::Error::custom(format!(
                 "{w:?}: expected unlimited, {{ rate: 10/m, burst: 20 }} or {{ concurrency: 4 }}"
             ))),
-            RawOwn::Rate { rate, burst } => Ok(OwnLimit::Rate {
+            RawOwn::Rate(OwnRate { rate, burst }) => Ok(OwnLimit::Rate {
                 rate,
                 burst: burst.unwrap_or(rate.count),
             }),
-            RawOwn::Concurrency { concurrency } => Ok(OwnLimit::Concurrency(concurrency)),
+            RawOwn::Concurrency(OwnSlots { concurrency }) => Ok(OwnLimit::Concurrency(concurrency)),
         }
     }
 }
@@ -106,11 +114,11 @@ impl Serialize for OwnLimit {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         match *self {
             OwnLimit::Unlimited => RawOwn::Word("unlimited".into()),
-            OwnLimit::Rate { rate, burst } => RawOwn::Rate {
+            OwnLimit::Rate { rate, burst } => RawOwn::Rate(OwnRate {
                 rate,
                 burst: Some(burst),
-            },
-            OwnLimit::Concurrency(n) => RawOwn::Concurrency { concurrency: n },
+            }),
+            OwnLimit::Concurrency(n) => RawOwn::Concurrency(OwnSlots { concurrency: n }),
         }
         .serialize(s)
     }
@@ -242,8 +250,17 @@ pub fn parse_overrides(text: &str, file: &str) -> Result<Vec<Override>, ConfigEr
         List(Vec<Override>),
         Wrapped { overrides: Vec<Override> },
     }
-    if text.trim().is_empty() {
-        return Ok(Vec::new());
+    // An editor that truncates before it writes must not lift every override in force.
+    let content = text
+        .lines()
+        .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'));
+    if !content {
+        return Err(ConfigError::Invalid {
+            file: file.to_string(),
+            line: None,
+            column: None,
+            message: "no entries: write [] for none".into(),
+        });
     }
     // The list's own errors are the useful ones: try it first, then the wrapped form.
     match parse_yaml::<Vec<Override>>(text, file) {

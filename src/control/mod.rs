@@ -338,8 +338,16 @@ impl Report {
         if e.offered as f64 * 1000.0 / self.interval_ms.max(1) as f64 > MAX_RATE {
             return Some("offered more than 10^11 units/s for one key from one source");
         }
-        if e.limit.count == 0 || e.limit.period_ms == 0 || e.limit.period_ms > 86_400_000 * 365 {
+        let bad = |l: &Limit| l.count == 0 || l.period_ms == 0 || l.period_ms > 86_400_000 * 365;
+        if bad(&e.limit) {
             return Some("limit needs count > 0 and a period between 1 ms and 365 d");
+        }
+        if let Some(own) = &e.own {
+            if e.key.is_none() || bad(own) {
+                return Some(
+                    "own is a named key's limit: count > 0 and a period between 1 ms and 365 d",
+                );
+            }
         }
         if let Some(sketch) = &e.sketch {
             if e.key.is_some() || crate::limit::Distinct::decode(sketch).is_none() {

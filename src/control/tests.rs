@@ -1492,3 +1492,27 @@ fn a_zone_relays_the_smallest_own_limit_its_hosts_state() {
         .unwrap();
     assert_eq!(vip.own, None);
 }
+
+#[test]
+fn an_own_limit_that_is_no_limit_or_not_a_named_keys_is_refused() {
+    for (key, count, period_ms) in [
+        (Some("vip"), 0, 1000),
+        (Some("vip"), 5, 0),
+        (Some("vip"), 5, 86_400_000 * 366),
+        (None, 5, 1000),
+    ] {
+        let mut e = entry(key, 1, 1);
+        e.own = Some(Limit { count, period_ms });
+        let r = report("a", vec![e]);
+        assert!(
+            matches!(r.validate(), Err(ReportError::Entry(0, _))),
+            "{key:?} {count}/{period_ms}ms"
+        );
+    }
+    let mut e = entry(Some("vip"), 1, 1);
+    e.own = Some(Limit {
+        count: 5,
+        period_ms: 1000,
+    });
+    assert_eq!(report("a", vec![e]).validate(), Ok(()));
+}

@@ -434,7 +434,7 @@ pub fn explain_offline(
     let metrics = crate::metrics::Metrics::new();
     let rules = crate::rules::RuleSet::build(config, &metrics).with_secret(secret);
     // The keys' own limits as the proxy would load them (a command's read, not a worker's).
-    for (rule, loaded) in rules.load_override_files(None) {
+    for (rule, (loaded, _)) in rules.load_override_files(None) {
         loaded.map_err(|e| format!("rule {rule}: overrides_file {e}"))?;
     }
     let hygiene = crate::hygiene::Hygiene::of(config);

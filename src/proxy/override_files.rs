@@ -25,16 +25,21 @@ impl Watched {
 }
 
 /// Loads every `overrides_file` of `rules` (or those at `path`) off the runtime's workers;
-/// `Err` names each rule whose file did not load.
+/// `Err` names each rule whose file did not load and that has no set from it in force (a
+/// rule that has keeps it, and the failure is logged).
 pub(super) async fn load(rules: Arc<RuleSet>, path: Option<PathBuf>) -> Result<(), String> {
     let results = tokio::task::spawn_blocking(move || rules.load_override_files(path.as_deref()))
         .await
         .map_err(|e| format!("overrides: the load did not finish: {e}"))?;
     let mut errors = Vec::new();
-    for (rule, result) in results {
+    for (rule, (result, kept)) in results {
         match result {
             Ok(Some(n)) => tracing::info!(rule = %rule, entries = n, "overrides loaded"),
             Ok(None) => {}
+            Err(e) if kept => tracing::error!(
+                rule = %rule,
+                "overrides reload failed, the last good set stays: overrides_file {e}"
+            ),
             Err(e) => errors.push(format!("rule {rule}: overrides_file {e}")),
         }
     }
@@ -61,7 +66,7 @@ pub(super) async fn watch_new(shared: &Arc<Shared>) {
             async move {
                 // The rules running now: a reload since shares the table of an unchanged rule.
                 if let Err(e) = load(shared.rules.load_full(), Some(path)).await {
-                    tracing::error!("overrides reload failed, the last good set stays: {e}");
+                    tracing::error!("overrides load failed, none of the file's are in force: {e}");
                 }
             }
         });

@@ -101,13 +101,32 @@ pub(super) async fn reload(
     active.headers = new.headers;
     active.redis = new.redis;
     active.log_rejections = new.log_rejections;
+    // The new rules' overrides under what runs (client_ip and path_match are restart
+    // fields): keys distinct under the new file's prefixes may be one under the running ones.
+    active
+        .check_override_keys()
+        .map_err(|(_, message)| ConfigError::Invalid {
+            file: file.clone(),
+            line: None,
+            column: None,
+            message: format!("{message} (under the running client_ip and path_match)"),
+        })?;
     let previous = shared.rules.load_full();
-    let rules = RuleSet::rebuild(
-        &active,
-        &shared.metrics,
-        shared.ratios.clone(),
-        Some(&previous),
-    );
+    // Built on a blocking thread: a rule's inline overrides may be many.
+    let rules = {
+        let (config, metrics) = (active.clone(), shared.metrics.clone());
+        let (ratios, previous) = (shared.ratios.clone(), previous.clone());
+        tokio::task::spawn_blocking(move || {
+            RuleSet::rebuild(&config, &metrics, ratios, Some(&previous))
+        })
+        .await
+        .map_err(|e| ConfigError::Invalid {
+            file: file.clone(),
+            line: None,
+            column: None,
+            message: format!("the rules could not be built: {e}"),
+        })?
+    };
     #[cfg(feature = "redis")]
     let rules = rules.with_store(crate::exact::store(&exact));
     // The overrides files of the new rules load before they run: a bad one fails the reload.

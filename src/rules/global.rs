@@ -1022,6 +1022,10 @@ pub(super) type Drained = (String, u64, u64, f64, Arc<GlobalCounters>, Option<Ra
 /// asked for, bounded so that a report's size does not grow with the keys.
 pub const EXTRA_NAMED: usize = 1_000;
 
+/// Keys with a limit of their own a report names per rule beyond its `top_k`, heaviest first;
+/// the rest (offered least) fold into the tail.
+pub const MAX_OWN_NAMED: usize = 10_000;
+
 /// A key's name with its offered and admitted units, and the step in its offered rate
 /// (units a second; 0 if none, or if the report before folded the key: the controller's sum
 /// for it did not hold this proxy's part to step from).
@@ -1051,9 +1055,15 @@ pub(super) fn choose_named(
     let mut named = Vec::new();
     let mut tail = Vec::new();
     let mut extra = 0;
+    let mut own_named = 0;
     for (i, (key, o, a, jump, counters, own)) in keys.into_iter().enumerate() {
-        // A key with its own limit is always named: the tail's ratio is the rule's limit's.
-        let mut name = i < top_k || own.is_some();
+        // A key with its own limit is named (the tail's ratio is the rule's limit's), the
+        // heaviest MAX_OWN_NAMED of them: a report's size stays bounded.
+        let mut name = i < top_k;
+        if !name && own.is_some() && own_named < MAX_OWN_NAMED {
+            own_named += 1;
+            name = true;
+        }
         if !name && extra < EXTRA_NAMED && asked(&key, o) {
             extra += 1;
             name = true;

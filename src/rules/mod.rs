@@ -774,7 +774,17 @@ impl RuleSet {
             let table = rule.overrides.as_ref().map(|o| o.load());
             let own_of = |stored: &[u8], name: &[u8]| -> Option<Rate> {
                 let t = table.as_ref()?;
-                match t.get(stored, || KeyBuf::from_slice(name))? {
+                // Entries by digest are found by the key's shown form: its reported name,
+                // unless the rule reports keys in clear.
+                let shown = || {
+                    if rule.digested {
+                        KeyBuf::from_slice(name)
+                    } else {
+                        shown_stored(&rule.key, stored, false, |v, out| self.secret.push(v, out))
+                            .unwrap_or_default()
+                    }
+                };
+                match t.get(stored, shown)? {
                     overrides::Own::Rate { rate, .. } => Some(*rate),
                     _ => None,
                 }

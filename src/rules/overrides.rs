@@ -158,6 +158,14 @@ impl Overrides {
         self.table.load()
     }
 
+    /// Whether its file has loaded once: a set from it is in force.
+    pub(super) fn has_loaded(&self) -> bool {
+        self.loaded
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_some()
+    }
+
     pub(super) fn file(&self) -> Option<&Path> {
         self.rule.overrides_file.as_deref()
     }
@@ -249,9 +257,10 @@ impl Overrides {
 
     fn read(&self, path: &Path) -> Result<Option<usize>, String> {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| format!("{file}: {e}"))?;
-        // Held across the build: two loads at once would race to swap.
+        // Held across the read and the build: two loads at once would race to swap, and a
+        // stale read could land after a newer one.
         let mut loaded = self.loaded.lock().unwrap_or_else(|p| p.into_inner());
+        let text = std::fs::read_to_string(path).map_err(|e| format!("{file}: {e}"))?;
         if loaded.as_deref() == Some(text.as_str()) {
             return Ok(None);
         }
@@ -265,8 +274,8 @@ impl Overrides {
 }
 
 /// What loading an `overrides_file` did: the entries loaded (`None`: the text is the one
-/// loaded already), or why the last good set stays.
-pub type FileLoad = Result<Option<usize>, String>;
+/// loaded already), or why it did not load, and whether a set it loaded before stays in force.
+pub type FileLoad = (Result<Option<usize>, String>, bool);
 
 impl RuleSet {
     /// The rules with an `overrides_file`, and the file: what a caller loads (and watches).
@@ -281,8 +290,7 @@ impl RuleSet {
     }
 
     /// Loads the `overrides_file` of each rule that has `path` (every rule with one when
-    /// `None`), returning each rule's result: the number of entries loaded, `None` when the
-    /// text is what was loaded. Blocking.
+    /// `None`), returning each rule's [`FileLoad`]. Blocking.
     pub fn load_override_files(&self, path: Option<&Path>) -> Vec<(Arc<str>, FileLoad)> {
         self.rules
             .iter()
@@ -292,7 +300,8 @@ impl RuleSet {
                 if path.is_some_and(|p| p != file) {
                     return None;
                 }
-                Some((r.name.clone(), o.load_file()))
+                let kept = o.has_loaded();
+                Some((r.name.clone(), (o.load_file(), kept)))
             })
             .collect()
     }
@@ -338,8 +347,9 @@ impl RuleSet {
         self.own_limit(t, rule, key, req)
     }
 
-    /// Whether a rule that stands in for `rule` applies to `req` (matches it, and has its
-    /// key); then `rule` does not.
+    /// Whether a rule that stands in for `rule` applies to `req` (matches it, has its key,
+    /// and is not itself replaced); then `rule` does not. The rules that replace form no cycle
+    /// (refused with the configuration): this ends.
     #[inline(never)]
     pub(super) fn replaced(&self, rule: &CompiledRule, req: &RequestView<'_>) -> bool {
         if rule.replaced_by.is_empty() {
@@ -348,7 +358,9 @@ impl RuleSet {
         let mut key = KeyBuf::new();
         rule.replaced_by.iter().any(|&j| {
             let other = &self.rules[j];
-            other.matcher.matches(req) && other.key_of(req, &mut key) != Extract::Missing
+            other.matcher.matches(req)
+                && other.key_of(req, &mut key) != Extract::Missing
+                && !self.replaced(other, req)
         })
     }
 }

@@ -1649,6 +1649,12 @@ fn overrides_that_cannot_hold_as_written_are_refused() {
         ("key: [client_ip]\n    limit: { rate: 2/m }\n    overrides: [{ key: office, limit: unlimited }]", "address"),
         ("key: [header:k, header:j]\n    limit: { rate: 2/m }\n    overrides: [{ key: [\"~0123456789abcdef0123456789abcdef\", clear], limit: unlimited }]", "digest"),
         ("key: [header:k]\n    scope: global\n    limit: { rate: 2/m }\n    overrides: [{ key: a, limit: { rate: 4/m, burst: 8 } }]", "burst"),
+        ("key: [header:k]\n    limit: { rate: 2/m }\n    overrides: [{ key: \"~0123456789ABCDEF0123456789ABCDEF\", limit: unlimited }]", "lower-case hex"),
+        ("key: [header:k]\n    limit: { rate: 2/m }\n    overrides: [{ key: a, limit: { rate: 4/m, brust: 8 } }]", "unlimited, { rate"),
+        ("key: [client_ip]\n    limit: { rate: 2/m }\n    overrides: [{ key: 203.0.113.0/24, limit: unlimited }]", "one client"),
+        ("key: [client_ip/24]\n    limit: { rate: 2/m }\n    overrides: [{ key: 203.0.113.0/16, limit: unlimited }]", "/24"),
+        ("key: [host]\n    limit: { rate: 2/m }\n    overrides: [{ key: \"api.example.com:443\", limit: unlimited }]", "port"),
+        ("key: [method]\n    limit: { rate: 2/m }\n    overrides: [{ key: get, limit: unlimited }]", "upper case"),
     ];
     for (rule, want) in bad {
         let yaml = format!(
@@ -1742,4 +1748,98 @@ fn a_global_key_with_its_own_limit_is_always_named_with_that_limit() {
     assert_eq!(report[0].owns.len(), 1);
     assert_eq!(report[0].owns["10.0.0.9"].count.get(), 500);
     assert_eq!(report[0].other.2, 8);
+}
+
+#[test]
+fn a_rule_replaced_in_turn_does_not_stand_in_for_what_it_names() {
+    // a stands in for b, b for c: where a applies, b does not, so c does.
+    let (rules, m) = ruleset(
+        r#"  - name: a
+    key: client_ip
+    limit: { rate: 5/m }
+    replaces: [b]
+  - name: b
+    key: client_ip
+    limit: { rate: 3/m }
+    replaces: [c]
+  - name: c
+    key: client_ip
+    limit: { rate: 2/m }
+"#,
+        "on_reject",
+    );
+    let r = req("GET", "/", &[]).from("10.0.0.1");
+    assert_eq!((0..10).filter(|_| r.allowed(&rules, T0)).count(), 2);
+    assert_eq!(count(&m, "b", "allowed"), 0);
+    assert_eq!(count(&m, "c", "allowed"), 2);
+}
+
+#[test]
+fn a_key_written_as_a_block_or_a_host_is_found_as_requests_key_it() {
+    let (rules, _) = ruleset(
+        r#"  - name: nets
+    key: client_ip/24
+    limit: { rate: 1/m }
+    overrides: [{ key: 203.0.113.0/24, limit: { rate: 4/m } }]
+  - name: hosts
+    key: host
+    limit: { rate: 1/m }
+    overrides: [{ key: "API.example.com.", limit: { rate: 3/m } }]
+"#,
+        "on_reject",
+    );
+    let r = req("GET", "/", &[]).from("203.0.113.77");
+    assert_eq!(
+        (0..9).filter(|_| r.allowed(&rules, T0)).count(),
+        1,
+        "hosts: no host, the rule's"
+    );
+    let r = req("GET", "/", &[("host", "api.example.com:8443")]).from("198.51.100.1");
+    assert_eq!(
+        (0..9).filter(|_| r.allowed(&rules, T0)).count(),
+        1,
+        "nets: the rule's"
+    );
+    let r = req("GET", "/", &[("host", "api.example.com")]).from("203.0.113.78");
+    // nets (4 for its block, one spent above) and hosts (3, one spent above): the smaller.
+    assert_eq!((0..9).filter(|_| r.allowed(&rules, T0)).count(), 2);
+}
+
+#[test]
+fn an_overrides_file_with_no_entries_must_say_so() {
+    use crate::config::parse_overrides;
+    for empty in ["", "\n  \n", "# all gone\n"] {
+        let e = parse_overrides(empty, "f").unwrap_err().to_string();
+        assert!(e.contains("write [] for none"), "{empty:?}: {e}");
+    }
+    assert!(parse_overrides("[]\n", "f").unwrap().is_empty());
+    assert!(parse_overrides("overrides: []\n", "f").unwrap().is_empty());
+    assert_eq!(
+        parse_overrides("overrides:\n  - { key: a, limit: unlimited }\n", "f")
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+#[test]
+fn a_global_key_listed_by_digest_is_reported_with_its_own_limit_under_log_keys_clear() {
+    let digest = crate::digest::Secret::default().of_value(b"sk-vip");
+    let (rules, _) = ruleset(
+        &format!(
+            r#"  - name: g
+    key: header:x-api-key
+    scope: global
+    log_keys: clear
+    limit: {{ rate: 100/s }}
+    overrides:
+      - {{ key: "{digest}", limit: {{ rate: 500/s }} }}
+"#
+        ),
+        "on_reject\ncontrol_plane: { url: 'http://127.0.0.1:1' }",
+    );
+    req("GET", "/", &[("x-api-key", "sk-vip")]).allowed(&rules, T0);
+    let report = rules.drain_global(0, 1.0, 1, 0);
+    assert_eq!(report[0].keys.len(), 1, "named though top_k is 0");
+    assert_eq!(report[0].owns["sk-vip"].count.get(), 500);
 }
