@@ -589,6 +589,18 @@ pub fn written_key(
     let text = shown || !local;
     let mut out = KeyBuf::new();
     for (i, (part, value)) in parts.iter().zip(values).enumerate() {
+        // An address as the key holds it: text, or its octets in a local key.
+        let ip_bytes = |ip: IpAddr| {
+            let mut b = KeyBuf::new();
+            match (text, ip) {
+                (true, ip) => {
+                    let _ = write!(b, "{ip}");
+                }
+                (false, IpAddr::V4(v4)) => b.extend_from_slice(&v4.octets()),
+                (false, IpAddr::V6(v6)) => b.extend_from_slice(&v6.octets()),
+            }
+            b
+        };
         // An address, and the prefix written after it, if any.
         let addr = |v: &str| -> Result<(IpAddr, Option<u8>), String> {
             let v = v.trim();
@@ -615,15 +627,7 @@ pub fn written_key(
                     ));
                 }
                 let ip = policy.cut(ip);
-                let mut b = KeyBuf::new();
-                match (text, ip) {
-                    (true, ip) => {
-                        let _ = write!(b, "{ip}");
-                    }
-                    (false, IpAddr::V4(v4)) => b.extend_from_slice(&v4.octets()),
-                    (false, IpAddr::V6(v6)) => b.extend_from_slice(&v6.octets()),
-                }
-                b
+                ip_bytes(ip)
             }
             KeyPart::ClientNet { v4, v6 } => {
                 let (ip, len) = addr(value)?;
@@ -648,15 +652,7 @@ pub fn written_key(
                         "{value:?}: {part} keys this address's /{keyed}: write that block, or an address in it"
                     ));
                 }
-                let mut b = KeyBuf::new();
-                match (text, ip) {
-                    (true, ip) => {
-                        let _ = write!(b, "{ip}");
-                    }
-                    (false, IpAddr::V4(v4)) => b.extend_from_slice(&v4.octets()),
-                    (false, IpAddr::V6(v6)) => b.extend_from_slice(&v6.octets()),
-                }
-                b
+                ip_bytes(ip)
             }
             KeyPart::Host => {
                 // As a request's host is keyed: no port, no trailing dot.

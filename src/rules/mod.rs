@@ -383,8 +383,10 @@ impl RuleSet {
         self.store.as_ref()
     }
 
-    /// Decides one request at `now`. Every matching rule applies; the request is refused if
-    /// any enforcing rule refuses, and then the units other rules had granted are given back.
+    /// Decides one request at `now`. Every matching rule applies (unless a rule that applies
+    /// stands in for it, `replaces:`), by the key's own limit where it has one (`overrides:`);
+    /// the request is refused if any enforcing rule refuses, and then the units other rules
+    /// had granted are given back.
     /// Shadow rules decide and count what they would have refused, and never refuse.
     pub fn check(&self, req: &RequestView<'_>, now: Nanos) -> Verdict {
         let want_states = self.header_mode == HeaderMode::Always;
@@ -770,7 +772,7 @@ impl RuleSet {
                 let (_, keep) = ratios.ratio_keep(&rule.name, name, || choice != Choice::Named);
                 (choice, keep)
             };
-            // Keys with a limit of their own: each is held to it, and always named.
+            // Keys with a limit of their own: each is held to it, and named past top_k.
             let table = rule.overrides.as_ref().map(|o| o.load());
             let own_of = |stored: &[u8], name: &[u8]| -> Option<Rate> {
                 let t = table.as_ref()?;

@@ -382,7 +382,8 @@ def config_schema(configmaps):
 
     shown = []
     for path in sorted(os.listdir(os.path.join(ROOT, "config"))):
-        if path.endswith(".yaml"):
+        # Scenario files (spillway test) and overrides files are not configurations.
+        if path.endswith(".yaml") and not path.endswith((".test.yaml", ".keys.yaml")):
             shown.append((f"config/{path}", open(os.path.join(ROOT, "config", path)).read()))
     readme = open(os.path.join(ROOT, "README.md")).read()
     base = {"service": "s", "listen": "127.0.0.1:8080", "upstream": "http://127.0.0.1:9000"}
