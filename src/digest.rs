@@ -16,7 +16,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 /// Marks a digested part in a key's text form.
-pub const MARK: u8 = b'~';
+pub const MARK: u8 = crate::key::DIGEST_MARK;
 
 /// Bytes of the HMAC kept: 128 bits.
 const KEPT: usize = 16;

@@ -561,7 +561,7 @@ pub fn written_key(
     }
     let is_digest = |v: &str| {
         v.len() == 33
-            && v.as_bytes()[0] == crate::digest::MARK
+            && v.as_bytes()[0] == DIGEST_MARK
             && v[1..]
                 .bytes()
                 .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
@@ -727,6 +727,10 @@ pub fn extract_shown(
         }
     })
 }
+
+/// Marks a digested part in a key's text form (`crate::digest` writes it; here, so that keys
+/// need not import the digest).
+pub const DIGEST_MARK: u8 = b'~';
 
 /// Keys of a local rule up to this many bytes are kept as they are.
 pub const INLINE_KEY: usize = 64;

@@ -1258,3 +1258,38 @@ async fn explain_says_what_on_error_does_when_redis_is_gone() {
     let reason = e["rules"][0]["reason"].as_str().unwrap();
     assert!(reason.contains("on_error: deny"), "{reason}");
 }
+
+/// A key's own limit is the one Redis is asked with: two proxies admit exactly it, every
+/// algorithm, while the rule's other keys keep the rule's; its 429 states its own policy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_with_its_own_limit_is_held_to_it_exactly_across_proxies() {
+    let redis = RedisServer::start();
+    let up = upstream().await;
+    for algorithm in ALGORITHMS {
+        let y = yaml(
+            &redis,
+            "",
+            &limit("5/h", algorithm),
+            "    overrides: [{ key: vip, limit: { rate: 40/h } }]\n",
+        );
+        let (a, b) = (start(up.addr, &y).await, start(up.addr, &y).await);
+        clear_of_window_edge(&redis, Duration::from_secs(3600), Duration::from_secs(30)).await;
+        let statuses = burst(&[a.addr(), b.addr()], 120, "vip").await;
+        let admitted = statuses.iter().filter(|s| **s == 200).count();
+        assert_eq!(admitted, 40, "{algorithm}: vip's own 40");
+        let statuses = burst(&[a.addr(), b.addr()], 30, &format!("other-{algorithm}")).await;
+        let admitted = statuses.iter().filter(|s| **s == 200).count();
+        assert_eq!(admitted, 5, "{algorithm}: the rule's 5");
+        let (status, headers, _) = get(a.addr(), "/", &[("x-client", "vip")]).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            headers["ratelimit-policy"], "\"r\";q=40;w=3600",
+            "{algorithm}"
+        );
+        a.shutdown();
+        b.shutdown();
+        // The next algorithm's vip starts from nothing.
+        let mut conn = redis.conn().await;
+        let _: () = redis::cmd("FLUSHALL").query_async(&mut conn).await.unwrap();
+    }
+}
