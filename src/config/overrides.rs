@@ -151,6 +151,9 @@ impl JsonSchema for OverrideKey {
 /// The most entries one rule may list (inline and in its file together).
 pub const MAX_OVERRIDES: usize = 1_000_000;
 
+/// The most distinct limits one rule's overrides may give (each keeps its own 429s).
+pub const MAX_DISTINCT_LIMITS: usize = 1_000;
+
 /// Whether `own` can be a key's limit under `r` (its limit, key, cost and scope): the same
 /// kind of limit, a burst that admits the rule's fixed cost, the rule's window for a window
 /// algorithm (a state is judged idle by it), and a global rule's burst equal to its rate.
@@ -338,6 +341,14 @@ pub fn written_keys(
         ));
     }
     let local = r.scope == Scope::Local;
+    let limits: std::collections::HashSet<String> =
+        entries.iter().map(|o| format!("{:?}", o.limit)).collect();
+    if limits.len() > MAX_DISTINCT_LIMITS {
+        return Err(format!(
+            "overrides: {} distinct limits, at most {MAX_DISTINCT_LIMITS}: give keys limits from a set of tiers",
+            limits.len()
+        ));
+    }
     let mut seen = std::collections::HashMap::with_capacity(entries.len());
     let mut out = Vec::with_capacity(entries.len());
     for (i, o) in entries.iter().enumerate() {

@@ -184,14 +184,15 @@ impl Overrides {
             stored: HashMap::with_capacity_and_hasher(all.len(), Hasher::default()),
             ..Table::default()
         };
-        let mut distinct: Vec<OwnLimit> = Vec::new();
+        // Each distinct limit is compiled once (with its 429s); keys name one of them.
+        let mut distinct: HashMap<String, usize> = HashMap::new();
         for ((key, shown), o) in keys.into_iter().zip(&all) {
-            let i = match distinct.iter().position(|d| *d == o.limit) {
-                Some(i) => i,
+            let i = match distinct.get(&format!("{:?}", o.limit)) {
+                Some(&i) => i,
                 None => {
-                    distinct.push(o.limit);
                     table.owns.push(self.compile(&o.limit)?);
-                    distinct.len() - 1
+                    distinct.insert(format!("{:?}", o.limit), table.owns.len() - 1);
+                    table.owns.len() - 1
                 }
             };
             let map = if shown {

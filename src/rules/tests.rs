@@ -1843,3 +1843,18 @@ fn a_global_key_listed_by_digest_is_reported_with_its_own_limit_under_log_keys_c
     assert_eq!(report[0].keys.len(), 1, "named though top_k is 0");
     assert_eq!(report[0].owns["sk-vip"].count.get(), 500);
 }
+
+#[test]
+fn overrides_past_a_thousand_distinct_limits_are_refused() {
+    let entries: String = (1..=1001)
+        .map(|i| format!("      - {{ key: k{i}, limit: {{ rate: {i}/s }} }}\n"))
+        .collect();
+    let yaml = format!(
+        "service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\nrules:\n  - name: r\n    key: [header:k]\n    limit: {{ rate: 2/s }}\n    overrides:\n{entries}"
+    );
+    let e = Config::from_yaml(&yaml, "t").unwrap_err().to_string();
+    assert!(e.contains("1001 distinct limits"), "{e}");
+    // A thousand is fine.
+    let yaml = yaml.replace("      - { key: k1001, limit: { rate: 1001/s } }\n", "");
+    assert!(Config::from_yaml(&yaml, "t").is_ok());
+}
