@@ -364,6 +364,26 @@ pub fn written_keys(
     Ok(out)
 }
 
+/// `r`'s inline entries followed by those of an overrides file (its text and name; `None`:
+/// the inline ones only), each with its key as the rule's store keeps it: what a proxy loads,
+/// and what `check-config` checks.
+pub fn rule_overrides(
+    r: &Rule,
+    file: Option<(&str, &str)>,
+    policy: &crate::key::ClientIpPolicy,
+    strict_path: bool,
+) -> Result<(Vec<Override>, Vec<WrittenKey>), String> {
+    let mut all = r.overrides.clone();
+    if let Some((text, name)) = file {
+        all.extend(parse_overrides(text, name).map_err(|e| e.to_string())?);
+    }
+    let keys = written_keys(r, &all, policy, strict_path).map_err(|e| match file {
+        Some((_, name)) => format!("{name}: {e}"),
+        None => e,
+    })?;
+    Ok((all, keys))
+}
+
 impl Config {
     /// Every rule's inline overrides name keys the rule can have, once each.
     pub(crate) fn check_override_keys(&self) -> Result<(), (usize, String)> {
@@ -390,10 +410,8 @@ impl Config {
             let file = path.display().to_string();
             let text = std::fs::read_to_string(path)
                 .map_err(|e| format!("rule {}: overrides_file {file}: {e}", r.name))?;
-            let entries = parse_overrides(&text, &file).map_err(|e| e.to_string())?;
-            let all: Vec<Override> = r.overrides.iter().chain(&entries).cloned().collect();
-            written_keys(r, &all, &policy, strict)
-                .map_err(|e| format!("rule {}: overrides_file {file}: {e}", r.name))?;
+            rule_overrides(r, Some((&text, &file)), &policy, strict)
+                .map_err(|e| format!("rule {}: overrides_file {e}", r.name))?;
         }
         Ok(())
     }

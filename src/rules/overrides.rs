@@ -7,7 +7,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use crate::config::{written_keys, Override, OwnLimit};
+use crate::config::{rule_overrides, OwnLimit};
 use crate::key::ClientIpPolicy;
 
 use super::*;
@@ -145,7 +145,7 @@ impl Overrides {
                 .with_label_values(&[label, "error"]),
         };
         // Checked when the configuration was: this cannot fail but for a file.
-        match o.build(&[]) {
+        match o.build(None) {
             Ok(table) => o.swap(table),
             Err(e) => tracing::error!(rule = %r.name, "overrides: {e}"),
         }
@@ -175,11 +175,9 @@ impl Overrides {
         self.table.store(Arc::new(table));
     }
 
-    /// The table of the inline entries and `file`'s.
-    fn build(&self, file: &[Override]) -> Result<Table, String> {
-        let r = &self.rule;
-        let all: Vec<Override> = r.overrides.iter().chain(file).cloned().collect();
-        let keys = written_keys(r, &all, &self.policy, self.strict_path)?;
+    /// The table of the inline entries and those of a file's text (and name).
+    fn build(&self, file: Option<(&str, &str)>) -> Result<Table, String> {
+        let (all, keys) = rule_overrides(&self.rule, file, &self.policy, self.strict_path)?;
         let mut table = Table {
             stored: HashMap::with_capacity_and_hasher(all.len(), Hasher::default()),
             ..Table::default()
@@ -265,8 +263,7 @@ impl Overrides {
         if loaded.as_deref() == Some(text.as_str()) {
             return Ok(None);
         }
-        let entries = crate::config::parse_overrides(&text, &file).map_err(|e| e.to_string())?;
-        let table = self.build(&entries).map_err(|e| format!("{file}: {e}"))?;
+        let table = self.build(Some((&text, &file)))?;
         let n = table.len();
         self.swap(table);
         *loaded = Some(text);
