@@ -11,7 +11,8 @@
 //! counted once, and the controller smooths after summing (see [`super::sum`]). Soft state
 //! only: a replica can restart at any time. Replies say how old the relayed ratios are, so a
 //! dead controller makes the proxies stale (and fail open) even while the replica answers.
-//! The sums' mutex is taken once per report and once per forward, never across an await.
+//! The sums' mutex is taken once per report and once per forward, never across an await; a
+//! forward, a large report, and any report that finds it held work off the runtime's workers.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -176,8 +177,11 @@ const EARLY_GATHER: Duration = Duration::from_millis(20);
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
+        // A wait below counts from here: time spent reading and recording the report (a
+        // busy replica) comes out of it, not on top of it.
+        let arrived = tokio::time::Instant::now();
         let wire2 = server::speaks_wire2(&req);
-        let (report, principal) =
+        let (report, principal, turn) =
             match server::receive_report(req, &self.opts.credentials, &self.reports).await {
                 Ok(r) => r,
                 Err(resp) => return resp,
@@ -208,21 +212,25 @@ impl State {
         // A host whose offered rate stepped (a surge, or load moving between proxies) holds
         // its new rate to what it had until a reply's sums hold this report: it waits for an
         // early forward's reply rather than one a whole interval later. Within half the host's
-        // interval, so that its report does not time out, and one of this replica's (the
-        // early forward comes within half of one, and its reply soon after).
+        // interval from its arrival, so that its report does not time out, and one of this
+        // replica's (the early forward comes within half of one, and its reply soon after).
         let stepped = report.entries.iter().any(|e| e.jump != 0.0);
         let wait = Duration::from_millis(report.interval_ms / 2).min(self.opts.interval);
-        let (recorded, takes) = {
-            let mut sums = self.sums.lock();
-            let recorded = sums.record(report, &owner, self.sums.now());
+        let light = report.entries.len() <= super::HEAVY_ENTRIES;
+        let now = self.sums.now();
+        let (recorded, takes) = self.sums.with(light, |sums| {
+            let recorded = sums.record(report, &owner, now);
             (recorded, sums.takes())
-        };
+        });
+        // Recorded: what the report parsed into is gone, and its body's room with it.
+        drop(turn);
         if stepped && recorded.is_ok() {
             let mut forwarded = self.forwarded.subscribe();
             self.steps_waiting
                 .store(true, std::sync::atomic::Ordering::Release);
             self.early.notify_one();
-            let _ = tokio::time::timeout(wait, forwarded.wait_for(|&take| take > takes)).await;
+            let until = arrived + wait;
+            let _ = tokio::time::timeout_at(until, forwarded.wait_for(|&take| take > takes)).await;
         }
         match recorded {
             Ok(()) if !zone.is_empty() && zone != self.opts.zone => {
@@ -364,11 +372,10 @@ impl State {
             .collect();
         self.steps_waiting
             .store(false, std::sync::atomic::Ordering::Release);
-        let taken = {
-            let mut sums = self.sums.lock();
+        let taken = self.sums.with(false, |sums| {
             sums.take_steps(|s, r, k| index.contains_key(&(s, r, k)))
                 .map(|steps| (steps, sums.takes()))
-        };
+        });
         let Some((steps, take)) = taken else {
             return Steps::Unknown;
         };
@@ -410,11 +417,11 @@ impl State {
     async fn forward(&self, last: bool) -> Sent {
         self.steps_waiting
             .store(false, std::sync::atomic::Ordering::Release);
-        let ((entries, interval_ms), hosts, take) = {
-            let mut sums = self.sums.lock();
-            let taken = sums.take(self.sums.now(), last);
+        let now = self.sums.now();
+        let ((entries, interval_ms), hosts, take) = self.sums.with(false, |sums| {
+            let taken = sums.take(now, last);
             (taken, sums.hosts(), sums.takes())
-        };
+        });
         self.hosts.set(hosts as i64);
         // A key keeps its part from one forward to the next, so one part lost in transit loses
         // its own keys and counts no other's twice; the parts shrink back only after
@@ -422,23 +429,32 @@ impl State {
         // empty, so that their values leave the controller in the same forward.
         use std::sync::atomic::Ordering::Relaxed;
         let before = self.parts.load(Relaxed);
+        let heavy = entries.len() > super::HEAVY_ENTRIES;
         let (count, fewer) = parts_now(before, needed_parts(&entries), self.fewer.load(Relaxed));
         self.fewer.store(fewer, Relaxed);
-        let parts = split(entries, count);
-        self.parts.store(parts.len(), Relaxed);
-        let sent = parts.len().max(before);
-        let mut parts: Vec<Vec<Entry>> = parts;
-        parts.resize_with(sent, Vec::new);
-        // Kept for early forwards to send again; a forward too large to copy every interval
-        // is not (its early forwards take a window of their own).
-        let kept = Sent {
-            parts: if parts.iter().map(Vec::len).sum::<usize>() <= RESEND_MOST_ENTRIES {
-                parts.clone()
-            } else {
-                Vec::new()
-            },
-            interval_ms,
+        let split_up = || {
+            let mut parts = split(entries, count);
+            let made = parts.len();
+            parts.resize_with(made.max(before), Vec::new);
+            // Kept for early forwards to send again; a forward too large to copy every
+            // interval is not (its early forwards take a window of their own).
+            let kept = Sent {
+                parts: if parts.iter().map(Vec::len).sum::<usize>() <= RESEND_MOST_ENTRIES {
+                    parts.clone()
+                } else {
+                    Vec::new()
+                },
+                interval_ms,
+            };
+            (made, parts, kept)
         };
+        let (made, mut parts, kept) = if heavy {
+            super::off_workers(split_up)
+        } else {
+            split_up()
+        };
+        self.parts.store(made, Relaxed);
+        let sent = parts.len();
         // The parts dropped (sent empty) go first: a key that moved out of one is never
         // counted in two parts at once.
         for n in (0..sent).rev() {

@@ -133,7 +133,12 @@ pub async fn post_report(
     report: &Report,
     timeout: Duration,
 ) -> Result<(Reply, usize, bool), PostError> {
-    let body = serde_json::to_vec(report).map_err(PostError::other)?;
+    let serialize = || serde_json::to_vec(report).map_err(PostError::other);
+    let body = if report.entries.len() > super::HEAVY_ENTRIES {
+        super::off_workers(serialize)?
+    } else {
+        serialize()?
+    };
     let size = body.len();
     let mut req = Request::post(url.clone())
         .header(CONTENT_TYPE, "application/json")

@@ -96,21 +96,23 @@ impl Drop for Reading<'_> {
 
 impl State {
     async fn report(&self, req: Request<Incoming>) -> http::Response<Body> {
+        // The step wait below counts from here (see the aggregator's).
+        let arrived = tokio::time::Instant::now();
         let wire2 = server::speaks_wire2(&req);
-        let (report, principal) =
+        let (report, principal, turn) =
             match server::receive_report(req, &self.credentials, &self.reports).await {
                 Ok(r) => r,
                 Err(resp) => return resp,
             };
-        // Owned: the report is let go before any wait (its bytes count against the bodies'
-        // budget only while read).
+        // Owned: the report and its body's turn are let go before any wait (its bytes count
+        // against the bodies' budget until it is recorded).
         let services: Option<Vec<String>> = server::reply_services(&report, &principal)
             .map(|s| s.into_iter().map(str::to_string).collect());
         let interval_ms = report.interval_ms;
         let now = self.acc.now();
         let warming = self.warming(interval_ms, now);
-        let down = {
-            let mut acc = self.acc.lock();
+        let light = report.entries.len() <= super::HEAVY_ENTRIES;
+        let down = self.acc.with(light, |acc| {
             acc.settle(warming);
             match acc.record(&report, principal.owner(&report), now) {
                 Ok(()) => self.reports.with_label_values(&["ok"]).inc(),
@@ -119,8 +121,7 @@ impl State {
                     self.reports.with_label_values(&["duplicate"]).inc()
                 }
                 Err(refusal) => {
-                    drop(acc);
-                    return server::source_refused(&refusal, &self.reports);
+                    return Err(Box::new(server::source_refused(&refusal, &self.reports)))
                 }
             }
             let (unmatched, stepped_down) = acc.steps_seen();
@@ -131,15 +132,18 @@ impl State {
                 // A previous release cannot read the warming header and would take these
                 // ratios, computed on part of the fleet, as fresh: it gets none, and keeps
                 // (and ages) the ones it holds, as on any failed report.
-                drop(acc);
-                return server::warming_refused();
+                return Err(Box::new(server::warming_refused()));
             }
             // Waited on from before the lock is let go: no step down is missed. Not for a
             // reply that carries no ratios (a forward's later parts).
             let ratios = services.as_ref().is_none_or(|s| !s.is_empty());
-            (unmatched && ratios).then(|| self.stepped_down.notified())
+            Ok((unmatched && ratios).then(|| self.stepped_down.notified()))
+        });
+        let down = match down {
+            Ok(down) => down,
+            Err(resp) => return *resp,
         };
-        drop(report);
+        drop((report, turn));
         let mut now = now;
         if let Some(down) = down {
             // A step up whose step down (load moving between proxies) is on its way through
@@ -147,25 +151,27 @@ impl State {
             // the load moved to is not held to its old share for a whole interval more (any
             // step down ends the wait: the sums are read again then).
             let wait = STEP_MATCH_WAIT.min(Duration::from_millis(interval_ms / 4));
-            let _ = tokio::time::timeout(wait, down).await;
+            let _ = tokio::time::timeout_at(arrived + wait, down).await;
             now = self.acc.now();
         }
-        let reply = {
-            let mut acc = self.acc.lock();
-            match services {
-                // Zone sums get every ratio: one serialization per snapshot, not per reply.
-                None => {
-                    let mut resp = server::json_bytes(StatusCode::OK, acc.reply_all(now, wire2));
-                    resp.headers_mut().insert(
-                        super::WIRE_HEADER,
-                        http::HeaderValue::from_static(super::WIRE),
-                    );
-                    return server::warming(resp, warming);
-                }
-                Some(s) => {
-                    let s: Vec<&str> = s.iter().map(String::as_str).collect();
-                    acc.reply(Some(&s), now)
-                }
+        // Zone sums get every ratio: one serialization per snapshot, not per reply (a large
+        // one, off the workers).
+        let reply = self.acc.with(services.is_some(), |acc| match services {
+            None => Err(acc.reply_all(now, wire2)),
+            Some(s) => {
+                let s: Vec<&str> = s.iter().map(String::as_str).collect();
+                Ok(acc.reply(Some(&s), now))
+            }
+        });
+        let reply = match reply {
+            Ok(reply) => reply,
+            Err(all) => {
+                let mut resp = server::json_bytes(StatusCode::OK, all);
+                resp.headers_mut().insert(
+                    super::WIRE_HEADER,
+                    http::HeaderValue::from_static(super::WIRE),
+                );
+                return server::warming(resp, warming);
             }
         };
         server::warming(server::reply(reply, wire2), warming)

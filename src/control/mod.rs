@@ -378,7 +378,9 @@ pub fn drop_ratio(offered_rps: f64, limit_rps: f64) -> f64 {
 ///
 /// One std mutex guards it: taken once per report or forward, never across an await and never
 /// on a request path (where the lint bans it); a panic mid-update leaves soft state that the
-/// next reports overwrite.
+/// next reports overwrite. Work that may take long under it (a large report, a forward), and
+/// any wait for it while it is held, runs through [`Shared::with`] off the runtime's workers:
+/// a tenant's huge reports never hold up the threads that answer other hosts.
 #[allow(clippy::disallowed_types)]
 pub struct Shared<T> {
     inner: std::sync::Mutex<T>,
@@ -402,7 +404,36 @@ impl<T> Shared<T> {
     pub fn lock(&self) -> std::sync::MutexGuard<'_, T> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
+
+    /// `f` under the lock: on this worker when the lock is free and `f` is `light`, else where
+    /// it may block ([`off_workers`]).
+    pub fn with<R>(&self, light: bool, f: impl FnOnce(&mut T) -> R) -> R {
+        if light {
+            match self.inner.try_lock() {
+                Ok(mut held) => return f(&mut held),
+                Err(std::sync::TryLockError::Poisoned(p)) => return f(&mut p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+        }
+        off_workers(|| f(&mut self.lock()))
+    }
 }
+
+/// Runs `f`, which may take long or wait on a lock held long, with the runtime's other tasks
+/// moved to another thread (`block_in_place`) on a multi-thread runtime; in place on a
+/// current-thread one (tests), where there is no other thread to move them to.
+pub fn off_workers<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(h) if h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
+    }
+}
+
+/// A report (or forward part) with more entries than this is heavy to record or serialize:
+/// done [`off_workers`].
+pub const HEAVY_ENTRIES: usize = 1024;
 
 #[cfg(test)]
 mod tests;

@@ -243,6 +243,9 @@ enum Turn {
     ),
 }
 
+/// A body's turn, held by what it parsed into (see [`read_json`]).
+pub struct BodyTurn(#[allow(dead_code)] Turn);
+
 /// Small bodies read at once, per process (16 MiB at most) and per principal (4 MiB): they
 /// need no byte count, but a tenant's thousands of connections must not hold one each.
 static SMALL_BODIES: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(256);
@@ -351,11 +354,13 @@ pub fn error(status: StatusCode, message: &str) -> Response<Body> {
 /// at most [`SMALL_BODY`] long takes one of `who`'s [`SMALL_PER_PRINCIPAL`] small turns and
 /// one of the process's 256; a larger one (or one of unknown length) one of `who`'s
 /// [`BODIES_PER_PRINCIPAL`] turns and its bytes of `who`'s half of [`BODY_BUDGET`] and of the
-/// process's; before its clock starts. The turn is held until the body is parsed.
+/// process's; before its clock starts. The turn comes back with the body parsed: what it
+/// parsed into is held until the caller lets the turn go (a report waiting to be recorded
+/// holds the memory its turn stands for).
 pub async fn read_json<T: DeserializeOwned + Send + 'static>(
     req: Request<Incoming>,
     who: &str,
-) -> Result<T, Response<Body>> {
+) -> Result<(T, BodyTurn), Response<Body>> {
     let announced = req
         .headers()
         .get(http::header::CONTENT_LENGTH)
@@ -416,16 +421,15 @@ pub async fn read_json<T: DeserializeOwned + Send + 'static>(
     let malformed =
         |e: serde_json::Error| error(StatusCode::BAD_REQUEST, &format!("malformed body: {e}"));
     if bytes.len() <= PARSE_APART {
-        return serde_json::from_slice(&bytes).map_err(malformed);
+        return serde_json::from_slice(&bytes)
+            .map(|t| (t, BodyTurn(turn)))
+            .map_err(malformed);
     }
     // A large body parses off the runtime: a tenant's 8 MiB reports must not hold the threads
     // that answer everyone else's (smaller ones parse faster than a hand-off costs).
     // The turn goes with the parse: a sender that leaves meanwhile frees no room the parse
     // still holds.
-    let parse = move || {
-        let _turn = turn;
-        serde_json::from_slice::<T>(&bytes)
-    };
+    let parse = move || serde_json::from_slice::<T>(&bytes).map(|t| (t, BodyTurn(turn)));
     match tokio::task::spawn_blocking(parse).await {
         Ok(parsed) => parsed.map_err(malformed),
         Err(_) => Err(error(
@@ -599,12 +603,13 @@ pub fn authenticate<B>(
 
 /// Takes a report off `req`: who sent it, a JSON body within the size limit, the checks JSON
 /// cannot make, and whether the sender may report it. A refusal is counted in `reports`
-/// (unauthorized, malformed, invalid, forbidden) and is the response to send.
+/// (unauthorized, malformed, invalid, forbidden) and is the response to send. The body's turn
+/// comes with it: let it go once the report is recorded.
 pub async fn receive_report(
     req: Request<Incoming>,
     creds: &Credentials,
     reports: &prometheus::IntCounterVec,
-) -> Result<(super::Report, Principal), Response<Body>> {
+) -> Result<(super::Report, Principal, BodyTurn), Response<Body>> {
     let refuse = |result: &str, resp| {
         reports.with_label_values(&[result]).inc();
         Err(resp)
@@ -614,7 +619,7 @@ pub async fn receive_report(
         .headers()
         .get(super::INSTANCE_HEADER)
         .and_then(|v| u64::from_str_radix(v.to_str().ok()?, 16).ok());
-    let mut report: super::Report = match read_json(req, &principal.id()).await {
+    let (mut report, turn): (super::Report, _) = match read_json(req, &principal.id()).await {
         Ok(r) => r,
         Err(resp) => return refuse("malformed", resp),
     };
@@ -663,7 +668,7 @@ pub async fn receive_report(
     if let Some(service) = principal.service() {
         report.source = format!("{service}/{}", report.source);
     }
-    Ok((report, principal))
+    Ok((report, principal, turn))
 }
 
 /// The services whose ratios a reply to `report` from `principal` carries: a service token's
