@@ -1,15 +1,15 @@
 //! `spillway inject`: adds the sidecar to Kubernetes workload manifests, as `linkerd inject`
 //! does, so that the app needs no change.
 //!
-//! For each Deployment, StatefulSet or DaemonSet: the sidecar takes the name of the app's
-//! served port (Services that target the port by name now reach the sidecar) on a port number
-//! of its own; the app's port is renamed; the sidecar forwards to the app's port number on
-//! loopback; the app's probes that named the port point at its number (health checks never pass
-//! through the limiter). The limits come from a ConfigMap mounted at `/etc/spillway` (a starter
-//! one is emitted unless `--config-map` names the user's). Optional: a NetworkPolicy that admits
-//! only the sidecar's ports; `--native-sidecar` (Kubernetes 1.29+: an init container with
-//! `restartPolicy: Always`, started before the app and stopped after it). Idempotent: a pod
-//! that has a `spillway` container is left as it is. Every other document passes through.
+//! For each Deployment, StatefulSet, DaemonSet, ReplicaSet or bare Pod (a Job or CronJob only
+//! as a native sidecar, which lets it complete): the sidecar fronts one served port, the one
+//! named `http` or `--port` (an ambiguous pod is refused, naming the fix); it takes that port's
+//! name on a number of its own, the app's port is renamed, and the sidecar forwards to the
+//! app's number on loopback; probes and hooks that named the port go to its number. A Service
+//! of the input that targets the app's number is pointed at the name. The limits come from a
+//! ConfigMap mounted at `/etc/spillway`. Optional: a NetworkPolicy that shuts only the fronted
+//! port's bypass. Idempotent. Every other document passes through; each workload gets a line
+//! of [`Injected::summary`] (injected, ports fronted and not, or skipped and why).
 //! Must never: change a manifest it cannot inject without saying why.
 
 use serde::Deserialize;
@@ -27,19 +27,24 @@ pub struct Options {
     /// The sidecar's admin port (metrics, probes).
     #[arg(long, default_value_t = ADMIN_PORT)]
     pub admin_port: u16,
-    /// The app container, by name (default: the first).
+    /// The app container, by name (default: the one with the served port).
     #[arg(long)]
     pub container: Option<String>,
-    /// The app's served port, by name (default: the container's first).
+    /// The port the sidecar fronts, by name (default: the one named `http`, or a container's
+    /// only port).
     #[arg(long)]
     pub port: Option<String>,
     /// The ConfigMap with `spillway.yaml` (default: a starter `<workload>-spillway` is
     /// printed too).
     #[arg(long)]
     pub config_map: Option<String>,
-    /// Also print a NetworkPolicy that admits only the sidecar's ports.
+    /// Also print a NetworkPolicy that shuts the fronted port's bypass: the pod's other
+    /// ports stay open, the sidecar's admin port admits `--scrape-namespace` only.
     #[arg(long)]
     pub network_policy: bool,
+    /// The namespace Prometheus scrapes from (the NetworkPolicy's admin port).
+    #[arg(long, default_value = "monitoring")]
+    pub scrape_namespace: String,
     /// The sidecar as a native sidecar (Kubernetes 1.29+): an init container with
     /// `restartPolicy: Always`, started before the app and stopped after it.
     #[arg(long)]
@@ -65,6 +70,7 @@ impl Default for Options {
             port: None,
             config_map: None,
             network_policy: false,
+            scrape_namespace: "monitoring".into(),
             native_sidecar: false,
             release: "spillway".into(),
         }
@@ -78,10 +84,33 @@ const PRE_STOP: u64 = 5;
 /// Requests in flight get this long after SIGTERM (the sidecar's `timeouts.drain`).
 const DRAIN: u64 = 25;
 
+/// What [`inject`] made: the documents, and a line per workload saying what was done.
+#[derive(Debug)]
+pub struct Injected {
+    pub text: String,
+    pub summary: Vec<String>,
+}
+
+/// An injected pod's fronted port, for the Services of the input that target it.
+struct Fronted {
+    namespace: Option<String>,
+    labels: Mapping,
+    app_port: u64,
+    name: String,
+}
+
 /// Injects every workload of `text` (one or more YAML documents); the documents out, in order,
-/// with the emitted ConfigMaps and NetworkPolicies after their workloads.
-pub fn inject(text: &str, opts: &Options) -> Result<String, String> {
+/// with the emitted ConfigMaps and NetworkPolicies after their workloads, and Services that
+/// targeted an injected app's port number pointed at the sidecar.
+pub fn inject(text: &str, opts: &Options) -> Result<Injected, String> {
     let mut out: Vec<Value> = Vec::new();
+    let mut summary = Vec::new();
+    let mut fronted = Vec::new();
+    let mut step = |doc: &mut Value, summary: &mut Vec<String>| -> Result<Vec<Value>, String> {
+        let (extra, front) = inject_one(doc, opts, summary)?;
+        fronted.extend(front);
+        Ok(extra)
+    };
     for (i, doc) in serde_norway::Deserializer::from_str(text).enumerate() {
         let mut doc = Value::deserialize(doc).map_err(|e| format!("document {}: {e}", i + 1))?;
         if doc.is_null() {
@@ -96,7 +125,7 @@ pub fn inject(text: &str, opts: &Options) -> Result<String, String> {
                 .unwrap_or_default();
             let mut injected = Vec::new();
             for (j, mut item) in items.into_iter().enumerate() {
-                let extra = inject_one(&mut item, opts)
+                let extra = step(&mut item, &mut summary)
                     .map_err(|e| format!("document {}, item {}: {e}", i + 1, j + 1))?;
                 injected.push(item);
                 injected.extend(extra);
@@ -106,10 +135,24 @@ pub fn inject(text: &str, opts: &Options) -> Result<String, String> {
             }
             Vec::new()
         } else {
-            inject_one(&mut doc, opts).map_err(|e| format!("document {}: {e}", i + 1))?
+            step(&mut doc, &mut summary).map_err(|e| format!("document {}: {e}", i + 1))?
         };
         out.push(doc);
         out.extend(extra);
+    }
+    for doc in &mut out {
+        if str_of(doc, &["kind"]) == Some("List") {
+            for item in doc
+                .get_mut("items")
+                .and_then(Value::as_sequence_mut)
+                .into_iter()
+                .flatten()
+            {
+                retarget(item, &fronted, &mut summary);
+            }
+        } else {
+            retarget(doc, &fronted, &mut summary);
+        }
     }
     let mut text = String::new();
     for (i, doc) in out.iter().enumerate() {
@@ -118,7 +161,51 @@ pub fn inject(text: &str, opts: &Options) -> Result<String, String> {
         }
         text.push_str(&serde_norway::to_string(doc).map_err(|e| e.to_string())?);
     }
-    Ok(text)
+    Ok(Injected { text, summary })
+}
+
+/// Points a Service's ports that target an injected app's port by number (or, with no
+/// `targetPort`, by their own number) at the port's name, which the sidecar now has: else
+/// its traffic would go round the limiter.
+fn retarget(doc: &mut Value, fronted: &[Fronted], summary: &mut Vec<String>) {
+    if str_of(doc, &["kind"]) != Some("Service") {
+        return;
+    }
+    let name = str_of(doc, &["metadata", "name"])
+        .unwrap_or("?")
+        .to_string();
+    let namespace = str_of(doc, &["metadata", "namespace"]).map(str::to_string);
+    let Some(selector) = get(doc, &["spec", "selector"]).and_then(Value::as_mapping) else {
+        return;
+    };
+    if selector.is_empty() {
+        return;
+    }
+    let Some(f) = fronted.iter().find(|f| {
+        f.namespace == namespace && selector.iter().all(|(k, v)| f.labels.get(k) == Some(v))
+    }) else {
+        return;
+    };
+    let (app_port, port_name) = (f.app_port, f.name.clone());
+    let ports = doc
+        .get_mut("spec")
+        .and_then(|s| s.get_mut("ports"))
+        .and_then(Value::as_sequence_mut);
+    for port in ports.into_iter().flatten() {
+        let target = port
+            .get("targetPort")
+            .or_else(|| port.get("port"))
+            .and_then(Value::as_u64);
+        if target != Some(app_port) {
+            continue;
+        }
+        if let Some(m) = port.as_mapping_mut() {
+            m.insert(key("targetPort"), Value::String(port_name.clone()));
+            summary.push(format!(
+                "Service {name}: targetPort {app_port} is now {port_name} (the sidecar); it reached the app round the limiter"
+            ));
+        }
+    }
 }
 
 fn key(k: &str) -> Value {
@@ -174,46 +261,200 @@ fn map_at_mapping<'a>(m: &'a mut Mapping, k: &str) -> Result<&'a mut Mapping, St
         .ok_or_else(|| format!("{k}: expected a mapping"))
 }
 
-/// The item of `list` whose `name` is `name`, or the first when no name is given.
-fn named_or_first<'a>(list: &'a mut [Value], name: Option<&str>) -> Option<&'a mut Value> {
-    match name {
-        Some(n) => list.iter_mut().find(|x| str_of(x, &["name"]) == Some(n)),
-        None => list.first_mut(),
-    }
-}
-
 fn yaml(text: &str) -> Value {
     serde_norway::from_str(text).expect("a literal of this module, its strings quoted by `q`")
 }
 
-/// `s` as a quoted scalar, whatever it holds (a JSON string is a YAML one): names and images
-/// from the manifest or the command line are pasted into this module's literals.
+/// `s` as a quoted scalar, whatever it holds: names and images from the manifest or the
+/// command line are pasted into this module's literals. A JSON string is a YAML one, once the
+/// characters YAML does not print (DEL, C1 controls) are escaped too.
 fn q(s: &str) -> String {
-    serde_json::to_string(s).expect("a string serialises")
+    let json = serde_json::to_string(s).expect("a string serialises");
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        if c.is_control() || matches!(c, '\u{FFFE}' | '\u{FFFF}') {
+            out.push_str(&format!("\\u{:04X}", c as u32));
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
-/// Injects one document when it is a workload; the documents to emit after it.
-fn inject_one(doc: &mut Value, opts: &Options) -> Result<Vec<Value>, String> {
-    let kind = str_of(doc, &["kind"]).unwrap_or_default().to_string();
-    if !matches!(kind.as_str(), "Deployment" | "StatefulSet" | "DaemonSet") {
-        return Ok(Vec::new());
+/// Where a kind's pod spec and pod metadata are, and whether its pods must end (a Job's).
+fn pod_paths(kind: &str) -> Option<(&'static [&'static str], &'static [&'static str], bool)> {
+    Some(match kind {
+        "Deployment" | "StatefulSet" | "DaemonSet" | "ReplicaSet" => (
+            &["spec", "template", "spec"][..],
+            &["spec", "template", "metadata"][..],
+            false,
+        ),
+        "Job" => (
+            &["spec", "template", "spec"][..],
+            &["spec", "template", "metadata"][..],
+            true,
+        ),
+        "CronJob" => (
+            &["spec", "jobTemplate", "spec", "template", "spec"][..],
+            &["spec", "jobTemplate", "spec", "template", "metadata"][..],
+            true,
+        ),
+        "Pod" => (&["spec"][..], &["metadata"][..], false),
+        _ => return None,
+    })
+}
+
+/// Port names that say a port is not the app's served one.
+fn not_served(name: &str) -> bool {
+    [
+        "metrics",
+        "prometheus",
+        "admin",
+        "health",
+        "management",
+        "debug",
+        "pprof",
+    ]
+    .iter()
+    .any(|n| name == *n || name.starts_with(&format!("{n}-")))
+}
+
+/// A port for the summary: `name (number)` or the number.
+fn show_port(p: &Value) -> String {
+    let number = get(p, &["containerPort"])
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    match str_of(p, &["name"]) {
+        Some(n) => format!("{n} ({number})"),
+        None => number.to_string(),
     }
+}
+
+/// Which container and which of its ports the sidecar fronts: `--container` / `--port`, else
+/// the port named `http`, else a lone container's lone served port; an ambiguous pod is an
+/// error naming the flags.
+fn served(spec: &Mapping, what: &str, opts: &Options) -> Result<(usize, usize), String> {
+    let containers: &[Value] = spec
+        .get("containers")
+        .and_then(Value::as_sequence)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let ports_of = |c: &Value| -> Vec<Value> {
+        get(c, &["ports"])
+            .and_then(Value::as_sequence)
+            .cloned()
+            .unwrap_or_default()
+    };
+    let name_of = |c: &Value| str_of(c, &["name"]).unwrap_or("?").to_string();
+    let wanted = opts.port.as_deref().unwrap_or("http");
+    let has = |c: &Value| {
+        ports_of(c)
+            .iter()
+            .any(|p| str_of(p, &["name"]) == Some(wanted))
+    };
+    let app = match &opts.container {
+        Some(n) => containers
+            .iter()
+            .position(|c| str_of(c, &["name"]) == Some(n))
+            .ok_or_else(|| format!("{what}: no container named {n}"))?,
+        None => {
+            let with: Vec<usize> = (0..containers.len())
+                .filter(|&i| has(&containers[i]))
+                .collect();
+            match (with.as_slice(), containers.len()) {
+                ([one], _) => *one,
+                ([], 1) => 0,
+                ([], 0) => return Err(format!("{what}: no containers")),
+                ([], _) => {
+                    let names: Vec<String> = containers.iter().map(name_of).collect();
+                    return Err(format!(
+                        "{what}: none of its containers ({}) has a port named {wanted}: name the app's with --container and its port with --port",
+                        names.join(", ")
+                    ));
+                }
+                (_, _) => {
+                    return Err(format!(
+                        "{what}: several containers have a port named {wanted}: name the app's with --container"
+                    ))
+                }
+            }
+        }
+    };
+    let c = &containers[app];
+    let app_name = name_of(c);
+    let ports = ports_of(c);
+    if ports.is_empty() {
+        return Err(format!(
+            "{what}: container {app_name} declares no port to put the sidecar in front of; declare the one it serves (named http) and inject again"
+        ));
+    }
+    if let Some(i) = ports
+        .iter()
+        .position(|p| str_of(p, &["name"]) == Some(wanted))
+    {
+        return Ok((app, i));
+    }
+    if opts.port.is_some() {
+        return Err(format!(
+            "{what}: container {app_name} has no port named {wanted}"
+        ));
+    }
+    let listed: Vec<String> = ports.iter().map(show_port).collect();
+    match ports.as_slice() {
+        [one] if str_of(one, &["name"]).is_none_or(|n| !not_served(n)) => Ok((app, 0)),
+        _ => Err(format!(
+            "{what}: container {app_name} declares {} and none is named http: name the one the sidecar fronts with --port (or name it http)",
+            listed.join(", ")
+        )),
+    }
+}
+
+/// Injects one document when it is a workload, saying what was done in `summary`; the
+/// documents to emit after it, and what it fronts.
+fn inject_one(
+    doc: &mut Value,
+    opts: &Options,
+    summary: &mut Vec<String>,
+) -> Result<(Vec<Value>, Option<Fronted>), String> {
+    let kind = str_of(doc, &["kind"]).unwrap_or_default().to_string();
+    let Some((spec_path, meta_path, ends)) = pod_paths(&kind) else {
+        return Ok((Vec::new(), None));
+    };
     let name = str_of(doc, &["metadata", "name"])
-        .ok_or("a workload without metadata.name")?
+        .ok_or_else(|| format!("a {kind} without metadata.name"))?
         .to_string();
     let namespace = str_of(doc, &["metadata", "namespace"]).map(str::to_string);
-    let pod = get(doc, &["spec", "template", "spec"]).ok_or("no spec.template.spec")?;
+    // Debug-quoted: a name is the manifest's, and may hold anything.
+    let what = format!("{kind} {name:?}");
+    let pod = get(doc, spec_path).ok_or_else(|| format!("{what}: no {}", spec_path.join(".")))?;
     let named = |list: &str| {
         get(pod, &[list])
             .and_then(Value::as_sequence)
             .is_some_and(|s| s.iter().any(|c| str_of(c, &["name"]) == Some(SIDECAR)))
     };
     if named("containers") || named("initContainers") {
-        return Ok(Vec::new());
+        summary.push(format!(
+            "{what}: skipped: it has a spillway container already"
+        ));
+        return Ok((Vec::new(), None));
     }
-    let what = format!("{kind} {name}");
-    let selector = get(doc, &["spec", "selector", "matchLabels"]).cloned();
-    let spec = map_at(doc, &["spec", "template", "spec"])?;
+    if ends && !opts.native_sidecar {
+        summary.push(format!(
+            "{what}: skipped: a classic sidecar never exits, so its pods would never complete; inject it with --native-sidecar (Kubernetes 1.29+)"
+        ));
+        return Ok((Vec::new(), None));
+    }
+    let labels = get(doc, meta_path)
+        .and_then(|m| m.get("labels"))
+        .and_then(Value::as_mapping)
+        .cloned()
+        .unwrap_or_default();
+    let selector = get(doc, &["spec", "selector", "matchLabels"])
+        .filter(|_| kind != "Job" && kind != "CronJob" && kind != "Pod")
+        .and_then(Value::as_mapping)
+        .cloned()
+        .unwrap_or_else(|| labels.clone());
+    let spec = map_at(doc, spec_path)?;
 
     // Every port number the pod uses, for a clash with the sidecar's.
     let mut used = Vec::new();
@@ -251,24 +492,29 @@ fn inject_one(doc: &mut Value, opts: &Options) -> Result<Vec<Value>, String> {
         .flatten()
         .filter_map(|p| str_of(p, &["name"]).map(str::to_string))
         .collect();
-    let containers = seq_at(spec, "containers")?;
-    let app = named_or_first(containers, opts.container.as_deref()).ok_or_else(|| {
-        match &opts.container {
-            Some(c) => format!("{what}: no container named {c}"),
-            None => format!("{what}: no containers"),
+    let (app_at, port_at) = served(spec, &what, opts)?;
+    // What stays unfronted: every other port the pod declares.
+    let mut others: Vec<Value> = Vec::new();
+    for (i, c) in seq_at(spec, "containers")?.iter().enumerate() {
+        for (j, p) in get(c, &["ports"])
+            .and_then(Value::as_sequence)
+            .into_iter()
+            .flatten()
+            .enumerate()
+        {
+            if (i, j) != (app_at, port_at) {
+                others.push(p.clone());
+            }
         }
-    })?;
+    }
+    let containers = seq_at(spec, "containers")?;
+    let app = &mut containers[app_at];
     let app_name = str_of(app, &["name"]).unwrap_or("app").to_string();
-    let ports = app
+    let served = app
         .get_mut("ports")
         .and_then(Value::as_sequence_mut)
-        .ok_or_else(|| {
-            format!("{what}: container {app_name} declares no port to put the sidecar in front of")
-        })?;
-    let served = named_or_first(ports, opts.port.as_deref()).ok_or_else(|| match &opts.port {
-        Some(p) => format!("{what}: container {app_name} has no port named {p}"),
-        None => format!("{what}: container {app_name} declares no port"),
-    })?;
+        .and_then(|p| p.get_mut(port_at))
+        .ok_or("the served port went missing")?;
     let port_name = str_of(served, &["name"])
         .ok_or_else(|| {
             format!(
@@ -339,13 +585,15 @@ livenessProbe: {{ httpGet: {{ path: /healthz, port: {admin} }}, periodSeconds: 1
 lifecycle: {{ preStop: {{ sleep: {{ seconds: {PRE_STOP} }} }} }}
 resources:
   requests: {{ cpu: 100m, memory: 32Mi }}
-  limits: {{ cpu: "1", memory: 128Mi }}
+  limits: {{ memory: 128Mi }}
 securityContext:
   runAsNonRoot: true
   runAsUser: 65532
+  runAsGroup: 65532
   allowPrivilegeEscalation: false
   readOnlyRootFilesystem: true
   capabilities: {{ drop: [ALL] }}
+  seccompProfile: {{ type: RuntimeDefault }}
 volumeMounts:
   - {{ name: spillway-config, mountPath: /etc/spillway, readOnly: true }}
 "#,
@@ -378,7 +626,7 @@ volumeMounts:
             Value::Number(grace.into()),
         );
     }
-    let meta = map_at(doc, &["spec", "template", "metadata"])?;
+    let meta = map_at(doc, meta_path)?;
     map_at_mapping(meta, "labels")?.insert(
         key("spillway.dev/sidecar"),
         Value::String(opts.release.clone()),
@@ -413,20 +661,58 @@ volumeMounts:
         map_at(&mut cm, &["data"])?.insert(key("spillway.yaml"), Value::String(config));
         extra.push(cm);
     }
+    let mut open: Vec<u64> = others
+        .iter()
+        .filter_map(|p| get(p, &["containerPort"]).and_then(Value::as_u64))
+        .filter(|p| *p != app_port)
+        .collect();
+    open.sort_unstable();
+    open.dedup();
     if opts.network_policy {
-        let selector = selector.ok_or_else(|| {
-            format!("{what}: --network-policy needs spec.selector.matchLabels to select the pods")
-        })?;
+        if selector.is_empty() {
+            return Err(format!(
+                "{what}: --network-policy needs labels on its pods to select them"
+            ));
+        }
+        // Ingress is shut but for what is listed: the sidecar's port and the pod's other
+        // ports from anywhere, the admin port from the scraping namespace (probes come from
+        // the node, which NetworkPolicies do not hold back in common CNIs); the app's
+        // fronted number, the way round the limiter, from nowhere.
+        let mut ports = vec![format!("{{ port: {}, protocol: TCP }}", opts.proxy_port)];
+        ports.extend(
+            open.iter()
+                .map(|p| format!("{{ port: {p}, protocol: TCP }}")),
+        );
         let mut np = yaml(&format!(
-            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: {}{ns}\nspec:\n  policyTypes: [Ingress]\n  ingress:\n    - ports:\n        - {{ port: {}, protocol: TCP }}\n        - {{ port: {}, protocol: TCP }}\n",
+            "apiVersion: networking.k8s.io/v1\nkind: NetworkPolicy\nmetadata:\n  name: {}{ns}\nspec:\n  policyTypes: [Ingress]\n  ingress:\n    - ports: [{}]\n    - from: [{{ namespaceSelector: {{ matchLabels: {{ kubernetes.io/metadata.name: {} }} }} }}]\n      ports: [{{ port: {}, protocol: TCP }}]\n",
             q(&ours),
-            opts.proxy_port,
+            ports.join(", "),
+            q(&opts.scrape_namespace),
             opts.admin_port
         ));
-        map_at(&mut np, &["spec", "podSelector"])?.insert(key("matchLabels"), selector);
+        map_at(&mut np, &["spec", "podSelector"])?
+            .insert(key("matchLabels"), Value::Mapping(selector));
         extra.push(np);
     }
-    Ok(extra)
+    let unfronted: Vec<String> = others.iter().map(show_port).collect();
+    summary.push(format!(
+        "{what}: injected: container {app_name:?} port {port_name} ({app_port}) is fronted by the sidecar on {}; not fronted: {}",
+        opts.proxy_port,
+        if unfronted.is_empty() {
+            "none".to_string()
+        } else {
+            unfronted.join(", ")
+        }
+    ));
+    Ok((
+        extra,
+        Some(Fronted {
+            namespace,
+            labels,
+            app_port,
+            name: port_name,
+        }),
+    ))
 }
 
 #[cfg(test)]

@@ -859,7 +859,10 @@ wrote {}",
             };
             match spillway::internal::inject::inject(&text, &opts) {
                 Ok(out) => {
-                    print!("{out}");
+                    print!("{}", out.text);
+                    for line in &out.summary {
+                        eprintln!("{line}");
+                    }
                     ExitCode::SUCCESS
                 }
                 Err(e) => {

@@ -45,7 +45,7 @@ fn container<'a>(pod: &'a Value, list: &str, name: &str) -> &'a Value {
 
 #[test]
 fn the_sidecar_takes_the_port_name_and_the_app_keeps_its_number_and_probes() {
-    let out = docs(&inject(APP, &Options::default()).unwrap());
+    let out = docs(&inject(APP, &Options::default()).unwrap().text);
     let kinds: Vec<&str> = out.iter().map(|d| d["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["Service", "Deployment", "ConfigMap"]);
     assert_eq!(out[0], docs(APP)[0], "other documents pass through");
@@ -74,8 +74,8 @@ fn the_sidecar_takes_the_port_name_and_the_app_keeps_its_number_and_probes() {
 
 #[test]
 fn injecting_twice_changes_nothing() {
-    let once = inject(APP, &Options::default()).unwrap();
-    let twice = inject(&once, &Options::default()).unwrap();
+    let once = inject(APP, &Options::default()).unwrap().text;
+    let twice = inject(&once, &Options::default()).unwrap().text;
     assert_eq!(docs(&once), docs(&twice));
 }
 
@@ -87,7 +87,7 @@ fn native_sidecar_network_policy_and_a_given_config_map() {
         config_map: Some("limits".into()),
         ..Options::default()
     };
-    let out = docs(&inject(APP, &opts).unwrap());
+    let out = docs(&inject(APP, &opts).unwrap().text);
     let kinds: Vec<&str> = out.iter().map(|d| d["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["Service", "Deployment", "NetworkPolicy"]);
     let pod = pod(&out[1]);
@@ -108,7 +108,7 @@ fn what_cannot_be_injected_is_refused_with_why() {
     );
     let e = inject(&unnamed, &Options::default()).unwrap_err();
     assert!(
-        e.contains("no name") && e.contains("Deployment shop"),
+        e.contains("no name") && e.contains("Deployment \"shop\""),
         "{e}"
     );
     let clash = APP.replace("containerPort: 8080", "containerPort: 4180");
@@ -121,7 +121,7 @@ fn what_cannot_be_injected_is_refused_with_why() {
 #[test]
 fn a_grpc_port_gets_an_h2c_upstream() {
     let grpc = APP.replace("name: http, containerPort", "name: grpc, containerPort");
-    let out = docs(&inject(&grpc, &Options::default()).unwrap());
+    let out = docs(&inject(&grpc, &Options::default()).unwrap().text);
     let config = out[2]["data"]["spillway.yaml"].as_str().unwrap();
     let parsed = crate::Config::from_yaml(config, "inject").unwrap();
     assert!(parsed.upstream.h2, "{config}");
@@ -139,7 +139,7 @@ fn odd_names_are_quoted_not_parsed_and_a_list_is_injected_item_by_item() {
         image: "img:{{ .Values.tag }}".into(),
         ..Options::default()
     };
-    let out = docs(&inject(&odd, &opts).unwrap());
+    let out = docs(&inject(&odd, &opts).unwrap().text);
     let pod = pod(&out[1]);
     assert_eq!(pod["volumes"][0]["configMap"]["name"], "x}: y");
     assert_eq!(
@@ -163,7 +163,7 @@ fn odd_names_are_quoted_not_parsed_and_a_list_is_injected_item_by_item() {
             .collect::<Vec<_>>()
             .join("\n")
     );
-    let out = docs(&inject(&list, &Options::default()).unwrap());
+    let out = docs(&inject(&list, &Options::default()).unwrap().text);
     let items = out[0]["items"].as_sequence().unwrap();
     let kinds: Vec<&str> = items.iter().map(|d| d["kind"].as_str().unwrap()).collect();
     assert_eq!(kinds, ["Service", "Deployment", "ConfigMap"]);
@@ -181,7 +181,7 @@ fn a_long_workload_name_gives_a_valid_starter_config() {
         "metadata: { name: shop, namespace: web }",
         &format!("metadata: {{ name: {long}, namespace: web }}"),
     );
-    let out = docs(&inject(&app, &Options::default()).unwrap());
+    let out = docs(&inject(&app, &Options::default()).unwrap().text);
     let config = out[2]["data"]["spillway.yaml"].as_str().unwrap();
     let parsed = crate::Config::from_yaml(config, "inject").unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(parsed.service.0, "s".repeat(64));
@@ -205,7 +205,7 @@ fn lifecycle_hooks_that_named_the_port_go_to_its_number() {
         "livenessProbe: { tcpSocket: { port: http } }",
         "livenessProbe: { tcpSocket: { port: http } }\n          lifecycle: { postStart: { httpGet: { path: /warm, port: http } }, preStop: { httpGet: { path: /bye, port: http } } }",
     );
-    let out = docs(&inject(&app, &Options::default()).unwrap());
+    let out = docs(&inject(&app, &Options::default()).unwrap().text);
     let app = container(pod(&out[1]), "containers", "shop");
     assert_eq!(app["lifecycle"]["postStart"]["httpGet"]["port"], 8080);
     assert_eq!(app["lifecycle"]["preStop"]["httpGet"]["port"], 8080);
@@ -218,7 +218,7 @@ fn the_app_gets_a_pause_longer_than_the_sidecars_in_both_modes() {
             native_sidecar: native,
             ..Options::default()
         };
-        let out = docs(&inject(APP, &opts).unwrap());
+        let out = docs(&inject(APP, &opts).unwrap().text);
         let pod = pod(&out[1]);
         let app = container(pod, "containers", "shop");
         let pause = app["lifecycle"]["preStop"]["sleep"]["seconds"]
@@ -227,5 +227,262 @@ fn the_app_gets_a_pause_longer_than_the_sidecars_in_both_modes() {
         assert!(pause > PRE_STOP, "native {native}: {pause}");
         let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
         assert!(grace > pause + PRE_STOP + DRAIN, "native {native}: {grace}");
+    }
+}
+
+/// A realistic Deployment: metrics first, then http and grpc, probes and a Service that
+/// targets the app's port by number.
+const REALISTIC: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: { name: books, namespace: web }
+spec:
+  selector: { app: books }
+  ports:
+    - { name: http, port: 80, targetPort: 8080 }
+    - { name: grpc, port: 9090 }
+---
+apiVersion: v1
+kind: Service
+metadata: { name: books-elsewhere, namespace: other }
+spec:
+  selector: { app: books }
+  ports: [{ port: 80, targetPort: 8080 }]
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: { name: books, namespace: web }
+spec:
+  selector: { matchLabels: { app: books } }
+  template:
+    metadata: { labels: { app: books, tier: api } }
+    spec:
+      containers:
+        - name: books
+          image: books:1
+          ports:
+            - { name: metrics, containerPort: 9100 }
+            - { name: http, containerPort: 8080 }
+            - { name: grpc, containerPort: 9090 }
+          readinessProbe: { httpGet: { path: /ready, port: http } }
+"#;
+
+#[test]
+fn the_port_named_http_is_fronted_not_the_first_and_the_others_are_named() {
+    let out = inject(REALISTIC, &Options::default()).unwrap();
+    let got = docs(&out.text);
+    let app = container(pod(&got[2]), "containers", "books");
+    assert_eq!(app["ports"][0]["name"], "metrics", "{:?}", app["ports"]);
+    assert_eq!(app["ports"][1]["name"], "app-http");
+    assert_eq!(app["ports"][2]["name"], "grpc");
+    let config = got[3]["data"]["spillway.yaml"].as_str().unwrap();
+    let parsed = crate::Config::from_yaml(config, "inject").unwrap();
+    assert_eq!(parsed.upstream.authority.as_str(), "127.0.0.1:8080");
+    let line = out
+        .summary
+        .iter()
+        .find(|l| l.starts_with("Deployment \"books\": injected"))
+        .unwrap_or_else(|| panic!("{:?}", out.summary));
+    assert!(
+        line.contains("port http (8080)")
+            && line.contains("metrics (9100)")
+            && line.contains("grpc (9090)"),
+        "{line}"
+    );
+}
+
+#[test]
+fn a_service_that_targets_the_apps_number_is_pointed_at_the_sidecar() {
+    let out = inject(REALISTIC, &Options::default()).unwrap();
+    let got = docs(&out.text);
+    assert_eq!(got[0]["spec"]["ports"][0]["targetPort"], "http");
+    // The grpc port is not fronted: its Service port stays as it was.
+    assert!(got[0]["spec"]["ports"][1].get("targetPort").is_none());
+    // Another namespace's Service selects other pods.
+    assert_eq!(got[1]["spec"]["ports"][0]["targetPort"], 8080);
+    assert!(
+        out.summary
+            .iter()
+            .any(|l| l.contains("Service books: targetPort 8080 is now http")),
+        "{:?}",
+        out.summary
+    );
+    // A Service with no targetPort targets its own number.
+    let bare = REALISTIC.replace(
+        "{ name: http, port: 80, targetPort: 8080 }",
+        "{ port: 8080 }",
+    );
+    let got = docs(&inject(&bare, &Options::default()).unwrap().text);
+    assert_eq!(got[0]["spec"]["ports"][0]["targetPort"], "http");
+    // Injected twice: nothing more changes.
+    let once = inject(REALISTIC, &Options::default()).unwrap().text;
+    let twice = inject(&once, &Options::default()).unwrap();
+    assert_eq!(docs(&once), docs(&twice.text));
+    assert!(
+        twice
+            .summary
+            .iter()
+            .any(|l| l.contains("skipped: it has a spillway container")),
+        "{:?}",
+        twice.summary
+    );
+}
+
+#[test]
+fn an_ambiguous_pod_is_refused_with_the_flag_that_settles_it() {
+    let no_http = REALISTIC.replace("name: http, containerPort", "name: web, containerPort");
+    let e = inject(&no_http, &Options::default()).unwrap_err();
+    assert!(
+        e.contains("none is named http") && e.contains("--port") && e.contains("web (8080)"),
+        "{e}"
+    );
+    let opts = Options {
+        port: Some("web".into()),
+        ..Options::default()
+    };
+    let got = docs(&inject(&no_http, &opts).unwrap().text);
+    assert_eq!(
+        container(pod(&got[2]), "containers", "books")["ports"][1]["name"],
+        "app-web"
+    );
+    // A lone port that is the metrics one is not taken for the served one.
+    let metrics_only = APP.replace("name: http, containerPort", "name: metrics, containerPort");
+    let e = inject(&metrics_only, &Options::default()).unwrap_err();
+    assert!(e.contains("--port"), "{e}");
+    // Two containers with a port named http.
+    let two = APP.replace(
+        "          livenessProbe: { tcpSocket: { port: http } }",
+        "          livenessProbe: { tcpSocket: { port: http } }\n        - name: helper\n          image: helper:1\n          ports: [{ name: http, containerPort: 7070 }]",
+    );
+    let e = inject(&two, &Options::default()).unwrap_err();
+    assert!(e.contains("--container"), "{e}");
+}
+
+#[test]
+fn the_network_policy_shuts_only_the_fronted_ports_bypass() {
+    let opts = Options {
+        network_policy: true,
+        ..Options::default()
+    };
+    let got = docs(&inject(REALISTIC, &opts).unwrap().text);
+    let np = got.iter().find(|d| d["kind"] == "NetworkPolicy").unwrap();
+    let open: Vec<u64> = np["spec"]["ingress"][0]["ports"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|p| p["port"].as_u64().unwrap())
+        .collect();
+    assert_eq!(
+        open,
+        [4180, 9090, 9100],
+        "the sidecar and the other ports, not 8080"
+    );
+    assert!(
+        np["spec"]["ingress"][0].get("from").is_none(),
+        "from anywhere"
+    );
+    let admin = &np["spec"]["ingress"][1];
+    assert_eq!(admin["ports"][0]["port"], 9901);
+    assert_eq!(
+        admin["from"][0]["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"],
+        "monitoring"
+    );
+    assert_eq!(np["spec"]["podSelector"]["matchLabels"]["app"], "books");
+}
+
+#[test]
+fn the_sidecar_carries_the_charts_security_context() {
+    let got = docs(&inject(APP, &Options::default()).unwrap().text);
+    let sidecar = container(pod(&got[1]), "containers", "spillway");
+    let sc = &sidecar["securityContext"];
+    assert_eq!(sc["runAsGroup"], 65532);
+    assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert!(sidecar["resources"]["limits"].get("cpu").is_none());
+}
+
+const JOBS: &str = r#"
+apiVersion: batch/v1
+kind: Job
+metadata: { name: once }
+spec:
+  template:
+    metadata: { labels: { app: once } }
+    spec:
+      restartPolicy: Never
+      containers: [{ name: once, image: once:1, ports: [{ name: http, containerPort: 8080 }] }]
+---
+apiVersion: batch/v1
+kind: CronJob
+metadata: { name: nightly }
+spec:
+  schedule: "0 3 * * *"
+  jobTemplate:
+    spec:
+      template:
+        metadata: { labels: { app: nightly } }
+        spec:
+          restartPolicy: OnFailure
+          containers: [{ name: nightly, image: n:1, ports: [{ name: http, containerPort: 8080 }] }]
+---
+apiVersion: v1
+kind: Pod
+metadata: { name: bare, labels: { app: bare } }
+spec:
+  containers: [{ name: bare, image: b:1, ports: [{ name: http, containerPort: 8080 }] }]
+"#;
+
+#[test]
+fn jobs_only_as_native_sidecars_and_bare_pods_injected() {
+    let out = inject(JOBS, &Options::default()).unwrap();
+    let got = docs(&out.text);
+    assert_eq!(got[0], docs(JOBS)[0], "the Job passes through");
+    assert_eq!(got[1], docs(JOBS)[1], "the CronJob passes through");
+    for name in ["Job \"once\"", "CronJob \"nightly\""] {
+        assert!(
+            out.summary
+                .iter()
+                .any(|l| l.starts_with(name) && l.contains("--native-sidecar")),
+            "{name}: {:?}",
+            out.summary
+        );
+    }
+    container(&got[2]["spec"], "containers", "spillway");
+    assert_eq!(
+        got[2]["metadata"]["labels"]["spillway.dev/sidecar"],
+        "spillway"
+    );
+    let native = Options {
+        native_sidecar: true,
+        ..Options::default()
+    };
+    let got = docs(&inject(JOBS, &native).unwrap().text);
+    container(
+        &got[0]["spec"]["template"]["spec"],
+        "initContainers",
+        "spillway",
+    );
+    let cron = &got[2]["spec"]["jobTemplate"]["spec"]["template"];
+    container(&cron["spec"], "initContainers", "spillway");
+    assert_eq!(
+        cron["metadata"]["labels"]["spillway.dev/sidecar"],
+        "spillway"
+    );
+}
+
+#[test]
+fn a_name_with_a_del_or_c1_character_is_quoted_not_a_panic() {
+    for odd in ["shop\u{7f}", "shop\u{85}x", "shop\u{9f}"] {
+        let app = APP.replace(
+            "name: shop, namespace",
+            &format!("name: {}, namespace", q(odd)),
+        );
+        let out = inject(&app, &Options::default()).unwrap();
+        let got = docs(&out.text);
+        assert_eq!(got[1]["metadata"]["name"], odd);
+        assert_eq!(
+            got[2]["metadata"]["name"].as_str().unwrap(),
+            format!("{odd}-spillway")
+        );
     }
 }

@@ -651,6 +651,19 @@ def inject():
         out = subprocess.run([BIN, "inject", sample] + flags, capture_output=True, text=True)
         check(out.returncode == 0, f"{what}: exits 0 {out.stderr.strip()}")
         docs = [d for d in yaml.safe_load_all(out.stdout) if d]
+        # A line per workload on stderr: what was fronted, what was not, what was skipped.
+        said = out.stderr
+        for name in ("shop", "ledger", "books", "reindex"):
+            check(f'"{name}"' in said, f"{what}: the summary names {name}")
+        check('Deployment "books": injected: container "books" port http (8080)' in said
+              and "metrics (9100)" in said and "grpc (9090)" in said,
+              f"{what}: books is fronted on its http port, metrics and grpc named as not fronted")
+        native = "--native-sidecar" in flags
+        check(('CronJob "reindex": skipped' in said) != native,
+              f"{what}: the CronJob is {'injected' if native else 'skipped, and why'}")
+        books = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "books"][0]
+        check(books["spec"]["ports"][0]["targetPort"] == "http" and books["spec"]["ports"][1]["targetPort"] == "grpc",
+              f"{what}: the Service that targeted 8080 by number now targets the sidecar")
         release = "shop-limits" if "--release" in flags else "spillway"
         for doc in docs:
             if doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet"):
