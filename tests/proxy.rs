@@ -674,3 +674,61 @@ async fn every_proxy_says_its_build_and_exports_process_metrics() {
         assert!(m.lines().any(|l| l.starts_with(name)), "no {name}");
     }
 }
+
+/// A raw `GET path` to `addr` from the local address `from`; the status code.
+async fn get_from(from: std::net::IpAddr, addr: std::net::SocketAddr, path: &str) -> u16 {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(std::net::SocketAddr::new(from, 0)).unwrap();
+    let mut conn = socket.connect(addr).await.unwrap();
+    let head = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let mut resp = Vec::new();
+    conn.read_to_end(&mut resp).await.unwrap();
+    let text = String::from_utf8_lossy(&resp);
+    text.split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0)
+}
+
+// Issue 47: the admin port is reached from the pod network for probes and scrapes; the rules
+// (`/config`) and the status page (`/ui`) stay on loopback (a `kubectl port-forward`) unless
+// `admin_open` names them. 127.0.0.2 stands for another pod: only 127.0.0.1 counts as near.
+#[tokio::test]
+async fn the_rules_and_the_status_page_stay_off_the_pod_network_unless_asked() {
+    let far: std::net::IpAddr = "127.0.0.2".parse().unwrap();
+    let near: std::net::IpAddr = "127.0.0.1".parse().unwrap();
+    let (sc, _up) = sidecar("rules: []\n").await;
+    let admin = sc.admin_addr();
+    for path in ["/metrics", "/healthz", "/readyz"] {
+        assert_eq!(
+            get_from(far, admin, path).await,
+            200,
+            "{path} from the network"
+        );
+    }
+    let mut pages = vec!["/config"];
+    if cfg!(feature = "ui") {
+        pages.extend(["/ui", "/ui/state.json"]);
+    }
+    for path in &pages {
+        assert_eq!(
+            get_from(far, admin, path).await,
+            403,
+            "{path} from the network"
+        );
+        assert_eq!(
+            get_from(near, admin, path).await,
+            200,
+            "{path} from loopback"
+        );
+    }
+    let (sc, _up) = sidecar("admin_open: [config, ui]\nrules: []\n").await;
+    for path in &pages {
+        assert_eq!(
+            get_from(far, sc.admin_addr(), path).await,
+            200,
+            "{path} opened"
+        );
+    }
+}

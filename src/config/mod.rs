@@ -31,9 +31,9 @@ pub struct Config {
     pub listen: SocketAddr,
     /// The app beside us, `http://host:port`.
     pub upstream: Upstream,
-    /// Admin listener: `/metrics`, `/healthz`, `/readyz`, `/config`, `/ui`; and, from
-    /// loopback only (or with `admin_token_file`'s token), `/explain`, `/top` and
-    /// `/log-level`.
+    /// Admin listener: `/metrics`, `/healthz`, `/readyz` to anyone; and, from loopback only
+    /// (or with `admin_token_file`'s token), `/config`, `/ui` (unless `admin_open` names
+    /// them), `/explain`, `/top` and `/log-level`.
     #[serde(default = "default_admin")]
     pub admin: SocketAddr,
     /// A file holding a bearer token that opens `/explain`, `/top` and `/log-level` to
@@ -41,6 +41,11 @@ pub struct Config {
     /// Without it they answer loopback only: never the scraped address.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admin_token_file: Option<std::path::PathBuf>,
+    /// Admin pages served beyond loopback without the token: `config` (the rules, as
+    /// loaded), `ui` (the status page; keys still only with the token). Default none: the
+    /// pod network reaches what probes and scrapes need, and nothing of the rules.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub admin_open: Vec<AdminPage>,
     /// The hosts the app answers for; a request naming another gets 421 (empty: any host).
     /// A request without a host (HTTP/1.0) is served, and every host rule counts it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -156,6 +161,14 @@ fn default_admin() -> SocketAddr {
 
 fn yes() -> bool {
     true
+}
+
+/// An admin page that `admin_open` may serve beyond loopback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AdminPage {
+    Config,
+    Ui,
 }
 
 /// What an encoded path separator gets.

@@ -1,12 +1,13 @@
-//! The admin listener: `/metrics`, `/healthz`, `/readyz`, `/config`, `/ui`; and for support,
-//! from loopback or with the `admin_token_file`'s token only, `/explain` (what the rules would
-//! decide of a described request, and why), `/top` (each rule's most active keys) and
-//! `/log-level` (the log filter, read and changed).
+//! The admin listener: `/metrics`, `/healthz`, `/readyz` to anyone; `/config` and `/ui` from
+//! loopback or with the `admin_token_file`'s token (or to anyone, as `admin_open` says); and
+//! for support, from loopback or with the token only, `/explain` (what the rules would decide
+//! of a described request, and why), `/top` (each rule's most active keys) and `/log-level`
+//! (the log filter, read and changed).
 //!
 //! Owns the operator-facing HTTP endpoints on their own port, so that probes and scrapes never
 //! compete with client traffic and are never rate limited. Must never: expose raw keys, answer
-//! ready while draining, take anything from a key's state, or serve the support endpoints to
-//! the scraped address without the token.
+//! ready while draining, take anything from a key's state, or serve the support endpoints (or
+//! the rules, unless asked) to the scraped address without the token.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -39,6 +40,24 @@ pub async fn serve(listener: TcpListener, shared: Arc<Shared>, stop: watch::Rece
 fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
     if req.method() != Method::GET && req.method() != Method::HEAD {
         return text(StatusCode::METHOD_NOT_ALLOWED, "use GET\n");
+    }
+    let page = match req.uri().path() {
+        "/config" => Some(crate::config::AdminPage::Config),
+        "/ui" | "/ui/state.json" => Some(crate::config::AdminPage::Ui),
+        _ => None,
+    };
+    if let Some(page) = page {
+        let config = shared.config.load();
+        if !config.admin_open.contains(&page) {
+            let peer = req
+                .extensions()
+                .get::<crate::control::server::Peer>()
+                .map(|p| p.0);
+            let token_file = config.admin_token_file.as_deref();
+            if let Err((status, why)) = may_support(peer, req.headers(), token_file) {
+                return text(status, why);
+            }
+        }
     }
     match req.uri().path() {
         "/metrics" => {
@@ -85,7 +104,7 @@ fn route(shared: &Shared, req: Request<Incoming>) -> Response<Full<Bytes>> {
         }
         _ => text(
             StatusCode::NOT_FOUND,
-            "not found; try /metrics /healthz /readyz /config /ui (and from loopback /explain /top /log-level)\n",
+            "not found; try /metrics /healthz /readyz (and from loopback /config /ui /explain /top /log-level)\n",
         ),
     }
 }
