@@ -23,6 +23,7 @@ import json
 import os
 import re
 import socket
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,7 +50,7 @@ def check(ok, what):
 
 
 VALUE_SETS = {
-    "defaults": None,
+    "defaults": {},
     "sidecar only (example app)": {"example": {"enabled": True}},
     "full control plane": {
         "controlPlane": {"enabled": True, "zones": [{"name": "zone-a"}, {"name": "zone-b", "replicas": 3}, {"name": "zone-c"}]},
@@ -105,6 +106,32 @@ VALUE_SETS.update({
     "shared token as a value": {"controlPlane": {"enabled": True, "token": {"value": "not-a-secret"}}, "example": {"enabled": True}},
 })
 
+# The service is required wherever the release has the sidecar.
+for _values in VALUE_SETS.values():
+    if _values.get("sidecar", {}).get("enabled", True):
+        _values.setdefault("service", "shop")
+
+# A Helm user's knobs: names, a pinned image, the sidecar's own image and security context,
+# and settings of the sidecar's configuration the chart has no values of its own for.
+VALUE_SETS["a helm user's knobs"] = {
+    "service": "shop",
+    "nameOverride": "limiter",
+    "fullnameOverride": "shop-limiter",
+    "image": {"digest": "sha256:" + "ab" * 32},
+    "sidecar": {"image": {"repository": "mirror.example/spillway", "tag": "0.1.0-rc1"},
+                "securityContext": {"runAsNonRoot": True, "runAsUser": 10001, "readOnlyRootFilesystem": True,
+                                    "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}},
+    "limits": {
+        "clientIp": {"trustedProxies": ["10.0.0.0/8"], "ipv4Prefix": 24},
+        "config": {"timeouts": {"client_idle": "350s"}, "limits": {"max_connections": 20000},
+                   "log_rejections": 0, "normalize_path": False, "path_escapes": "reject",
+                   "path_match": "strict"},
+        "rules": [{"name": "per-client", "key": ["client_ip"], "limit": {"rate": "10/s"}}],
+    },
+    "controlPlane": {"enabled": True},
+    "example": {"enabled": True},
+}
+
 OPERATOR_REQUIRED = {
     "ServiceMonitor": ["selector", "endpoints"],
     "PodMonitor": ["selector", "podMetricsEndpoints"],
@@ -159,6 +186,8 @@ def lint_and_render():
                 sidecar_rules(name, doc)
             if name == "platform knobs":
                 knobs(doc, what)
+            if name == "a helm user's knobs":
+                helm_user(doc, what)
 
             if doc["kind"] in ("Deployment", "StatefulSet") and (
                     doc["metadata"]["name"].endswith(("-controller", "-aggregator"))
@@ -191,11 +220,11 @@ def releases(name, docs):
         # Without a word about tokens, each service gets its own: this release's, the
         # aggregators' and the admin's; the sidecar mounts only its own.
         tokens = by_kind.get("Secret", {}).get("spillway-tokens", {}).get("data", {})
-        check(sorted(tokens) == ["_admin", "_aggregators", "_metrics", "my-app"] and "spillway-token" not in by_kind.get("Secret", {}),
+        check(sorted(tokens) == ["_admin", "_aggregators", "_metrics", "shop"] and "spillway-token" not in by_kind.get("Secret", {}),
               f"{name}: per-service tokens by default {sorted(tokens)}")
         vols = {v["name"]: v for v in deployments["spillway-example"]["spec"]["template"]["spec"]["volumes"]}
         check(vols["spillway-token"]["secret"]["secretName"] == "spillway-tokens"
-              and vols["spillway-token"]["secret"]["items"] == [{"key": "my-app", "path": "token"}],
+              and vols["spillway-token"]["secret"]["items"] == [{"key": "shop", "path": "token"}],
               f"{name}: the sidecar mounts its own service's token {vols['spillway-token']}")
     monitor = by_kind.get("ServiceMonitor", {}).get("spillway-control-plane")
     if monitor:
@@ -271,6 +300,61 @@ def active_active(name, by_kind):
           f"{name}: every aggregator forwards to each controller by name ({want})")
 
 
+def helm_user(doc, what):
+    """nameOverride, fullnameOverride, a digest, the sidecar's image and security context, and
+    the sidecar's settings through limits.config all arrive where they are meant to."""
+    name = doc["metadata"]["name"]
+    check(name.startswith("shop-limiter"), f"{what}: named from fullnameOverride")
+    labels = doc["metadata"].get("labels", {})
+    if "app.kubernetes.io/name" in labels:
+        check(labels["app.kubernetes.io/name"] == "limiter", f"{what}: labelled with nameOverride")
+    if doc["kind"] == "ConfigMap" and name.endswith("-limits"):
+        config = yaml.safe_load(doc["data"]["spillway.yaml"])
+        check(config["timeouts"] == {"drain": "25s", "client_idle": "350s"}
+              and config["limits"] == {"max_connections": 20000}
+              and config["log_rejections"] == 0 and config["normalize_path"] is False
+              and config["path_escapes"] == "reject" and config["path_match"] == "strict"
+              and config["client_ip"]["ipv4_prefix"] == 24,
+              f"{what}: limits.config and clientIp.ipv4Prefix reach spillway.yaml")
+    if doc["kind"] not in ("Deployment", "StatefulSet"):
+        return
+    pod = doc["spec"]["template"]["spec"]
+    for c in pod.get("containers", []) + pod.get("initContainers", []):
+        if c["name"] == "spillway":
+            check(c["image"] == "mirror.example/spillway:0.1.0-rc1", f"{what}: the sidecar's own image {c['image']}")
+            check(c["securityContext"]["runAsUser"] == 10001, f"{what}: the sidecar's own security context")
+        else:
+            if c["image"].startswith("ghcr.io/spillway"):
+                check(c["image"] == "ghcr.io/spillway/spillway@sha256:" + "ab" * 32, f"{what}: pinned by digest {c['image']}")
+
+
+def subchart():
+    """As a dependency of another chart, with the `global` values Helm passes to every
+    subchart: it renders, and its manifests are valid."""
+    with tempfile.TemporaryDirectory() as d:
+        parent = os.path.join(d, "shop")
+        os.makedirs(os.path.join(parent, "charts"))
+        shutil.copytree(CHART, os.path.join(parent, "charts", "spillway"))
+        with open(os.path.join(parent, "Chart.yaml"), "w") as f:
+            f.write("apiVersion: v2\nname: shop\nversion: 1.0.0\ndependencies:\n  - { name: spillway, version: 0.1.0 }\n")
+        values = {"global": {"imageRegistry": "mirror.example", "storageClass": "fast"},
+                  "spillway": {"service": "shop", "example": {"enabled": True}}}
+        try:
+            rendered = helm.Chart.load(parent).render(values, name="shop", namespace="shop", is_install=True)
+        except helm.HelmError as e:
+            check(False, f"subchart render with global values: {str(e).splitlines()[0][:200]}")
+            return
+        docs = [doc for path, text in rendered.items() if not path.endswith("NOTES.txt")
+                for doc in yaml.safe_load_all(text) if doc]
+        check(any(d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-limits") for d in docs),
+              f"subchart render with global values: {len(docs)} manifests")
+        for doc in docs:
+            try:
+                kubernetes_validate.validate(doc, K8S, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                check(False, f"subchart: {doc['kind']} {doc['metadata']['name']}: {e.message}")
+
+
 def knobs(doc, what):
     """The platform knobs reach the control plane's pods, and the sidecar's own."""
     if doc["kind"] == "ConfigMap" and doc["metadata"]["name"].endswith("-limits"):
@@ -332,6 +416,9 @@ def bad_values():
         ({"limits": {"rules": [{"name": "x", "key": [], "limit": {"rate": "1/s"}, "scop": "global"}]}}, "scop"),
         ({"controlPlane": {"controller": {"replicas": 9}}}, "replicas"),
         ({"sidecar": {"port": 8080, "adminPort": 9901, "appPort": 8081, "prot": 1}}, "prot"),
+        ({"limits": {"rules": [], "config": {"listen": "0.0.0.0:1"}}}, "listen"),
+        ({"limits": {"rules": [], "config": {"timeouts": {"client_idel": "1s"}}}}, "client_idel"),
+        ({"image": {"repository": "r", "tag": "t", "digest": "latest"}}, "digest"),
     ]:
         try:
             chart.validate_schema(chart.merge_values(values))
@@ -349,6 +436,7 @@ def bad_releases():
         ({"controlPlane": {"url": "http://agg:7001"}}, "token.existingSecret"),
         ({"service": "shop", "controlPlane": {"enabled": True, "tokens": {"services": ["cart"]}}}, "must list this release's service"),
         ({"sidecar": {"enabled": False}, "controlPlane": {"enabled": True}}, "controlPlane.tokens.services"),
+        ({}, "service: name the service"),
     ]:
         try:
             chart.render(values, name="spillway", namespace="shop", is_install=True)
@@ -649,7 +737,7 @@ def inject():
     for flags in ([], ["--native-sidecar", "--network-policy", "--release", "shop-limits"]):
         what = "inject " + (" ".join(flags) or "(defaults)")
         out = subprocess.run([BIN, "inject", sample] + flags, capture_output=True, text=True)
-        check(out.returncode == 0, f"{what}: exits 0 {out.stderr.strip()}")
+        check(out.returncode == 0, f"{what}: exits 0 {out.stderr.strip() if out.returncode else ''}")
         docs = [d for d in yaml.safe_load_all(out.stdout) if d]
         # A line per workload on stderr: what was fronted, what was not, what was skipped.
         said = out.stderr
@@ -692,6 +780,7 @@ inject()
 configmaps = lint_and_render()
 bad_values()
 bad_releases()
+subchart()
 check_configs(configmaps)
 config_schema(configmaps)
 dashboard()

@@ -1,13 +1,18 @@
 {{/* Names and labels. */}}
 {{- define "spillway.name" -}}
-{{- .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- .Values.nameOverride | default .Chart.Name | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
 {{- define "spillway.fullname" -}}
-{{- if contains .Chart.Name .Release.Name -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := .Values.nameOverride | default .Chart.Name -}}
+{{- if contains $name .Release.Name -}}
 {{- .Release.Name | trunc 63 | trimSuffix "-" -}}
 {{- else -}}
-{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 
@@ -25,9 +30,18 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* The image, from a values dict (this chart's, or the parent's `.Values.spillway`). */}}
+{{/* The image, from a values dict (this chart's, or the parent's `.Values.spillway`): pinned
+by digest when one is given. */}}
 {{- define "spillway.image" -}}
-{{ .image.repository }}:{{ .image.tag }}
+{{- include "spillway.imageOf" .image -}}
+{{- end -}}
+
+{{- define "spillway.imageOf" -}}
+{{- if .digest -}}
+{{ .repository }}@{{ .digest }}
+{{- else -}}
+{{ .repository }}:{{ .tag }}
+{{- end -}}
 {{- end -}}
 
 {{/* "true" when the control plane gives each service its own token (the default), from the
@@ -173,8 +187,11 @@ while the sidecar stops taking requests. With `sidecar.native`, put the sidecar 
   {{- if $v.sidecar.native }}
   restartPolicy: Always
   {{- end }}
-  image: {{ include "spillway.image" $v }}
-  imagePullPolicy: {{ $v.image.pullPolicy }}
+  {{- /* The sidecar's own image: another repository is not pinned by image.digest. */}}
+  {{- $own := $v.sidecar.image | default dict }}
+  {{- $image := mergeOverwrite (deepCopy $v.image) (ternary (dict "digest" "") dict (hasKey $own "repository")) (deepCopy $own) }}
+  image: {{ include "spillway.imageOf" $image }}
+  imagePullPolicy: {{ $image.pullPolicy }}
   args: ["proxy", "--config", "/etc/spillway/spillway.yaml"]
   env:
     - name: RUST_LOG
@@ -202,7 +219,11 @@ while the sidecar stops taking requests. With `sidecar.native`, put the sidecar 
   resources:
     {{- toYaml $v.sidecar.resources | nindent 4 }}
   securityContext:
+    {{- with $v.sidecar.securityContext }}
+    {{- toYaml . | nindent 4 }}
+    {{- else }}
     {{- include "spillway.containerSecurityContext" . | nindent 4 }}
+    {{- end }}
   volumeMounts:
     # A directory mount, not subPath: ConfigMap updates arrive (the ..data symlink swap)
     # and the sidecar reloads them.
