@@ -49,10 +49,23 @@ pub struct Options {
     /// `restartPolicy: Always`, started before the app and stopped after it.
     #[arg(long)]
     pub native_sidecar: bool,
-    /// The chart release whose PodMonitor scrapes the sidecar: the value of the pod label
-    /// `spillway.dev/sidecar`.
-    #[arg(long, default_value = "spillway")]
-    pub release: String,
+    /// The chart release (its full name) whose limits the sidecar takes: its ConfigMap
+    /// `<release>-limits` and Secret `<release>-key-secret` are mounted (no starter
+    /// ConfigMap), and its PodMonitor scrapes the pod (the label `spillway.dev/sidecar`).
+    #[arg(long)]
+    pub release: Option<String>,
+    /// With `--release`: the Secret with this service's control-plane token (key `token`),
+    /// mounted when it exists.
+    #[arg(long, default_value = "spillway-token")]
+    pub token_secret: String,
+    /// The key of `--token-secret` that holds the token (the chart's per-service tokens
+    /// Secret keys each by its service).
+    #[arg(long, default_value = "token")]
+    pub token_key: String,
+    /// With `--release`: the Secret with the control plane's `ca.crt` (the release's
+    /// `controlPlane.tls.existingSecret`), for an `https://` control plane.
+    #[arg(long)]
+    pub ca_secret: Option<String>,
 }
 
 const IMAGE: &str = concat!("ghcr.io/spillway/spillway:", env!("CARGO_PKG_VERSION"));
@@ -72,7 +85,10 @@ impl Default for Options {
             network_policy: false,
             scrape_namespace: "monitoring".into(),
             native_sidecar: false,
-            release: "spillway".into(),
+            release: None,
+            token_secret: "spillway-token".into(),
+            token_key: "token".into(),
+            ca_secret: None,
         }
     }
 }
@@ -409,6 +425,20 @@ fn served(spec: &Mapping, what: &str, opts: &Options) -> Result<(usize, usize), 
     }
 }
 
+/// The sidecar container just added to `spec`.
+fn sidecar_of(spec: &mut Mapping, native: bool) -> Result<&mut Mapping, String> {
+    let list = if native {
+        "initContainers"
+    } else {
+        "containers"
+    };
+    seq_at(spec, list)?
+        .iter_mut()
+        .find(|c| str_of(c, &["name"]) == Some(SIDECAR))
+        .and_then(Value::as_mapping_mut)
+        .ok_or_else(|| "the sidecar went missing".to_string())
+}
+
 /// Injects one document when it is a workload, saying what was done in `summary`; the
 /// documents to emit after it, and what it fronts.
 fn inject_one(
@@ -568,12 +598,36 @@ fn inject_one(
 
     // An object's name is at most 253 characters; a workload's may already be.
     let ours = format!("{}-spillway", name.chars().take(244).collect::<String>());
-    let config_map = opts.config_map.clone().unwrap_or_else(|| ours.clone());
+    let config_map = match (&opts.config_map, &opts.release) {
+        (Some(c), _) => c.clone(),
+        (None, Some(r)) => format!("{r}-limits"),
+        (None, None) => ours.clone(),
+    };
+    // A port named as Istio names HTTP/2 ones (grpc, grpc-*, http2, h2c): the app speaks
+    // HTTP/2 in clear text.
+    let h2 = !port_name.starts_with("grpc-web")
+        && ["grpc", "http2", "h2c"]
+            .iter()
+            .any(|p| port_name == *p || port_name.starts_with(&format!("{p}-")));
+    let scheme = if h2 { "h2c" } else { "http" };
+    // The pod's ports on the command line, over whatever the limits file says: one release's
+    // ConfigMap serves every workload injected for it.
+    let args = [
+        "proxy".to_string(),
+        "--config".into(),
+        "/etc/spillway/spillway.yaml".into(),
+        "--listen".into(),
+        format!("0.0.0.0:{}", opts.proxy_port),
+        "--admin".into(),
+        format!("0.0.0.0:{}", opts.admin_port),
+        "--upstream".into(),
+        format!("{scheme}://127.0.0.1:{app_port}"),
+    ];
     let mut sidecar = yaml(&format!(
         r#"
 name: {SIDECAR}
 image: {image}
-args: ["proxy", "--config", "/etc/spillway/spillway.yaml"]
+args: {args}
 env:
   - {{ name: RUST_LOG, value: info }}
   - {{ name: SPILLWAY_LOG_FORMAT, value: json }}
@@ -597,6 +651,7 @@ securityContext:
 volumeMounts:
   - {{ name: spillway-config, mountPath: /etc/spillway, readOnly: true }}
 "#,
+        args = serde_json::to_string(&args).expect("strings serialise"),
         image = q(&opts.image),
         port = q(&port_name),
         proxy = opts.proxy_port,
@@ -615,6 +670,36 @@ volumeMounts:
         "{{ name: spillway-config, configMap: {{ name: {} }} }}",
         q(&config_map)
     )));
+    if let Some(release) = &opts.release {
+        // What the release's ConfigMap names, where the chart's sidecar has it: the secret keys
+        // are digested under, and the control-plane token (when the release reports).
+        let mounts = seq_at(sidecar_of(spec, opts.native_sidecar)?, "volumeMounts")?;
+        mounts.push(yaml(
+            "{ name: spillway-key-secret, mountPath: /var/run/secrets/spillway-key, readOnly: true }",
+        ));
+        mounts.push(yaml(
+            "{ name: spillway-token, mountPath: /var/run/secrets/spillway, readOnly: true }",
+        ));
+        let volumes = seq_at(spec, "volumes")?;
+        volumes.push(yaml(&format!(
+            "{{ name: spillway-key-secret, secret: {{ secretName: {}, items: [{{ key: secret, path: secret }}] }} }}",
+            q(&format!("{release}-key-secret"))
+        )));
+        volumes.push(yaml(&format!(
+            "{{ name: spillway-token, secret: {{ secretName: {}, optional: true, items: [{{ key: {}, path: token }}] }} }}",
+            q(&opts.token_secret),
+            q(&opts.token_key)
+        )));
+        if let Some(ca) = &opts.ca_secret {
+            seq_at(sidecar_of(spec, opts.native_sidecar)?, "volumeMounts")?.push(yaml(
+                "{ name: spillway-tls, mountPath: /var/run/secrets/spillway-tls, readOnly: true }",
+            ));
+            seq_at(spec, "volumes")?.push(yaml(&format!(
+                "{{ name: spillway-tls, secret: {{ secretName: {}, items: [{{ key: ca.crt, path: ca.crt }}] }} }}",
+                q(ca)
+            )));
+        }
+    }
     let grace = PRE_STOP + DRAIN + 15;
     let current = spec
         .get("terminationGracePeriodSeconds")
@@ -629,7 +714,7 @@ volumeMounts:
     let meta = map_at(doc, meta_path)?;
     map_at_mapping(meta, "labels")?.insert(
         key("spillway.dev/sidecar"),
-        Value::String(opts.release.clone()),
+        Value::String(opts.release.clone().unwrap_or_else(|| "spillway".into())),
     );
     map_at_mapping(meta, "annotations")?
         .insert(key("spillway.dev/injected"), Value::String("true".into()));
@@ -639,14 +724,7 @@ volumeMounts:
         .as_deref()
         .map(|n| format!("\n  namespace: {}", q(n)))
         .unwrap_or_default();
-    if opts.config_map.is_none() {
-        // A port named as Istio names HTTP/2 ones (grpc, grpc-*, http2, h2c): the app speaks
-        // HTTP/2 in clear text.
-        let h2 = !port_name.starts_with("grpc-web")
-            && ["grpc", "http2", "h2c"]
-                .iter()
-                .any(|p| port_name == *p || port_name.starts_with(&format!("{p}-")));
-        let scheme = if h2 { "h2c" } else { "http" };
+    if opts.config_map.is_none() && opts.release.is_none() {
         let config = format!(
             "# Written by spillway inject: the ports match the injected sidecar. Add rules below;\n# the sidecar reloads this file when the ConfigMap changes.\nservice: {}\nlisten: 0.0.0.0:{}\nadmin: 0.0.0.0:{}\nupstream: {scheme}://127.0.0.1:{app_port}\nrules: []\n",
             // A service name is at most 64 characters; a workload's may be 253.

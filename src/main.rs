@@ -198,6 +198,10 @@ enum Command {
         /// The YAML configuration.
         #[arg(long, short, env = "SPILLWAY_CONFIG")]
         config: PathBuf,
+        /// Over the file's listen, admin and upstream (an injected pod's: its release's
+        /// limits ConfigMap, this pod's ports).
+        #[command(flatten)]
+        placement: spillway::internal::config::Placement,
     },
     /// Validate configuration files; exit 0 when all are valid, else 2 and what is wrong.
     CheckConfig {
@@ -641,7 +645,10 @@ fn main() -> ExitCode {
                 ExitCode::from(2)
             }
         }
-        Command::Proxy { config: path } => {
+        Command::Proxy {
+            config: path,
+            placement,
+        } => {
             let file = path.display().to_string();
             let loaded = std::fs::read_to_string(&path)
                 .map_err(|source| spillway::ConfigError::Read {
@@ -649,13 +656,14 @@ fn main() -> ExitCode {
                     source,
                 })
                 .and_then(|text| spillway::Config::from_yaml(&text, &file).map(|c| (c, text)));
-            let (config, text) = match loaded {
+            let (mut config, text) = match loaded {
                 Ok(pair) => pair,
                 Err(e) => {
                     eprintln!("error: {e}");
                     return ExitCode::from(2);
                 }
             };
+            placement.apply(&mut config);
             run(async move {
                 let signal = shutdown_signal()?;
                 let sidecar = spillway::Sidecar::start(config).await?;

@@ -287,3 +287,54 @@ async fn putting_back_the_running_file_after_a_bad_one_clears_the_reload_gauge()
     std::fs::write(&path, &good).unwrap();
     reload_gauge(&sc, 1.0).await;
 }
+
+// Issue 47: an injected pod's sidecar takes its release's limits ConfigMap (written for the
+// chart's own ports) and its own listen, admin and upstream from the command line; a reload
+// of the file keeps them, and reports no restart pending for what the file says otherwise.
+#[tokio::test]
+async fn the_command_lines_listen_and_upstream_stand_over_the_files_through_a_reload() {
+    let up = upstream().await;
+    let rules = |rate: &str| {
+        format!(
+            "service: shop\nlisten: 127.0.0.1:1\nadmin: 127.0.0.1:2\nupstream: http://127.0.0.1:3\nrules:\n  - {{ name: all, key: [], limit: {{ rate: {rate} }} }}\n"
+        )
+    };
+    let path = temp_file("placed.yaml", &rules("1000/s"));
+    let upstream = format!("http://{}", up.addr);
+    let proxy = Proc::spawn(&[
+        "proxy",
+        "--config",
+        path.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--admin",
+        "127.0.0.1:0",
+        "--upstream",
+        &upstream,
+    ]);
+    let (status, _, body) = get(proxy.addr, "/", &[]).await;
+    assert_eq!((status, body.as_str()), (StatusCode::OK, "ok"));
+    let (_, _, before) = get(proxy.admin, "/config", &[]).await;
+    let before: serde_json::Value = serde_json::from_str(&before).unwrap();
+    std::fs::write(&path, rules("1/m")).unwrap();
+    // The reload is seen in /config's version (the file is watched).
+    let mut after = serde_json::Value::Null;
+    for _ in 0..200 {
+        let (_, _, text) = get(proxy.admin, "/config", &[]).await;
+        after = serde_json::from_str(&text).unwrap();
+        if after["version"] != before["version"] {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_ne!(after["version"], before["version"], "no reload seen");
+    assert_eq!(after["pending_restart"], serde_json::json!([]), "{after:#}");
+    assert_eq!(after["upstream"], upstream.as_str(), "{after:#}");
+    // The new rule runs, in front of the placed upstream.
+    let (first, _, _) = get(proxy.addr, "/", &[]).await;
+    let (second, _, _) = get(proxy.addr, "/", &[]).await;
+    assert_eq!(
+        (first, second),
+        (StatusCode::OK, StatusCode::TOO_MANY_REQUESTS)
+    );
+}

@@ -46,6 +46,11 @@ pub struct Config {
     /// pod network reaches what probes and scrapes need, and nothing of the rules.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub admin_open: Vec<AdminPage>,
+    /// What the command line put over `listen`, `admin` and `upstream` (already applied):
+    /// kept so that a reload of the file keeps it.
+    #[serde(skip)]
+    #[schemars(skip)]
+    pub placement: Placement,
     /// The hosts the app answers for; a request naming another gets 421 (empty: any host).
     /// A request without a host (HTTP/1.0) is served, and every host rule counts it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -161,6 +166,43 @@ fn default_admin() -> SocketAddr {
 
 fn yes() -> bool {
     true
+}
+
+/// Where a sidecar listens and forwards when its command line says so, over the file's: an
+/// injected pod's, whose limits are its release's ConfigMap, one for every workload.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct Placement {
+    /// Where clients connect, over the file's `listen`.
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<SocketAddr>,
+    /// The admin listener, over the file's `admin`.
+    #[arg(long, value_name = "ADDR")]
+    pub admin: Option<SocketAddr>,
+    /// The app beside us (`http://host:port`, `h2c://` for HTTP/2), over the file's `upstream`.
+    #[arg(long, value_name = "URL", value_parser = parse_upstream)]
+    pub upstream: Option<Upstream>,
+}
+
+fn parse_upstream(s: &str) -> Result<Upstream, String> {
+    use serde::de::IntoDeserializer;
+    let d: serde::de::value::StrDeserializer<'_, serde::de::value::Error> = s.into_deserializer();
+    Upstream::deserialize(d).map_err(|e| e.to_string())
+}
+
+impl Placement {
+    /// Puts what was given over `config`'s, and keeps it there for reloads.
+    pub fn apply(&self, config: &mut Config) {
+        if let Some(a) = self.listen {
+            config.listen = a;
+        }
+        if let Some(a) = self.admin {
+            config.admin = a;
+        }
+        if let Some(u) = &self.upstream {
+            config.upstream = u.clone();
+        }
+        config.placement = self.clone();
+    }
 }
 
 /// An admin page that `admin_open` may serve beyond loopback.

@@ -486,3 +486,78 @@ fn a_name_with_a_del_or_c1_character_is_quoted_not_a_panic() {
         );
     }
 }
+
+#[test]
+fn a_release_gives_its_limits_and_secrets_and_the_pod_its_own_ports() {
+    let opts = Options {
+        release: Some("shop-spillway".into()),
+        ca_secret: Some("spillway-ca".into()),
+        ..Options::default()
+    };
+    let got = docs(&inject(REALISTIC, &opts).unwrap().text);
+    let kinds: Vec<&str> = got.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        ["Service", "Service", "Deployment"],
+        "no starter ConfigMap"
+    );
+    let pod = pod(&got[2]);
+    let volumes: Vec<(&str, &str)> = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            let source = v
+                .get("configMap")
+                .map(|c| &c["name"])
+                .unwrap_or_else(|| &v["secret"]["secretName"]);
+            (v["name"].as_str().unwrap(), source.as_str().unwrap())
+        })
+        .collect();
+    assert_eq!(
+        volumes,
+        [
+            ("spillway-config", "shop-spillway-limits"),
+            ("spillway-key-secret", "shop-spillway-key-secret"),
+            ("spillway-token", "spillway-token"),
+            ("spillway-tls", "spillway-ca"),
+        ]
+    );
+    let sidecar = container(pod, "containers", "spillway");
+    let mounts: Vec<&str> = sidecar["volumeMounts"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|m| m["mountPath"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        mounts,
+        [
+            "/etc/spillway",
+            "/var/run/secrets/spillway-key",
+            "/var/run/secrets/spillway",
+            "/var/run/secrets/spillway-tls"
+        ]
+    );
+    let args: Vec<&str> = sidecar["args"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap())
+        .collect();
+    assert_eq!(
+        args[3..],
+        [
+            "--listen",
+            "0.0.0.0:4180",
+            "--admin",
+            "0.0.0.0:9901",
+            "--upstream",
+            "http://127.0.0.1:8080"
+        ]
+    );
+    assert_eq!(
+        got[2]["spec"]["template"]["metadata"]["labels"]["spillway.dev/sidecar"],
+        "shop-spillway"
+    );
+}

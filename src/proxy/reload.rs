@@ -89,7 +89,10 @@ pub(super) async fn reload(
             })
         }
     };
+    let mut new = new;
     let old = shared.config.load_full();
+    // What the command line placed stays placed: the file's own values are not a change.
+    old.placement.clone().apply(&mut new);
     let pending_restart = restart_fields(&old, &new);
 
     #[cfg(feature = "redis")]

@@ -775,8 +775,74 @@ def inject():
               f"{what}: a second pass changes nothing")
 
 
+def pair():
+    """One install model: a release's NOTES name the `spillway inject` flags; injected so, a
+    workload mounts that release's limits ConfigMap and Secrets (each rendered by the chart),
+    and the sidecar's config (the ConfigMap under the pod's own --listen, --admin and
+    --upstream) passes check-config."""
+    chart = helm.Chart.load(CHART)
+    sample = os.path.join(ROOT, "tests", "chart", "sample-app.yaml")
+    for name, values in [
+        ("another release's control plane, TLS", {
+            "service": "shop",
+            "controlPlane": {"url": "https://spillway-aggregator.spillway-system:7001",
+                             "token": {"existingSecret": "spillway-token"}, "tls": {"existingSecret": "spillway-ca"}}}),
+        ("its own control plane, per-service tokens", {"service": "shop", "controlPlane": {"enabled": True}}),
+        ("no control plane", {"service": "shop"}),
+    ]:
+        what = f"inject for a release ({name})"
+        rendered = chart.render(values, name="shop", namespace="web", is_install=True)
+        notes = next(t for p, t in rendered.items() if p.endswith("NOTES.txt"))
+        said = re.search(r"`spillway inject ([^`]*)`", notes)
+        check(said is not None, f"{what}: NOTES names the inject command")
+        if said is None:
+            continue
+        flags = said.group(1).split()
+        objects = {(d["kind"], d["metadata"]["name"]): d for p, t in rendered.items()
+                   if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d}
+        out = subprocess.run([BIN, "inject", sample, "--native-sidecar"] + flags, capture_output=True, text=True)
+        check(out.returncode == 0, f"{what}: inject {' '.join(flags)} exits 0 {out.stderr.strip() if out.returncode else ''}")
+        for doc in [d for d in yaml.safe_load_all(out.stdout) if d]:
+            pod = {"Pod": lambda d: d["spec"], "CronJob": lambda d: d["spec"]["jobTemplate"]["spec"]["template"]["spec"]}.get(
+                doc["kind"], lambda d: d["spec"]["template"]["spec"])(doc) if doc["kind"] in ("Deployment", "StatefulSet", "CronJob") else None
+            if pod is None:
+                continue
+            who = f"{what}: {doc['kind']} {doc['metadata']['name']}"
+            try:
+                kubernetes_validate.validate(doc, K8S, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                check(False, f"{who}: {e.message} at {list(e.path)}")
+            vols = {v["name"]: v for v in pod["volumes"]}
+            cm = objects.get(("ConfigMap", vols["spillway-config"]["configMap"]["name"]))
+            check(cm is not None, f"{who}: mounts the release's limits ConfigMap {vols['spillway-config']['configMap']['name']}")
+            key = vols["spillway-key-secret"]["secret"]["secretName"]
+            check(("Secret", key) in objects, f"{who}: mounts the release's key Secret {key}")
+            token = vols["spillway-token"]["secret"]
+            if values.get("controlPlane", {}).get("enabled"):
+                rendered_token = objects.get(("Secret", token["secretName"]), {})
+                check(token["items"][0]["key"] in rendered_token.get("data", {}),
+                      f"{who}: mounts its service's token from the release's Secret {token}")
+            if cm is None:
+                continue
+            sidecar = next(c for c in pod["initContainers"] if c["name"] == "spillway")
+            args = sidecar["args"]
+            config = yaml.safe_load(cm["data"]["spillway.yaml"])
+            for flag in ("--listen", "--admin", "--upstream"):
+                config[flag[2:]] = args[args.index(flag) + 1]
+            declared = {p["containerPort"] for p in sidecar["ports"]}
+            check({int(config["listen"].rsplit(":", 1)[1]), int(config["admin"].rsplit(":", 1)[1])} == declared,
+                  f"{who}: the sidecar listens on the ports it declares {declared}")
+            with tempfile.TemporaryDirectory() as d:
+                path = os.path.join(d, "spillway.yaml")
+                with open(path, "w") as f:
+                    yaml.safe_dump(config, f)
+                r = subprocess.run([BIN, "check-config", "--skip-files", path], capture_output=True, text=True)
+                check(r.returncode == 0, f"{who}: its sidecar's config passes check-config {r.stderr.strip()}")
+
+
 hadolint()
 inject()
+pair()
 configmaps = lint_and_render()
 bad_values()
 bad_releases()
