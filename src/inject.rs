@@ -15,8 +15,10 @@
 use serde::Deserialize;
 use serde_norway::{Mapping, Value};
 
-/// What `spillway inject` was asked (also the command line's flags).
-#[derive(Debug, Clone, clap::Args)]
+/// What `spillway inject` was asked (also the command line's flags, and the injector's
+/// configuration file, field for field).
+#[derive(Debug, Clone, clap::Args, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Options {
     /// The sidecar's image.
     #[arg(long, default_value = IMAGE)]
@@ -66,6 +68,10 @@ pub struct Options {
     /// `controlPlane.tls.existingSecret`), for an `https://` control plane.
     #[arg(long)]
     pub ca_secret: Option<String>,
+    /// The sidecar's resources (requests and limits, as Kubernetes takes them), over the
+    /// default; from the injector's configuration only.
+    #[arg(skip)]
+    pub resources: Option<Value>,
 }
 
 const IMAGE: &str = concat!("ghcr.io/spillway/spillway:", env!("CARGO_PKG_VERSION"));
@@ -89,6 +95,7 @@ impl Default for Options {
             token_secret: "spillway-token".into(),
             token_key: "token".into(),
             ca_secret: None,
+            resources: None,
         }
     }
 }
@@ -657,6 +664,12 @@ volumeMounts:
         proxy = opts.proxy_port,
         admin = opts.admin_port,
     ));
+    if let Some(r) = &opts.resources {
+        sidecar
+            .as_mapping_mut()
+            .expect("a mapping literal")
+            .insert(key("resources"), r.clone());
+    }
     if opts.native_sidecar {
         sidecar
             .as_mapping_mut()
@@ -792,6 +805,8 @@ volumeMounts:
         }),
     ))
 }
+
+pub mod webhook;
 
 #[cfg(test)]
 mod tests;

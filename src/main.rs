@@ -216,6 +216,30 @@ enum Command {
         #[arg(long)]
         skip_files: bool,
     },
+    /// Run the admission webhook that adds the sidecar to pods as they are created, in
+    /// namespaces labelled (or pods annotated) spillway.dev/inject: enabled; HTTPS only.
+    Injector {
+        /// Where the API server calls it (HTTPS).
+        #[arg(long, env = "SPILLWAY_LISTEN", default_value = "0.0.0.0:8443")]
+        listen: std::net::SocketAddr,
+        /// /metrics /healthz /readyz.
+        #[arg(long, env = "SPILLWAY_ADMIN", default_value = "0.0.0.0:9903")]
+        admin: std::net::SocketAddr,
+        /// Its settings: `spillway inject`'s options as YAML (image, proxy_port, admin_port,
+        /// release, token_secret, token_key, ca_secret, native_sidecar, resources), read at
+        /// each review.
+        #[arg(long, env = "SPILLWAY_INJECTOR_CONFIG")]
+        config: PathBuf,
+        /// The namespace it runs in, never injected.
+        #[arg(long, env = "POD_NAMESPACE")]
+        namespace: String,
+        /// The PEM certificate chain it serves (re-read when it changes).
+        #[arg(long, env = "SPILLWAY_TLS_CERT")]
+        tls_cert: PathBuf,
+        /// The PEM private key of --tls-cert.
+        #[arg(long, env = "SPILLWAY_TLS_KEY")]
+        tls_key: PathBuf,
+    },
     /// Run the controller: sums zones' reports and answers with drop ratios.
     Controller {
         /// Where aggregators (or proxies, for small fleets) report.
@@ -683,6 +707,30 @@ fn main() -> ExitCode {
                 Ok(())
             })
         }
+        Command::Injector {
+            listen,
+            admin,
+            config,
+            namespace,
+            tls_cert,
+            tls_key,
+        } => run(async move {
+            let (_watching, stop) = tokio::sync::watch::channel(false);
+            let tls = spillway::internal::control::tls::ServerTls::load(tls_cert, tls_key, stop)
+                .map_err(|e| anyhow::anyhow!("--tls-cert/--tls-key: {e}"))?;
+            let options = spillway::internal::inject::webhook::InjectorOptions {
+                listen,
+                admin,
+                tls: Some(tls),
+                config,
+                namespace,
+            };
+            serve_role(
+                "injector",
+                spillway::internal::inject::webhook::start(options),
+            )
+            .await
+        }),
         Command::Controller {
             listen,
             admin,

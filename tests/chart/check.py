@@ -111,6 +111,11 @@ for _values in VALUE_SETS.values():
     if _values.get("sidecar", {}).get("enabled", True):
         _values.setdefault("service", "shop")
 
+VALUE_SETS["injector"] = {"service": "shop", "injector": {"enabled": True, "nativeSidecar": True},
+                          "controlPlane": {"enabled": True}}
+VALUE_SETS["injector with cert-manager"] = {"service": "shop",
+                                            "injector": {"enabled": True, "certManager": {"enabled": True, "issuer": "ca"}}}
+
 # A Helm user's knobs: names, a pinned image, the sidecar's own image and security context,
 # and settings of the sidecar's configuration the chart has no values of its own for.
 VALUE_SETS["a helm user's knobs"] = {
@@ -165,6 +170,13 @@ def lint_and_render():
         releases(name, [d for _, d in docs])
         for path, doc in docs:
             what = f"{name}: {doc['kind']} {doc['metadata']['name']}"
+            if doc["kind"] == "Certificate":
+                # cert-manager's: no schema of it ships with Kubernetes.
+                spec = doc["spec"]
+                check(doc["apiVersion"] == "cert-manager.io/v1" and spec.get("secretName") and spec.get("issuerRef", {}).get("name")
+                      and all(n.endswith(".svc") or "." in n or n for n in spec.get("dnsNames", [])),
+                      f"{what}: cert-manager fields")
+                continue
             if doc["kind"] in OPERATOR_REQUIRED:
                 ok = doc["apiVersion"] == "monitoring.coreos.com/v1" and all(k in doc["spec"] for k in OPERATOR_REQUIRED[doc["kind"]])
                 check(ok, f"{what}: Prometheus Operator fields")
@@ -840,9 +852,131 @@ def pair():
                 check(r.returncode == 0, f"{who}: its sidecar's config passes check-config {r.stderr.strip()}")
 
 
+def injector():
+    """`spillway injector` as the chart deploys it (its settings from the rendered ConfigMap),
+    over HTTPS on loopback: real AdmissionReview v1 requests for pods of a Deployment, a
+    StatefulSet and a Job, an injected pod again, a pod with no HTTP port and pods of
+    kube-system and its own namespace. Each answer allows; a returned JSONPatch is applied and
+    the pod validated against Kubernetes, its sidecar's config run through check-config."""
+    import ssl
+    chart = helm.Chart.load(CHART)
+    rendered = chart.render(VALUE_SETS["injector"], name="shop", namespace="spillway-system", is_install=True)
+    objects = {(d["kind"], d["metadata"]["name"]): d for p, t in rendered.items()
+               if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d}
+    hooks = objects[("MutatingWebhookConfiguration", "shop-spillway-injector-spillway-system")]["webhooks"]
+    check([h["clientConfig"]["service"]["path"] for h in hooks] == ["/inject", "/inject-annotated"]
+          and all(h["failurePolicy"] == "Ignore" and "caBundle" in h["clientConfig"] for h in hooks)
+          and all({"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["kube-system", "spillway-system"]}
+                  in h["namespaceSelector"]["matchExpressions"] for h in hooks),
+          "injector: two webhooks (namespaces that asked, annotated pods), failurePolicy Ignore, never kube-system or its own")
+    settings = objects[("ConfigMap", "shop-spillway-injector")]["data"]["injector.yaml"]
+    limits = yaml.safe_load(objects[("ConfigMap", "shop-spillway-limits")]["data"]["spillway.yaml"])
+    d = tempfile.mkdtemp(prefix="spillway-injector-")
+    run = lambda *a: subprocess.run(["openssl", *a], cwd=d, capture_output=True, check=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test CA", "-keyout", "ca.key", "-out", "ca.crt")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "tls.key", "-out", "tls.csr")
+    with open(os.path.join(d, "san.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "tls.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial", "-days", "2",
+        "-extfile", "san.ext", "-out", "tls.crt")
+    with open(os.path.join(d, "injector.yaml"), "w") as f:
+        f.write(settings)
+    proc = subprocess.Popen([BIN, "injector", "--listen", "127.0.0.1:0", "--admin", "127.0.0.1:0",
+                             "--config", os.path.join(d, "injector.yaml"), "--namespace", "spillway-system",
+                             "--tls-cert", os.path.join(d, "tls.crt"), "--tls-key", os.path.join(d, "tls.key")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = proc.stdout.readline()
+        addr = line.split("listening on ")[1].split(" ")[0]
+        tls = ssl.create_default_context(cafile=os.path.join(d, "ca.crt"))
+
+        def review(namespace, pod, path="/inject"):
+            body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+                "uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                "resource": {"group": "", "version": "v1", "resource": "pods"},
+                "operation": "CREATE", "namespace": namespace, "object": pod}}).encode()
+            req = urllib.request.Request(f"https://{addr}{path}", data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, context=tls, timeout=10) as r:
+                return json.load(r)["response"]
+
+        def patched(pod, response):
+            pod = json.loads(json.dumps(pod))
+            for op in json.loads(base64.b64decode(response["patch"])):
+                *parents, last = op["path"].strip("/").split("/")
+                target = pod
+                for p in parents:
+                    target = target.setdefault(p, {})
+                check(op["op"] in ("add", "replace"), f"injector: a patch op it can apply ({op['op']})")
+                target[last] = op["value"]
+            return pod
+
+        sample = {(x["kind"], x["metadata"]["name"]): x for x in yaml.safe_load_all(open(os.path.join(ROOT, "tests", "chart", "sample-app.yaml"))) if x}
+
+        def pod_of(kind, name, owner):
+            template = json.loads(json.dumps(sample[(kind, name)]["spec"]))
+            template = template["jobTemplate"]["spec"]["template"] if kind == "CronJob" else template["template"]
+            meta = dict(template["metadata"], generateName=f"{name}-", ownerReferences=[
+                {"apiVersion": "apps/v1" if owner != "Job" else "batch/v1", "kind": owner, "name": name, "uid": "1"}])
+            return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]}
+
+        for (kind, name, owner) in [("Deployment", "books", "ReplicaSet"), ("StatefulSet", "ledger", "StatefulSet"),
+                                    ("CronJob", "reindex", "Job")]:
+            what = f"injector: a pod of {kind} {name}"
+            pod = pod_of(kind, name, owner)
+            response = review("web", pod)
+            check(response["allowed"] and response.get("patchType") == "JSONPatch", f"{what}: allowed, with a JSONPatch")
+            if "patch" not in response:
+                continue
+            after = patched(pod, response)
+            after["metadata"]["name"] = f"{name}-x1"
+            try:
+                kubernetes_validate.validate(after, K8S, strict=True)
+                check(True, f"{what}: the patched pod is valid against Kubernetes {K8S}")
+            except kubernetes_validate.ValidationError as e:
+                check(False, f"{what}: the patched pod: {e.message} at {list(e.path)}")
+            spec = after["spec"]
+            sidecar = next(c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "spillway")
+            vols = {v["name"]: v for v in spec["volumes"]}
+            check(vols["spillway-config"]["configMap"]["name"] == "shop-spillway-limits"
+                  and after["metadata"]["labels"]["spillway.dev/sidecar"] == "shop-spillway",
+                  f"{what}: mounts the release's limits, labelled for its PodMonitor")
+            defaults = yaml.safe_load(open(os.path.join(CHART, "values.yaml")))
+            check(sidecar["resources"] == defaults["sidecar"]["resources"] and sidecar["image"].startswith("ghcr.io/spillway/spillway"),
+                  f"{what}: the image and resources of the injector's settings")
+            config = dict(limits)
+            for flag in ("--listen", "--admin", "--upstream"):
+                config[flag[2:]] = sidecar["args"][sidecar["args"].index(flag) + 1]
+            path = os.path.join(d, "sidecar.yaml")
+            with open(path, "w") as f:
+                yaml.safe_dump(config, f)
+            r = subprocess.run([BIN, "check-config", "--skip-files", path], capture_output=True, text=True)
+            check(r.returncode == 0, f"{what}: its sidecar's config passes check-config {r.stderr.strip()}")
+            again = review("web", after)
+            check(again["allowed"] and "patch" not in again, f"{what}: injected again, left as it is")
+        # Asked for, but not possible: admitted as it is, and why.
+        metrics_only = pod_of("Deployment", "books", "ReplicaSet")
+        metrics_only["spec"]["containers"][0]["ports"] = [{"name": "metrics", "containerPort": 9100}]
+        response = review("web", metrics_only)
+        check(response["allowed"] and "patch" not in response and "not injected" in " ".join(response.get("warnings", [])),
+              f"injector: a pod with no HTTP port is admitted as it is, with a warning {response.get('warnings')}")
+        for ns in ("kube-system", "spillway-system"):
+            response = review(ns, pod_of("Deployment", "books", "ReplicaSet"))
+            check(response["allowed"] and "patch" not in response, f"injector: a pod of {ns} is never injected")
+        plain = pod_of("Deployment", "books", "ReplicaSet")
+        response = review("web", plain, "/inject-annotated")
+        check(response["allowed"] and "patch" not in response, "injector: an unannotated pod where the namespace did not ask is left")
+        plain["metadata"]["annotations"] = {"spillway.dev/inject": "enabled"}
+        response = review("web", plain, "/inject-annotated")
+        check("patch" in response, "injector: a pod annotated spillway.dev/inject: enabled is injected")
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 hadolint()
 inject()
 pair()
+injector()
 configmaps = lint_and_render()
 bad_values()
 bad_releases()

@@ -310,3 +310,26 @@ imagePullSecrets:
 priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
+
+{{/* What a sidecar injected for this release mounts, as JSON (the injector's settings, and
+the flags NOTES gives `spillway inject`): the release, and its token and CA Secrets as the
+chart's own sidecar mounts them. */}}
+{{- define "spillway.injectFor" -}}
+{{- $cp := .Values.controlPlane -}}
+{{- $full := include "spillway.fullname" . -}}
+{{- $s := dict "release" $full -}}
+{{- if $cp.url -}}
+{{- $_ := set $s "token_secret" $cp.token.existingSecret -}}
+{{- else if $cp.enabled -}}
+{{- if include "spillway.tokenDir" $cp -}}
+{{- $_ := set $s "token_secret" ($cp.tokens.existingSecret | default (printf "%s-tokens" $full)) -}}
+{{- $_ := set $s "token_key" (ternary .Values.service "_shared" (eq (include "spillway.perServiceTokens" $cp) "true")) -}}
+{{- else -}}
+{{- $_ := set $s "token_secret" ($cp.token.existingSecret | default (printf "%s-token" $full)) -}}
+{{- end -}}
+{{- end -}}
+{{- with $cp.tls.existingSecret -}}
+{{- $_ := set $s "ca_secret" . -}}
+{{- end -}}
+{{- toJson $s -}}
+{{- end -}}

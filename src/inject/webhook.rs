@@ -1,0 +1,253 @@
+//! `spillway injector`: a mutating admission webhook that adds the sidecar to pods as they are
+//! created, with the same code as `spillway inject`, for namespaces labelled and pods
+//! annotated `spillway.dev/inject: enabled` (a pod annotated `disabled` is left alone).
+//!
+//! Owns the answer to an AdmissionReview v1 for a pod: a JSONPatch, or none. Reads its
+//! settings (image, ports, resources, the release whose limits the sidecars mount) from one
+//! file, the injector's ConfigMap, at each review: an upgrade is one change there and a
+//! rollout. Must never: refuse a pod (what it cannot inject is admitted as it is, the reason in
+//! a warning to the client and a log line), inject its own namespace or `kube-system`, or
+//! inject a pod twice.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use base64::Engine as _;
+use http::{Method, Request, StatusCode};
+use hyper::body::Incoming;
+use prometheus::{IntCounterVec, Opts, Registry};
+use serde_json::{json, Value as Json};
+use tokio::sync::watch;
+
+use super::{inject_one, Options};
+use crate::control::server::{self, Body, Running};
+
+/// The label (on a namespace) and annotation (on a pod) that ask for the sidecar.
+pub const INJECT: &str = "spillway.dev/inject";
+/// Pod annotations that say which container and port the sidecar fronts.
+pub const CONTAINER: &str = "spillway.dev/container";
+pub const PORT: &str = "spillway.dev/port";
+
+/// How the injector runs.
+pub struct InjectorOptions {
+    pub listen: SocketAddr,
+    pub admin: SocketAddr,
+    /// HTTPS: the API server calls webhooks over TLS only.
+    pub tls: Option<crate::control::tls::ServerTls>,
+    /// The injector's settings: [`Options`] as YAML.
+    pub config: PathBuf,
+    /// The namespace it runs in, never injected.
+    pub namespace: String,
+}
+
+/// Reads and checks the injector's settings: a sidecar for a pod created from a Deployment
+/// needs limits that are not named after the pod (a release's, or a ConfigMap given).
+pub fn settings(path: &Path) -> Result<Options, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("{}: {e}", path.display()))?;
+    let opts: Options =
+        serde_norway::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    if opts.release.is_none() && opts.config_map.is_none() {
+        return Err(format!(
+            "{}: name the release whose limits the sidecars take (release: <full name>), or a config_map",
+            path.display()
+        ));
+    }
+    Ok(opts)
+}
+
+/// What was decided of one pod.
+#[derive(Debug, PartialEq)]
+pub enum Decision {
+    /// The JSONPatch that adds the sidecar, and what was done.
+    Inject(Json, String),
+    /// Left as it is: not asked for, or already injected (nothing to say).
+    Leave,
+    /// Left as it is though asked for, and why.
+    Cannot(String),
+}
+
+/// Decides what to do with the pod of an AdmissionReview `request`: `every` when the call came
+/// for a namespace that asked for the sidecar (else only a pod annotated so is injected).
+pub fn decide(request: &Json, opts: &Options, own: &str, every: bool) -> Decision {
+    let namespace = request["namespace"].as_str().unwrap_or_default();
+    let pod = &request["object"];
+    if request["kind"]["kind"] != "Pod" || request["operation"] != "CREATE" || !pod.is_object() {
+        return Decision::Leave;
+    }
+    let annotations = &pod["metadata"]["annotations"];
+    let asked = annotations[INJECT].as_str();
+    if asked == Some("disabled") || !(every || asked == Some("enabled")) {
+        return Decision::Leave;
+    }
+    if namespace == own || namespace == "kube-system" {
+        return Decision::Cannot(format!(
+            "the injector never injects {namespace:?}: its own namespace or kube-system"
+        ));
+    }
+    let mut opts = opts.clone();
+    opts.network_policy = false;
+    if let Some(c) = annotations[CONTAINER].as_str() {
+        opts.container = Some(c.to_string());
+    }
+    if let Some(p) = annotations[PORT].as_str() {
+        opts.port = Some(p.to_string());
+    }
+    // A pod that ends (a Job's) never completes beside a classic sidecar.
+    let restart = pod["spec"]["restartPolicy"].as_str().unwrap_or("Always");
+    if restart != "Always" && !opts.native_sidecar {
+        return Decision::Cannot(format!(
+            "a pod with restartPolicy {restart} (a Job's) would never complete beside a classic sidecar: set native_sidecar: true in the injector's settings (Kubernetes 1.29+)"
+        ));
+    }
+    // A pod of a Deployment has a generated name only: named for the messages.
+    let mut named = pod.clone();
+    if named["metadata"]["name"].as_str().is_none() {
+        let stem = pod["metadata"]["generateName"].as_str().unwrap_or("pod");
+        named["metadata"]["name"] = Json::String(format!("{stem}*"));
+    }
+    let mut doc = match serde_norway::to_value(&named) {
+        Ok(d) => d,
+        Err(e) => return Decision::Cannot(format!("the pod could not be read: {e}")),
+    };
+    let mut said = Vec::new();
+    if let Err(e) = inject_one(&mut doc, &opts, &mut said) {
+        return Decision::Cannot(e);
+    }
+    let Some(what) = said.pop().filter(|s| s.contains(": injected")) else {
+        // Already injected (inject_one says so): the same pod again changes nothing.
+        return Decision::Leave;
+    };
+    let after: Json = match serde_json::to_value(&doc) {
+        Ok(a) => a,
+        Err(e) => return Decision::Cannot(format!("the injected pod could not be written: {e}")),
+    };
+    // The spec whole, and the metadata maps inject changed (never the name it was given).
+    let patch = json!([
+        { "op": "replace", "path": "/spec", "value": after["spec"] },
+        { "op": "add", "path": "/metadata/labels", "value": after["metadata"]["labels"] },
+        { "op": "add", "path": "/metadata/annotations", "value": after["metadata"]["annotations"] },
+    ]);
+    Decision::Inject(patch, what)
+}
+
+/// The AdmissionReview v1 answering `review`: always allowed, with the patch or the warning.
+pub fn answer(review: &Json, decision: &Decision) -> Json {
+    let uid = review["request"]["uid"].clone();
+    let mut response = json!({ "uid": uid, "allowed": true });
+    match decision {
+        Decision::Inject(patch, _) => {
+            let bytes = serde_json::to_vec(patch).unwrap_or_default();
+            response["patchType"] = json!("JSONPatch");
+            response["patch"] = json!(base64::engine::general_purpose::STANDARD.encode(bytes));
+        }
+        Decision::Cannot(why) => {
+            response["warnings"] = json!([format!("spillway: not injected: {why}")]);
+        }
+        Decision::Leave => {}
+    }
+    json!({
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "response": response,
+    })
+}
+
+struct State {
+    config: PathBuf,
+    namespace: String,
+    pods: IntCounterVec,
+    registry: Registry,
+}
+
+impl State {
+    async fn review(&self, req: Request<Incoming>, every: bool) -> http::Response<Body> {
+        let (review, _turn): (Json, _) = match server::read_json(req, "admission").await {
+            Ok(r) => r,
+            Err(resp) => return resp,
+        };
+        let request = &review["request"];
+        if review["kind"] != "AdmissionReview" || !request.is_object() {
+            return server::error(StatusCode::BAD_REQUEST, "not an AdmissionReview");
+        }
+        let decision = match settings(&self.config) {
+            Ok(opts) => decide(request, &opts, &self.namespace, every),
+            Err(e) => Decision::Cannot(format!("the injector's settings: {e}")),
+        };
+        // Debug-quoted: names are the pod's, and must not forge log lines.
+        let pod = request["object"]["metadata"]["generateName"]
+            .as_str()
+            .or(request["object"]["metadata"]["name"].as_str())
+            .unwrap_or_default();
+        let namespace = request["namespace"].as_str().unwrap_or_default();
+        let result = match &decision {
+            Decision::Inject(_, what) => {
+                tracing::info!(pod = ?pod, namespace = ?namespace, "{what}");
+                "injected"
+            }
+            Decision::Cannot(why) => {
+                tracing::warn!(pod = ?pod, namespace = ?namespace, "not injected: {why}");
+                "not_injected"
+            }
+            Decision::Leave => "left",
+        };
+        self.pods.with_label_values(&[result]).inc();
+        server::json(StatusCode::OK, &answer(&review, &decision))
+    }
+}
+
+/// Starts the webhook (`POST /inject` for namespaces that asked, `POST /inject-annotated`
+/// for pods that may) and its admin listener (`/metrics`, `/healthz`, `/readyz`).
+pub async fn start(opts: InjectorOptions) -> std::io::Result<Running> {
+    // A bad settings file stops the start: the pods it would admit uninjected are many.
+    settings(&opts.config).map_err(std::io::Error::other)?;
+    let listener = server::bind(opts.listen, "injector").await?;
+    let admin = server::bind(opts.admin, "admin").await?;
+    let (addr, admin_addr) = (listener.local_addr()?, admin.local_addr()?);
+    let registry = Registry::new();
+    crate::metrics::register_process(&registry);
+    let pods = IntCounterVec::new(
+        Opts::new(
+            "spillway_injector_pods_total",
+            "Pods reviewed, by result: injected, not_injected (asked for, but could not be: see the log), left (not asked for, or injected already).",
+        ),
+        &["result"],
+    )
+    .expect("valid metric");
+    registry.register(Box::new(pods.clone())).expect("unique");
+    let state = Arc::new(State {
+        config: opts.config,
+        namespace: opts.namespace,
+        pods,
+        registry,
+    });
+    let (stop, stopped) = watch::channel(false);
+    let s = state.clone();
+    let api = tokio::spawn(server::serve(
+        listener,
+        stopped.clone(),
+        opts.tls,
+        move |req| {
+            let s = s.clone();
+            async move {
+                match (req.method(), req.uri().path()) {
+                    (&Method::POST, "/inject") => s.review(req, true).await,
+                    (&Method::POST, "/inject-annotated") => s.review(req, false).await,
+                    _ => server::error(
+                        StatusCode::NOT_FOUND,
+                        "POST an AdmissionReview to /inject or /inject-annotated",
+                    ),
+                }
+            }
+        },
+    ));
+    let s = state.clone();
+    let admin = tokio::spawn(server::serve(admin, stopped, None, move |req| {
+        let s = s.clone();
+        async move { server::admin_route(req.uri().path(), || server::render(&s.registry)) }
+    }));
+    Ok(Running::new(addr, admin_addr, stop, vec![api, admin]))
+}
+
+#[cfg(test)]
+mod tests;
