@@ -216,6 +216,14 @@ enum Command {
         #[arg(long)]
         skip_files: bool,
     },
+    /// List the pods that asked for the sidecar (their namespace labelled, or themselves
+    /// annotated, spillway.dev/inject: enabled) and run without it: pipe `kubectl get
+    /// namespaces,pods -A -o yaml`. Exit 0 when there are none, 1 when there are, 2 on bad input.
+    CheckInjection {
+        /// The namespaces and pods; `-` reads stdin.
+        #[arg(default_value = "-")]
+        file: PathBuf,
+    },
     /// Run the admission webhook that adds the sidecar to pods as they are created, in
     /// namespaces labelled (or pods annotated) spillway.dev/inject: enabled; HTTPS only.
     Injector {
@@ -706,6 +714,26 @@ fn main() -> ExitCode {
                 tracing::info!("stopped");
                 Ok(())
             })
+        }
+        Command::CheckInjection { file } => {
+            let found = read_input(&file)
+                .and_then(|text| spillway::internal::inject::webhook::uninjected(&text));
+            match found {
+                Ok(missing) if missing.is_empty() => {
+                    println!("every pod that asked for the sidecar runs with it");
+                    ExitCode::SUCCESS
+                }
+                Ok(missing) => {
+                    for pod in &missing {
+                        println!("{pod}: asked for the sidecar and runs without it (the injector was not reached when it was created): delete it, or restart its workload");
+                    }
+                    ExitCode::from(1)
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(2)
+                }
+            }
         }
         Command::Injector {
             listen,

@@ -29,6 +29,56 @@ pub const INJECT: &str = "spillway.dev/inject";
 pub const CONTAINER: &str = "spillway.dev/container";
 pub const PORT: &str = "spillway.dev/port";
 
+/// The pods of `text` (what `kubectl get namespaces,pods -A -o yaml` prints: documents, or
+/// a List) that asked for the sidecar, by their namespace's label or their own annotation,
+/// and run without it: `failurePolicy: Ignore` admits a pod when the injector is down.
+/// `namespace/name` each; an error when `text` is not YAML or holds no namespaces.
+pub fn uninjected(text: &str) -> Result<Vec<String>, String> {
+    use serde::Deserialize as _;
+    let mut objects: Vec<Json> = Vec::new();
+    for (i, doc) in serde_norway::Deserializer::from_str(text).enumerate() {
+        let doc = Json::deserialize(doc).map_err(|e| format!("document {}: {e}", i + 1))?;
+        match doc["items"].as_array() {
+            Some(items) => objects.extend(items.iter().cloned()),
+            None if doc.is_object() => objects.push(doc),
+            None => {}
+        }
+    }
+    let enabled: Vec<&str> = objects
+        .iter()
+        .filter(|o| o["kind"] == "Namespace")
+        .filter(|o| o["metadata"]["labels"][INJECT] == "enabled")
+        .filter_map(|o| o["metadata"]["name"].as_str())
+        .collect();
+    if !objects.iter().any(|o| o["kind"] == "Namespace") {
+        return Err(
+            "no namespaces in the input: pipe kubectl get namespaces,pods -A -o yaml".into(),
+        );
+    }
+    let mut missing = Vec::new();
+    for pod in objects.iter().filter(|o| o["kind"] == "Pod") {
+        let meta = &pod["metadata"];
+        let namespace = meta["namespace"].as_str().unwrap_or("default");
+        let asked = match meta["annotations"][INJECT].as_str() {
+            Some("disabled") => false,
+            Some("enabled") => true,
+            _ => enabled.contains(&namespace),
+        };
+        let has = ["containers", "initContainers"].iter().any(|list| {
+            pod["spec"][list]
+                .as_array()
+                .is_some_and(|cs| cs.iter().any(|c| c["name"] == super::SIDECAR))
+        });
+        if asked && !has && namespace != "kube-system" {
+            missing.push(format!(
+                "{namespace}/{}",
+                meta["name"].as_str().unwrap_or("?")
+            ));
+        }
+    }
+    Ok(missing)
+}
+
 /// How the injector runs.
 pub struct InjectorOptions {
     pub listen: SocketAddr,

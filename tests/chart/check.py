@@ -968,6 +968,17 @@ def injector():
         plain["metadata"]["annotations"] = {"spillway.dev/inject": "enabled"}
         response = review("web", plain, "/inject-annotated")
         check("patch" in response, "injector: a pod annotated spillway.dev/inject: enabled is injected")
+        # With failurePolicy Ignore a pod may start without it: check-injection finds it.
+        injected = patched(plain, response)
+        injected["metadata"].update(name="books-1", namespace="web")
+        missed = json.loads(json.dumps(plain))
+        missed["metadata"].update(name="books-2", namespace="web")
+        cluster = {"apiVersion": "v1", "kind": "List", "items": [
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "web", "labels": {"spillway.dev/inject": "enabled"}}},
+            injected, missed]}
+        r = subprocess.run([BIN, "check-injection", "-"], input=json.dumps(cluster), capture_output=True, text=True)
+        check(r.returncode == 1 and r.stdout.startswith("web/books-2:") and "books-1" not in r.stdout,
+              f"injector: check-injection lists the pod that runs without the sidecar {r.stdout.strip()[:120]}")
     finally:
         proc.kill()
         proc.wait()

@@ -181,3 +181,25 @@ fn settings_need_limits_not_named_after_a_pod() {
 fn settings_of(path: &Path) -> Result<Options, String> {
     super::settings(path)
 }
+
+#[test]
+fn pods_that_asked_and_run_without_the_sidecar_are_listed() {
+    let list = r#"
+apiVersion: v1
+kind: List
+items:
+  - { apiVersion: v1, kind: Namespace, metadata: { name: web, labels: { spillway.dev/inject: enabled } } }
+  - { apiVersion: v1, kind: Namespace, metadata: { name: batch } }
+  - { apiVersion: v1, kind: Pod, metadata: { name: a, namespace: web }, spec: { containers: [{ name: app }] } }
+  - { apiVersion: v1, kind: Pod, metadata: { name: b, namespace: web }, spec: { containers: [{ name: app }, { name: spillway }] } }
+  - { apiVersion: v1, kind: Pod, metadata: { name: c, namespace: web }, spec: { initContainers: [{ name: spillway }], containers: [{ name: app }] } }
+  - { apiVersion: v1, kind: Pod, metadata: { name: d, namespace: web, annotations: { spillway.dev/inject: disabled } }, spec: { containers: [{ name: app }] } }
+  - { apiVersion: v1, kind: Pod, metadata: { name: e, namespace: batch, annotations: { spillway.dev/inject: enabled } }, spec: { containers: [{ name: app }] } }
+  - { apiVersion: v1, kind: Pod, metadata: { name: f, namespace: batch }, spec: { containers: [{ name: app }] } }
+"#;
+    assert_eq!(uninjected(list).unwrap(), ["web/a", "batch/e"]);
+    assert!(uninjected("kind: Pod\nmetadata: { name: x }\n")
+        .unwrap_err()
+        .contains("no namespaces"));
+    assert!(uninjected("kind: [").is_err());
+}
