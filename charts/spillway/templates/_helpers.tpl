@@ -36,6 +36,13 @@ by digest when one is given. */}}
 {{- include "spillway.imageOf" .image -}}
 {{- end -}}
 
+{{/* The sidecar's image (JSON), from a values dict: sidecar.image over image; another
+repository is not pinned by image.digest. */}}
+{{- define "spillway.sidecarImage" -}}
+{{- $own := .sidecar.image | default dict -}}
+{{- mergeOverwrite (deepCopy .image) (ternary (dict "digest" "") dict (hasKey $own "repository")) (deepCopy $own) | toJson -}}
+{{- end -}}
+
 {{- define "spillway.imageOf" -}}
 {{- if .digest -}}
 {{ .repository }}@{{ .digest }}
@@ -187,9 +194,7 @@ while the sidecar stops taking requests. With `sidecar.native`, put the sidecar 
   {{- if $v.sidecar.native }}
   restartPolicy: Always
   {{- end }}
-  {{- /* The sidecar's own image: another repository is not pinned by image.digest. */}}
-  {{- $own := $v.sidecar.image | default dict }}
-  {{- $image := mergeOverwrite (deepCopy $v.image) (ternary (dict "digest" "") dict (hasKey $own "repository")) (deepCopy $own) }}
+  {{- $image := include "spillway.sidecarImage" $v | fromJson }}
   image: {{ include "spillway.imageOf" $image }}
   imagePullPolicy: {{ $image.pullPolicy }}
   args: ["proxy", "--config", "/etc/spillway/spillway.yaml"]
@@ -311,13 +316,14 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
 
-{{/* What a sidecar injected for this release mounts, as JSON (the injector's settings, and
-the flags NOTES gives `spillway inject`): the release, and its token and CA Secrets as the
-chart's own sidecar mounts them. */}}
+{{/* What a sidecar injected for this release is, as JSON (the injector's settings, and the
+flags NOTES gives `spillway inject`): the release, the sidecar's image and ports, and the
+token and CA Secrets as the chart's own sidecar mounts them. */}}
 {{- define "spillway.injectFor" -}}
 {{- $cp := .Values.controlPlane -}}
 {{- $full := include "spillway.fullname" . -}}
-{{- $s := dict "release" $full -}}
+{{- $image := include "spillway.sidecarImage" .Values | fromJson -}}
+{{- $s := dict "release" $full "image" (include "spillway.imageOf" $image) "proxy_port" .Values.sidecar.port "admin_port" .Values.sidecar.adminPort -}}
 {{- if $cp.url -}}
 {{- $_ := set $s "token_secret" $cp.token.existingSecret -}}
 {{- else if $cp.enabled -}}
