@@ -68,10 +68,26 @@ pub struct Options {
     /// `controlPlane.tls.existingSecret`), for an `https://` control plane.
     #[arg(long)]
     pub ca_secret: Option<String>,
+    /// With `--release`: the Secret the release's keys are digested under (its
+    /// `sidecar.keySecret.existingSecret`; default `<release>-key-secret`).
+    #[arg(long)]
+    pub key_secret: Option<String>,
+    /// The pause before the sidecar drains (its `preStop`), as the release's
+    /// `sidecar.preStopSeconds`.
+    #[arg(long, default_value_t = PRE_STOP)]
+    pub pre_stop_seconds: u64,
+    /// The drain the sidecar's configuration gives (`timeouts.drain`, the release's
+    /// `sidecar.drainSeconds`): the pod's grace period covers it.
+    #[arg(long, default_value_t = DRAIN)]
+    pub drain_seconds: u64,
     /// The sidecar's resources (requests and limits, as Kubernetes takes them), over the
     /// default; from the injector's configuration only.
     #[arg(skip)]
     pub resources: Option<Value>,
+    /// The sidecar's security context, over the chart's hardened one; from the injector's
+    /// configuration only.
+    #[arg(skip)]
+    pub security_context: Option<Value>,
 }
 
 const IMAGE: &str = concat!("ghcr.io/spillway/spillway:", env!("CARGO_PKG_VERSION"));
@@ -95,7 +111,11 @@ impl Default for Options {
             token_secret: "spillway-token".into(),
             token_key: "token".into(),
             ca_secret: None,
+            key_secret: None,
+            pre_stop_seconds: PRE_STOP,
+            drain_seconds: DRAIN,
             resources: None,
+            security_context: None,
         }
     }
 }
@@ -599,7 +619,10 @@ fn inject_one(
     if get(app, &["lifecycle", "preStop"]).is_none() {
         map_at(app, &["lifecycle"])?.insert(
             key("preStop"),
-            yaml(&format!("sleep: {{ seconds: {} }}", PRE_STOP + 5)),
+            yaml(&format!(
+                "sleep: {{ seconds: {} }}",
+                opts.pre_stop_seconds + 5
+            )),
         );
     }
 
@@ -643,7 +666,7 @@ ports:
   - {{ name: spillway-admin, containerPort: {admin}, protocol: TCP }}
 readinessProbe: {{ httpGet: {{ path: /readyz, port: {admin} }}, periodSeconds: 5 }}
 livenessProbe: {{ httpGet: {{ path: /healthz, port: {admin} }}, periodSeconds: 10 }}
-lifecycle: {{ preStop: {{ sleep: {{ seconds: {PRE_STOP} }} }} }}
+lifecycle: {{ preStop: {{ sleep: {{ seconds: {pre_stop} }} }} }}
 resources:
   requests: {{ cpu: 100m, memory: 32Mi }}
   limits: {{ memory: 128Mi }}
@@ -659,6 +682,7 @@ volumeMounts:
   - {{ name: spillway-config, mountPath: /etc/spillway, readOnly: true }}
 "#,
         args = serde_json::to_string(&args).expect("strings serialise"),
+        pre_stop = opts.pre_stop_seconds,
         image = q(&opts.image),
         port = q(&port_name),
         proxy = opts.proxy_port,
@@ -669,6 +693,12 @@ volumeMounts:
             .as_mapping_mut()
             .expect("a mapping literal")
             .insert(key("resources"), r.clone());
+    }
+    if let Some(c) = &opts.security_context {
+        sidecar
+            .as_mapping_mut()
+            .expect("a mapping literal")
+            .insert(key("securityContext"), c.clone());
     }
     if opts.native_sidecar {
         sidecar
@@ -694,9 +724,13 @@ volumeMounts:
             "{ name: spillway-token, mountPath: /var/run/secrets/spillway, readOnly: true }",
         ));
         let volumes = seq_at(spec, "volumes")?;
+        let key_secret = opts
+            .key_secret
+            .clone()
+            .unwrap_or_else(|| format!("{release}-key-secret"));
         volumes.push(yaml(&format!(
             "{{ name: spillway-key-secret, secret: {{ secretName: {}, items: [{{ key: secret, path: secret }}] }} }}",
-            q(&format!("{release}-key-secret"))
+            q(&key_secret)
         )));
         volumes.push(yaml(&format!(
             "{{ name: spillway-token, secret: {{ secretName: {}, optional: true, items: [{{ key: {}, path: token }}] }} }}",
@@ -713,7 +747,7 @@ volumeMounts:
             )));
         }
     }
-    let grace = PRE_STOP + DRAIN + 15;
+    let grace = opts.pre_stop_seconds + opts.drain_seconds + 15;
     let current = spec
         .get("terminationGracePeriodSeconds")
         .and_then(Value::as_u64)
@@ -739,11 +773,12 @@ volumeMounts:
         .unwrap_or_default();
     if opts.config_map.is_none() && opts.release.is_none() {
         let config = format!(
-            "# Written by spillway inject: the ports match the injected sidecar. Add rules below;\n# the sidecar reloads this file when the ConfigMap changes.\nservice: {}\nlisten: 0.0.0.0:{}\nadmin: 0.0.0.0:{}\nupstream: {scheme}://127.0.0.1:{app_port}\nrules: []\n",
+            "# Written by spillway inject: the ports match the injected sidecar. Add rules below;\n# the sidecar reloads this file when the ConfigMap changes.\nservice: {}\nlisten: 0.0.0.0:{}\nadmin: 0.0.0.0:{}\nupstream: {scheme}://127.0.0.1:{app_port}\ntimeouts: {{ drain: {}s }}\nrules: []\n",
             // A service name is at most 64 characters; a workload's may be 253.
             q(&name.chars().take(64).collect::<String>()),
             opts.proxy_port,
-            opts.admin_port
+            opts.admin_port,
+            opts.drain_seconds
         );
         let mut cm = yaml(&format!(
             "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: {}{ns}\ndata: {{}}\n",

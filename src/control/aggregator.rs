@@ -217,9 +217,9 @@ impl State {
         let stepped = report.entries.iter().any(|e| e.jump != 0.0);
         let wait = Duration::from_millis(report.interval_ms / 2).min(self.opts.interval);
         let light = report.entries.len() <= super::HEAVY_ENTRIES;
-        let now = self.sums.now();
+        // The time read under the lock: a take that ran while this waited is before it.
         let (recorded, takes) = self.sums.with(light, |sums| {
-            let recorded = sums.record(report, &owner, now);
+            let recorded = sums.record(report, &owner, self.sums.now());
             (recorded, sums.takes())
         });
         // Recorded: what the report parsed into is gone, and its body's room with it.
@@ -417,9 +417,8 @@ impl State {
     async fn forward(&self, last: bool) -> Sent {
         self.steps_waiting
             .store(false, std::sync::atomic::Ordering::Release);
-        let now = self.sums.now();
         let ((entries, interval_ms), hosts, take) = self.sums.with(false, |sums| {
-            let taken = sums.take(now, last);
+            let taken = sums.take(self.sums.now(), last);
             (taken, sums.hosts(), sums.takes())
         });
         self.hosts.set(hosts as i64);

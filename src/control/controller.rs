@@ -229,9 +229,8 @@ impl State {
 
     /// The state readers see, from the snapshot: the lock is held for two reference counts.
     fn view(&self) -> super::StateView {
-        let mut acc = self.acc.lock();
         let now = self.acc.now();
-        acc.state(now)
+        self.acc.with(true, |acc| acc.state(now))
     }
 
     fn state<B>(&self, req: &Request<B>) -> http::Response<Body> {
@@ -323,9 +322,8 @@ impl State {
         let who = self.credentials.authenticate(req.headers());
         // From the ratio snapshot's per-rule totals: a scrape never walks every key under the
         // lock (the admin port needs no token).
-        let (totals, sources, conflicts, refused, tracked, cut) = {
-            let mut acc = self.acc.lock();
-            let now = self.acc.now();
+        let now = self.acc.now();
+        let (totals, sources, conflicts, refused, tracked, cut) = self.acc.with(true, |acc| {
             (
                 acc.rule_totals(now),
                 acc.sources(),
@@ -334,7 +332,7 @@ impl State {
                 acc.tracked(),
                 acc.ratios_cut,
             )
-        };
+        });
         self.sources.set(sources as i64);
         self.tracked.set(tracked as i64);
         self.conflicts

@@ -561,3 +561,27 @@ fn a_release_gives_its_limits_and_secrets_and_the_pod_its_own_ports() {
         "shop-spillway"
     );
 }
+
+#[test]
+fn a_releases_key_secret_pause_and_drain_are_the_releases() {
+    let opts = Options {
+        release: Some("shop-spillway".into()),
+        key_secret: Some("shop-keys".into()),
+        pre_stop_seconds: 10,
+        drain_seconds: 60,
+        ..Options::default()
+    };
+    let got = docs(&inject(APP, &opts).unwrap().text);
+    let pod = pod(&got[1]);
+    let key = pod["volumes"]
+        .as_sequence()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "spillway-key-secret")
+        .unwrap();
+    assert_eq!(key["secret"]["secretName"], "shop-keys");
+    let sidecar = container(pod, "containers", "spillway");
+    assert_eq!(sidecar["lifecycle"]["preStop"]["sleep"]["seconds"], 10);
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    assert!(grace > 10 + 60, "{grace}: SIGKILL would cut the drain");
+}

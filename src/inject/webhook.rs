@@ -3,11 +3,13 @@
 //! annotated `spillway.dev/inject: enabled` (a pod annotated `disabled` is left alone).
 //!
 //! Owns the answer to an AdmissionReview v1 for a pod: a JSONPatch, or none. Reads its
-//! settings (image, ports, resources, the release whose limits the sidecars mount) from one
-//! file, the injector's ConfigMap, at each review: an upgrade is one change there and a
-//! rollout. Must never: refuse a pod (what it cannot inject is admitted as it is, the reason in
-//! a warning to the client and a log line), inject its own namespace or `kube-system`, or
-//! inject a pod twice.
+//! settings (image, ports, resources, the name of the limits release each namespace has) from
+//! one file, the injector's ConfigMap, at each review: an upgrade is one change there and a
+//! rollout. A pod mounts the limits of the release in its own namespace (ConfigMaps do not
+//! cross namespaces): `release` of the settings, or the pod's `spillway.dev/release`. Must
+//! never: refuse a pod (what it cannot inject is admitted as it is, the reason in a warning to
+//! the client and a log line), inject its own namespace or `kube-system`, inject a pod twice,
+//! or hold more than a few bounded bodies at once (any pod of the cluster can reach it).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -25,9 +27,22 @@ use crate::control::server::{self, Body, Running};
 
 /// The label (on a namespace) and annotation (on a pod) that ask for the sidecar.
 pub const INJECT: &str = "spillway.dev/inject";
-/// Pod annotations that say which container and port the sidecar fronts.
+/// Pod annotations that say which container and port the sidecar fronts, and which release
+/// of the pod's namespace holds its limits.
 pub const CONTAINER: &str = "spillway.dev/container";
 pub const PORT: &str = "spillway.dev/port";
+pub const RELEASE: &str = "spillway.dev/release";
+
+/// The largest review read: a pod is at most about 1.5 MiB in etcd, and a CREATE's review
+/// carries it once.
+const MAX_REVIEW: usize = 3 << 20;
+/// The most JSON values (arrays, objects, scalars) a review may hold: a real pod has a few
+/// thousand; a body of `[0,0,...]` parses into about 50 bytes a value.
+const MAX_VALUES: usize = 200_000;
+/// Reviews read and decided at once; more wait for a turn (up to [`TURN_WAIT`]).
+const REVIEWS_AT_ONCE: usize = 4;
+/// How long a review waits for a turn, and for its body: well within the webhook's timeout.
+const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The pods of `text` (what `kubectl get namespaces,pods -A -o yaml` prints: documents, or
 /// a List) that asked for the sidecar, by their namespace's label or their own annotation,
@@ -99,7 +114,7 @@ pub fn settings(path: &Path) -> Result<Options, String> {
         serde_norway::from_str(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     if opts.release.is_none() && opts.config_map.is_none() {
         return Err(format!(
-            "{}: name the release whose limits the sidecars take (release: <full name>), or a config_map",
+            "{}: name the release each namespace holds its limits in (release: <full name>), or a config_map",
             path.display()
         ));
     }
@@ -125,6 +140,9 @@ pub fn decide(request: &Json, opts: &Options, own: &str, every: bool) -> Decisio
     if request["kind"]["kind"] != "Pod" || request["operation"] != "CREATE" || !pod.is_object() {
         return Decision::Leave;
     }
+    if !pod["metadata"].is_object() || !pod["spec"].is_object() {
+        return Decision::Cannot("a pod without metadata or spec".into());
+    }
     let annotations = &pod["metadata"]["annotations"];
     let asked = annotations[INJECT].as_str();
     if asked == Some("disabled") || !(every || asked == Some("enabled")) {
@@ -142,6 +160,30 @@ pub fn decide(request: &Json, opts: &Options, own: &str, every: bool) -> Decisio
     }
     if let Some(p) = annotations[PORT].as_str() {
         opts.port = Some(p.to_string());
+    }
+    if let Some(r) = annotations[RELEASE].as_str() {
+        // A release's name, as Helm takes it: it becomes a label value and object names.
+        let valid = !r.is_empty()
+            && r.len() <= 53
+            && r.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !r.starts_with('-')
+            && !r.ends_with('-');
+        if !valid {
+            return Decision::Cannot(format!(
+                "{RELEASE}: {r:?} is not a release name (lowercase letters, digits and -, at most 53)"
+            ));
+        }
+        opts.release = Some(r.to_string());
+        opts.key_secret = None;
+    }
+    // On the node's network the sidecar would take the node's ports 4180 and 9901, and the
+    // second such pod on a node would never start.
+    if pod["spec"]["hostNetwork"] == true {
+        return Decision::Cannot(
+            "a pod on the node's network (hostNetwork): the sidecar would take the node's ports"
+                .into(),
+        );
     }
     // A pod that ends (a Job's) never completes beside a classic sidecar.
     let restart = pod["spec"]["restartPolicy"].as_str().unwrap_or("Always");
@@ -161,13 +203,14 @@ pub fn decide(request: &Json, opts: &Options, own: &str, every: bool) -> Decisio
         Err(e) => return Decision::Cannot(format!("the pod could not be read: {e}")),
     };
     let mut said = Vec::new();
-    if let Err(e) = inject_one(&mut doc, &opts, &mut said) {
-        return Decision::Cannot(e);
-    }
-    let Some(what) = said.pop().filter(|s| s.contains(": injected")) else {
-        // Already injected (inject_one says so): the same pod again changes nothing.
-        return Decision::Leave;
+    let (what, fronted) = match inject_one(&mut doc, &opts, &mut said) {
+        Ok((_, fronted)) => (said.pop().unwrap_or_default(), fronted),
+        Err(e) => return Decision::Cannot(e),
     };
+    if fronted.is_none() {
+        // Already injected: the same pod again changes nothing.
+        return Decision::Leave;
+    }
     let after: Json = match serde_json::to_value(&doc) {
         Ok(a) => a,
         Err(e) => return Decision::Cannot(format!("the injected pod could not be written: {e}")),
@@ -208,13 +251,52 @@ struct State {
     namespace: String,
     pods: IntCounterVec,
     registry: Registry,
+    turns: tokio::sync::Semaphore,
+}
+
+/// A review's body within [`MAX_REVIEW`] bytes and [`MAX_VALUES`] values, read within `until`.
+async fn read_review(req: Request<Incoming>, until: tokio::time::Instant) -> Result<Json, String> {
+    use http_body_util::BodyExt;
+    let announced = req
+        .headers()
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if announced.is_some_and(|n| n > MAX_REVIEW) {
+        return Err(format!("a review larger than {MAX_REVIEW} bytes"));
+    }
+    let body = http_body_util::Limited::new(req.into_body(), MAX_REVIEW);
+    let bytes = match tokio::time::timeout_at(until, body.collect()).await {
+        Ok(Ok(b)) => b.to_bytes(),
+        Ok(Err(e)) => return Err(format!("the review could not be read: {e}")),
+        Err(_) => return Err("the review came too slowly".into()),
+    };
+    // Each value but the last is followed by a comma or a closing bracket: counted before
+    // parsing, so that a body of tiny values never becomes hundreds of megabytes.
+    let values = bytes
+        .iter()
+        .filter(|b| matches!(b, b',' | b'[' | b'{'))
+        .count();
+    if values > MAX_VALUES {
+        return Err(format!("a review of more than {MAX_VALUES} values"));
+    }
+    serde_json::from_slice(&bytes).map_err(|e| format!("malformed review: {e}"))
 }
 
 impl State {
     async fn review(&self, req: Request<Incoming>, every: bool) -> http::Response<Body> {
-        let (review, _turn): (Json, _) = match server::read_json(req, "admission").await {
+        let until = tokio::time::Instant::now() + TURN_WAIT;
+        let Ok(Ok(_turn)) = tokio::time::timeout_at(until, self.turns.acquire()).await else {
+            self.pods.with_label_values(&["busy"]).inc();
+            let mut resp = server::error(StatusCode::SERVICE_UNAVAILABLE, "busy; retry");
+            resp.headers_mut().insert(
+                http::header::RETRY_AFTER,
+                http::HeaderValue::from_static("1"),
+            );
+            return resp;
+        };
+        let review = match read_review(req, until).await {
             Ok(r) => r,
-            Err(resp) => return resp,
+            Err(e) => return server::error(StatusCode::BAD_REQUEST, &e),
         };
         let request = &review["request"];
         if review["kind"] != "AdmissionReview" || !request.is_object() {
@@ -259,7 +341,7 @@ pub async fn start(opts: InjectorOptions) -> std::io::Result<Running> {
     let pods = IntCounterVec::new(
         Opts::new(
             "spillway_injector_pods_total",
-            "Pods reviewed, by result: injected, not_injected (asked for, but could not be: see the log), left (not asked for, or injected already).",
+            "Pods reviewed, by result: injected, not_injected (asked for, but could not be: see the log), left (not asked for, or injected already), busy (no turn: the API server's failurePolicy decides).",
         ),
         &["result"],
     )
@@ -270,6 +352,7 @@ pub async fn start(opts: InjectorOptions) -> std::io::Result<Running> {
         namespace: opts.namespace,
         pods,
         registry,
+        turns: tokio::sync::Semaphore::new(REVIEWS_AT_ONCE),
     });
     let (stop, stopped) = watch::channel(false);
     let s = state.clone();

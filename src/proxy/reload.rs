@@ -1,7 +1,8 @@
 //! Hot reload of the sidecar's configuration: parse and validate the whole file first, then
 //! one snapshot swap; rules whose identity is unchanged keep their per-key state.
 //!
-//! Owns what a reload may change while running (the rules, `headers`, the `redis` section)
+//! Owns what a reload may change while running (the rules, `headers`, the `redis` section,
+//! `log_rejections`, `admin_open`)
 //! and what it reports as needing a restart (listeners, upstream, workers, timeouts, limits,
 //! client_ip, the request hygiene fields, control_plane, service). Must never: change anything when the new file is bad,
 //! or run two reloads at once.
@@ -104,6 +105,8 @@ pub(super) async fn reload(
     active.headers = new.headers;
     active.redis = new.redis;
     active.log_rejections = new.log_rejections;
+    // Read at each admin request: what the new file opens (or shuts) applies now.
+    active.admin_open = new.admin_open;
     // The new rules' overrides under what runs (client_ip and path_match are restart
     // fields): keys distinct under the new file's prefixes may be one under the running ones.
     active

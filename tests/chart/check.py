@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -174,8 +175,8 @@ def lint_and_render():
                 # cert-manager's: no schema of it ships with Kubernetes.
                 spec = doc["spec"]
                 check(doc["apiVersion"] == "cert-manager.io/v1" and spec.get("secretName") and spec.get("issuerRef", {}).get("name")
-                      and all(n.endswith(".svc") or "." in n or n for n in spec.get("dnsNames", [])),
-                      f"{what}: cert-manager fields")
+                      and any(n.endswith(".svc") for n in spec.get("dnsNames", [])),
+                      f"{what}: cert-manager fields, and the Service's name among its DNS names")
                 continue
             if doc["kind"] in OPERATOR_REQUIRED:
                 ok = doc["apiVersion"] == "monitoring.coreos.com/v1" and all(k in doc["spec"] for k in OPERATOR_REQUIRED[doc["kind"]])
@@ -860,9 +861,18 @@ def injector():
     the pod validated against Kubernetes, its sidecar's config run through check-config."""
     import ssl
     chart = helm.Chart.load(CHART)
-    rendered = chart.render(VALUE_SETS["injector"], name="shop", namespace="spillway-system", is_install=True)
-    objects = {(d["kind"], d["metadata"]["name"]): d for p, t in rendered.items()
-               if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d}
+
+    def objects_of(values, name, namespace):
+        rendered = chart.render(values, name=name, namespace=namespace, is_install=True)
+        return {(d["kind"], d["metadata"]["name"]): d for p, t in rendered.items()
+                if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d}
+
+    # The control plane and the injector in spillway-system; a team's sidecar-only release,
+    # named as injector.release says, in the namespace whose pods are injected.
+    objects = objects_of(VALUE_SETS["injector"], "shop", "spillway-system")
+    team = objects_of({"service": "books", "controlPlane": {
+        "url": "http://shop-spillway-aggregator.spillway-system:7001", "token": {"existingSecret": "spillway-token"}}},
+        "spillway", "web")
     hooks = objects[("MutatingWebhookConfiguration", "shop-spillway-injector-spillway-system")]["webhooks"]
     check([h["clientConfig"]["service"]["path"] for h in hooks] == ["/inject", "/inject-annotated"]
           and all(h["failurePolicy"] == "Ignore" and "caBundle" in h["clientConfig"] for h in hooks)
@@ -870,7 +880,7 @@ def injector():
                   in h["namespaceSelector"]["matchExpressions"] for h in hooks),
           "injector: two webhooks (namespaces that asked, annotated pods), failurePolicy Ignore, never kube-system or its own")
     settings = objects[("ConfigMap", "shop-spillway-injector")]["data"]["injector.yaml"]
-    limits = yaml.safe_load(objects[("ConfigMap", "shop-spillway-limits")]["data"]["spillway.yaml"])
+    limits = yaml.safe_load(team[("ConfigMap", "spillway-limits")]["data"]["spillway.yaml"])
     d = tempfile.mkdtemp(prefix="spillway-injector-")
     run = lambda *a: subprocess.run(["openssl", *a], cwd=d, capture_output=True, check=True)
     run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test CA", "-keyout", "ca.key", "-out", "ca.crt")
@@ -937,9 +947,13 @@ def injector():
             spec = after["spec"]
             sidecar = next(c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "spillway")
             vols = {v["name"]: v for v in spec["volumes"]}
-            check(vols["spillway-config"]["configMap"]["name"] == "shop-spillway-limits"
-                  and after["metadata"]["labels"]["spillway.dev/sidecar"] == "shop-spillway",
-                  f"{what}: mounts the release's limits, labelled for its PodMonitor")
+            mounted = [("ConfigMap", vols["spillway-config"]["configMap"]["name"]),
+                       ("Secret", vols["spillway-key-secret"]["secret"]["secretName"])]
+            check(all(m in team for m in mounted)
+                  and vols["spillway-token"]["secret"]["secretName"] == "spillway-token"
+                  and after["metadata"]["labels"]["spillway.dev/sidecar"] == "spillway",
+                  f"{what}: mounts the limits and key Secret its own namespace's release renders {mounted}, "
+                  "the token that release names, and is labelled for that release's PodMonitor")
             defaults = yaml.safe_load(open(os.path.join(CHART, "values.yaml")))
             check(sidecar["resources"] == defaults["sidecar"]["resources"] and sidecar["image"].startswith("ghcr.io/spillway/spillway"),
                   f"{what}: the image and resources of the injector's settings")
@@ -968,6 +982,20 @@ def injector():
         plain["metadata"]["annotations"] = {"spillway.dev/inject": "enabled"}
         response = review("web", plain, "/inject-annotated")
         check("patch" in response, "injector: a pod annotated spillway.dev/inject: enabled is injected")
+        # Any pod can reach it: a body of tiny values or past 3 MiB is refused before it is
+        # parsed, and it still answers.
+        for what, body in [("a million and a half values", b'{"kind":"AdmissionReview","request":{"x":[' + b"0," * 1_400_000 + b"0]}}"),
+                           ("4 MiB", b'{"kind":"AdmissionReview","request":{"x":"' + b"a" * (4 << 20) + b'"}}')]:
+            req = urllib.request.Request(f"https://{addr}/inject", data=body, headers={"Content-Type": "application/json"})
+            try:
+                urllib.request.urlopen(req, context=tls, timeout=30)
+                status = 200
+            except urllib.error.HTTPError as e:
+                status = e.code
+            except (ConnectionError, urllib.error.URLError):
+                status = "closed"
+            check(status in (400, 413, "closed"), f"injector: a review of {what} is refused unparsed ({status})")
+        check(review("web", pod_of("Deployment", "books", "ReplicaSet")).get("patch"), "injector: still answers after them")
         # With failurePolicy Ignore a pod may start without it: check-injection finds it.
         injected = patched(plain, response)
         injected["metadata"].update(name="books-1", namespace="web")

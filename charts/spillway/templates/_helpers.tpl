@@ -323,7 +323,10 @@ token and CA Secrets as the chart's own sidecar mounts them. */}}
 {{- $cp := .Values.controlPlane -}}
 {{- $full := include "spillway.fullname" . -}}
 {{- $image := include "spillway.sidecarImage" .Values | fromJson -}}
-{{- $s := dict "release" $full "image" (include "spillway.imageOf" $image) "proxy_port" .Values.sidecar.port "admin_port" .Values.sidecar.adminPort -}}
+{{- $s := dict "release" $full "image" (include "spillway.imageOf" $image) "proxy_port" .Values.sidecar.port "admin_port" .Values.sidecar.adminPort "pre_stop_seconds" .Values.sidecar.preStopSeconds "drain_seconds" .Values.sidecar.drainSeconds -}}
+{{- with (.Values.sidecar.keySecret | default dict).existingSecret -}}
+{{- $_ := set $s "key_secret" . -}}
+{{- end -}}
 {{- if $cp.url -}}
 {{- $_ := set $s "token_secret" $cp.token.existingSecret -}}
 {{- else if $cp.enabled -}}

@@ -203,3 +203,64 @@ items:
         .contains("no namespaces"));
     assert!(uninjected("kind: [").is_err());
 }
+
+#[test]
+fn hostile_or_odd_pods_are_admitted_as_they_are_never_a_panic() {
+    for object in [
+        json!({ "metadata": "x", "spec": {} }),
+        json!({ "metadata": [], "spec": [] }),
+        json!({ "metadata": {}, "spec": 7 }),
+        json!({ "metadata": { "name": "p\u{7f}\u{85}" }, "spec": { "containers": "x" } }),
+        json!({ "metadata": { "annotations": "x" }, "spec": { "containers": [1, 2] } }),
+    ] {
+        let r = json!({ "kind": { "kind": "Pod" }, "operation": "CREATE", "namespace": "web", "object": object });
+        let d = decide(&r, &settings(), "spillway-system", true);
+        assert!(
+            matches!(d, Decision::Cannot(_) | Decision::Leave),
+            "{object}: {d:?}"
+        );
+    }
+    // On the node's network, the sidecar would take the node's ports.
+    let mut host = web();
+    host["hostNetwork"] = json!(true);
+    let r = review("web", json!({}), host);
+    assert!(matches!(
+        decide(&r["request"], &settings(), "ns", true),
+        Decision::Cannot(why) if why.contains("hostNetwork")
+    ));
+}
+
+#[test]
+fn a_pod_names_the_release_of_its_namespace_that_holds_its_limits() {
+    let opts = Options {
+        key_secret: Some("shared-key".into()),
+        ..settings()
+    };
+    let r = review("web", json!({ "spillway.dev/release": "books" }), web());
+    let Decision::Inject(patch, _) = decide(&r["request"], &opts, "ns", true) else {
+        panic!("not injected");
+    };
+    let volumes = patch[0]["value"]["volumes"].as_array().unwrap();
+    let source = |name: &str| {
+        let v = volumes.iter().find(|v| v["name"] == name).unwrap();
+        v["configMap"]["name"]
+            .as_str()
+            .or(v["secret"]["secretName"].as_str())
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(source("spillway-config"), "books-limits");
+    // The settings' key Secret is the settings' release's, not the one the pod names.
+    assert_eq!(source("spillway-key-secret"), "books-key-secret");
+    assert_eq!(patch[1]["value"]["spillway.dev/sidecar"], "books");
+    // A name that would make the pod invalid (a label value, object names) is refused.
+    let r = review(
+        "web",
+        json!({ "spillway.dev/release": "Books Team!" }),
+        web(),
+    );
+    assert!(matches!(
+        decide(&r["request"], &opts, "ns", true),
+        Decision::Cannot(why) if why.contains("not a release name")
+    ));
+}
