@@ -223,6 +223,9 @@ enum Command {
         /// The namespaces and pods; `-` reads stdin.
         #[arg(default_value = "-")]
         file: PathBuf,
+        /// The injector's namespace (never injected): its pods are not listed.
+        #[arg(long, default_value = "spillway-system")]
+        injector_namespace: String,
     },
     /// Run the admission webhook that adds the sidecar to pods as they are created, in
     /// namespaces labelled (or pods annotated) spillway.dev/inject: enabled; HTTPS only.
@@ -715,9 +718,13 @@ fn main() -> ExitCode {
                 Ok(())
             })
         }
-        Command::CheckInjection { file } => {
-            let found = read_input(&file)
-                .and_then(|text| spillway::internal::inject::webhook::uninjected(&text));
+        Command::CheckInjection {
+            file,
+            injector_namespace,
+        } => {
+            let found = read_input(&file).and_then(|text| {
+                spillway::internal::inject::webhook::uninjected(&text, &[&injector_namespace])
+            });
             match found {
                 Ok(missing) if missing.is_empty() => {
                     println!("every pod that asked for the sidecar runs with it");
@@ -725,7 +732,7 @@ fn main() -> ExitCode {
                 }
                 Ok(missing) => {
                     for pod in &missing {
-                        println!("{pod}: asked for the sidecar and runs without it (the injector was not reached when it was created): delete it, or restart its workload");
+                        println!("{pod}: asked for the sidecar and runs without it: the injector was unreachable when it was created (restart its workload), or could not inject it (its log and spillway_injector_pods_total{{result=\"not_injected\"}} say why)");
                     }
                     ExitCode::from(1)
                 }

@@ -46,9 +46,11 @@ const TURN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The pods of `text` (what `kubectl get namespaces,pods -A -o yaml` prints: documents, or
 /// a List) that asked for the sidecar, by their namespace's label or their own annotation,
-/// and run without it: `failurePolicy: Ignore` admits a pod when the injector is down.
-/// `namespace/name` each; an error when `text` is not YAML or holds no namespaces.
-pub fn uninjected(text: &str) -> Result<Vec<String>, String> {
+/// and run without it: `failurePolicy: Ignore` admits a pod when the injector is down, and
+/// one it could not inject is admitted as it is. Not `skip`'s namespaces (the injector's own),
+/// kube-system, or a namespace labelled `disabled`. `namespace/name` each; an error when
+/// `text` is not YAML or holds no namespaces.
+pub fn uninjected(text: &str, skip: &[&str]) -> Result<Vec<String>, String> {
     use serde::Deserialize as _;
     let mut objects: Vec<Json> = Vec::new();
     for (i, doc) in serde_norway::Deserializer::from_str(text).enumerate() {
@@ -59,12 +61,16 @@ pub fn uninjected(text: &str) -> Result<Vec<String>, String> {
             None => {}
         }
     }
-    let enabled: Vec<&str> = objects
-        .iter()
-        .filter(|o| o["kind"] == "Namespace")
-        .filter(|o| o["metadata"]["labels"][INJECT] == "enabled")
-        .filter_map(|o| o["metadata"]["name"].as_str())
-        .collect();
+    let labelled = |value: &str| -> Vec<&str> {
+        objects
+            .iter()
+            .filter(|o| o["kind"] == "Namespace")
+            .filter(|o| o["metadata"]["labels"][INJECT] == value)
+            .filter_map(|o| o["metadata"]["name"].as_str())
+            .collect()
+    };
+    // As the webhooks see them: a namespace labelled disabled sends no pod to either.
+    let (enabled, disabled) = (labelled("enabled"), labelled("disabled"));
     if !objects.iter().any(|o| o["kind"] == "Namespace") {
         return Err(
             "no namespaces in the input: pipe kubectl get namespaces,pods -A -o yaml".into(),
@@ -84,7 +90,8 @@ pub fn uninjected(text: &str) -> Result<Vec<String>, String> {
                 .as_array()
                 .is_some_and(|cs| cs.iter().any(|c| c["name"] == super::SIDECAR))
         });
-        if asked && !has && namespace != "kube-system" {
+        let seen = namespace != "kube-system" && !skip.contains(&namespace);
+        if asked && !has && seen && !disabled.contains(&namespace) {
             missing.push(format!(
                 "{namespace}/{}",
                 meta["name"].as_str().unwrap_or("?")
@@ -313,12 +320,13 @@ impl State {
             .unwrap_or_default();
         let namespace = request["namespace"].as_str().unwrap_or_default();
         let result = match &decision {
+            // Debug-quoted too: what was done names the pod's ports.
             Decision::Inject(_, what) => {
-                tracing::info!(pod = ?pod, namespace = ?namespace, "{what}");
+                tracing::info!(pod = ?pod, namespace = ?namespace, done = ?what, "injected");
                 "injected"
             }
             Decision::Cannot(why) => {
-                tracing::warn!(pod = ?pod, namespace = ?namespace, "not injected: {why}");
+                tracing::warn!(pod = ?pod, namespace = ?namespace, why = ?why, "not injected");
                 "not_injected"
             }
             Decision::Leave => "left",

@@ -197,11 +197,18 @@ items:
   - { apiVersion: v1, kind: Pod, metadata: { name: e, namespace: batch, annotations: { spillway.dev/inject: enabled } }, spec: { containers: [{ name: app }] } }
   - { apiVersion: v1, kind: Pod, metadata: { name: f, namespace: batch }, spec: { containers: [{ name: app }] } }
 "#;
-    assert_eq!(uninjected(list).unwrap(), ["web/a", "batch/e"]);
-    assert!(uninjected("kind: Pod\nmetadata: { name: x }\n")
+    assert_eq!(uninjected(list, &[]).unwrap(), ["web/a", "batch/e"]);
+    // The injector's own namespace is never injected: not listed.
+    assert_eq!(uninjected(list, &["batch"]).unwrap(), ["web/a"]);
+    let off = list.replace(
+        "name: batch }",
+        "name: batch, labels: { spillway.dev/inject: disabled } }",
+    );
+    assert_eq!(uninjected(&off, &[]).unwrap(), ["web/a"]);
+    assert!(uninjected("kind: Pod\nmetadata: { name: x }\n", &[])
         .unwrap_err()
         .contains("no namespaces"));
-    assert!(uninjected("kind: [").is_err());
+    assert!(uninjected("kind: [", &[]).is_err());
 }
 
 #[test]
