@@ -838,19 +838,25 @@ def pair():
             if cm is None:
                 continue
             sidecar = next(c for c in pod["initContainers"] if c["name"] == "spillway")
-            args = sidecar["args"]
-            config = yaml.safe_load(cm["data"]["spillway.yaml"])
-            for flag in ("--listen", "--admin", "--upstream"):
-                config[flag[2:]] = args[args.index(flag) + 1]
+            config = sidecar_config(who, yaml.safe_load(cm["data"]["spillway.yaml"]), sidecar["args"])
             declared = {p["containerPort"] for p in sidecar["ports"]}
             check({int(config["listen"].rsplit(":", 1)[1]), int(config["admin"].rsplit(":", 1)[1])} == declared,
                   f"{who}: the sidecar listens on the ports it declares {declared}")
-            with tempfile.TemporaryDirectory() as d:
-                path = os.path.join(d, "spillway.yaml")
-                with open(path, "w") as f:
-                    yaml.safe_dump(config, f)
-                r = subprocess.run([BIN, "check-config", "--skip-files", path], capture_output=True, text=True)
-                check(r.returncode == 0, f"{who}: its sidecar's config passes check-config {r.stderr.strip()}")
+
+
+def sidecar_config(who, limits, args):
+    """The limits file as an injected sidecar runs it (its --listen, --admin and --upstream
+    over the file's), checked by check-config; returned."""
+    config = dict(limits)
+    for flag in ("--listen", "--admin", "--upstream"):
+        config[flag[2:]] = args[args.index(flag) + 1]
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "spillway.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(config, f)
+        r = subprocess.run([BIN, "check-config", "--skip-files", path], capture_output=True, text=True)
+        check(r.returncode == 0, f"{who}: its sidecar's config passes check-config {r.stderr.strip()}")
+    return config
 
 
 def injector():
@@ -957,14 +963,7 @@ def injector():
             defaults = yaml.safe_load(open(os.path.join(CHART, "values.yaml")))
             check(sidecar["resources"] == defaults["sidecar"]["resources"] and sidecar["image"].startswith("ghcr.io/spillway/spillway"),
                   f"{what}: the image and resources of the injector's settings")
-            config = dict(limits)
-            for flag in ("--listen", "--admin", "--upstream"):
-                config[flag[2:]] = sidecar["args"][sidecar["args"].index(flag) + 1]
-            path = os.path.join(d, "sidecar.yaml")
-            with open(path, "w") as f:
-                yaml.safe_dump(config, f)
-            r = subprocess.run([BIN, "check-config", "--skip-files", path], capture_output=True, text=True)
-            check(r.returncode == 0, f"{what}: its sidecar's config passes check-config {r.stderr.strip()}")
+            sidecar_config(what, limits, sidecar["args"])
             again = review("web", after)
             check(again["allowed"] and "patch" not in again, f"{what}: injected again, left as it is")
         # Asked for, but not possible: admitted as it is, and why.

@@ -316,14 +316,21 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
 
+{{/* The injected sidecar itself, as JSON from a values dict: its image, ports, pause and
+drain (inject's options, and the injector's settings). */}}
+{{- define "spillway.injectedSidecar" -}}
+{{- $image := include "spillway.sidecarImage" . | fromJson -}}
+{{- dict "image" (include "spillway.imageOf" $image) "proxy_port" .sidecar.port "admin_port" .sidecar.adminPort "pre_stop_seconds" .sidecar.preStopSeconds "drain_seconds" .sidecar.drainSeconds | toJson -}}
+{{- end -}}
+
 {{/* What a sidecar injected for this release is, as JSON (the injector's settings, and the
 flags NOTES gives `spillway inject`): the release, the sidecar's image and ports, and the
 token and CA Secrets as the chart's own sidecar mounts them. */}}
 {{- define "spillway.injectFor" -}}
 {{- $cp := .Values.controlPlane -}}
 {{- $full := include "spillway.fullname" . -}}
-{{- $image := include "spillway.sidecarImage" .Values | fromJson -}}
-{{- $s := dict "release" $full "image" (include "spillway.imageOf" $image) "proxy_port" .Values.sidecar.port "admin_port" .Values.sidecar.adminPort "pre_stop_seconds" .Values.sidecar.preStopSeconds "drain_seconds" .Values.sidecar.drainSeconds -}}
+{{- $s := include "spillway.injectedSidecar" .Values | fromJson -}}
+{{- $_ := set $s "release" $full -}}
 {{- with (.Values.sidecar.keySecret | default dict).existingSecret -}}
 {{- $_ := set $s "key_secret" . -}}
 {{- end -}}
