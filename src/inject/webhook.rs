@@ -33,11 +33,11 @@ pub const CONTAINER: &str = "spillway.dev/container";
 pub const PORT: &str = "spillway.dev/port";
 pub const RELEASE: &str = "spillway.dev/release";
 
-/// The largest review read: a pod is at most about 1.5 MiB in etcd, and a CREATE's review
+/// The largest review read: a pod is bounded by etcd's object size, and a CREATE's review
 /// carries it once.
 const MAX_REVIEW: usize = 3 << 20;
 /// The most JSON values (arrays, objects, scalars) a review may hold: a real pod has a few
-/// thousand; a body of `[0,0,...]` parses into about 50 bytes a value.
+/// thousand; a body of `[0,0,...]` parses into many times its size.
 const MAX_VALUES: usize = 200_000;
 /// Reviews read and decided at once; more wait for a turn (up to [`TURN_WAIT`]).
 const REVIEWS_AT_ONCE: usize = 4;
