@@ -3,11 +3,21 @@
 //! Owns every metric family and the label sets they may carry. Labels never carry raw keys
 //! (unbounded and possibly personal): only rule names from the config and fixed enums. The
 //! request path only touches pre-resolved handles (`IntCounter`, `Histogram`): an atomic add.
+//! Must never: export a label a scraper sets itself (`service`, `namespace`, `pod`, `job`,
+//! `instance`, `endpoint`: the Prometheus Operator would rename ours `exported_*`), nor the
+//! Redis families before a Redis is configured. Every histogram has [`SECONDS_BUCKETS`].
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
+
+/// Every histogram's bounds, in seconds: round decimal steps from 100 µs to 30 s, so that a
+/// query or an alert can name a bound as people write it (`le="0.25"`).
+pub const SECONDS_BUCKETS: [f64; 17] = [
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+    5.0, 10.0, 30.0,
+];
 
 /// Why Spillway answered a request itself, not for a limit: the label it is counted by, the
 /// `reason` of `spillway_bad_requests_total` for the request's own faults ([`Reason::ALL`]),
@@ -182,7 +192,8 @@ impl RedisError {
     }
 }
 
-/// The Redis mode's families, handles resolved once.
+/// The Redis mode's families, handles resolved once; registered by [`Metrics::redis_in_use`]
+/// (a process without Redis shows none of them).
 #[derive(Clone)]
 pub struct RedisMetrics {
     pub duration: Histogram,
@@ -207,13 +218,14 @@ impl RedisMetrics {
         &self.errors[kind as usize]
     }
 
-    fn new(registry: &Registry) -> Self {
+    /// The handles, and their families for [`Metrics::redis_in_use`] to register.
+    fn new() -> (Self, Vec<Family>) {
         let duration = Histogram::with_opts(
             HistogramOpts::new(
                 "spillway_redis_duration_seconds",
                 "Round trip of one Redis decision (EVALSHA), answered or not.",
             )
-            .buckets(prometheus::exponential_buckets(0.00005, 2.0, 14).expect("valid buckets")),
+            .buckets(SECONDS_BUCKETS.to_vec()),
         )
         .expect("valid metric");
         let errors = IntCounterVec::new(
@@ -263,19 +275,17 @@ impl RedisMetrics {
             &["rule"],
         )
         .expect("valid metric");
-        for c in [
-            Box::new(duration.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(new_keys_refused.clone()),
-            Box::new(errors.clone()),
-            Box::new(breaker_state.clone()),
-            Box::new(breaker_opened.clone()),
-            Box::new(connected.clone()),
-            Box::new(on_error.clone()),
-            Box::new(cache_answers.clone()),
-        ] {
-            registry.register(c).expect("metric names are unique");
-        }
-        RedisMetrics {
+        let collectors = vec![
+            Family(std::sync::Arc::new(duration.clone())),
+            Family(std::sync::Arc::new(new_keys_refused.clone())),
+            Family(std::sync::Arc::new(errors.clone())),
+            Family(std::sync::Arc::new(breaker_state.clone())),
+            Family(std::sync::Arc::new(breaker_opened.clone())),
+            Family(std::sync::Arc::new(connected.clone())),
+            Family(std::sync::Arc::new(on_error.clone())),
+            Family(std::sync::Arc::new(cache_answers.clone())),
+        ];
+        let redis = RedisMetrics {
             duration,
             errors: RedisError::ALL.map(|k| errors.with_label_values(&[k.label()])),
             breaker_state,
@@ -286,7 +296,21 @@ impl RedisMetrics {
             on_error_fallback: on_error.with_label_values(&["fallback"]),
             cache_answers,
             new_keys_refused,
-        }
+        };
+        (redis, collectors)
+    }
+}
+
+/// A metric family that can be registered after it was made (its handles already in use).
+#[derive(Clone)]
+struct Family(std::sync::Arc<dyn prometheus::core::Collector>);
+
+impl prometheus::core::Collector for Family {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.0.desc()
+    }
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.0.collect()
     }
 }
 
@@ -352,6 +376,13 @@ pub struct Metrics {
     pub control_plane_age: prometheus::Gauge,
     pub control_plane_stale: IntGauge,
     pub redis: RedisMetrics,
+    /// The Redis families, registered once by [`Metrics::redis_in_use`].
+    redis_families: Vec<Family>,
+    redis_shown: std::sync::Once,
+    /// `spillway_upstream_responses_total{code_class}`, by the status's first digit (1xx-5xx).
+    upstream_responses: [IntCounter; 5],
+    /// `spillway_rule_limit{rule, unit}`: each local rule's configured limit.
+    rule_limit: prometheus::GaugeVec,
     /// `spillway_config_last_reload_successful`.
     pub config_reload_ok: IntGauge,
     /// `spillway_config_reloads_total{result}`.
@@ -475,7 +506,7 @@ impl Metrics {
                 "spillway_request_duration_seconds",
                 "Time from request head to response head, by outcome.",
             )
-            .buckets(prometheus::exponential_buckets(0.0001, 2.5, 14).expect("valid buckets")),
+            .buckets(SECONDS_BUCKETS.to_vec()),
             &["outcome"],
         )
         .expect("valid metric");
@@ -493,6 +524,22 @@ impl Metrics {
                 "Upstream connections closed instead of reused, by reason: leftover (bytes past the response's framing), unasked_bytes (the upstream sent while idle), closed.",
             ),
             &["reason"],
+        )
+        .expect("valid metric");
+        let upstream_responses = IntCounterVec::new(
+            Opts::new(
+                "spillway_upstream_responses_total",
+                "Responses of the upstream forwarded to clients, by the status's class (1xx to 5xx).",
+            ),
+            &["code_class"],
+        )
+        .expect("valid metric");
+        let rule_limit = prometheus::GaugeVec::new(
+            Opts::new(
+                "spillway_rule_limit",
+                "Each local rule's configured limit per key: unit per_second for a rate (its count over its period), in_flight for concurrency.",
+            ),
+            &["rule", "unit"],
         )
         .expect("valid metric");
         let bad_requests = IntCounterVec::new(
@@ -586,6 +633,8 @@ impl Metrics {
             Box::new(delayed.clone()),
             Box::new(duration.clone()),
             Box::new(upstream.clone()),
+            Box::new(upstream_responses.clone()),
+            Box::new(rule_limit.clone()),
             Box::new(discarded.clone()),
             Box::new(send_timeouts.clone()),
             Box::new(access_dropped.clone()),
@@ -605,7 +654,7 @@ impl Metrics {
             duration.with_label_values(&["rejected"]),
             duration.with_label_values(&["error"]),
         ];
-        let redis = RedisMetrics::new(&registry);
+        let (redis, redis_families) = RedisMetrics::new();
         let reloads = IntCounterVec::new(
             Opts::new(
                 "spillway_config_reloads_total",
@@ -667,6 +716,8 @@ impl Metrics {
         }
         let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
         let upstream_discards = Unusable::ALL.map(|k| discarded.with_label_values(&[k.label()]));
+        let upstream_responses =
+            ["1xx", "2xx", "3xx", "4xx", "5xx"].map(|c| upstream_responses.with_label_values(&[c]));
         // Every reason shown at 0 before its first.
         let bad_requests = Reason::ALL.map(|r| bad_requests.with_label_values(&[r.label()]));
         Self {
@@ -701,6 +752,10 @@ impl Metrics {
             control_plane_age,
             control_plane_stale,
             redis,
+            redis_families,
+            redis_shown: std::sync::Once::new(),
+            upstream_responses,
+            rule_limit,
             config_reloads_ok: reloads.with_label_values(&["ok"]),
             config_reloads_error: reloads.with_label_values(&["error"]),
             config_loaded_at,
@@ -724,6 +779,46 @@ impl Metrics {
             false => self.config_reloads_error.inc(),
         }
         self.config_reload_ok.set(ok.into());
+    }
+
+    /// Registers the Redis families (once): called where a Redis store is made, so that a
+    /// process that never had one exports none of their series.
+    pub fn redis_in_use(&self) -> &RedisMetrics {
+        self.redis_shown.call_once(|| {
+            for f in &self.redis_families {
+                self.registry
+                    .register(Box::new(f.clone()))
+                    .expect("metric names are unique");
+            }
+        });
+        &self.redis
+    }
+
+    /// `spillway_upstream_responses_total` of `status`'s class (a status past 599 as 5xx).
+    #[inline]
+    pub fn upstream_response(&self, status: http::StatusCode) -> &IntCounter {
+        let class = usize::from(status.as_u16() / 100).clamp(1, 5) - 1;
+        &self.upstream_responses[class]
+    }
+
+    /// Sets `spillway_rule_limit` to `rules`' local limits, forgetting rules no longer there.
+    pub fn show_limits(&self, rules: &[crate::config::Rule]) {
+        use crate::config::{Limit, Scope};
+        self.rule_limit.reset();
+        for r in rules.iter().filter(|r| r.scope == Scope::Local) {
+            match &r.limit {
+                Limit::Rate { rate, .. } => self
+                    .rule_limit
+                    .with_label_values(&[&r.name.0, "per_second"])
+                    .set(rate.per_sec()),
+                Limit::Concurrency(n) => self
+                    .rule_limit
+                    .with_label_values(&[&r.name.0, "in_flight"])
+                    .set(f64::from(n.get())),
+                // Its limit moves: `spillway_adaptive_limit`.
+                Limit::Adaptive(_) => {}
+            }
+        }
     }
 
     #[inline]
@@ -837,5 +932,106 @@ mod tests {
             assert!(text.contains(&series), "{series} in\n{text}");
         }
         assert!(text.contains("spillway_upstream_errors_total{kind=\"saturated\"} 1\n"));
+    }
+
+    /// The label names and the `le` bounds of every series `m` renders.
+    fn labels_and_bounds(m: &Metrics) -> (std::collections::BTreeSet<String>, Vec<Vec<f64>>) {
+        let mut labels = std::collections::BTreeSet::new();
+        let mut bounds = Vec::new();
+        for family in m.registry.gather() {
+            for metric in family.get_metric() {
+                labels.extend(metric.get_label().iter().map(|l| l.name().to_string()));
+                if family.get_field_type() == prometheus::proto::MetricType::HISTOGRAM {
+                    let h = metric.get_histogram();
+                    bounds.push(h.get_bucket().iter().map(|b| b.upper_bound()).collect());
+                }
+            }
+        }
+        (labels, bounds)
+    }
+
+    #[test]
+    fn no_label_a_scraper_sets_and_every_histogram_on_round_bounds() {
+        let m = Metrics::for_service("shop");
+        m.redis_in_use();
+        m.duration(Outcome::Upstream).observe(0.01);
+        m.redis.duration.observe(0.001);
+        let (labels, bounds) = labels_and_bounds(&m);
+        for taken in ["service", "namespace", "pod", "job", "instance", "endpoint"] {
+            assert!(!labels.contains(taken), "{taken} in {labels:?}");
+        }
+        assert!(labels.contains(SERVICE_LABEL), "{labels:?}");
+        assert_eq!(bounds.len(), 4, "three outcomes and Redis's");
+        for b in bounds {
+            assert_eq!(b, SECONDS_BUCKETS, "bounds of a histogram");
+        }
+        assert!(SECONDS_BUCKETS.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!((SECONDS_BUCKETS[0], SECONDS_BUCKETS[16]), (0.0001, 30.0));
+    }
+
+    #[test]
+    fn redis_series_appear_only_once_a_redis_is_in_use() {
+        let m = Metrics::for_service("shop");
+        let text = String::from_utf8(m.render()).unwrap();
+        assert!(!text.contains("spillway_redis_"), "{text}");
+        m.redis_in_use().connected.set(1);
+        m.redis_in_use();
+        let text = String::from_utf8(m.render()).unwrap();
+        assert!(text.contains("spillway_redis_connected{spillway_service=\"shop\"} 1\n"));
+        assert!(text.contains("spillway_redis_breaker_state"), "{text}");
+    }
+
+    #[test]
+    fn upstream_responses_count_by_class() {
+        let m = Metrics::new();
+        for code in [101, 200, 204, 302, 404, 429, 503, 599, 999] {
+            m.upstream_response(http::StatusCode::from_u16(code).unwrap())
+                .inc();
+        }
+        let text = String::from_utf8(m.render()).unwrap();
+        for (class, n) in [("1xx", 1), ("2xx", 2), ("3xx", 1), ("4xx", 2), ("5xx", 3)] {
+            let series =
+                format!("spillway_upstream_responses_total{{code_class=\"{class}\"}} {n}\n");
+            assert!(text.contains(&series), "{series} in\n{text}");
+        }
+    }
+
+    #[test]
+    fn rule_limits_show_local_rules_and_forget_removed_ones() {
+        let rules = |yaml: &str| {
+            crate::config::Config::from_yaml(
+                &format!("service: s\nlisten: 127.0.0.1:0\nupstream: http://127.0.0.1:1\ncontrol_plane: {{ url: 'http://127.0.0.1:2' }}\nrules:\n{yaml}"),
+                "t",
+            )
+            .unwrap()
+            .rules
+        };
+        let m = Metrics::new();
+        m.show_limits(&rules(
+            "  - { name: a, key: [client_ip], limit: { rate: 30/m } }\n  - { name: b, key: [], limit: { concurrency: 8 } }\n  - { name: g, key: [client_ip], limit: { rate: 5/s }, scope: global }\n",
+        ));
+        let text = String::from_utf8(m.render()).unwrap();
+        assert!(
+            text.contains("spillway_rule_limit{rule=\"a\",unit=\"per_second\"} 0.5\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("spillway_rule_limit{rule=\"b\",unit=\"in_flight\"} 8\n"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("rule_limit{rule=\"g\""),
+            "a global rule's limit is the controller's: {text}"
+        );
+        m.show_limits(&rules("  - { name: c, key: [], limit: { rate: 2/s } }\n"));
+        let text = String::from_utf8(m.render()).unwrap();
+        assert!(
+            text.contains("spillway_rule_limit{rule=\"c\",unit=\"per_second\"} 2\n"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("rule_limit{rule=\"a\""),
+            "a removed rule is forgotten: {text}"
+        );
     }
 }

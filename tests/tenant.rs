@@ -308,7 +308,7 @@ async fn the_controllers_metrics_show_rules_only_to_who_may_read_them() {
         body.lines()
             .filter(|l| {
                 l.starts_with("spillway_controller_offered_requests_per_second{")
-                    && l.contains(&format!("service=\"{service}\""))
+                    && l.contains(&format!("spillway_service=\"{service}\""))
             })
             .count()
     };

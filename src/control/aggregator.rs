@@ -660,10 +660,13 @@ pub async fn start(opts: AggregatorOptions) -> std::io::Result<Running> {
         &["result"],
     )
     .expect("valid metric");
-    let forward_seconds = Histogram::with_opts(HistogramOpts::new(
-        "spillway_aggregator_forward_seconds",
-        "Round trip of a forward to the controller.",
-    ))
+    let forward_seconds = Histogram::with_opts(
+        HistogramOpts::new(
+            "spillway_aggregator_forward_seconds",
+            "Round trip of a forward to the controller.",
+        )
+        .buckets(crate::metrics::SECONDS_BUCKETS.to_vec()),
+    )
     .expect("valid metric");
     registry
         .register(Box::new(reports.clone()))

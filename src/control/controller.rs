@@ -400,7 +400,13 @@ fn shorten(key: &str) -> String {
 }
 
 fn gauge(registry: &Registry, name: &str, help: &str) -> GaugeVec {
-    let g = GaugeVec::new(Opts::new(name, help), &["service", "rule"]).expect("valid metric");
+    // `spillway_service`, as the proxies label theirs: a scraper's own `service` would rename
+    // a `service` label of ours.
+    let g = GaugeVec::new(
+        Opts::new(name, help),
+        &[crate::metrics::SERVICE_LABEL, "rule"],
+    )
+    .expect("valid metric");
     registry.register(Box::new(g.clone())).expect("unique");
     g
 }

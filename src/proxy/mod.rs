@@ -140,7 +140,7 @@ impl Sidecar {
                     redis,
                     &config.service.0,
                     &secret,
-                    metrics.redis.clone(),
+                    metrics.redis_in_use().clone(),
                     clock.clone(),
                 )
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
@@ -151,6 +151,7 @@ impl Sidecar {
         };
         let rules =
             RuleSet::build_with_ratios(&config, &metrics, ratios.clone()).with_secret(secret);
+        metrics.show_limits(&config.rules);
         #[cfg(feature = "redis")]
         let rules = rules.with_store(crate::exact::store(&exact));
         let (stop, stopped) = watch::channel(false);

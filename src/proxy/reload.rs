@@ -153,6 +153,7 @@ pub(super) async fn reload(
         .filter(|n| !kept.contains(n))
         .collect();
     shared.rules.store(rules);
+    shared.metrics.show_limits(&active.rules);
     #[cfg(feature = "redis")]
     shared.exact.store(exact);
     shared.config.store(Arc::new(active));
@@ -267,7 +268,7 @@ async fn redis(
         redis,
         &old.service.0,
         shared.rules.load().secret(),
-        shared.metrics.redis.clone(),
+        shared.metrics.redis_in_use().clone(),
         shared.clock.clone(),
     )
     .map_err(|message| ConfigError::Invalid {

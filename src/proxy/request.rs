@@ -266,6 +266,7 @@ pub(super) async fn handle(conn: &Conn, req: &mut Request<ReqBody>) -> Reply {
         if let Some(idle) = admit.body_idle {
             resp.head.extensions_mut().insert(response::BodyIdle(idle));
         }
+        metrics.upstream_response(resp.head.status()).inc();
         Outcome::Upstream
     } else {
         Outcome::Error
