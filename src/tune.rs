@@ -7,12 +7,14 @@
 //! shadow rules whose would-be rejections stayed under a threshold to `mode: enforce`.
 //!
 //! Demand is offered requests: allowed + rejected + shadow_rejected, so limiting does not hide
-//! it. Only the config's service is read (the `spillway_service` label; `--selector` narrows
-//! further). A local rule's peak is the busiest replica's, a global or redis rule's the fleet's.
+//! it. Only the config's service is read: the `spillway_service` label, which any pod can
+//! export, and `--namespace`, a target label Prometheus sets and no pod can (`--selector`
+//! narrows further). A local rule's peak is the busiest replica's, a global or redis rule's the fleet's.
 //! History is per rule (metrics never carry keys), so proposals are made for rules with one
 //! bucket (`key: []`); keyed rules are listed as skipped, with their rule-wide peak. The config
 //! is edited as text (comments and layout survive) and the result is validated before it is
-//! written. Must never: raise a limit without saying so, or propose from too little history.
+//! written. Must never: raise a limit without saying so, raise one more than tenfold without
+//! `--allow-raise`, or propose from too little history.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -38,10 +40,23 @@ pub struct Options {
     /// A file holding a bearer token to send to Prometheus (or the proxy in front of it).
     #[arg(long)]
     pub bearer_token_file: Option<std::path::PathBuf>,
-    /// More label matchers for every series read, e.g. `namespace="shop",cluster="eu-1"` (the
-    /// config's service is always matched, by the `spillway_service` label).
+    /// The namespace the service's sidecars run in: matched on Prometheus's `namespace`
+    /// target label, which a pod cannot set (so another team's pod exporting this service's
+    /// name is not read). Required, unless --all-namespaces.
+    #[arg(long, env = "SPILLWAY_NAMESPACE", required_unless_present = "all_namespaces", value_parser = parse_namespace)]
+    pub namespace: Option<String>,
+    /// Read the service's series from every namespace (a Prometheus without a namespace
+    /// label); any pod exporting the service's name then counts.
+    #[arg(long, conflicts_with = "namespace")]
+    pub all_namespaces: bool,
+    /// More label matchers for every series read, e.g. `cluster="eu-1"` (the config's
+    /// service is always matched, by the `spillway_service` label).
     #[arg(long)]
     pub selector: Option<String>,
+    /// Propose a limit more than ten times the current one (refused otherwise: a history that
+    /// high is more likely forged or broken than real).
+    #[arg(long)]
+    pub allow_raise: bool,
     #[arg(long, default_value = "28d", value_parser = crate::config::parse_duration)]
     pub lookback: Duration,
     /// Proposed limit = observed peak x (1 + margin).
@@ -76,6 +91,21 @@ impl std::str::FromStr for Quantile {
             "p99" => Ok(Quantile::P99),
             _ => Err(format!("{s:?}: expected max or p99")),
         }
+    }
+}
+
+/// A Kubernetes namespace name: a DNS label.
+pub fn parse_namespace(s: &str) -> Result<String, String> {
+    let label = |b: u8| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-';
+    let ok = (1..=63).contains(&s.len())
+        && s.bytes().all(label)
+        && !s.starts_with('-')
+        && !s.ends_with('-');
+    match ok {
+        true => Ok(s.to_string()),
+        false => Err(format!(
+            "{s:?}: not a namespace name (lower-case letters, digits and '-', at most 63)"
+        )),
     }
 }
 
@@ -124,6 +154,9 @@ pub struct Tuned {
     /// The config with the proposals applied and their rules in shadow mode.
     pub text: String,
 }
+
+/// The most a proposal may multiply a limit by without `--allow-raise`.
+const MAX_RAISE: u64 = 10;
 
 /// Reads the history of every rule of `path` and proposes limits.
 pub async fn tune(path: &Path, opts: &Options) -> Result<Tuned, String> {
@@ -184,6 +217,12 @@ pub async fn tune(path: &Path, opts: &Options) -> Result<Tuned, String> {
                     let old = u64::from(rate.count.get());
                     if count == old {
                         Proposal::Unchanged
+                    } else if count > old.saturating_mul(MAX_RAISE) && !opts.allow_raise {
+                        Proposal::Skipped(format!(
+                            "{count}/{} would raise it {:.0}x, past {MAX_RAISE}x: check the history, then --allow-raise",
+                            current.split_once('/').map_or("s", |(_, u)| u),
+                            count as f64 / old as f64
+                        ))
                     } else {
                         let unit = current.split_once('/').map_or("s", |(_, u)| u);
                         let new_rate = format!("{count}/{unit}");
@@ -385,13 +424,18 @@ pub fn render_promote(rows: &[PromoteRow], opts: &Options) -> String {
     out
 }
 
-/// The extra label matchers of every selector: `,spillway_service="<service>"` and the user's.
+/// The extra label matchers of every selector: `,spillway_service="<service>"`, the
+/// namespace's and the user's.
 fn selector(config: &Config, opts: &Options) -> String {
     let mut sel = format!(
         ",{}=\"{}\"",
         crate::metrics::SERVICE_LABEL,
         config.service.0
     );
+    if let Some(ns) = opts.namespace.as_deref().filter(|_| !opts.all_namespaces) {
+        // A DNS label (`parse_namespace`): nothing in it needs escaping.
+        let _ = write!(sel, ",namespace=\"{ns}\"");
+    }
     if let Some(extra) = opts
         .selector
         .as_deref()
@@ -707,6 +751,18 @@ rules:
         assert_eq!(parse_fraction("0.1").unwrap(), 0.1);
         assert!(parse_fraction("lots").is_err());
         assert!(parse_fraction("-5%").is_err());
+        assert_eq!(parse_namespace("shop-2").unwrap(), "shop-2");
+        for bad in [
+            "",
+            "Shop",
+            "shop\"}",
+            "-shop",
+            "shop-",
+            "a.b",
+            &"a".repeat(64),
+        ] {
+            assert!(parse_namespace(bad).is_err(), "{bad:?}");
+        }
         assert_eq!(human(Duration::from_secs(3 * 86_400 + 7200)), "3d2h");
         assert_eq!(human(Duration::from_secs(5400)), "1h30m");
         assert_eq!(prom_duration(Duration::from_secs(28 * 86_400)), "28d");

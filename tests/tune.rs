@@ -193,10 +193,11 @@ fn history(rules: &[(&str, u64, Shape)]) -> String {
     history_of(&series)
 }
 
-/// (service, instance, rule, days, shape).
+/// (service, instance, rule, days, shape); the service as `namespace/service`, or alone to
+/// run in the namespace of its name.
 type Series<'a> = (&'a str, &'a str, &'a str, u64, Shape);
 
-/// OpenMetrics text: `spillway_requests_total{spillway_service,instance,rule,decision}`
+/// OpenMetrics text: `spillway_requests_total{namespace,spillway_service,instance,rule,decision}`
 /// counters, one sample a minute, for `days` days per series, ending now.
 fn history_of(series: &[Series]) -> String {
     let now = SystemTime::now()
@@ -208,6 +209,7 @@ fn history_of(series: &[Series]) -> String {
         "# HELP spillway_requests Rule decisions.\n# TYPE spillway_requests counter\n",
     );
     for (service, instance, rule, days, shape) in series {
+        let (namespace, service) = service.split_once('/').unwrap_or((service, service));
         let begin = now - days * DAY;
         for decision in ["allowed", "rejected", "shadow_rejected"] {
             let mut total = 0.0;
@@ -220,7 +222,7 @@ fn history_of(series: &[Series]) -> String {
                 total += rate * STEP as f64;
                 let _ = writeln!(
                     out,
-                    "spillway_requests_total{{spillway_service=\"{service}\",instance=\"{instance}\",rule=\"{rule}\",decision=\"{decision}\"}} {total} {t}"
+                    "spillway_requests_total{{namespace=\"{namespace}\",spillway_service=\"{service}\",instance=\"{instance}\",rule=\"{rule}\",decision=\"{decision}\"}} {total} {t}"
                 );
                 t += STEP;
             }
@@ -255,11 +257,18 @@ rules:
     mode: shadow
 ";
 
-/// `spillway tune --config <config> --prometheus <prometheus>` and `more`: whether it
-/// succeeded, its output, its errors.
+/// `spillway tune --config <config> --prometheus <prometheus> --namespace shop` and `more`:
+/// whether it succeeded, its output, its errors.
 fn tune(config: &Path, prometheus: &str, more: &[&str]) -> (bool, String, String) {
     let config = config.to_str().unwrap();
-    run_tune(&[&["--config", config, "--prometheus", prometheus], more].concat())
+    run_tune(
+        &[
+            &["--config", config, "--prometheus", prometheus][..],
+            &["--namespace", "shop"],
+            more,
+        ]
+        .concat(),
+    )
 }
 
 fn run_tune(args: &[&str]) -> (bool, String, String) {
@@ -372,6 +381,8 @@ fn tune_proposes_from_weeks_of_history_in_shadow_and_promote_enforces_what_is_sa
         config.to_str().unwrap(),
         "--prometheus",
         &prom.url,
+        "--namespace",
+        "shop",
         "--lookback",
         "21d",
         "--threshold",
@@ -393,6 +404,92 @@ fn tune_proposes_from_weeks_of_history_in_shadow_and_promote_enforces_what_is_sa
     let mode = |n: &str| c.rules.iter().find(|r| r.name.0 == n).unwrap().mode;
     assert_eq!(mode("search"), spillway::internal::config::Mode::Enforce);
     assert_eq!(mode("login"), spillway::internal::config::Mode::Shadow);
+}
+
+/// 125 000/s: what a pod of another team exported as shop's.
+fn forged(_: u64) -> [(&'static str, f64); 3] {
+    allowed(125_000.0)
+}
+
+/// 1 000/s: shop's own, twenty times its limit.
+fn surge(_: u64) -> [(&'static str, f64); 3] {
+    allowed(1_000.0)
+}
+
+const SMALL: &str = "service: shop
+listen: 127.0.0.1:0
+upstream: http://127.0.0.1:1
+rules:
+  - name: checkout
+    key: []
+    limit: { rate: 10/s }
+  - name: export
+    key: []
+    limit: { rate: 50/s }
+";
+
+#[test]
+fn tune_reads_only_the_services_namespace_and_refuses_a_tenfold_raise_unless_asked() {
+    // Shop's checkout runs at 8/s in namespace shop; a pod in namespace evil exports series
+    // labelled spillway_service="shop" at 125 000/s. Shop's export really runs at 1 000/s.
+    let prom = Prometheus::start(
+        "forged",
+        &history_of(&[
+            ("shop", "pod-a", "checkout", 21, |_| allowed(8.0)),
+            ("evil/shop", "pod-x", "checkout", 21, forged),
+            ("shop", "pod-a", "export", 21, surge),
+        ]),
+    );
+    let config = file(&prom.dir, "small.yaml", SMALL);
+    let (ok, table, err) = tune(&config, &prom.url, &[]);
+    assert!(ok, "{err}\n{table}");
+    // 8/s + 25 % = 10/s: the forged series is not read.
+    assert!(
+        row(&table, "checkout").contains("| 8.0/s per replica |")
+            && row(&table, "checkout").contains("unchanged"),
+        "{table}"
+    );
+    // 1 000/s + 25 % = about 1 250/s, 25 times 50/s: refused, said, not written.
+    let export = row(&table, "export");
+    assert!(
+        export.contains("skipped: 125") && export.contains("/s would raise it 25x, past 10x"),
+        "{export}"
+    );
+    assert!(!table.contains("WARNING: this RAISES"), "{table}");
+    let (ok, table, err) = tune(&config, &prom.url, &["--allow-raise"]);
+    assert!(ok, "{err}");
+    assert!(row(&table, "export").contains("/s | RAISE +24"), "{table}");
+
+    // Without a namespace, it is asked for; with --all-namespaces the forged series counts.
+    let (ok, _, err) = run_tune(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--prometheus",
+        &prom.url,
+    ]);
+    assert!(!ok && err.contains("--namespace"), "{err}");
+    let (ok, _, err) = run_tune(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--prometheus",
+        &prom.url,
+        "--namespace",
+        "Shop\"}",
+    ]);
+    assert!(!ok && err.contains("not a namespace name"), "{err}");
+    let (ok, table, err) = run_tune(&[
+        "--config",
+        config.to_str().unwrap(),
+        "--prometheus",
+        &prom.url,
+        "--all-namespaces",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        row(&table, "checkout").contains("125000.0/s per replica")
+            && row(&table, "checkout").contains("past 10x"),
+        "{table}"
+    );
 }
 
 #[test]
