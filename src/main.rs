@@ -335,8 +335,13 @@ enum Command {
         #[command(flatten)]
         opts: spillway::internal::inject::Options,
     },
-    /// Print the JSON Schema of the configuration file (for editors: the one in schema/).
-    Schema,
+    /// Print the JSON Schema of the configuration file (for editors: the one in schema/), or
+    /// with --markdown the configuration reference written from it (docs/configuration.md).
+    Schema {
+        /// The reference in Markdown instead of the schema.
+        #[arg(long)]
+        markdown: bool,
+    },
     /// Why a request would be refused: which rules match it, each one's key (as logs show it)
     /// and that key's state on a running sidecar, and what each would decide now, taking
     /// nothing. With --config, offline: rules and keys only.
@@ -870,8 +875,11 @@ wrote {}",
             }
             Ok(())
         }),
-        Command::Schema => {
-            print!("{}", spillway::internal::config::schema::text());
+        Command::Schema { markdown } => {
+            match markdown {
+                true => print!("{}", spillway::internal::config::reference::markdown()),
+                false => print!("{}", spillway::internal::config::schema::text()),
+            }
             ExitCode::SUCCESS
         }
         Command::Explain {

@@ -55,6 +55,8 @@ pub struct Config {
     /// A request without a host (HTTP/1.0) is served, and every host rule counts it.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub hosts: Vec<ServedHost>,
+    /// How the client's address is found (the proxies whose `X-Forwarded-For` is believed),
+    /// and the prefixes clients are keyed by.
     #[serde(default)]
     pub client_ip: ClientIp,
     /// Request headers only a proxy in `client_ip.trusted_proxies` may set (a tier, a customer
@@ -88,10 +90,15 @@ pub struct Config {
     /// The `Upgrade` protocols forwarded (`h2c` never is).
     #[serde(default = "default_upgrades")]
     pub upgrades: Vec<UpgradeProtocol>,
+    /// How long each phase of a connection and of a request may take.
     #[serde(default)]
     pub timeouts: Timeouts,
+    /// Which responses carry the `RateLimit` and `RateLimit-Policy` headers: `on_reject` (429s
+    /// only), `always` (admitted responses too) or `never`.
     #[serde(default)]
     pub headers: HeaderMode,
+    /// Bounds on what clients may hold and send: connections, request heads, HTTP/2 streams,
+    /// buffered response bytes, upstream connections.
     #[serde(default)]
     pub limits: Limits,
     /// Data-plane threads, each with its own runtime and upstream connections, sharing the listener; default:
@@ -112,6 +119,8 @@ pub struct Config {
     /// `--log-format json`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub access_log: Option<AccessLog>,
+    /// The rate-limiting rules; every rule whose `match` holds applies, and a request is
+    /// refused if any enforcing one refuses it (`[]`: a plain proxy).
     #[serde(default)]
     pub rules: Vec<Rule>,
 }
@@ -316,17 +325,28 @@ impl ClientIp {
     }
 }
 
+/// `client_ip:`: how the client's address is found, and the prefix a public address is keyed
+/// by.
 #[derive(Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct RawClientIp {
+    /// The proxies (CIDR blocks) whose `X-Forwarded-For`, `X-Forwarded-Host`/`-Proto` and
+    /// cost headers are believed; empty: the socket peer is the client.
     #[serde(default)]
     trusted_proxies: Vec<CidrStr>,
+    /// With `trusted_proxies`: the most `X-Forwarded-For` entries walked (0 or unset: until an
+    /// address outside the list); above 0 without them is an error.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     trusted_hops: Option<u8>,
+    /// The prefix length (1 to 32) public IPv4 clients are keyed by: 32 is the address.
     #[serde(default = "default_v4_prefix")]
     ipv4_prefix: u8,
+    /// The prefix length (1 to 128) public IPv6 clients are keyed by: 64 is one host's whole
+    /// block, which it can rotate through.
     #[serde(default = "default_v6_prefix")]
     ipv6_prefix: u8,
+    /// NAT64 prefixes (RFC 6052: of length 32, 40, 48, 56, 64 or 96) whose addresses are keyed
+    /// by the IPv4 client inside; add a local-use one such as `64:ff9b:1:abcd::/96`.
     #[serde(default = "default_nat64")]
     nat64_prefixes: Vec<CidrStr>,
 }
@@ -405,6 +425,9 @@ impl Serialize for CidrStr {
     }
 }
 
+/// `timeouts:`: how long each phase of a connection and of a request may take. Those that
+/// bound a request's phase are at least 100ms; `client_idle`, `upstream_idle` and `drain` may
+/// be 0.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct Timeouts {
@@ -893,6 +916,7 @@ pub(crate) fn line_of_nth_name(text: &str, value: &str, n: usize) -> Option<usiz
 }
 
 mod overrides;
+pub mod reference;
 mod rule;
 pub mod schema;
 mod shared;

@@ -68,29 +68,37 @@ pub enum OwnLimit {
     Concurrency(NonZeroU32),
 }
 
+/// A key's own limit: `unlimited`, `{ rate: 10/m, burst: 20 }` or `{ concurrency: 4 }`.
 #[derive(Serialize, Deserialize, JsonSchema)]
 #[serde(
     untagged,
     expecting = "unlimited, { rate: 10/m, burst: 20 } or { concurrency: 4 }"
 )]
 enum RawOwn {
+    /// `unlimited`: the rule does not apply to the key at all.
     Word(String),
     Rate(OwnRate),
     Concurrency(OwnSlots),
 }
 
-/// Unknown fields refused: a misspelt `burst` read as the default would raise nobody.
+/// A key's own rate, decided by the rule's algorithm.
+// Unknown fields refused: a misspelt `burst` read as the default would raise nobody.
 #[derive(Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct OwnRate {
+    /// The key's long-run rate, as a rule's `limit.rate`.
     rate: Rate,
+    /// How much may pass at once (default: the count in `rate`); a global rule's key gives
+    /// none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     burst: Option<NonZeroU32>,
 }
 
+/// A key's own concurrency cap, under a concurrency rule.
 #[derive(Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 struct OwnSlots {
+    /// Requests of the key in flight at once.
     concurrency: NonZeroU32,
 }
 

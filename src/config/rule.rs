@@ -80,7 +80,10 @@ pub enum Release {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SketchSize {
+    /// Counters in each row; `width` x `depth` is at most 16777216.
     pub width: NonZeroU32,
+    /// Rows of counters: a key is refused only when its estimate reaches the burst in every
+    /// row.
     pub depth: NonZeroU32,
 }
 
@@ -93,52 +96,84 @@ impl Default for SketchSize {
     }
 }
 
+/// One rate-limiting rule: the requests it applies to, what it counts them by, and its limit.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawRule {
+    /// The rule's name, unique in the file: a metric label and a header value.
     pub(super) name: Name,
+    /// Which requests the rule applies to (default: all of them).
     #[serde(default, rename = "match")]
     pub(super) matcher: Match,
+    /// What the rule counts by, each key with a limit of its own; the rule does not apply to a
+    /// request missing a part (a header or query parameter absent).
     pub(super) key: KeySpec,
+    /// A rate (with `burst` and `algorithm`), a concurrency cap, or an adaptive one.
     pub(super) limit: Limit,
+    /// Units each request takes of a rate (1 when unset): a whole number, a request header's,
+    /// or what the app's response says.
     #[serde(default)]
     pub(super) cost: Option<Cost>,
+    /// What a request over the limit gets: `reject` (429 at once) or `delay` (it waits until
+    /// the limiter admits it, up to `max_delay`).
     #[serde(default)]
     pub(super) on_limit: OnLimit,
-    /// Only with `on_limit: delay` (default 1 s) or a leaky bucket.
+    /// With `on_limit: delay` (default 1s): the longest a request may wait for the limiter.
+    /// With a leaky bucket: the longest it may wait in the queue (else its burst bounds it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) max_delay: Option<Dur>,
-    /// Only with `on_limit: delay` (default 100).
+    /// With `on_limit: delay` only: requests of the rule that may wait at once (default 100);
+    /// past it, 429 at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) max_queue: Option<NonZeroU32>,
+    /// Where the rule's state lives: `local` (this proxy), `global` (fleet-wide, through
+    /// `control_plane`) or `redis` (exact and shared, through `redis`).
     #[serde(default)]
     pub(super) scope: Scope,
+    /// A rate limit counted in this proxy alone: for `scope: global`, while the control plane
+    /// is stale; for `scope: redis`, when Redis fails under `on_error: fallback`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) fallback: Option<Limit>,
+    /// `enforce` refuses; `shadow` decides and counts what it would have refused, and refuses
+    /// nothing.
     #[serde(default)]
     pub(super) mode: Mode,
+    /// Keys tracked at most; past it, keys that find no idle state to replace are decided by
+    /// the rule's count-min sketch (rate limits).
     #[serde(default = "default_max_keys")]
     pub(super) max_keys: NonZeroU32,
+    /// The count-min sketch that decides keys finding no place past `max_keys`.
     #[serde(default)]
     pub(super) sketch: SketchSize,
-    /// Only with `concurrency:` (default `end`).
+    /// With `concurrency:` only: when a slot is given back, at the response's `end` (the
+    /// default) or at its `head` (event streams, long downloads).
     #[serde(default, skip_serializing_if = "is_end")]
     pub(super) release: Release,
-    /// Only with a `key: []` concurrency or adaptive limit (default 0.5).
+    /// With `key: []` and a concurrency or adaptive limit only: the part of its slots one client
+    /// address may hold at once (default 0.5; 1: no part).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) client_share: Option<f64>,
+    /// `timeouts.upstream_body_idle` for the requests this rule applies to (event streams;
+    /// at least 100ms): the longest of the rules that apply and set it wins.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) upstream_body_idle: Option<Dur>,
+    /// How the key's `header:` and `query:` parts are shown in logs and sent to the control
+    /// plane: `digest` (keyed by `key_secret_file`, the default) or `clear` (as sent).
     #[serde(default, skip_serializing_if = "is_digest")]
     pub(super) log_keys: LogKeys,
-    /// Only with `scope: redis` (default 1 000 a second).
+    /// With `scope: redis` only: keys this proxy has not seen lately that it may send to Redis
+    /// each second (default 1000); past it such a key gets 429 here.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) new_keys: Option<NonZeroU32>,
-    /// Rules this one stands in for (a more specific rule for a general one).
+    /// Rules this one stands in for (a more specific rule for a general one): they do not
+    /// apply to a request this rule applies to.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(super) replaces: Vec<Name>,
+    /// Keys with a limit of their own: more, less, or none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub(super) overrides: Vec<Override>,
+    /// A YAML file of more such entries, reloaded whenever it changes (a bad one keeps the
+    /// last).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) overrides_file: Option<std::path::PathBuf>,
 }
@@ -595,8 +630,10 @@ pub enum Usage {
 #[derive(Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawUsageField {
+    /// A response header field holding one whole number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) header: Option<HeaderNameStr>,
+    /// A trailer field (HTTP/1 chunked, HTTP/2) holding one whole number.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) trailer: Option<HeaderNameStr>,
     /// JSON pointers (`/usage/total_tokens`), one or a list summed, or `openai` or
@@ -676,6 +713,8 @@ impl Serialize for Usage {
     }
 }
 
+/// `{ response, reserve, max, unknown }`: the units the app's response says it consumed,
+/// charged once it says them; a key's requests are admitted while its budget is not in debt.
 #[derive(Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawResponseCost {
@@ -684,6 +723,7 @@ pub(super) struct RawResponseCost {
     /// Units taken at admission (default 1), reconciled once the response says its units.
     #[serde(default = "one_u32")]
     pub(super) reserve: u32,
+    /// Usage past this counts as this.
     pub(super) max: NonZeroU32,
     /// Charged when the response never says its units (default: max).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -768,13 +808,20 @@ pub enum CostFrom {
     Any,
 }
 
+/// `{ header, default, max, from }`: the units a request header says the request takes.
 #[derive(Deserialize, Serialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawCostHeader {
+    /// The request header that says the units: a whole number of at least 1 (one read that is
+    /// not gets 400).
     pub(super) header: HeaderNameStr,
+    /// Units when the header is absent or not honoured.
     #[serde(default = "one")]
     pub(super) default: NonZeroU32,
+    /// Larger values count as this.
     pub(super) max: NonZeroU32,
+    /// Whose header is honoured: `trusted` (a peer in `client_ip.trusted_proxies`) or `any`
+    /// (every client names its own cost, up to `max`).
     #[serde(default)]
     pub(super) from: CostFrom,
 }
@@ -843,20 +890,32 @@ impl Serialize for Cost {
 #[derive(Debug, Clone, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Match {
+    /// The path is this one (no query; without case under `path_match: lenient`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path: Option<String>,
+    /// The path starts with this; under `path_match: lenient`, one ending in `/` names a
+    /// directory and matches it too (`/api/` matches `/api`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path_prefix: Option<String>,
+    /// The path matches this regular expression (no query); under `path_match: lenient`,
+    /// without case, and tried again on the path with a trailing slash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub path_regex: Option<PathRegex>,
+    /// The request's host is this one, or under it with `*.`; a request without a host (HTTP/1.0)
+    /// matches every host rule.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<HostPattern>,
+    /// The method is one of these (`GET` matches `HEAD` too, which most frameworks route to
+    /// the GET handler).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub methods: Vec<MethodName>,
+    /// Each named header is present with exactly this value: `{x-plan: premium}`.
     #[serde(default, skip_serializing_if = "HeaderEquals::is_empty")]
     pub headers: HeaderEquals,
+    /// Each of these headers is present.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub headers_present: Vec<HeaderNameStr>,
+    /// None of these headers is present.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub headers_absent: Vec<HeaderNameStr>,
     /// The client's address is in one of these blocks: the address the keys use (through
@@ -885,12 +944,15 @@ pub enum Limit {
     Adaptive(AdaptiveSpec),
 }
 
-/// `limit: { adaptive: { min, max, initial, tolerance } }`.
+/// `limit: { adaptive: { min, max, initial, tolerance } }`: requests of the rule in flight at
+/// once, a limit that falls when the upstream's latency rises and grows while it is fine.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct AdaptiveSpec {
+    /// The least the limit falls to.
     #[serde(default = "default_adaptive_min")]
     pub min: NonZeroU32,
+    /// The most the limit grows to.
     pub max: NonZeroU32,
     /// Where the limit starts (default: `min`); it doubles each good window until latency
     /// first rises.
@@ -941,17 +1003,27 @@ impl AdaptiveSpec {
     }
 }
 
+/// A rule's limit: a `rate` (with `burst` and `algorithm`), a `concurrency` cap, or an
+/// `adaptive` one; only one of the three.
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLimit {
+    /// The long-run rate: `N/s`, `N/m`, `N/h`, `N/d` or `N/<duration>` (`100/10s`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) rate: Option<Rate>,
+    /// With `rate`: how much may pass at once (default: the count in `rate`); a window
+    /// algorithm admits it per window of `burst / rate`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) burst: Option<NonZeroU32>,
+    /// With `rate`: the algorithm that decides it (default `token_bucket`, the only one a
+    /// global rule takes).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) algorithm: Option<Algorithm>,
+    /// Instead of a rate: requests of a key in flight at once.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) concurrency: Option<NonZeroU32>,
+    /// Instead of a rate: requests of the rule in flight at once, a limit that follows the
+    /// upstream's latency (`key: []`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) adaptive: Option<AdaptiveSpec>,
 }

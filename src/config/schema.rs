@@ -120,7 +120,12 @@ impl JsonSchema for HeaderBytes {
         "HeaderBytes".into()
     }
     fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        json_schema!({ "type": "integer", "minimum": 1024, "maximum": 1048576 })
+        json_schema!({
+            "type": "integer",
+            "minimum": 1024,
+            "maximum": 1048576,
+            "description": "A size in bytes: 1024 (1 KiB) to 1048576 (1 MiB)."
+        })
     }
 }
 
@@ -129,7 +134,12 @@ impl JsonSchema for BufferBytes {
         "BufferBytes".into()
     }
     fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        json_schema!({ "type": "integer", "minimum": 65536u64, "maximum": 17179869184u64 })
+        json_schema!({
+            "type": "integer",
+            "minimum": 65536u64,
+            "maximum": 17179869184u64,
+            "description": "A size in bytes: 65536 (64 KiB) to 17179869184 (16 GiB)."
+        })
     }
 }
 
@@ -221,7 +231,11 @@ impl JsonSchema for Scope {
         "Scope".into()
     }
     fn json_schema(_: &mut SchemaGenerator) -> Schema {
-        json_schema!({ "type": "string", "enum": ["local", "global", "redis"] })
+        json_schema!({
+            "type": "string",
+            "enum": ["local", "global", "redis"],
+            "description": "Where a rule's state lives: local (this proxy), global (fleet-wide, through the control plane) or redis (exact and shared, through Redis)."
+        })
     }
 }
 

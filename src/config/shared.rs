@@ -22,8 +22,11 @@ pub struct RedisConfig {
     /// The longest a decision waits for Redis; then `on_error` applies.
     #[serde(default = "default_redis_timeout")]
     pub timeout: Dur,
+    /// What a decision does when Redis fails, times out or the breaker is open: `allow` (fail
+    /// open), `deny` (429) or `fallback` (the rule's `fallback` limit).
     #[serde(default)]
     pub on_error: OnError,
+    /// A circuit breaker: Redis failing again and again is not called for a while.
     #[serde(default)]
     pub breaker: BreakerConfig,
     /// Remember keys Redis refused until their retry time and answer them locally (an abusive
@@ -61,7 +64,9 @@ pub enum OnError {
 #[derive(Debug, Clone, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct BreakerConfig {
+    /// Consecutive failures of Redis that open the breaker.
     pub failures: NonZeroU32,
+    /// How long the open breaker keeps Redis uncalled before one probe.
     pub cooldown: Dur,
 }
 
@@ -175,11 +180,12 @@ pub struct ControlPlane {
     /// Keys reported one by one per rule; the rest are folded into one "other" entry.
     #[serde(default = "default_top_k")]
     pub top_k: NonZeroU32,
-    /// This proxy's zone and host name in reports (default: `$SPILLWAY_ZONE`, `$HOSTNAME`). An
-    /// aggregator of another zone counts the reports (`other_zone`) and warns: the proxy's
-    /// `url` names the wrong zone's aggregators.
+    /// This proxy's zone in reports (default: `$SPILLWAY_ZONE`). An aggregator of another zone
+    /// counts the reports (`other_zone`) and warns: the proxy's `url` names the wrong zone's
+    /// aggregators.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zone: Option<String>,
+    /// This proxy's name in reports (default: `$HOSTNAME`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
 }
