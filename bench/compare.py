@@ -337,10 +337,10 @@ def nginx_proxy(port, up_port, per_key, h2=False, forwarded=True):
     limit = (f"limit_req zone=per burst={per_key} nodelay; limit_req_status 429; "
              "limit_req_log_level info;") if per_key else ""
     listen = f"listen 127.0.0.1:{port} http2;" if h2 else f"listen 127.0.0.1:{port};"
-    # What Spillway does to every request it forwards (README, "What the proxy does to forwarded
-    # requests"): the client's Host kept, X-Forwarded-For/-Proto/-Host set. Without these nginx
-    # sends the app `Host: app` and the client's fields only, a shorter request to write and for
-    # the app to parse (47 bytes against 155 for wrk's GET).
+    # What Spillway does to every request it forwards (docs/clients.md, "What the proxy does to
+    # forwarded requests"): the client's Host kept, X-Forwarded-For/-Proto/-Host set. Without
+    # these nginx sends the app `Host: app` and the client's fields only, a shorter request to
+    # write and for the app to parse (47 bytes against 155 for wrk's GET).
     fwd = ("proxy_set_header Host $http_host; "
            "proxy_set_header X-Forwarded-For $proxy_add_x_forwarded_for; "
            "proxy_set_header X-Forwarded-Proto $scheme; "

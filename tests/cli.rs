@@ -140,21 +140,162 @@ fn sigterm_drains_and_exits_zero() {
     assert_eq!(status.code(), Some(0));
 }
 
-/// The README's full configuration, every field with its default, is one that loads.
+/// The reference configuration, every setting with its default, is one that loads.
 #[cfg(feature = "redis")]
 #[test]
-fn the_readmes_full_configuration_passes_check_config() {
-    let readme = include_str!("../README.md");
-    let from = readme
-        .find("## Configuration reference")
-        .expect("the README has its reference");
-    let start = readme[from..].find("```yaml\n").expect("a yaml block") + from + 8;
-    let end = readme[start..].find("```").expect("the block ends") + start;
-    let file = temp_file("readme-full.yaml", &readme[start..end]);
+fn the_reference_configuration_passes_check_config() {
+    let file = concat!(env!("CARGO_MANIFEST_DIR"), "/config/reference.yaml");
     let out = Command::new(BIN)
-        .args(["check-config", "--skip-files"])
-        .arg(&file)
+        .args(["check-config", "--skip-files", file])
         .output()
         .unwrap();
     assert!(out.status.success(), "{out:?}");
+}
+
+/// Headings of a Markdown text outside fenced code: (line index, level, title).
+fn headings(text: &str) -> Vec<(usize, usize, String)> {
+    let mut fenced = false;
+    let mut out = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        let level = line.chars().take_while(|&c| c == '#').count();
+        if !fenced && (1..=6).contains(&level) && line[level..].starts_with(' ') {
+            out.push((
+                i,
+                level,
+                line[level..]
+                    .trim()
+                    .trim_end_matches('#')
+                    .trim()
+                    .to_string(),
+            ));
+        }
+    }
+    out
+}
+
+/// The anchors GitHub gives a page's headings: lowercased, spaces to `-`, punctuation other
+/// than `-` and `_` removed, a repeated one numbered.
+fn anchors(text: &str) -> Vec<String> {
+    let mut seen = std::collections::HashMap::<String, usize>::new();
+    let mut out = Vec::new();
+    for (_, _, title) in headings(text) {
+        let slug: String = title
+            .to_lowercase()
+            .chars()
+            .filter_map(|c| match c {
+                ' ' => Some('-'),
+                c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                _ => None,
+            })
+            .collect();
+        let n = seen.entry(slug.clone()).or_insert(0);
+        out.push(if *n == 0 { slug } else { format!("{slug}-{n}") });
+        *n += 1;
+    }
+    out
+}
+
+/// The targets of a Markdown text's inline links (`](target)`), outside code.
+fn link_targets(text: &str) -> Vec<String> {
+    let mut fenced = false;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            fenced = !fenced;
+            continue;
+        }
+        if fenced {
+            continue;
+        }
+        // Inline code spans are every other piece between backticks.
+        for prose in line.split('`').step_by(2) {
+            let mut rest = prose;
+            while let Some(at) = rest.find("](") {
+                rest = &rest[at + 2..];
+                let end = rest.find(')').unwrap_or(rest.len());
+                let target = rest[..end].split_whitespace().next().unwrap_or("");
+                out.push(target.trim_matches(|c| c == '<' || c == '>').to_string());
+                rest = &rest[end..];
+            }
+        }
+    }
+    out
+}
+
+/// The README stays a page for users: at most 24 KiB, no section over 60 lines.
+#[test]
+fn the_readme_is_at_most_24_kib_with_no_section_over_60_lines() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    assert!(
+        readme.len() <= 24 * 1024,
+        "README.md is {} bytes, over 24576",
+        readme.len()
+    );
+    let lines = readme.lines().count();
+    let mut starts: Vec<(usize, String)> = vec![(0, "(the top)".to_string())];
+    starts.extend(
+        headings(&readme)
+            .into_iter()
+            .filter(|h| h.1 <= 3)
+            .map(|(i, l, t)| (i, format!("{} {t}", "#".repeat(l)))),
+    );
+    for (n, (start, title)) in starts.iter().enumerate() {
+        let end = starts.get(n + 1).map_or(lines, |s| s.0);
+        assert!(
+            end - start <= 60,
+            "README.md section {title:?} is {} lines, over 60",
+            end - start
+        );
+    }
+}
+
+/// Every relative link in README.md and docs/*.md names a file of the repository, and an
+/// anchor into a Markdown page names one of its headings.
+#[test]
+fn every_relative_link_in_the_readme_and_docs_resolves() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut pages = vec![root.join("README.md")];
+    for entry in std::fs::read_dir(root.join("docs")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "md") {
+            pages.push(path);
+        }
+    }
+    let mut broken = Vec::new();
+    for page in &pages {
+        let text = std::fs::read_to_string(page).unwrap();
+        let name = page.strip_prefix(root).unwrap().display().to_string();
+        for target in link_targets(&text) {
+            if target.is_empty()
+                || ["http:", "https:", "mailto:"]
+                    .iter()
+                    .any(|s| target.starts_with(s))
+            {
+                continue;
+            }
+            let (path, anchor) = target.split_once('#').unwrap_or((&target, ""));
+            let file = if path.is_empty() {
+                page.clone()
+            } else {
+                page.parent().unwrap().join(path)
+            };
+            if !file.exists() {
+                broken.push(format!("{name}: {target}: no such file"));
+                continue;
+            }
+            if !anchor.is_empty() && file.extension().is_some_and(|e| e == "md") {
+                let there = std::fs::read_to_string(&file).unwrap();
+                if !anchors(&there).iter().any(|a| a == anchor) {
+                    broken.push(format!("{name}: {target}: no such heading"));
+                }
+            }
+        }
+    }
+    assert!(pages.len() > 5, "{pages:?}");
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
 }

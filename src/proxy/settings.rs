@@ -3,7 +3,7 @@
 //! worker's client connections ([`ConnSettings`], what the protocol servers are given),
 //! hyper's HTTP/2 server for them (its PING cadence among them), and the worker's tick. Each
 //! function says which `timeouts.*` and `limits.*` it reads. Must never: be read per request
-//! (its results are), or give a setting a meaning the schema (README) does not.
+//! (its results are), or give a setting a meaning the schema (docs/configuration.md) does not.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,8 +67,8 @@ pub(super) fn conn_settings(
 /// hyper's HTTP/2 server for the client connections that begin with its preface:
 /// `limits.max_h2_streams` streams at once, `max_header_bytes` of header list, each stream's
 /// share of `max_response_buffer_per_connection` as its send buffer. Its PING cadence is the
-/// client-facing side of two timeouts (README, timeouts): a PING every `upstream_idle`, to be
-/// answered within `header_read`, or the connection is closed.
+/// client-facing side of two timeouts (docs/operations.md, timeouts): a PING every
+/// `upstream_idle`, to be answered within `header_read`, or the connection is closed.
 fn h2_server(config: &Config, h2_budget: &Budget) -> Builder<TokioExecutor> {
     let mut builder = Builder::new(TokioExecutor::new());
     builder
