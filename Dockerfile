@@ -4,6 +4,9 @@
 # The final image has no shell and no package manager: the binary, glibc, CA roots, a
 # non-root user (65532). It needs no writable file system (mount the config read-only).
 
+# Base images are pinned by digest (image:tag@sha256:...) for a release: scripts/check-pins
+# fails the release workflow until they are. Renovate's pin and update PRs, or the manual
+# step: docs/releasing.md.
 FROM rust:1.95-slim-bookworm AS build
 # The commit in spillway_build_info (the build context has no .git):
 #   docker build --build-arg SPILLWAY_COMMIT=$(git rev-parse --short=12 HEAD) .
@@ -17,6 +20,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --release --locked --bin spillway \
     && cp target/release/spillway /spillway
 
+# Pinned by digest as above (docs/releasing.md).
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /spillway /usr/local/bin/spillway
 USER 65532:65532

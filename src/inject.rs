@@ -90,6 +90,8 @@ pub struct Options {
     pub security_context: Option<Value>,
 }
 
+/// The image the release workflow publishes for this version (.github/workflows/release.yml),
+/// which the chart defaults to as well (`image.repository` at its `appVersion`).
 const IMAGE: &str = concat!("ghcr.io/spillway/spillway:", env!("CARGO_PKG_VERSION"));
 const PROXY_PORT: u16 = 4180;
 const ADMIN_PORT: u16 = 9901;

@@ -585,3 +585,23 @@ fn a_releases_key_secret_pause_and_drain_are_the_releases() {
     let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
     assert!(grace > 10 + 60, "{grace}: SIGKILL would cut the drain");
 }
+
+/// The image a sidecar gets unless told otherwise (the flag's default, and the injector's when
+/// its settings name none) is the one the release workflow publishes for this very version:
+/// the chart's `image.repository` at its `appVersion` (tests/chart/check.py checks that they
+/// name this version too).
+#[test]
+fn the_default_image_is_this_versions_release() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        opts: Options,
+    }
+    let flags = <Cli as clap::Parser>::parse_from(["inject"]).opts.image;
+    let settings = serde_norway::from_str::<Options>("{}").unwrap().image;
+    for image in [Options::default().image, flags, settings] {
+        let (repository, tag) = image.rsplit_once(':').unwrap();
+        assert_eq!(repository, "ghcr.io/spillway/spillway", "{image}");
+        assert_eq!(tag, env!("CARGO_PKG_VERSION"), "{image}");
+    }
+}

@@ -151,6 +151,126 @@ def hadolint():
     check(r.returncode == 0, f"hadolint Dockerfile {r.stdout.strip()}")
 
 
+def release():
+    """The release pipeline, offline (the workflows themselves cannot run here): actionlint,
+    with shellcheck on their run: scripts, finds nothing in .github/workflows; scripts/check-pins
+    fails naming each FROM line of the Dockerfile that pulls a base without a digest, and passes
+    on a copy whose every FROM has one (fake digests: a test of the checker, not a pin);
+    renovate.json pins bases and actions by digest; one version names the binary, the chart's
+    appVersion, its image tag and `spillway inject`'s image, in the repository the release
+    workflow pushes to."""
+    import tomllib
+
+    bindir = os.path.dirname(sys.executable)
+    wf_dir = os.path.join(ROOT, ".github", "workflows")
+    workflows = sorted(os.path.join(wf_dir, n) for n in os.listdir(wf_dir) if n.endswith((".yml", ".yaml")))
+    names = [os.path.basename(w) for w in workflows]
+    check({"release.yml", "ci.yml"} <= set(names), f"release: the release and CI workflows are there {names}")
+    r = subprocess.run([os.path.join(bindir, "actionlint"), "-no-color", "-shellcheck", os.path.join(bindir, "shellcheck"),
+                        *workflows], cwd=ROOT, capture_output=True, text=True)
+    check(r.returncode == 0, "release: actionlint finds nothing in .github/workflows"
+          + ("" if r.returncode == 0 else f"\n{(r.stdout + r.stderr).strip()}"))
+
+    # scripts/check-pins, against what a FROM line pulls: not scratch, not an earlier stage.
+    pins = os.path.join(ROOT, "scripts", "check-pins")
+    digest = re.compile(r"@sha256:[0-9a-f]{64}$")
+
+    def pulls(lines):
+        """(line number, image) of each FROM line that pulls an image."""
+        stages, out = set(), []
+        for n, line in enumerate(lines, 1):
+            words = line.split()
+            if not words or words[0].lower() != "from":
+                continue
+            args = [w for w in words[1:] if not w.startswith("--")]
+            if args and args[0].lower() != "scratch" and args[0].lower() not in stages:
+                out.append((n, args[0]))
+            if len(args) >= 3 and args[1].lower() == "as":
+                stages.add(args[2].lower())
+        return out
+
+    def run_pins(lines):
+        d = tempfile.mkdtemp(prefix="spillway-pins-")
+        path = os.path.join(d, "Dockerfile")
+        with open(path, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        r = subprocess.run([pins, path], capture_output=True, text=True)
+        shutil.rmtree(d)
+        return r, path
+
+    def with_image(line, image):
+        words = line.split()
+        i = next(i for i, w in enumerate(words[1:], 1) if not w.startswith("--"))
+        return " ".join(words[:i] + [image] + words[i + 1:])
+
+    with open(os.path.join(ROOT, "Dockerfile")) as f:
+        lines = f.read().splitlines()
+    images = pulls(lines)
+    check(len(images) >= 2, f"release: the Dockerfile's FROM lines that pull a base {images}")
+    unpinned = [(n, image) for n, image in images if not digest.search(image)]
+    r = subprocess.run([pins], capture_output=True, text=True)
+    said = (r.stdout + r.stderr).strip()
+    if unpinned:
+        check(r.returncode == 1 and all(f"Dockerfile:{n}: " in said and image in said for n, image in unpinned)
+              and said.count("unpinned base image") == len(unpinned),
+              f"release: check-pins fails naming the Dockerfile's unpinned FROM lines {[n for n, _ in unpinned]}"
+              + ("" if r.returncode == 1 else f": {said}"))
+    else:
+        check(r.returncode == 0, f"release: check-pins passes, every FROM of the Dockerfile pinned: {said}")
+    # Every digest taken off: each FROM that pulls is named; a fake one on each: it passes.
+    bare = list(lines)
+    for n, image in images:
+        bare[n - 1] = with_image(lines[n - 1], image.split("@")[0])
+    r, path = run_pins(bare)
+    ok = r.returncode == 1 and all(f"{path}:{n}: " in r.stdout for n, _ in images)
+    check(ok, "release: check-pins names every FROM without a digest" + ("" if ok else f": {r.stdout.strip()}"))
+    fake = list(bare)
+    for n, image in images:
+        fake[n - 1] = with_image(bare[n - 1], image.split("@")[0] + "@sha256:" + "0" * 64)
+    r, _ = run_pins(fake)
+    check(r.returncode == 0, "release: check-pins passes with a digest on every FROM (fake digests)"
+          + ("" if r.returncode == 0 else f": {r.stdout.strip()}"))
+    short = list(fake)
+    n, image = images[0]
+    short[n - 1] = with_image(bare[n - 1], image.split("@")[0] + "@sha256:abc")
+    r, path = run_pins(short)
+    ok = r.returncode == 1 and f"{path}:{n}: " in r.stdout
+    check(ok, "release: check-pins refuses a digest that is not 64 hex digits" + ("" if ok else f": {r.stdout.strip()}"))
+
+    with open(os.path.join(ROOT, "renovate.json")) as f:
+        renovate = json.load(f)
+    extends = renovate.get("extends", [])
+    check("docker:pinDigests" in extends and "helpers:pinGitHubActionDigests" in extends,
+          f"release: renovate.json pins base images by digest and actions by commit {extends}")
+
+    with open(os.path.join(ROOT, "Cargo.toml"), "rb") as f:
+        version = tomllib.load(f)["package"]["version"]
+    with open(os.path.join(CHART, "Chart.yaml")) as f:
+        chart = yaml.safe_load(f)
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        image = yaml.safe_load(f)["image"]
+    check(str(chart["appVersion"]) == version, f"release: Chart.yaml's appVersion {chart['appVersion']} is Cargo.toml's version {version}")
+    check(image["tag"] == "", f"release: values.yaml's image.tag is empty, so the image follows appVersion {image['tag']!r}")
+    rendered = helm.Chart.load(CHART).render({"service": "shop", "controlPlane": {"enabled": True},
+                                              "example": {"enabled": True}, "injector": {"enabled": True}},
+                                             name="spillway", namespace="shop", is_install=True)
+    docs = [d for path, text in rendered.items() if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
+    used = {c["image"] for d in docs if d["kind"] == "Deployment" for c in d["spec"]["template"]["spec"]["containers"]
+            if c["name"] != "app"}
+    used |= {yaml.safe_load(d["data"]["injector.yaml"])["image"] for d in docs
+             if d["kind"] == "ConfigMap" and "injector.yaml" in d.get("data", {})}
+    check(used == {f"{image['repository']}:{chart['appVersion']}"},
+          f"release: every image the chart renders (and the injector injects) is {image['repository']}:<appVersion> {sorted(used)}")
+    with open(os.path.join(wf_dir, "release.yml")) as f:
+        pushed = yaml.safe_load(f)["env"]["IMAGE"]
+    check(pushed == image["repository"], f"release: the workflow pushes {pushed}, where the chart points ({image['repository']})")
+    out = subprocess.run([BIN, "inject", os.path.join(ROOT, "tests", "chart", "sample-app.yaml")], capture_output=True, text=True)
+    injected = {c["image"] for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "Deployment"
+                for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == "spillway"}
+    check(injected == {f"{image['repository']}:{version}"},
+          f"release: spillway inject's default image is the chart's, at the binary's version {injected}")
+
+
 def lint_and_render():
     chart = helm.Chart.load(CHART)
     configmaps = []
@@ -350,6 +470,23 @@ def subchart():
         shutil.copytree(CHART, os.path.join(parent, "charts", "spillway"))
         with open(os.path.join(parent, "Chart.yaml"), "w") as f:
             f.write("apiVersion: v2\nname: shop\nversion: 1.0.0\ndependencies:\n  - { name: spillway, version: 0.1.0 }\n")
+        # The parent's own Deployment with the sidecar, as docs/kubernetes.md shows it.
+        os.makedirs(os.path.join(parent, "templates"))
+        with open(os.path.join(parent, "templates", "app.yaml"), "w") as f:
+            f.write("""apiVersion: apps/v1
+kind: Deployment
+metadata: { name: shop-app }
+spec:
+  selector: { matchLabels: { app: shop } }
+  template:
+    metadata: { labels: { app: shop, spillway.dev/sidecar: shop-spillway } }
+    spec:
+      containers:
+        - { name: app, image: shop:1 }
+        {{- include "spillway.sidecar" (dict "values" .Values.spillway "release" "shop-spillway" "appVersion" .Subcharts.spillway.Chart.AppVersion) | nindent 8 }}
+      volumes:
+        {{- include "spillway.sidecarVolumes" (dict "values" .Values.spillway "release" "shop-spillway") | nindent 8 }}
+""")
         values = {"global": {"imageRegistry": "mirror.example", "storageClass": "fast"},
                   "spillway": {"service": "shop", "example": {"enabled": True}}}
         try:
@@ -361,6 +498,12 @@ def subchart():
                 for doc in yaml.safe_load_all(text) if doc]
         check(any(d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-limits") for d in docs),
               f"subchart render with global values: {len(docs)} manifests")
+        with open(os.path.join(CHART, "Chart.yaml")) as f:
+            app_version = yaml.safe_load(f)["appVersion"]
+        images = {c["image"] for d in docs if d["kind"] == "Deployment"
+                  for c in d["spec"]["template"]["spec"]["containers"] if c["name"] == "spillway"}
+        check(images == {f"ghcr.io/spillway/spillway:{app_version}"},
+              f"subchart: the parent's sidecar and the example's run the chart's appVersion {images}")
         for doc in docs:
             try:
                 kubernetes_validate.validate(doc, K8S, strict=True)
@@ -471,8 +614,8 @@ def check_configs(configmaps):
 
 def config_schema(configmaps):
     """The configuration's JSON Schema (schema/, `spillway schema`) admits every configuration
-    we ship or show (config/*.yaml, the README's examples, the chart's rendered ConfigMaps),
-    and refuses the shapes check-config refuses."""
+    we ship or show (config/*.yaml, the yaml examples of README.md and docs/*.md, the chart's
+    rendered ConfigMaps), and refuses the shapes check-config refuses."""
     schema = json.load(open(os.path.join(ROOT, "schema", "spillway.schema.json")))
     validator = jsonschema.Draft7Validator(schema)
     r = subprocess.run([BIN, "schema"], capture_output=True, text=True)
@@ -486,15 +629,17 @@ def config_schema(configmaps):
         # Scenario files (spillway test) and overrides files are not configurations.
         if path.endswith(".yaml") and not path.endswith((".test.yaml", ".keys.yaml")):
             shown.append((f"config/{path}", open(os.path.join(ROOT, "config", path)).read()))
-    readme = open(os.path.join(ROOT, "README.md")).read()
     base = {"service": "s", "listen": "127.0.0.1:8080", "upstream": "http://127.0.0.1:9000"}
-    for i, block in enumerate(re.findall(r"```yaml\n(.*?)```", readme, re.S)):
-        if "{{" in block:
-            continue  # a Helm template, not a configuration
-        doc = yaml.safe_load(block)
-        if isinstance(doc, dict) and ("rules" in doc or "service" in doc):
-            # A fragment is shown with the rest of a configuration left out.
-            shown.append((f"README.md yaml example {i + 1}", yaml.safe_dump({**base, **doc})))
+    docs = sorted(p for p in os.listdir(os.path.join(ROOT, "docs")) if p.endswith(".md"))
+    for page in ["README.md"] + [f"docs/{p}" for p in docs]:
+        text = open(os.path.join(ROOT, page)).read()
+        for i, block in enumerate(re.findall(r"```yaml\n(.*?)```", text, re.S)):
+            if "{{" in block:
+                continue  # a Helm template, not a configuration
+            doc = yaml.safe_load(block)
+            if isinstance(doc, dict) and ("rules" in doc or "service" in doc):
+                # A fragment is shown with the rest of a configuration left out.
+                shown.append((f"{page} yaml example {i + 1}", yaml.safe_dump({**base, **doc})))
     shown += [(f"{name}: ConfigMap spillway.yaml", text) for name, text in configmaps]
     for name, text in shown:
         found = errors(yaml.safe_load(text))
@@ -590,6 +735,69 @@ class App(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def monitoring():
+    """Two releases in two namespaces with alerts and dashboards on: each release's alerts
+    watch only its namespace's sidecars (or what metrics.prometheusRule.selector names), every
+    alert has a runbook_url whose anchor docs/runbooks.md has, promtool accepts the rules, and
+    each release installs a dashboard of its own uid and file name (one shared uid on ask)."""
+    chart = helm.Chart.load(CHART)
+    on = {"service": "shop", "controlPlane": {"enabled": True},
+          "metrics": {"serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}}}
+
+    def objects(values, name, namespace):
+        out = {}
+        for path, text in chart.render(values, name=name, namespace=namespace, is_install=True).items():
+            if path.endswith("NOTES.txt"):
+                continue
+            for doc in yaml.safe_load_all(text):
+                if doc and doc.get("kind") in ("PrometheusRule", "ConfigMap"):
+                    out.setdefault(doc["kind"], []).append(doc)
+        return out
+
+    with open(os.path.join(ROOT, "docs", "runbooks.md")) as f:
+        anchors = {re.sub(r"[^a-z0-9_-]", "", h.strip().lower().replace(" ", "-"))
+                   for h in re.findall(r"^#+ (.+)$", f.read(), re.M)}
+    uids, files = set(), set()
+    for name, namespace in [("shop", "shop"), ("books", "books")]:
+        got = objects(on, name, namespace)
+        rules = [r for g in got["PrometheusRule"][0]["spec"]["groups"] for r in g["rules"]]
+        scoped = all(f'namespace="{namespace}"' in r["expr"] for r in rules)
+        check(len(rules) >= 5 and scoped, f"alerts of release {namespace}/{name}: {len(rules)}, each scoped to namespace {namespace}")
+        for r in rules:
+            url = r["annotations"].get("runbook_url", "")
+            check(url.startswith("https://") and "docs/runbooks.md#" in url and url.split("#")[1] in anchors,
+                  f"alert {r['alert']}: runbook_url {url} names a section of docs/runbooks.md")
+        d = tempfile.mkdtemp(prefix="spillway-rules-")
+        with open(os.path.join(d, "rules.yml"), "w") as f:
+            yaml.safe_dump({"groups": got["PrometheusRule"][0]["spec"]["groups"]}, f)
+        r = subprocess.run(["promtool", "check", "rules", os.path.join(d, "rules.yml")], capture_output=True, text=True)
+        check(r.returncode == 0, f"promtool check rules ({namespace}/{name}) {'' if r.returncode == 0 else r.stdout + r.stderr}")
+        dash = [c for c in got["ConfigMap"] if c["metadata"]["name"].endswith("-dashboard")][0]
+        (key, text), = dash["data"].items()
+        uid = json.loads(text)["uid"]
+        uids.add(uid)
+        files.add(key)
+        check(key == f"{uid}.json" and len(uid) <= 40, f"dashboard of {namespace}/{name}: uid {uid}, file {key}")
+    check(len(uids) == 2 and len(files) == 2, f"two releases install two dashboards, not one uid twice {sorted(uids)}")
+    mine = json.loads(json.dumps(on))
+    mine["metrics"]["prometheusRule"]["selector"] = 'job="monitoring/shop-sidecars"'
+    mine["dashboard"] = {"uid": "spillway-all"}
+    got = objects(mine, "shop", "shop")
+    rules = [r for g in got["PrometheusRule"][0]["spec"]["groups"] for r in g["rules"]]
+    check(all('job="monitoring/shop-sidecars"' in r["expr"] and 'namespace="shop"' not in r["expr"] for r in rules),
+          "metrics.prometheusRule.selector replaces the namespace scope")
+    dash = [c for c in got["ConfigMap"] if c["metadata"]["name"].endswith("-dashboard")][0]
+    check(json.loads(dash["data"]["spillway-all.json"])["uid"] == "spillway-all", "dashboard.uid gives one shared dashboard")
+    for bad in ['namespace="a" or vector(1)', "x"]:
+        v = json.loads(json.dumps(on))
+        v["metrics"]["prometheusRule"]["selector"] = bad
+        try:
+            chart.render(v, name="shop", namespace="shop", is_install=True)
+            check(False, f"selector {bad!r} refused by the values schema")
+        except Exception:
+            check(True, f"selector {bad!r} refused by the values schema")
+
+
 def dashboard():
     """Every panel of the dashboard shows data: a proxy (with a global, a Redis, an adaptive, a
     shadow and a response-cost rule), an aggregator and a controller run on loopback with a real app and a real
@@ -605,7 +813,7 @@ def dashboard():
     wanted = set()
     for e in exprs:
         # Label names (in `by (...)`, `without (...)` and `{...}` matchers) are not metrics.
-        e = re.sub(r"\b(by|without)\s*\([^)]*\)", "", e)
+        e = re.sub(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", e)
         e = re.sub(r"\{[^}]*\}", "", e)
         for name in re.findall(r"\b(spillway_[a-z_]+)", e):
             wanted.add(re.sub(r"_(bucket|sum|count)$", "", name))
@@ -688,15 +896,17 @@ rules:
         missing = sorted(wanted - names)
         check(not missing, f"every metric the dashboard queries is exported {missing or ''}")
 
-        # A real Prometheus scraping the three as the chart's monitors would (a pod's
-        # namespace and name as target labels), every second.
+        # A real Prometheus scraping the three as the Prometheus Operator's monitors would:
+        # every target label the Operator sets (namespace, service, pod, endpoint, job), every
+        # second. A label of ours with one of those names would come back as exported_*.
         prom_port = free_port()
         jobs = "".join(f"""  - job_name: {job}
     scrape_interval: 1s
     static_configs:
       - targets: ['{admin}']
-        labels: {{ namespace: shop, pod: {job}-0 }}
-""" for job, admin in [("sidecar", proxy_admin), ("aggregator", agg_admin), ("controller", ctl_admin)])
+        labels: {{ namespace: shop, service: {service}, pod: {job}-0, endpoint: admin, job: {service} }}
+""" for job, service, admin in [("sidecar", "shop-app", proxy_admin), ("aggregator", "spillway-aggregator", agg_admin),
+                                 ("controller", "spillway-controller", ctl_admin)])
         with open(os.path.join(d, "prometheus.yml"), "w") as f:
             f.write("global: { scrape_interval: 1s, evaluation_interval: 1s }\nscrape_configs:\n" + jobs)
         procs.append(subprocess.Popen(["prometheus", f"--config.file={d}/prometheus.yml",
@@ -733,6 +943,14 @@ rules:
                     empty.discard(p["title"])
             time.sleep(0.5)
         check(not empty, f"every dashboard panel shows data in a real Prometheus ({len(dash['panels'])} panels) {sorted(empty) or ''}")
+        # No series lost a label to the scraper's, and the controller's panels group by the
+        # service the rules are of, not the Kubernetes Service scraped.
+        every = query('{__name__=~"spillway_.+"}')
+        renamed = sorted({k for r in every for k in r["metric"] if k.startswith("exported_")})
+        check(every and not renamed, f"no label of ours renamed exported_* by the scraper's ({len(every)} series) {renamed or ''}")
+        fleet = [r for p in dash["panels"] for t in p["targets"] if "spillway_controller_" in t["expr"] for r in query(t["expr"])]
+        check(fleet and all(r["metric"].get("spillway_service") == "shop" for r in fleet),
+              f"the controller's panels show service shop ({len(fleet)} series) {[r['metric'] for r in fleet if r['metric'].get('spillway_service') != 'shop'][:2]}")
     finally:
         done.set()
         for t in senders:
@@ -1012,6 +1230,7 @@ def injector():
 
 
 hadolint()
+release()
 inject()
 pair()
 injector()
@@ -1021,6 +1240,7 @@ bad_releases()
 subchart()
 check_configs(configmaps)
 config_schema(configmaps)
+monitoring()
 dashboard()
 print(f"\n{len(failures)} failure(s)")
 sys.exit(1 if failures else 0)

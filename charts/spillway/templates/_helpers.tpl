@@ -30,24 +30,27 @@ app.kubernetes.io/instance: {{ .root.Release.Name }}
 app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
-{{/* The image, from a values dict (this chart's, or the parent's `.Values.spillway`): pinned
-by digest when one is given. */}}
+{{/* The control plane's image, from the chart's context: pinned by digest when one is
+given, else image.tag, else the chart's appVersion (the release of that version). */}}
 {{- define "spillway.image" -}}
-{{- include "spillway.imageOf" .image -}}
+{{- include "spillway.imageOf" (merge (dict "appVersion" .Chart.AppVersion) (deepCopy .Values.image)) -}}
 {{- end -}}
 
-{{/* The sidecar's image (JSON), from a values dict: sidecar.image over image; another
+{{/* The sidecar's image (JSON), from a values dict and the chart's appVersion (`appVersion`
+beside `values`; this chart's own templates give it): sidecar.image over image; another
 repository is not pinned by image.digest. */}}
 {{- define "spillway.sidecarImage" -}}
-{{- $own := .sidecar.image | default dict -}}
-{{- mergeOverwrite (deepCopy .image) (ternary (dict "digest" "") dict (hasKey $own "repository")) (deepCopy $own) | toJson -}}
+{{- $own := .values.sidecar.image | default dict -}}
+{{- $image := mergeOverwrite (deepCopy .values.image) (ternary (dict "digest" "") dict (hasKey $own "repository")) (deepCopy $own) -}}
+{{- $_ := set $image "appVersion" (.appVersion | default "") -}}
+{{- $image | toJson -}}
 {{- end -}}
 
 {{- define "spillway.imageOf" -}}
 {{- if .digest -}}
 {{ .repository }}@{{ .digest }}
 {{- else -}}
-{{ .repository }}:{{ .tag }}
+{{ .repository }}:{{ .tag | default .appVersion | required "spillway: no image tag: set image.tag, or pass \"appVersion\" .Subcharts.spillway.Chart.AppVersion to spillway.sidecar" }}
 {{- end -}}
 {{- end -}}
 
@@ -176,13 +179,14 @@ The sidecar container, for your own chart (with this one as a dependency):
   containers:
     - name: app
       ...                       # listening on 127.0.0.1 only (sidecar.appPort)
-    {{- include "spillway.sidecar" (dict "values" .Values.spillway "release" "spillway") | nindent 4 }}
+    {{- include "spillway.sidecar" (dict "values" .Values.spillway "release" "spillway" "appVersion" .Subcharts.spillway.Chart.AppVersion) | nindent 4 }}
   volumes:
     {{- include "spillway.sidecarVolumes" (dict "values" .Values.spillway "release" "spillway") | nindent 4 }}
   terminationGracePeriodSeconds: {{ include "spillway.terminationGracePeriod" .Values.spillway }}
 
 `values` are this chart's values (`.Values.spillway` in the parent); `release` is the full name
-of the release that installed this chart (its ConfigMap `<release>-limits` and token). Label the
+of the release that installed this chart (its ConfigMap `<release>-limits` and token);
+`appVersion` is this chart's, the image tag when `image.tag` is empty (the default). Label the
 pod `spillway.dev/sidecar: <release>` for that release's PodMonitor. Give the app container
 `{{- include "spillway.appLifecycle" .Values.spillway | nindent 6 }}`, so that it keeps serving
 while the sidecar stops taking requests. With `sidecar.native`, put the sidecar under
@@ -194,7 +198,7 @@ while the sidecar stops taking requests. With `sidecar.native`, put the sidecar 
   {{- if $v.sidecar.native }}
   restartPolicy: Always
   {{- end }}
-  {{- $image := include "spillway.sidecarImage" $v | fromJson }}
+  {{- $image := include "spillway.sidecarImage" (dict "values" $v "appVersion" .appVersion) | fromJson }}
   image: {{ include "spillway.imageOf" $image }}
   imagePullPolicy: {{ $image.pullPolicy }}
   args: ["proxy", "--config", "/etc/spillway/spillway.yaml"]
@@ -316,11 +320,12 @@ priorityClassName: {{ . }}
 {{- end }}
 {{- end -}}
 
-{{/* The injected sidecar itself, as JSON from a values dict: its image, ports, pause and
-drain (inject's options, and the injector's settings). */}}
+{{/* The injected sidecar itself, as JSON from the chart's context: its image, ports, pause
+and drain (inject's options, and the injector's settings). */}}
 {{- define "spillway.injectedSidecar" -}}
-{{- $image := include "spillway.sidecarImage" . | fromJson -}}
-{{- dict "image" (include "spillway.imageOf" $image) "proxy_port" .sidecar.port "admin_port" .sidecar.adminPort "pre_stop_seconds" .sidecar.preStopSeconds "drain_seconds" .sidecar.drainSeconds | toJson -}}
+{{- $image := include "spillway.sidecarImage" (dict "values" .Values "appVersion" .Chart.AppVersion) | fromJson -}}
+{{- $s := .Values.sidecar -}}
+{{- dict "image" (include "spillway.imageOf" $image) "proxy_port" $s.port "admin_port" $s.adminPort "pre_stop_seconds" $s.preStopSeconds "drain_seconds" $s.drainSeconds | toJson -}}
 {{- end -}}
 
 {{/* What a sidecar injected for this release is, as JSON (the injector's settings, and the
@@ -329,7 +334,7 @@ token and CA Secrets as the chart's own sidecar mounts them. */}}
 {{- define "spillway.injectFor" -}}
 {{- $cp := .Values.controlPlane -}}
 {{- $full := include "spillway.fullname" . -}}
-{{- $s := include "spillway.injectedSidecar" .Values | fromJson -}}
+{{- $s := include "spillway.injectedSidecar" . | fromJson -}}
 {{- $_ := set $s "release" $full -}}
 {{- with (.Values.sidecar.keySecret | default dict).existingSecret -}}
 {{- $_ := set $s "key_secret" . -}}
