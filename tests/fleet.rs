@@ -1569,7 +1569,8 @@ rules:
 /// Holds [`LIMIT`] with `p`, offered 2:1 at three times the limit, no errors; and a key
 /// under its limit beside many folded ones is not refused.
 async fn mixed_fleet_holds_the_limit(p: &[Proc], what: &str) {
-    let load = [(p[0].addr, "hot", 2 * LIMIT), (p[1].addr, "hot", LIMIT)];
+    let mut load = vec![(p[0].addr, "hot", 2 * LIMIT), (p[1].addr, "hot", LIMIT)];
+    load.extend(p[2..].iter().map(|p| (p.addr, "hot", LIMIT / 2)));
     offer_keys(&load, 3.0).await;
     let secs = 5.0;
     let counts = offer_keys(&load, secs).await;
@@ -1589,11 +1590,17 @@ async fn proxies_and_a_control_plane_one_version_apart_still_share_one_limit() {
     // A previous release reports a header's value in clear: the new proxies share its count
     // while they do too, the upgrade's first step (CHANGELOG).
     let path_new = proxy_yaml_with("new-proxy", up.addr, agg.addr, "    log_keys: clear\n");
+    // And a previous-release proxy reporting straight to today's controller.
+    let path_direct = proxy_yaml("old-direct", up.addr, ctl.addr);
     let p = [
         Proc::spawn_bin(&old, &["proxy", "--config", path_old.to_str().unwrap()]),
         Proc::spawn(&["proxy", "--config", path_new.to_str().unwrap()]),
+        Proc::spawn_bin(&old, &["proxy", "--config", path_direct.to_str().unwrap()]),
     ];
-    mixed_fleet_holds_the_limit(&p, "previous proxy, new control plane").await;
+    mixed_fleet_holds_the_limit(&p, "previous proxies, new control plane").await;
+    // Each previous-release proxy's version-1 reports were answered, not merely survived.
+    answered(&p[0], 3.0).await;
+    answered(&p[2], 3.0).await;
     drop(p);
     drop(agg);
     drop(ctl);
@@ -1613,13 +1620,18 @@ async fn proxies_and_a_control_plane_one_version_apart_still_share_one_limit() {
     let control = format!("http://{}", ctl.addr);
     let agg_args = aggregator_args(&control, "eu-1", "100ms");
     let agg = Proc::spawn_bin(&old, &agg_args);
+    // And today's aggregator in front of it (a control plane's upgrade rolling both at once).
+    let agg_new = Proc::spawn(&aggregator_args(&control, "eu-2", "100ms"));
     let a = proxy_yaml("new-a", up.addr, agg.addr);
     let b = proxy_yaml("new-b", up.addr, ctl.addr);
+    let c = proxy_yaml("new-c", up.addr, agg_new.addr);
     let p = [
         Proc::spawn(&["proxy", "--config", a.to_str().unwrap()]),
         Proc::spawn(&["proxy", "--config", b.to_str().unwrap()]),
+        Proc::spawn(&["proxy", "--config", c.to_str().unwrap()]),
     ];
     mixed_fleet_holds_the_limit(&p, "new proxies, previous control plane").await;
+    answered(&p[2], 3.0).await;
     // Nothing was refused as malformed: the new fields never reached the previous release.
     for (admin, role) in [(ctl.admin, "controller"), (agg.admin, "aggregator")] {
         let (_, _, metrics) = get(admin, "/metrics", &[]).await;
@@ -1631,6 +1643,55 @@ async fn proxies_and_a_control_plane_one_version_apart_still_share_one_limit() {
         );
         assert_eq!(metric(&metrics, &malformed), None, "{role}: {metrics}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_whose_controller_is_rolled_back_under_it_goes_back_to_version_1() {
+    let Some(old) = previous() else { return };
+    let _one = ONE_AT_A_TIME.lock().await;
+    let up = upstream().await;
+    let listen = fixed_port();
+    let mut ctl = controller(&listen, &[]);
+    // top_k 1 and three keys: each report folds a tail, which goes with its sketch (a field
+    // past version 1) once the controller has said it takes them.
+    let rules = per_key(&format!("{LIMIT}/s"), "");
+    let p = proxy_with("p", up.addr, ctl.addr, "250ms", 1, &rules);
+    let load = [(p.addr, "a", 30), (p.addr, "b", 20), (p.addr, "c", 10)];
+    offer_keys(&load, 1.5).await;
+    answered(&p, 3.0).await;
+    // Rolled back at the same address: the previous release refuses the sketch (400), the
+    // proxy sends the same report again as version 1 and stays there.
+    ctl.kill();
+    let old_ctl = Proc::spawn_bin(
+        &old,
+        &["controller", "--listen", &listen, "--admin", "127.0.0.1:0"],
+    );
+    let (_, _, before) = get(p.admin, "/metrics", &[]).await;
+    let ok = |text: &str| {
+        text.lines()
+            .find(|l| l.starts_with("spillway_reports_total{result=\"ok\""))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    offer_keys(&load, 2.0).await;
+    answered(&p, ok(&before) + 4.0).await;
+    let (_, _, metrics) = get(old_ctl.admin, "/metrics", &[]).await;
+    let count = |result: &str| {
+        metric(
+            &metrics,
+            &format!("spillway_controller_reports_total{{result=\"{result}\"}}"),
+        )
+        .unwrap_or(0.0)
+    };
+    assert!(
+        count("ok") >= 4.0,
+        "the previous controller took version 1: {metrics}"
+    );
+    // Refused once (or twice, a report already on its way), then version 1 only.
+    assert!(
+        count("malformed") >= 1.0 && count("malformed") < count("ok") / 2.0,
+        "the report with the sketch reached it and was refused, and the next ones were plain version 1: {metrics}"
+    );
 }
 
 /// Waits until the proxy at `p` has had `n` reports answered.
