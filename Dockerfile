@@ -14,9 +14,11 @@ ARG SPILLWAY_COMMIT=unknown
 ENV SPILLWAY_COMMIT=$SPILLWAY_COMMIT
 WORKDIR /src
 COPY . .
-# Caches for the registry and the target dir keep rebuilds incremental (BuildKit).
+# Caches for the registry and the target dir keep rebuilds incremental (BuildKit); the target
+# dir's is per platform, so that a multi-arch build's two stages do not share (and lock) one.
+ARG TARGETPLATFORM
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
-    --mount=type=cache,target=/src/target \
+    --mount=type=cache,target=/src/target,id=spillway-target-$TARGETPLATFORM \
     cargo build --release --locked --bin spillway \
     && cp target/release/spillway /spillway
 

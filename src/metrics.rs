@@ -4,8 +4,9 @@
 //! (unbounded and possibly personal): only rule names from the config and fixed enums. The
 //! request path only touches pre-resolved handles (`IntCounter`, `Histogram`): an atomic add.
 //! Must never: export a label a scraper sets itself (`service`, `namespace`, `pod`, `job`,
-//! `instance`, `endpoint`: the Prometheus Operator would rename ours `exported_*`), nor the
-//! Redis families before a Redis is configured. Every histogram has [`SECONDS_BUCKETS`].
+//! `instance`, `endpoint`, `container`: the Prometheus Operator would rename ours
+//! `exported_*`), nor the Redis families before a Redis is configured. Every histogram has
+//! [`SECONDS_BUCKETS`].
 
 use prometheus::{
     Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
@@ -379,8 +380,9 @@ pub struct Metrics {
     /// The Redis families, registered once by [`Metrics::redis_in_use`].
     redis_families: Vec<Family>,
     redis_shown: std::sync::Once,
-    /// `spillway_upstream_responses_total{code_class}`, by the status's first digit (1xx-5xx).
-    upstream_responses: [IntCounter; 5],
+    /// `spillway_upstream_responses_total{code_class}`, by the status's first digit (1xx-5xx,
+    /// then `other`).
+    upstream_responses: [IntCounter; 6],
     /// `spillway_rule_limit{rule, unit}`: each local rule's configured limit.
     rule_limit: prometheus::GaugeVec,
     /// `spillway_config_last_reload_successful`.
@@ -529,7 +531,7 @@ impl Metrics {
         let upstream_responses = IntCounterVec::new(
             Opts::new(
                 "spillway_upstream_responses_total",
-                "Responses of the upstream forwarded to clients, by the status's class (1xx to 5xx).",
+                "Responses of the upstream forwarded to clients, by the status's class (1xx to 5xx; other: 600 and past).",
             ),
             &["code_class"],
         )
@@ -716,8 +718,8 @@ impl Metrics {
         }
         let upstream_errors = UpstreamError::ALL.map(|k| upstream.with_label_values(&[k.label()]));
         let upstream_discards = Unusable::ALL.map(|k| discarded.with_label_values(&[k.label()]));
-        let upstream_responses =
-            ["1xx", "2xx", "3xx", "4xx", "5xx"].map(|c| upstream_responses.with_label_values(&[c]));
+        let upstream_responses = ["1xx", "2xx", "3xx", "4xx", "5xx", "other"]
+            .map(|c| upstream_responses.with_label_values(&[c]));
         // Every reason shown at 0 before its first.
         let bad_requests = Reason::ALL.map(|r| bad_requests.with_label_values(&[r.label()]));
         Self {
@@ -794,30 +796,47 @@ impl Metrics {
         &self.redis
     }
 
-    /// `spillway_upstream_responses_total` of `status`'s class (a status past 599 as 5xx).
+    /// `spillway_upstream_responses_total` of `status`'s class (`other` past 599, which no
+    /// standard defines: not the app's errors).
     #[inline]
     pub fn upstream_response(&self, status: http::StatusCode) -> &IntCounter {
-        let class = usize::from(status.as_u16() / 100).clamp(1, 5) - 1;
+        let class = usize::from(status.as_u16() / 100).clamp(1, 6) - 1;
         &self.upstream_responses[class]
     }
 
-    /// Sets `spillway_rule_limit` to `rules`' local limits, forgetting rules no longer there.
+    /// Sets `spillway_rule_limit` to `rules`' local limits, then forgets rules no longer
+    /// there (never all at once: a scrape meanwhile would see none).
     pub fn show_limits(&self, rules: &[crate::config::Rule]) {
         use crate::config::{Limit, Scope};
-        self.rule_limit.reset();
+        let mut shown = Vec::new();
         for r in rules.iter().filter(|r| r.scope == Scope::Local) {
-            match &r.limit {
-                Limit::Rate { rate, .. } => self
-                    .rule_limit
-                    .with_label_values(&[&r.name.0, "per_second"])
-                    .set(rate.per_sec()),
-                Limit::Concurrency(n) => self
-                    .rule_limit
-                    .with_label_values(&[&r.name.0, "in_flight"])
-                    .set(f64::from(n.get())),
+            let (unit, value) = match &r.limit {
+                Limit::Rate { rate, .. } => ("per_second", rate.per_sec()),
+                Limit::Concurrency(n) => ("in_flight", f64::from(n.get())),
                 // Its limit moves: `spillway_adaptive_limit`.
-                Limit::Adaptive(_) => {}
-            }
+                Limit::Adaptive(_) => continue,
+            };
+            self.rule_limit
+                .with_label_values(&[&r.name.0, unit])
+                .set(value);
+            shown.push((r.name.0.as_str(), unit));
+        }
+        let stale: Vec<(String, String)> = prometheus::core::Collector::collect(&self.rule_limit)
+            .iter()
+            .flat_map(|family| family.get_metric())
+            .filter_map(|m| {
+                let label = |name: &str| {
+                    m.get_label()
+                        .iter()
+                        .find(|l| l.name() == name)
+                        .map(|l| l.value().to_string())
+                };
+                Some((label("rule")?, label("unit")?))
+            })
+            .filter(|(rule, unit)| !shown.contains(&(rule.as_str(), unit.as_str())))
+            .collect();
+        for (rule, unit) in stale {
+            let _ = self.rule_limit.remove_label_values(&[&rule, &unit]);
         }
     }
 
@@ -957,7 +976,15 @@ mod tests {
         m.duration(Outcome::Upstream).observe(0.01);
         m.redis.duration.observe(0.001);
         let (labels, bounds) = labels_and_bounds(&m);
-        for taken in ["service", "namespace", "pod", "job", "instance", "endpoint"] {
+        for taken in [
+            "service",
+            "namespace",
+            "pod",
+            "job",
+            "instance",
+            "endpoint",
+            "container",
+        ] {
             assert!(!labels.contains(taken), "{taken} in {labels:?}");
         }
         assert!(labels.contains(SERVICE_LABEL), "{labels:?}");
@@ -989,7 +1016,14 @@ mod tests {
                 .inc();
         }
         let text = String::from_utf8(m.render()).unwrap();
-        for (class, n) in [("1xx", 1), ("2xx", 2), ("3xx", 1), ("4xx", 2), ("5xx", 3)] {
+        for (class, n) in [
+            ("1xx", 1),
+            ("2xx", 2),
+            ("3xx", 1),
+            ("4xx", 2),
+            ("5xx", 2),
+            ("other", 1),
+        ] {
             let series =
                 format!("spillway_upstream_responses_total{{code_class=\"{class}\"}} {n}\n");
             assert!(text.contains(&series), "{series} in\n{text}");

@@ -8,8 +8,8 @@
 //!
 //! Demand is offered requests: allowed + rejected + shadow_rejected, so limiting does not hide
 //! it. Only the config's service is read: the `spillway_service` label, which any pod can
-//! export, and `--namespace`, a target label Prometheus sets and no pod can (`--selector`
-//! narrows further). A local rule's peak is the busiest replica's, a global or redis rule's the fleet's.
+//! export, and `--namespace`, a target label Prometheus sets and no pod can (unless a scrape
+//! job honours scraped labels; `--selector` narrows further). A local rule's peak is the busiest replica's, a global or redis rule's the fleet's.
 //! History is per rule (metrics never carry keys), so proposals are made for rules with one
 //! bucket (`key: []`); keyed rules are listed as skipped, with their rule-wide peak. The config
 //! is edited as text (comments and layout survive) and the result is validated before it is
@@ -46,8 +46,9 @@ pub struct Options {
     #[arg(long, env = "SPILLWAY_NAMESPACE", required_unless_present = "all_namespaces", value_parser = parse_namespace)]
     pub namespace: Option<String>,
     /// Read the service's series from every namespace (a Prometheus without a namespace
-    /// label); any pod exporting the service's name then counts.
-    #[arg(long, conflicts_with = "namespace")]
+    /// label); any pod exporting the service's name then counts. Wins over --namespace (and
+    /// SPILLWAY_NAMESPACE).
+    #[arg(long)]
     pub all_namespaces: bool,
     /// More label matchers for every series read, e.g. `cluster="eu-1"` (the config's
     /// service is always matched, by the `spillway_service` label).
@@ -211,6 +212,9 @@ pub async fn tune(path: &Path, opts: &Options) -> Result<Tuned, String> {
         } else {
             match peak {
                 None => Proposal::Skipped("no traffic in the lookback".into()),
+                Some(peak) if !peak.is_finite() || peak < 0.0 => {
+                    Proposal::Skipped(format!("the peak Prometheus gave is {peak}"))
+                }
                 Some(peak) => {
                     let period = rate.period.as_secs_f64();
                     let count = (peak * (1.0 + opts.margin) * period).ceil().max(1.0) as u64;
@@ -219,7 +223,7 @@ pub async fn tune(path: &Path, opts: &Options) -> Result<Tuned, String> {
                         Proposal::Unchanged
                     } else if count > old.saturating_mul(MAX_RAISE) && !opts.allow_raise {
                         Proposal::Skipped(format!(
-                            "{count}/{} would raise it {:.0}x, past {MAX_RAISE}x: check the history, then --allow-raise",
+                            "{count}/{} would raise it {:.1}x, past {MAX_RAISE}x: check the history, then --allow-raise",
                             current.split_once('/').map_or("s", |(_, u)| u),
                             count as f64 / old as f64
                         ))

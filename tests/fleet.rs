@@ -1582,6 +1582,21 @@ async fn mixed_fleet_holds_the_limit(p: &[Proc], what: &str) {
 async fn proxies_and_a_control_plane_one_version_apart_still_share_one_limit() {
     let Some(old) = previous() else { return };
     let (_one, up, ctl) = fleet().await;
+    // The upgrade's first step: a controller of today's, of its own, with the previous
+    // release's aggregator and proxies behind it.
+    {
+        let first = controller("127.0.0.1:0", &[]);
+        let url = format!("http://{}", first.addr);
+        let agg = Proc::spawn_bin(&old, &aggregator_args(&url, "eu-0", "100ms"));
+        let paths = [
+            proxy_yaml("old-1", up.addr, agg.addr),
+            proxy_yaml("old-2", up.addr, agg.addr),
+        ];
+        let p =
+            paths.map(|path| Proc::spawn_bin(&old, &["proxy", "--config", path.to_str().unwrap()]));
+        mixed_fleet_holds_the_limit(&p, "the controller upgraded first").await;
+        answered(&p[0], 3.0).await;
+    }
     // Today's controller and aggregator with a proxy of each release behind the aggregator.
     let control = format!("http://{}", ctl.addr);
     let agg_args = aggregator_args(&control, "eu-1", "100ms");
@@ -1659,6 +1674,8 @@ async fn a_proxy_whose_controller_is_rolled_back_under_it_goes_back_to_version_1
     let load = [(p.addr, "a", 30), (p.addr, "b", 20), (p.addr, "c", 10)];
     offer_keys(&load, 1.5).await;
     answered(&p, 3.0).await;
+    // Load all along, so that the first report the previous release sees has a tail.
+    let all_along = tokio::spawn(async move { offer_keys(&load, 4.0).await });
     // Rolled back at the same address: the previous release refuses the sketch (400), the
     // proxy sends the same report again as version 1 and stays there.
     ctl.kill();
@@ -1673,8 +1690,8 @@ async fn a_proxy_whose_controller_is_rolled_back_under_it_goes_back_to_version_1
             .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .unwrap_or(0.0)
     };
-    offer_keys(&load, 2.0).await;
     answered(&p, ok(&before) + 4.0).await;
+    all_along.await.unwrap();
     let (_, _, metrics) = get(old_ctl.admin, "/metrics", &[]).await;
     let count = |result: &str| {
         metric(

@@ -452,7 +452,7 @@ fn tune_reads_only_the_services_namespace_and_refuses_a_tenfold_raise_unless_ask
     // 1 000/s + 25 % = about 1 250/s, 25 times 50/s: refused, said, not written.
     let export = row(&table, "export");
     assert!(
-        export.contains("skipped: 125") && export.contains("/s would raise it 25x, past 10x"),
+        export.contains("skipped: 125") && export.contains("/s would raise it 25.0x, past 10x"),
         "{export}"
     );
     assert!(!table.contains("WARNING: this RAISES"), "{table}");

@@ -154,6 +154,16 @@ pub(super) async fn reload(
         .collect();
     shared.rules.store(rules);
     shared.metrics.show_limits(&active.rules);
+    match active.redis.is_some() {
+        true => {
+            shared.metrics.redis_in_use();
+        }
+        // Gone: its last state would hold an alert (an open breaker) for ever.
+        false => {
+            shared.metrics.redis.connected.set(0);
+            shared.metrics.redis.breaker_state.set(0);
+        }
+    }
     #[cfg(feature = "redis")]
     shared.exact.store(exact);
     shared.config.store(Arc::new(active));
@@ -268,7 +278,7 @@ async fn redis(
         redis,
         &old.service.0,
         shared.rules.load().secret(),
-        shared.metrics.redis_in_use().clone(),
+        shared.metrics.redis.clone(),
         shared.clock.clone(),
     )
     .map_err(|message| ConfigError::Invalid {
