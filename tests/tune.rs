@@ -461,29 +461,15 @@ fn tune_reads_only_the_services_namespace_and_refuses_a_tenfold_raise_unless_ask
     assert!(row(&table, "export").contains("/s | RAISE +24"), "{table}");
 
     // Without a namespace, it is asked for; with --all-namespaces the forged series counts.
-    let (ok, _, err) = run_tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
-        &prom.url,
-    ]);
+    let anywhere = |more: &[&str]| {
+        let config = config.to_str().unwrap();
+        run_tune(&[&["--config", config, "--prometheus", &prom.url][..], more].concat())
+    };
+    let (ok, _, err) = anywhere(&[]);
     assert!(!ok && err.contains("--namespace"), "{err}");
-    let (ok, _, err) = run_tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
-        &prom.url,
-        "--namespace",
-        "Shop\"}",
-    ]);
+    let (ok, _, err) = anywhere(&["--namespace", "Shop\"}"]);
     assert!(!ok && err.contains("not a namespace name"), "{err}");
-    let (ok, table, err) = run_tune(&[
-        "--config",
-        config.to_str().unwrap(),
-        "--prometheus",
-        &prom.url,
-        "--all-namespaces",
-    ]);
+    let (ok, table, err) = anywhere(&["--all-namespaces"]);
     assert!(ok, "{err}");
     assert!(
         row(&table, "checkout").contains("125000.0/s per replica")
