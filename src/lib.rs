@@ -35,6 +35,7 @@
 //! below those of `rules`, `respond` and `gate`, and those below `proxy`, `control` and
 //! `layer`.
 
+mod arenas;
 mod config;
 mod control;
 mod demo;
@@ -76,6 +77,9 @@ pub use proxy::Sidecar;
 /// the modules as they are inside, with no promise that they stay so.
 #[doc(hidden)]
 pub mod internal {
+    pub mod arenas {
+        pub use crate::arenas::*;
+    }
     pub mod config {
         pub use crate::config::*;
     }

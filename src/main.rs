@@ -631,6 +631,13 @@ fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Before any thread allocates: a thread's arena is chosen at its first allocation.
+    if matches!(
+        cli.command,
+        Command::Controller { .. } | Command::Aggregator { .. }
+    ) {
+        spillway::internal::arenas::cap();
+    }
     // The demo's table is its output; the proxy's own info logs would only clutter it.
     let default_filter = match cli.command {
         Command::Demo { .. } => "warn",
