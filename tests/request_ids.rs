@@ -64,6 +64,14 @@ impl Logged {
     }
 }
 
+/// A proxy a test is done with is stopped, whether or not its lines were read.
+impl Drop for Logged {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 /// Sends requests for `who` until one is refused; the refusal's id, from its field and its
 /// document (which must agree).
 async fn refused_id(addr: std::net::SocketAddr, headers: &[(&str, &str)]) -> String {
