@@ -219,17 +219,16 @@ pub async fn tune(path: &Path, opts: &Options) -> Result<Tuned, String> {
                     let period = rate.period.as_secs_f64();
                     let count = (peak * (1.0 + opts.margin) * period).ceil().max(1.0) as u64;
                     let old = u64::from(rate.count.get());
+                    let unit = current.split_once('/').map_or("s", |(_, u)| u);
+                    let new_rate = format!("{count}/{unit}");
                     if count == old {
                         Proposal::Unchanged
                     } else if count > old.saturating_mul(MAX_RAISE) && !opts.allow_raise {
                         Proposal::Skipped(format!(
-                            "{count}/{} would raise it {:.1}x, past {MAX_RAISE}x: check the history, then --allow-raise",
-                            current.split_once('/').map_or("s", |(_, u)| u),
+                            "{new_rate} would raise it {:.1}x, past {MAX_RAISE}x: check the history, then --allow-raise",
                             count as f64 / old as f64
                         ))
                     } else {
-                        let unit = current.split_once('/').map_or("s", |(_, u)| u);
-                        let new_rate = format!("{count}/{unit}");
                         text = edit_rule(&text, &name, Some(&new_rate), Some(Mode::Shadow))?;
                         Proposal::Set {
                             rate: new_rate,

@@ -102,12 +102,18 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
 
+    /// `name`, holding "one", in a directory of this process's own under the temp dir.
+    fn fresh_file(dir: &str, name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("{dir}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join(name);
+        std::fs::write(&file, "one").unwrap();
+        file
+    }
+
     #[tokio::test]
     async fn a_callback_that_reads_the_file_does_not_wake_itself() {
-        let dir = std::env::temp_dir().join(format!("spillway-watch-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("token");
-        std::fs::write(&file, "one").unwrap();
+        let file = fresh_file("spillway-watch", "token");
         let (stop_tx, stop) = watch::channel(false);
         let calls = Arc::new(AtomicUsize::new(0));
         let (seen_tx, mut seen) = mpsc::channel::<()>(16);
@@ -137,10 +143,8 @@ mod tests {
     /// ConfigMap's `..data` swap count.
     #[tokio::test]
     async fn only_the_file_and_a_configmap_swap_wake_it_not_its_neighbours() {
-        let dir = std::env::temp_dir().join(format!("spillway-watch-n-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let file = dir.join("spillway.yaml");
-        std::fs::write(&file, "one").unwrap();
+        let file = fresh_file("spillway-watch-n", "spillway.yaml");
+        let dir = file.parent().unwrap().to_path_buf();
         let log = dir.join("stderr.log");
         let (stop_tx, stop) = watch::channel(false);
         let (seen_tx, mut seen) = mpsc::channel::<()>(64);

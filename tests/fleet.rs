@@ -1684,13 +1684,7 @@ async fn a_proxy_whose_controller_is_rolled_back_under_it_goes_back_to_version_1
         &["controller", "--listen", &listen, "--admin", "127.0.0.1:0"],
     );
     let (_, _, before) = get(p.admin, "/metrics", &[]).await;
-    let ok = |text: &str| {
-        text.lines()
-            .find(|l| l.starts_with("spillway_reports_total{result=\"ok\""))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    answered(&p, ok(&before) + 4.0).await;
+    answered(&p, reports_ok(&before) + 4.0).await;
     all_along.await.unwrap();
     let (_, _, metrics) = get(old_ctl.admin, "/metrics", &[]).await;
     let count = |result: &str| {
@@ -1711,15 +1705,19 @@ async fn a_proxy_whose_controller_is_rolled_back_under_it_goes_back_to_version_1
     );
 }
 
+/// A proxy's reports answered, from its /metrics `text` (with or without its service label).
+fn reports_ok(text: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with("spillway_reports_total{result=\"ok\""))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0)
+}
+
 /// Waits until the proxy at `p` has had `n` reports answered.
 async fn answered(p: &Proc, n: f64) {
     for _ in 0..600 {
         let (_, _, text) = get(p.admin, "/metrics", &[]).await;
-        let ok = text
-            .lines()
-            .find(|l| l.starts_with("spillway_reports_total{result=\"ok\""))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
-        if ok.is_some_and(|ok| ok >= n) {
+        if reports_ok(&text) >= n {
             return;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;

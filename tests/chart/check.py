@@ -145,6 +145,12 @@ OPERATOR_REQUIRED = {
 }
 
 
+def manifests(rendered):
+    """The manifests of a chart's render, in order (NOTES.txt is text, not YAML)."""
+    return [d for path, text in rendered.items() if not path.endswith("NOTES.txt")
+            for d in yaml.safe_load_all(text) if d]
+
+
 def hadolint():
     exe = os.path.join(os.path.dirname(sys.executable), "hadolint")
     r = subprocess.run([exe, os.path.join(ROOT, "Dockerfile")], capture_output=True, text=True)
@@ -254,7 +260,7 @@ def release():
     rendered = helm.Chart.load(CHART).render({"service": "shop", "controlPlane": {"enabled": True},
                                               "example": {"enabled": True}, "injector": {"enabled": True}},
                                              name="spillway", namespace="shop", is_install=True)
-    docs = [d for path, text in rendered.items() if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
+    docs = manifests(rendered)
     used = {c["image"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
             for c in d["spec"]["template"]["spec"]["containers"] if c["name"] != "app"}
     used |= {yaml.safe_load(d["data"]["injector.yaml"])["image"] for d in docs
@@ -494,8 +500,7 @@ spec:
         except helm.HelmError as e:
             check(False, f"subchart render with global values: {str(e).splitlines()[0][:200]}")
             return
-        docs = [doc for path, text in rendered.items() if not path.endswith("NOTES.txt")
-                for doc in yaml.safe_load_all(text) if doc]
+        docs = manifests(rendered)
         check(any(d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-limits") for d in docs),
               f"subchart render with global values: {len(docs)} manifests")
         with open(os.path.join(CHART, "Chart.yaml")) as f:
@@ -746,13 +751,16 @@ def monitoring():
 
     def objects(values, name, namespace):
         out = {}
-        for path, text in chart.render(values, name=name, namespace=namespace, is_install=True).items():
-            if path.endswith("NOTES.txt"):
-                continue
-            for doc in yaml.safe_load_all(text):
-                if doc and doc.get("kind") in ("PrometheusRule", "ConfigMap"):
-                    out.setdefault(doc["kind"], []).append(doc)
+        for doc in manifests(chart.render(values, name=name, namespace=namespace, is_install=True)):
+            if doc.get("kind") in ("PrometheusRule", "ConfigMap"):
+                out.setdefault(doc["kind"], []).append(doc)
         return out
+
+    def alerts(got):
+        return [r for g in got["PrometheusRule"][0]["spec"]["groups"] for r in g["rules"]]
+
+    def dashboard_of(got):
+        return next(c for c in got["ConfigMap"] if c["metadata"]["name"].endswith("-dashboard"))
 
     with open(os.path.join(ROOT, "docs", "runbooks.md")) as f:
         anchors = {re.sub(r"[^a-z0-9_-]", "", h.strip().lower().replace(" ", "-"))
@@ -761,7 +769,7 @@ def monitoring():
     # Two teams' releases in one namespace, and a third in another.
     for name, namespace, service in [("shop", "web", "shop"), ("books", "web", "books"), ("cart", "cart", "cart")]:
         got = objects({**on, "service": service}, name, namespace)
-        rules = [r for g in got["PrometheusRule"][0]["spec"]["groups"] for r in g["rules"]]
+        rules = alerts(got)
         scoped = all(f'namespace="{namespace}",spillway_service="{service}"' in r["expr"] for r in rules)
         check(len(rules) >= 5 and scoped,
               f"alerts of release {namespace}/{name}: {len(rules)}, each scoped to its namespace and service {service}")
@@ -774,7 +782,7 @@ def monitoring():
             yaml.safe_dump({"groups": got["PrometheusRule"][0]["spec"]["groups"]}, f)
         r = subprocess.run(["promtool", "check", "rules", os.path.join(d, "rules.yml")], capture_output=True, text=True)
         check(r.returncode == 0, f"promtool check rules ({namespace}/{name}) {'' if r.returncode == 0 else r.stdout + r.stderr}")
-        dash = [c for c in got["ConfigMap"] if c["metadata"]["name"].endswith("-dashboard")][0]
+        dash = dashboard_of(got)
         (key, text), = dash["data"].items()
         uid = json.loads(text)["uid"]
         uids.add(uid)
@@ -786,17 +794,17 @@ def monitoring():
     everywhere = json.loads(json.dumps(on))
     everywhere["metrics"]["serviceMonitor"]["allNamespaces"] = True
     got = objects(everywhere, "shop", "web")
-    rules = [r for g in got["PrometheusRule"][0]["spec"]["groups"] for r in g["rules"]]
+    rules = alerts(got)
     check(all('spillway_service="shop"' in r["expr"] and "namespace=" not in r["expr"] for r in rules),
           "with serviceMonitor.allNamespaces the alerts watch the service's sidecars in every namespace")
     mine = json.loads(json.dumps(on))
     mine["metrics"]["prometheusRule"]["selector"] = 'job="monitoring/shop-sidecars"'
     mine["dashboard"] = {"uid": "spillway-all"}
     got = objects(mine, "shop", "shop")
-    rules = [r for g in got["PrometheusRule"][0]["spec"]["groups"] for r in g["rules"]]
+    rules = alerts(got)
     check(all('job="monitoring/shop-sidecars"' in r["expr"] and 'namespace="shop"' not in r["expr"] for r in rules),
           "metrics.prometheusRule.selector replaces the namespace scope")
-    dash = [c for c in got["ConfigMap"] if c["metadata"]["name"].endswith("-dashboard")][0]
+    dash = dashboard_of(got)
     check(json.loads(dash["data"]["spillway-all.json"])["uid"] == "spillway-all", "dashboard.uid gives one shared dashboard")
     # A value that would end its matcher early and append PromQL of its own (an alert that
     # always fires, or never) is refused by the values schema, not rendered.
@@ -811,7 +819,7 @@ def monitoring():
     v = json.loads(json.dumps(on))
     v["metrics"]["prometheusRule"]["selector"] = 'job="a\\"b"'
     got = objects(v, "shop", "shop")
-    check(all('{job="a\\"b"}' in r["expr"] or 'job="a\\"b"}' in r["expr"] for g in got["PrometheusRule"][0]["spec"]["groups"] for r in g["rules"]),
+    check(all('{job="a\\"b"}' in r["expr"] or 'job="a\\"b"}' in r["expr"] for r in alerts(got)),
           "a selector's escaped quote stays inside its value")
 
 
@@ -1047,8 +1055,7 @@ def pair():
         if said is None:
             continue
         flags = said.group(1).split()
-        objects = {(d["kind"], d["metadata"]["name"]): d for p, t in rendered.items()
-                   if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d}
+        objects = {(d["kind"], d["metadata"]["name"]): d for d in manifests(rendered)}
         out = subprocess.run([BIN, "inject", sample, "--native-sidecar"] + flags, capture_output=True, text=True)
         check(out.returncode == 0, f"{what}: inject {' '.join(flags)} exits 0 {out.stderr.strip() if out.returncode else ''}")
         for doc in [d for d in yaml.safe_load_all(out.stdout) if d]:
@@ -1106,8 +1113,7 @@ def injector():
 
     def objects_of(values, name, namespace):
         rendered = chart.render(values, name=name, namespace=namespace, is_install=True)
-        return {(d["kind"], d["metadata"]["name"]): d for p, t in rendered.items()
-                if not p.endswith("NOTES.txt") for d in yaml.safe_load_all(t) if d}
+        return {(d["kind"], d["metadata"]["name"]): d for d in manifests(rendered)}
 
     # The control plane and the injector in spillway-system; a team's sidecar-only release,
     # named as injector.release says, in the namespace whose pods are injected.
