@@ -21,10 +21,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SPILLWAY = os.path.join(ROOT, "target", "release", "spillway")
+# SPILLWAY_BENCH_BIN: another build of Spillway (bench/profile.sh gives one with line tables).
+SPILLWAY = os.path.abspath(os.environ.get("SPILLWAY_BENCH_BIN") or
+                           os.path.join(ROOT, "target", "release", "spillway"))
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 HAPROXY = shutil.which("haproxy") or "/usr/sbin/haproxy"
 KEYS = 100  # distinct x-client values the load spreads over
+H2_ALL = 1000000  # the HTTP/2 runs' per-key limit for nginx and HAProxy: a rule that admits all
 
 # The end of every wrk script here: one RESULT line that `wrk()` below parses.
 WRK_DONE = r"""
@@ -279,15 +282,21 @@ def main():
                         for p in [proxy] + extra:
                             if p:
                                 p.stop()
-        # HTTP/2: the same rounds, alternating the two proxies; each run's figure is kept, since
-        # how a burst of connections splits over the workers makes them vary by up to 2x.
+        # HTTP/2: the same rounds, alternating the proxies, each with a limiting rule that admits
+        # all (so that each evaluates one); each run's figure is kept, since how a burst of
+        # connections splits over the workers makes them vary by up to 2x.
         h2 = {}
+        h2_proxies = [
+            ("spillway", lambda p: start_spillway(spillway_yaml(p, up_port, rule("1000000000/s")), p)),
+            ("nginx", lambda p: start_nginx(nginx_proxy(p, up_port, H2_ALL, h2=True), 2, p)),
+            ("haproxy", lambda p: start_haproxy(p, up_port, H2_ALL, h2=True)),
+        ]
+        if args.baseline:
+            h2_proxies.insert(1, ("baseline", lambda p: start_spillway(
+                spillway_yaml(p, up_port, rule("1000000000/s")), p, binary=base)))
         for rnd in range(0 if args.no_h2 else args.rounds):
             for c in conns:
-                for who, start in [
-                    ("spillway", lambda p: start_spillway(spillway_yaml(p, up_port, rule("1000000000/s")), p)),
-                    ("nginx", lambda p: start_nginx(nginx_proxy(p, up_port, None, h2=True), 2, p)),
-                ]:
+                for who, start in h2_proxies:
                     port = free_port()
                     p = start(port)
                     try:
@@ -363,18 +372,19 @@ def nginx_proxy(port, up_port, per_key, h2=False, forwarded=True):
   }}"""
 
 
-def start_haproxy(port, up_port, per_key):
-    """HAProxy (Debian's 2.6) with two threads, as nginx has two workers. The limit counts
-    admitted requests per x-client in a stick table (gpc0 rate over 1 s), so that, as with
-    nginx and Spillway, about `per_key`/s of each key pass and the rest get 429."""
-    d = tempfile.mkdtemp(prefix="spillway-bench-haproxy-")
+def haproxy_conf(port, up_port, per_key, threads=2, h2=False):
+    """HAProxy's configuration: `threads` threads (two here, as nginx has two workers). The
+    limit counts admitted requests per x-client in a stick table (gpc0 rate over 1 s), so that,
+    as with nginx and Spillway, about `per_key`/s of each key pass and the rest get 429; `h2`:
+    the listener takes HTTP/2 with prior knowledge, as Spillway's and nginx's do."""
     limit = (f"""  stick-table type string len 64 size 100k expire 10s store gpc0_rate(1s)
   http-request track-sc0 req.hdr(x-client)
   http-request deny deny_status 429 if {{ sc_gpc0_rate(0) ge {per_key} }}
   http-request sc-inc-gpc0(0)
 """ if per_key else "")
-    conf = f"""global
-  nbthread 2
+    proto = " proto h2" if h2 else ""
+    return f"""global
+  nbthread {threads}
   maxconn 8000
 defaults
   mode http
@@ -384,7 +394,7 @@ defaults
   option http-keep-alive
   http-reuse always
 frontend fe
-  bind 127.0.0.1:{port}
+  bind 127.0.0.1:{port}{proto}
 {limit}  default_backend app
 backend app
   option forwardfor
@@ -392,9 +402,14 @@ backend app
   http-request set-header X-Forwarded-Host %[req.hdr(host)]
   server app 127.0.0.1:{up_port}
 """
+
+
+def start_haproxy(port, up_port, per_key, h2=False):
+    """HAProxy (Debian's 2.6) with two threads and the stick table of `haproxy_conf`."""
+    d = tempfile.mkdtemp(prefix="spillway-bench-haproxy-")
     path = os.path.join(d, "haproxy.cfg")
     with open(path, "w") as f:
-        f.write(conf)
+        f.write(haproxy_conf(port, up_port, per_key, h2=h2))
     proc = Proc([HAPROXY, "-db", "-f", path])
     wait_port(port)
     return proc
@@ -426,12 +441,14 @@ def report(results, scenarios, conns, h2, per_key, args):
                   f"{vs(rps, nginx)} | {vs(rps, haproxy)} | {vs(rps, direct)} |")
     if not h2:
         return
-    print("\nHTTP/2 (h2load -m 10, prior knowledge, one key, no limiting; median and each round):\n")
-    print("| proxy | conns | req/s | rounds |")
-    print("|---|---|---|---|")
+    print("\nHTTP/2 (h2load -m 10, prior knowledge, one key, a limit that admits all; median and each round):\n")
+    print("| proxy | conns | req/s | rounds | vs nginx | vs haproxy |")
+    print("|---|---|---|---|---|---|")
     for (who, c), runs in sorted(h2.items()):
         each = " ".join(f"{r:.0f}" for r in runs)
-        print(f"| {who} | {c} | {statistics.median(runs):.0f} | {each} |")
+        m = statistics.median(runs)
+        ref = {p: statistics.median(h2.get((p, c)) or [float("nan")]) for p in ("nginx", "haproxy")}
+        print(f"| {who} | {c} | {m:.0f} | {each} | {vs(m, ref['nginx'])} | {vs(m, ref['haproxy'])} |")
 
 
 if __name__ == "__main__":

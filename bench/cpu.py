@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU time per request, user and kernel, of Spillway beside nginx; and syscalls per request.
+"""CPU time per request, user and kernel, of Spillway beside nginx and HAProxy; and syscalls per request.
 
 Where instructions.py counts the proxy's user space only, this reads what the proxy's process
 spent in all (`/proc/PID/stat` utime and stime): each proxy with one worker, h2load sending N
@@ -122,17 +122,21 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--baseline", help="another spillway binary to measure beside this one")
     ap.add_argument("--syscalls", action="store_true", help="also count syscalls (needs strace)")
+    ap.add_argument("--only", help="measure only the paths whose name contains this (=NAME: only NAME)")
+    ap.add_argument("--no-haproxy", action="store_true", help="measure Spillway and nginx only")
     args = ap.parse_args()
     if args.syscalls and not shutil.which("strace"):
         sys.exit("--syscalls needs strace (apt-get install strace)")
 
-    proxies = I.proxies(args.baseline)
+    proxies = I.proxies(args.baseline, not args.no_haproxy)
     up_port, upstream = C.start_upstream()
     chunked = ChunkedApp()
     results = {}
     calls = {}
     try:
         for path_name, limit, h2, size in I.PATHS + [(CHUNKED, None, False, 0)]:
+            if not I.chosen(path_name, args.only):
+                continue
             app = chunked.port if path_name == CHUNKED else up_port
             for r in range(args.rounds):
                 for name, binary in proxies:
@@ -159,13 +163,15 @@ def main():
 
     print(f"\n{args.rounds} rounds x {args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10), one key, "
           "one worker; CPU of the proxy's process per request (medians).\n")
-    print("| proxy | path | user us | kernel us | total us | total vs nginx |")
-    print("|---|---|---|---|---|---|")
+    print("| proxy | path | user us | kernel us | total us | total vs nginx | total vs haproxy |")
+    print("|---|---|---|---|---|---|---|")
     med = {k: (statistics.median(u for u, _ in v), statistics.median(k_ for _, k_ in v),
                statistics.median(u + k_ for u, k_ in v)) for k, v in results.items()}
     for (name, path_name), (u, k, t) in med.items():
+        haproxy = med.get(("haproxy", path_name))
+        vs_h = f"{t / haproxy[2]:.2f}x" if haproxy else "—"
         print(f"| {name} | {path_name} | {u:.2f} | {k:.2f} | {t:.2f} | "
-              f"{t / med[('nginx', path_name)][2]:.2f}x |")
+              f"{t / med[('nginx', path_name)][2]:.2f}x | {vs_h} |")
     if calls:
         print("\nSystem calls per request (strace -c, one run each):\n")
         print("| proxy | path | calls per request |")

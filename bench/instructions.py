@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""User-space instructions per request, Spillway beside nginx, counted by callgrind.
+"""User-space instructions per request, Spillway beside nginx and HAProxy, counted by callgrind.
 
 Wall-clock figures on a shared 2-core VM move by 10-15 % between runs of the same build, so a
 change worth 3 % cannot be seen in them. Instructions executed in the proxy's own process are
@@ -24,6 +24,7 @@ import argparse
 import glob
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -210,20 +211,49 @@ def nginx_cmd(port, up, limit, d, h2=False):
     return [C.NGINX, "-p", d, "-c", conf, "-e", f"{d}/error.log"]
 
 
+def haproxy_cmd(port, up, limit, d, h2=False):
+    """HAProxy with one thread, as the others have one worker: compare.py's configuration
+    (its stick table for a limit; `h2`: a listener that takes HTTP/2 with prior knowledge)."""
+    path = os.path.join(d, "haproxy.cfg")
+    with open(path, "w") as f:
+        f.write(C.haproxy_conf(port, up, limit, threads=1, h2=h2))
+    return [C.HAPROXY, "-db", "-f", path]
+
+
+# The binary `proxies` names HAProxy by; `None` names nginx.
+HAPROXY = "haproxy"
+
+
 def proxy_cmd(binary, port, up, limit, d, h2=False, extra=""):
-    """The command of a proxy in the foreground: Spillway's `binary`, or nginx for `None`
-    (`h2`: nginx takes HTTP/2 with prior knowledge; Spillway always does)."""
+    """The command of a proxy in the foreground: Spillway's `binary`, nginx for `None`, HAProxy
+    for `HAPROXY` (`h2`: nginx and HAProxy take HTTP/2 with prior knowledge; Spillway always
+    does)."""
     if binary is None:
         return nginx_cmd(port, up, limit, d, h2)
+    if binary == HAPROXY:
+        return haproxy_cmd(port, up, limit, d, h2)
     return spillway_cmd(binary, port, up, limit, d, extra=extra)
 
 
-def proxies(baseline):
-    """(name, binary) of the proxies measured: this build, `baseline` if given, nginx (None)."""
+def chosen(name, only):
+    """Whether the path `name` is measured under `--only`: its name contains `only`, or is
+    `only` without its leading `=`; every path without it."""
+    if not only:
+        return True
+    if only.startswith("="):
+        return name == only[1:]
+    return only in name
+
+
+def proxies(baseline, haproxy=True):
+    """(name, binary) of the proxies measured: this build, `baseline` if given, nginx (None),
+    HAProxy (`HAPROXY`) unless left out."""
     out = [("spillway", C.SPILLWAY)]
     if baseline:
         out.append(("baseline", os.path.abspath(baseline)))
     out.append(("nginx", None))
+    if haproxy:
+        out.append(("haproxy", HAPROXY))
     return out
 
 
@@ -232,6 +262,10 @@ def main():
     ap.add_argument("--requests", type=int, default=5000)
     ap.add_argument("--conns", type=int, default=16)
     ap.add_argument("--baseline", help="another spillway binary to count beside this one")
+    ap.add_argument("--no-haproxy", action="store_true", help="count Spillway and nginx only")
+    ap.add_argument("--keep", metavar="DIR",
+                    help="count this build only, and keep each path's callgrind file in DIR "
+                         "(for bench/profile.py)")
     ap.add_argument("--only", help="count only the paths whose name contains this (=NAME: only NAME)")
     ap.add_argument("--extra", default="",
                     help="YAML appended to this build's configuration only (e.g. an access log), "
@@ -244,21 +278,15 @@ def main():
     try:
         paths = PATHS + [(SPLIT, None, False, 1024), (AFTER, None, False, 0)]
         paths += [(p, limit, False, 0) for p, limit in GLOBAL]
-        def chosen(name):
-            if not args.only:
-                return True
-            if args.only.startswith("="):
-                return name == args.only[1:]
-            return args.only in name
-        paths = [p for p in paths if chosen(p[0])]
+        paths = [p for p in paths if chosen(p[0], args.only)]
         if any(p[0] in dict(GLOBAL) for p in paths):
             ctl_port = C.free_port()
             ctl = C.Proc([C.SPILLWAY, "controller", "--listen", f"127.0.0.1:{ctl_port}",
                           "--admin", "127.0.0.1:0"], ready_line=True)
         for path_name, limit, h2, size in paths:
             is_global = path_name in dict(GLOBAL)
-            for name, binary in proxies(args.baseline):
-                if is_global and binary is None:
+            for name, binary in proxies(args.baseline, not args.no_haproxy):
+                if is_global and binary in (None, HAPROXY) or args.keep and name != "spillway":
                     continue
                 d = tempfile.mkdtemp(prefix="spillway-bench-cg-")
                 port = C.free_port()
@@ -286,6 +314,10 @@ def main():
                 finally:
                     if after:
                         after.close()
+                if args.keep:
+                    kept = os.path.join(args.keep, re.sub(r"\W+", "-", path_name).strip("-"))
+                    for f in glob.glob(f"{d}/cg.*.1"):
+                        shutil.copy(f, kept + ".callgrind")
                 print(f"{name}, {path_name}: {per:.0f} instructions per request ({status})",
                       file=sys.stderr, flush=True)
                 rows.append((name, path_name, per))
@@ -297,12 +329,14 @@ def main():
     print(f"\n{args.requests} requests, h2load --h1 -c {args.conns} (HTTP/2: -m 10; body after head, after a "
           f"chunked POST: {args.conns} connections, one request at a time), one key, one worker; "
           "user-space instructions of the proxy's process per request (callgrind).\n")
-    print("| proxy | path | instructions per request | vs nginx |")
-    print("|---|---|---|---|")
+    print("| proxy | path | instructions per request | vs nginx | vs haproxy |")
+    print("|---|---|---|---|---|")
     nginx = {p: v for n, p, v in rows if n == "nginx"}
+    haproxy = {p: v for n, p, v in rows if n == "haproxy"}
     for name, path_name, per in rows:
         vs = f"{per / nginx[path_name]:.2f}x" if path_name in nginx else "—"
-        print(f"| {name} | {path_name} | {per:.0f} | {vs} |")
+        vs_h = f"{per / haproxy[path_name]:.2f}x" if path_name in haproxy else "—"
+        print(f"| {name} | {path_name} | {per:.0f} | {vs} | {vs_h} |")
 
 
 if __name__ == "__main__":
