@@ -35,7 +35,7 @@
 //! below those of `rules`, `respond` and `gate`, and those below `proxy`, `control` and
 //! `layer`.
 
-mod arenas;
+mod allocator;
 mod config;
 mod control;
 mod demo;
@@ -77,8 +77,8 @@ pub use proxy::Sidecar;
 /// the modules as they are inside, with no promise that they stay so.
 #[doc(hidden)]
 pub mod internal {
-    pub mod arenas {
-        pub use crate::arenas::*;
+    pub mod allocator {
+        pub use crate::allocator::*;
     }
     pub mod config {
         pub use crate::config::*;

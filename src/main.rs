@@ -5,6 +5,13 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc, not the C library's malloc: a request's few allocations of the same sizes, made
+/// and freed on one worker's thread, are what its per-thread free lists are for, where glibc's
+/// bins and consolidation were a fifth of an HTTP/2 request's user time (BENCHMARKS.md).
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(
     name = "spillway",
@@ -631,12 +638,13 @@ fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Before any thread allocates: a thread's arena is chosen at its first allocation.
+    // Before the runtime's threads start (glibc chooses a thread's arena at its first
+    // allocation).
     if matches!(
         cli.command,
         Command::Controller { .. } | Command::Aggregator { .. }
     ) {
-        spillway::internal::arenas::cap();
+        spillway::internal::allocator::for_control_plane();
     }
     // The demo's table is its output; the proxy's own info logs would only clutter it.
     let default_filter = match cli.command {
