@@ -406,10 +406,14 @@ fn switched(head: &Head, raw: UpstreamConn, asked: Option<&str>) -> io::Result<E
 /// The fields of `head` that pass, in a map.
 fn map_of(head: &Head, passes: impl Fn(&Field) -> bool) -> io::Result<HeaderMap> {
     let text = &head.bytes[..];
-    let mut headers = HeaderMap::new();
+    // Sized once: grown from empty, the map reallocated twice for a common response head.
+    let mut headers = HeaderMap::with_capacity(head.fields.len());
     for f in head.fields.iter().filter(|f| passes(f)) {
-        let name = HeaderName::from_bytes(f.name(text))
-            .map_err(|_| protocol("upstream sent an invalid header name"))?;
+        let name = match f.named.header_name() {
+            Some(name) => name,
+            None => HeaderName::from_bytes(f.name(text))
+                .map_err(|_| protocol("upstream sent an invalid header name"))?,
+        };
         let value = HeaderValue::from_maybe_shared(
             head.bytes.slice(f.value.0 as usize..f.value.1 as usize),
         )

@@ -67,6 +67,15 @@ impl Named {
         }
     }
 
+    /// The field's name, for the names recognised here that pass on (no parse needed).
+    pub(super) fn header_name(self) -> Option<HeaderName> {
+        match self {
+            Named::Date => Some(http::header::DATE),
+            Named::ContentLength => Some(http::header::CONTENT_LENGTH),
+            _ => None,
+        }
+    }
+
     pub(super) fn hop_by_hop(self) -> bool {
         matches!(
             self,
@@ -216,6 +225,10 @@ impl Passed {
 
     /// Appends the fields to `headers`, for a server that writes its own heads.
     pub fn into_map(self, headers: &mut HeaderMap) {
+        let lines = self
+            .runs()
+            .map(|run| run.iter().filter(|&&c| c == b'\n').count());
+        headers.reserve(lines.sum());
         for &(a, b) in &self.runs[..self.used as usize] {
             let mut at = a as usize;
             for line in self.head[a as usize..b as usize].split_inclusive(|&c| c == b'\n') {

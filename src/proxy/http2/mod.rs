@@ -64,7 +64,10 @@ pub(in crate::proxy) async fn serve<H: Handler>(
         let req = req.map(|b| Either::Left(Streamed::new(b)));
         let stalls = stalls.clone();
         let held = held.clone();
-        async move {
+        // Boxed whole, the request in it: hyper moves each stream's future (into its task and
+        // about), and the request path's is large; one allocation costs less than its copies
+        // (BENCHMARKS.md, issue 49).
+        Box::pin(async move {
             // A client's streams use at most `max_upstream_per_client` upstream connections
             // at once: the others wait for a place, then get 503.
             let slot = match guard.handler().stream_slot().await {
@@ -75,14 +78,12 @@ pub(in crate::proxy) async fn serve<H: Handler>(
                     return Ok(refused.map(|b| stalls.guard(b, None, busy, &held)));
                 }
             };
-            // Boxed: hyper moves each stream's future whole (into its task and about), and the
-            // request path's is large (BENCHMARKS.md); one allocation costs less than its copies.
-            let resp = Box::pin(answer(guard, req)).await;
+            let resp = answer(guard, req).await;
             let idle = resp.extensions().get::<response::BodyIdle>().map(|b| b.0);
             Ok::<_, std::convert::Infallible>(
                 resp.map(|b| stalls.guard(b, slot, busy, &held).idle_after(idle)),
             )
-        }
+        })
     });
     let mut served = pin!(lane.hyper.serve_connection(io, service));
     // A connection without a stream for `client_idle` is closed with GOAWAY; one that has
