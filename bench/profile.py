@@ -35,9 +35,10 @@ OURS = [
     ("spillway: rules and keys", r"^src/(rules|limit|key|gate|exact)(/|\.rs)"),
     ("spillway: stall watch and held bytes", r"^src/proxy/http2/(stalls|held)\.rs"),
     ("spillway: HTTP/2 service and socket", r"^src/proxy/http2/mod\.rs"),
-    ("spillway: per-client permit", r"^src/proxy/clients\.rs"),
+    ("spillway: connections per client", r"^src/proxy/clients\.rs"),
     ("spillway: upstream exchange and its heads",
      r"^src/(proxy/(http1/client|http1/framing|http1/response_head|forward|forwarded|upstream_pool)|hop)"),
+    # request.rs holds the per-client permit of an HTTP/2 stream (`Conn::stream_slot`) too.
     ("spillway: request path", r"^src/(proxy/(request|response|body|protocol)|target|hygiene|ids|usage)"),
     ("spillway: HTTP/1 server", r"^src/proxy/http1/"),
     ("spillway: connections and timers", r"^src/proxy/(worker|connection|accept|deadlines)\.rs"),
