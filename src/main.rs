@@ -6,8 +6,8 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 /// mimalloc, not the C library's malloc: a request's few allocations of the same sizes, made
-/// and freed on one worker's thread, are what its per-thread free lists are for, where glibc's
-/// bins and consolidation were a fifth of an HTTP/2 request's user time (BENCHMARKS.md).
+/// and freed on one worker's thread, are what its per-thread free lists are for; glibc sent
+/// them (and every aligned one, such as a task's) through its bins (BENCHMARKS.md, issue 49).
 #[cfg(feature = "mimalloc")]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
