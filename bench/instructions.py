@@ -271,6 +271,9 @@ def main():
                     help="YAML appended to this build's configuration only (e.g. an access log), "
                          "to count its cost against --baseline (which may be the same binary)")
     args = ap.parse_args()
+    if args.keep:
+        os.makedirs(args.keep, exist_ok=True)
+    print(f"spillway: {C.SPILLWAY}", file=sys.stderr)
 
     up_port, upstream = C.start_upstream()
     ctl = None

@@ -34,17 +34,42 @@ pub fn for_control_plane() {
 
 #[cfg(all(test, feature = "mimalloc"))]
 mod tests {
+    /// mimalloc's value of `option`, or `None` when the environment sets it (`MIMALLOC_<name>`).
+    fn default_of(option: libmimalloc_sys::mi_option_t, names: &[&str]) -> Option<i64> {
+        if names
+            .iter()
+            .any(|n| std::env::var_os(format!("MIMALLOC_{n}")).is_some())
+        {
+            return None;
+        }
+        // SAFETY: reading an option's value has no precondition.
+        Some(unsafe { libmimalloc_sys::mi_option_get(option) } as i64)
+    }
+
     #[test]
     fn the_purge_delay_is_the_option_set() {
-        // SAFETY: reading an option's value has no precondition.
-        let delay = unsafe { libmimalloc_sys::mi_option_get(super::PURGE_DELAY) };
         // mimalloc 3's documented default purge delay, in milliseconds: another option here
         // (the header's order changed) would have another value.
-        assert_eq!(
-            delay,
-            1000,
-            "option {} is not the purge delay",
-            super::PURGE_DELAY
-        );
+        if let Some(delay) = default_of(super::PURGE_DELAY, &["PURGE_DELAY", "RESET_DELAY"]) {
+            assert_eq!(
+                delay,
+                1000,
+                "option {} is not the purge delay",
+                super::PURGE_DELAY
+            );
+        }
+    }
+
+    #[test]
+    fn arenas_are_committed_as_they_are_used() {
+        // `mi_option_arena_eager_commit` (include/mimalloc.h): 0 only when the build took
+        // .cargo/config.toml's CFLAGS (a CFLAGS of the builder's own replaces it).
+        let names = ["ARENA_EAGER_COMMIT", "EAGER_REGION_COMMIT"];
+        if let Some(eager) = default_of(4, &names) {
+            assert_eq!(
+                eager, 0,
+                "mimalloc was built without MI_DEFAULT_ARENA_EAGER_COMMIT=0"
+            );
+        }
     }
 }
