@@ -51,10 +51,9 @@ OURS = [(name, re.compile(p)) for name, p in OURS]
 
 def owner(path, cache={}):
     if path not in cache:
-        if path.startswith(ROOT):
-            path = path[len(ROOT):]
-        table = OURS if path.startswith("src/") else CRATES
-        cache[path] = next((name for name, p in table if p.search(path)), None)
+        rel = path[len(ROOT):] if path.startswith(ROOT) else path
+        table = OURS if rel.startswith("src/") else CRATES
+        cache[path] = next((name for name, p in table if p.search(rel)), None)
     return cache[path]
 
 
